@@ -1,0 +1,132 @@
+"""Numba kernel: row-wise Riemannian Adam on the Poincaré ball (spec §3, geoopt parity).
+
+The ball of curvature ``-c`` is geoopt's ``Stereographic(k)`` with ``k = -c``. All vector
+operations run in the storage dtype T; the row reductions (inner products, norms) are
+accumulated in float64 and rounded once to T (spec §6 allows this; it is more robust
+near the boundary than a float32 running sum).
+
+Preconditions (checked by the glue): ``srows`` unique, ids in range, ``G`` of shape
+``(len(srows), dim)`` in T, ``Y`` a scratch array of the same shape, ``hp`` a T array of
+the scalars listed in ``adam_rows_poincare``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+# indices into the hyperparameter array ``hp`` (all values already rounded to T)
+HP_K, HP_A1, HP_B1, HP_A2, HP_B2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_MAXNORM, HP_SGN = range(11)
+HP_SIZE = 11
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite):
+    """One Riemannian Adam step for each row in ``srows`` (spec §3.2).
+
+    Per row x with coalesced gradient g, first moment m (vector), second moment v (scalar)::
+
+        L = 2 / max(1 + k<x,x>, 1e-15);  rg = g / L^2
+        m = m*b1 + a1*rg;  v = v*b2 + a2*(L^2 <rg,rg>)
+        u = -lr * (m / bc1) / (sqrt(v / bc2) + eps)
+        y = project(x (+)_k u);   m <- gyr[y, -x] m * L(x) / L(y)
+
+    ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign (T values).
+    """
+    k = hp[HP_K]
+    a1 = hp[HP_A1]
+    b1 = hp[HP_B1]
+    a2 = hp[HP_A2]
+    b2 = hp[HP_B2]
+    bc1 = hp[HP_BC1]
+    bc2 = hp[HP_BC2]
+    eps = hp[HP_EPS]
+    neg_lr = hp[HP_NEG_LR]
+    maxnorm = hp[HP_MAXNORM]
+    sgn = hp[HP_SGN]
+    T = hp.dtype.type
+    one = T(1.0)
+    two = T(2.0)
+    tiny = T(1e-15)
+    K2 = k * k
+    n = srows.shape[0]
+    d = G.shape[1]
+    for i in prange(n):
+        if skip_nonfinite:
+            ok = True
+            for j in range(d):
+                if not np.isfinite(G[i, j]):
+                    ok = False
+            if not ok:
+                continue
+        sr = srows[i]
+        wr = wrows[i]
+        # conformal factor at x
+        acc = 0.0
+        for j in range(d):
+            x = W[wr, woff + j]
+            acc += x * x
+        xx = T(acc)
+        lam_x = two / max(one + k * xx, tiny)
+        l2 = lam_x * lam_x
+        # Riemannian gradient, first moment, squared Riemannian norm
+        acc = 0.0
+        for j in range(d):
+            rg = (G[i, j] * sgn) / l2
+            S[sr, moff + j] = S[sr, moff + j] * b1 + a1 * rg
+            acc += rg * rg
+        w = l2 * T(acc)
+        v = S[sr, voff] * b2 + a2 * w
+        S[sr, voff] = v
+        den = np.sqrt(v / bc2) + eps
+        # u = -lr * m_hat / den, into Y; reductions for the Mobius addition
+        acc_xu = 0.0
+        acc_uu = 0.0
+        for j in range(d):
+            u = neg_lr * ((S[sr, moff + j] / bc1) / den)
+            Y[i, j] = u
+            acc_xu += W[wr, woff + j] * u
+            acc_uu += u * u
+        xu = T(acc_xu)
+        uu = T(acc_uu)
+        cx = (one - (two * k) * xu) - k * uu
+        cu = one + k * xx
+        dmob = max((one - (two * k) * xu) + (K2 * xx) * uu, tiny)
+        acc = 0.0
+        for j in range(d):
+            y = (cx * W[wr, woff + j] + cu * Y[i, j]) / dmob
+            Y[i, j] = y
+            acc += y * y
+        # projection onto the ball of radius maxnorm
+        nrm = max(np.sqrt(T(acc)), tiny)
+        if nrm > maxnorm:
+            for j in range(d):
+                Y[i, j] = (Y[i, j] / nrm) * maxnorm
+        # parallel transport of the new m from x to y: gyr[y, -x] m * L(x) / L(y)
+        acc_yy = 0.0
+        acc_xy = 0.0
+        acc_ym = 0.0
+        acc_xm = 0.0
+        for j in range(d):
+            y = Y[i, j]
+            x = W[wr, woff + j]
+            m = S[sr, moff + j]
+            acc_yy += y * y
+            acc_xy += x * y
+            acc_ym += y * m
+            acc_xm += x * m
+        a2n = T(acc_yy)     # <a,a>, a = y
+        ab = -T(acc_xy)     # <a,b>, b = -x
+        aw = T(acc_ym)      # <a,w>, w = m
+        bw = -T(acc_xm)     # <b,w>
+        b2n = xx            # <b,b>
+        ga = (((-K2) * aw) * b2n - k * bw) + ((two * K2) * ab) * bw
+        gb = ((-K2) * bw) * a2n + k * aw
+        gd = max((one - (two * k) * ab) + (K2 * a2n) * b2n, tiny)
+        lam_y = two / max(one + k * a2n, tiny)
+        for j in range(d):
+            y = Y[i, j]
+            x = W[wr, woff + j]
+            gyr = S[sr, moff + j] + (two * (ga * y + gb * (-x))) / gd
+            S[sr, moff + j] = (gyr * lam_x) / lam_y
+            W[wr, woff + j] = y

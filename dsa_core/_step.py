@@ -1,0 +1,217 @@
+"""``step`` and ``gather``: validate and canonicalise, then hand arrays to a kernel.
+
+All policy lives here (coalescing, bias correction, dtype rounding of scalars, threads);
+the kernels see arrays and scalars only. Every check runs before any kernel touches the
+mapped rows, so a rejected call leaves the store byte-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numba
+import numpy as np
+
+from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
+from ._kernels_euclid import adam_rows_euclid
+from ._kernels_poincare import HP_SIZE, adam_rows_poincare
+from ._state import State, _require_writable, check_lr, maxnorm
+
+__all__ = ["as_index", "gather", "step", "threads", "warmup"]
+
+
+def as_index(idx: Any, num_rows: int, name: str = "idx") -> np.ndarray:
+    """Check and convert row ids to a 1-D C-contiguous int64 array in ``[0, num_rows)``."""
+    arr = np.asarray(idx)
+    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer row ids, got dtype {arr.dtype}; "
+                        f"convert with {name}.astype(np.int64) (floats are not rounded for you)")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (one row id per gradient row), got shape "
+                         f"{arr.shape}; flatten it with {name}.reshape(-1) and reshape the "
+                         "gradient to (len(idx), dim) to match")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if arr.shape[0]:
+        lo, hi = bounds(arr)
+        if lo < 0 or hi >= num_rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{name} must lie in [0, num_rows) = [0, {num_rows}); got "
+                             f"{bad} (min {lo}, max {hi})")
+    return arr
+
+
+def _as_rows(a: Any, n: int, dim: int, dtype: np.dtype, name: str) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.dtype != dtype:
+        raise TypeError(f"{name} must have the store dtype {dtype.name}, got {arr.dtype}; "
+                        f"convert with {name}.astype(np.{dtype.name})")
+    if arr.shape != (n, dim):
+        raise ValueError(f"{name} must have shape (len(idx), dim) = ({n}, {dim}), got "
+                         f"{arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
+         params: np.ndarray | None = None) -> State:
+    r"""One lazy Adam step on the rows ``idx`` of the store, **in place**; returns ``count + 1``.
+
+    Parameters
+    ----------
+    state : State
+        From :func:`create` or :func:`open` (or a previous ``step``).
+    idx : array-like of int, shape (B,)
+        Row ids; duplicates are allowed and their gradients summed (in order of appearance).
+        ``B = 0`` is legal and still counts a step (as torch and geoopt do).
+    grad : array-like, shape (B, dim), the store dtype
+        Gradient rows, one per id.
+    lr : float, optional
+        Learning rate for this step (schedules); defaults to ``state.lr``.
+    params : ndarray, shape (B, dim), store dtype, writeable
+        Only for ``weights=False`` stores: the current weight rows for ``idx`` (row ``k`` is
+        the weight of ``idx[k]``). They are updated in place; duplicate ids all receive the
+        new row.
+
+    Returns
+    -------
+    State
+        ``state._replace(count=state.count + 1)``. The rows have already been written to the
+        mapped file (durable after :func:`flush`).
+
+    Notes
+    -----
+    ``curvature == 0`` is ``torch.optim.SparseAdam`` exactly (spec §2.2):
+
+    .. math::
+
+        m \leftarrow m + (g - m)(1-\beta_1),\quad v \leftarrow v + (g^2 - v)(1-\beta_2),\quad
+        p \leftarrow p - \frac{\mathrm{lr}\sqrt{1-\beta_2^t}}{1-\beta_1^t}
+                          \frac{m}{\sqrt{v} + \epsilon}
+
+    with one global step ``t`` for every row; rows not in ``idx`` are left bit-for-bit
+    unchanged (their moments do not decay). ``curvature > 0`` is geoopt's
+    ``SparseRiemannianAdam`` on the ball (spec §3.2): Riemannian gradient, one
+    second-moment scalar per row, retraction + projection, transported first moment.
+    """
+    _require_writable(state)
+    st = state.store
+    lr = state.lr if lr is None else check_lr(lr)
+    idx = as_index(idx, st.num_rows)
+    b = idx.shape[0]
+    grad = _as_rows(grad, b, st.dim, st.dtype, "grad")
+    if st.w_off is None:
+        if params is None:
+            raise ValueError("this store was created with weights=False: pass the current "
+                             "weight rows as step(state, idx, grad, params=rows), rows of "
+                             f"shape (len(idx), {st.dim})")
+        params = np.asarray(params)
+        if params.dtype != st.dtype or params.shape != (b, st.dim):
+            raise ValueError(f"params must be a ({b}, {st.dim}) {st.dtype.name} array (the "
+                             f"weight rows of idx), got {params.shape} {params.dtype}")
+        if not params.flags.writeable:
+            raise ValueError("params must be writeable: step updates the rows in place")
+    elif params is not None:
+        raise ValueError("params is only for weights=False stores; this store holds the "
+                         "weights itself (read them with dsa_core.gather)")
+    if state.nonfinite == "raise" and b and not np.isfinite(grad).all():
+        rows = np.unique(idx[~np.isfinite(grad).all(axis=1)])
+        raise FloatingPointError(
+            f"grad holds NaN or Inf for row(s) {rows[:10].tolist()}; nothing was written "
+            "(nonfinite='raise'). Use nonfinite='skip_row' to skip such rows")
+
+    t = state.count + 1
+    if b:
+        if is_strictly_increasing(idx):
+            srows, G, inv = idx, grad, None
+        else:
+            srows, G, inv = coalesce(idx, grad)
+        _apply(state, t, lr, srows, G, inv, params)
+    return state._replace(count=t)
+
+
+def _apply(state: State, t: int, lr: float, srows, G, inv, params) -> None:
+    st = state.store
+    T = st.dtype.type
+    if st.w_off is not None:
+        W, wrows, woff = st.data, srows, st.w_off
+    else:
+        if inv is None:
+            W = np.ascontiguousarray(params)
+        else:  # one row per unique id: the first occurrence
+            first = np.empty(srows.shape[0], np.int64)
+            first[inv[::-1]] = np.arange(inv.shape[0] - 1, -1, -1)
+            W = params[first]
+        wrows, woff = np.arange(srows.shape[0], dtype=np.int64), 0
+    b1, b2 = state.betas
+    bc1 = 1.0 - b1**t
+    bc2 = 1.0 - b2**t
+    sgn = T(-1.0 if state.maximize else 1.0)
+    skip = state.nonfinite == "skip_row"
+    if st.curvature == 0.0:
+        s = (lr * math.sqrt(bc2)) / bc1
+        adam_rows_euclid(W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, sgn,
+                         T(1.0 - b1), T(1.0 - b2), T(state.eps), T(-s), skip)
+    else:
+        hp = np.empty(HP_SIZE, st.dtype)
+        hp[:] = (-st.curvature, 1.0 - b1, b1, 1.0 - b2, b2, bc1, bc2, state.eps, -lr, 0.0,
+                 sgn)
+        hp[9] = maxnorm(st.curvature, state.ball_eps, st.dtype)
+        Y = np.empty_like(G)
+        adam_rows_poincare(W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip)
+    if st.w_off is None:
+        if inv is None:
+            if W is not params:
+                params[...] = W
+        else:
+            params[...] = W[inv]
+
+
+def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """Copy the weight rows ``idx`` out of the store: shape ``(len(idx), dim)``, store dtype."""
+    st = state.store
+    if st.closed:
+        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+    if st.w_off is None:
+        raise ValueError(f"store {str(st.path)!r} was created with weights=False and holds no "
+                         "weights to gather")
+    idx = as_index(idx, st.num_rows)
+    if out is None:
+        out = np.empty((idx.shape[0], st.dim), st.dtype)
+    elif out.shape != (idx.shape[0], st.dim) or out.dtype != st.dtype \
+            or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous ({idx.shape[0]}, {st.dim}) "
+                         f"{st.dtype.name} array, got {out.shape} {out.dtype}")
+    if idx.shape[0]:
+        gather_rows(st.data, idx, st.w_off, out)
+    return out
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """Run the kernels with ``n`` threads inside the block (restored afterwards)."""
+    old = numba.get_num_threads()
+    numba.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)
+
+
+def warmup(dtypes=("float32", "float64")) -> None:
+    """Compile (or load from numba's cache) every kernel specialisation used by ``step``."""
+    for dt in dtypes:
+        dt = np.dtype(dt)
+        T = dt.type
+        data = np.zeros((2, 6), dt)
+        G = np.zeros((2, 2), dt)
+        rows = np.arange(2, dtype=np.int64)
+        adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, T(1), T(0.1), T(0.001), T(1e-8),
+                         T(-1e-3), False)
+        hp = np.zeros(HP_SIZE, dt)
+        adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.empty_like(G), hp, False)
+        coalesce(np.array([1, 0, 1], np.int64), np.zeros((3, 2), dt))
+        gather_rows(data, rows, 0, np.empty((2, 2), dt))
+    is_strictly_increasing(rows)
+    bounds(rows)
