@@ -14,6 +14,7 @@ The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit
 """
 
 from ._format import FORMAT_VERSION, StoreLockedError
+from ._prefetch import prefetch, prefetched, residency
 from ._state import State, close, create, flush, open, remove
 from ._step import gather, step, threads, warmup
 
@@ -28,7 +29,10 @@ __all__ = [
     "flush",
     "gather",
     "open",
+    "prefetch",
+    "prefetched",
     "remove",
+    "residency",
     "step",
     "threads",
     "warmup",

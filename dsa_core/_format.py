@@ -181,6 +181,7 @@ class Store:
         self._fd = -1
         self._mm: mmap.mmap | None = None
         self.data: np.ndarray | None = None
+        self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
 
     # -- opening ---------------------------------------------------------------------------
     @property
@@ -301,6 +302,8 @@ class Store:
         """Release the writer lock; the mapping lives on until the arrays are collected."""
         if self.closed:
             return
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         self.sync()
         self.closed = True
         if self.data is not None:

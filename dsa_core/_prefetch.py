@@ -1,0 +1,184 @@
+"""Out-of-core read-ahead: bring the pages of the *next* batch's rows into the page cache.
+
+When the store is larger than memory every row touched by ``step`` is a page fault, served
+synchronously at queue depth 1 per kernel thread. The ids of the next batch are known before
+the current step ends (a data loader knows them), so a background thread asks the kernel to
+read those pages now — ``posix_fadvise(POSIX_FADV_WILLNEED)`` per record range, which submits
+the reads without waiting for them, i.e. at a high queue depth — while the current step
+computes.
+
+Read-ahead only fills the page cache: ``step`` still reads and writes every row through the
+mapping, so a prefetch can never return a stale row or lose a write, whatever its timing.
+A hint that arrives late only costs a page fault.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from ._format import HEADER_BYTES
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_fadvise = _libc.posix_fadvise
+_fadvise.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+_fadvise.restype = ctypes.c_int
+_mincore = _libc.mincore
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_mincore.restype = ctypes.c_int
+
+
+# Not cache=True: the ctypes function address is baked into the machine code and changes from
+# process to process (ASLR), so a cached build would call a stale address.
+@njit(nogil=True)
+def _advise_rows(fd, rows, header, rec_bytes, page, advice):
+    """fadvise each record range of the sorted ``rows``, merging ranges that share pages."""
+    done_to = -1
+    calls = 0
+    for t in range(rows.shape[0]):
+        start = header + rows[t] * rec_bytes
+        end = start + rec_bytes
+        p0 = (start // page) * page
+        p1 = ((end + page - 1) // page) * page
+        if p0 < done_to:
+            p0 = done_to
+        if p1 > p0:
+            _fadvise(fd, p0, p1 - p0, advice)
+            done_to = p1
+            calls += 1
+    return calls
+
+
+def _row_pages(rows: np.ndarray, rec_bytes: int) -> np.ndarray:
+    """Sorted unique page numbers (counted from the file start) covering the given rows."""
+    start = HEADER_BYTES + rows.astype(np.int64) * rec_bytes
+    first = start // PAGE
+    last = (start + rec_bytes - 1) // PAGE
+    return np.unique(np.concatenate([np.arange(f, e + 1) for f, e in zip(first, last)]))
+
+
+class Prefetcher:
+    """One background thread that turns batches of row ids into read-ahead hints.
+
+    ``submit`` never blocks the caller for long: it waits only while ``depth`` batches are
+    already queued (back-pressure). Hints are never needed for correctness.
+    """
+
+    def __init__(self, store, depth: int = 4):
+        self._store = store
+        self._rec_bytes = store.stride * store.dtype.itemsize
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
+        self._thread = threading.Thread(target=self._run, name="dsa-prefetch", daemon=True)
+        self.batches = 0
+        self.calls = 0
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            rows = self._q.get()
+            try:
+                if rows is None:
+                    return
+                fd = self._store._fd
+                if fd >= 0 and not self._store.closed:
+                    self.calls += _advise_rows(fd, rows, HEADER_BYTES, self._rec_bytes, PAGE,
+                                               _WILLNEED)
+                    self.batches += 1
+            finally:
+                self._q.task_done()
+
+    def submit(self, rows: np.ndarray) -> None:
+        self._q.put(np.unique(rows))
+
+    def join(self) -> None:
+        """Wait until every submitted hint has been issued (not until the reads finish)."""
+        self._q.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+
+def _prefetcher(state) -> Prefetcher:
+    st = state.store
+    pf = st._prefetcher
+    if pf is None:
+        pf = st._prefetcher = Prefetcher(st)
+    return pf
+
+
+def prefetch(state, idx: Any, *, wait: bool = False) -> None:
+    """Start reading the records of rows ``idx`` into the page cache, in the background.
+
+    Call it with the *next* batch's ids right before ``step`` on the current one. Cheap
+    (the ids are checked, de-duplicated and queued) and always safe: it only warms the
+    cache. ``wait=True`` returns once the hints have been issued (for tests and benchmarks).
+    """
+    from ._step import as_index  # late import: _step imports the kernels
+
+    st = state.store
+    if st.closed:
+        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+    rows = as_index(idx, st.num_rows)
+    if rows.size:
+        pf = _prefetcher(state)
+        pf.submit(rows)
+        if wait:
+            pf.join()
+
+
+def prefetched(state, batches: Iterable[Any], *, ahead: int = 1,
+               key=None) -> Iterator[Any]:
+    """Yield ``batches`` unchanged while read-ahead runs ``ahead`` batches in front.
+
+    ``key(batch)`` extracts the row ids (default: the batch itself, or its first element if
+    it is a tuple). Typical use::
+
+        for idx, grad in dsa_core.prefetched(state, loader):
+            state = dsa_core.step(state, idx, grad)
+    """
+    if key is None:
+        def key(b):
+            return b[0] if isinstance(b, tuple) else b
+    it = iter(batches)
+    window: list[Any] = []
+    for b in it:
+        window.append(b)
+        prefetch(state, key(b))
+        if len(window) > ahead:
+            yield window.pop(0)
+    yield from window
+
+
+def residency(state, idx: Any) -> float:
+    """Fraction of the pages holding rows ``idx`` that are in the page cache now (mincore).
+
+    A page-cache hit rate for benchmarks; 1.0 for an empty batch.
+    """
+    from ._step import as_index
+
+    st = state.store
+    rows = np.unique(as_index(idx, st.num_rows))
+    if rows.size == 0:
+        return 1.0
+    pages = _row_pages(rows, st.stride * st.dtype.itemsize)
+    base = st.data.__array_interface__["data"][0] - HEADER_BYTES
+    npages = -(-st.nbytes // PAGE)
+    vec = np.zeros(npages, np.uint8)
+    if _mincore(ctypes.c_void_p(base), ctypes.c_size_t(npages * PAGE),
+                vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore failed: {os.strerror(err)}")
+    return float((vec[pages] & 1).mean())
