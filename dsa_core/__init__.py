@@ -15,7 +15,7 @@ The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit
 
 from ._format import FORMAT_VERSION, StoreLockedError
 from ._prefetch import prefetch, prefetched, residency
-from ._state import State, close, create, flush, open, remove
+from ._state import State, checkpoint, close, create, flush, open, remove
 from ._step import gather, step, threads, warmup
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FORMAT_VERSION",
     "State",
+    "checkpoint",
     "StoreLockedError",
     "close",
     "create",

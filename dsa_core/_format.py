@@ -22,19 +22,28 @@ A store is a directory holding two files:
     hyperparameters and the step count. It is replaced atomically (temporary
     file, fsync, rename, fsync of the directory) on every flush.
 
-One process at a time may open a store for writing: the writer holds an
-exclusive ``flock`` on ``rows.dsa`` for as long as the store is open.
-Read-only opens take no lock.
+``journal.dsa`` (only with ``durability="step"``)
+    The undo record of the step in progress: ``b"DSAJRNL1" | count_before | n | crc32`` then
+    the ``n`` row ids (int64) and their records as they were before the step. See
+    :func:`journal_write` for the commit protocol.
+
+One process at a time may open a store for writing: the writer holds an exclusive ``flock``
+on ``writer.lock`` for as long as the store is open. (Not on ``rows.dsa`` itself: ``mmap``
+duplicates the data file's descriptor, which would keep such a lock alive until the mapping
+is garbage-collected.) Read-only opens take no lock.
 """
 
 from __future__ import annotations
 
+import array
 import errno
 import fcntl
 import json
 import mmap
 import os
+import shutil
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +55,10 @@ FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 DATA_FILE = "rows.dsa"
 MANIFEST_FILE = "manifest.json"
+LOCK_FILE = "writer.lock"
+JOURNAL_FILE = "journal.dsa"
+JOURNAL_MAGIC = b"DSAJRNL1"
+_JHEAD = struct.Struct("<8sQQI")
 
 __all__ = [
     "DATA_FILE",
@@ -54,6 +67,7 @@ __all__ = [
     "MANIFEST_FILE",
     "Store",
     "StoreLockedError",
+    "copy_store",
     "make_layout",
     "read_manifest",
     "write_manifest",
@@ -179,6 +193,8 @@ class Store:
         self.v_width = layout["v_width"]
         self.closed = False
         self._fd = -1
+        self._jfd = -1
+        self._lockfd = -1
         self._mm: mmap.mmap | None = None
         self.data: np.ndarray | None = None
         self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
@@ -193,15 +209,16 @@ class Store:
         return HEADER_BYTES + self.num_rows * self.stride * self.dtype.itemsize
 
     def _lock(self) -> None:
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self._fd)
-            self._fd = -1
+            os.close(fd)
             raise StoreLockedError(
                 f"store {str(self.path)!r} is already open for writing (by this or another "
                 "process); a store has one writer at a time. Close the other optimizer/state "
                 "(dsa_core.close) or open this one read-only with mode='r'") from None
+        self._lockfd = fd
 
     def _map(self) -> None:
         writable = self.mode == "r+"
@@ -222,8 +239,8 @@ class Store:
         """Create ``rows.dsa`` (zeros, space reserved), lock it and map it."""
         st = cls(directory, layout, "r+")
         tmp = st.path / (DATA_FILE + ".tmp")
-        st._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         st._lock()
+        st._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             try:
                 os.posix_fallocate(st._fd, 0, st.nbytes)
@@ -240,8 +257,7 @@ class Store:
             os.pwrite(st._fd, _header_bytes(layout), 0)
             st._map()
         except BaseException:
-            os.close(st._fd)
-            st._fd = -1
+            st._release()
             tmp.unlink(missing_ok=True)
             raise
         return st
@@ -260,10 +276,10 @@ class Store:
             raise FileNotFoundError(
                 f"store {str(st.path)!r} has a manifest but no {DATA_FILE}; the store is "
                 "incomplete (an interrupted create?). Recreate it with dsa_core.create")
-        st._fd = os.open(st.file, os.O_RDWR if mode == "r+" else os.O_RDONLY)
+        if mode == "r+":
+            st._lock()
         try:
-            if mode == "r+":
-                st._lock()
+            st._fd = os.open(st.file, os.O_RDWR if mode == "r+" else os.O_RDONLY)
             head = os.pread(st._fd, HEADER_BYTES, 0)
             if head[:8] != MAGIC:
                 raise ValueError(
@@ -287,10 +303,62 @@ class Store:
                     f"{st.dtype.itemsize} B + {HEADER_BYTES} B header)")
             st._map()
         except BaseException:
-            os.close(st._fd)
-            st._fd = -1
+            st._release()
             raise
         return st
+
+    # -- the undo journal (durability="step") -------------------------------------------
+    def journal_write(self, rows, count_before: int) -> None:
+        """Save the records of ``rows`` as they are now, durably, before a step changes them.
+
+        Commit protocol of one journaled step ``t = count_before + 1``:
+
+        1. this journal (old records + ``count_before`` + crc32) is written and fdatasync'd;
+        2. the kernel updates the rows in the mapping;
+        3. the data file is fdatasync'd;
+        4. the manifest with ``count = t`` replaces the old one atomically  <- commit point.
+
+        On ``open``, a valid journal whose ``count_before`` equals the manifest's count
+        belongs to a step that never committed: its records are written back (roll back).
+        A torn journal (bad crc) means the crash came before step 2: the data is untouched.
+        """
+        rec = np.ascontiguousarray(self.data[rows])
+        ids = np.ascontiguousarray(rows, dtype=np.int64)
+        crc = zlib.crc32(rec.data, zlib.crc32(ids.data))
+        head = _JHEAD.pack(JOURNAL_MAGIC, int(count_before), ids.shape[0], crc)
+        if self._jfd < 0:
+            self._jfd = os.open(self.path / JOURNAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        os.pwritev(self._jfd, [head, ids.data, rec.data], 0)
+        os.fdatasync(self._jfd)
+
+    def data_sync(self) -> None:
+        """fdatasync the data file: every row written through the mapping is on disk."""
+        os.fdatasync(self._fd)
+
+    def journal_recover(self, manifest_count: int) -> str:
+        """Roll back an uncommitted journaled step; returns what was done (for messages)."""
+        jpath = self.path / JOURNAL_FILE
+        if not jpath.exists():
+            return "none"
+        raw = jpath.read_bytes()
+        action = "torn"
+        if len(raw) >= _JHEAD.size:
+            magic, count_before, n, crc = _JHEAD.unpack_from(raw)
+            nbytes = n * 8 + n * self.stride * self.dtype.itemsize
+            body = raw[_JHEAD.size:_JHEAD.size + nbytes]
+            if magic == JOURNAL_MAGIC and len(body) == nbytes:
+                ids = np.frombuffer(body, np.int64, n)
+                rec = np.frombuffer(body, self.dtype, offset=n * 8).reshape(n, self.stride)
+                if zlib.crc32(rec.data, zlib.crc32(ids.data)) == crc:
+                    if count_before == manifest_count:
+                        self.data[ids] = rec
+                        self.data_sync()
+                        action = "rolled back"
+                    else:
+                        action = "committed"
+        jpath.unlink()
+        _fsync_dir(self.path)
+        return action
 
     # -- lifetime ----------------------------------------------------------------------------
     def sync(self) -> None:
@@ -308,11 +376,90 @@ class Store:
         self.closed = True
         if self.data is not None:
             self.data.flags.writeable = False
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = -1
+        self._release()
+
+    def _release(self) -> None:
+        for name in ("_jfd", "_fd", "_lockfd"):  # the lock goes last
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.mode
         return (f"Store({str(self.path)!r}, rows={self.num_rows}, dim={self.dim}, "
                 f"dtype={self.dtype.name}, curvature={self.curvature}, {state})")
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    """Copy a file: reflink (FICLONE) where the filesystem can, else copy_file_range."""
+    with src.open("rb") as fi, dst.open("wb") as fo:
+        try:
+            FICLONE = 0x40049409
+            fcntl.ioctl(fo.fileno(), FICLONE, array.array("i", [fi.fileno()])[0])
+        except OSError:
+            size = os.fstat(fi.fileno()).st_size
+            off = 0
+            while off < size:
+                try:
+                    n = os.copy_file_range(fi.fileno(), fo.fileno(), min(1 << 30, size - off),
+                                           off, off)
+                except OSError:
+                    n = 0
+                if n <= 0:  # no copy_file_range here: plain copy of the rest
+                    fi.seek(off)
+                    fo.seek(off)
+                    shutil.copyfileobj(fi, fo, 1 << 24)
+                    break
+                off += n
+        fo.flush()
+        os.fsync(fo.fileno())
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    r = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    return r == 0
+
+
+def copy_store(src: Path, dest: Path, manifest: dict[str, Any], overwrite: bool) -> None:
+    """Write a store snapshot at ``dest``: files copied and fsync'd, then one atomic rename.
+
+    ``dest`` appears complete or not at all: the copy is built in ``dest.tmp-<pid>`` and
+    renamed into place; a crash leaves at most that temporary directory behind. Replacing
+    an older snapshot swaps the two directories atomically (renameat2 RENAME_EXCHANGE) where
+    the filesystem allows, so ``dest`` always holds one complete snapshot.
+    """
+    dest = Path(dest)
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        _copy_file(Path(src) / DATA_FILE, tmp / DATA_FILE)
+        write_manifest(tmp, manifest)
+        if dest.exists():
+            if not overwrite:
+                raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True to replace it")
+            if not _exchange(tmp, dest):  # no atomic swap here: a short window without dest
+                old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+                os.rename(dest, old)
+                os.rename(tmp, dest)
+                tmp = old
+            _fsync_dir(dest.parent)
+            shutil.rmtree(tmp)
+        else:
+            os.rename(tmp, dest)
+            _fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -7,7 +7,6 @@ disk are ``_format``'s business.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from . import _format
 from ._format import Store
 
 NONFINITE_MODES = ("propagate", "skip_row", "raise")
+DURABILITY_MODES = ("flush", "step")
 _INIT_CHUNK_BYTES = 1 << 24  # 16 MiB of records per initialisation chunk
 
 
@@ -38,6 +38,7 @@ class State(NamedTuple):
     maximize: bool
     ball_eps: float         # projection margin of the ball (c > 0); 0.0 for c == 0
     nonfinite: str          # "propagate" | "skip_row" | "raise"
+    durability: str = "flush"  # "flush": durable at flush(); "step": every step is atomic
 
     # -- read-only conveniences ------------------------------------------------------------
     @property
@@ -269,6 +270,7 @@ def _manifest(state: State) -> dict[str, Any]:
             "ball_eps": state.ball_eps,
             "nonfinite": state.nonfinite,
         },
+        "durability": state.durability,
     }
 
 
@@ -277,7 +279,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            maximize: bool = False, weights: bool = True, init: Any = None,
            init_scale: float = 1e-2, seed: int = 0, dtype: Any = "float32",
            ball_eps: float | None = None, nonfinite: str = "propagate", align: int = 0,
-           overwrite: bool = False, progress: bool | None = None) -> State:
+           durability: str = "flush", overwrite: bool = False,
+           progress: bool | None = None) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
     Parameters
@@ -308,6 +311,14 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         its state untouched, or raise before anything is written.
     align : int, default 0
         Pad each record to a multiple of this many bytes (e.g. 512 or 4096); 0 packs them.
+    durability : "flush" or "step"
+        ``"flush"`` (default): rows are written through the mapping and made durable by
+        :func:`flush`, :func:`close` and :func:`checkpoint`; after a crash, steps taken since
+        the last flush may be partly on disk (the OS writes dirty pages back at any time)
+        while the manifest's count is the flushed one -- resume from a checkpoint then.
+        ``"step"``: every step is atomic (undo journal + fdatasync + manifest commit): after
+        a crash, ``open`` rolls back to exactly the last completed step and ``count`` says
+        which. Costs two fdatasyncs and a manifest rename per step.
     overwrite : bool, default False
         Replace an existing store at ``path`` (refused while another writer holds it).
     progress : bool, optional
@@ -330,6 +341,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         raise ValueError(f"ball_eps must lie in [0, 1), got {ball_eps}")
     if not isinstance(weights, (bool, np.bool_)):
         raise TypeError(f"weights must be a bool, got {weights!r}")
+    if durability not in DURABILITY_MODES:
+        raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
     if isinstance(align, (bool, np.bool_)) or not isinstance(align, (int, np.integer)) \
             or align < 0 or (align and align % dt.itemsize):
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
@@ -361,21 +374,19 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             "open it with dsa_core.open(path) or pass overwrite=True to replace it")
     directory.mkdir(parents=True, exist_ok=True)
     if existing:
-        old = directory / _format.DATA_FILE
-        if old.exists():
-            # refuse to replace a store that a writer holds: take its lock first
-            probe = Store(directory, layout, "r+")
-            probe._fd = os.open(old, os.O_RDWR)
-            probe._lock()
-            probe.close()
+        # refuse to replace a store that a writer holds: take its lock first
+        probe = Store(directory, layout, "r+")
+        probe._lock()
+        probe._release()
         (directory / _format.MANIFEST_FILE).unlink(missing_ok=True)
-        old.unlink(missing_ok=True)
+        (directory / _format.DATA_FILE).unlink(missing_ok=True)
+        (directory / _format.JOURNAL_FILE).unlink(missing_ok=True)
 
     store = Store.create_file(directory, layout)
     try:
         _fill(store, init, init_scale, seed, ball_eps, progress)
         store.commit_new_file()
-        state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite)
+        state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability)
         _format.write_manifest(directory, _manifest(state))
     except BaseException:
         store.close()
@@ -404,9 +415,11 @@ def open(path, mode: str = "r+") -> State:  # noqa: A001 - the API name is dsa_c
     except (KeyError, TypeError) as exc:
         raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
                          "the store is damaged") from None
+    if mode == "r+":
+        store.journal_recover(count)  # roll back a journaled step that never committed
     return State(store, count, float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
                  float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
-                 str(hp.get("nonfinite", "propagate")))
+                 str(hp.get("nonfinite", "propagate")), str(manifest.get("durability", "flush")))
 
 
 def flush(state: State) -> None:
@@ -414,6 +427,29 @@ def flush(state: State) -> None:
     _require_writable(state)
     state.store.sync()
     _format.write_manifest(state.store.path, _manifest(state))
+
+
+def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
+    """Write a consistent snapshot of the store to ``dest``; training may go on afterwards.
+
+    Flushes the live store, copies its data file (reflink where the filesystem supports it),
+    writes the manifest with the current count and hyperparameters, fsyncs both and renames
+    the directory into place: a ``kill -9`` at any moment leaves either no ``dest`` or a
+    complete one. ``dsa_core.open(dest)`` resumes from it exactly. Replacing an existing
+    snapshot needs ``overwrite=True`` (swapped atomically where the filesystem allows).
+    """
+    _require_writable(state)
+    dest = Path(dest)
+    if dest.resolve() == state.store.path.resolve():
+        raise ValueError(f"checkpoint destination {str(dest)!r} is the live store itself; "
+                         "choose another directory")
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
+                              "overwrite=True to replace it")
+    flush(state)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _format.copy_store(state.store.path, dest, _manifest(state), overwrite)
+    return dest
 
 
 def close(state: State) -> None:

@@ -18,7 +18,8 @@ import numpy as np
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._kernels_euclid import adam_rows_euclid
 from ._kernels_poincare import HP_SIZE, adam_rows_poincare
-from ._state import State, _require_writable, check_lr, maxnorm
+from . import _format
+from ._state import State, _manifest, _require_writable, check_lr, maxnorm
 
 __all__ = ["as_index", "gather", "step", "threads", "warmup"]
 
@@ -122,13 +123,21 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             "(nonfinite='raise'). Use nonfinite='skip_row' to skip such rows")
 
     t = state.count + 1
+    journaled = state.durability == "step"
     if b:
         if is_strictly_increasing(idx):
             srows, G, inv = idx, grad, None
         else:
             srows, G, inv = coalesce(idx, grad)
+        if journaled:
+            st.journal_write(srows, state.count)
         _apply(state, t, lr, srows, G, inv, params)
-    return state._replace(count=t)
+        if journaled:
+            st.data_sync()
+    new = state._replace(count=t)
+    if journaled:  # commit point: the manifest with the new count replaces the old one
+        _format.write_manifest(st.path, _manifest(new))
+    return new
 
 
 def _apply(state: State, t: int, lr: float, srows, G, inv, params) -> None:

@@ -1,0 +1,124 @@
+"""Shared helpers of the benchmark scripts: batches, memory readings, timing, output files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def mem() -> dict[str, int]:
+    """RssAnon and RssFile of this process, in bytes (from /proc/self/status)."""
+    out = {"RssAnon": 0, "RssFile": 0}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":")[0]
+                if key in out:
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def zipf_sampler(n: int, s: float, rng: np.random.Generator):
+    """Ids with p(rank) ~ 1/(rank+1)^s, ranks scattered over [0, n) by a fixed permutation.
+
+    The scatter (a multiplicative hash) keeps hot rows from sharing pages, as real ids do.
+    """
+    w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** s
+    cdf = np.cumsum(w)
+    cdf /= cdf[-1]
+    mult = 2654435761 % n or 1
+    while np.gcd(mult, n) != 1:
+        mult += 1
+
+    def draw(b: int) -> np.ndarray:
+        rank = np.searchsorted(cdf, rng.random(b), side="right")
+        return (rank.astype(np.int64) * mult) % n
+
+    return draw
+
+
+def batches(n: int, b: int, steps: int, dist: str, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dist == "uniform":
+        return [rng.integers(0, n, b, dtype=np.int64) for _ in range(steps)]
+    if dist == "zipf":
+        draw = zipf_sampler(n, 1.1, rng)
+        return [draw(b) for _ in range(steps)]
+    raise ValueError(f"dist must be 'uniform' or 'zipf', got {dist!r}")
+
+
+def timed(fn, items, warmup: int) -> np.ndarray:
+    """Call ``fn(item)`` for each item; return the step times (s) after ``warmup`` calls."""
+    ts = []
+    for k, it in enumerate(items):
+        t0 = time.perf_counter()
+        fn(it)
+        dt = time.perf_counter() - t0
+        if k >= warmup:
+            ts.append(dt)
+    return np.asarray(ts)
+
+
+def machine() -> dict[str, object]:
+    info = {"python": platform.python_version(), "cpus": os.cpu_count(),
+            "machine": platform.machine()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def write_results(name: str, rows: list[dict], meta: dict, plot=None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    base = RESULTS / name
+    with open(base.with_suffix(".json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+    if rows:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(base.with_suffix(".csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    if plot is not None and rows:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib not installed: no plot")
+        else:
+            fig = plot(plt, rows)
+            fig.savefig(base.with_suffix(".png"), dpi=110, bbox_inches="tight")
+            plt.close(fig)
+    return base
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    width = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, width, strict=True)))
+    for x in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(x, width, strict=True)))

@@ -1,0 +1,279 @@
+"""Out-of-core benchmark: the store is many times larger than the memory the process may use.
+
+    python -m benchmarks.ooc                       # 10M x 128 (15.4 GB), 2 GiB cap, 1000 steps
+    python -m benchmarks.ooc --rows 2000000 --cap 512M --steps 300
+    python -m benchmarks.ooc --smoke               # seconds; CI runs this so the code never rots
+
+1. Creates (or reuses, ``--keep``) a store whose every page has really been written.
+2. Measures the disk: 4 KiB random reads at queue depth 1 and 32 (fio if installed, else a
+   pread loop with O_DIRECT and threads).
+3. For each mode and id distribution, evicts the store from the page cache, then runs the
+   training loop in a child process inside a memory cgroup (``../shared/tools/memcap``
+   mechanism; page cache + anonymous memory capped). Without a writable cgroup the store is
+   only evicted (``posix_fadvise(DONTNEED)``) and the run is labelled ``cold``.
+
+Modes: ``plain`` (mapping with the OS default read-around), ``random`` (``MADV_RANDOM``, the
+dsa_core default), ``prefetch`` (``MADV_RANDOM`` + ``dsa_core.prefetched``: the next batch's
+pages are requested while this step runs). Hit rate = share of the batch's pages that were
+resident before its read-ahead was issued (mincore), i.e. what the page cache alone gave.
+Writes ``benchmarks/results/ooc.{json,csv,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ._common import batches, machine, print_table, write_results
+
+MEMCAP_CANDIDATES = [Path(__file__).resolve().parents[2] / "shared" / "tools" / "memcap",
+                     Path(__file__).resolve().parents[1] / "shared" / "tools" / "memcap"]
+
+
+# -- the store ---------------------------------------------------------------------------------
+def ensure_store(path: Path, rows: int, dim: int, keep: bool):
+    import dsa_core
+
+    if keep and (path / "manifest.json").exists():
+        st = dsa_core.open(path, mode="r")
+        if st.num_rows == rows and st.dim == dim:
+            dsa_core.close(st)
+            print(f"reusing store {path}")
+            return
+        dsa_core.close(st)
+    t0 = time.perf_counter()
+    st = dsa_core.create(path, rows, dim, init="uniform", init_scale=1e-3, lr=1e-3,
+                         overwrite=True, progress=True)
+    dsa_core.close(st)  # msync: every page written to disk, no sparse holes
+    dt = time.perf_counter() - t0
+    gb = st.store.nbytes / 1e9
+    print(f"created {path}: {gb:.1f} GB in {dt:.0f} s ({gb / dt:.2f} GB/s)")
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path / "rows.dsa", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# -- the disk ----------------------------------------------------------------------------------
+def disk_fio(file: Path, qd: int, seconds: int) -> float | None:
+    if not shutil.which("fio"):
+        return None
+    cmd = ["fio", "--name=r", f"--filename={file}", "--rw=randread", "--bs=4k", "--direct=1",
+           "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={seconds}", "--time_based",
+           "--readonly", "--output-format=json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 60)
+        return float(json.loads(out.stdout)["jobs"][0]["read"]["iops"])
+    except (subprocess.SubprocessError, KeyError, ValueError) as exc:
+        print(f"fio failed ({exc}); falling back to pread")
+        return None
+
+
+def disk_pread(file: Path, qd: int, seconds: float) -> float:
+    """4 KiB O_DIRECT random preads from ``qd`` threads (pread releases the GIL)."""
+    size = os.path.getsize(file)
+    pages = size // 4096
+    stop = time.perf_counter() + seconds
+    counts = [0] * qd
+
+    def worker(k):
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        buf = mmap.mmap(-1, 4096)  # page-aligned buffer for O_DIRECT
+        rng = np.random.default_rng(k)
+        offs = rng.integers(0, pages, 1 << 16) * 4096
+        i = 0
+        try:
+            while time.perf_counter() < stop:
+                os.preadv(fd, [buf], int(offs[i & 0xFFFF]))
+                i += 1
+        finally:
+            os.close(fd)
+        counts[k] = i
+
+    th = [threading.Thread(target=worker, args=(k,)) for k in range(qd)]
+    t0 = time.perf_counter()
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def measure_disk(file: Path, seconds: int) -> dict:
+    out = {}
+    for qd in (1, 32):
+        iops = disk_fio(file, qd, seconds)
+        tool = "fio"
+        if iops is None:
+            iops, tool = disk_pread(file, qd, seconds), "pread"
+        out[f"qd{qd}_iops"] = iops
+        out["disk_tool"] = tool
+        print(f"disk: 4 KiB random read QD{qd}: {iops:,.0f} IOPS ({tool})", flush=True)
+    return out
+
+
+# -- one run (child process) ---------------------------------------------------------------------
+def child(args) -> None:
+    import dsa_core
+
+    st = dsa_core.open(args.store)
+    mm = st.store._mm
+    if args.mode == "plain":
+        mm.madvise(mmap.MADV_NORMAL)  # the OS default: read-around on every fault
+    ids = batches(st.num_rows, args.batch, args.steps + args.warmup, args.dist, seed=7)
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal((args.batch, st.dim), dtype=np.float32) for _ in range(4)]
+    dsa_core.warmup(("float32",))
+    times, hits = [], []
+    deadline = time.perf_counter() + args.max_seconds
+    it = iter(ids)
+    nxt = next(it)
+    k = 0
+    t_start = None
+    for k in range(len(ids)):
+        cur = nxt
+        nxt = next(it, None)
+        if k == args.warmup:
+            t_start = time.perf_counter()
+        if nxt is not None and k % args.hit_every == 0:
+            hits.append(dsa_core.residency(st, nxt))
+        if args.mode == "prefetch" and nxt is not None:
+            dsa_core.prefetch(st, nxt)
+        t0 = time.perf_counter()
+        st = dsa_core.step(st, cur, grads[k % 4])
+        dt = time.perf_counter() - t0
+        if k >= args.warmup:
+            times.append(dt)
+        if time.perf_counter() > deadline:
+            break
+    wall = time.perf_counter() - (t_start or time.perf_counter())
+    dsa_core.close(st)
+    ts = np.asarray(times) if times else np.asarray([np.nan])
+    print(json.dumps({
+        "steps": len(times), "rows_per_s": len(times) * args.batch / wall if times else 0.0,
+        "p50_ms": float(np.median(ts)) * 1e3, "p99_ms": float(np.percentile(ts, 99)) * 1e3,
+        "hit_rate": float(np.mean(hits)) if hits else float("nan"),
+        "hit_rate_final": float(np.mean(hits[len(hits) // 2:])) if hits else float("nan"),
+        "timed_out": bool(time.perf_counter() > deadline),
+    }))
+
+
+def find_memcap() -> Path | None:
+    for p in MEMCAP_CANDIDATES:
+        if p.is_file():
+            return p
+    return None
+
+
+def cgroup_ok(memcap: Path | None) -> bool:
+    if memcap is None:
+        return False
+    r = subprocess.run(["bash", str(memcap), "64M", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--cap", default="2G")
+    ap.add_argument("--dist", nargs="+", default=["uniform", "zipf"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "random", "prefetch"])
+    ap.add_argument("--max-seconds", type=float, default=240.0,
+                    help="stop a run after this long (the plain mode needs hours otherwise)")
+    ap.add_argument("--disk-seconds", type=int, default=10)
+    ap.add_argument("--hit-every", type=int, default=10)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--keep", action="store_true", help="reuse an existing store of that shape")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--name", default="ooc")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        a.dist = a.dist[0]
+        return child(a)
+    if a.smoke:
+        a.rows, a.dim, a.batch, a.steps, a.warmup = 20_000, 16, 64, 20, 2
+        a.cap, a.disk_seconds, a.max_seconds, a.name = "256M", 1, 20, "ooc_smoke"
+    workdir = Path(a.workdir or tempfile.gettempdir())
+    store = workdir / f"dsa_ooc_{a.rows}x{a.dim}"
+    ensure_store(store, a.rows, a.dim, a.keep)
+    disk = measure_disk(store / "rows.dsa", a.disk_seconds)
+    memcap = find_memcap()
+    capped = cgroup_ok(memcap)
+    label = f"cap {a.cap}" if capped else "cold (evicted, no cgroup)"
+    size_gb = os.path.getsize(store / "rows.dsa") / 1e9
+    print(f"store {size_gb:.1f} GB, {label}")
+    results = []
+    for dist in a.dist:
+        for mode in a.modes:
+            evict(store)
+            cmd = [sys.executable, "-m", "benchmarks.ooc", "--child", "--store", str(store),
+                   "--mode", mode, "--dist", dist, "--steps", str(a.steps), "--warmup",
+                   str(a.warmup), "--batch", str(a.batch), "--max-seconds", str(a.max_seconds),
+                   "--hit-every", str(a.hit_every)]
+            if capped:
+                cmd = ["bash", str(memcap), a.cap, *cmd]
+            env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if r.returncode != 0:
+                print(r.stdout, r.stderr)
+                raise SystemExit(f"child failed for {mode}/{dist}")
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            peak = [ln for ln in r.stderr.splitlines() if ln.startswith("memcap:")]
+            res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
+                        "memcap": peak[-1] if peak else "",
+                        "vs_qd32_reads": res["rows_per_s"] / disk["qd32_iops"]})
+            results.append(res)
+            print(f"  {dist:<7} {mode:<8} {res['rows_per_s']:>10,.0f} rows/s  p50 "
+                  f"{res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  hit "
+                  f"{res['hit_rate']:.3f}  steps {res['steps']}", flush=True)
+    print()
+    print_table(results, ["rows", "dist", "mode", "rows_per_s", "vs_qd32_reads", "p50_ms",
+                          "p99_ms", "hit_rate", "steps", "memory"])
+    meta = {"machine": machine(), "args": vars(a), "disk": disk, "store_gb": size_gb,
+            "memory": label}
+
+    def plot(plt, rows):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        labels = [f"{r['dist']}\n{r['mode']}" for r in rows]
+        ax.bar(range(len(rows)), [r["rows_per_s"] for r in rows])
+        ax.axhline(disk["qd32_iops"], color="k", ls="--", lw=1, label="disk QD32 4K reads/s")
+        ax.axhline(disk["qd1_iops"], color="gray", ls=":", lw=1, label="disk QD1 4K reads/s")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel("rows / s")
+        ax.set_title(f"Out of core: {a.rows / 1e6:g}M x {a.dim} ({size_gb:.1f} GB), {label}")
+        ax.legend(fontsize=8)
+        return fig
+
+    base = write_results(a.name, results, meta, plot)
+    print(f"wrote {base}.json/.csv/.png")
+    if not a.keep:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

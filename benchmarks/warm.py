@@ -1,0 +1,258 @@
+"""Warm benchmark: every implementation's state is in RAM / the page cache.
+
+    python -m benchmarks.warm                      # 1M and 10M rows x 128, uniform and zipf
+    python -m benchmarks.warm --rows 1000000 --dist uniform --steps 300
+    python -m benchmarks.warm --smoke              # seconds; CI runs this so the code never rots
+
+Implementations, in one process, on the same batches and gradients:
+
+- ``torch.optim.SparseAdam`` (moments pre-touched),
+- ``geoopt SparseRiemannianAdam`` on ``PoincareBall(1)`` (the Poincaré anchor),
+- ``seed-style``: the original DSA package's design -- three separate memmaps w/m/v, numpy
+  fancy indexing, ``torch.unique`` + ``index_add_`` for duplicates, Adam math in torch,
+- ``dsa_core`` Euclidean and Poincaré.
+
+Rows/s counts the batch's ids (duplicates included) per second of ``step``. Memory columns are
+this process's RssAnon / RssFile growth while the implementation was alive. Writes
+``benchmarks/results/warm.{json,csv,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ._common import batches, machine, mem, print_table, timed, write_results
+
+LR = 1e-3
+
+
+class DsaCore:
+    def __init__(self, n, d, root, curvature=0.0):
+        import dsa_core
+
+        self.dsa = dsa_core
+        self.name = "dsa_core poincare" if curvature else "dsa_core euclid"
+        self.anchor = "geoopt" if curvature else "torch"
+        self.state = dsa_core.create(Path(root) / "dsa", n, d, curvature=curvature, lr=LR,
+                                     init="uniform", init_scale=1e-3, progress=False)
+
+    def step(self, item):
+        idx, g = item
+        self.state = self.dsa.step(self.state, idx, g)
+
+    def close(self):
+        self.dsa.close(self.state)
+
+
+class TorchSparseAdam:
+    name, anchor = "torch.optim.SparseAdam", "torch"
+
+    def __init__(self, n, d, root):
+        import torch
+
+        self.torch = torch
+        self.p = torch.nn.Parameter(torch.empty(n, d).uniform_(-1e-3, 1e-3))
+        self.opt = torch.optim.SparseAdam([self.p], lr=LR)
+        self.shape = (n, d)
+        self.step((np.array([0]), np.zeros((1, d), np.float32)))
+        st = self.opt.state[self.p]
+        st["exp_avg"].fill_(0)  # pre-touch: zeros_like pages are mapped lazily
+        st["exp_avg_sq"].fill_(0)
+
+    def step(self, item):
+        idx, g = item
+        t = self.torch
+        self.p.grad = t.sparse_coo_tensor(t.from_numpy(idx)[None], t.from_numpy(g), self.shape,
+                                          check_invariants=False)
+        self.opt.step()
+
+    def close(self):
+        del self.opt, self.p
+
+
+class GeooptSparseRAdam:
+    name, anchor = "geoopt SparseRiemannianAdam", "geoopt"
+
+    def __init__(self, n, d, root):
+        import geoopt
+        import torch
+
+        self.torch = torch
+        ball = geoopt.PoincareBall(c=1.0)
+        self.p = geoopt.ManifoldParameter(torch.empty(n, d).uniform_(-1e-3, 1e-3), manifold=ball)
+        self.opt = geoopt.optim.SparseRiemannianAdam([self.p], lr=LR)
+        self.shape = (n, d)
+        self.step((np.array([0]), np.zeros((1, d), np.float32)))
+        st = self.opt.state[self.p]
+        st["exp_avg"].fill_(0)
+        st["exp_avg_sq"].fill_(0)
+
+    def step(self, item):
+        idx, g = item
+        t = self.torch
+        self.p.grad = t.sparse_coo_tensor(t.from_numpy(idx)[None], t.from_numpy(g), self.shape,
+                                          check_invariants=False)
+        self.opt.step()
+
+    def close(self):
+        del self.opt, self.p
+
+
+class SeedStyle:
+    """The original DSA package's step: three memmaps, fancy indexing, Adam in torch."""
+
+    name, anchor = "seed-style 3 memmaps", "torch"
+
+    def __init__(self, n, d, root):
+        import torch
+
+        self.torch = torch
+        self.files = {}
+        for k in "wmv":
+            a = np.lib.format.open_memmap(Path(root) / f"{k}.npy", mode="w+", dtype=np.float32,
+                                          shape=(n, d))
+            a[:] = 0  # every page really written
+            self.files[k] = a
+        self.t = 0
+
+    def step(self, item):
+        idx, g = item
+        torch = self.torch
+        uniq, inv = torch.unique(torch.from_numpy(idx), return_inverse=True)
+        grad = torch.zeros(len(uniq), g.shape[1]).index_add_(0, inv, torch.from_numpy(g))
+        u = uniq.numpy()
+        w = torch.from_numpy(self.files["w"][u].copy())
+        m = torch.from_numpy(self.files["m"][u].copy())
+        v = torch.from_numpy(self.files["v"][u].copy())
+        self.t += 1
+        m.mul_(0.9).add_(grad, alpha=0.1)
+        v.mul_(0.999).addcmul_(grad, grad, value=0.001)
+        mhat = m / (1 - 0.9**self.t)
+        vhat = v / (1 - 0.999**self.t)
+        w -= LR * mhat / (vhat.sqrt() + 1e-8)
+        self.files["w"][u] = w.numpy()
+        self.files["m"][u] = m.numpy()
+        self.files["v"][u] = v.numpy()
+
+    def close(self):
+        for a in self.files.values():
+            a.flush()
+        self.files.clear()
+
+
+IMPLS = {
+    "dsa_euclid": lambda n, d, r: DsaCore(n, d, r, 0.0),
+    "dsa_poincare": lambda n, d, r: DsaCore(n, d, r, 1.0),
+    "torch": TorchSparseAdam,
+    "geoopt": GeooptSparseRAdam,
+    "seed": SeedStyle,
+}
+
+
+def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps):
+    out = []
+    for n in rows_list:
+        for dist in dists:
+            ids = batches(n, batch, steps + 10, dist)
+            rng = np.random.default_rng(1)
+            grads = [rng.standard_normal((batch, dim), dtype=np.float32) for _ in range(8)]
+            items = [(ids[k], grads[k % 8]) for k in range(len(ids))]
+            uniq = float(np.mean([np.unique(b).size for b in ids]))
+            for key in impls:
+                root = Path(tempfile.mkdtemp(dir=workdir, prefix=f"warm_{key}_"))
+                gc.collect()
+                m0 = mem()
+                impl = IMPLS[key](n, dim, root)
+                k = slow_steps if key == "geoopt" else steps
+                ts = timed(impl.step, items[: k + 10], warmup=10)
+                m1 = mem()
+                impl.close()
+                del impl
+                gc.collect()
+                shutil.rmtree(root, ignore_errors=True)
+                med = float(np.median(ts))
+                out.append({
+                    "rows": n, "dist": dist, "impl": _name(key), "steps": len(ts), "batch": batch,
+                    "unique_per_batch": uniq, "rows_per_s": batch / med,
+                    "p50_ms": med * 1e3, "p99_ms": float(np.percentile(ts, 99)) * 1e3,
+                    "rss_anon_mib": (m1["RssAnon"] - m0["RssAnon"]) / 2**20,
+                    "rss_file_mib": (m1["RssFile"] - m0["RssFile"]) / 2**20,
+                })
+                print(f"  {n:>9,} {dist:<7} {_name(key):<28} {batch / med:>12,.0f} rows/s "
+                      f"p50 {med * 1e3:7.2f} ms", flush=True)
+    for r in out:  # ratios against the anchor measured in the same run, same batches
+        anchor = "geoopt SparseRiemannianAdam" if "poincare" in r["impl"] else \
+            "torch.optim.SparseAdam"
+        ref = [x for x in out if x["rows"] == r["rows"] and x["dist"] == r["dist"]
+               and x["impl"] == anchor]
+        r["vs_anchor"] = r["rows_per_s"] / ref[0]["rows_per_s"] if ref else float("nan")
+    return out
+
+
+def _name(key):
+    return {"dsa_euclid": "dsa_core euclid", "dsa_poincare": "dsa_core poincare",
+            "torch": "torch.optim.SparseAdam", "geoopt": "geoopt SparseRiemannianAdam",
+            "seed": "seed-style 3 memmaps"}[key]
+
+
+def plot(plt, rows):
+    cfgs = list(dict.fromkeys((r["rows"], r["dist"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(impls)
+    for i, name in enumerate(impls):
+        vals = [next((r["rows_per_s"] / 1e6 for r in rows
+                      if (r["rows"], r["dist"]) == c and r["impl"] == name), 0) for c in cfgs]
+        ax.bar(np.arange(len(cfgs)) + i * width, vals, width, label=name)
+    ax.set_xticks(np.arange(len(cfgs)) + 0.4 - width / 2)
+    ax.set_xticklabels([f"{n / 1e6:g}M x 128\n{d}" for n, d in cfgs])
+    ax.set_ylabel("million rows / s (batch 2048)")
+    ax.set_title("Warm step throughput (state in RAM / page cache)")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--dist", nargs="+", default=["uniform", "zipf"])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--geoopt-steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--workdir", default=None, help="where the stores go (default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
+    ap.add_argument("--name", default="warm")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.rows, a.steps, a.geoopt_steps, a.batch, a.dim = [5000], 5, 3, 64, 16
+        a.name = "warm_smoke"
+    workdir = a.workdir or tempfile.gettempdir()
+    import numba
+
+    print(f"warm benchmark: rows {a.rows}, dist {a.dist}, batch {a.batch}, dim {a.dim}, "
+          f"numba threads {numba.get_num_threads()}")
+    rows = run(a.rows, a.dist, a.impls, a.steps, a.batch, a.dim, workdir, a.geoopt_steps)
+    print()
+    print_table(rows, ["rows", "dist", "impl", "rows_per_s", "vs_anchor", "p50_ms", "p99_ms",
+                       "rss_anon_mib", "rss_file_mib"])
+    by = {(r["rows"], r["dist"], r["impl"]): r for r in rows}
+    for dist in a.dist:
+        for name in ("dsa_core euclid", "dsa_core poincare"):
+            small, big = by.get((1_000_000, dist, name)), by.get((10_000_000, dist, name))
+            if small and big:
+                print(f"{name} {dist}: p50 at 10M / 1M = {big['p50_ms'] / small['p50_ms']:.2f}")
+    meta = {"machine": machine(), "args": vars(a), "numba_threads": numba.get_num_threads()}
+    base = write_results(a.name, rows, meta, plot)
+    print(f"wrote {base}.json/.csv/.png")
+
+
+if __name__ == "__main__":
+    main()
