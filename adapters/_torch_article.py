@@ -1,0 +1,338 @@
+"""``DiskSparseRiemannianAdam``: the DSA article's optimizer API, over dsa_core."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import dsa_core
+
+from ._torch_common import (
+    StoreHandle,
+    check_curvature,
+    close_quietly,
+    np_dtype,
+    open_existing,
+)
+
+__all__ = ["DiskSparseRiemannianAdam"]
+
+_MANIFEST_FORMAT = "dsa-torch-article"
+
+
+def _table_array(value: Any, name: str) -> Any:
+    """An initial table as something dsa_core.create can read in chunks (no full copy)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.device.type != "cpu":
+            value = value.cpu()
+        if value.dtype not in (torch.float32, torch.float64):
+            value = value.float()
+        return value.numpy()
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return value  # numpy array or memmap: read in chunks by dsa_core
+    raise TypeError(f"params[{name!r}] must be a 2-D torch tensor or numpy array (the initial "
+                    f"table), got {type(value).__name__}")
+
+
+def _as_index(x: Any, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.device.type != "cpu":
+            x = x.cpu()
+        x = x.numpy()
+    x = np.asarray(x)
+    if x.ndim != 1:
+        x = x.reshape(-1)
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"updates[{name!r}]: indices must be integers, got {x.dtype}")
+    return x
+
+
+def _as_grad(x: Any, dtype: np.dtype) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.device.type != "cpu":
+            x = x.cpu()
+        if x.is_sparse:
+            raise TypeError("grads must be dense (len(indices), dim) rows, got a sparse tensor")
+        x = x.numpy()
+    x = np.asarray(x)
+    return x if x.dtype == dtype else x.astype(dtype)  # the article cast with .float()
+
+
+class DiskSparseRiemannianAdam(torch.optim.Optimizer):
+    r"""The optimizer of the DSA article, on dsa_core: its code runs with one changed import.
+
+    ``from dsa import DiskSparseRiemannianAdam`` becomes
+    ``from adapters.torch import DiskSparseRiemannianAdam``. Each table of ``params`` becomes
+    a dsa_core store ``<disk_dir>/<name>`` holding its weights, m and v; the training loop
+    reads rows through :attr:`state_files` and hands ``(indices, grads)`` to :meth:`step`.
+
+    Parameters
+    ----------
+    params : dict[str, Tensor | ndarray] (or a list, named ``param_0``, ``param_1``, ...)
+        Name -> initial 2-D table ``(num_rows, dim)``; its values become the stored weights
+        (read in chunks, not copied whole). If ``<disk_dir>/<name>`` already holds a store of
+        that shape it is reopened and training resumes from it (as the article did with its
+        existing files); the given values are then ignored.
+    lr : float, default 1e-3
+        Learning rate; ``param_groups[0]["lr"]`` is read at every step (LR schedulers work).
+    beta1, beta2, eps : float
+        Adam hyperparameters (the article's names), read at every step.
+    weight_decay : float, default 0
+        Only 0 is supported (the stores implement plain lazy Adam).
+    k : float, default 0.0
+        ``0.0``: Euclidean, exactly ``torch.optim.SparseAdam``. ``k > 0``: Riemannian Adam on
+        the Poincaré ball of curvature ``-k`` (``k = 1.0``: the unit ball), exactly geoopt
+        ``SparseRiemannianAdam``. Fixed when the stores are created.
+    disk_dir : str or Path, default "./opt_cache"
+        Directory of the stores.
+    max_queue_size : int, default 300
+        Accepted for compatibility and ignored: every write is synchronous and lands in the
+        mapped store before :meth:`step` returns, so there is no queue to size, no update is
+        ever dropped and a read right after a step sees the new rows.
+    dtype : "float32" or "float64", optional
+        Storage dtype; default float64 for float64 tables, else float32 (the article's).
+
+    Attributes
+    ----------
+    state_files : dict[str, dict[str, ndarray]]
+        ``state_files[name]["w"]``, ``["m"]``, ``["v"]``: read-only numpy views
+        ``(num_rows, dim)`` of the stored weights, first and second moments, always
+        current (``state_files[name]["w"][idx].copy()`` returns the rows as of the last
+        step). For ``k > 0`` the second moment is one scalar per row, shown broadcast over
+        the ``dim`` columns. Update rows through :meth:`step` only.
+
+    Notes
+    -----
+    Differences from the article's implementation: ``k > 0`` is true Riemannian Adam
+    (Riemannian gradient, one adaptive scale per row, retraction with projection and
+    parallel transport of the momentum) instead of a rescaled Euclidean step; ``k = 0``
+    is bit-for-bit lazy Adam as ``torch.optim.SparseAdam`` (eps added before the bias
+    correction); writes are never dropped or read stale; each table has its own step count,
+    advanced when the table is in ``updates`` (also with no rows).
+    """
+
+    def __init__(self, params: dict | list, lr: float = 1e-3, beta1: float = 0.9,
+                 beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+                 k: float = 0.0, disk_dir="./opt_cache", max_queue_size: int = 300, *,
+                 dtype: Any = None):
+        if isinstance(params, dict):
+            tables = dict(params)
+        else:
+            tables = {f"param_{i}": t for i, t in enumerate(params)}
+        if not tables:
+            raise ValueError("params is empty: pass {name: initial 2-D table, ...}")
+        if not 0.0 < lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 < eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= beta1 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+        if not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+        if weight_decay != 0:
+            raise ValueError(f"weight_decay={weight_decay} is not supported: the disk stores "
+                             "run plain lazy Adam; pass weight_decay=0")
+        c = check_curvature(k)
+        arrays = {}
+        for name, value in tables.items():
+            if not isinstance(name, str) or not name or name in (".", "..") \
+                    or os.sep in name or (os.altsep and os.altsep in name):
+                raise ValueError(f"table name {name!r} must be a plain file name (it names "
+                                 "the store directory under disk_dir)")
+            arr = _table_array(value, name)
+            if len(arr.shape) != 2:
+                raise ValueError(f"params[{name!r}] must be 2-D (num_rows, dim), got shape "
+                                 f"{tuple(arr.shape)}")
+            arrays[name] = arr
+        self.disk_dir = Path(disk_dir).absolute()
+        self.max_queue_size = max_queue_size
+        self._closed = False
+        self._handles: dict[str, StoreHandle] = {}
+        # One zero-size placeholder tensor per table: a real torch Optimizer (LR schedulers
+        # accept it) that never holds the tables themselves.
+        self._placeholders = {name: torch.zeros(0) for name in arrays}
+        defaults = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+                    "weight_decay": weight_decay, "k": c}
+        super().__init__([{"params": list(self._placeholders.values())}], defaults)
+        self._open_all(arrays, c, dtype)
+        self._finalizer = weakref.finalize(self, close_quietly,
+                                           list(self._handles.values()))
+        self.state_files = {name: self._views(h.state) for name, h in self._handles.items()}
+
+    def _open_all(self, arrays: dict, c: float, dtype: Any) -> None:
+        group = self.param_groups[0]
+        opened, created = [], []
+        if isinstance(dtype, torch.dtype):
+            dtype = np_dtype(dtype, "dtype")
+        try:
+            for name, arr in arrays.items():
+                dt = np.dtype(dtype) if dtype is not None else (
+                    np.dtype(np.float64) if np.dtype(arr.dtype) == np.float64
+                    else np.dtype(np.float32))
+                path = self.disk_dir / name
+                n, d = (int(s) for s in arr.shape)
+                st = open_existing(path, num_rows=n, dim=d, dtype=dt, curvature=c,
+                                   weights=True, what=f"DiskSparseRiemannianAdam[{name!r}]")
+                if st is None:
+                    st = dsa_core.create(path, n, d, curvature=c, dtype=dt.name,
+                                         weights=True, init=arr, lr=group["lr"],
+                                         betas=(group["beta1"], group["beta2"]),
+                                         eps=group["eps"])
+                    created.append(path)
+                opened.append(st)
+                self._handles[name] = StoreHandle(st)
+        except BaseException:  # all or nothing: close what was opened, remove what was made
+            for st in opened:
+                dsa_core.close(st)
+            for path in created:
+                dsa_core.remove(path)
+            raise
+
+    @staticmethod
+    def _views(st: dsa_core.State) -> dict[str, np.ndarray]:
+        def ro(a):
+            a = a.view()
+            a.flags.writeable = False
+            return a
+        v = st.exp_avg_sq
+        if v.shape[1] != st.dim:
+            v = np.broadcast_to(v, (st.num_rows, st.dim))
+        return {"w": ro(st.weights), "m": ro(st.exp_avg), "v": ro(v)}
+
+    # -- training ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, updates: dict[str, tuple[Any, Any]] | None = None,
+             current_k: float | torch.Tensor | None = None):
+        """Apply one lazy (Riemannian) Adam step to the rows of each table in ``updates``.
+
+        Parameters
+        ----------
+        updates : dict[str, (indices, grads)]
+            ``indices``: integer tensor (CPU or CUDA) or array ``(B,)``; ``grads``: ``(B, dim)``
+            tensor or array (cast to the store dtype). Duplicate indices are summed. Every
+            table's input is checked before any table is written.
+        current_k : float, optional
+            Accepted for compatibility; must equal ``k`` (the curvature of a store is fixed).
+        """
+        self._check_open()
+        if updates is None:
+            raise TypeError("step() needs updates={name: (indices, grads)}")
+        if current_k is not None:
+            ck = float(current_k)
+            if ck != self.param_groups[0]["k"]:
+                raise ValueError(f"current_k={ck} differs from k={self.param_groups[0]['k']}: "
+                                 "the curvature of a store is fixed when it is created")
+        group = self.param_groups[0]
+        lr = float(group["lr"])
+        betas = (float(group["beta1"]), float(group["beta2"]))
+        eps = float(group["eps"])
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        jobs = []
+        for name, pair in updates.items():
+            if name not in self._handles:
+                raise KeyError(f"updates names table {name!r}, which this optimizer does not "
+                               f"have; its tables are {sorted(self._handles)}")
+            indices, grads = pair
+            st = self._handles[name].state
+            idx = _as_index(indices, name)
+            g = _as_grad(grads, st.dtype)
+            if g.shape != (idx.shape[0], st.dim):
+                raise ValueError(f"updates[{name!r}]: grads must have shape (len(indices), "
+                                 f"dim) = ({idx.shape[0]}, {st.dim}), got {g.shape}")
+            if idx.size and (idx.min() < 0 or idx.max() >= st.num_rows):
+                raise IndexError(f"updates[{name!r}]: indices must lie in [0, "
+                                 f"{st.num_rows}), got {idx.min()}..{idx.max()}")
+            jobs.append((name, idx, g))
+        for name, idx, g in jobs:
+            h = self._handles[name]
+            st = h.state._replace(betas=betas, eps=eps)
+            h.state = dsa_core.step(st, idx, g, lr=lr)
+            self.state[self._placeholders[name]]["step"] = h.state.count
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op (gradients are passed explicitly to :meth:`step`), as in the article."""
+
+    # -- life cycle --------------------------------------------------------------------------
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Make every update durable, close the stores and release them. Safe to call twice.
+
+        ``timeout`` is accepted for compatibility and unused (writes are synchronous; there
+        is no writer thread to wait for). Afterwards :meth:`step` and the other methods
+        raise; :attr:`state_files` stays readable (read-only) for inspection and export.
+        """
+        del timeout
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+
+    close = shutdown
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this DiskSparseRiemannianAdam was shut down; create a new one "
+                               "on the same disk_dir to continue training (it resumes from "
+                               "the stores)")
+
+    def flush(self) -> None:
+        """Make every step so far durable (msync + manifest), without closing."""
+        self._check_open()
+        for h in self._handles.values():
+            h.flush()
+
+    def store(self, name: str) -> dsa_core.State:
+        """The ``dsa_core.State`` of table ``name``."""
+        return self._handles[name].state
+
+    def __getstate__(self):
+        raise TypeError("DiskSparseRiemannianAdam cannot be pickled: its tables live on disk. "
+                        "Save state_dict() and keep disk_dir")
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus ``"dsa_manifest"`` (tables, paths, counts); flushes first."""
+        self.flush()
+        sd = super().state_dict()
+        sd["dsa_manifest"] = {
+            "format": _MANIFEST_FORMAT, "version": 1, "disk_dir": str(self.disk_dir),
+            "tables": {name: {"path": str(h.state.path), "count": int(h.state.count),
+                              "num_rows": h.state.num_rows, "dim": h.state.dim,
+                              "dtype": h.state.dtype.name, "k": h.state.curvature}
+                       for name, h in self._handles.items()}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyperparameters and per-table step counts from :meth:`state_dict`."""
+        self._check_open()
+        sd = dict(state_dict)
+        manifest = sd.pop("dsa_manifest", None)
+        if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
+            raise ValueError("not a DiskSparseRiemannianAdam state dict (no dsa_manifest)")
+        tables = manifest["tables"]
+        if sorted(tables) != sorted(self._handles):
+            raise ValueError(f"the state dict has tables {sorted(tables)}, this optimizer "
+                             f"{sorted(self._handles)}")
+        for name, e in tables.items():
+            st = self._handles[name].state
+            if (e["num_rows"], e["dim"], e["dtype"], e["k"]) != (
+                    st.num_rows, st.dim, st.dtype.name, st.curvature):
+                raise ValueError(f"table {name!r} in the state dict does not match the store "
+                                 f"{str(st.path)!r}")
+        super().load_state_dict(sd)
+        for name, e in tables.items():
+            h = self._handles[name]
+            if h.state.count != e["count"]:
+                warnings.warn(f"store {str(h.state.path)!r} is at step {h.state.count} but "
+                              f"the state dict says {e['count']}: stores are not snapshots",
+                              RuntimeWarning, stacklevel=2)
+                h.state = h.state._replace(count=int(e["count"]))

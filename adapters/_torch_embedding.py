@@ -1,0 +1,389 @@
+"""``DiskEmbedding``: an embedding table whose weights live in a dsa_core store on disk."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsa_core
+
+from ._torch_common import (
+    StoreHandle,
+    check_curvature,
+    close_quietly,
+    np_dtype,
+    open_existing,
+)
+
+__all__ = ["DiskEmbedding", "DiskWeight"]
+
+_EXTRA_FORMAT = "dsa-torch-embedding"
+_IMPORT_CHUNK_ROWS = 1 << 16
+
+
+class DiskWeight(nn.Parameter):
+    """The stand-in parameter of a :class:`DiskEmbedding` (``emb.weight``).
+
+    It has the table's shape ``(num_embeddings, embedding_dim)`` and dtype, so autograd can
+    give it the row-sparse gradient of a batch exactly as ``nn.Embedding(sparse=True)``
+    gives its weight one, and an optimizer can be handed it through ``model.parameters()``.
+    It holds **no data**: its values are one zero broadcast over the shape (stride 0, one
+    element of memory). The real rows are in the store; read them with
+    :meth:`DiskEmbedding.weight_rows`. Only :class:`DiskSparseAdam` can step it (it finds the
+    store through this object); in-place writes to it raise, and it cannot be pickled.
+    """
+
+    _dsa_handle: StoreHandle
+
+    def __new__(cls, handle: StoreHandle, dtype: torch.dtype, device: Any = None):
+        st = handle.state
+        data = torch.zeros((), dtype=dtype, device=device).expand(st.num_rows, st.dim)
+        self = super().__new__(cls, data, requires_grad=True)
+        self._dsa_handle = handle
+        return self
+
+    def __repr__(self) -> str:
+        st = self._dsa_handle.state
+        return (f"DiskWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}, store={str(st.path)!r})")
+
+    def __reduce_ex__(self, proto):
+        raise TypeError("a DiskWeight cannot be pickled or deep-copied: its rows live in a "
+                        "store on disk. Save the module's state_dict() (a small manifest) "
+                        "and keep the store directory")
+
+    def __deepcopy__(self, memo):
+        return self.__reduce_ex__(2)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows = store[ids] on ``device``; backward: a row-sparse gradient for the DiskWeight."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, handle, pad, device):
+        st = handle.state
+        if st.store.closed:
+            raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; create a new "
+                               "DiskEmbedding on the same state_dir to continue")
+        idx = ids.numpy()
+        if device.type == "cuda":
+            buf = torch.empty((idx.shape[0], st.dim), dtype=weight.dtype, pin_memory=True)
+            dsa_core.gather(st, idx, out=buf.numpy())
+            rows = buf.to(device, non_blocking=True)
+        else:
+            rows = torch.from_numpy(dsa_core.gather(st, idx)).to(device)
+        ctx.ids = ids
+        ctx.pad = pad
+        ctx.shape = weight.shape
+        ctx.weight_device = weight.device
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        ids = ctx.ids
+        if ctx.pad is not None:  # nn.Embedding leaves the padding row out of the gradient
+            keep = ids != ctx.pad
+            ids = ids[keep]
+            grad_rows = grad_rows[keep.to(grad_rows.device)]
+        dev = ctx.weight_device
+        grad = torch.sparse_coo_tensor(ids.to(dev)[None], grad_rows.to(dev), ctx.shape,
+                                       is_coalesced=True, check_invariants=False)
+        return grad, None, None, None, None
+
+
+class DiskEmbedding(nn.Module):
+    r"""An embedding table (or bag) whose weights, m and v live in one dsa_core store.
+
+    For tables larger than RAM. ``forward`` reads only the batch's distinct rows from disk
+    (``dsa_core.gather``) onto the input's device; ``backward`` gives :attr:`weight` the
+    row-sparse gradient of those rows only (duplicates summed, the padding row left out,
+    exactly the gradient of ``nn.Embedding(sparse=True)``); :class:`DiskSparseAdam`'s
+    ``step`` writes the new rows back through ``dsa_core.step``. The training loop is
+    unchanged::
+
+        emb = DiskEmbedding(100_000_000, 128, state_dir="runs/emb")
+        opt = DiskSparseAdam(emb.parameters(), lr=1e-3)      # no state_dir needed for it
+        loss = model(emb(ids)).sum(); loss.backward(); opt.step(); opt.zero_grad()
+
+    Parameters
+    ----------
+    num_embeddings, embedding_dim : int
+        Shape of the table.
+    state_dir : str or Path
+        Directory of the store (weights, m and v, one record per row). If it already holds
+        a store, it is reopened and training resumes from it (``init`` is then ignored); a
+        store of another shape, dtype or curvature is refused.
+    padding_idx : int, optional
+        As ``nn.Embedding``: that row is zeroed at creation, gets no gradient and is never
+        updated; in bag modes it is left out of the reduction.
+    mode : None, "sum" or "mean"
+        ``None``: ``nn.Embedding`` (output ``input.shape + (dim,)``). ``"sum"`` / ``"mean"``:
+        ``nn.EmbeddingBag`` (2-D ``input`` of fixed-size bags, or 1-D ``input`` with
+        ``offsets``; ``per_sample_weights`` with ``"sum"``).
+    curvature : float, default 0.0
+        ``0``: Euclidean rows (``torch.optim.SparseAdam`` semantics). ``c > 0``: points of
+        the Poincaré ball of curvature ``-c`` (geoopt ``SparseRiemannianAdam`` semantics).
+        Fixed when the store is created.
+    init : "normal", "uniform", "zeros", or array-like/tensor of shape (num_embeddings, dim)
+        Initial weights of a new store, written in chunks. ``"normal"`` draws
+        ``N(0, init_scale^2)`` (``nn.Embedding``'s ``N(0, 1)`` with the default scale for
+        ``c == 0``), ``"uniform"`` ``U(-init_scale, init_scale)``.
+    init_scale : float, optional
+        Default 1.0 for ``c == 0`` (as ``nn.Embedding``) and 1e-3 for ``c > 0`` (points
+        near the origin of the ball, as in Poincaré embeddings).
+    seed : int, optional
+        Seed of the named inits; by default drawn from torch's global generator, so
+        ``torch.manual_seed`` makes it reproducible.
+    dtype : torch.float32 or torch.float64
+        Storage and compute dtype of the rows.
+    scale_grad_by_freq, include_last_offset : bool
+        As ``nn.Embedding`` / ``nn.EmbeddingBag``.
+    device : torch.device, optional
+        Device of :attr:`weight` (where gradients accumulate); outputs are always on the
+        input's device. ``module.to(device)`` moves it without touching the store.
+    overwrite : bool, default False
+        Replace an existing store at ``state_dir`` with a fresh one.
+
+    Attributes
+    ----------
+    weight : DiskWeight
+        The data-less stand-in parameter that receives the sparse gradient (see
+        :class:`DiskWeight`); give it (``emb.parameters()``) to :class:`DiskSparseAdam`.
+    store : dsa_core.State
+        The open store (``store.weights``, ``store.exp_avg``, ``store.exp_avg_sq`` are
+        views of the rows on disk).
+
+    Notes
+    -----
+    Memory: a forward holds the batch's distinct rows (and the autograd graph holds their
+    gradient); nothing of size ``num_embeddings`` is ever allocated, so anonymous memory is
+    O(batch). The page cache holds whatever rows the kernel keeps; that memory is
+    reclaimable. ``max_norm`` and ``mode="max"`` are not supported (``max_norm`` rewrites
+    weights inside forward; ``max`` bags would update rows that got no gradient).
+
+    The store's step count is the optimizer's ``t`` (bias correction); the module's
+    ``state_dict()`` saves a small manifest (``_extra_state``), never the rows, and flushes
+    the store. Loading an ``nn.Embedding`` state dict (a ``weight`` tensor) copies those
+    weights into the store.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, state_dir,
+                 padding_idx: int | None = None, mode: str | None = None,
+                 curvature: float = 0.0, init: Any = "normal",
+                 init_scale: float | None = None, seed: int | None = None,
+                 dtype: torch.dtype = torch.float32, scale_grad_by_freq: bool = False,
+                 include_last_offset: bool = False, device: Any = None,
+                 overwrite: bool = False):
+        super().__init__()
+        num_embeddings, embedding_dim = int(num_embeddings), int(embedding_dim)
+        if num_embeddings <= 0 or embedding_dim <= 0:
+            raise ValueError(f"num_embeddings and embedding_dim must be positive, got "
+                             f"{num_embeddings} and {embedding_dim}")
+        if mode not in (None, "sum", "mean"):
+            raise ValueError(f"mode must be None (nn.Embedding), 'sum' or 'mean' "
+                             f"(nn.EmbeddingBag), got {mode!r}; 'max' bags are not supported")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError("Padding_idx must be within num_embeddings")
+            padding_idx = int(padding_idx) % num_embeddings
+        dt = np_dtype(dtype, "DiskEmbedding")
+        c = check_curvature(curvature)
+        what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
+        path = Path(state_dir)
+        state = None if overwrite else open_existing(
+            path, num_rows=num_embeddings, dim=embedding_dim, dtype=dt, curvature=c,
+            weights=True, what=what)
+        if state is None:
+            state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
+                                 init_scale, seed, padding_idx, overwrite)
+        self._handle = StoreHandle(state)
+        self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.mode = mode
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
+        self.include_last_offset = bool(include_last_offset)
+        self.weight = DiskWeight(self._handle, dtype, device)
+
+    @staticmethod
+    def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite):
+        if init_scale is None:
+            init_scale = 1.0 if c == 0 else 1e-3
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        if isinstance(init, torch.Tensor):
+            init = init.detach().cpu().numpy()
+        if isinstance(init, str) and init == "zeros":
+            init = None
+        state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
+                                init=init, init_scale=init_scale, seed=seed,
+                                overwrite=overwrite)
+        if padding_idx is not None:
+            state.weights[padding_idx] = 0
+        return state
+
+    # -- access ---------------------------------------------------------------------------
+    @property
+    def store(self) -> dsa_core.State:
+        """The open ``dsa_core.State`` of the table (its ``count`` is the step ``t``)."""
+        return self._handle.state
+
+    def weight_rows(self, ids) -> torch.Tensor:
+        """Copy of the rows ``ids`` (any integer tensor/array) as a CPU tensor ``(len, dim)``."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().reshape(-1).numpy()
+        return torch.from_numpy(dsa_core.gather(self._handle.state, ids))
+
+    def prefetch(self, ids) -> None:
+        """Start reading the rows ``ids`` (e.g. the next batch) into the page cache.
+
+        A hint for out-of-core tables, run in the background by ``dsa_core.prefetch``: it
+        only warms the cache, so results never change. Call it with the next batch's ids
+        before the current step.
+        """
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().reshape(-1).cpu().numpy()
+        dsa_core.prefetch(self._handle.state, ids)
+
+    def flush(self) -> None:
+        """Make every step so far durable (msync + the store's manifest)."""
+        self._handle.flush()
+
+    def close(self) -> None:
+        """Flush and close the store (releases its writer lock). Safe to call twice."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}, state_dir={str(self.store.path)!r}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.mode is not None:
+            s += f", mode={self.mode!r}"
+        if self.store.curvature:
+            s += f", curvature={self.store.curvature}"
+        return s
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Look up (``mode=None``) or reduce bags of (``"sum"``/``"mean"``) rows of ``input``.
+
+        Same arguments and output as ``nn.Embedding.forward`` / ``nn.EmbeddingBag.forward``;
+        the output is on ``input``'s device.
+        """
+        if input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"DiskEmbedding expects integer ids (torch.long or torch.int), "
+                            f"got {input.dtype}")
+        if self.mode is None and (offsets is not None or per_sample_weights is not None):
+            raise ValueError("offsets and per_sample_weights are for bag modes; this "
+                             "DiskEmbedding has mode=None (create it with mode='sum' or "
+                             "'mean')")
+        uniq, inv = torch.unique(input.reshape(-1), sorted=True, return_inverse=True)
+        ids = uniq.to("cpu", torch.int64)
+        pad = None
+        if self.padding_idx is not None and ids.numel():
+            pos = int(torch.searchsorted(ids, self.padding_idx))
+            if pos < ids.numel() and int(ids[pos]) == self.padding_idx:
+                pad = pos
+        rows = _GatherRows.apply(self.weight, ids, self._handle,
+                                 None if pad is None else self.padding_idx, input.device)
+        inv = inv.view(input.shape)
+        if self.mode is None:
+            return F.embedding(inv, rows, pad, None, 2.0, self.scale_grad_by_freq, False)
+        if offsets is not None:
+            offsets = offsets.to(torch.int64)
+        return F.embedding_bag(inv, rows, offsets, None, 2.0, self.scale_grad_by_freq,
+                               self.mode, False, per_sample_weights,
+                               self.include_last_offset, pad)
+
+    # -- module plumbing ------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """``to()`` / ``cuda()`` / ``cpu()`` move :attr:`weight`; the store stays on disk."""
+        w = self.weight
+        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+        if probe.dtype != w.dtype:
+            raise TypeError(f"a DiskEmbedding's dtype is fixed by its store ({w.dtype}); it "
+                            f"cannot be converted to {probe.dtype}. Cast its output instead")
+        if probe.device != w.device:
+            st = self._handle.state
+            w.data = torch.zeros((), dtype=w.dtype, device=probe.device).expand(
+                st.num_rows, st.dim)
+            if w.grad is not None:
+                w.grad = w.grad.to(probe.device)
+        return self
+
+    def get_extra_state(self) -> dict:
+        """A small manifest of the store (flushed first); the rows never enter a state dict."""
+        st = self._handle.state
+        self._handle.flush()
+        return {"format": _EXTRA_FORMAT, "version": 1, "path": str(st.path),
+                "num_embeddings": st.num_rows, "embedding_dim": st.dim,
+                "dtype": st.dtype.name, "curvature": st.curvature, "count": st.count,
+                "padding_idx": self.padding_idx, "mode": self.mode}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Check that a saved manifest describes a table like this one (the rows stay put)."""
+        st = self._handle.state
+        if not isinstance(state, dict) or state.get("format") != _EXTRA_FORMAT:
+            raise ValueError("not a DiskEmbedding state dict entry (expected the manifest "
+                             "written by DiskEmbedding.state_dict())")
+        have = (st.num_rows, st.dim, st.dtype.name, st.curvature)
+        want = (state["num_embeddings"], state["embedding_dim"], state["dtype"],
+                state["curvature"])
+        if have != want:
+            raise ValueError(f"the saved DiskEmbedding is {want[0]} x {want[1]} {want[2]} "
+                             f"with curvature {want[3]}, this one {have[0]} x {have[1]} "
+                             f"{have[2]} with curvature {have[3]}")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key, wkey = prefix + "_extra_state", prefix + "weight"
+        try:
+            if key in state_dict:
+                self.set_extra_state(state_dict[key])
+            elif wkey in state_dict:
+                self._import_weights(state_dict[wkey])
+            elif strict:
+                missing_keys.append(key)
+        except (ValueError, TypeError) as exc:
+            error_msgs.append(str(exc))
+        if strict:
+            for k in state_dict:
+                if k.startswith(prefix) and k not in (key, wkey) \
+                        and "." not in k[len(prefix):]:
+                    unexpected_keys.append(k)
+
+    def _import_weights(self, weight: Any) -> None:
+        """Copy an ``nn.Embedding`` weight tensor into the store, in chunks."""
+        st = self._handle.state
+        w = weight.detach().cpu() if isinstance(weight, torch.Tensor) else torch.as_tensor(
+            weight)
+        if tuple(w.shape) != (st.num_rows, st.dim):
+            raise ValueError(f"size mismatch for weight: copying a param with shape "
+                             f"{tuple(w.shape)}, the DiskEmbedding is {(st.num_rows, st.dim)}")
+        if st.curvature > 0:
+            sq = (w.double() ** 2).sum(1)
+            if bool((sq >= 1.0 / st.curvature).any()):
+                raise ValueError("weight rows must lie inside the Poincaré ball "
+                                 f"(norm < {1 / math.sqrt(st.curvature):.6g})")
+        target = st.weights
+        for lo in range(0, st.num_rows, _IMPORT_CHUNK_ROWS):
+            hi = min(st.num_rows, lo + _IMPORT_CHUNK_ROWS)
+            target[lo:hi] = w[lo:hi].numpy().astype(st.dtype, copy=False)
+

@@ -1,0 +1,157 @@
+"""End-to-end torch benchmark: forward + backward + step of an embedding table on CPU.
+
+    python -m benchmarks.torch_e2e --smoke                 # seconds, tiny sizes
+    python -m benchmarks.torch_e2e --rows 1000000 --steps 200
+    python -m benchmarks.torch_e2e --rows 10000000 --dir /mnt/nvme/tmp
+
+Implementations, each in its own child process (so memory readings are its own), on the
+same batches of ids (seeded) and the same loss, ``mean((emb(ids) - target)**2)``:
+
+- ``torch``: ``nn.Embedding(rows, dim, sparse=True)`` + ``torch.optim.SparseAdam``. Its
+  moments are pre-touched after the first step (``zeros_like`` pages are mapped lazily; a
+  long run touches them all), so its memory is what a trained table holds.
+- ``dsa``: the same ``nn.Embedding`` + ``adapters.torch.DiskSparseAdam`` (m and v on disk).
+- ``diskemb``: ``adapters.torch.DiskEmbedding`` (weights, m and v on disk) +
+  ``DiskSparseAdam``.
+
+Rows/s counts the batch's ids (duplicates included) per second of a whole training step
+(forward, backward, optimizer step, zero_grad). Memory: RssAnon / RssFile of the child
+(``/proc/self/status``), ``*_peak`` the largest value sampled after each step, ``*_delta``
+relative to the child before the table was built. Writes
+``benchmarks/results/torch_e2e[_smoke].{json,csv}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ._common import batches, machine, mem, print_table, write_results
+
+IMPLS = ("torch", "dsa", "diskemb")
+LR = 1e-3
+MB = 2**20
+
+
+def _worker(args) -> dict:
+    import torch
+
+    import dsa_core
+    from adapters.torch import DiskEmbedding, DiskSparseAdam
+
+    torch.manual_seed(0)
+    dsa_core.warmup(("float32",))
+    items = batches(args.rows, args.batch, args.warmup + args.steps, args.dist, seed=1)
+    target = torch.randn(args.dim)
+    root = tempfile.mkdtemp(prefix="torch_e2e_", dir=args.dir)
+    base = mem()
+    t0 = time.perf_counter()
+    try:
+        if args.worker == "diskemb":
+            emb = DiskEmbedding(args.rows, args.dim, state_dir=f"{root}/emb", init="uniform",
+                                init_scale=1e-3, seed=0)
+            opt = DiskSparseAdam(emb.parameters(), lr=LR)
+        else:
+            emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
+            with torch.no_grad():
+                emb.weight.uniform_(-1e-3, 1e-3)
+            if args.worker == "torch":
+                opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
+            else:
+                opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=f"{root}/opt")
+        build_s = time.perf_counter() - t0
+
+        def step(ids):
+            out = emb(torch.from_numpy(ids))
+            ((out - target) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        times, peak = [], dict(base)
+        for k, ids in enumerate(items):
+            t = time.perf_counter()
+            step(ids)
+            dt = time.perf_counter() - t
+            if k == 0 and args.worker == "torch":
+                st = opt.state[emb.weight]
+                st["exp_avg"].add_(0)  # pre-touch (see module docstring)
+                st["exp_avg_sq"].add_(0)
+            if k >= args.warmup:
+                times.append(dt)
+            now = mem()
+            peak = {key: max(peak[key], now[key]) for key in peak}
+        end = mem()
+        if args.worker != "torch":
+            opt.close()
+        if args.worker == "diskemb":
+            emb.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ts = np.asarray(times)
+    return {
+        "impl": args.worker, "rows": args.rows, "dim": args.dim, "batch": args.batch,
+        "steps": args.steps, "dist": args.dist,
+        "rows_per_s": args.batch * len(ts) / ts.sum(),
+        "p50_ms": 1e3 * float(np.percentile(ts, 50)),
+        "p99_ms": 1e3 * float(np.percentile(ts, 99)),
+        "build_s": build_s,
+        "anon_delta_peak_mb": (peak["RssAnon"] - base["RssAnon"]) / MB,
+        "anon_peak_mb": peak["RssAnon"] / MB,
+        "file_peak_mb": peak["RssFile"] / MB,
+        "anon_end_mb": end["RssAnon"] / MB,
+        "file_end_mb": end["RssFile"] / MB,
+    }
+
+
+def _child(impl: str, args) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.torch_e2e", "--worker", impl,
+           "--rows", str(args.rows), "--dim", str(args.dim), "--batch", str(args.batch),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dist", args.dist]
+    if args.dir:
+        cmd += ["--dir", args.dir]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"{impl} worker failed:\n{r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--dist", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--dir", default=None, help="where the stores go (default: the temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
+    ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.rows, args.steps, args.warmup = 20_000, 5, 2
+    if args.worker:
+        print(json.dumps(_worker(args)))
+        return
+    rows = [_child(impl, args) for impl in args.impls.split(",")]
+    ref = next((r["rows_per_s"] for r in rows if r["impl"] == "torch"), None)
+    for r in rows:
+        r["ratio_vs_torch"] = r["rows_per_s"] / ref if ref else float("nan")
+    print(f"forward+backward+step, {args.rows:,} x {args.dim} float32, batch {args.batch}, "
+          f"{args.steps} steps ({args.dist} ids), CPU")
+    print_table(rows, ["impl", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms",
+                       "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb", "build_s"])
+    name = "torch_e2e_smoke" if args.smoke else "torch_e2e"
+    base = write_results(name, rows, {"machine": machine(), "args": vars(args)})
+    print(f"wrote {base}.json / .csv")
+
+
+if __name__ == "__main__":
+    main()

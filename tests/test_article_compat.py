@@ -1,0 +1,250 @@
+"""The DSA article's code, unchanged but for its import line, on adapters.torch.
+
+The article's two loops at small size: the quick start (rows read through
+``state_files["emb"]["w"][idx].copy()``, loss in torch, ``step(updates=...)``) and the
+benchmark loop (random init, batch 2048, loss = mean(w**2)). Results must equal dsa_core used
+directly, bit for bit; no read is stale and no update is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dsa_core
+from adapters.torch import DiskSparseRiemannianAdam, StoreLockedError
+from dsa_core import _reference
+
+
+def digest(path: Path) -> dict[str, str]:
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(path).rglob("*")) if f.is_file()}
+
+
+def same_store(state_files, ref: dsa_core.State):
+    assert np.array_equal(state_files["w"], ref.weights)
+    assert np.array_equal(state_files["m"], ref.exp_avg)
+    assert np.array_equal(state_files["v"], np.broadcast_to(ref.exp_avg_sq,
+                                                            state_files["v"].shape))
+
+
+@pytest.mark.parametrize("k", [0.0, 1.0])
+def test_quick_start_loop(tmp_path, k):
+    """The article's quick start over an nn.Embedding table; equals dsa_core (and torch)."""
+    torch.manual_seed(0)
+    num_entities, embedding_dim = 1000, 16
+    emb = torch.nn.Embedding(num_entities, embedding_dim)
+    if k:
+        with torch.no_grad():
+            emb.weight.mul_(0.05)  # inside the unit ball
+    init = emb.weight.detach().numpy().copy()
+
+    # --- the article's code (only the import differs) ---
+    optimizer = DiskSparseRiemannianAdam(
+        params={"emb": emb.weight}, lr=0.01, k=k, disk_dir=str(tmp_path / "opt_cache"),
+        max_queue_size=300)
+    ref = dsa_core.create(tmp_path / "ref", num_entities, embedding_dim, curvature=k,
+                          init=init, lr=0.01)
+    target = torch.randn(embedding_dim) * 0.1
+    for _ in range(30):
+        batch_indices = torch.randint(0, num_entities, (64,))
+        batch_indices[:6] = 7  # a hub row, several times in the batch
+        idx_np = batch_indices.numpy()
+        weights_np = optimizer.state_files["emb"]["w"][idx_np].copy()
+        current_weights = torch.from_numpy(weights_np).requires_grad_(True)
+        loss = ((current_weights - target) ** 2).sum()
+        loss.backward()
+        optimizer.step(updates={"emb": (batch_indices, current_weights.grad)})
+        # --- dsa_core used directly, on the same rows and gradients ---
+        rows = torch.from_numpy(dsa_core.gather(ref, idx_np)).requires_grad_(True)
+        ((rows - target) ** 2).sum().backward()
+        ref = dsa_core.step(ref, idx_np, rows.grad.numpy())
+    same_store(optimizer.state_files["emb"], ref)
+    assert optimizer.store("emb").count == ref.count == 30
+    optimizer.shutdown(timeout=2.0)
+    dsa_core.close(ref)
+
+
+def test_quick_start_k0_is_torch_sparse_adam(tmp_path):
+    torch.manual_seed(1)
+    emb = torch.nn.Embedding(300, 16, sparse=True)
+    optimizer = DiskSparseRiemannianAdam(params={"emb": emb.weight}, lr=0.01, k=0.0,
+                                         disk_dir=tmp_path)
+    opt_ref = torch.optim.SparseAdam(emb.parameters(), lr=0.01)
+    for _ in range(25):
+        idx = torch.randint(0, 300, (50,))
+        w = torch.from_numpy(optimizer.state_files["emb"]["w"][idx.numpy()].copy())
+        w.requires_grad_(True)
+        (w.sin() * w).sum().backward()
+        optimizer.step(updates={"emb": (idx, w.grad)})
+        (emb(idx).sin() * emb(idx)).sum().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    tol = {"rtol": 1e-5, "atol": 3e-6}
+    np.testing.assert_allclose(optimizer.state_files["emb"]["w"], emb.weight.detach(), **tol)
+    np.testing.assert_allclose(optimizer.state_files["emb"]["m"],
+                               opt_ref.state[emb.weight]["exp_avg"], **tol)
+    np.testing.assert_allclose(optimizer.state_files["emb"]["v"],
+                               opt_ref.state[emb.weight]["exp_avg_sq"], **tol)
+    optimizer.shutdown()
+
+
+@pytest.mark.parametrize("k", [0.0, 1.0])
+def test_benchmark_loop(tmp_path, k):
+    """The article's benchmark (1M x 128 there, 20k x 128 here), batch 2048, mean(w**2)."""
+    num_nodes, dim, batch_size, steps = 20_000, 128, 2048, 5
+    torch.manual_seed(2)
+    init = torch.randn(num_nodes, dim) * (0.005 if k else 1.0)
+    optimizer = DiskSparseRiemannianAdam(params={"emb": init}, lr=0.001, k=k,
+                                         disk_dir=tmp_path / "cache")
+    ref = dsa_core.create(tmp_path / "ref", num_nodes, dim, curvature=k, init=init.numpy(),
+                          lr=0.001)
+    for _ in range(steps):
+        idx = torch.randint(0, num_nodes, (batch_size,))
+        w = torch.from_numpy(optimizer.state_files["emb"]["w"][idx.numpy()].copy())
+        w.requires_grad_(True)
+        loss = torch.mean(w ** 2)
+        loss.backward()
+        optimizer.step(updates={"emb": (idx, w.grad)})
+        r = torch.from_numpy(dsa_core.gather(ref, idx.numpy())).requires_grad_(True)
+        torch.mean(r ** 2).backward()
+        ref = dsa_core.step(ref, idx.numpy(), r.grad.numpy())
+    same_store(optimizer.state_files["emb"], ref)
+    assert optimizer.state_files["emb"]["v"].shape == (num_nodes, dim)
+    optimizer.shutdown()
+    dsa_core.close(ref)
+
+
+def test_reads_are_never_stale_and_no_update_is_dropped(tmp_path):
+    """Back-to-back steps on the same rows, each reading what the previous one wrote."""
+    n, d, steps = 50, 8, 400
+    rng = np.random.default_rng(3)
+    P = rng.standard_normal((n, d), dtype=np.float32)
+    M, V = np.zeros_like(P), np.zeros_like(P)
+    optimizer = DiskSparseRiemannianAdam(params={"emb": P.copy()}, lr=0.01, k=0.0,
+                                         disk_dir=tmp_path, max_queue_size=1)
+    w = optimizer.state_files["emb"]["w"]
+    for t in range(1, steps + 1):
+        idx = np.concatenate([[0, 0], rng.integers(0, n, 3)])  # row 0 in every step
+        rows = w[idx].copy()
+        assert np.array_equal(rows, P[idx])  # the read sees every earlier step's write
+        g = (rows * 2.0 - 1.0).astype(np.float32)  # the gradient depends on what was read
+        optimizer.step(updates={"emb": (idx, g)})
+        _reference.euclid_step(P, M, V, idx, g, t, lr=0.01)  # the NumPy oracle, in RAM
+    assert optimizer.store("emb").count == steps
+    assert np.array_equal(w, P)
+    assert np.array_equal(optimizer.state_files["emb"]["m"], M)
+    assert np.array_equal(optimizer.state_files["emb"]["v"], V)
+    optimizer.shutdown()
+    assert dsa_core.open(tmp_path / "emb", mode="r").count == steps  # durable
+
+
+def test_inputs_numpy_int32_float64_and_duplicates(tmp_path):
+    init = np.arange(40, dtype=np.float32).reshape(10, 4) / 40
+    a = DiskSparseRiemannianAdam({"emb": init}, lr=0.1, disk_dir=tmp_path / "a")
+    b = DiskSparseRiemannianAdam({"emb": torch.from_numpy(init)}, lr=0.1,
+                                 disk_dir=tmp_path / "b")
+    g = np.ones((3, 4))
+    a.step(updates={"emb": (np.array([2, 5, 2], np.int32), g)})                   # numpy
+    b.step(updates={"emb": (torch.tensor([2, 5]), torch.tensor([[2.0] * 4, [1.0] * 4]))})
+    same_store(a.state_files["emb"], b.store("emb"))  # duplicates summed
+    assert a.state_files["emb"]["w"].dtype == np.float32
+    a.shutdown()
+    b.shutdown()
+
+
+def test_bad_updates_write_nothing(tmp_path):
+    opt = DiskSparseRiemannianAdam({"a": torch.zeros(10, 4), "b": torch.zeros(20, 4)},
+                                   lr=0.1, disk_dir=tmp_path)
+    opt.step(updates={"a": (torch.tensor([1]), torch.ones(1, 4))})
+    opt.flush()
+    before = digest(tmp_path)
+    good = (torch.tensor([1, 2]), torch.ones(2, 4))
+    for bad, exc, match in (
+            ({"c": good}, KeyError, "does not have"),
+            ({"b": (torch.tensor([1, 20]), torch.ones(2, 4))}, IndexError, r"\[0, 20\)"),
+            ({"b": (torch.tensor([1, 2]), torch.ones(2, 5))}, ValueError, r"\(2, 4\)"),
+            ({"b": (torch.tensor([1.0]), torch.ones(1, 4))}, TypeError, "integers")):
+        with pytest.raises(exc, match=match):
+            opt.step(updates={"a": good, **bad})  # the good table is not written either
+    opt.flush()
+    assert digest(tmp_path) == before
+    assert opt.store("a").count == 1
+    opt.shutdown()
+
+
+def test_shutdown_flushes_and_is_final(tmp_path):
+    opt = DiskSparseRiemannianAdam({"emb": torch.zeros(10, 4)}, lr=0.1, disk_dir=tmp_path)
+    opt.step(updates={"emb": (torch.tensor([3]), torch.ones(1, 4))})
+    opt.shutdown(timeout=1.0)
+    opt.shutdown()  # safe twice
+    assert dsa_core.open(tmp_path / "emb", mode="r").count == 1
+    with pytest.raises(RuntimeError, match="shut down"):
+        opt.step(updates={"emb": (torch.tensor([3]), torch.ones(1, 4))})
+    with pytest.raises(RuntimeError, match="shut down"):
+        opt.state_dict()
+    w = opt.state_files["emb"]["w"]
+    assert w[3].copy().tolist() == pytest.approx([-0.1] * 4)  # still readable...
+    with pytest.raises(ValueError, match="read-only"):
+        w[3] = 0.0                                           # ...never writable
+
+
+def test_resume_lock_scheduler_and_options(tmp_path):
+    init = torch.randn(30, 4)
+    opt = DiskSparseRiemannianAdam({"emb": init}, lr=0.1, disk_dir=tmp_path)
+    assert isinstance(opt, torch.optim.Optimizer)
+    with pytest.raises(StoreLockedError):
+        DiskSparseRiemannianAdam({"emb": init}, disk_dir=tmp_path)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref = dsa_core.create(tmp_path / "ref", 30, 4, init=init.numpy())
+    for t in range(4):
+        idx, g = torch.tensor([1, 2, t]), torch.randn(3, 4)
+        opt.step(updates={"emb": (idx, g)})
+        ref = dsa_core.step(ref, idx.numpy(), g.numpy(), lr=0.1 * 0.5 ** t)
+        sched.step()
+    sd = opt.state_dict()
+    opt.shutdown()
+    resumed = DiskSparseRiemannianAdam({"emb": torch.zeros(30, 4)}, lr=0.1,  # init ignored
+                                       disk_dir=tmp_path)
+    resumed.load_state_dict(sd)
+    assert resumed.param_groups[0]["lr"] == 0.1 * 0.5 ** 4
+    assert resumed.store("emb").count == 4
+    idx, g = torch.tensor([5, 2]), torch.randn(2, 4)
+    resumed.step(updates={"emb": (idx, g)})
+    ref = dsa_core.step(ref, idx.numpy(), g.numpy(), lr=0.1 * 0.5 ** 4)
+    same_store(resumed.state_files["emb"], ref)
+    with pytest.raises(ValueError, match="current_k"):
+        resumed.step(updates={"emb": (idx, g)}, current_k=1.0)
+    resumed.shutdown()
+    dsa_core.close(ref)
+    with pytest.raises(ValueError, match="weight_decay"):
+        DiskSparseRiemannianAdam({"x": init}, weight_decay=0.01, disk_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        DiskSparseRiemannianAdam({"x": init}, lr=0.0, disk_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match="inside the Poincaré ball"):
+        DiskSparseRiemannianAdam({"x": init * 10}, k=1.0, disk_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match="plain file name"):
+        DiskSparseRiemannianAdam({"a/b": init}, disk_dir=tmp_path / "x")
+    assert not (tmp_path / "x" / "x").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grads(tmp_path):
+    init = torch.randn(100, 8)
+    opt = DiskSparseRiemannianAdam({"emb": init.cuda()}, lr=0.01, disk_dir=tmp_path / "a")
+    ref = dsa_core.create(tmp_path / "ref", 100, 8, init=init.numpy(), lr=0.01)
+    for _ in range(5):
+        idx = torch.randint(0, 100, (16,), device="cuda")
+        w = torch.from_numpy(opt.state_files["emb"]["w"][idx.cpu().numpy()].copy()).cuda()
+        w.requires_grad_(True)
+        (w ** 2).mean().backward()
+        opt.step(updates={"emb": (idx, w.grad)})
+        ref = dsa_core.step(ref, idx.cpu().numpy(), w.grad.cpu().numpy())
+    same_store(opt.state_files["emb"], ref)
+    opt.shutdown()

@@ -1,0 +1,560 @@
+"""adapters.torch.DiskSparseAdam against torch.optim.SparseAdam and geoopt, in real loops.
+
+Tolerances are the spec's (ALGORITHMS.md §5): Euclidean f32 rtol=1e-5 atol=3e-6, f64
+rtol=1e-12 atol=1e-13; ball f32 (d >= 10) P atol=2e-5, M atol=5e-7, V rtol=1e-4 atol=4e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import dsa_core
+from adapters.torch import MANIFEST_KEY, DiskSparseAdam, StoreLockedError
+
+F = torch.nn.functional
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 3e-6},
+       torch.float64: {"rtol": 1e-12, "atol": 1e-13}}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def digest(path: Path) -> dict[str, str]:
+    """sha256 of every file below ``path``: proves that a rejected call wrote nothing."""
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(path).rglob("*")) if f.is_file()}
+
+
+def close(a, b, tol):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+
+
+def batch(gen, n, b=48, dup=3):
+    """Ids with heavy duplicates: row ``dup`` five times, then random rows."""
+    ids = torch.randint(0, n, (b,), generator=gen)
+    ids[:5] = dup
+    return ids[torch.randperm(b, generator=gen)]
+
+
+def compare_state(opt_ref, p_ref, opt_dsk, p_dsk, tol):
+    st = opt_dsk.store_for(p_dsk)
+    ref = opt_ref.state[p_ref]
+    assert st.count == ref["step"] == opt_dsk.state[p_dsk]["step"]
+    close(p_dsk.detach(), p_ref.detach(), tol)
+    close(st.exp_avg, ref["exp_avg"], tol)
+    close(st.exp_avg_sq, ref["exp_avg_sq"], tol)
+
+
+# -- trajectory parity ---------------------------------------------------------------------
+@pytest.mark.parametrize(("dtype", "maximize"), [(torch.float32, False),
+                                                 (torch.float32, True),
+                                                 (torch.float64, False)])
+def test_embedding_loop_matches_sparse_adam_with_scheduler(tmp_path, dtype, maximize):
+    n, d = 300, 16
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.nn.Embedding(n, d, sparse=True, dtype=dtype)
+    dsk = copy.deepcopy(ref)
+    w0 = ref.weight.detach().clone()
+    target = torch.randn(d, dtype=dtype, generator=gen)
+    kw = {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-6, "maximize": maximize}
+    o_ref = torch.optim.SparseAdam(ref.parameters(), **kw)
+    o_dsk = DiskSparseAdam(dsk.parameters(), **kw, state_dir=tmp_path / "opt")
+    s_ref = torch.optim.lr_scheduler.StepLR(o_ref, step_size=10, gamma=0.5)
+    s_dsk = torch.optim.lr_scheduler.StepLR(o_dsk, step_size=10, gamma=0.5)
+    seen = torch.zeros(n, dtype=torch.bool)
+    for _ in range(40):
+        ids = batch(gen, n)
+        seen[ids] = True
+        o_dsk.prefetch(ids)  # a page-cache hint only: results must not change
+        for emb, opt, sch in ((ref, o_ref, s_ref), (dsk, o_dsk, s_dsk)):
+            loss = ((emb(ids) - target) ** 2).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sch.step()
+    assert o_dsk.param_groups[0]["lr"] == o_ref.param_groups[0]["lr"] == 0.05 / 16
+    compare_state(o_ref, ref.weight, o_dsk, dsk.weight, TOL[dtype])
+    assert (~seen).any()
+    assert torch.equal(dsk.weight.detach()[~seen], w0[~seen])  # lazy: untouched rows exact
+    o_dsk.close()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_loop_matches_sparse_adam(tmp_path, mode):
+    n, d = 200, 12
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.nn.EmbeddingBag(n, d, mode=mode, sparse=True, padding_idx=7)
+    dsk = copy.deepcopy(ref)
+    o_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.02)
+    o_dsk = DiskSparseAdam(dsk.parameters(), lr=0.02, state_dir=tmp_path)
+    for _ in range(30):
+        ids = batch(gen, n, b=60, dup=7)  # the padding row, many times
+        offsets = torch.tensor([0, 10, 10, 25, 40])  # one empty bag
+        psw = torch.rand(60, generator=gen) if mode == "sum" else None
+        for emb, opt in ((ref, o_ref), (dsk, o_dsk)):
+            out = emb(ids, offsets, per_sample_weights=psw)
+            (out.sin().sum() + (out ** 2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    compare_state(o_ref, ref.weight, o_dsk, dsk.weight, TOL[torch.float32])
+    assert torch.equal(dsk.weight.detach()[7], ref.weight.detach()[7])
+    o_dsk.close()
+
+
+def test_two_groups_grad_none_and_empty_gradient(tmp_path):
+    """Two groups with their own lr; a param without grad gets no step; nnz=0 still counts."""
+    gen = torch.Generator().manual_seed(2)
+    ref = [torch.nn.Embedding(100, 10, sparse=True), torch.nn.Embedding(50, 10, sparse=True)]
+    dsk = copy.deepcopy(ref)
+
+    def groups(m):
+        return [{"params": m[0].parameters()}, {"params": m[1].parameters(), "lr": 0.03}]
+
+    o_ref = torch.optim.SparseAdam(groups(ref), lr=0.01)
+    o_dsk = DiskSparseAdam(groups(dsk), lr=0.01, state_dir=tmp_path)
+    sch = [torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.7) for o in (o_ref, o_dsk)]
+    for t in range(25):
+        ids0, ids1 = batch(gen, 100), batch(gen, 50, b=20, dup=1)
+        for m, opt, s in ((ref, o_ref, sch[0]), (dsk, o_dsk, sch[1])):
+            loss = (m[0](ids0) ** 2).sum()
+            if t % 3 == 0:  # the second table only every third step: grad None otherwise
+                loss = loss + m[1](ids1).cos().sum()
+            loss.backward()
+            if t == 5:  # an explicit gradient with no rows: torch counts the step
+                m[1].weight.grad = torch.sparse_coo_tensor(
+                    torch.zeros((1, 0), dtype=torch.long), torch.zeros((0, 10)), (50, 10),
+                    check_invariants=True)
+            opt.step()
+            opt.zero_grad()
+            s.step()
+    assert o_ref.state[ref[1].weight]["step"] == 10  # 9 multiples of 3 below 25, plus t=5
+    for k in range(2):
+        compare_state(o_ref, ref[k].weight, o_dsk, dsk[k].weight, TOL[torch.float32])
+    assert sorted(o_dsk.stores) == ["group0_param0", "group1_param0"]
+    o_dsk.close()
+
+
+def test_tensor_lr_and_closure(tmp_path):
+    ref = torch.nn.Embedding(40, 10, sparse=True)
+    dsk = copy.deepcopy(ref)
+    o_ref = torch.optim.SparseAdam(ref.parameters(), lr=torch.tensor(0.01))
+    o_dsk = DiskSparseAdam(dsk.parameters(), lr=torch.tensor(0.01), state_dir=tmp_path)
+    ids = torch.tensor([1, 2, 2, 9])
+    for emb, opt in ((ref, o_ref), (dsk, o_dsk)):
+        def closure(emb=emb, opt=opt):
+            opt.zero_grad()
+            loss = emb(ids).sum()
+            loss.backward()
+            return loss
+        for _ in range(3):
+            assert opt.step(closure) is not None
+    compare_state(o_ref, ref.weight, o_dsk, dsk.weight, TOL[torch.float32])
+    o_dsk.close()
+
+
+# -- Poincaré ball vs geoopt -----------------------------------------------------------------
+def _ball_init(n, d, c, gen):
+    x = torch.randn(n, d, generator=gen)
+    x = x / x.norm(dim=1, keepdim=True)
+    r = torch.rand(n, 1, generator=gen) * 0.9  # rows at the boundary (c|x|^2 -> 1) would
+    return x * r / c ** 0.5                    # need looser tolerances (spec §6)
+
+
+# Known dsa_core bug (open, also xfailed in tests/test_core_parity.py): the ball kernel
+# retracts with project(mobius_add(x, u)); spec §3.1 and geoopt's Stereographic.retr use the
+# plain Euclidean step project(x + u) (~3e-3 apart after one step). strict: once the kernel
+# is fixed these cases pass and the marker must go.
+BALL_RETRACTION_BUG = pytest.mark.xfail(
+    raises=AssertionError, strict=True,
+    reason="dsa_core bug: ball retraction is project(mobius_add(x, u)), spec says project(x+u)")
+
+
+@BALL_RETRACTION_BUG
+@pytest.mark.parametrize(("manifold", "c", "explicit"), [("ball", 1.0, False),
+                                                         ("ball", 1.0, True),
+                                                         ("stereo", 0.5, False)])
+def test_poincare_loop_matches_geoopt(tmp_path, manifold, c, explicit):
+    geoopt = pytest.importorskip("geoopt")
+    n, d = 150, 10
+    gen = torch.Generator().manual_seed(3)
+    init = _ball_init(n, d, c, gen)
+    man = geoopt.PoincareBall(c=c) if manifold == "ball" else geoopt.Stereographic(
+        torch.tensor(-c))
+    p_ref = geoopt.ManifoldParameter(init.clone(), manifold=man)
+    if explicit:  # a plain parameter, curvature given by hand
+        p_dsk = torch.nn.Parameter(init.clone())
+        o_dsk = DiskSparseAdam([p_dsk], lr=0.05, curvature=c, state_dir=tmp_path)
+    else:         # the curvature comes from the ManifoldParameter
+        p_dsk = geoopt.ManifoldParameter(init.clone(), manifold=man)
+        o_dsk = DiskSparseAdam([p_dsk], lr=0.05, state_dir=tmp_path)
+    o_ref = geoopt.optim.SparseRiemannianAdam([p_ref], lr=0.05)
+    target = torch.randn(d, generator=gen) * 0.3
+    for _ in range(40):
+        ids = batch(gen, n, b=32)
+        for p, opt in ((p_ref, o_ref), (p_dsk, o_dsk)):
+            ((F.embedding(ids, p, sparse=True) - target) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    st = o_dsk.store_for(p_dsk)
+    assert st.curvature == c and st.count == o_ref.state[p_ref]["step"]
+    close(p_dsk.detach(), p_ref.detach(), {"rtol": 0, "atol": 2e-5})
+    close(st.exp_avg, o_ref.state[p_ref]["exp_avg"], {"rtol": 0, "atol": 5e-7})
+    v_ref = o_ref.state[p_ref]["exp_avg_sq"].numpy()
+    close(np.broadcast_to(st.exp_avg_sq, v_ref.shape), v_ref, {"rtol": 1e-4, "atol": 4e-6})
+    o_dsk.close()
+
+
+def test_manifold_curvature_conflict_and_unsupported_manifolds(tmp_path):
+    geoopt = pytest.importorskip("geoopt")
+    p = geoopt.ManifoldParameter(torch.zeros(5, 3), manifold=geoopt.PoincareBall(c=1.0))
+    with pytest.raises(ValueError, match="curvature 1.0, but its group asks for curvature 2"):
+        DiskSparseAdam([p], curvature=2.0, state_dir=tmp_path / "a")
+    for man, exc, match in ((geoopt.PoincareBallExact(), TypeError, "exponential map"),
+                            (geoopt.SphereProjection(), ValueError, "not a Poincaré ball"),
+                            (geoopt.Sphere(), TypeError, "not supported")):
+        q = geoopt.ManifoldParameter(torch.zeros(5, 3), manifold=man)
+        with pytest.raises(exc, match=match):
+            DiskSparseAdam([q], state_dir=tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# -- bad inputs: clear errors, nothing written ---------------------------------------------
+@pytest.mark.parametrize("kw", [{"lr": 0.0}, {"lr": -1e-3}, {"eps": 0.0}, {"eps": -1.0},
+                                {"betas": (1.0, 0.9)}, {"betas": (0.9, 1.0)},
+                                {"betas": (-0.1, 0.9)}, {"lr": 0.0, "eps": 0.0},
+                                {"lr": torch.tensor([0.1, 0.2])}])
+def test_invalid_hyperparameters_match_torch_word_for_word(tmp_path, kw):
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError) as want:
+        torch.optim.SparseAdam([p], **kw)
+    with pytest.raises(ValueError) as got:
+        DiskSparseAdam([p], **kw, state_dir=tmp_path / "opt")
+    assert str(got.value) == str(want.value)
+    assert not (tmp_path / "opt").exists()
+
+
+def test_sparse_and_complex_params_match_torch(tmp_path):
+    dense = torch.nn.Parameter(torch.zeros(4, 3))
+    sparse = torch.nn.Parameter(torch.zeros(4, 3).to_sparse())
+    cplx = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.complex64))
+    for params in ([dense, sparse], [{"params": [dense]}, {"params": [cplx]}]):
+        with pytest.raises(ValueError) as want:
+            torch.optim.SparseAdam(params)
+        with pytest.raises(ValueError) as got:
+            DiskSparseAdam(params, state_dir=tmp_path / "opt")
+        assert str(got.value) == str(want.value)
+    assert not (tmp_path / "opt").exists()
+
+
+@pytest.mark.parametrize("shape", [(10,), (4, 3, 2), ()])
+def test_non_2d_params_refused(tmp_path, shape):
+    ok = torch.nn.Parameter(torch.zeros(4, 3))
+    bad = torch.nn.Parameter(torch.zeros(shape))
+    with pytest.raises(ValueError, match=r"needs 2-D .* parameter \[0, 1\] has shape"):
+        DiskSparseAdam([ok, bad], state_dir=tmp_path / "opt")
+    with pytest.raises(TypeError, match="float16"):
+        DiskSparseAdam([torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float16))],
+                       state_dir=tmp_path / "opt")
+    with pytest.raises(ValueError, match="needs state_dir"):
+        DiskSparseAdam([ok])
+    assert not (tmp_path / "opt").exists()
+
+
+def _trained(tmp_path, steps=3):
+    gen = torch.Generator().manual_seed(4)
+    embs = [torch.nn.Embedding(30, 6, sparse=True), torch.nn.Embedding(20, 6, sparse=True)]
+    opt = DiskSparseAdam([e.weight for e in embs], lr=0.01, state_dir=tmp_path / "opt")
+    for _ in range(steps):
+        for e in embs:
+            e(batch(gen, e.num_embeddings, b=8, dup=2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    return embs, opt
+
+
+def _bad_step(opt, embs, make_grad, exc, match):
+    before = digest(opt.state_dir)
+    w_before = [e.weight.detach().clone() for e in embs]
+    counts = [opt.store_for(e.weight).count for e in embs]
+    embs[0](torch.tensor([1, 2, 2])).sum().backward()  # a good gradient on the first...
+    embs[1].weight.grad = make_grad()                   # ...and a bad one on the second
+    with pytest.raises(exc, match=match):
+        opt.step()
+    opt.zero_grad()
+    opt.flush()
+    assert digest(opt.state_dir) == before
+    assert all(torch.equal(e.weight.detach(), w) for e, w in zip(embs, w_before))
+    assert [opt.store_for(e.weight).count for e in embs] == counts
+
+
+def test_dense_gradient_refused_with_torch_message(tmp_path):
+    embs, opt = _trained(tmp_path)
+    _bad_step(opt, embs, lambda: torch.ones(20, 6), RuntimeError,
+              "^SparseAdam does not support dense gradients, please consider Adam instead$")
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    p.grad = torch.ones(4, 3)
+    ref = torch.optim.SparseAdam([p])
+    with pytest.raises(RuntimeError) as want:
+        ref.step()
+    assert str(want.value) == "SparseAdam does not support dense gradients, please consider Adam instead"
+    opt.close()
+
+
+def test_element_sparse_gradient_refused(tmp_path):
+    embs, opt = _trained(tmp_path)
+    _bad_step(opt, embs, lambda: torch.sparse_coo_tensor(
+        torch.tensor([[1, 3], [0, 5]]), torch.tensor([1.0, 2.0]), (20, 6),
+        check_invariants=True), ValueError, "sparse_dim == 1 .* got sparse_dim=2")
+    opt.close()
+
+
+def test_out_of_range_gradient_rows_refused(tmp_path):
+    embs, opt = _trained(tmp_path)
+    _bad_step(opt, embs, lambda: torch.sparse_coo_tensor(
+        torch.tensor([[3, 25]]), torch.ones(2, 6), (20, 6), check_invariants=False),
+        IndexError, r"must lie in \[0, 20\)")
+    opt.close()
+
+
+def test_two_optimizers_on_one_state_dir(tmp_path):
+    embs, opt = _trained(tmp_path)
+    before = digest(opt.state_dir)
+    with pytest.raises(StoreLockedError, match="already used by another DiskSparseAdam"):
+        DiskSparseAdam([e.weight for e in embs], state_dir=opt.state_dir)
+    # a store opened directly is refused too (dsa_core's own writer lock)
+    opt2 = DiskSparseAdam([embs[0].weight], state_dir=tmp_path / "other")
+    with pytest.raises(StoreLockedError):
+        dsa_core.open(opt2.state_dir / "group0_param0")
+    opt2.close()
+    assert digest(opt.state_dir) == before
+    opt.close()
+    opt.close()  # safe twice
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    DiskSparseAdam([e.weight for e in embs], state_dir=opt.state_dir).close()
+
+
+def test_mismatched_store_refused_without_writing(tmp_path):
+    embs, opt = _trained(tmp_path)
+    opt.close()
+    before = digest(tmp_path / "opt")
+    wrong = [torch.nn.Parameter(torch.zeros(30, 6)), torch.nn.Parameter(torch.zeros(21, 6))]
+    with pytest.raises(ValueError, match="holds a 20 x 6 float32 table"):
+        DiskSparseAdam(wrong, state_dir=tmp_path / "opt")
+    with pytest.raises(ValueError, match="curvature"):
+        DiskSparseAdam([e.weight for e in embs], curvature=1.0, state_dir=tmp_path / "opt")
+    assert digest(tmp_path / "opt") == before
+    DiskSparseAdam([e.weight for e in embs], state_dir=tmp_path / "opt").close()
+
+
+def test_add_param_group_creates_store(tmp_path):
+    a, b = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Embedding(12, 4, sparse=True)
+    opt = DiskSparseAdam(a.parameters(), state_dir=tmp_path)
+    with pytest.raises(ValueError, match="needs 2-D"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": b.parameters(), "lr": 0.5})
+    assert list(opt.stores) == ["group0_param0", "group1_param0"]
+    b(torch.tensor([3])).sum().backward()
+    opt.step()
+    assert opt.store_for(b.weight).count == 1 and opt.store_for(a.weight).count == 0
+    opt.close()
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+def _run(opt, emb, steps, seed0):
+    for t in range(seed0, seed0 + steps):
+        gen = torch.Generator().manual_seed(100 + t)
+        ids = batch(gen, emb.num_embeddings, b=40)
+        ((emb(ids) - 0.3) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _fresh(dtype=torch.float32):
+    torch.manual_seed(7)
+    return torch.nn.Embedding(500, 12, sparse=True, dtype=dtype)
+
+
+def test_state_dict_is_a_small_manifest(tmp_path):
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.01, state_dir=tmp_path)
+    _run(opt, emb, 3, 0)
+    sd = opt.state_dict()
+    man = sd[MANIFEST_KEY]
+    assert sd["state"] == {0: {"step": 3}}
+    assert man["params"][0]["name"] == "group0_param0" and man["params"][0]["count"] == 3
+    json.dumps(man)  # plain data only
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    assert buf.tell() < 4096  # the moments (2 x 500 x 12 floats) are not in it
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert loaded[MANIFEST_KEY] == man
+    # state_dict flushed: the store's own manifest already has the count
+    assert dsa_core.open(tmp_path / "group0_param0", mode="r").count == 3
+    opt.close()
+
+
+def test_state_dict_round_trip_is_bit_exact(tmp_path):
+    emb_ref = _fresh()
+    o_ref = DiskSparseAdam(emb_ref.parameters(), lr=0.02, state_dir=tmp_path / "ref")
+    s_ref = torch.optim.lr_scheduler.StepLR(o_ref, 4, 0.5)
+    for t in range(12):
+        _run(o_ref, emb_ref, 1, t)
+        s_ref.step()
+
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "run")
+    sch = torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)
+    for t in range(6):
+        _run(opt, emb, 1, t)
+        sch.step()
+    ckpt = io.BytesIO()
+    torch.save({"model": emb.state_dict(), "opt": opt.state_dict(),
+                "sched": sch.state_dict()}, ckpt)
+    opt.close()
+    del emb, opt, sch
+
+    ckpt.seek(0)
+    ck = torch.load(ckpt, weights_only=True)
+    emb = _fresh()
+    emb.load_state_dict(ck["model"])
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "run")
+    sch = torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)
+    opt.load_state_dict(ck["opt"])
+    sch.load_state_dict(ck["sched"])
+    for t in range(6, 12):
+        _run(opt, emb, 1, t)
+        sch.step()
+    assert torch.equal(emb.weight, emb_ref.weight)
+    a, b = opt.store_for(emb.weight), o_ref.store_for(emb_ref.weight)
+    assert a.count == b.count == 12
+    assert np.array_equal(a.exp_avg, b.exp_avg) and np.array_equal(a.exp_avg_sq, b.exp_avg_sq)
+    opt.close()
+    o_ref.close()
+
+
+_RESUME_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {repo!r})
+    from adapters.torch import DiskSparseAdam
+    from tests.test_torch_adapter import _fresh, _run
+    phase, mode, d = sys.argv[1], sys.argv[2], sys.argv[3]
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=d + "/opt")
+    if phase == "first":
+        _run(opt, emb, 5, 0)
+        ck = {{"model": emb.state_dict()}}
+        if mode == "load":
+            ck["opt"] = opt.state_dict()
+        torch.save(ck, d + "/ckpt.pt")
+        # no close(): at interpreter exit the optimizer is finalized (flush + unlock); with
+        # mode "state_dir_only" nothing else flushed the count of the 5 steps
+    else:
+        ck = torch.load(d + "/ckpt.pt", weights_only=True)
+        emb.load_state_dict(ck["model"])
+        if mode == "load":
+            opt.load_state_dict(ck["opt"])
+        _run(opt, emb, 5, 5)
+        torch.save(emb.weight.detach(), d + "/final.pt")
+        opt.close()
+""")
+
+
+@pytest.mark.parametrize("mode", ["load", "state_dir_only"])
+def test_resume_in_a_new_process_is_bit_exact(tmp_path, mode):
+    script = tmp_path / "resume.py"
+    script.write_text(_RESUME_SCRIPT.format(repo=str(REPO)))
+    for phase in ("first", "second"):
+        r = subprocess.run([sys.executable, str(script), phase, mode, str(tmp_path)],
+                           check=False, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "ref")
+    _run(opt, emb, 10, 0)
+    assert torch.equal(torch.load(tmp_path / "final.pt", weights_only=True), emb.weight.detach())
+    resumed = dsa_core.open(tmp_path / "opt" / "group0_param0", mode="r")
+    st = opt.store_for(emb.weight)
+    assert resumed.count == 10
+    assert np.array_equal(resumed.exp_avg, st.exp_avg)
+    assert np.array_equal(resumed.exp_avg_sq, st.exp_avg_sq)
+    opt.close()
+
+
+def test_load_torch_sparse_adam_checkpoint(tmp_path):
+    ref = _fresh()
+    o_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.02)
+    _run(o_ref, ref, 5, 0)
+    dsk = copy.deepcopy(ref)
+    o_dsk = DiskSparseAdam(dsk.parameters(), lr=0.02, state_dir=tmp_path)
+    o_dsk.load_state_dict(o_ref.state_dict())
+    assert set(o_dsk.state[dsk.weight]) == {"step"}  # no table-sized tensors kept
+    _run(o_ref, ref, 5, 5)
+    _run(o_dsk, dsk, 5, 5)
+    compare_state(o_ref, ref.weight, o_dsk, dsk.weight, TOL[torch.float32])
+    o_dsk.close()
+
+
+def test_loading_an_older_state_dict_warns(tmp_path):
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path)
+    _run(opt, emb, 2, 0)
+    sd = opt.state_dict()
+    _run(opt, emb, 2, 2)
+    with pytest.warns(RuntimeWarning, match="not snapshots"):
+        opt.load_state_dict(sd)
+    assert opt.store_for(emb.weight).count == 2
+    bad = copy.deepcopy(sd)
+    bad[MANIFEST_KEY]["params"][0]["dim"] = 13
+    with pytest.raises(ValueError, match="500 x 13"):
+        opt.load_state_dict(bad)
+    opt.close()
+
+
+def test_pickling_refused(tmp_path):
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        copy.deepcopy(opt)
+    opt.close()
+
+
+# -- CUDA ------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bag", [False, True])
+def test_cuda_loop_matches_sparse_adam(tmp_path, bag):
+    n, d = 2000, 32
+    gen = torch.Generator().manual_seed(5)
+    if bag:
+        ref = torch.nn.EmbeddingBag(n, d, mode="mean", sparse=True).cuda()
+    else:
+        ref = torch.nn.Embedding(n, d, sparse=True).cuda()
+    dsk = copy.deepcopy(ref)
+    o_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    o_dsk = DiskSparseAdam(dsk.parameters(), lr=0.01, state_dir=tmp_path)
+    for _ in range(20):
+        ids = batch(gen, n, b=256).cuda()
+        for emb, opt in ((ref, o_ref), (dsk, o_dsk)):
+            out = emb(ids.view(32, 8)) if bag else emb(ids)
+            ((out - 0.1) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert dsk.weight.is_cuda
+    st = o_dsk.store_for(dsk.weight)
+    close(dsk.weight.detach().cpu(), ref.weight.detach().cpu(), TOL[torch.float32])
+    close(st.exp_avg, o_ref.state[ref.weight]["exp_avg"].cpu(), TOL[torch.float32])
+    close(st.exp_avg_sq, o_ref.state[ref.weight]["exp_avg_sq"].cpu(), TOL[torch.float32])
+    o_dsk.close()
