@@ -1,0 +1,585 @@
+"""adapters.jax: the optax-style sparse Adam transform over dsa_core stores (CPU).
+
+Oracles: ``dsa_core.step`` called directly on a twin store (bit-for-bit), and
+``torch.optim.SparseAdam`` driven by the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import dsa_core
+from adapters import jax as dj
+
+pytestmark = pytest.mark.jax
+
+N, D = 300, 8
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def make_twins(tmp_path: Path, name: str = "t", *, num_rows: int = N, dim: int = D,
+               curvature: float = 0.0, dtype="float32", seed: int = 0, **kw):
+    """Two stores with the same initial weights: one for the adapter, one for the oracle."""
+    rng = np.random.default_rng(seed)
+    init = rng.standard_normal((num_rows, dim)) * 0.1
+    if curvature > 0:
+        init *= 0.5 / np.sqrt(curvature) / np.abs(init).max() / np.sqrt(dim)
+    a = dsa_core.create(tmp_path / f"{name}-a", num_rows, dim, curvature=curvature,
+                        dtype=dtype, init=init, lr=1e-2, progress=False, **kw)
+    b = dsa_core.create(tmp_path / f"{name}-b", num_rows, dim, curvature=curvature,
+                        dtype=dtype, init=init, lr=1e-2, progress=False, **kw)
+    return a, b
+
+
+def batches(seed: int, steps: int, *, num_rows: int = N, dim: int = D, batch: int = 24,
+            dtype=np.float32):
+    """(ids with duplicates, unsorted; gradient rows) per step."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(0, num_rows // 3, batch)  # small range: many duplicates
+        ids[:3] = ids[3]
+        out.append((ids, rng.standard_normal((batch, dim)).astype(dtype)))
+    return out
+
+
+def assert_same_store(a: dsa_core.State, b: dsa_core.State) -> None:
+    np.testing.assert_array_equal(a.weights, b.weights)
+    np.testing.assert_array_equal(a.exp_avg, b.exp_avg)
+    np.testing.assert_array_equal(a.exp_avg_sq, b.exp_avg_sq)
+
+
+def store_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file of a store directory (to prove a rejected call wrote nothing)."""
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(path).rglob("*")) if f.is_file()}
+
+
+class CompileLog(logging.Handler):
+    """Collects JAX's 'Finished XLA compilation' log lines (``jax.log_compiles``)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.names: list[str] = []
+
+    def emit(self, record):
+        m = re.match(r"Finished XLA compilation of (\S+)", record.getMessage())
+        if m:
+            self.names.append(m.group(1))
+
+
+@pytest.fixture
+def compile_log():
+    h = CompileLog()
+    logger = logging.getLogger("jax")
+    logger.addHandler(h)
+    try:
+        with jax.log_compiles():
+            yield h
+    finally:
+        logger.removeHandler(h)
+
+
+# -- equality with dsa_core.step --------------------------------------------------------------
+@pytest.mark.parametrize("curvature", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_matches_dsa_core_step(tmp_path, curvature, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        a, b = make_twins(tmp_path, curvature=curvature, dtype=dtype)
+        tx = dj.sparse_adam(3e-2)
+        st = tx.init(a)
+        for t, (ids, g) in enumerate(batches(1, 12, dtype=dtype)):
+            if t % 3 == 0:  # raw ids with duplicates, a jax gradient
+                upd = (ids, jnp.asarray(g))
+                ref_idx, ref_g = ids, g
+            elif t % 3 == 1:  # via gather: unique rows, padded, autodiff-summed duplicates
+                batch = dj.gather(st.stores, ids, buckets="pow2")
+                gr = jax.grad(lambda r, g=g, inv=batch.inverse:
+                              jnp.sum(r[inv] * jnp.asarray(g)))(batch.rows)
+                assert gr.dtype == np.dtype(dtype)
+                assert not np.asarray(gr)[batch.num_unique:].any()
+                upd = (batch.idx, gr)
+                ref_idx = batch.idx[:batch.num_unique]
+                ref_g = np.asarray(gr)[:batch.num_unique]
+            else:  # numpy in, numpy out; B = 0 every few steps
+                upd = (ids[:0], g[:0]) if t == 5 else (ids, g)
+                ref_idx, ref_g = upd
+            rows, st = tx.update(upd, st)
+            b = dsa_core.step(b, ref_idx, ref_g, lr=3e-2)
+            assert isinstance(rows, np.ndarray) == isinstance(upd[1], np.ndarray)
+            assert rows.shape == np.shape(upd[1]) and rows.dtype == np.dtype(dtype)
+            k = len(ref_idx)
+            np.testing.assert_array_equal(np.asarray(rows)[:k], b.weights[ref_idx])
+            assert int(st.count) == t + 1
+        assert_same_store(a, b)
+        assert dj.core_states(st).count == b.count == 12
+
+
+def test_gather_dedups_and_pads(tmp_path):
+    a, _ = make_twins(tmp_path)
+    ids = np.array([[5, 2], [2, 9], [5, 5]])
+    batch = dj.gather(a, ids, buckets=(2, 4, 16))
+    assert batch.num_unique == 3
+    np.testing.assert_array_equal(batch.idx, [2, 5, 9, dj.PAD_ID])
+    assert batch.inverse.shape == ids.shape and batch.inverse.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(batch.rows)[np.asarray(batch.inverse)],
+                                  a.weights[ids])
+    assert not np.asarray(batch.rows)[3:].any()
+    # jax.grad of the block == the dense gradient restricted to the batch's rows
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 2, D)), jnp.float32)
+    gb = jax.grad(lambda r: jnp.sum(jnp.sin(r[batch.inverse]) * x))(batch.rows)
+    gd = jax.grad(lambda w: jnp.sum(jnp.sin(w[ids]) * x))(jnp.asarray(a.weights))
+    np.testing.assert_allclose(np.asarray(gb)[:3], np.asarray(gd)[[2, 5, 9]], rtol=1e-6)
+    assert not np.asarray(gb)[3:].any()
+    assert np.count_nonzero(np.asarray(gd).any(axis=1)) == 3
+    assert dj.bucket_size(100, "pow2") == 128 and dj.bucket_size(0, "pow2") == 1
+    assert dj.bucket_size(100, (64, 256)) == 256 and dj.bucket_size(300, (64, 256)) == 512
+    assert dj.bucket_size(7, None) == 7
+    with pytest.raises(ValueError, match="buckets must be"):
+        dj.bucket_size(3, "pow3")
+    with pytest.raises(TypeError, match="integer row ids"):
+        dj.gather(a, np.array([1.0, 2.0]))
+    with pytest.raises(IndexError, match=r"\[0, num_rows\)"):
+        dj.gather(a, np.array([1, N]))
+
+
+def test_padding_rows_are_not_touched(tmp_path):
+    a, b = make_twins(tmp_path)
+    tx = dj.sparse_adam(1e-2)
+    st = tx.init(a)
+    ids = np.array([4, 1, 4])
+    batch = dj.gather(st.stores, ids, buckets=(8,))
+    g = jax.grad(lambda r: jnp.sum(r[batch.inverse] ** 2))(batch.rows)
+    rows, st = tx.update((batch.idx, g), st)
+    b = dsa_core.step(b, ids, 2 * b.weights[ids], lr=1e-2)
+    assert_same_store(a, b)  # rows 0 and N-1 (what -1 would wrap to) untouched
+    assert not np.asarray(rows)[2:].any()
+    # a padded row with a nonzero gradient means the loss read batch.rows directly
+    before = a.weights.copy()
+    g_bad = jax.grad(lambda r: jnp.sum(r ** 2) + jnp.sum(r[0]))(batch.rows + 1.0)
+    with pytest.raises(ValueError, match="padding rows .* must have a zero gradient"):
+        tx.update((batch.idx, g_bad), st)
+    np.testing.assert_array_equal(a.weights, before)
+
+
+# -- equality with torch.optim.SparseAdam ------------------------------------------------------
+def _torch_setup(init: np.ndarray, lr: float):
+    torch = pytest.importorskip("torch")
+    emb = torch.nn.Embedding(init.shape[0], init.shape[1], sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(init))
+    return torch, emb, torch.optim.SparseAdam(emb.parameters(), lr=lr)
+
+
+def test_matches_torch_sparse_adam_same_grads(tmp_path):
+    a, _ = make_twins(tmp_path)
+    torch, emb, opt = _torch_setup(a.weights.copy(), 2e-2)
+    tx = dj.sparse_adam(2e-2)
+    st = tx.init(a)
+    for ids, g in batches(2, 25):
+        batch = dj.gather(st.stores, ids)
+        gr = jax.grad(lambda r, g=g, inv=batch.inverse:
+                      jnp.sum(r[inv] * jnp.asarray(g)))(batch.rows)
+        _, st = tx.update((batch.idx, gr), st)
+        k = torch.from_numpy(batch.idx[None])
+        emb.weight.grad = torch.sparse_coo_tensor(k, torch.from_numpy(np.asarray(gr).copy()),
+                                                  emb.weight.shape, check_invariants=True)
+        opt.step()
+    # spec §5 tolerances for float32 (the core's kernels may contract to FMA: not bitwise)
+    tol = {"rtol": 1e-5, "atol": 3e-6}
+    np.testing.assert_allclose(a.weights, emb.weight.detach().numpy(), **tol)
+    s = opt.state[emb.weight]
+    np.testing.assert_allclose(a.exp_avg, s["exp_avg"].numpy(), **tol)
+    np.testing.assert_allclose(a.exp_avg_sq, s["exp_avg_sq"].numpy(), **tol)
+    assert s["step"] == int(st.count) == 25
+
+
+def test_matches_torch_sparse_adam_trajectory(tmp_path):
+    """Same model and batches in both frameworks (each computes its own gradients)."""
+    a, _ = make_twins(tmp_path)
+    torch, emb, opt = _torch_setup(a.weights.copy(), 1e-2)
+    tx = dj.sparse_adam(1e-2)
+    st = tx.init(a)
+    rng = np.random.default_rng(3)
+    target = rng.standard_normal(D).astype(np.float32)
+
+    @jax.jit
+    def grad_fn(rows, inv, y):
+        def loss(rows):
+            return jnp.mean((rows[inv] @ jnp.asarray(target) - y) ** 2)
+        return jax.grad(loss)(rows)
+
+    for _ in range(30):
+        ids = rng.integers(0, 60, 32)
+        y = rng.standard_normal(32).astype(np.float32)
+        batch = dj.gather(st.stores, ids, buckets="pow2")
+        _, st = tx.update((batch.idx, grad_fn(batch.rows, batch.inverse, y)), st)
+        opt.zero_grad()
+        out = emb(torch.from_numpy(ids)) @ torch.from_numpy(target)
+        torch.mean((out - torch.from_numpy(y)) ** 2).backward()
+        opt.step()
+    np.testing.assert_allclose(a.weights, emb.weight.detach().numpy(), rtol=1e-4, atol=1e-6)
+
+
+# -- a small real model --------------------------------------------------------------------------
+def test_matrix_factorization_trains(tmp_path):
+    rng = np.random.default_rng(7)
+    nu, ni, d, r = 120, 90, 8, 3
+    U, V = rng.standard_normal((nu, r)), rng.standard_normal((ni, r))
+    stores = {"user": dsa_core.create(tmp_path / "u", nu, d, init="normal", init_scale=0.3,
+                                      progress=False),
+              "item": dsa_core.create(tmp_path / "i", ni, d, init="normal", init_scale=0.3,
+                                      seed=1, progress=False)}
+    tx = dj.sparse_adam(5e-2)
+    st = tx.init(stores)
+    assert jax.tree.leaves(st) == [st.count]  # handles are static: no leaves
+
+    @jax.jit
+    def value_and_grad(rows, inv, y):
+        def loss(rows):
+            pred = jnp.sum(rows["user"][inv["user"]] * rows["item"][inv["item"]], -1)
+            return jnp.mean((pred - y) ** 2)
+        return jax.value_and_grad(loss)(rows)
+
+    losses = []
+    for _ in range(100):
+        u, i = rng.integers(0, nu, 128), rng.integers(0, ni, 128)
+        y = np.sum(U[u] * V[i], -1).astype(np.float32)
+        bu = dj.gather(st.stores["user"], u, buckets="pow2")
+        bi = dj.gather(st.stores["item"], i, buckets="pow2")
+        loss, g = value_and_grad({"user": bu.rows, "item": bi.rows},
+                                 {"user": bu.inverse, "item": bi.inverse}, y)
+        _, st = tx.update({"user": (bu.idx, g["user"]), "item": (bi.idx, g["item"])}, st,)
+        losses.append(float(loss))
+    first, last = np.mean(losses[:10]), np.mean(losses[-10:])
+    assert last < 0.3 * first, (first, last)
+    dj.flush(st)
+    assert dsa_core.open(tmp_path / "u", mode="r").count == 100
+
+
+# -- jit: io_callback variant, no recompilation -------------------------------------------------
+def _loss(rows, inv, x):
+    return jnp.sum(jnp.tanh(rows[inv]) * x)
+
+
+def test_in_jit_matches_outside_jit(tmp_path):
+    a, b = make_twins(tmp_path)
+    tx_out, tx_in = dj.sparse_adam(1e-2), dj.sparse_adam(1e-2, in_jit=True)
+    sa, sb = tx_out.init(a), tx_in.init(b)
+
+    @jax.jit
+    def grad_fn(rows, inv, x):
+        return jax.grad(_loss)(rows, inv, x)
+
+    @jax.jit
+    def train_step(opt_state, rows, idx, inv, x):
+        return tx_in.update((idx, jax.grad(_loss)(rows, inv, x)), opt_state)
+
+    for ids, g in batches(4, 10):
+        x = jnp.asarray(g)
+        ba = dj.gather(sa.stores, ids, buckets="pow2")
+        ra, sa = tx_out.update((ba.idx, grad_fn(ba.rows, ba.inverse, x)), sa)
+        bb = dj.gather(sb.stores, ids, buckets="pow2")
+        rb, sb = train_step(sb, bb.rows, bb.idx, bb.inverse, x)
+        np.testing.assert_array_equal(np.asarray(ra), np.asarray(rb))
+    assert_same_store(a, b)
+    assert int(sb.count) == 10 and isinstance(sb.count, jax.Array)
+
+
+def test_in_jit_transform_eager_and_empty_batch(tmp_path):
+    a, b = make_twins(tmp_path)
+    tx = dj.sparse_adam(1e-2, in_jit=True)
+    st = tx.init(a)
+    ids, g = batches(17, 1)[0]
+    rows, st = tx.update((ids, jnp.asarray(g)), st)  # io_callback also runs eagerly
+    b = dsa_core.step(b, ids, g, lr=1e-2)
+    np.testing.assert_array_equal(np.asarray(rows), b.weights[ids])
+    step = jax.jit(lambda s, i, g: tx.update((i, g), s))
+    rows, st = step(st, ids[:0], jnp.zeros((0, D), jnp.float32))  # B = 0 counts a step
+    b = dsa_core.step(b, ids[:0], g[:0], lr=1e-2)
+    assert rows.shape == (0, D) and int(st.count) == 2 == dj.core_states(st).count
+    assert_same_store(a, b)
+
+
+def test_float64_store_needs_x64(tmp_path):
+    s = dsa_core.create(tmp_path / "f64", 10, 4, dtype="float64", progress=False)
+    with jax.enable_x64(False):
+        with pytest.raises(TypeError, match="store is float64 but JAX is in 32-bit mode"):
+            dj.gather(s, [1, 2])
+        st = dj.sparse_adam(1e-2).init(s)
+        with pytest.raises(TypeError, match="float64 needs jax.config.update"):
+            dj.sparse_adam(1e-2).update(([1], jnp.ones((1, 4))), st)
+
+
+def test_in_jit_scan_keeps_rows_on_device(tmp_path):
+    """lax.scan of several steps on one batch, carrying the rows update returns."""
+    a, b = make_twins(tmp_path)
+    tx_in, tx_out = dj.sparse_adam(1e-2, in_jit=True), dj.sparse_adam(1e-2)
+    sa, sb = tx_in.init(a), tx_out.init(b)
+    ids = np.array([7, 3, 7, 11, 0])
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((5, D)), jnp.float32)
+    batch = dj.gather(sa.stores, ids)
+
+    @jax.jit
+    def run(opt_state, rows):
+        def body(carry, _):
+            st, r = carry
+            new_rows, st = tx_in.update((batch.idx, jax.grad(_loss)(r, batch.inverse, x)), st)
+            return (st, new_rows), None
+        return jax.lax.scan(body, (opt_state, rows), None, length=6)[0]
+
+    sa, rows = run(sa, batch.rows)
+    r = dj.gather(sb.stores, ids).rows
+    for _ in range(6):
+        r, sb = tx_out.update((batch.idx, jax.grad(_loss)(r, batch.inverse, x)), sb)
+    # the scan body and the eager grad are compiled apart: tanh may differ in the last bit
+    np.testing.assert_allclose(np.asarray(rows), np.asarray(r), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(rows), a.weights[batch.idx])
+    np.testing.assert_allclose(a.weights, b.weights, rtol=1e-5, atol=1e-7)
+    assert int(sa.count) == int(sb.count) == 6
+
+
+def test_second_jitted_step_does_not_recompile(tmp_path, compile_log):
+    a, b = make_twins(tmp_path)
+    tx_in, tx_out = dj.sparse_adam(1e-2, in_jit=True), dj.sparse_adam(1e-2)
+    sa, sb = tx_in.init(a), tx_out.init(b)
+
+    @jax.jit
+    def train_step(opt_state, rows, idx, inv, x):
+        return tx_in.update((idx, jax.grad(_loss)(rows, inv, x)), opt_state)
+
+    @jax.jit
+    def grad_fn(rows, inv, x):
+        return jax.grad(_loss)(rows, inv, x)
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((24, D)), jnp.float32)
+    seen = []
+    for step in range(4):
+        ids = rng.integers(0, 200, 24)  # a different number of unique ids each step ...
+        ba = dj.gather(sa.stores, ids, buckets=(32,))  # ... one bucket
+        bb = dj.gather(sb.stores, ids, buckets=(32,))
+        seen.append(ba.num_unique)
+        _, sa = train_step(sa, ba.rows, ba.idx, ba.inverse, x)
+        _, sb = tx_out.update((bb.idx, grad_fn(bb.rows, bb.inverse, x)), sb)
+        jax.block_until_ready(sa.count)
+        if step == 0:
+            assert any("train_step" in n for n in compile_log.names)
+            assert any("grad_fn" in n for n in compile_log.names)
+            compile_log.names.clear()
+    assert len(set(seen)) > 1
+    assert compile_log.names == []  # steps 2-4: nothing compiled at all
+    assert train_step._cache_size() == 1 and grad_fn._cache_size() == 1
+    assert_same_store(a, b)
+
+
+# -- several tables ---------------------------------------------------------------------------
+def test_dict_of_tables(tmp_path):
+    u_a, u_b = make_twins(tmp_path, "u")
+    i_a, i_b = make_twins(tmp_path, "i", num_rows=50, dim=4, curvature=0.5, seed=1)
+    tx = dj.sparse_adam(5e-2)
+    st = tx.init({"user": u_a, "item": i_a})
+    for t, ((iu, gu), (ii, gi)) in enumerate(zip(batches(8, 6), batches(9, 6, num_rows=50,
+                                                                         dim=4))):
+        if t == 2:
+            ii, gi = ii[:0], gi[:0]  # B = 0 for one table still counts its step
+        rows, st = tx.update({"item": (ii, jnp.asarray(gi)), "user": (iu, jnp.asarray(gu))}, st)
+        assert set(rows) == {"user", "item"} and rows["item"].shape == (len(ii), 4)
+        u_b = dsa_core.step(u_b, iu, gu, lr=5e-2)
+        i_b = dsa_core.step(i_b, ii, gi, lr=5e-2)
+    assert_same_store(u_a, u_b)
+    assert_same_store(i_a, i_b)
+    cores = dj.core_states(st)
+    assert cores["user"].count == cores["item"].count == 6
+    with pytest.raises(ValueError, match="structure of the stores"):
+        tx.update({"user": (iu, gu)}, st)
+
+
+def test_stores_must_share_one_count(tmp_path):
+    a, b = make_twins(tmp_path)
+    b = dsa_core.step(b, [1], np.ones((1, D), np.float32))
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        dj.sparse_adam(1e-2).init({"a": a, "b": b})
+    with pytest.raises(ValueError, match="appears twice"):
+        dj.sparse_adam(1e-2).init([a, a])
+    with pytest.raises(TypeError, match="init takes open dsa_core stores"):
+        dj.sparse_adam(1e-2).init({"a": jnp.zeros((N, D))})
+
+
+# -- learning-rate schedules -----------------------------------------------------------------
+def test_schedule_lr_per_step(tmp_path):
+    a, b = make_twins(tmp_path)
+    calls = []
+
+    def schedule(count):
+        calls.append(int(count))
+        return 0.05 * 0.7 ** float(count)
+
+    tx = dj.sparse_adam(schedule)
+    st = tx.init(a)
+    for t, (ids, g) in enumerate(batches(10, 8)):
+        _, st = tx.update((ids, g), st)
+        b = dsa_core.step(b, ids, g, lr=0.05 * 0.7**t)  # optax: lr of step t+1 = schedule(t)
+    assert calls == list(range(8))
+    assert_same_store(a, b)
+
+
+def test_optax_schedule_in_and_out_of_jit(tmp_path):
+    optax = pytest.importorskip("optax")
+    a, b = make_twins(tmp_path)
+    c, _ = make_twins(tmp_path, "c")
+    sched = optax.linear_schedule(5e-2, 1e-2, transition_steps=5)
+    tx_out, tx_in = dj.sparse_adam(sched), dj.sparse_adam(sched, in_jit=True)
+    sa, sc = tx_out.init(a), tx_in.init(c)
+    step_in = jax.jit(lambda s, i, g: tx_in.update((i, g), s))
+    for t, (ids, g) in enumerate(batches(11, 7)):
+        _, sa = tx_out.update((ids, g), sa)
+        _, sc = step_in(sc, ids, jnp.asarray(g))
+        b = dsa_core.step(b, ids, g, lr=float(sched(t)))
+    assert_same_store(a, b)
+    np.testing.assert_allclose(c.weights, b.weights, rtol=1e-6, atol=1e-7)
+
+
+def test_zero_lr_from_schedule_moves_moments_only(tmp_path):
+    a, b = make_twins(tmp_path)
+    tx = dj.sparse_adam(lambda count: 0.0 if int(count) == 0 else 1e-2)
+    st = tx.init(a)
+    ids, g = batches(12, 1)[0]
+    w0 = a.weights.copy()
+    _, st = tx.update((ids, g), st)
+    b = dsa_core.step(b, ids, g, lr=1e-2)
+    np.testing.assert_array_equal(a.weights, w0)  # lr 0: weights unchanged
+    np.testing.assert_array_equal(a.exp_avg, b.exp_avg)  # Euclidean moments: lr-independent
+    np.testing.assert_array_equal(a.exp_avg_sq, b.exp_avg_sq)
+    tx_bad = dj.sparse_adam(lambda count: -1.0)
+    st = tx_bad.init(dj.core_states(st))
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+        tx_bad.update((ids, g), st)
+
+
+def test_store_hyperparameters(tmp_path):
+    a, b = make_twins(tmp_path)
+    tx = dj.sparse_adam(b1=0.5, eps=1e-6)  # lr: the store's own (1e-2)
+    st = tx.init(a)
+    ids, g = batches(13, 1)[0]
+    _, st = tx.update((ids, g), st)
+    b = dsa_core.step(b._replace(betas=(0.5, 0.999), eps=1e-6), ids, g)
+    assert_same_store(a, b)
+    dj.flush(st)
+    assert dsa_core.open(a.path, mode="r").betas == (0.5, 0.999)
+    for kw, msg in [({"learning_rate": 0.0}, "Invalid learning rate"),
+                    ({"b2": 1.0}, "Invalid beta parameter b2"),
+                    ({"eps": -1.0}, "Invalid epsilon value")]:
+        with pytest.raises(ValueError, match=msg):
+            dj.sparse_adam(**kw)
+
+
+def test_weights_false_store_takes_params(tmp_path):
+    a = dsa_core.create(tmp_path / "a", N, D, weights=False, progress=False)
+    b = dsa_core.create(tmp_path / "b", N, D, weights=False, progress=False)
+    table = np.random.default_rng(14).standard_normal((N, D)).astype(np.float32)
+    ref = table.copy()
+    tx = dj.sparse_adam(1e-2)
+    st = tx.init(a)
+    for ids, g in batches(15, 4):
+        rows, st = tx.update((ids, jnp.asarray(g)), st, params=jnp.asarray(table[ids]))
+        table[ids] = np.asarray(rows)
+        p = ref[ids].copy()
+        b = dsa_core.step(b, ids, g, lr=1e-2, params=p)
+        ref[ids] = p
+    np.testing.assert_array_equal(table, ref)
+    with pytest.raises(ValueError, match="weights=False: pass the current weight rows"):
+        tx.update((ids, g), st)
+
+
+# -- bad inputs leave the stores byte-identical ---------------------------------------------
+def test_bad_inputs_leave_stores_unchanged(tmp_path):
+    u, _ = make_twins(tmp_path, "u")
+    other, _ = make_twins(tmp_path, "o", dim=D + 1)
+    tx = dj.sparse_adam(1e-2)
+    st = tx.init({"user": u, "other": other})
+    ids = np.array([3, 1, 3])
+    g = np.ones((3, D), np.float32)
+    go = np.ones((3, D + 1), np.float32)
+    ok = (ids, go)
+    before = {p: store_digest(p) for p in (u.path, other.path)}
+    cases = [
+        ({"user": jnp.zeros((N, D)), "other": ok}, TypeError,
+         (r"table \['user'\]: update takes row gradients \(idx, grad_rows\), got a dense "
+          r"table gradient of shape \(300, 8\)")),
+        ({"user": (None, np.zeros((N, D), np.float32)), "other": ok}, TypeError,
+         "dense table gradient"),
+        ({"user": (ids, np.zeros((N, D), np.float32)), "other": ok}, ValueError,
+         "looks like a dense table gradient"),
+        ({"user": (ids, g.astype(np.float64)), "other": ok}, TypeError,
+         "must have the store dtype float32, got float64"),
+        ({"user": (ids, go), "other": ok}, ValueError,
+         r"shape \(len\(idx\), dim\) = \(3, 8\), got \(3, 9\); the store has another dim"),
+        ({"user": (ids[:2], g), "other": ok}, ValueError,
+         "same length, got 2 ids and 3 gradient rows"),
+        ({"user": (ids.astype(np.float32), g), "other": ok}, TypeError, "integer row ids"),
+        ({"user": (ids[:, None], g), "other": ok}, ValueError, "idx must be 1-D"),
+        ({"user": (ids, g), "other": (np.array([0, 1, N + 50]), go)}, IndexError,
+         r"table \['other'\]: idx must lie in \[0, num_rows\)"),
+        ({"user": (ids, g), "other": (np.array([0, -1, 2]), go)}, IndexError,
+         "trailing block"),
+        ({"user": (ids, g), "other": (np.array([0, 1, 2, -1]), np.ones((4, D + 1),
+                                                                   np.float32))},
+         ValueError, "padding rows"),
+        ({"user": (ids, g)}, ValueError, "structure of the stores"),
+    ]
+    for upd, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            tx.update(upd, st)
+    # the in_jit variant raises the static errors while tracing
+    tx_in = dj.sparse_adam(1e-2, in_jit=True)
+    st_in = tx_in.init(dj.core_states(st))
+    with pytest.raises(TypeError, match="must have the store dtype float32"):
+        jax.jit(lambda s, a, b: tx_in.update({"user": (a, b), "other": ok}, s))(
+            st_in, ids, jnp.ones((3, D), jnp.int32))
+    with pytest.raises(TypeError, match="dense table gradient"):
+        jax.jit(lambda s, w: tx_in.update({"user": w, "other": ok}, s))(
+            st_in, jnp.zeros((N, D)))
+    # ... and the value errors in the callback, as a JAX runtime error with our message
+    with pytest.raises(Exception, match=r"idx must lie in \[0, num_rows\)"):
+        out = jax.jit(lambda s, i: tx_in.update({"user": (i, g), "other": ok}, s))(
+            st_in, jnp.array([0, 1, N]))
+        jax.block_until_ready(out)
+    jax.effects_barrier()
+    after = {p: store_digest(p) for p in (u.path, other.path)}
+    assert after == before
+    assert dj.core_states(st_in)["user"].count == 0
+
+
+def test_stale_and_misused_states(tmp_path):
+    a, _ = make_twins(tmp_path)
+    tx = dj.sparse_adam(1e-2)
+    st0 = tx.init(a)
+    ids, g = batches(16, 1)[0]
+    _, st1 = tx.update((ids, g), st0)
+    with pytest.raises(RuntimeError, match="stale optimizer state: its count is 0"):
+        tx.update((ids, g), st0)
+    with pytest.raises(RuntimeError, match="inside jax.jit"):
+        jax.jit(lambda s, g: tx.update((ids, g), s)[1].count)(st1, jnp.asarray(g))
+    with pytest.raises(RuntimeError, match="stale"):
+        tx.init(a)  # `a` is the count-0 dsa_core.State, the store is at 1
+    st2 = tx.init(dj.core_states(st1))  # fine: retires st1's handles
+    with pytest.raises(RuntimeError, match="superseded by a later init"):
+        tx.update((ids, g), st1)
+    _, st2 = tx.update((ids, g), st2)
+    dj.close(st2)
+    with pytest.raises(ValueError, match="closed"):
+        tx.update((ids, g), st2)
+
+
+def test_warmup_runs():
+    dj.warmup(("float32",))
