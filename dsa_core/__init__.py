@@ -14,7 +14,7 @@ The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit
 """
 
 from ._format import FORMAT_VERSION, StoreLockedError
-from ._prefetch import prefetch, prefetched, residency
+from ._prefetch import prefetch, prefetched, residency, writeback
 from ._state import State, checkpoint, close, create, flush, open, remove
 from ._step import gather, step, threads, warmup
 
@@ -37,4 +37,5 @@ __all__ = [
     "step",
     "threads",
     "warmup",
+    "writeback",
 ]

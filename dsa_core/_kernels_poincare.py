@@ -29,7 +29,7 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         L = 2 / max(1 + k<x,x>, 1e-15);  rg = g / L^2
         m = m*b1 + a1*rg;  v = v*b2 + a2*(L^2 <rg,rg>)
         u = -lr * (m / bc1) / (sqrt(v / bc2) + eps)
-        y = project(x (+)_k u);   m <- gyr[y, -x] m * L(x) / L(y)
+        y = project(x + u);       m <- gyr[y, -x] m * L(x) / L(y)
 
     ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign (T values).
     """
@@ -82,22 +82,11 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         v = rec[voff] * b2 + a2 * w
         rec[voff] = v
         den = np.sqrt(v / bc2) + eps
-        # u = -lr * m_hat / den, into Y; reductions for the Mobius addition
-        acc_xu = 0.0
-        acc_uu = 0.0
-        for j in range(d):
-            u = neg_lr * ((m_[j] / bc1) / den)
-            y_[j] = u
-            acc_xu += x_[j] * u
-            acc_uu += u * u
-        xu = T(acc_xu)
-        uu = T(acc_uu)
-        cx = (one - (two * k) * xu) - k * uu
-        cu = one + k * xx
-        dmob = max((one - (two * k) * xu) + (K2 * xx) * uu, tiny)
+        # retraction (geoopt Stereographic.retr, spec §3.1): y = project(x + u), a plain
+        # Euclidean step, u = -lr * m_hat / den
         acc = 0.0
         for j in range(d):
-            y = (cx * x_[j] + cu * y_[j]) / dmob
+            y = x_[j] + neg_lr * ((m_[j] / bc1) / den)
             y_[j] = y
             acc += y * y
         # projection onto the ball of radius maxnorm

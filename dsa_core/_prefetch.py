@@ -34,6 +34,10 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _fadvise = _libc.posix_fadvise
 _fadvise.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
 _fadvise.restype = ctypes.c_int
+_sync_file_range = _libc.sync_file_range
+_sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_sync_file_range.restype = ctypes.c_int
+SYNC_FILE_RANGE_WRITE = 2
 _mincore = _libc.mincore
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _mincore.restype = ctypes.c_int
@@ -42,8 +46,13 @@ _mincore.restype = ctypes.c_int
 # Not cache=True: the ctypes function address is baked into the machine code and changes from
 # process to process (ASLR), so a cached build would call a stale address.
 @njit(nogil=True)
-def _advise_rows(fd, rows, header, rec_bytes, page, advice):
-    """fadvise each record range of the sorted ``rows``, merging ranges that share pages."""
+def _advise_rows(fd, rows, header, rec_bytes, page, advice, write):
+    """Hint each record range of the sorted ``rows``, merging ranges that share pages.
+
+    ``write=False``: ``posix_fadvise(advice)`` (read-ahead). ``write=True``:
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which starts writing the dirty pages back
+    without waiting, so that memory pressure later finds clean pages to drop.
+    """
     done_to = -1
     calls = 0
     for t in range(rows.shape[0]):
@@ -54,7 +63,10 @@ def _advise_rows(fd, rows, header, rec_bytes, page, advice):
         if p0 < done_to:
             p0 = done_to
         if p1 > p0:
-            _fadvise(fd, p0, p1 - p0, advice)
+            if write:
+                _sync_file_range(fd, p0, p1 - p0, advice)
+            else:
+                _fadvise(fd, p0, p1 - p0, advice)
             done_to = p1
             calls += 1
     return calls
@@ -86,20 +98,22 @@ class Prefetcher:
 
     def _run(self) -> None:
         while True:
-            rows = self._q.get()
+            item = self._q.get()
             try:
-                if rows is None:
+                if item is None:
                     return
+                write, rows = item
                 fd = self._store._fd
                 if fd >= 0 and not self._store.closed:
+                    advice = SYNC_FILE_RANGE_WRITE if write else _WILLNEED
                     self.calls += _advise_rows(fd, rows, HEADER_BYTES, self._rec_bytes, PAGE,
-                                               _WILLNEED)
+                                               advice, write)
                     self.batches += 1
             finally:
                 self._q.task_done()
 
-    def submit(self, rows: np.ndarray) -> None:
-        self._q.put(np.unique(rows))
+    def submit(self, rows: np.ndarray, write: bool = False) -> None:
+        self._q.put((write, np.unique(rows)))
 
     def join(self) -> None:
         """Wait until every submitted hint has been issued (not until the reads finish)."""
@@ -139,27 +153,54 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
             pf.join()
 
 
-def prefetched(state, batches: Iterable[Any], *, ahead: int = 1,
+def writeback(state, idx: Any) -> None:
+    """Start writing the (just updated) records of rows ``idx`` back to disk, in the background.
+
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the pages are queued for writing and stay
+    cached, but are clean once written, so when memory is short the kernel can drop them
+    without stalling the next step on dirty-page writeback. A hint, not a durability point:
+    :func:`dsa_core.flush` still decides what is durable.
+    """
+    from ._step import as_index
+
+    st = state.store
+    if st.closed or st.mode != "r+":
+        return
+    rows = as_index(idx, st.num_rows)
+    if rows.size:
+        _prefetcher(state).submit(rows, write=True)
+
+
+def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, write_behind: bool = True,
                key=None) -> Iterator[Any]:
     """Yield ``batches`` unchanged while read-ahead runs ``ahead`` batches in front.
 
     ``key(batch)`` extracts the row ids (default: the batch itself, or its first element if
-    it is a tuple). Typical use::
+    it is a tuple). With ``write_behind`` the rows of each batch are handed to
+    :func:`writeback` once the caller asks for the next batch (its step is done). Typical use::
 
         for idx, grad in dsa_core.prefetched(state, loader):
             state = dsa_core.step(state, idx, grad)
+
+    The ``state`` passed in only locates the store; stepping with newer states is fine.
     """
     if key is None:
         def key(b):
             return b[0] if isinstance(b, tuple) else b
-    it = iter(batches)
     window: list[Any] = []
-    for b in it:
+    last = None
+    for b in batches:
         window.append(b)
         prefetch(state, key(b))
         if len(window) > ahead:
-            yield window.pop(0)
-    yield from window
+            last = window.pop(0)
+            yield last
+            if write_behind:
+                writeback(state, key(last))
+    for b in window:
+        yield b
+        if write_behind:
+            writeback(state, key(b))
 
 
 def residency(state, idx: Any) -> float:

@@ -118,7 +118,7 @@ def poincare_step(P, M, V, idx, G, t, *, curvature, lr, betas=(0.9, 0.999), eps=
     bc2 = 1 - b2**t
     den = np.sqrt(v / T(bc2)) + T(eps)
     u = T(-lr) * ((m / T(bc1)) / den)
-    y = project(mobius_add(x, u, k), maxnorm(curvature, ball_eps, P.dtype))
+    y = project(x + u, maxnorm(curvature, ball_eps, P.dtype))  # retraction: x + u, projected
     m_t = (gyration(y, -x, m, k) * lam) / lambda_x(y, k)
     P[uidx] = y
     M[uidx] = m_t

@@ -95,13 +95,15 @@ class State(NamedTuple):
 
 
 # -- validation ------------------------------------------------------------------------------
-def check_lr(lr: Any) -> float:
+def check_lr(lr: Any, *, allow_zero: bool = False) -> float:
+    """A finite lr > 0 (or >= 0 for a per-step value: schedules may reach 0)."""
     try:
         lr = float(lr)
     except (TypeError, ValueError):
         raise TypeError(f"lr must be a real number > 0, got {lr!r}") from None
-    if not (math.isfinite(lr) and lr > 0.0):
-        raise ValueError(f"Invalid learning rate: {lr}; lr must be a finite number > 0")
+    if not (math.isfinite(lr) and (lr >= 0.0 if allow_zero else lr > 0.0)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"Invalid learning rate: {lr}; lr must be a finite number {bound}")
     return lr
 
 

@@ -69,7 +69,8 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     grad : array-like, shape (B, dim), the store dtype
         Gradient rows, one per id.
     lr : float, optional
-        Learning rate for this step (schedules); defaults to ``state.lr``.
+        Learning rate for this step (schedules); defaults to ``state.lr``. May be 0 (warm-up
+        schedules): the moments still advance, the weights stay put.
     params : ndarray, shape (B, dim), store dtype, writeable
         Only for ``weights=False`` stores: the current weight rows for ``idx`` (row ``k`` is
         the weight of ``idx[k]``). They are updated in place; duplicate ids all receive the
@@ -98,7 +99,7 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     """
     _require_writable(state)
     st = state.store
-    lr = state.lr if lr is None else check_lr(lr)
+    lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
     idx = as_index(idx, st.num_rows)
     b = idx.shape[0]
     grad = _as_rows(grad, b, st.dim, st.dtype, "grad")
@@ -208,19 +209,30 @@ def threads(n: int) -> Iterator[None]:
         numba.set_num_threads(old)
 
 
-def warmup(dtypes=("float32", "float64")) -> None:
-    """Compile (or load from numba's cache) every kernel specialisation used by ``step``."""
+def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
+    """Compile (or load from numba's cache) every kernel specialisation used by ``step``.
+
+    ``readonly=True`` also builds the variants for read-only gradients (``np.asarray`` of a
+    JAX array, a read-only memmap): numba compiles those separately.
+    """
+    rows = np.arange(2, dtype=np.int64)
     for dt in dtypes:
         dt = np.dtype(dt)
         T = dt.type
         data = np.zeros((2, 6), dt)
-        G = np.zeros((2, 2), dt)
-        rows = np.arange(2, dtype=np.int64)
-        adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, T(1), T(0.1), T(0.001), T(1e-8),
-                         T(-1e-3), False)
-        hp = np.zeros(HP_SIZE, dt)
-        adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.empty_like(G), hp, False)
-        coalesce(np.array([1, 0, 1], np.int64), np.zeros((3, 2), dt))
+        grads = [np.zeros((2, 2), dt)]
+        if readonly:
+            ro = np.zeros((2, 2), dt)
+            ro.flags.writeable = False
+            grads.append(ro)
+        for G in grads:
+            adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, T(1), T(0.1), T(0.001),
+                             T(1e-8), T(-1e-3), False)
+            hp = np.zeros(HP_SIZE, dt)
+            adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), hp,
+                               False)
+            idx = np.array([1, 0], np.int64)
+            coalesce(idx, G)
         gather_rows(data, rows, 0, np.empty((2, 2), dt))
     is_strictly_increasing(rows)
     bounds(rows)

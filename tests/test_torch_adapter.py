@@ -170,16 +170,6 @@ def _ball_init(n, d, c, gen):
     return x * r / c ** 0.5                    # need looser tolerances (spec §6)
 
 
-# Known dsa_core bug (open, also xfailed in tests/test_core_parity.py): the ball kernel
-# retracts with project(mobius_add(x, u)); spec §3.1 and geoopt's Stereographic.retr use the
-# plain Euclidean step project(x + u) (~3e-3 apart after one step). strict: once the kernel
-# is fixed these cases pass and the marker must go.
-BALL_RETRACTION_BUG = pytest.mark.xfail(
-    raises=AssertionError, strict=True,
-    reason="dsa_core bug: ball retraction is project(mobius_add(x, u)), spec says project(x+u)")
-
-
-@BALL_RETRACTION_BUG
 @pytest.mark.parametrize(("manifold", "c", "explicit"), [("ball", 1.0, False),
                                                          ("ball", 1.0, True),
                                                          ("stereo", 0.5, False)])

@@ -161,10 +161,6 @@ def test_mixed_model_with_a_dense_optimizer(tmp_path):
     dsk["emb"].close()
 
 
-# Known dsa_core bug: see BALL_RETRACTION_BUG in tests/test_torch_adapter.py.
-@pytest.mark.xfail(raises=AssertionError, strict=True,
-                   reason="dsa_core bug: ball retraction is project(mobius_add(x, u)), spec "
-                          "says project(x+u)")
 def test_poincare_embedding_matches_geoopt(tmp_path):
     geoopt = pytest.importorskip("geoopt")
     n, d = 120, 10
