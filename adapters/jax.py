@@ -68,9 +68,6 @@ PAD_ID = -1
 """Row id of a padding row in ``Batch.idx``: its gradient must be zero and it is never stepped."""
 
 _INT32_MAX = 2**31 - 1
-# lr == 0 (e.g. a warmup schedule at count 0) is not accepted by dsa_core.step; the adapter
-# steps with this lr (which rounds the weight update to zero) and restores the weight rows.
-_TINY_LR = float(np.finfo(np.float64).tiny)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,20 +554,10 @@ def _host_step(handles: list[StoreHandle], count: int, lr: float | None, idxs: l
             p_t = np.array(np.asarray(p)[:n], dtype=h.dtype, order="C")  # writable copy
         plans.append((h, idx.shape[0], n, idx_t, g_t, p_t))
 
-    zero_lr = lr == 0.0
     out = []
     for h, b, n, idx_t, g_t, p_t in plans:
-        core = h._core
-        saved = None
-        if zero_lr and n:
-            saved = p_t.copy() if p_t is not None else dsa_core.gather(core, idx_t)
-        h._core = dsa_core.step(core, idx_t, g_t, lr=_TINY_LR if zero_lr else lr,
-                                params=p_t)
-        if saved is not None:  # lr == 0: moments moved, weights restored bit for bit
-            if p_t is not None:
-                p_t[...] = saved
-            else:
-                h._core.weights[idx_t] = saved
+        # lr may be 0 (a warm-up schedule): dsa_core.step accepts it per step
+        h._core = dsa_core.step(h._core, idx_t, g_t, lr=lr, params=p_t)
         if not return_rows:
             out.append(None)
             continue
@@ -681,10 +668,8 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
     step ``t`` uses ``schedule(t - 1)``). Outside ``jit`` it is called on the host with a
     numpy int32 scalar; with ``in_jit=True`` it is traced into the program (optax schedules
     work in both), and in float32 the two evaluations can differ in the last bit.
-    ``dsa_core.step`` refuses ``lr == 0``; for a schedule that returns 0 the adapter steps
-    with the smallest positive lr and restores the weight rows: the weights stay
-    bit-identical and the moments move as with lr 0 (exactly for ``curvature == 0``; for
-    ``c > 0`` the momentum is transported along a step of about 0).
+    A schedule may return 0 (warm-up): the weights then stay where they are and the moments
+    advance, as ``dsa_core.step(..., lr=0)`` does.
 
     **Inside jit** (``in_jit=True``): the callback is ordered, so steps run once each, in
     program order, and are never removed as dead code; it cannot be ``vmap``-ed, has no
