@@ -132,7 +132,10 @@ def check_hparams(lr, betas, eps, maximize, nonfinite) -> tuple:
 
 
 def check_dtype(dtype: Any) -> np.dtype:
-    name = getattr(dtype, "name", None) or str(dtype)
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = getattr(dtype, "name", None) or str(dtype)
     if name in ("float16", "half", "bfloat16", "torch.float16", "torch.bfloat16"):
         raise ValueError(
             f"dtype {name} is not supported: float16 rounds eps=1e-8 to 0 and underflows "

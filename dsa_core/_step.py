@@ -35,6 +35,8 @@ def as_index(idx: Any, num_rows: int, name: str = "idx") -> np.ndarray:
                          f"{arr.shape}; flatten it with {name}.reshape(-1) and reshape the "
                          "gradient to (len(idx), dim) to match")
     arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if not arr.flags.writeable:  # e.g. np.asarray(jax.Array): keep one numba specialisation
+        arr = arr.copy()
     if arr.shape[0]:
         lo, hi = bounds(arr)
         if lo < 0 or hi >= num_rows:

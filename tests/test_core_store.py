@@ -262,10 +262,6 @@ def test_after_warmup_readonly_grad_compiles_nothing(warmup_report):
     assert warmup_report["read-only grad"] == warmup_report["warmup"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: read-only int64 row ids (np.asarray of an int64 jax.Array, a read-only memmap) "
-    "compile new specialisations of bounds, is_strictly_increasing and the Adam kernels "
-    "that warmup() does not cover; as_index() could copy them (one B x 8-byte copy)"))
 def test_after_warmup_readonly_idx_compiles_nothing(warmup_report):
     assert warmup_report["read-only idx"] == warmup_report["read-only grad"]
 
