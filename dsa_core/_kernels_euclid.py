@@ -10,6 +10,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ._intrinsics import prefetch_line
+
+PREFETCH_ROWS = 4  # software-prefetch distance, in rows of the batch
+
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, neg_s,
@@ -29,6 +33,8 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
     n = srows.shape[0]
     d = G.shape[1]
     for i in prange(n):
+        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+            _prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
         g_ = G[i]
         if skip_nonfinite:
             ok = True
@@ -54,3 +60,13 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
             m_[j] = m2
             v_[j] = v2
             w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+
+
+@njit(inline="always")
+def _prefetch_record(S, sr, W, wr, woff, d):
+    line = 64 // S.itemsize
+    for c in range(0, S.shape[1], line):
+        prefetch_line(S, sr, c)
+    if W is not S:  # weights=False: the caller's weight row is a separate array
+        for c in range(woff, woff + d, line):
+            prefetch_line(W, wr, c)
