@@ -235,10 +235,10 @@ def main(argv=None):
         a.rows, a.steps, a.geoopt_steps, a.batch, a.dim = [5000], 5, 3, 64, 16
         a.name = "warm_smoke"
     workdir = a.workdir or tempfile.gettempdir()
-    import numba
+    import dsa_core
 
     print(f"warm benchmark: rows {a.rows}, dist {a.dist}, batch {a.batch}, dim {a.dim}, "
-          f"numba threads {numba.get_num_threads()}")
+          f"dsa_core threads {dsa_core.get_threads()}")
     rows = run(a.rows, a.dist, a.impls, a.steps, a.batch, a.dim, workdir, a.geoopt_steps)
     print()
     print_table(rows, ["rows", "dist", "impl", "rows_per_s", "vs_anchor", "p50_ms", "p99_ms",
@@ -249,7 +249,7 @@ def main(argv=None):
             small, big = by.get((1_000_000, dist, name)), by.get((10_000_000, dist, name))
             if small and big:
                 print(f"{name} {dist}: p50 at 10M / 1M = {big['p50_ms'] / small['p50_ms']:.2f}")
-    meta = {"machine": machine(), "args": vars(a), "numba_threads": numba.get_num_threads()}
+    meta = {"machine": machine(), "args": vars(a), "dsa_threads": dsa_core.get_threads()}
     base = write_results(a.name, rows, meta, plot)
     print(f"wrote {base}.json/.csv/.png")
 

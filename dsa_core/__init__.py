@@ -16,6 +16,7 @@ The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit
 from ._format import FORMAT_VERSION, StoreLockedError
 from ._prefetch import prefetch, prefetched, residency, writeback
 from ._state import State, checkpoint, close, create, flush, open, remove
+from ._pool import get_threads
 from ._step import gather, step, threads, warmup
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "create",
     "flush",
     "gather",
+    "get_threads",
     "open",
     "prefetch",
     "prefetched",

@@ -1,23 +1,23 @@
 """Numba kernel: row-wise Euclidean lazy Adam, exactly ``torch.optim.SparseAdam`` (spec §2.2).
 
 Kernels see arrays and scalars only. Preconditions, checked by the glue in ``_step``:
-``srows`` unique (so the parallel loop has no write races), all row ids in range, ``G`` of
+``srows`` unique (so chunks running on different threads never write the same record), all row ids in range, ``G`` of
 shape ``(len(srows), dim)`` in the store dtype, scalars already rounded to that dtype.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ._intrinsics import prefetch_line
 
 PREFETCH_ROWS = 4  # software-prefetch distance, in rows of the batch
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, neg_s,
-                     skip_nonfinite):
+                     skip_nonfinite, lo, hi):
     """Update rows ``srows`` of the state ``S`` and rows ``wrows`` of the weights ``W``.
 
     Per coordinate, in storage dtype T (spec §2.2)::
@@ -28,11 +28,12 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
         p' = p + neg_s * ((dm + m) / (sqrt(v') + eps))
 
     ``W`` and ``S`` may be the same array (weights stored in the record) or not
-    (``weights=False`` stores: ``W`` holds the caller's rows).
+    (``weights=False`` stores: ``W`` holds the caller's rows). Runs rows ``lo:hi`` of the
+    batch serially with the GIL released; ``_pool.run_chunked`` spreads chunks over threads.
     """
     n = srows.shape[0]
     d = G.shape[1]
-    for i in prange(n):
+    for i in range(lo, hi):
         if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
             _prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
         g_ = G[i]

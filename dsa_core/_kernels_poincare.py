@@ -13,7 +13,7 @@ the scalars listed in ``adam_rows_poincare``.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ._intrinsics import prefetch_line
 
@@ -24,8 +24,8 @@ HP_K, HP_A1, HP_B1, HP_A2, HP_B2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_MAXNORM,
 HP_SIZE = 11
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite):
+@njit(cache=True, nogil=True, error_model="numpy")
+def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite, lo, hi):
     """One Riemannian Adam step for each row in ``srows`` (spec §3.2).
 
     Per row x with coalesced gradient g, first moment m (vector), second moment v (scalar)::
@@ -36,6 +36,7 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         y = project(x + u);       m <- gyr[y, -x] m * L(x) / L(y)
 
     ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign (T values).
+    Runs rows ``lo:hi`` of the batch; ``_pool.run_chunked`` spreads chunks over threads.
     """
     k = hp[HP_K]
     a1 = hp[HP_A1]
@@ -55,7 +56,7 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
     K2 = k * k
     n = srows.shape[0]
     d = G.shape[1]
-    for i in prange(n):
+    for i in range(lo, hi):
         if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
             _prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
         g_ = G[i]

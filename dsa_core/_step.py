@@ -12,13 +12,12 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-import numba
 import numpy as np
 
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._kernels_euclid import adam_rows_euclid
 from ._kernels_poincare import HP_SIZE, adam_rows_poincare
-from . import _format
+from . import _format, _pool
 from ._state import State, _manifest, _require_writable, check_lr, maxnorm
 
 __all__ = ["as_index", "gather", "step", "threads", "warmup"]
@@ -143,6 +142,11 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     return new
 
 
+def _min_chunk(dim: int) -> int:
+    """Rows per chunk so that one chunk is worth a thread hand-off (~16k elements)."""
+    return max(16, 16384 // dim)
+
+
 def _apply(state: State, t: int, lr: float, srows, G, inv, params) -> None:
     st = state.store
     T = st.dtype.type
@@ -163,15 +167,19 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params) -> None:
     skip = state.nonfinite == "skip_row"
     if st.curvature == 0.0:
         s = (lr * math.sqrt(bc2)) / bc1
-        adam_rows_euclid(W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, sgn,
-                         T(1.0 - b1), T(1.0 - b2), T(state.eps), T(-s), skip)
+        _pool.run_chunked(adam_rows_euclid,
+                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, sgn,
+                           T(1.0 - b1), T(1.0 - b2), T(state.eps), T(-s), skip),
+                          srows.shape[0], _min_chunk(st.dim))
     else:
         hp = np.empty(HP_SIZE, st.dtype)
         hp[:] = (-st.curvature, 1.0 - b1, b1, 1.0 - b2, b2, bc1, bc2, state.eps, -lr, 0.0,
                  sgn)
         hp[9] = maxnorm(st.curvature, state.ball_eps, st.dtype)
         Y = np.empty_like(G)
-        adam_rows_poincare(W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip)
+        _pool.run_chunked(adam_rows_poincare,
+                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip),
+                          srows.shape[0], _min_chunk(st.dim))
     if st.w_off is None:
         if inv is None:
             if W is not params:
@@ -196,19 +204,22 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
         raise ValueError(f"out must be a C-contiguous ({idx.shape[0]}, {st.dim}) "
                          f"{st.dtype.name} array, got {out.shape} {out.dtype}")
     if idx.shape[0]:
-        gather_rows(st.data, idx, st.w_off, out)
+        _pool.run_chunked(gather_rows, (st.data, idx, st.w_off, out), idx.shape[0],
+                          _min_chunk(st.dim))
     return out
 
 
 @contextlib.contextmanager
 def threads(n: int) -> Iterator[None]:
-    """Run the kernels with ``n`` threads inside the block (restored afterwards)."""
-    old = numba.get_num_threads()
-    numba.set_num_threads(int(n))
+    """Run the kernels with ``n`` threads (the caller's included) inside the block.
+
+    The default is the number of CPUs this process may use (or ``DSA_NUM_THREADS``).
+    """
+    old = _pool.set_threads(n)
     try:
         yield
     finally:
-        numba.set_num_threads(old)
+        _pool.set_threads(old)
 
 
 def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
@@ -227,11 +238,11 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
             G3 = np.zeros((3, 2), dt)  # three rows, one duplicate id: the coalescing path
             G.flags.writeable = G3.flags.writeable = writeable
             adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, T(1), T(0.1), T(0.001),
-                             T(1e-8), T(-1e-3), False)
+                             T(1e-8), T(-1e-3), False, 0, 2)
             hp = np.zeros(HP_SIZE, dt)
             adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), hp,
-                               False)
+                               False, 0, 2)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
-        gather_rows(data, rows, 0, np.empty((2, 2), dt))
+        gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
     is_strictly_increasing(rows)
     bounds(rows)

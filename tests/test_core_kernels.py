@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import uuid
 
-import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,9 +25,9 @@ from dsa_core import _reference as R
 GEOMS = {"euclid": 0.0, "ball1": 1.0, "ball.5": 0.5}
 DTYPES = {"f32": np.float32, "f64": np.float64}
 DIMS = (1, 3, 16, 128)
-MAX_THREADS = numba.config.NUMBA_NUM_THREADS
+MAX_THREADS = 2  # dsa_core's pool takes any count; 2 exercises the hand-off
 THREADS = [1, pytest.param(2, marks=pytest.mark.skipif(
-    MAX_THREADS < 2, reason="numba has a single thread here"))]
+    MAX_THREADS < 2, reason="single thread"))]
 N = 40
 
 
@@ -140,11 +139,10 @@ def test_step_matches_reference(tmp_path, geom, dt, dim, threads):
     dsa_core.close(state)
 
 
-@pytest.mark.skipif(MAX_THREADS < 2, reason="numba has a single thread here")
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("geom", ["euclid", "ball1"])
 def test_thread_count_does_not_change_results(tmp_path, geom, dt):
-    """Rows are independent: 1 and 2 numba threads give byte-identical stores."""
+    """Rows are independent: 1 and 2 threads give byte-identical stores."""
     c, dtype = GEOMS[geom], DTYPES[dt]
     n, dim = 600, 16
     rng = np.random.default_rng(7)
@@ -155,7 +153,7 @@ def test_thread_count_does_not_change_results(tmp_path, geom, dt):
     for threads in (1, 2):
         state = make_store(tmp_path / f"t{threads}", c, dtype, init)
         with dsa_core.threads(threads):
-            assert numba.get_num_threads() == threads
+            assert dsa_core.get_threads() == threads
             for idx, G in batches:
                 state = dsa_core.step(state, idx, G)
         results.append(state.store.data.tobytes())
@@ -164,13 +162,41 @@ def test_thread_count_does_not_change_results(tmp_path, geom, dt):
 
 
 def test_threads_context_restores_count():
-    old = numba.get_num_threads()
+    old = dsa_core.get_threads()
     with dsa_core.threads(1):
-        assert numba.get_num_threads() == 1
-    assert numba.get_num_threads() == old
+        assert dsa_core.get_threads() == 1
+    assert dsa_core.get_threads() == old
     with pytest.raises(RuntimeError, match="boom"), dsa_core.threads(1):
         raise RuntimeError("boom")
-    assert numba.get_num_threads() == old
+    assert dsa_core.get_threads() == old
+    with pytest.raises(ValueError, match="threads must be >= 1"), dsa_core.threads(0):
+        pass
+
+
+def test_pool_runs_every_chunk_once_and_uses_the_workers():
+    """The work-claiming pool covers [0, n) exactly once, on more than one thread."""
+    import threading
+    import time
+
+    from dsa_core import _pool
+
+    seen, names = [], set()
+
+    def fn(out, lo, hi):
+        names.add(threading.current_thread().name)
+        time.sleep(0.002)  # long enough for the woken worker to claim a chunk
+        out.extend(range(lo, hi))
+
+    with dsa_core.threads(2):
+        _pool.run_chunked(fn, (seen,), 1000, min_chunk=10)
+    assert sorted(seen) == list(range(1000))
+    assert len(names) == 2
+
+    def bad(lo, hi):
+        raise ZeroDivisionError("chunk failed")
+
+    with pytest.raises(ZeroDivisionError, match="chunk failed"), dsa_core.threads(2):
+        _pool.run_chunked(bad, (), 1000, min_chunk=10)
 
 
 # -- duplicates, ordering, empty batches ------------------------------------------------------
