@@ -80,49 +80,76 @@ def _row_pages(rows: np.ndarray, rec_bytes: int) -> np.ndarray:
     return np.unique(np.concatenate([np.arange(f, e + 1) for f, e in zip(first, last, strict=True)]))
 
 
-class Prefetcher:
-    """One background thread that turns batches of row ids into read-ahead hints.
+class _Lane:
+    """One background thread issuing one kind of hint for queued batches of rows."""
 
-    ``submit`` never blocks the caller for long: it waits only while ``depth`` batches are
-    already queued (back-pressure). Hints are never needed for correctness.
-    """
-
-    def __init__(self, store, depth: int = 4):
+    def __init__(self, store, write: bool, depth: int):
         self._store = store
+        self._write = write
         self._rec_bytes = store.stride * store.dtype.itemsize
         self._q: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
-        self._thread = threading.Thread(target=self._run, name="dsa-prefetch", daemon=True)
         self.batches = 0
         self.calls = 0
+        kind = "writeback" if write else "prefetch"
+        self._thread = threading.Thread(target=self._run, name=f"dsa-{kind}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        advice = SYNC_FILE_RANGE_WRITE if self._write else _WILLNEED
         while True:
-            item = self._q.get()
+            rows = self._q.get()
             try:
-                if item is None:
+                if rows is None:
                     return
-                write, rows = item
                 fd = self._store._fd
                 if fd >= 0 and not self._store.closed:
-                    advice = SYNC_FILE_RANGE_WRITE if write else _WILLNEED
                     self.calls += _advise_rows(fd, rows, HEADER_BYTES, self._rec_bytes, PAGE,
-                                               advice, write)
+                                               advice, self._write)
                     self.batches += 1
             finally:
                 self._q.task_done()
-
-    def submit(self, rows: np.ndarray, write: bool = False) -> None:
-        self._q.put((write, np.unique(rows)))
-
-    def join(self) -> None:
-        """Wait until every submitted hint has been issued (not until the reads finish)."""
-        self._q.join()
 
     def close(self) -> None:
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join()
+
+
+class Prefetcher:
+    """Background threads that turn batches of row ids into read-ahead / write-back hints.
+
+    Reads and writes have a thread each, so a write-back that waits on a congested request
+    queue never delays the next batch's read-ahead. ``submit`` waits only while ``depth``
+    batches are already queued on that lane (back-pressure). Hints are never needed for
+    correctness.
+    """
+
+    def __init__(self, store, depth: int = 4):
+        self._store = store
+        self._depth = depth
+        self._lanes: dict[bool, _Lane] = {}
+
+    def _lane(self, write: bool) -> _Lane:
+        lane = self._lanes.get(write)
+        if lane is None:
+            lane = self._lanes[write] = _Lane(self._store, write, self._depth)
+        return lane
+
+    @property
+    def calls(self) -> int:
+        return sum(lane.calls for lane in self._lanes.values())
+
+    def submit(self, rows: np.ndarray, write: bool = False) -> None:
+        self._lane(write)._q.put(np.unique(rows))
+
+    def join(self) -> None:
+        """Wait until every submitted hint has been issued (not until the I/O finishes)."""
+        for lane in list(self._lanes.values()):
+            lane._q.join()
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
 
 
 def _prefetcher(state) -> Prefetcher:
