@@ -14,9 +14,10 @@
 
 Modes: ``plain`` (mapping with the OS default read-around), ``random`` (``MADV_RANDOM``, the
 dsa_core default), ``prefetch`` (``MADV_RANDOM`` + ``dsa_core.prefetch`` of the next batch while
-this step runs), ``pipeline`` (what ``dsa_core.prefetched`` does: read-ahead ``--ahead`` batches
-in front plus ``dsa_core.writeback`` of each finished batch). Hit rate = share of the batch's pages that were
-resident before its read-ahead was issued (mincore), i.e. what the page cache alone gave.
+this step runs), ``pipeline`` (read-ahead plus write-back hints, ``sync_file_range``, for
+each finished batch; an experiment that measured slower, kept to show it). Hit rate = share
+of the batch's pages that were resident before its read-ahead was issued (mincore), i.e.
+what the page cache alone gave.
 Writes ``benchmarks/results/ooc.{json,csv,png}``.
 """
 
@@ -43,19 +44,19 @@ MEMCAP_CANDIDATES = [Path(__file__).resolve().parents[2] / "shared" / "tools" / 
 
 
 # -- the store ---------------------------------------------------------------------------------
-def ensure_store(path: Path, rows: int, dim: int, keep: bool):
+def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0):
     import dsa_core
 
     if keep and (path / "manifest.json").exists():
         st = dsa_core.open(path, mode="r")
-        if st.num_rows == rows and st.dim == dim:
+        if st.num_rows == rows and st.dim == dim and st.store.layout["align"] == align:
             dsa_core.close(st)
             print(f"reusing store {path}")
             return
         dsa_core.close(st)
     t0 = time.perf_counter()
     st = dsa_core.create(path, rows, dim, init="uniform", init_scale=1e-3, lr=1e-3,
-                         overwrite=True, progress=True)
+                         align=align, overwrite=True, progress=True)
     dsa_core.close(st)  # msync: every page written to disk, no sparse holes
     dt = time.perf_counter() - t0
     gb = st.store.nbytes / 1e9
@@ -132,6 +133,7 @@ def measure_disk(file: Path, seconds: int) -> dict:
 # -- one run (child process) ---------------------------------------------------------------------
 def child(args) -> None:
     import dsa_core
+    from dsa_core import _prefetch
 
     st = dsa_core.open(args.store)
     mm = st.store._mm
@@ -143,7 +145,7 @@ def child(args) -> None:
     dsa_core.warmup(("float32",))
     times, hits, all_times = [], [], []
     deadline = time.perf_counter() + args.max_seconds
-    ahead = {"plain": 0, "random": 0, "prefetch": 1}.get(args.mode, args.ahead)
+    ahead = {"plain": 0, "random": 0}.get(args.mode, args.ahead)
     write_behind = args.mode == "pipeline"
     for j in range(min(ahead, len(ids))):
         dsa_core.prefetch(st, ids[j])
@@ -161,7 +163,7 @@ def child(args) -> None:
         st = dsa_core.step(st, ids[k], grads[k % 4])
         dt = time.perf_counter() - t0
         if write_behind:
-            dsa_core.writeback(st, ids[k])
+            _prefetch.writeback(st, ids[k])
         all_times.append(dt)
         if k >= args.warmup:
             times.append(dt)
@@ -206,8 +208,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--cap", default="2G")
     ap.add_argument("--dist", nargs="+", default=["uniform", "zipf"])
-    ap.add_argument("--modes", nargs="+", default=["plain", "random", "prefetch", "pipeline"])
-    ap.add_argument("--ahead", type=int, default=2, help="read-ahead depth of the pipeline mode")
+    ap.add_argument("--modes", nargs="+", default=["plain", "random", "prefetch"],
+                    choices=["plain", "random", "prefetch", "pipeline"])
+    ap.add_argument("--ahead", type=int, default=2, help="read-ahead depth (prefetch/pipeline)")
+    ap.add_argument("--align", type=int, default=0,
+                    help="record alignment in bytes (dsa_core.create(align=...)); 0 packs")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=int, default=10)
@@ -227,8 +232,8 @@ def main(argv=None):
         a.rows, a.dim, a.batch, a.steps, a.warmup = 20_000, 16, 64, 20, 2
         a.cap, a.disk_seconds, a.max_seconds, a.name = "256M", 1, 20, "ooc_smoke"
     workdir = Path(a.workdir or tempfile.gettempdir())
-    store = workdir / f"dsa_ooc_{a.rows}x{a.dim}"
-    ensure_store(store, a.rows, a.dim, a.keep)
+    store = workdir / (f"dsa_ooc_{a.rows}x{a.dim}" + (f"_a{a.align}" if a.align else ""))
+    ensure_store(store, a.rows, a.dim, a.keep, a.align)
     disk = measure_disk(store / "rows.dsa", a.disk_seconds)
     memcap = find_memcap()
     capped = cgroup_ok(memcap)
@@ -253,6 +258,8 @@ def main(argv=None):
             res = json.loads(r.stdout.strip().splitlines()[-1])
             peak = [ln for ln in r.stderr.splitlines() if ln.startswith("memcap:")]
             res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
+                        "align": a.align, "ahead": a.ahead if mode in ("prefetch", "pipeline")
+                        else 0,
                         "memcap": peak[-1] if peak else "",
                         "vs_qd32_reads": res["rows_per_s"] / disk["qd32_iops"]})
             results.append(res)
@@ -260,8 +267,8 @@ def main(argv=None):
                   f"{res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  hit "
                   f"{res['hit_rate']:.3f}  steps {res['steps']}", flush=True)
     print()
-    print_table(results, ["rows", "dist", "mode", "rows_per_s", "vs_qd32_reads", "p50_ms",
-                          "p99_ms", "hit_rate", "steps", "memory"])
+    print_table(results, ["rows", "dist", "mode", "align", "ahead", "rows_per_s",
+                          "vs_qd32_reads", "p50_ms", "p99_ms", "hit_rate", "steps", "memory"])
     meta = {"machine": machine(), "args": vars(a), "disk": disk, "store_gb": size_gb,
             "memory": label}
 

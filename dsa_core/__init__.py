@@ -14,7 +14,7 @@ The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit
 """
 
 from ._format import FORMAT_VERSION, StoreLockedError
-from ._prefetch import prefetch, prefetched, residency, writeback
+from ._prefetch import prefetch, prefetched, residency
 from ._state import State, checkpoint, close, create, flush, open, remove
 from ._pool import get_threads
 from ._step import gather, step, threads, warmup
@@ -39,5 +39,4 @@ __all__ = [
     "step",
     "threads",
     "warmup",
-    "writeback",
 ]

@@ -184,9 +184,10 @@ def writeback(state, idx: Any) -> None:
     """Start writing the (just updated) records of rows ``idx`` back to disk, in the background.
 
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the pages are queued for writing and stay
-    cached, but are clean once written, so when memory is short the kernel can drop them
-    without stalling the next step on dirty-page writeback. A hint, not a durability point:
-    :func:`dsa_core.flush` still decides what is durable.
+    cached, but are clean once written, so that under memory pressure the kernel could drop
+    them without stalling on dirty-page writeback. Not exported: measured out of core it made
+    things worse (ahead=2: 41k -> 24k rows/s on one hint thread, 26k -> 18.5k on its own
+    thread), so it is kept only for ``benchmarks.ooc --modes pipeline``.
     """
     from ._step import as_index
 
@@ -198,15 +199,12 @@ def writeback(state, idx: Any) -> None:
         _prefetcher(state).submit(rows, write=True)
 
 
-def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, write_behind: bool = False,
-               key=None) -> Iterator[Any]:
+def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, key=None) -> Iterator[Any]:
     """Yield ``batches`` unchanged while read-ahead runs ``ahead`` batches in front.
 
     ``key(batch)`` extracts the row ids (default: the batch itself, or its first element if
-    it is a tuple). With ``write_behind`` the rows of each batch are handed to
-    :func:`writeback` once the caller asks for the next batch (its step is done); on this
-    project's test machine that was slower (24k vs 37k rows/s out of core), so it is off by
-    default. ``ahead=2`` measured 41k rows/s against 35k for ``ahead=1``. Typical use::
+    it is a tuple). ``ahead=2`` measured 41k rows/s against 35k for ``ahead=1`` and 39k for
+    ``ahead=4`` (10M x 128 out of core, 2 GiB cap, uniform ids). Typical use::
 
         for idx, grad in dsa_core.prefetched(state, loader):
             state = dsa_core.step(state, idx, grad)
@@ -217,19 +215,12 @@ def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, write_behind: b
         def key(b):
             return b[0] if isinstance(b, tuple) else b
     window: list[Any] = []
-    last = None
     for b in batches:
         window.append(b)
         prefetch(state, key(b))
         if len(window) > ahead:
-            last = window.pop(0)
-            yield last
-            if write_behind:
-                writeback(state, key(last))
-    for b in window:
-        yield b
-        if write_behind:
-            writeback(state, key(b))
+            yield window.pop(0)
+    yield from window
 
 
 def residency(state, idx: Any) -> float:
