@@ -30,7 +30,7 @@ def _segments(idx):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _segment_sums(idx, G, order, starts, uidx, Gc, lo, hi):
-    """``Gc[u]`` = sum of the rows of segment ``u`` (for ``lo <= u < hi``), in order of appearance."""
+    """``Gc[u]`` = sum of segment ``u``'s rows in order of appearance, for ``lo <= u < hi``."""
     d = G.shape[1]
     for u in range(lo, hi):
         s = starts[u]

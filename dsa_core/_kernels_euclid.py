@@ -1,8 +1,9 @@
 """Numba kernel: row-wise Euclidean lazy Adam, exactly ``torch.optim.SparseAdam`` (spec §2.2).
 
 Kernels see arrays and scalars only. Preconditions, checked by the glue in ``_step``:
-``srows`` unique (so chunks running on different threads never write the same record), all row ids in range, ``G`` of
-shape ``(len(srows), dim)`` in the store dtype, scalars already rounded to that dtype.
+``srows`` unique (so chunks running on different threads never write the same record), all
+row ids in range, ``G`` of shape ``(len(srows), dim)`` in the store dtype, scalars already
+rounded to that dtype.
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def _row_pages(rows: np.ndarray, rec_bytes: int) -> np.ndarray:
     start = HEADER_BYTES + rows.astype(np.int64) * rec_bytes
     first = start // PAGE
     last = (start + rec_bytes - 1) // PAGE
-    return np.unique(np.concatenate([np.arange(f, e + 1) for f, e in zip(first, last, strict=True)]))
+    spans = [np.arange(f, e + 1) for f, e in zip(first, last, strict=True)]
+    return np.unique(np.concatenate(spans))
 
 
 class _Lane:
