@@ -1,0 +1,36 @@
+"""Every benchmark runs end to end at tiny size, so the scripts never rot.
+
+These check that each script runs and writes its table; the figures of a smoke run mean
+nothing (the real runs and their numbers are in the README).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMOKES = {
+    "warm": ["--smoke"],
+    "ooc": ["--smoke", "--modes", "random", "prefetch"],
+    "torch_e2e": ["--smoke"],
+    "jax_overhead": ["--ks", "8", "--rows", "2000", "--dim", "8", "--steps", "20",
+                     "--warmup", "5"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_benchmark_smoke(name, tmp_path):
+    if name == "jax_overhead":
+        pytest.importorskip("jax")
+    args = list(SMOKES[name])
+    if name in ("warm", "ooc"):
+        args += ["--workdir", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "rows" in r.stdout.lower() or "µs" in r.stdout or "us" in r.stdout
