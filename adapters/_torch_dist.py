@@ -1,0 +1,1019 @@
+"""Row-sharded disk embeddings over ``torch.distributed``: :class:`ShardedDiskEmbedding`.
+
+Private; the public names live in :mod:`adapters.torch_dist`.
+
+Layout on disk (one directory tree per machine; each rank writes only its own shard)::
+
+    state_dir/rank{k}/            an ordinary dsa_core store (rows.dsa, manifest.json)
+    state_dir/rank{k}/shard.json  which shard it is: rank, world size, ownership plan, shape
+    ckpt/dsa-sharded.json         checkpoints only: written last, marks a complete checkpoint
+
+Exchange protocol of one training step, per rank (W ranks, U distinct ids in this rank's
+batch, R ids received by this rank as an owner)::
+
+    forward   counts  all_to_all_single  W int64      (how many ids go to each owner)
+              ids     all_to_all_single  U int64      (owner-local row ids, grouped by owner)
+              rows    all_to_all_single  R x d        (owners send the rows back)
+    backward  grads   all_to_all_single  U x d        (row gradients to their owners)
+    step      none: each owner steps its own shard (DiskSparseAdam), every rank every step
+
+A rank that refuses its batch (ids out of range, wrong dtype) sends counts of -1, so every
+rank raises at the same collective and the process group stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dsa_core
+
+from ._torch_common import StoreHandle, check_curvature, close_quietly, np_dtype
+from ._torch_embedding import DiskWeight
+
+__all__ = [
+    "MANIFEST_FILE",
+    "SHARD_FILE",
+    "ShardExchangeError",
+    "ShardPlan",
+    "ShardedDiskEmbedding",
+    "ddp_ignore",
+    "read_manifest",
+    "shard_path",
+]
+
+SHARD_FILE = "shard.json"
+MANIFEST_FILE = "dsa-sharded.json"
+_SHARD_FORMAT = "dsa-torch-shard"
+_MANIFEST_FORMAT = "dsa-torch-sharded"
+_EXTRA_FORMAT = "dsa-torch-sharded-embedding"
+_PLANS = ("mod", "range")
+_EXCHANGES = ("all_to_all", "all_gather")
+_REFUSED = {-1: IndexError, -2: TypeError, -3: ValueError, -4: RuntimeError}
+_CODES = {IndexError: -1, TypeError: -2, ValueError: -3}
+
+
+class ShardExchangeError(RuntimeError):
+    """A collective of a :class:`ShardedDiskEmbedding` failed: a peer died, hung or diverged.
+
+    The process group is unusable afterwards; end every rank and restart them from the last
+    complete checkpoint (``resume_from=``). Checkpoints are never modified by a failure.
+    """
+
+
+# -- ownership plan -------------------------------------------------------------------------------
+class ShardPlan:
+    """Which rank owns global row ``r``, and where it sits in that rank's shard.
+
+    ``"mod"`` (default): owner ``r % W``, local row ``r // W``; hot low ids spread over all
+    ranks. ``"range"``: contiguous blocks of ``ceil(n / W)`` rows: owner ``r // block``, local
+    row ``r - owner * block``. Every shard must hold at least one row.
+    """
+
+    def __init__(self, num_rows: int, world_size: int, kind: str = "mod"):
+        if kind not in _PLANS:
+            raise ValueError(f"plan must be one of {_PLANS}, got {kind!r}")
+        self.num_rows, self.world_size, self.kind = int(num_rows), int(world_size), kind
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.block = -(-self.num_rows // self.world_size)
+        empty = [k for k in range(self.world_size) if self.local_rows(k) <= 0]
+        if empty:
+            raise ValueError(
+                f"a {self.num_rows}-row table cannot be split over {self.world_size} ranks with "
+                f"plan {kind!r}: rank(s) {empty} would own no row. Use fewer ranks"
+                + (" or plan='mod'" if kind == "range" else ""))
+
+    def owner(self, ids):
+        """Owner rank of each global id (torch tensor or numpy array, same kind back)."""
+        return ids % self.world_size if self.kind == "mod" else ids // self.block
+
+    def local(self, ids):
+        """Row of each global id inside its owner's shard."""
+        if self.kind == "mod":
+            return ids // self.world_size
+        return ids - (ids // self.block) * self.block
+
+    def global_ids(self, rank: int, local) -> np.ndarray:
+        """Global ids of the local rows ``local`` of shard ``rank`` (numpy int64)."""
+        local = np.asarray(local, dtype=np.int64)
+        if self.kind == "mod":
+            return local * self.world_size + rank
+        return local + rank * self.block
+
+    def local_rows(self, rank: int) -> int:
+        """Number of rows in shard ``rank``."""
+        n, w = self.num_rows, self.world_size
+        if self.kind == "mod":
+            return (n - rank + w - 1) // w
+        return max(0, min(self.block, n - rank * self.block))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "world_size": self.world_size, "num_rows": self.num_rows}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ShardPlan) and self.to_json() == other.to_json()
+
+    def __repr__(self) -> str:
+        return (f"ShardPlan({self.num_rows}, world_size={self.world_size}, "
+                f"kind={self.kind!r})")
+
+
+def shard_path(state_dir, rank: int, world_size: int) -> Path:
+    """The directory of shard ``rank``: ``state_dir`` formatted with ``{rank}`` and
+    ``{world_size}`` when it holds ``{rank}``, else ``state_dir/rank{rank}``."""
+    s = os.fspath(state_dir)
+    if "{rank}" in s:
+        return Path(s.format(rank=rank, world_size=world_size))
+    return Path(s) / f"rank{rank}"
+
+
+def _write_json(path: Path, obj: dict, tag: str = "") -> None:
+    """Replace ``path`` atomically (temp file + fsync + rename); concurrent writers are safe."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}{tag}")
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_manifest(root) -> dict[str, Any]:
+    """The manifest of a complete sharded checkpoint (``root/dsa-sharded.json``)."""
+    path = Path(root) / MANIFEST_FILE
+    try:
+        m = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{str(root)!r} is not a complete sharded checkpoint: it has no {MANIFEST_FILE}. "
+            "A live state_dir is not a checkpoint (write one with emb.checkpoint(DEST)); a "
+            "checkpoint cut short by a failure has no manifest either (the manifest is "
+            "written last, once every shard is in place): use an older one") from None
+    if not isinstance(m, dict) or m.get("format") != _MANIFEST_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a sharded-embedding manifest")
+    return m
+
+
+def _read_shard_meta(path: Path) -> dict[str, Any]:
+    p = path / SHARD_FILE
+    try:
+        meta = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{str(path)!r} holds a dsa_core store but no {SHARD_FILE}: it is not a shard of a "
+            "ShardedDiskEmbedding (or a checkpoint of one cut short). Use another state_dir"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != _SHARD_FORMAT:
+        raise ValueError(f"{str(p)!r} is not a shard description")
+    return meta
+
+
+# -- the collectives ------------------------------------------------------------------------------
+class _Route:
+    """Split sizes of one exchange: ``send[j]`` items to rank j, ``recv[j]`` from rank j.
+
+    ``mat`` (all_gather mode only) is the full W x W matrix, ``mat[s][d]`` = items s -> d.
+    """
+
+    __slots__ = ("mat", "recv", "send")
+
+    def __init__(self, send: list[int], recv: list[int], mat: list[list[int]] | None):
+        self.send, self.recv, self.mat = send, recv, mat
+
+    def reverse(self) -> _Route:
+        mat = None if self.mat is None else [list(c) for c in zip(*self.mat)]
+        return _Route(self.recv, self.send, mat)
+
+
+_WHAT = {"ids": "ids (forward)", "rows": "rows (forward)",
+         "grads": "row gradients (backward)"}
+
+
+class _Comm:
+    """The exchanges of one ShardedDiskEmbedding: all_to_all_single (or all_gather) on a group."""
+
+    def __init__(self, group, rank: int, world: int, device: torch.device, method: str,
+                 timeout: timedelta | None):
+        self.group, self.rank, self.world = group, rank, world
+        self.device, self.method, self.timeout = device, method, timeout
+        self.last_checkpoint: str | None = None
+        self.stats = {"counts": 0, "ids": 0, "rows": 0, "grads": 0, "self": 0, "lookups": 0,
+                      "backwards": 0}
+
+    # every collective goes through here: bounded wait, clear error
+    def _run(self, what: str, fn, *args, bounded: bool = True, **kwargs):
+        try:
+            if self.timeout is None or not bounded:  # all_gather_object has no async_op
+                return fn(*args, group=self.group, **kwargs)
+            work = fn(*args, group=self.group, async_op=True, **kwargs)
+            work.wait(timeout=self.timeout)
+            return None
+        except ShardExchangeError:
+            raise
+        except RuntimeError as exc:  # DistBackendError and gloo/NCCL errors are RuntimeErrors
+            raise self.error(what, exc) from exc
+
+    def error(self, what: str, exc: BaseException) -> ShardExchangeError:
+        what = _WHAT.get(what, what)
+        bound = (f"{self.timeout.total_seconds():g} s (this module's timeout)" if self.timeout
+                 else "the process group's timeout (init_process_group(timeout=...))")
+        last = (f"the last complete checkpoint of this run is {self.last_checkpoint!r}"
+                if self.last_checkpoint else "no checkpoint was written by this process")
+        return ShardExchangeError(
+            f"ShardedDiskEmbedding (rank {self.rank} of {self.world}): the {what} exchange "
+            f"failed: {str(exc).strip()}\nAnother rank has most likely died, or stopped calling "
+            f"forward/backward/checkpoint in step with this one; a collective waits at most "
+            f"{bound}. This process group cannot be used any more: end every rank and restart "
+            f"them all from the last complete checkpoint (ShardedDiskEmbedding(..., "
+            f"resume_from=CHECKPOINT)); a failure never modifies a checkpoint ({last}).")
+
+    def gather_objects(self, obj: Any, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        if self.world == 1:
+            return [obj]
+        self._run(what, dist.all_gather_object, out, obj, bounded=False)
+        return out
+
+    def route(self, send_counts: torch.Tensor, refused: int = 0) -> _Route:
+        """Exchange the split sizes; ``refused < 0`` tells every rank this one refuses."""
+        w = self.world
+        vec = send_counts.to(self.device, torch.int64)
+        if refused:
+            vec = torch.full((w,), refused, dtype=torch.int64, device=self.device)
+        if w == 1:
+            send = vec.tolist()
+            mat, recv = [send], send
+        elif self.method == "all_to_all":
+            out = torch.empty_like(vec)
+            self._run("split sizes (forward)", dist.all_to_all_single, out, vec)
+            send, recv, mat = vec.tolist(), out.tolist(), None
+        else:
+            bufs = [torch.empty_like(vec) for _ in range(w)]
+            self._run("split sizes (forward)", dist.all_gather, bufs, vec)
+            mat = [b.tolist() for b in bufs]
+            send, recv = mat[self.rank], [mat[s][self.rank] for s in range(w)]
+        self.stats["counts"] += 8 * (w - 1)
+        bad = [s for s in range(w) if recv[s] < 0 and s != self.rank]
+        if bad and not refused:
+            code = recv[bad[0]]
+            raise _REFUSED.get(code, RuntimeError)(
+                f"ShardedDiskEmbedding (rank {self.rank}): rank(s) {bad} refused their batch "
+                f"(see the error on that rank); no rank changed anything, the process group "
+                "is still usable")
+        return _Route(send, recv, mat)
+
+    def send(self, x: torch.Tensor, route: _Route, kind: str) -> torch.Tensor:
+        """Send ``x`` (rows grouped by destination, ``route.send`` rows each); receive rows."""
+        x = x.to(self.device).contiguous()
+        item = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
+        self.stats[kind] += item * (sum(route.send) - route.send[self.rank])
+        self.stats["self"] += item * route.send[self.rank]
+        shape = (sum(route.recv),) + tuple(x.shape[1:])
+        if self.world == 1:
+            return x
+        if self.method == "all_to_all":
+            out = torch.empty(shape, dtype=x.dtype, device=self.device)
+            self._run(kind, dist.all_to_all_single, out, x, route.recv, route.send)
+            return out
+        # all_gather fallback: every rank broadcasts its whole send buffer (padded to the
+        # longest one); each keeps its own slice of each. W times the traffic of all_to_all.
+        mat = route.mat
+        longest = max(sum(r) for r in mat)
+        pad = torch.zeros((longest,) + tuple(x.shape[1:]), dtype=x.dtype, device=self.device)
+        pad[:x.shape[0]] = x
+        bufs = [torch.empty_like(pad) for _ in range(self.world)]
+        self._run(kind, dist.all_gather, bufs, pad)
+        parts = []
+        for s in range(self.world):
+            lo = sum(mat[s][:self.rank])
+            parts.append(bufs[s][lo:lo + mat[s][self.rank]])
+        return torch.cat(parts)
+
+
+# -- the shard and its lookups --------------------------------------------------------------------
+class _Core:
+    """What forward and backward need: the local shard, the plan, the exchanges."""
+
+    def __init__(self, handle: StoreHandle, plan: ShardPlan, comm: _Comm, rank: int,
+                 padding_idx: int | None, grad_scale: float | None):
+        self.handle, self.plan, self.comm, self.rank = handle, plan, comm, rank
+        self.pad_local = None
+        if padding_idx is not None and int(plan.owner(padding_idx)) == rank:
+            self.pad_local = int(plan.local(padding_idx))
+        self.grad_scale = grad_scale
+
+    def lookup(self, uniq: torch.Tensor):
+        """Rows of the sorted unique global ids ``uniq`` (every rank calls it together).
+
+        Returns ``(rows on uniq's device, saved)``; ``saved`` routes the gradient back.
+        """
+        comm, plan, st = self.comm, self.plan, self.handle.state
+        refused, err = 0, None
+        try:
+            if st.store.closed:
+                raise ValueError(f"the shard store {str(st.path)!r} is closed; create a new "
+                                 "ShardedDiskEmbedding on the same state_dir to continue")
+            if uniq.numel():
+                lo, hi = torch.stack([uniq[0], uniq[-1]]).tolist()
+                if lo < 0 or hi >= plan.num_rows:
+                    raise IndexError(f"ShardedDiskEmbedding: ids {lo}..{hi} in the batch of "
+                                     f"rank {self.rank}; they must lie in [0, {plan.num_rows})")
+            ids = uniq.to(comm.device)
+            owner = plan.owner(ids)
+            order = None
+            if plan.kind == "mod" and plan.world_size > 1:
+                order = torch.argsort(owner, stable=True)
+                ids, owner = ids[order], owner[order]
+            counts = torch.bincount(owner, minlength=plan.world_size)
+            local = plan.local(ids)
+        except (IndexError, TypeError, ValueError) as exc:
+            refused, err = _CODES[type(exc)], exc
+            counts = torch.zeros(plan.world_size, dtype=torch.int64)
+        route = comm.route(counts, refused)
+        if err is not None:
+            raise err
+        comm.stats["lookups"] += 1
+        recv_local = comm.send(local, route, "ids")
+        host_ids = recv_local.cpu().numpy()
+        if comm.device.type == "cuda":
+            buf = torch.empty((host_ids.shape[0], st.dim), dtype=_TORCH[st.dtype.name],
+                              pin_memory=True)
+            dsa_core.gather(st, host_ids, out=buf.numpy())
+            rows_out = buf.to(comm.device, non_blocking=True)
+        else:
+            rows_out = torch.from_numpy(dsa_core.gather(st, host_ids))
+        rows = comm.send(rows_out, route.reverse(), "rows")
+        if order is not None:
+            rows = torch.empty_like(rows).index_copy_(0, order, rows)
+        return rows.to(uniq.device), (route, order, recv_local)
+
+    def push_grads(self, grad_rows: torch.Tensor, saved, shape, dev) -> torch.Tensor:
+        """Send row gradients to their owners; return this shard's row-sparse gradient."""
+        route, order, recv_local = saved
+        comm = self.comm
+        g = grad_rows.to(comm.device)
+        if order is not None:
+            g = g.index_select(0, order)
+        if self.grad_scale is not None:
+            g = g * self.grad_scale
+        comm.stats["backwards"] += 1
+        recv = comm.send(g, route, "grads")
+        ids = recv_local
+        if self.pad_local is not None:  # nn.Embedding leaves the padding row out
+            keep = ids != self.pad_local
+            ids, recv = ids[keep], recv[keep]
+        return torch.sparse_coo_tensor(ids.to(dev)[None], recv.to(dev), shape,
+                                       check_invariants=False)
+
+
+_TORCH = {"float32": torch.float32, "float64": torch.float64}
+
+
+class _ShardedRows(torch.autograd.Function):
+    """rows = table[uniq] from their owners; backward: the owners' row-sparse gradients."""
+
+    @staticmethod
+    def forward(ctx, weight, uniq, core):
+        rows, saved = core.lookup(uniq)
+        ctx.core, ctx.saved = core, saved
+        ctx.shape, ctx.weight_device = weight.shape, weight.device
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        grad = ctx.core.push_grads(grad_rows, ctx.saved, ctx.shape, ctx.weight_device)
+        ctx.saved = None
+        return grad, None, None
+
+
+class _ShardInit:
+    """The rows of one shard of a full-table init (array, tensor, memmap or callable).
+
+    dsa_core.create reads ``init[lo:hi]`` in chunks, so a 100 GB memmapped init never
+    enters memory at once.
+    """
+
+    def __init__(self, full: Any, plan: ShardPlan, rank: int, dim: int):
+        self.full, self.plan, self.rank = full, plan, rank
+        self.shape = (plan.local_rows(rank), dim)
+        self.dtype = np.dtype(np.float64)
+        if not callable(full):
+            if tuple(full.shape) != (plan.num_rows, dim):
+                raise ValueError(f"init must have shape (num_embeddings, dim) = "
+                                 f"({plan.num_rows}, {dim}), got {tuple(full.shape)}")
+            dt = full.dtype
+            self.dtype = np.dtype(str(dt).replace("torch.", "")) if isinstance(
+                dt, torch.dtype) else np.dtype(dt)
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        lo, hi, _ = sl.indices(self.shape[0])
+        gids = self.plan.global_ids(self.rank, np.arange(lo, hi))
+        if callable(self.full):
+            out = self.full(gids)
+        elif isinstance(self.full, torch.Tensor):
+            out = self.full.detach()[torch.from_numpy(gids)].cpu().numpy()
+        else:
+            out = self.full[gids]
+        out = np.asarray(out)
+        if out.shape != (hi - lo, self.shape[1]):
+            raise ValueError(f"init({hi - lo} ids) returned shape {out.shape}, expected "
+                             f"({hi - lo}, {self.shape[1]})")
+        return out
+
+
+# -- the module -----------------------------------------------------------------------------------
+class ShardedDiskEmbedding(nn.Module):
+    r"""A :class:`~adapters.torch.DiskEmbedding` whose rows are sharded over the ranks of a
+    ``torch.distributed`` process group (gloo on CPU, NCCL on GPUs).
+
+    Row ``r`` belongs to rank ``r % W`` (``plan="mod"``; ``"range"``: contiguous blocks), at
+    local row ``r // W`` of that rank's shard: an ordinary dsa_core store on the rank's local
+    disk (``state_dir/rank{k}``, or ``state_dir`` formatted with ``{rank}``), so
+    ``dsa_core.open``, ``dsa info`` and every single-process tool work on a shard.
+
+    ``forward`` sends each distinct id of this rank's batch to its owner (one
+    ``all_to_all_single`` of split sizes, one of ids), the owners read the rows from disk and
+    send them back; ``backward`` sends the row gradients to their owners, where the
+    contributions of all ranks are summed (spec §1.1) into the row-sparse gradient of
+    :attr:`weight`, the rank's **shard**. :class:`~adapters.torch.DiskSparseAdam` steps it
+    like any DiskEmbedding, so the training loop is unchanged::
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))   # torchrun
+        emb = ShardedDiskEmbedding(10**9, 64, state_dir="/local/runs/emb")
+        opt = DiskSparseAdam(emb.parameters(), lr=1e-3)
+        loss = model(emb(ids)).sum(); loss.backward(); opt.step(); opt.zero_grad()
+
+    Every rank's shard gets a gradient at every backward (possibly with no row), so every
+    shard steps at every ``opt.step()`` and the step counts ``t`` stay equal (spec §1.2). The
+    result equals one process training a :class:`DiskEmbedding` on the concatenation of all
+    ranks' batches (with ``grad_reduce="sum"``; the order of the duplicate sums may differ
+    at ulp level).
+
+    **Collective calls.** Construction, ``forward`` (with or without grad), ``backward``,
+    :meth:`lookup` and :meth:`checkpoint` exchange data: every rank of the group must call
+    them, in the same order (as with DDP). A rank with an empty batch still calls them.
+
+    Parameters
+    ----------
+    num_embeddings, embedding_dim : int
+        Shape of the **global** table.
+    state_dir : str or Path
+        Root of the shards (``state_dir/rank{k}``), or a template holding ``{rank}`` (and
+        optionally ``{world_size}``) for per-rank paths such as ``/local/ssd/emb/rank{rank}``.
+        Existing shards are reopened (resume); shards written by a run with another world
+        size or plan are refused (see :mod:`adapters.torch_reshard`).
+    process_group : ProcessGroup, optional
+        The group to shard over (default: the default group, which must be initialized).
+    plan : "mod" or "range"
+        Ownership plan (see :class:`ShardPlan`); recorded in every shard.
+    padding_idx, mode, include_last_offset, curvature, init_scale, dtype, device :
+        As :class:`~adapters.torch.DiskEmbedding` (``scale_grad_by_freq`` and ``max_norm``
+        are not supported: they depend on the whole global batch).
+    init : "normal", "uniform", "zeros", array-like/tensor of shape (n, dim), or callable
+        Initial weights of new shards. Named inits draw each shard from its own seed
+        (derived from ``seed`` and the rank), so they are not the rows a single process
+        would draw with that seed. A full-table array (a ``np.memmap`` is fine: read in
+        chunks) or a callable ``init(global_ids: np.ndarray) -> (len, dim) array`` gives the
+        same rows at every world size.
+    seed : int, optional
+        Seed of the named inits (default: drawn from rank 0's torch generator).
+    grad_reduce : "sum" or "mean"
+        ``"sum"`` (default): the gradient of row r is the sum over ranks, as one process on
+        the concatenated batch with the sum of the ranks' losses. ``"mean"``: divided by
+        the world size, as DDP does for dense parameters (one process on the concatenated
+        batch with the mean of the ranks' losses).
+    resume_from : str or Path, optional
+        A checkpoint written by :meth:`checkpoint`: each rank copies its shard from
+        ``resume_from/rank{k}`` over its live shard, then training resumes exactly from it.
+        It must have this world size and plan (checked on every rank before anything is
+        written).
+    overwrite : bool, default False
+        Replace existing shards with new ones.
+    exchange : "all_to_all" or "all_gather"
+        ``all_to_all_single`` with split sizes (default; gloo and NCCL both have it), or a
+        fallback through ``all_gather`` for backends without it (W times the traffic).
+    timeout : float (seconds) or timedelta, optional
+        Bound on each wait for an exchange of forward/backward (``Work.wait(timeout)``); by
+        default, and always for construction and checkpoints (``all_gather_object``), the
+        process group's own timeout applies (``init_process_group(timeout=)``, which gloo
+        honours too). Either way a dead or stuck peer raises :class:`ShardExchangeError`
+        instead of hanging.
+    durability : "flush" or "step"
+        Passed to ``dsa_core.create`` for new shards.
+
+    Attributes
+    ----------
+    weight : DiskWeight
+        The data-less stand-in parameter of **this rank's shard**, shape
+        ``(local_rows, dim)``; give it (``emb.parameters()``) to DiskSparseAdam. Exclude it
+        from DDP (:func:`ddp_ignore`), whose parameters must be the same on every rank.
+    store : dsa_core.State
+        This rank's shard.
+    plan : ShardPlan
+    comm_stats : dict
+        Cumulative bytes this rank sent to **other** ranks, per kind (``counts``, ``ids``,
+        ``rows``, ``grads``), bytes it copied to itself (``self``), and call counts.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, state_dir,
+                 process_group=None, plan: str = "mod", padding_idx: int | None = None,
+                 mode: str | None = None, curvature: float = 0.0, init: Any = "normal",
+                 init_scale: float | None = None, seed: int | None = None,
+                 dtype: torch.dtype = torch.float32, include_last_offset: bool = False,
+                 device: Any = None, grad_reduce: str = "sum", resume_from=None,
+                 overwrite: bool = False, exchange: str = "all_to_all",
+                 timeout: float | timedelta | None = None, durability: str = "flush"):
+        super().__init__()
+        n, d = int(num_embeddings), int(embedding_dim)
+        if n <= 0 or d <= 0:
+            raise ValueError(f"num_embeddings and embedding_dim must be positive, got {n} "
+                             f"and {d}")
+        if mode not in (None, "sum", "mean"):
+            raise ValueError(f"mode must be None (nn.Embedding), 'sum' or 'mean' "
+                             f"(nn.EmbeddingBag), got {mode!r}")
+        if padding_idx is not None:
+            if not -n <= padding_idx < n:
+                raise ValueError("Padding_idx must be within num_embeddings")
+            padding_idx = int(padding_idx) % n
+        if grad_reduce not in ("sum", "mean"):
+            raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
+        if exchange not in _EXCHANGES:
+            raise ValueError(f"exchange must be one of {_EXCHANGES}, got {exchange!r}")
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=float(timeout))
+        dt = np_dtype(dtype, "ShardedDiskEmbedding")
+        c = check_curvature(curvature)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedDiskEmbedding needs torch.distributed: call "
+                               "dist.init_process_group(...) first (torchrun sets the "
+                               "environment), or use DiskEmbedding in a single process")
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of process_group; every rank of "
+                             "the group (and only those) builds the ShardedDiskEmbedding")
+        backend = str(dist.get_backend(group)).lower()
+        comm_device = (torch.device("cuda", torch.cuda.current_device())
+                       if "nccl" in backend else torch.device("cpu"))
+        comm = _Comm(group, rank, world, comm_device, exchange, timeout)
+        sp = ShardPlan(n, world, plan)
+        path = shard_path(state_dir, rank, world)
+        if init_scale is None:
+            init_scale = 1.0 if c == 0 else 1e-3
+        meta = {"format": _SHARD_FORMAT, "version": 1, "rank": rank, "world_size": world,
+                "plan": sp.to_json(), "num_embeddings": n, "embedding_dim": d,
+                "dtype": dt.name, "curvature": c, "padding_idx": padding_idx,
+                "local_rows": sp.local_rows(rank)}
+
+        # phase 1: look (no writes), agree on what every rank found
+        args = (n, d, dt.name, c, plan, padding_idx, grad_reduce, exchange,
+                None if resume_from is None else os.fspath(resume_from))
+        my_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
+            else int(seed)
+        try:
+            found = _inspect(path, meta, resume_from, overwrite, rank)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by _decide
+            found = {"error": f"{type(exc).__name__}: {exc}"}
+        infos = comm.gather_objects({"args": args, "seed": my_seed, "found": found,
+                                     "path": str(path)}, "construction")
+        action = _decide(infos, rank, world, resume_from, overwrite, path)
+        shard_seed = int(np.random.SeedSequence([infos[0]["seed"], rank]).generate_state(
+            1, np.uint64)[0] % (1 << 62))
+
+        # phase 2: act, then agree that every rank succeeded
+        state, err, created = None, None, False
+        try:
+            if action == "resume_from":
+                _copy_shard(shard_path(resume_from, rank, world), path)
+                state = _open_checked(path, meta)
+            elif action == "open":
+                state = _open_checked(path, meta)
+            else:
+                state = _create_shard(path, sp, rank, d, dt, c, init, init_scale, shard_seed,
+                                      padding_idx, overwrite, durability)
+                created = True
+                _write_json(path / SHARD_FILE, meta)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            err = f"rank {rank}: {type(exc).__name__}: {exc}"
+        oks = comm.gather_objects({"error": err, "count": None if state is None
+                                   else int(state.count)}, "construction")
+        errors = [o["error"] for o in oks if o["error"]]
+        counts = {o["count"] for o in oks}
+        if not errors and len(counts) > 1:
+            errors = [(f"the shards are at different steps ({[o['count'] for o in oks]} by "
+                       "rank): the live state_dir was left inconsistent by a failure; restart "
+                       "from a checkpoint with resume_from=CHECKPOINT")]
+        if errors:
+            if state is not None:
+                dsa_core.close(state)
+                if created:
+                    dsa_core.remove(path)
+            raise ValueError("ShardedDiskEmbedding could not be set up on every rank "
+                             "(nothing was changed on the ranks that succeeded):\n  "
+                             + "\n  ".join(errors))
+        if resume_from is not None:
+            comm.last_checkpoint = os.fspath(resume_from)
+
+        self._handle = StoreHandle(state)
+        self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
+        self._core = _Core(self._handle, sp, comm, rank, padding_idx,
+                           None if grad_reduce == "sum" else 1.0 / world)
+        self.num_embeddings, self.embedding_dim = n, d
+        self.padding_idx, self.mode = padding_idx, mode
+        self.include_last_offset = bool(include_last_offset)
+        self.grad_reduce = grad_reduce
+        self.rank, self.world_size = rank, world
+        self.process_group = group
+        self.state_dir = os.fspath(state_dir)
+        self.weight = DiskWeight(self._handle, dtype, device)
+
+    # -- access ---------------------------------------------------------------------------
+    @property
+    def store(self) -> dsa_core.State:
+        """This rank's shard (``dsa_core.State``; its ``count`` is the step ``t``)."""
+        return self._handle.state
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self._core.plan
+
+    @property
+    def comm_stats(self) -> dict[str, int]:
+        """Cumulative bytes sent to other ranks per kind, ``self`` copies, call counts."""
+        return dict(self._core.comm.stats)
+
+    def local_ids(self) -> np.ndarray:
+        """Global ids of this rank's shard rows, in shard order."""
+        return self.plan.global_ids(self.rank, np.arange(self.plan.local_rows(self.rank)))
+
+    def lookup(self, ids) -> torch.Tensor:
+        """Rows of global ``ids`` (this rank's own ids), without autograd. **Collective.**"""
+        ids = torch.as_tensor(ids)
+        flat = ids.reshape(-1).to(torch.int64)
+        uniq, inv = torch.unique(flat, sorted=True, return_inverse=True)
+        with torch.no_grad():
+            rows, _ = self._core.lookup(uniq)
+        return rows[inv.to(rows.device)].reshape(tuple(ids.shape) + (self.embedding_dim,))
+
+    def flush(self) -> None:
+        """Make this shard's steps durable (local, not collective)."""
+        self._handle.flush()
+
+    def close(self) -> None:
+        """Flush and close this rank's shard (local). Safe to call twice."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def extra_repr(self) -> str:
+        s = (f"{self.num_embeddings}, {self.embedding_dim}, rank={self.rank}, "
+             f"world_size={self.world_size}, plan={self.plan.kind!r}, "
+             f"shard={str(self.store.path)!r}")
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.mode is not None:
+            s += f", mode={self.mode!r}"
+        if self.store.curvature:
+            s += f", curvature={self.store.curvature}"
+        return s
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``DiskEmbedding.forward`` (``nn.Embedding`` / ``nn.EmbeddingBag``). **Collective.**"""
+        if not isinstance(input, torch.Tensor) or input.dtype not in (torch.int64,
+                                                                      torch.int32):
+            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+            raise TypeError(f"ShardedDiskEmbedding expects integer ids (torch.long or "
+                            f"torch.int), got {got}")
+        if self.mode is None and (offsets is not None or per_sample_weights is not None):
+            raise ValueError("offsets and per_sample_weights are for bag modes; this "
+                             "ShardedDiskEmbedding has mode=None")
+        uniq, inv = torch.unique(input.reshape(-1), sorted=True, return_inverse=True)
+        uniq = uniq.to(torch.int64)
+        pad = None
+        if self.padding_idx is not None and uniq.numel():
+            pos = int(torch.searchsorted(uniq, self.padding_idx))
+            if pos < uniq.numel() and int(uniq[pos]) == self.padding_idx:
+                pad = pos
+        rows = _ShardedRows.apply(self.weight, uniq, self._core)
+        inv = inv.view(input.shape)
+        if self.mode is None:
+            return F.embedding(inv, rows, pad)
+        if offsets is not None:
+            offsets = offsets.to(torch.int64)
+        return F.embedding_bag(inv, rows, offsets, None, 2.0, False, self.mode, False,
+                               per_sample_weights, self.include_last_offset, pad)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self, dest, *, overwrite: bool = False) -> Path:
+        """Write a consistent snapshot of every shard under ``dest``. **Collective.**
+
+        Each rank writes ``dest/rank{k}`` (``dsa_core.checkpoint``: copy, fsync, atomic
+        rename) plus its ``shard.json``; once every rank succeeded, each writes
+        ``dest/dsa-sharded.json`` (world size, plan, count), the mark of a complete
+        checkpoint. On several machines, each machine's ``dest`` holds its ranks' shards and
+        a copy of the manifest. Resume with ``ShardedDiskEmbedding(..., resume_from=dest)``.
+        Prefer a new ``dest`` per checkpoint: ``overwrite=True`` first withdraws the old
+        manifest, so a failure in the middle leaves no complete checkpoint there.
+        """
+        comm, st = self._core.comm, self._handle.state
+        dest = Path(dest)
+        mine = dest / f"rank{self.rank}"
+        err = None
+        if st.store.closed:
+            err = f"rank {self.rank}: the shard is closed"
+        elif (mine.exists() or (dest / MANIFEST_FILE).exists()) and not overwrite:
+            err = f"rank {self.rank}: {str(dest)!r} already holds a checkpoint; pass " \
+                  "overwrite=True or choose a new directory"
+        _agree(comm, err, "checkpoint", FileExistsError)
+        if overwrite:
+            try:
+                (dest / MANIFEST_FILE).unlink(missing_ok=True)
+                err = None
+            except OSError as exc:
+                err = f"rank {self.rank}: {exc}"
+            _agree(comm, err, "checkpoint")
+        meta = self._meta()
+        try:
+            dsa_core.checkpoint(st, mine, overwrite=overwrite)
+            _write_json(mine / SHARD_FILE, meta)
+            err = None
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            err = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        counts = comm.gather_objects({"error": err, "count": int(st.count)}, "checkpoint")
+        errors = [c["error"] for c in counts if c["error"]]
+        if len({c["count"] for c in counts}) > 1:
+            errors.append(f"the shards are at different steps: {[c['count'] for c in counts]}")
+        if errors:
+            raise RuntimeError("sharded checkpoint failed (no manifest written; it is not "
+                               "a complete checkpoint):\n  " + "\n  ".join(errors))
+        manifest = {"format": _MANIFEST_FORMAT, "version": 1,
+                    "world_size": self.world_size, "plan": self.plan.to_json(),
+                    "num_embeddings": self.num_embeddings,
+                    "embedding_dim": self.embedding_dim, "dtype": st.dtype.name,
+                    "curvature": st.curvature, "padding_idx": self.padding_idx,
+                    "count": int(st.count),
+                    "shards": [f"rank{k}" for k in range(self.world_size)],
+                    "local_rows": [self.plan.local_rows(k) for k in range(self.world_size)]}
+        try:
+            _write_json(dest / MANIFEST_FILE, manifest, f"-{self.rank}")
+            err = None
+        except OSError as exc:
+            err = f"rank {self.rank}: {exc}"
+        _agree(comm, err, "checkpoint")
+        comm.last_checkpoint = str(dest)
+        return dest
+
+    def _meta(self) -> dict[str, Any]:
+        st = self._handle.state
+        return {"format": _SHARD_FORMAT, "version": 1, "rank": self.rank,
+                "world_size": self.world_size, "plan": self.plan.to_json(),
+                "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "dtype": st.dtype.name, "curvature": st.curvature,
+                "padding_idx": self.padding_idx, "local_rows": st.num_rows}
+
+    # -- module plumbing ------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        """``to()`` / ``cuda()`` move :attr:`weight`; the shard stays on disk."""
+        w = self.weight
+        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+        if probe.dtype != w.dtype:
+            raise TypeError(f"a ShardedDiskEmbedding's dtype is fixed by its shards "
+                            f"({w.dtype}); cast its output instead")
+        if probe.device != w.device:
+            st = self._handle.state
+            w.data = torch.zeros((), dtype=w.dtype, device=probe.device).expand(
+                st.num_rows, st.dim)
+            if w.grad is not None:
+                w.grad = w.grad.to(probe.device)
+        return self
+
+    def get_extra_state(self) -> dict:
+        """This rank's shard manifest (flushed first); rows never enter a state dict."""
+        self._handle.flush()
+        m = self._meta()
+        m.update(format=_EXTRA_FORMAT, path=str(self._handle.state.path),
+                 count=int(self._handle.state.count))
+        return m
+
+    def set_extra_state(self, state: Any) -> None:
+        """Check that a saved manifest describes this shard (same table, rank and plan)."""
+        if not isinstance(state, dict) or state.get("format") != _EXTRA_FORMAT:
+            raise ValueError("not a ShardedDiskEmbedding state dict entry")
+        keys = ("world_size", "rank", "plan", "num_embeddings", "embedding_dim", "dtype",
+                "curvature")
+        have, want = self._meta(), state
+        bad = [k for k in keys if have[k] != want.get(k)]
+        if bad:
+            raise ValueError("the saved ShardedDiskEmbedding differs in " + ", ".join(
+                f"{k} (saved {want.get(k)!r}, here {have[k]!r})" for k in bad))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "_extra_state"
+        try:
+            if key in state_dict:
+                self.set_extra_state(state_dict[key])
+            elif strict:
+                missing_keys.append(key)
+        except ValueError as exc:
+            error_msgs.append(str(exc))
+        if strict:
+            for k in state_dict:
+                if k.startswith(prefix) and k != key and "." not in k[len(prefix):]:
+                    unexpected_keys.append(k)
+
+
+def ddp_ignore(model: nn.Module) -> list[str]:
+    """Tell DDP to leave every ShardedDiskEmbedding's weight of ``model`` alone.
+
+    Call it before ``DistributedDataParallel(model)``: the shards differ from rank to rank
+    (DDP would refuse them, or average them). Returns the ignored names.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    names = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    for mname, m in model.named_modules():
+        if isinstance(m, ShardedDiskEmbedding):
+            fqn = f"{mname}.weight" if mname else "weight"
+            if fqn not in names:
+                names.append(fqn)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, names)
+    return names
+
+
+# -- construction helpers -------------------------------------------------------------------------
+def _agree(comm: _Comm, err: str | None, what: str, exc_type=RuntimeError) -> None:
+    """Every rank learns every rank's error; all raise together, or none does."""
+    errs = [e for e in comm.gather_objects(err, what) if e]
+    if errs:
+        raise exc_type(f"sharded {what} refused on every rank:\n  " + "\n  ".join(errs))
+
+
+def _join(errors: list[tuple[int, str]]) -> str:
+    """One line per distinct message, with the ranks that gave it."""
+    by: dict[str, list[int]] = {}
+    for k, msg in errors:
+        by.setdefault(msg, []).append(k)
+    return "\n  ".join(f"rank {ks[0]}: {m}" if len(ks) == 1 else f"ranks {ks}: {m}"
+                       for m, ks in by.items())
+
+
+def _describe(meta: dict) -> str:
+    p = meta["plan"]
+    return f"world size {p['world_size']}, plan {p['kind']!r}"
+
+
+def _check_meta(where: str, have: dict, want: dict) -> None:
+    if have.get("plan") != want["plan"]:
+        raise ValueError(
+            f"{where} belongs to a run with {_describe(have)}; this run has {_describe(want)}. "
+            "Resuming with a different world size or plan needs the rows moved first: "
+            "python -m adapters.torch_reshard SRC DEST --world-size "
+            f"{want['world_size']} (offline, on a checkpoint), then resume_from=DEST")
+    keys = ("rank", "num_embeddings", "embedding_dim", "dtype", "curvature", "padding_idx")
+    bad = [k for k in keys if have.get(k) != want[k]]
+    if bad:
+        raise ValueError(f"{where} is a shard of another table: " + ", ".join(
+            f"{k} {have.get(k)!r} there, {want[k]!r} here" for k in bad))
+
+
+def _inspect(path: Path, meta: dict, resume_from, overwrite: bool, rank: int) -> dict:
+    """What this rank finds on disk; reads only."""
+    out: dict[str, Any] = {}
+    if resume_from is not None:
+        man = read_manifest(resume_from)
+        if man.get("plan") != meta["plan"]:
+            raise ValueError(
+                f"checkpoint {os.fspath(resume_from)!r} was written with {_describe(man)}; "
+                f"this run has {_describe(meta)}. Reshard it offline first: python -m "
+                f"adapters.torch_reshard {os.fspath(resume_from)} NEW_DIR --world-size "
+                f"{meta['world_size']}, then resume_from=NEW_DIR")
+        src = shard_path(resume_from, rank, meta["world_size"])
+        if src.resolve() == path.resolve():
+            raise ValueError(f"resume_from {os.fspath(resume_from)!r} is the state_dir itself; "
+                             "resume into another state_dir (the checkpoint is copied), or "
+                             "pass state_dir=CHECKPOINT without resume_from to train in it")
+        _check_meta(f"checkpoint shard {str(src)!r}", _read_shard_meta(src), meta)
+        snap = dsa_core.open(src, mode="r")
+        try:
+            if snap.count != man["count"] or snap.num_rows != meta["local_rows"]:
+                raise ValueError(
+                    f"checkpoint shard {str(src)!r} is at step {snap.count} with "
+                    f"{snap.num_rows} rows; the manifest says step {man['count']} with "
+                    f"{meta['local_rows']} rows (was the checkpoint modified after it was "
+                    "written?)")
+        finally:
+            dsa_core.close(snap)
+        out["count"] = man["count"]
+        return out
+    if overwrite or not (path / "manifest.json").exists():
+        out["exists"] = False
+        return out
+    _check_meta(f"shard {str(path)!r}", _read_shard_meta(path), meta)
+    out["exists"] = True
+    return out
+
+
+def _decide(infos: list[dict], rank: int, world: int, resume_from, overwrite: bool,
+            path: Path) -> str:
+    args = {repr(i["args"]) for i in infos}
+    if len(args) > 1:
+        raise ValueError("the ranks built ShardedDiskEmbedding with different arguments "
+                         f"({sorted(args)}); every rank must pass the same ones")
+    errors = [(k, i["found"]["error"]) for k, i in enumerate(infos) if "error" in i["found"]]
+    if errors:
+        raise ValueError("ShardedDiskEmbedding refused (checked on every rank; nothing "
+                         "was written):\n  " + _join(errors))
+    if resume_from is not None:
+        return "resume_from"
+    found = [i["found"]["exists"] for i in infos]
+    if all(found):
+        return "open"
+    if not any(found):
+        return "create"
+    have = [k for k, f in enumerate(found) if f]
+    miss = [k for k, f in enumerate(found) if not f]
+    raise ValueError(
+        f"ShardedDiskEmbedding refused: ranks {have} found their shards but ranks {miss} "
+        f"found none (e.g. {infos[miss[0]]['path']!r}). The state_dir was written by a run "
+        f"with fewer ranks, or some machine lacks its shards; resume from a checkpoint "
+        f"(resuming with another world size needs python -m adapters.torch_reshard), or "
+        f"pass overwrite=True to start afresh. Nothing was written")
+
+
+def _open_checked(path: Path, meta: dict) -> dsa_core.State:
+    st = dsa_core.open(path)
+    have = (st.num_rows, st.dim, st.dtype.name, st.curvature, st.has_weights)
+    want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True)
+    if have != want:
+        dsa_core.close(st)
+        raise ValueError(f"shard {str(path)!r} holds a {have[0]} x {have[1]} {have[2]} store "
+                         f"(curvature {have[3]}, weights {have[4]}); expected {want}")
+    return st
+
+
+def _copy_shard(src: Path, dest: Path) -> None:
+    """Copy a checkpoint shard over the live one (temp dir + rename; the source is untouched)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.resume-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("writer.lock", "*.tmp*"))
+    if dest.exists():
+        old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+        probe = dsa_core.open(dest) if (dest / "manifest.json").exists() else None
+        if probe is not None:  # refuses (StoreLockedError) while another writer holds it
+            dsa_core.close(probe)
+        os.rename(dest, old)
+        os.rename(tmp, dest)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, dest)
+
+
+def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, c: float,
+                  init: Any, init_scale: float, seed: int, padding_idx: int | None,
+                  overwrite: bool, durability: str) -> dsa_core.State:
+    n = plan.local_rows(rank)
+    if isinstance(init, str):
+        if init not in ("normal", "uniform", "zeros"):
+            raise ValueError(f"init must be 'normal', 'uniform', 'zeros', an array of shape "
+                             f"(num_embeddings, dim) or a callable; got {init!r}")
+        src = None if init == "zeros" else init
+    elif init is None:
+        src = None
+    else:
+        src = _ShardInit(init, plan, rank, d)
+    st = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True, init=src,
+                         init_scale=init_scale, seed=seed, overwrite=overwrite,
+                         durability=durability, progress=False)
+    if padding_idx is not None and int(plan.owner(padding_idx)) == rank:
+        st.weights[int(plan.local(padding_idx))] = 0
+    return st

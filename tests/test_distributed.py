@@ -1,0 +1,537 @@
+"""adapters.torch_dist: ShardedDiskEmbedding over torch.distributed (gloo on loopback).
+
+The multi-process tests spawn worker processes running this very file
+(``python tests/test_distributed.py worker SCENARIO RANK WORLD PORT TMP``), rendezvous through
+a ``TCPStore`` owned by the test (port chosen by the OS, 127.0.0.1 only), and compare what
+they leave on disk with a single process training a ``DiskEmbedding`` on the concatenation
+of all ranks' batches. Every wait is bounded and every worker is killed in ``finally``.
+
+Scenarios (run as ``A``, then ``B`` and ``C`` side by side):
+
+A  2 ranks, DDP dense layer, ``grad_reduce="mean"``, K steps; checkpoint at step K1.
+B  2 ranks resume from A's checkpoint (exact: bit-identical to A), checkpoint at step K, then
+   rank 1 ``os._exit``\\ s after a forward and rank 0's backward must raise
+   ShardExchangeError within the timeout.
+C  3 ranks: the 2-rank checkpoint and state_dir are refused; a refused batch on one rank
+   raises on all and leaves the group usable; then resume from the checkpoint resharded
+   offline to 3 ranks (plan "range", bag mode "sum", ``grad_reduce="sum"``, an empty batch
+   on one rank) and match the single-process run; the all_gather fallback exchange agrees
+   with all_to_all. Finally rank 2 gets stuck (sleeps) and ranks 0 and 1 raise
+   ShardExchangeError after the module's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+N, D, B, F = 40, 8, 5, 3          # table rows, dim, bags per rank, ids per bag
+K1, K = 3, 6                      # checkpoint step, last step
+PAD = 5
+LR_EMB, LR_DENSE = 0.05, 0.01
+HANG = 6.0                        # seconds a stuck rank sleeps (scenario C)
+GROUP_TIMEOUT = 20.0              # seconds: the process group's timeout in the workers
+TOL = {"rtol": 1e-5, "atol": 3e-6}
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+
+
+# -- the data (identical in workers and reference) ------------------------------------------------
+def batch(step: int, rank: int, world: int) -> np.ndarray:
+    """Ids (B, F) of ``rank`` at ``step``: duplicates within and across ranks, the padding
+    row, a step where every id belongs to rank 0 (the other shards get no row), and an empty
+    batch on rank 2 at step 5."""
+    rng = np.random.default_rng([step, rank, world])
+    ids = rng.integers(0, N, (B, F), dtype=np.int64)
+    ids[0, :2] = 0                 # on every rank, twice
+    ids[1, 0] = 7 + step % 2
+    ids[2, 0] = PAD
+    if step in (2, 5):
+        ids = (ids // world) * world
+    if world == 3 and step == 5 and rank == 2:
+        ids = ids[:0]
+    return ids
+
+
+def target(step: int, rank: int, world: int, rows: int) -> np.ndarray:
+    rng = np.random.default_rng([1000 + step, rank, world])
+    return rng.standard_normal((rows, 2)).astype(np.float32)
+
+
+def init_table() -> np.ndarray:
+    return (np.random.default_rng(7).standard_normal((N, D)) * 0.5).astype(np.float32)
+
+
+class Net(torch.nn.Module):
+    """The sharded embedding and a small dense layer (DDP-wrapped as a whole)."""
+
+    def __init__(self, emb):
+        super().__init__()
+        self.emb, self.dense = emb, make_dense()
+
+    def forward(self, ids):
+        return self.dense(self.emb(ids)).reshape(-1, 2)
+
+
+def make_dense():
+    torch.manual_seed(0)
+    return torch.nn.Linear(D, 2)
+
+
+def world_of(scenario: str, step: int) -> int:
+    return 3 if scenario == "C" and step > K1 else 2
+
+
+# -- the worker -----------------------------------------------------------------------------------
+def _worker(scenario: str, rank: int, world: int, port: int, tmp: Path) -> None:
+    from adapters.torch_dist import (
+        DiskSparseAdam,
+        ShardedDiskEmbedding,
+        ShardExchangeError,
+        ddp_ignore,
+    )
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=GROUP_TIMEOUT))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+    out: dict = {"losses": {}}
+
+    def save():
+        (tmp / f"{scenario}_rank{rank}.json").write_text(json.dumps(out))
+
+    common = {"padding_idx": PAD, "init": init_table()}
+    if scenario == "C":
+        common.update(plan="range", mode="sum", grad_reduce="sum")
+        for kwargs in ({"resume_from": tmp / "ckpt"}, {}):  # 2-rank checkpoint / state_dir
+            try:
+                ShardedDiskEmbedding(N, D, state_dir=tmp / ("C" if kwargs else "A"),
+                                     **common, **kwargs)
+                out.setdefault("refused", []).append(None)
+            except ValueError as exc:
+                out.setdefault("refused", []).append(str(exc))
+        emb = ShardedDiskEmbedding(N, D, state_dir=tmp / "C", resume_from=tmp / "ckpt3",
+                                   **common)
+        bad = torch.tensor([1, 2, N + 3 if rank == 1 else 3])  # rank 1 refuses its batch
+        try:
+            emb.lookup(bad)
+            out["bad_batch"] = None
+        except IndexError as exc:
+            out["bad_batch"] = str(exc)
+    else:
+        common["grad_reduce"] = "mean"
+        if scenario == "A":  # bounded waits (async_op + Work.wait) on every exchange
+            emb = ShardedDiskEmbedding(N, D, state_dir=tmp / "A", timeout=GROUP_TIMEOUT,
+                                       **common)
+        else:
+            emb = ShardedDiskEmbedding(N, D, state_dir=tmp / "B", resume_from=tmp / "ckpt",
+                                       **common)
+    net = Net(emb)
+    assert ddp_ignore(net) == ["emb.weight"]  # DDP for the dense part only
+    first = 1
+    dopt = torch.optim.Adam(net.dense.parameters(), lr=LR_DENSE)
+    if scenario != "A":
+        saved = torch.load(tmp / "dense_K1.pt")
+        net.dense.load_state_dict(saved["dense"])
+        dopt.load_state_dict(saved["opt"])
+        first = K1 + 1
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    for step in range(first, K + 1):
+        ids = torch.from_numpy(batch(step, rank, world))
+        tgt = torch.from_numpy(target(step, rank, world, B if emb.mode else B * F))
+        y = ddp(ids)
+        loss = (y.tanh() * tgt[:y.shape[0]]).sum()
+        loss.backward()
+        opt.step()
+        dopt.step()
+        opt.zero_grad()
+        dopt.zero_grad()
+        out["losses"][step] = float(loss.detach())
+        if scenario == "A" and step == K1:
+            emb.checkpoint(tmp / "ckpt")
+            if rank == 0:
+                torch.save({"dense": net.dense.state_dict(), "opt": dopt.state_dict()},
+                           tmp / "dense_K1.pt")
+            dist.barrier()
+    out["count"] = emb.store.count
+    out["stats"] = emb.comm_stats
+    out["dense"] = net.dense.weight.detach().tolist()
+    if scenario == "C":
+        np.save(tmp / f"C_lookup{rank}.npy", emb.lookup(torch.arange(N)).numpy())
+        comm = emb._core.comm  # the all_gather fallback must route exactly as all_to_all
+        rng = np.random.default_rng(rank)
+        counts = torch.from_numpy(rng.integers(0, 4, world))
+        x = torch.from_numpy(rng.standard_normal((int(counts.sum()), 3)).astype(np.float32))
+        r1 = comm.route(counts)
+        y1 = comm.send(x, r1, "ids")
+        comm.method = "all_gather"
+        r2 = comm.route(counts)
+        y2 = comm.send(x, r2, "ids")
+        back = comm.send(y2, r2.reverse(), "ids")
+        comm.method = "all_to_all"
+        out["fallback_ok"] = bool(torch.equal(y1, y2) and torch.equal(back, x)
+                                  and r1.recv == r2.recv)
+        # a stuck (not dead) rank: the others give up after the module's timeout
+        emb.flush()
+        save()
+        if rank == 2:
+            time.sleep(HANG)
+            os._exit(0)
+        comm.timeout = timedelta(seconds=HANG / 3)
+        t0 = time.monotonic()
+        try:
+            emb.lookup(torch.arange(3))
+            out["hang"] = None
+        except ShardExchangeError as exc:
+            out["hang"] = {"message": str(exc), "seconds": time.monotonic() - t0}
+        save()
+        os._exit(0)
+    if scenario == "B":
+        emb.checkpoint(tmp / "ckptB")
+        save()
+        x = emb(torch.from_numpy(batch(K + 1, rank, world)))  # both ranks: forward
+        if rank == 1:
+            os._exit(3)  # dies in the middle of a step, after its checkpoint
+        t0 = time.monotonic()
+        try:
+            x.sum().backward()  # the gradient exchange finds rank 1 gone
+            out["dead"] = None
+        except ShardExchangeError as exc:
+            out["dead"] = {"message": str(exc), "seconds": time.monotonic() - t0}
+        save()
+        os._exit(0)  # the group is broken: no orderly teardown
+    emb.close()
+    save()
+    dist.destroy_process_group()
+
+
+# -- process management ---------------------------------------------------------------------------
+class Launch:
+    """``world`` workers of one scenario around a TCPStore of this process."""
+
+    def __init__(self, scenario: str, world: int, tmp: Path):
+        self.scenario, self.world = scenario, world
+        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
+                                   wait_for_workers=False, timeout=timedelta(seconds=30))
+        env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
+                   MASTER_ADDR="127.0.0.1", PYTHONPATH=str(ROOT),
+                   GLOO_SOCKET_IFNAME="lo0" if sys.platform == "darwin" else "lo")
+        self.procs = []
+        self.logs = []
+        for r in range(world):
+            log = (tmp / f"{scenario}_rank{r}.log").open("w+")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(HERE), "worker", scenario, str(r), str(world),
+                 str(self.store.port), str(tmp)],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+
+    def wait(self, deadline: float) -> list[int]:
+        rcs = []
+        try:
+            for p in self.procs:
+                rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"scenario {self.scenario}: workers still running at the deadline\n"
+                        + self.output())
+        finally:
+            self.kill()
+        return rcs
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+    def close(self) -> None:
+        self.kill()
+        for log in self.logs:
+            log.close()
+
+    def output(self) -> str:
+        text = []
+        for r, log in enumerate(self.logs):
+            log.flush()
+            log.seek(0)
+            text.append(f"--- {self.scenario} rank {r} ---\n{log.read()[-4000:]}")
+        return "\n".join(text)
+
+
+def result(tmp: Path, scenario: str, rank: int) -> dict:
+    return json.loads((tmp / f"{scenario}_rank{rank}.json").read_text())
+
+
+def assemble(root: Path, world: int, plan: str = "mod") -> dict[str, np.ndarray]:
+    """The global table (weights, m, v) and counts from the shards under ``root``."""
+    import dsa_core
+    from adapters.torch_dist import ShardPlan
+
+    sp = ShardPlan(N, world, plan)
+    out = {"w": np.zeros((N, D), np.float32), "m": np.zeros((N, D), np.float32),
+           "v": np.zeros((N, D), np.float32), "counts": []}
+    for k in range(world):
+        st = dsa_core.open(root / f"rank{k}", mode="r")
+        g = sp.global_ids(k, np.arange(st.num_rows))
+        out["w"][g], out["m"][g], out["v"][g] = st.weights, st.exp_avg, st.exp_avg_sq
+        out["counts"].append(st.count)
+        dsa_core.close(st)
+    return out
+
+
+def reference(tmp: Path, scenario: str) -> dict:
+    """One process, DiskEmbedding + DiskSparseAdam on the concatenated batches."""
+    from adapters.torch import DiskEmbedding, DiskSparseAdam
+
+    emb = DiskEmbedding(N, D, state_dir=tmp / f"ref{scenario}", padding_idx=PAD,
+                        init=init_table())
+    dense = make_dense()
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    dopt = torch.optim.Adam(dense.parameters(), lr=LR_DENSE)
+    losses = {}
+    for step in range(1, K + 1):
+        w = world_of(scenario, step)
+        c_phase = scenario == "C" and step > K1
+        emb.mode = "sum" if c_phase else None
+        ids = [batch(step, r, w) for r in range(w)]
+        tgt = [target(step, r, w, len(i) if c_phase else len(i) * F) for r, i in
+               enumerate(ids)]
+        x = emb(torch.from_numpy(np.concatenate(ids)))
+        y = dense(x).reshape(-1, 2)
+        loss = (y.tanh() * torch.from_numpy(np.concatenate(tgt))).sum()
+        s_emb = 1.0 if c_phase else 1.0 / w  # grad_reduce "sum" in C, "mean" in A/B
+        (loss * s_emb).backward()
+        for p in dense.parameters():  # DDP averages the dense gradients
+            p.grad.mul_((1.0 / w) / s_emb)
+        opt.step()
+        dopt.step()
+        opt.zero_grad()
+        dopt.zero_grad()
+        losses[str(step)] = float(loss.detach())
+    st = emb.store
+    out = {"w": st.weights.copy(), "m": st.exp_avg.copy(), "v": st.exp_avg_sq.copy(),
+           "count": st.count, "losses": losses, "dense": dense.weight.detach().numpy()}
+    opt.close()
+    emb.close()
+    return out
+
+
+def close_(a, b, tol=TOL):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+
+
+# -- tests ----------------------------------------------------------------------------------------
+def test_plans_and_paths(tmp_path):
+    from adapters.torch_dist import ShardPlan, shard_path
+
+    for kind in ("mod", "range"):
+        for n, w in ((10, 3), (40, 2), (7, 7), (11, 4)):
+            sp = ShardPlan(n, w, kind)
+            ids = np.arange(n)
+            own, loc = sp.owner(ids), sp.local(ids)
+            assert sum(sp.local_rows(k) for k in range(w)) == n
+            for k in range(w):
+                g = sp.global_ids(k, np.arange(sp.local_rows(k)))
+                assert (own[g] == k).all() and (loc[g] == np.arange(len(g))).all()
+            t = torch.arange(n)  # torch tensors give the same plan
+            assert torch.equal(sp.owner(t), torch.from_numpy(own))
+    assert ShardPlan(10, 3).local_rows(0) == 4 and ShardPlan(10, 3, "range").local_rows(2) == 2
+    with pytest.raises(ValueError, match="own no row"):
+        ShardPlan(9, 4, "range")
+    with pytest.raises(ValueError, match="own no row"):
+        ShardPlan(2, 3)
+    assert shard_path(tmp_path, 2, 4) == tmp_path / "rank2"
+    assert shard_path("/x/r{rank}of{world_size}", 1, 3) == Path("/x/r1of3")
+
+
+def test_needs_a_process_group(tmp_path):
+    from adapters.torch_dist import ShardedDiskEmbedding
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ShardedDiskEmbedding(10, 4, state_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_two_and_three_processes(tmp_path):
+    """2 and 3 gloo processes == one process; exact resume; refusal; dead rank; reshard."""
+    import dsa_core
+    from adapters.torch_dist import read_manifest
+    from adapters.torch_reshard import reshard
+
+    t_start = time.monotonic()
+    launches: list[Launch] = []
+    try:
+        a = Launch("A", 2, tmp_path)
+        launches.append(a)
+        assert a.wait(t_start + 60) == [0, 0], a.output()
+        t_a = time.monotonic() - t_start
+        # offline reshard of the step-K1 checkpoint: mod over 2 -> range over 3, bit-exact rows
+        reshard(tmp_path / "ckpt", tmp_path / "ckpt3", 3, "range")
+        b = Launch("B", 2, tmp_path)
+        launches.append(b)
+        c = Launch("C", 3, tmp_path)
+        launches.append(c)
+        rc_b = b.wait(time.monotonic() + 60)
+        rc_c = c.wait(time.monotonic() + 60)
+        assert rc_b == [0, 3], b.output()
+        assert rc_c == [0, 0, 0], c.output()
+    finally:
+        for ln in launches:
+            ln.close()
+    t_bc = time.monotonic() - t_start - t_a
+    print(f"scenario A {t_a:.1f} s, B and C {t_bc:.1f} s")
+
+    # A: 2 processes == one process on the concatenated batches (dense DDP part included)
+    ref = reference(tmp_path, "A")
+    got = assemble(tmp_path / "A", 2)
+    assert got["counts"] == [K, K]
+    for key in "wmv":
+        close_(got[key], ref[key])
+    assert (got["w"][PAD] == 0).all()
+    ra = [result(tmp_path, "A", r) for r in range(2)]
+    for step in range(1, K + 1):
+        close_(sum(r["losses"][str(step)] for r in ra), ref["losses"][str(step)],
+               {"rtol": 1e-5, "atol": 1e-5})
+    close_(ra[0]["dense"], ref["dense"])
+    assert ra[0]["dense"] == ra[1]["dense"]
+    # bytes sent to the other rank, as counted by the module == the exchange model
+    for r in range(2):
+        remote_ids = remote_rows = 0
+        for step in range(1, K + 1):
+            u = np.unique(batch(step, r, 2))
+            remote_ids += int((u % 2 != r).sum())
+            v = np.unique(batch(step, 1 - r, 2))
+            remote_rows += int((v % 2 == r).sum())
+        st = ra[r]["stats"]
+        assert st["ids"] == 8 * remote_ids and st["grads"] == 4 * D * remote_ids
+        assert st["rows"] == 4 * D * remote_rows
+        assert st["counts"] == 8 * K and st["lookups"] == K and st["backwards"] == K
+
+    # B: resumed with the same world size == A, bit for bit; its checkpoint is complete
+    got_b = assemble(tmp_path / "B", 2)
+    for key in "wmv":
+        np.testing.assert_array_equal(got_b[key], got[key])
+    rb = [result(tmp_path, "B", r) for r in range(2)]
+    for r in range(2):
+        for step in range(K1 + 1, K + 1):
+            assert rb[r]["losses"][str(step)] == ra[r]["losses"][str(step)]
+        assert rb[r]["dense"] == ra[r]["dense"]
+    ck = read_manifest(tmp_path / "ckptB")
+    assert (ck["world_size"], ck["count"], ck["plan"]["kind"]) == (2, K, "mod")
+    got_ck = assemble(tmp_path / "ckptB", 2)
+    for key in "wmv":
+        np.testing.assert_array_equal(got_ck[key], got[key])
+    assert read_manifest(tmp_path / "ckpt")["count"] == K1  # never touched by resumes
+    # B: rank 1 died; rank 0 raised a clear error, quickly
+    dead = rb[0]["dead"]
+    assert dead is not None, b.output()
+    assert dead["seconds"] < GROUP_TIMEOUT
+    assert "rank 0 of 2" in dead["message"] and "resume_from" in dead["message"]
+    assert "ckptB" in dead["message"]  # names the last complete checkpoint
+
+    # reshard: the same global rows, bit for bit
+    old, new = assemble(tmp_path / "ckpt", 2), assemble(tmp_path / "ckpt3", 3, "range")
+    for key in "wmv":
+        np.testing.assert_array_equal(old[key], new[key])
+    assert new["counts"] == [K1] * 3 and read_manifest(tmp_path / "ckpt3")["world_size"] == 3
+    snap = dsa_core.open(tmp_path / "ckpt3" / "rank2", mode="r")  # a plain dsa_core store
+    assert (snap.count, snap.num_rows) == (K1, N - 2 * 14)
+    dsa_core.close(snap)
+
+    # C: refusals on every rank, then 3 processes == one process
+    rc = [result(tmp_path, "C", r) for r in range(3)]
+    for r in range(3):
+        ckpt_msg, dir_msg = rc[r]["refused"]
+        assert ckpt_msg and "world size 2" in ckpt_msg and "torch_reshard" in ckpt_msg
+        assert dir_msg and "world size 2" in dir_msg
+        assert rc[r]["bad_batch"] and ("refused" in rc[r]["bad_batch"] or r == 1)
+        assert rc[r]["fallback_ok"]
+        assert rc[r]["count"] == K
+    assert f"[0, {N})" in rc[1]["bad_batch"]
+    for r in (0, 1):
+        hang = rc[r]["hang"]
+        assert hang is not None and HANG / 3 - 0.5 < hang["seconds"] < HANG, c.output()
+        assert f"rank {r} of 3" in hang["message"] and "this module's timeout" in hang["message"]
+    ref_c = reference(tmp_path, "C")
+    got_c = assemble(tmp_path / "C", 3, "range")
+    assert got_c["counts"] == [K] * 3
+    for key in "wmv":
+        close_(got_c[key], ref_c[key])
+    for step in range(K1 + 1, K + 1):
+        close_(sum(r["losses"][str(step)] for r in rc), ref_c["losses"][str(step)],
+               {"rtol": 1e-5, "atol": 1e-5})
+    close_(rc[0]["dense"], ref_c["dense"])
+    for r in range(3):  # lookup() of the whole table from every rank
+        np.testing.assert_array_equal(np.load(tmp_path / f"C_lookup{r}.npy"), got_c["w"])
+    assert time.monotonic() - t_start < 120
+
+
+@pytest.mark.gpu
+def test_nccl(tmp_path):
+    """NCCL (tensors on the GPU): one rank per GPU, same results as one process."""
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs CUDA and NCCL")
+    world = min(2, torch.cuda.device_count())
+    t0 = time.monotonic()
+    ln = Launch("N", world, tmp_path)
+    try:
+        assert ln.wait(t0 + 120) == [0] * world, ln.output()
+    finally:
+        ln.close()
+    ids = [np.concatenate([batch(s, r, world) for r in range(world)]) for s in (1, 2, 3)]
+    from adapters.torch import DiskEmbedding, DiskSparseAdam
+
+    emb = DiskEmbedding(N, D, state_dir=tmp_path / "refN", padding_idx=PAD, init=init_table())
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    for i in ids:
+        (emb(torch.from_numpy(i)) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    got = assemble(tmp_path / "N", world)
+    close_(got["w"], emb.store.weights)
+    close_(got["m"], emb.store.exp_avg)
+    opt.close()
+    emb.close()
+
+
+def _nccl_worker(rank: int, world: int, port: int, tmp: Path) -> None:
+    from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
+
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=GROUP_TIMEOUT))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+    emb = ShardedDiskEmbedding(N, D, state_dir=tmp / "N", padding_idx=PAD, init=init_table(),
+                               device="cuda")
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    for step in (1, 2, 3):
+        ids = torch.from_numpy(batch(step, rank, world)).cuda()
+        (emb(ids) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    emb.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "worker":
+    _scen, _rank, _world, _port, _tmp = sys.argv[2], *map(int, sys.argv[3:6]), Path(sys.argv[6])
+    if _scen == "N":
+        _nccl_worker(_rank, _world, _port, _tmp)
+    else:
+        _worker(_scen, _rank, _world, _port, _tmp)
