@@ -19,6 +19,8 @@ SMOKES = {
     "torch_e2e": ["--smoke"],
     "jax_overhead": ["--ks", "8", "--rows", "2000", "--dim", "8", "--steps", "20",
                      "--warmup", "5"],
+    "distributed": ["--rows", "2000", "--dim", "8", "--batch", "64", "--steps", "3",
+                    "--warmup", "1"],
 }
 
 
@@ -29,6 +31,8 @@ def test_benchmark_smoke(name, tmp_path):
     args = list(SMOKES[name])
     if name in ("warm", "ooc"):
         args += ["--workdir", str(tmp_path)]
+    if name == "distributed":
+        args += ["--dir", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=600, env=env, check=False)
