@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,73 @@ __all__ = ["DiskEmbedding", "DiskWeight"]
 
 _EXTRA_FORMAT = "dsa-torch-embedding"
 _IMPORT_CHUNK_ROWS = 1 << 16
+_RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk
+
+
+def open_snapshot(src, live: dsa_core.State, what: str,
+                  count: int | None = None) -> dsa_core.State:
+    """Open the checkpoint store ``src`` read-only and check that it fits the store ``live``.
+
+    The layouts (shape, dtype, curvature, weights, record stride) must be identical, and, when
+    ``count`` is given, the snapshot must hold exactly that many steps. Nothing is written.
+    """
+    snap = dsa_core.open(src, mode="r")
+    try:
+        have, want = live.store.layout, snap.store.layout
+        if have != want:
+            raise ValueError(
+                f"{what}: the checkpoint store {str(src)!r} holds a {want['num_rows']} x "
+                f"{want['dim']} {want['dtype']} table with curvature {want['curvature']} "
+                f"(layout {want}), but the live store {str(live.path)!r} is "
+                f"{have['num_rows']} x {have['dim']} {have['dtype']} with curvature "
+                f"{have['curvature']} (layout {have}); restore into a store created the "
+                "same way")
+        if count is not None and snap.count != count:
+            raise ValueError(
+                f"{what}: the checkpoint store {str(src)!r} is at step {snap.count}, but its "
+                f"checkpoint manifest says {count}; the checkpoint directory was modified "
+                "after it was written (did training continue in it?)")
+    except BaseException:
+        dsa_core.close(snap)
+        raise
+    return snap
+
+
+def _void_journal(live: dsa_core.State) -> None:
+    """Make the undo journal of a ``durability="step"`` store unusable (truncate + fsync).
+
+    The journal of the last step stays on disk until the next ``open``; restoring an older
+    count could make its ``count_before`` match the new manifest, and ``open`` would then
+    "roll back" rows that the restore wrote. A truncated journal is ignored (torn).
+    """
+    path = live.path / "journal.dsa"
+    if not path.exists():
+        return
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def restore_rows(live: dsa_core.State, snap: dsa_core.State) -> dsa_core.State:
+    """Copy every record of the snapshot ``snap`` into ``live``; returns ``live`` at its count.
+
+    The records (weights, m and v) are copied in chunks through the mapping, then the live
+    store is flushed (rows + manifest with the snapshot's count). Not atomic: a crash in the
+    middle leaves the live store mixed; run the restore again (the checkpoint is untouched).
+    """
+    if live.store.closed or live.store.mode != "r+":
+        raise ValueError(f"store {str(live.path)!r} is closed or read-only; cannot restore")
+    _void_journal(live)
+    dst, src = live.store.data, snap.store.data
+    rows = max(1, _RESTORE_CHUNK_BYTES // (dst.shape[1] * dst.itemsize))
+    for lo in range(0, dst.shape[0], rows):
+        dst[lo:lo + rows] = src[lo:lo + rows]
+    new = live._replace(count=snap.count)
+    dsa_core.flush(new)
+    return new
 
 
 class DiskWeight(nn.Parameter):
@@ -259,6 +327,36 @@ class DiskEmbedding(nn.Module):
     def close(self) -> None:
         """Flush and close the store (releases its writer lock). Safe to call twice."""
         self._finalizer()
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self, dest, *, overwrite: bool = False) -> Path:
+        """Write a consistent snapshot of the table (weights, m, v, step count) to ``dest``.
+
+        ``dsa_core.checkpoint`` of the store: flushed, copied, fsync'd and renamed into place
+        in one step, so a crash at any moment leaves either no ``dest`` or a complete one.
+        Training goes on in the live store. Resume with :meth:`load_checkpoint` (copies the
+        snapshot into this table's store) or by building a ``DiskEmbedding`` with
+        ``state_dir=dest`` (training then continues *in* the snapshot). Replacing an existing
+        ``dest`` needs ``overwrite=True``.
+        """
+        return dsa_core.checkpoint(self._handle.state, dest, overwrite=overwrite)
+
+    def load_checkpoint(self, src) -> None:
+        """Copy the snapshot at ``src`` (from :meth:`checkpoint`) into this table's store.
+
+        The rows (weights, m, v) and the step count become the snapshot's; the store must
+        have the same shape, dtype and curvature (checked before anything is written). The
+        snapshot itself is left untouched.
+        """
+        live = self._handle.state
+        if Path(src).resolve() == live.path.resolve():
+            return  # this table already trains in that store
+        snap = open_snapshot(src, live, f"DiskEmbedding({self.num_embeddings}, "
+                                        f"{self.embedding_dim})")
+        try:
+            self._handle.state = restore_rows(live, snap)
+        finally:
+            dsa_core.close(snap)
 
     def __enter__(self):
         return self

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import warnings
 import weakref
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 import dsa_core
+from dsa_core._format import _exchange, _fsync_dir
 
 from ._torch_common import (
     DirLock,
@@ -24,12 +27,36 @@ from ._torch_common import (
     to_device,
     to_host,
 )
-from ._torch_embedding import DiskWeight
+from ._torch_embedding import DiskWeight, open_snapshot, restore_rows
 
-__all__ = ["MANIFEST_KEY", "DiskSparseAdam"]
+__all__ = ["CHECKPOINT_FILE", "MANIFEST_KEY", "DiskSparseAdam"]
 
 MANIFEST_KEY = "dsa_manifest"
+CHECKPOINT_FILE = "optimizer.pt"
 _MANIFEST_FORMAT = "dsa-torch-optimizer"
+
+
+def _commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
+    """Give the complete, fsync'd directory ``tmp`` the name ``dest`` in one atomic step.
+
+    The same protocol as ``dsa_core.checkpoint``: an existing ``dest`` is swapped with ``tmp``
+    atomically (renameat2 RENAME_EXCHANGE) where the filesystem allows, so ``dest`` always
+    names one complete checkpoint; the old one is deleted afterwards.
+    """
+    _fsync_dir(tmp)
+    if dest.exists():
+        if not overwrite:
+            raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True to replace it")
+        if not _exchange(tmp, dest):  # no atomic swap here: a short window without dest
+            old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+            os.rename(dest, old)
+            os.rename(tmp, dest)
+            tmp = old
+        _fsync_dir(dest.parent)
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, dest)
+        _fsync_dir(dest.parent)
 
 
 class _Slot(NamedTuple):
@@ -130,12 +157,14 @@ class DiskSparseAdam(torch.optim.Optimizer):
     is one scalar per row (the squared Riemannian gradient norm) and the first moment is
     parallel-transported (spec §3.2).
 
-    Checkpoints: :meth:`state_dict` flushes every store and adds a small manifest under the
-    top-level key ``"dsa_manifest"`` (store names and paths, counts, hyperparameters); the
-    stores themselves are never pickled. They are **not snapshots**: the files keep moving
-    with training, so a checkpoint is the pair (state dict, state_dir as it was then);
-    copy ``state_dir`` after ``state_dict()`` (or ``dsa_core.checkpoint(opt.store_for(p),
-    dest)`` per store) to keep one. ``load_state_dict`` also accepts a
+    Checkpoints: :meth:`checkpoint` writes a consistent snapshot of every store it steps
+    (one ``dsa_core.checkpoint`` per store, named as in ``state_dir``) plus the state dict
+    (``optimizer.pt``) pointing at them, all committed by one atomic rename: a crash leaves
+    no checkpoint or a complete one. :meth:`load_checkpoint` resumes from it (rows, counts,
+    param groups). :meth:`state_dict` alone flushes every store and adds a small manifest
+    under the top-level key ``"dsa_manifest"`` (store names and paths, counts,
+    hyperparameters); the stores themselves are never pickled and are **not snapshots**:
+    the files keep moving with training. ``load_state_dict`` also accepts a
     ``torch.optim.SparseAdam`` (or geoopt ``SparseRiemannianAdam``) state dict and copies its
     ``exp_avg`` / ``exp_avg_sq`` into the stores.
 
@@ -445,6 +474,98 @@ class DiskSparseAdam(torch.optim.Optimizer):
                         "state_dir")
 
     # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self, dest_dir, *, overwrite: bool = False) -> Path:
+        """Write a consistent snapshot of the optimizer to ``dest_dir``; training goes on.
+
+        ``dest_dir`` receives one ``dsa_core.checkpoint`` per parameter, named as in
+        ``state_dir`` (``group{i}_param{j}``; a :class:`DiskEmbedding`'s store, weights
+        included, under the name of its position too), and ``optimizer.pt``: this
+        optimizer's :meth:`state_dict` whose ``"dsa_manifest"`` points at those snapshots.
+        Everything is built in a temporary sibling directory, fsync'd, and renamed into
+        place at once, so a crash (``kill -9``, power loss) at any moment leaves either no
+        ``dest_dir`` or a complete one (at worst a ``<dest_dir>.tmp-<pid>`` leftover).
+        Replacing an existing checkpoint needs ``overwrite=True`` (swapped atomically where
+        the filesystem allows).
+
+        Resume with :meth:`load_checkpoint` on an optimizer built the same way (it copies the
+        snapshots into that optimizer's stores), or build the optimizer with
+        ``state_dir=dest_dir`` (it then trains *in* the checkpoint, which stops being one).
+
+        Returns
+        -------
+        Path
+            ``dest_dir``.
+        """
+        self._check_open()
+        dest = Path(dest_dir)
+        dest_r = dest.resolve()
+        slots = []
+        live = [] if self.state_dir is None else [self.state_dir.resolve()]
+        for gi, group in enumerate(self.param_groups):
+            for pj, p in enumerate(group["params"]):
+                s = self._slots[p]
+                if s.handle.closed:
+                    raise RuntimeError(f"the store of parameter [{gi}, {pj}] "
+                                       f"({str(s.handle.state.path)!r}) is closed")
+                slots.append((f"group{gi}_param{pj}", s))
+                live.append(s.handle.state.path.resolve())
+        for p in live:
+            if dest_r == p or dest_r in p.parents:
+                raise ValueError(f"checkpoint destination {str(dest)!r} would replace or "
+                                 f"contain the live store directory {str(p)!r}; choose "
+                                 "another directory")
+        if dest.exists() and not overwrite:
+            raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
+                                  "overwrite=True to replace it")
+        sd = self.state_dict()  # flushes every store
+        man = sd[MANIFEST_KEY]
+        man["checkpoint"] = str(dest_r)
+        for e, (name, _) in zip(man["params"], slots):
+            e["snapshot"] = name
+            e["path"] = str(dest_r / name)
+        dest_r.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest_r.with_name(f"{dest_r.name}.tmp-{os.getpid()}")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            for name, s in slots:
+                dsa_core.checkpoint(s.handle.state, tmp / name)
+            with open(tmp / CHECKPOINT_FILE, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _commit_dir(tmp, dest_r, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return dest
+
+    def load_checkpoint(self, src_dir) -> None:
+        """Resume from a checkpoint written by :meth:`checkpoint` (the directory may have moved).
+
+        The optimizer must have the same parameters (order, shapes, dtypes, curvatures) as
+        the one that wrote it. Every snapshot is checked before anything is written; then
+        its rows (m and v, and the weights of a :class:`DiskEmbedding`) are copied into this
+        optimizer's stores, the step counts and param groups (lr, betas, ...) are restored,
+        and the stores are flushed. The checkpoint itself is never modified. The weights of
+        ordinary parameters are the model's: restore them from the model's own state dict.
+        """
+        self._check_open()
+        src = Path(src_dir)
+        f = src / CHECKPOINT_FILE
+        if not f.is_file():
+            raise FileNotFoundError(
+                f"{str(src)!r} is not a DiskSparseAdam checkpoint: it has no {CHECKPOINT_FILE}; "
+                "write one with opt.checkpoint(dest_dir)")
+        sd = torch.load(f, weights_only=True)
+        man = sd.get(MANIFEST_KEY) if isinstance(sd, dict) else None
+        if not isinstance(man, dict) or "checkpoint" not in man:
+            raise ValueError(f"{str(f)!r} is not a DiskSparseAdam checkpoint state dict (no "
+                             f"{MANIFEST_KEY!r} with a 'checkpoint' entry)")
+        man["checkpoint"] = str(src.resolve())
+        self.load_state_dict(sd)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict plus ``"dsa_manifest"``; flushes every store first.
 
@@ -474,7 +595,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         With a ``"dsa_manifest"``, each entry is matched to the parameter in the same
         position (same shape, dtype and curvature required) and its step count restored;
-        stores are found by this optimizer's ``state_dir`` (a moved directory is fine).
+        stores are found by this optimizer's ``state_dir`` (a moved directory is fine). The
+        state dict of a checkpoint (``optimizer.pt`` from :meth:`checkpoint`) also brings
+        the rows: each snapshot store is copied into this optimizer's store.
         Without one (a ``torch.optim.SparseAdam`` or geoopt checkpoint), the saved
         ``exp_avg`` / ``exp_avg_sq`` tensors are copied into the stores. All checks run
         before anything is changed.
@@ -491,6 +614,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                              "or a group of a different size")
         ids = [i for g in saved_groups for i in g["params"]]
         saved_state = sd.get("state", {})
+        snaps = [None] * len(params)
         if manifest is not None:
             entries = manifest.get("params", []) if isinstance(manifest, dict) else []
             if len(entries) != len(params):
@@ -507,6 +631,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                         f"with curvature {want[3]}, but the parameter in its position has "
                         f"a {have[0]} x {have[1]} {have[2]} store with curvature {have[3]}")
                 counts.append(int(e["count"]))
+            if manifest.get("checkpoint") is not None:
+                snaps = self._open_snapshots(Path(manifest["checkpoint"]), entries, params)
         else:
             counts = self._import_torch_state(params, ids, saved_state)
         new_state = {}
@@ -515,11 +641,22 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 new_state[i] = {"step": cnt}
         sd["state"] = new_state
         curvatures = [g["curvature"] for g in self.param_groups]
-        super().load_state_dict(sd)
+        try:
+            super().load_state_dict(sd)
+            for p, snap in zip(params, snaps):
+                if snap is not None:
+                    h = self._slots[p].handle
+                    h.state = restore_rows(h.state, snap)
+        finally:
+            for snap in snaps:
+                if snap is not None:
+                    dsa_core.close(snap)
         for g, c in zip(self.param_groups, curvatures):
             g["curvature"] = c  # fixed by the stores (a SparseAdam checkpoint has none)
-        for p, cnt in zip(params, counts):
+        for p, cnt, snap in zip(params, counts, snaps):
             h = self._slots[p].handle
+            if snap is not None:
+                continue  # the rows and the count came from the snapshot
             if h.state.count != cnt and manifest is not None:
                 warnings.warn(
                     f"store {str(h.state.path)!r} is at step {h.state.count} but the loaded "
@@ -527,6 +664,36 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     f"newer state. Copy state_dir together with each checkpoint to roll back",
                     RuntimeWarning, stacklevel=2)
             h.state = h.state._replace(count=cnt)
+
+    def _open_snapshots(self, root: Path, entries: list, params: list) -> list:
+        """Open and check every snapshot store of a checkpoint manifest (read-only).
+
+        Returns one ``dsa_core.State`` per parameter, or None where the optimizer already
+        trains in that very store (``state_dir=`` the checkpoint). All or nothing.
+        """
+        snaps: list = []
+        try:
+            for gp, (e, p) in enumerate(zip(entries, params)):
+                h = self._slots[p].handle
+                if h.closed:
+                    raise RuntimeError(f"the store of parameter {gp} "
+                                       f"({str(h.state.path)!r}) is closed")
+                name = e.get("snapshot")
+                if not name:
+                    raise ValueError(f"the checkpoint manifest entry {gp} names no snapshot "
+                                     "store")
+                src = root / str(name)
+                if src.resolve() == h.state.path.resolve():
+                    snaps.append(None)
+                    continue
+                snaps.append(open_snapshot(src, h.state, f"checkpoint store {name!r}",
+                                           count=int(e["count"])))
+        except BaseException:
+            for snap in snaps:
+                if snap is not None:
+                    dsa_core.close(snap)
+            raise
+        return snaps
 
     def _import_torch_state(self, params, ids, saved_state) -> list[int]:
         """Copy a torch/geoopt per-parameter state (step, exp_avg, exp_avg_sq) into stores."""

@@ -11,6 +11,9 @@ step only ever moves the rows of its batch:
    applies one lazy Adam step to those rows in the store (``dsa_core.step``) and returns
    the new rows, so the caller can keep them on the device.
 
+Checkpoints: :func:`checkpoint` writes a consistent snapshot of every table (committed by one
+atomic rename) and :func:`restore` copies one back into the live stores.
+
 ``update`` runs on the host, outside ``jax.jit`` (the default, and the cheapest), or, for a
 transform built with ``in_jit=True``, inside ``jit``/``lax.scan`` through an ordered
 ``jax.experimental.io_callback``.
@@ -35,7 +38,11 @@ Examples
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import re
+import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
@@ -48,6 +55,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 import dsa_core
+from dsa_core._format import _exchange, _fsync_dir
 
 __all__ = [
     "PAD_ID",
@@ -56,10 +64,12 @@ __all__ = [
     "SparseGradientTransformation",
     "StoreHandle",
     "bucket_size",
+    "checkpoint",
     "close",
     "core_states",
     "flush",
     "gather",
+    "restore",
     "sparse_adam",
     "warmup",
 ]
@@ -913,6 +923,210 @@ def close(state: DiskAdamState) -> None:
     """
     for h in _flatten_handles(state.stores)[0]:
         dsa_core.close(h.core_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+CHECKPOINT_MANIFEST = "checkpoint.json"
+_CHECKPOINT_FORMAT = "dsa-jax-checkpoint"
+_RESTORE_CHUNK_BYTES = 1 << 24
+
+
+def _table_names(handles: list[StoreHandle]) -> list[str]:
+    """Directory names for the tables of a checkpoint: the key path, made file-name safe.
+
+    ``"['user']"`` -> ``user``, ``"['a'][0]"`` -> ``a_0``, a lone store -> ``store``;
+    a clash gets a ``-<position>`` suffix.
+    """
+    names: list[str] = []
+    for k, h in enumerate(handles):
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", h.name).strip("_.") or "store"
+        if name in names:
+            name = f"{name}-{k}"
+        names.append(name)
+    return names
+
+
+def checkpoint(state: DiskAdamState, dest, *, overwrite: bool = False) -> Path:
+    """Write a consistent snapshot of every table to ``dest``; training may go on afterwards.
+
+    ``dest`` receives one ``dsa_core.checkpoint`` per table (named after its key in the stores
+    pytree: ``{"user": ..., "item": ...}`` gives ``dest/user`` and ``dest/item``; a lone store
+    gives ``dest/store``) and ``checkpoint.json`` (the count and the table names). Everything
+    is built in a temporary sibling directory, fsync'd and renamed into place at once: a
+    crash at any moment leaves either no ``dest`` or a complete one. Replacing an existing
+    checkpoint needs ``overwrite=True`` (swapped atomically where the filesystem allows).
+
+    Resume with :func:`restore` (copies the snapshots into the live stores of an optimizer
+    state), or open the snapshots themselves (``dsa_core.open(dest / "user")``, then
+    ``tx.init``; training then continues *in* the checkpoint).
+
+    Returns
+    -------
+    Path
+        ``dest``.
+
+    Examples
+    --------
+    >>> checkpoint(opt_state, "runs/ckpt-1000")                       # doctest: +SKIP
+    >>> opt_state = restore(tx.init(stores), "runs/ckpt-1000")        # doctest: +SKIP
+    """
+    handles, _ = _flatten_handles(state.stores)
+    cores = [h.core_state for h in handles]  # waits for steps dispatched inside jit
+    count = int(np.asarray(state.count))
+    dest = Path(dest)
+    dest_r = dest.resolve()
+    for h, core in zip(handles, cores):
+        if h._retired:
+            raise RuntimeError(f"{h._label()}: this optimizer state was superseded by a later "
+                               "init on the same store; checkpoint the current state")
+        if core.count != count:
+            raise RuntimeError(f"{h._label()}: stale optimizer state: its count is {count} but "
+                               f"the store has made {core.count} steps; checkpoint the state "
+                               "returned by the last update")
+        p = core.path.resolve()
+        if dest_r == p or dest_r in p.parents:
+            raise ValueError(f"checkpoint destination {str(dest)!r} would replace or contain "
+                             f"the live store {str(p)!r}; choose another directory")
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
+                              "overwrite=True to replace it")
+    names = _table_names(handles)
+    manifest = {"format": _CHECKPOINT_FORMAT, "version": 1, "count": count,
+                "tables": [{"key": h.name, "name": n, "num_rows": c.num_rows, "dim": c.dim,
+                            "dtype": c.dtype.name, "curvature": c.curvature}
+                           for h, n, c in zip(handles, names, cores)]}
+    dest_r.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest_r.with_name(f"{dest_r.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        for n, core in zip(names, cores):
+            dsa_core.checkpoint(core, tmp / n)
+        with open(tmp / CHECKPOINT_MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if dest_r.exists():
+            if not overwrite:
+                raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True")
+            old = tmp
+            if not _exchange(tmp, dest_r):  # no atomic swap here: a short window
+                old = dest_r.with_name(f"{dest_r.name}.old-{os.getpid()}")
+                os.rename(dest_r, old)
+                os.rename(tmp, dest_r)
+            _fsync_dir(dest_r.parent)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, dest_r)
+            _fsync_dir(dest_r.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _void_journal(core: dsa_core.State) -> None:
+    """Truncate (and fsync) the undo journal of a ``durability="step"`` store.
+
+    The last step's journal stays on disk until the next ``open``; after a restore to an
+    older count its ``count_before`` could match the new manifest and ``open`` would "roll
+    back" restored rows. A truncated journal is ignored.
+    """
+    path = core.path / "journal.dsa"
+    if path.exists():
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def restore(state: DiskAdamState, src) -> DiskAdamState:
+    """Copy the checkpoint at ``src`` (from :func:`checkpoint`) into the stores of ``state``.
+
+    Tables are matched by their key in the stores pytree and must have the same layout
+    (shape, dtype, curvature, weights); everything is checked before anything is written.
+    Then every table's records (weights, m, v) are copied in, its count set to the
+    checkpoint's and the store flushed. Returns the optimizer state to continue with (the
+    given one becomes stale). The checkpoint is never modified. Not atomic: after a crash
+    during a restore, restore again.
+
+    Examples
+    --------
+    >>> opt_state = restore(tx.init(stores), "runs/ckpt-1000")        # doctest: +SKIP
+    """
+    handles, _ = _flatten_handles(state.stores)
+    src = Path(src)
+    mpath = src / CHECKPOINT_MANIFEST
+    if not mpath.is_file():
+        raise FileNotFoundError(f"{str(src)!r} is not an adapters.jax checkpoint: it has no "
+                                f"{CHECKPOINT_MANIFEST}; write one with checkpoint(opt_state, "
+                                "dest)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{str(mpath)!r} is not a checkpoint manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _CHECKPOINT_FORMAT:
+        raise ValueError(f"{str(mpath)!r} is not an adapters.jax checkpoint manifest")
+    count = int(manifest["count"])
+    tables = {t["key"]: t for t in manifest["tables"]}
+    keys = [h.name for h in handles]
+    if sorted(tables) != sorted(keys):
+        raise ValueError(f"the checkpoint holds the tables {sorted(tables)}, the optimizer "
+                         f"state {sorted(keys)}; restore into stores of the same structure")
+    plans = []
+    try:
+        for h in handles:
+            lab = h._label()
+            if h._retired:
+                raise RuntimeError(f"{lab}: this optimizer state was superseded by a later "
+                                   "init on the same store; restore into the current state")
+            core = h.core_state
+            if core.store.closed or core.store.mode != "r+":
+                raise ValueError(f"{lab}: store {str(core.path)!r} is "
+                                 f"{'closed' if core.store.closed else 'read-only'}")
+            snap_path = src / tables[h.name]["name"]
+            if snap_path.resolve() == core.path.resolve():
+                if core.count != count:
+                    raise ValueError(f"{lab}: the optimizer trains in the checkpoint store "
+                                     f"{str(snap_path)!r} itself, now at step {core.count}, "
+                                     f"not {count}; it is no longer that checkpoint")
+                plans.append((h, None))
+                continue
+            snap = dsa_core.open(snap_path, mode="r")
+            plans.append((h, snap))
+            have, want = core.store.layout, snap.store.layout
+            if have != want:
+                raise ValueError(f"{lab}: the checkpoint store {str(snap_path)!r} has layout "
+                                 f"{want}, the live store {str(core.path)!r} {have}; restore "
+                                 "into a store created the same way")
+            if snap.count != count:
+                raise ValueError(f"{lab}: the checkpoint store {str(snap_path)!r} is at step "
+                                 f"{snap.count}, but the checkpoint says {count}; it was "
+                                 "modified after it was written")
+        for h, snap in plans:
+            if snap is None:
+                continue
+            core = h._core
+            _void_journal(core)
+            dst, rows_src = core.store.data, snap.store.data
+            chunk = max(1, _RESTORE_CHUNK_BYTES // (dst.shape[1] * dst.itemsize))
+            for lo in range(0, dst.shape[0], chunk):
+                dst[lo:lo + chunk] = rows_src[lo:lo + chunk]
+            h._core = core._replace(count=count)
+            dsa_core.flush(h._core)
+    finally:
+        for _, snap in plans:
+            if snap is not None:
+                dsa_core.close(snap)
+    in_jit = any(h._async for h in handles)
+    new_count = jnp.asarray(count, jnp.int32) if in_jit else np.asarray(count, np.int32)
+    return DiskAdamState(new_count, state.stores)
 
 
 def warmup(dtypes: Sequence[str] = ("float32", "float64")) -> None:

@@ -20,6 +20,11 @@ Three entry points:
     ``step(updates=...)``, ``shutdown()``), so the article's code runs with one changed
     import line.
 
+Checkpoints: ``opt.checkpoint(dest_dir)`` writes a consistent snapshot of every store the
+optimizer steps (``DiskEmbedding`` tables included) plus its state dict, committed by one
+atomic rename; ``opt.load_checkpoint(dest_dir)`` resumes from it. ``DiskEmbedding`` has
+``checkpoint(dest)`` / ``load_checkpoint(src)`` for its table alone.
+
 ``StoreLockedError`` (from dsa_core) is raised when a second optimizer or module opens a
 store that another one is writing.
 """
@@ -30,9 +35,10 @@ from dsa_core import StoreLockedError
 
 from ._torch_article import DiskSparseRiemannianAdam
 from ._torch_embedding import DiskEmbedding, DiskWeight
-from ._torch_optim import MANIFEST_KEY, DiskSparseAdam
+from ._torch_optim import CHECKPOINT_FILE, MANIFEST_KEY, DiskSparseAdam
 
 __all__ = [
+    "CHECKPOINT_FILE",
     "MANIFEST_KEY",
     "DiskEmbedding",
     "DiskSparseAdam",

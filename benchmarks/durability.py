@@ -1,0 +1,121 @@
+"""The cost of durability per step: ``durability="flush"`` vs ``durability="step"``.
+
+    python -m benchmarks.durability                         # 200k x 128 float32, batch 2048
+    python -m benchmarks.durability --rows 200000 --dim 128 --batch 2048 --steps 200
+    python -m benchmarks.durability --smoke                 # seconds
+
+Three ways to run the same steps on the same batches, each on its own fresh store (the
+store's pages are in the page cache: this isolates the cost of the disk syncs):
+
+- ``flush``: the default mode, ``dsa_core.step`` only; rows reach the disk whenever the OS
+  writes them back, and ``flush``/``checkpoint`` make them durable;
+- ``flush+flush()``: the default mode with ``dsa_core.flush`` after every step (msync of the
+  dirty rows + the manifest): durable at every step, but not atomic;
+- ``step``: ``durability="step"``: undo journal + fdatasync, the step, fdatasync of the data,
+  then the manifest rename (the commit point): every step atomic under a crash.
+
+I/O bound: run it on an otherwise idle disk. Uniform ids (one record per id, most in
+distinct pages). Writes ``benchmarks/results/durability.{json,csv}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ._common import batches, machine, print_table, write_results
+
+MODES = ("flush", "flush+flush()", "step")
+
+
+def run_mode(mode: str, root: Path, n: int, d: int, ids: list[np.ndarray],
+             grads: list[np.ndarray], warmup: int) -> dict:
+    import dsa_core
+
+    durability = "step" if mode == "step" else "flush"
+    state = dsa_core.create(root / mode.replace("+", "_").replace("()", ""), n, d,
+                            lr=1e-3, init="uniform", init_scale=1e-2, durability=durability,
+                            progress=False)
+    dsa_core.flush(state)
+    per_step_flush = mode == "flush+flush()"
+    times = []
+    for k, idx in enumerate(ids):
+        g = grads[k % len(grads)]
+        t0 = time.perf_counter()
+        state = dsa_core.step(state, idx, g)
+        if per_step_flush:
+            dsa_core.flush(state)
+        dt = time.perf_counter() - t0
+        if k >= warmup:
+            times.append(dt)
+    t_close = time.perf_counter()
+    dsa_core.close(state)  # the flush a "flush"-mode run still owes
+    close_ms = (time.perf_counter() - t_close) * 1e3
+    ms = np.asarray(times) * 1e3
+    rec_bytes = state.store.stride * state.dtype.itemsize
+    return {
+        "mode": mode,
+        "rows": n,
+        "dim": d,
+        "batch": int(ids[0].shape[0]),
+        "steps": len(times),
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p90_ms": float(np.percentile(ms, 90)),
+        "mean_ms": float(ms.mean()),
+        "max_ms": float(ms.max()),
+        "close_ms": close_ms,
+        "journal_bytes_per_step": (int(np.mean([28 + np.unique(i).size * (8 + rec_bytes)
+                                                for i in ids]))
+                                   if mode == "step" else 0),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
+    ap.add_argument("--name", default=None, help="results file name (default: durability)")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.rows, a.dim, a.batch, a.steps, a.warmup = 5000, 16, 256, 20, 2
+    name = a.name or ("durability_smoke" if a.smoke else "durability")
+
+    import dsa_core
+
+    dsa_core.warmup(("float32",), readonly=False)
+    total = a.steps + a.warmup
+    ids = batches(a.rows, a.batch, total, "uniform", seed=0)
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal((a.batch, a.dim), dtype=np.float32) for _ in range(8)]
+    root = Path(tempfile.mkdtemp(prefix="dsa-durability-", dir=a.dir))
+    rows = []
+    try:
+        for mode in MODES:
+            rows.append(run_mode(mode, root, a.rows, a.dim, ids, grads, a.warmup))
+            shutil.rmtree(root / mode.replace("+", "_").replace("()", ""), ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = rows[0]["p50_ms"]
+    for r in rows:
+        r["p50_vs_flush"] = r["p50_ms"] / base
+    print_table(rows, ["mode", "rows", "dim", "batch", "steps", "p50_ms", "p90_ms", "mean_ms",
+                       "max_ms", "p50_vs_flush", "journal_bytes_per_step"])
+    meta = {"machine": machine(), "args": vars(a), "store_dir": str(root.parent),
+            "note": "page-cache-warm stores; times are per step (step + flush() for "
+                    "flush+flush())"}
+    out = write_results(name, rows, meta)
+    print(f"wrote {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()
