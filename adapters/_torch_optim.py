@@ -377,14 +377,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if slot.handle.closed:
             raise RuntimeError(f"the store of {where} ({str(slot.handle.state.path)!r}) is "
                                "closed")
-        c = g.coalesce()  # torch's own duplicate sums: bit-identical inputs (spec §1.1)
-        idx = c._indices()[0]
-        vals = c._values()
-        if idx.numel():  # sorted by coalesce: the ends bound the ids (one sync on CUDA)
-            lo, hi = torch.stack([idx[0], idx[-1]]).tolist()
+        raw = g._indices()[0]
+        if raw.numel():  # before coalesce(): torch's coalesce corrupts memory on a negative id
+            lo, hi = (int(v) for v in torch.aminmax(raw))  # one sync on CUDA
             if lo < 0 or hi >= p.shape[0]:
                 raise IndexError(f"the gradient of {where} has row ids {lo}..{hi}; they must "
                                  f"lie in [0, {p.shape[0]})")
+        c = g.coalesce()  # torch's own duplicate sums: bit-identical inputs (spec §1.1)
+        idx = c._indices()[0]
+        vals = c._values()
         dev = [idx, vals]
         if slot.owned:
             dev.append(p.detach().index_select(0, idx))

@@ -128,10 +128,11 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync)."""
     directory = Path(directory)
     tmp = directory / (MANIFEST_FILE + ".tmp")
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    data = memoryview(json.dumps(manifest, indent=1, sort_keys=True).encode())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, data)
+        while data:  # os.write may write less than asked (a nearly full disk)
+            data = data[os.write(fd, data):]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -308,7 +309,7 @@ class Store:
         return st
 
     # -- the undo journal (durability="step") -------------------------------------------
-    def journal_write(self, rows, count_before: int) -> None:
+    def journal_write(self, rows, count_before: int) -> np.ndarray:
         """Save the records of ``rows`` as they are now, durably, before a step changes them.
 
         Commit protocol of one journaled step ``t = count_before + 1``:
@@ -321,6 +322,7 @@ class Store:
         On ``open``, a valid journal whose ``count_before`` equals the manifest's count
         belongs to a step that never committed: its records are written back (roll back).
         A torn journal (bad crc) means the crash came before step 2: the data is untouched.
+        Returns the saved records (the in-process undo if a later stage of the step fails).
         """
         rec = np.ascontiguousarray(self.data[rows])
         ids = np.ascontiguousarray(rows, dtype=np.int64)
@@ -328,8 +330,32 @@ class Store:
         head = _JHEAD.pack(JOURNAL_MAGIC, int(count_before), ids.shape[0], crc)
         if self._jfd < 0:
             self._jfd = os.open(self.path / JOURNAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        os.pwritev(self._jfd, [head, ids.data, rec.data], 0)
+        total = len(head) + ids.nbytes + rec.nbytes
+        try:  # reserve the journal's space: a full disk fails here, before any row changes
+            os.posix_fallocate(self._jfd, 0, total)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        written = os.pwritev(self._jfd, [head, ids.data, rec.data], 0)
+        if written != total:  # a short write would leave a journal that cannot roll back
+            raise OSError(errno.ENOSPC, f"short write of the undo journal of "
+                          f"{str(self.path)!r} ({written} of {total} bytes); no row was "
+                          "changed")
         os.fdatasync(self._jfd)
+        return rec
+
+    def journal_void(self) -> None:
+        """Truncate the undo journal durably: no journal may roll back past a flush."""
+        jpath = self.path / JOURNAL_FILE
+        if self._jfd < 0 and not jpath.exists():
+            return
+        fd = self._jfd if self._jfd >= 0 else os.open(jpath, os.O_RDWR)
+        try:
+            os.ftruncate(fd, 0)
+            os.fdatasync(fd)
+        finally:
+            if fd != self._jfd:
+                os.close(fd)
 
     def data_sync(self) -> None:
         """fdatasync the data file: every row written through the mapping is on disk."""

@@ -431,6 +431,7 @@ def flush(state: State) -> None:
     """Make every step so far durable: msync the rows, then replace the manifest (count)."""
     _require_writable(state)
     state.store.sync()
+    state.store.journal_void()  # a stale undo record must never roll back flushed rows
     _format.write_manifest(state.store.path, _manifest(state))
 
 

@@ -125,20 +125,31 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             "(nonfinite='raise'). Use nonfinite='skip_row' to skip such rows")
 
     t = state.count + 1
-    journaled = state.durability == "step"
+    new = state._replace(count=t)
     if b:
         if is_strictly_increasing(idx):
             srows, G, inv = idx, grad, None
         else:
             srows, G, inv = coalesce(idx, grad, want_inverse=st.w_off is None)
-        if journaled:
-            st.journal_write(srows, state.count)
-        _apply(state, t, lr, srows, G, inv, params)
-        if journaled:
+    if state.durability != "step":
+        if b:
+            _apply(state, t, lr, srows, G, inv, params)
+        return new
+    # journaled: undo record first (nothing changes if it cannot be written in full), then
+    # the rows, fdatasync, and the manifest with the new count as the commit point
+    undo = st.journal_write(srows, state.count) if b else None
+    kept = None if params is None else params.copy()
+    try:
+        if b:
+            _apply(state, t, lr, srows, G, inv, params)
             st.data_sync()
-    new = state._replace(count=t)
-    if journaled:  # commit point: the manifest with the new count replaces the old one
         _format.write_manifest(st.path, _manifest(new))
+    except BaseException:
+        if b:  # roll back in place: the caller's state (the old count) is right again
+            st.data[srows] = undo
+            if kept is not None:
+                params[...] = kept
+        raise
     return new
 
 

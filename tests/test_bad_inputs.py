@@ -391,12 +391,6 @@ NEGATIVE_ID_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "adapters.torch: DiskSparseAdam.step coalesces the gradient (torch's coalesce) before it "
-    "checks the row ids, and torch's coalesce corrupts memory on a negative index of a sparse "
-    "tensor built without invariant checks (the process aborts: 'double free or "
-    "corruption'; torch.optim.SparseAdam dies the same way). Checking the raw ids first "
-    "would turn it into an IndexError (see the report)"))
 def test_negative_row_id_in_a_torch_sparse_gradient(tmp_path):
     r = subprocess.run([sys.executable, "-c", NEGATIVE_ID_SCRIPT, str(tmp_path / "opt"),
                         str(REPO)], capture_output=True, text=True, timeout=300, check=False)

@@ -485,11 +485,6 @@ def test_garbage_journal_is_ignored_and_removed(tmp_path):
         assert (p / "rows.dsa").read_bytes() == before
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dsa_core bug: the undo journal of the last step stays on disk after flush/close; when "
-    "a restore writes other rows at the journal's count_before (as the adapters' restore "
-    "does), the next open() 'rolls back' the old step over them. flush() should void the "
-    "journal (the adapters truncate it themselves; see the report)"))
 def test_flush_voids_a_stale_journal(tmp_path):
     p = tmp_path / "s"
     s = dsa_core.create(p, N, D, durability="step", **cw.STORE_KW)
@@ -907,11 +902,6 @@ def test_journaled_step_on_a_full_filesystem_writes_nothing(tmp_path, store_dige
         dsa_core.close(s)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dsa_core bug: a journaled step whose commit fails after the kernel ran (here ENOSPC "
-    "on the manifest) leaves the rows updated in the mapping while the caller keeps the old "
-    "state; retrying the step applies it twice. step() should roll the rows back from the "
-    "journal records before re-raising (see the report)"))
 def test_journaled_step_that_fails_at_commit_can_be_retried(tmp_path):
     with small_fs(tmp_path / "fs") as fs:
         n = 15_000
@@ -950,11 +940,6 @@ SHORT_JOURNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dsa_core bug: Store.journal_write ignores a short os.pwritev (a nearly full disk): the "
-    "kernel then runs with an incomplete journal, and after a crash open() finds it torn "
-    "and keeps half-updated rows under the old count. journal_write should reserve the "
-    "journal's space (posix_fallocate) and check the write (see the report)"))
 def test_short_journal_write_on_a_nearly_full_filesystem_is_safe(tmp_path):
     with small_fs(tmp_path / "fs") as fs:
         n = 15_000
