@@ -54,7 +54,9 @@ def batches(n: int, b: int, steps: int, dist: str, seed: int = 0) -> list[np.nda
     if dist == "zipf":
         draw = zipf_sampler(n, 1.1, rng)
         return [draw(b) for _ in range(steps)]
-    raise ValueError(f"dist must be 'uniform' or 'zipf', got {dist!r}")
+    if dist == "unique":  # b distinct ids, unsorted (the "2048 unique rows")
+        return [rng.choice(n, b, replace=False) for _ in range(steps)]
+    raise ValueError(f"dist must be 'uniform', 'zipf' or 'unique', got {dist!r}")
 
 
 def timed(fn, items, warmup: int) -> np.ndarray:
