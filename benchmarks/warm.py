@@ -1,6 +1,6 @@
 """Warm benchmark: every implementation's state is in RAM / the page cache.
 
-    python -m benchmarks.warm                      # 1M and 10M rows x 128, uniform and zipf
+    python -m benchmarks.warm                      # 1M and 10M rows x 128; unique, uniform, zipf
     python -m benchmarks.warm --rows 1000000 --dist uniform --steps 300
     python -m benchmarks.warm --smoke              # seconds; CI runs this so the code never rots
 
@@ -156,36 +156,39 @@ IMPLS = {
 
 
 def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps):
+    """Each implementation is built once per table size and runs every id distribution."""
     out = []
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal((batch, dim), dtype=np.float32) for _ in range(8)]
     for n in rows_list:
+        plans = {}
         for dist in dists:
             ids = batches(n, batch, steps + 10, dist)
-            rng = np.random.default_rng(1)
-            grads = [rng.standard_normal((batch, dim), dtype=np.float32) for _ in range(8)]
-            items = [(ids[k], grads[k % 8]) for k in range(len(ids))]
-            uniq = float(np.mean([np.unique(b).size for b in ids]))
-            for key in impls:
-                root = Path(tempfile.mkdtemp(dir=workdir, prefix=f"warm_{key}_"))
-                gc.collect()
-                m0 = mem()
-                impl = IMPLS[key](n, dim, root)
-                k = slow_steps if key == "geoopt" else steps
+            plans[dist] = ([(ids[k], grads[k % 8]) for k in range(len(ids))],
+                           float(np.mean([np.unique(b).size for b in ids])))
+        for key in impls:
+            root = Path(tempfile.mkdtemp(dir=workdir, prefix=f"warm_{key}_"))
+            gc.collect()
+            m0 = mem()
+            impl = IMPLS[key](n, dim, root)
+            k = slow_steps if key == "geoopt" else steps
+            for dist, (items, uniq) in plans.items():
                 ts = timed(impl.step, items[: k + 10], warmup=10)
                 m1 = mem()
-                impl.close()
-                del impl
-                gc.collect()
-                shutil.rmtree(root, ignore_errors=True)
                 med = float(np.median(ts))
                 out.append({
-                    "rows": n, "dist": dist, "impl": _name(key), "steps": len(ts), "batch": batch,
-                    "unique_per_batch": uniq, "rows_per_s": batch / med,
+                    "rows": n, "dist": dist, "impl": _name(key), "steps": len(ts),
+                    "batch": batch, "unique_per_batch": uniq, "rows_per_s": batch / med,
                     "p50_ms": med * 1e3, "p99_ms": float(np.percentile(ts, 99)) * 1e3,
                     "rss_anon_mib": (m1["RssAnon"] - m0["RssAnon"]) / 2**20,
                     "rss_file_mib": (m1["RssFile"] - m0["RssFile"]) / 2**20,
                 })
-                print(f"  {n:>9,} {dist:<7} {_name(key):<28} {batch / med:>12,.0f} rows/s "
+                print(f"  {n:>10,} {dist:<7} {_name(key):<28} {batch / med:>12,.0f} rows/s "
                       f"p50 {med * 1e3:7.2f} ms", flush=True)
+            impl.close()
+            del impl
+            gc.collect()
+            shutil.rmtree(root, ignore_errors=True)
     for r in out:  # ratios against the anchor measured in the same run, same batches
         anchor = "geoopt SparseRiemannianAdam" if "poincare" in r["impl"] else \
             "torch.optim.SparseAdam"
@@ -221,7 +224,8 @@ def plot(plt, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    ap.add_argument("--dist", nargs="+", default=["uniform", "zipf"])
+    ap.add_argument("--dist", nargs="+", default=["unique", "uniform", "zipf"],
+                    choices=["unique", "uniform", "zipf"])
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--geoopt-steps", type=int, default=40)
