@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 from pathlib import Path
 
-__all__ = ["RssPeak", "dir_bytes", "fmt_bytes", "proc_status", "rss_anon", "warm_up_torch"]
+__all__ = ["RssPeak", "add_config_args", "config_from_args", "dir_bytes", "fmt_bytes",
+           "proc_status", "rss_anon", "state_bytes", "warm_up_torch"]
 
 
 def proc_status(key: str) -> int | None:
@@ -98,3 +101,32 @@ def warm_up_torch(curvatures=(0.0,)) -> None:
                 d(torch.tensor([0, 1, 1])).sum().backward()
                 opt.step()
                 opt.close()
+
+
+def state_bytes(opt) -> int:
+    """Bytes of the tensors in a torch optimizer's per-parameter state, i.e. held in RAM.
+
+    m and v for ``torch.optim.SparseAdam`` and geoopt; 0 for ``DiskSparseAdam``, whose
+    per-parameter state is only the step count (the moments are in its stores).
+    """
+    import torch
+
+    return sum(t.nbytes for s in opt.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+
+
+def add_config_args(p: argparse.ArgumentParser, cls, skip=()) -> None:
+    """One ``--flag`` per field of the dataclass ``cls`` (typed by its default), plus
+    ``--no-progress`` for its ``progress`` field; fields in ``skip`` are left to the caller."""
+    d = cls()
+    for f in dataclasses.fields(cls):
+        if f.name != "progress" and f.name not in skip:
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(d, f.name)),
+                           default=getattr(d, f.name))
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(cls, a: argparse.Namespace):
+    """The dataclass ``cls`` from arguments parsed with :func:`add_config_args`."""
+    return cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls)
+                  if f.name != "progress"}, progress=not a.no_progress)

@@ -48,7 +48,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ._common import RssPeak, dir_bytes, fmt_bytes, warm_up_torch
+from ._common import (
+    RssPeak,
+    add_config_args,
+    config_from_args,
+    dir_bytes,
+    fmt_bytes,
+    warm_up_torch,
+)
 
 __all__ = ["Config", "auc", "main", "power_law_graph", "random_walks", "run"]
 
@@ -301,20 +308,13 @@ def report(r: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    d = Config()
     p = argparse.ArgumentParser(prog="python -m examples.graph_embedding",
                                 description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Config):
-        if f.name == "progress":
-            continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(d, f.name)),
-                       default=getattr(d, f.name))
+    add_config_args(p, Config)
     p.add_argument("--dir", default=None,
                    help="where the store goes (default: a temporary directory, removed)")
-    p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    cfg = Config(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Config)
-                    if f.name != "progress"}, progress=not a.no_progress)
+    cfg = config_from_args(Config, a)
     torch.set_num_threads(1)  # measured: 2 torch threads next to numba's are 3x slower on 2 cores
     if a.dir is not None:
         r = run(cfg, Path(a.dir))

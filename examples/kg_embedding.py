@@ -43,7 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import _kg
-from ._common import RssPeak, dir_bytes, fmt_bytes, warm_up_torch
+from ._common import RssPeak, dir_bytes, fmt_bytes, state_bytes, warm_up_torch
 
 __all__ = ["Config", "main", "run", "train"]
 
@@ -133,11 +133,7 @@ class _Tables:
     def memory(self) -> dict[str, int]:
         """Bytes of weights and Adam moments in RAM (anonymous) and on disk."""
         on_disk = sum(dir_bytes(d) for d in self.dirs)
-        if self.kind == "sparse_adam":
-            state = sum(t.nbytes for s in self.opt.state.values() for t in s.values()
-                        if isinstance(t, torch.Tensor))
-        else:
-            state = 0
+        state = state_bytes(self.opt)
         weights = 0 if hasattr(self.ent, "store") else sum(
             e.weight.nbytes for e in (self.ent, self.rel))
         return {"state_ram": state, "weights_ram": weights, "disk": on_disk}

@@ -54,7 +54,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ._common import dir_bytes, fmt_bytes, warm_up_torch
+from ._common import (
+    add_config_args,
+    config_from_args,
+    dir_bytes,
+    fmt_bytes,
+    state_bytes,
+    warm_up_torch,
+)
 
 __all__ = ["Config", "Hierarchy", "main", "poincare_distance", "reconstruction", "run",
            "tree_closure"]
@@ -212,11 +219,8 @@ class _Model:
             g["lr"] = lr
 
     def memory(self) -> dict[str, int]:
-        if self.kind == "dsa":
-            return {"state_ram": 0, "disk": dir_bytes(self.work / "points")}
-        st = sum(t.nbytes for s in self.opt.state.values() for t in s.values()
-                 if isinstance(t, torch.Tensor))
-        return {"state_ram": st, "disk": 0}
+        disk = dir_bytes(self.work / "points") if self.kind == "dsa" else 0
+        return {"state_ram": state_bytes(self.opt), "disk": disk}
 
     def close(self) -> None:
         if self.kind == "dsa":
@@ -309,19 +313,13 @@ def report(cfg: Config, out: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    d = Config()
     p = argparse.ArgumentParser(prog="python -m examples.poincare_hierarchy",
                                 description=__doc__.split("\n\n")[0])
-    for f in dataclasses.fields(Config):
-        if f.name not in ("progress", "dtype"):
-            p.add_argument(f"--{f.name}", type=type(getattr(d, f.name)),
-                           default=getattr(d, f.name))
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    add_config_args(p, Config, skip=("dtype",))
+    p.add_argument("--dtype", default=Config.dtype, choices=DTYPES)
     p.add_argument("--only", choices=OPTIMIZERS)
-    p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    cfg = Config(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Config)
-                    if f.name != "progress"}, progress=not a.no_progress)
+    cfg = config_from_args(Config, a)
     torch.set_num_threads(1)
     out = run(cfg, (a.only,) if a.only else OPTIMIZERS)
     print(report(cfg, out))
