@@ -59,15 +59,21 @@ def batches(n: int, b: int, steps: int, dist: str, seed: int = 0) -> list[np.nda
     raise ValueError(f"dist must be 'uniform', 'zipf' or 'unique', got {dist!r}")
 
 
-def timed(fn, items, warmup: int) -> np.ndarray:
-    """Call ``fn(item)`` for each item; return the step times (s) after ``warmup`` calls."""
+def timed(fn, items, warmup: int, max_seconds: float = float("inf")) -> np.ndarray:
+    """Call ``fn(item)`` for each item; return the step times (s) after ``warmup`` calls.
+
+    Stops early once ``max_seconds`` have passed (at least one timed call when possible).
+    """
     ts = []
+    stop = time.perf_counter() + max_seconds
     for k, it in enumerate(items):
         t0 = time.perf_counter()
         fn(it)
         dt = time.perf_counter() - t0
         if k >= warmup:
             ts.append(dt)
+        if ts and time.perf_counter() > stop:
+            break
     return np.asarray(ts)
 
 

@@ -169,7 +169,8 @@ IMPLS = {
 }
 
 
-def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps):
+def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps, max_seconds=120.0,
+        on_row=None):
     """Each implementation is built once per table size and runs every id distribution."""
     out = []
     rng = np.random.default_rng(1)
@@ -187,7 +188,7 @@ def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps):
             impl = IMPLS[key](n, dim, root)
             k = slow_steps if key == "geoopt" else steps
             for dist, (items, uniq) in plans.items():
-                ts = timed(impl.step, items[: k + 10], warmup=10)
+                ts = timed(impl.step, items[: k + 10], warmup=10, max_seconds=max_seconds)
                 m1 = mem()
                 med = float(np.median(ts))
                 out.append({
@@ -198,7 +199,9 @@ def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps):
                     "rss_file_mib": (m1["RssFile"] - m0["RssFile"]) / 2**20,
                 })
                 print(f"  {n:>10,} {dist:<7} {_name(key):<28} {batch / med:>12,.0f} rows/s "
-                      f"p50 {med * 1e3:7.2f} ms", flush=True)
+                      f"p50 {med * 1e3:7.2f} ms  ({len(ts)} steps)", flush=True)
+                if on_row is not None:  # keep partial results of a long run
+                    on_row(out)
             impl.close()
             del impl
             gc.collect()
@@ -245,6 +248,9 @@ def main(argv=None):
                     default=[k for k in IMPLS if k != "dsa_euclid_clean"])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--geoopt-steps", type=int, default=40)
+    ap.add_argument("--max-seconds", type=float, default=120.0,
+                    help="cap on one implementation x distribution run (its rows say how many "
+                         "steps were timed)")
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--workdir", default=None, help="where the stores go (default: a temp dir)")
@@ -259,7 +265,9 @@ def main(argv=None):
 
     print(f"warm benchmark: rows {a.rows}, dist {a.dist}, batch {a.batch}, dim {a.dim}, "
           f"dsa_core threads {dsa_core.get_threads()}")
-    rows = run(a.rows, a.dist, a.impls, a.steps, a.batch, a.dim, workdir, a.geoopt_steps)
+    meta = {"machine": machine(), "args": vars(a), "dsa_threads": dsa_core.get_threads()}
+    rows = run(a.rows, a.dist, a.impls, a.steps, a.batch, a.dim, workdir, a.geoopt_steps,
+               a.max_seconds, on_row=lambda r: write_results(a.name, r, meta))
     print()
     print_table(rows, ["rows", "dist", "impl", "rows_per_s", "vs_anchor", "p50_ms", "p99_ms",
                        "rss_anon_mib", "rss_file_mib"])
@@ -269,7 +277,6 @@ def main(argv=None):
             small, big = by.get((1_000_000, dist, name)), by.get((10_000_000, dist, name))
             if small and big:
                 print(f"{name} {dist}: p50 at 10M / 1M = {big['p50_ms'] / small['p50_ms']:.2f}")
-    meta = {"machine": machine(), "args": vars(a), "dsa_threads": dsa_core.get_threads()}
     base = write_results(a.name, rows, meta, plot)
     print(f"wrote {base}.json/.csv/.png")
 
