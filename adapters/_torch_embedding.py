@@ -217,6 +217,8 @@ class DiskEmbedding(nn.Module):
         input's device. ``module.to(device)`` moves it without touching the store.
     overwrite : bool, default False
         Replace an existing store at ``state_dir`` with a fresh one.
+    progress : bool, optional
+        Progress bar while a new table is initialised (default: only for large tables).
 
     Attributes
     ----------
@@ -247,7 +249,7 @@ class DiskEmbedding(nn.Module):
                  init_scale: float | None = None, seed: int | None = None,
                  dtype: torch.dtype = torch.float32, scale_grad_by_freq: bool = False,
                  include_last_offset: bool = False, device: Any = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, progress: bool | None = None):
         super().__init__()
         num_embeddings, embedding_dim = int(num_embeddings), int(embedding_dim)
         if num_embeddings <= 0 or embedding_dim <= 0:
@@ -269,7 +271,7 @@ class DiskEmbedding(nn.Module):
             weights=True, what=what)
         if state is None:
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
-                                 init_scale, seed, padding_idx, overwrite)
+                                 init_scale, seed, padding_idx, overwrite, progress)
         self._handle = StoreHandle(state)
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self.num_embeddings = num_embeddings
@@ -281,7 +283,7 @@ class DiskEmbedding(nn.Module):
         self.weight = DiskWeight(self._handle, dtype, device)
 
     @staticmethod
-    def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite):
+    def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
@@ -292,7 +294,7 @@ class DiskEmbedding(nn.Module):
             init = None
         state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
                                 init=init, init_scale=init_scale, seed=seed,
-                                overwrite=overwrite)
+                                overwrite=overwrite, progress=progress)
         if padding_idx is not None:
             state.weights[padding_idx] = 0
         return state
