@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 import dsa_core
-from dsa_core._format import _exchange, _fsync_dir
+from dsa_core._format import commit_dir
 
 from ._torch_common import (
     DirLock,
@@ -34,29 +34,6 @@ __all__ = ["CHECKPOINT_FILE", "MANIFEST_KEY", "DiskSparseAdam"]
 MANIFEST_KEY = "dsa_manifest"
 CHECKPOINT_FILE = "optimizer.pt"
 _MANIFEST_FORMAT = "dsa-torch-optimizer"
-
-
-def _commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
-    """Give the complete, fsync'd directory ``tmp`` the name ``dest`` in one atomic step.
-
-    The same protocol as ``dsa_core.checkpoint``: an existing ``dest`` is swapped with ``tmp``
-    atomically (renameat2 RENAME_EXCHANGE) where the filesystem allows, so ``dest`` always
-    names one complete checkpoint; the old one is deleted afterwards.
-    """
-    _fsync_dir(tmp)
-    if dest.exists():
-        if not overwrite:
-            raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True to replace it")
-        if not _exchange(tmp, dest):  # no atomic swap here: a short window without dest
-            old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
-            os.rename(dest, old)
-            os.rename(tmp, dest)
-            tmp = old
-        _fsync_dir(dest.parent)
-        shutil.rmtree(tmp)
-    else:
-        os.rename(tmp, dest)
-        _fsync_dir(dest.parent)
 
 
 class _Slot(NamedTuple):
@@ -536,7 +513,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 torch.save(sd, f)
                 f.flush()
                 os.fsync(f.fileno())
-            _commit_dir(tmp, dest_r, overwrite)
+            commit_dir(tmp, dest_r, overwrite)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

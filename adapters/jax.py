@@ -55,7 +55,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 import dsa_core
-from dsa_core._format import _exchange, _fsync_dir
+from dsa_core._format import commit_dir
 
 __all__ = [
     "PAD_ID",
@@ -1009,20 +1009,7 @@ def checkpoint(state: DiskAdamState, dest, *, overwrite: bool = False) -> Path:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if dest_r.exists():
-            if not overwrite:
-                raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True")
-            old = tmp
-            if not _exchange(tmp, dest_r):  # no atomic swap here: a short window
-                old = dest_r.with_name(f"{dest_r.name}.old-{os.getpid()}")
-                os.rename(dest_r, old)
-                os.rename(tmp, dest_r)
-            _fsync_dir(dest_r.parent)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, dest_r)
-            _fsync_dir(dest_r.parent)
+        commit_dir(tmp, dest_r, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

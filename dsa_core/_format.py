@@ -67,6 +67,7 @@ __all__ = [
     "MANIFEST_FILE",
     "Store",
     "StoreLockedError",
+    "commit_dir",
     "copy_store",
     "make_layout",
     "read_manifest",
@@ -457,6 +458,31 @@ def _exchange(a: Path, b: Path) -> bool:
     return r == 0
 
 
+def commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
+    """Give the complete directory ``tmp`` the name ``dest`` in one atomic step (fsync'd).
+
+    An existing ``dest`` (only with ``overwrite``) is swapped with ``tmp`` atomically
+    (renameat2 RENAME_EXCHANGE) where the filesystem allows, so ``dest`` always names one
+    complete snapshot; the old one is deleted afterwards. Used by every checkpoint writer
+    (``dsa_core.checkpoint`` and the adapters' multi-store checkpoints).
+    """
+    tmp, dest = Path(tmp), Path(dest)
+    _fsync_dir(tmp)
+    if dest.exists():
+        if not overwrite:
+            raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True to replace it")
+        if not _exchange(tmp, dest):  # no atomic swap here: a short window without dest
+            old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
+            os.rename(dest, old)
+            os.rename(tmp, dest)
+            tmp = old
+        _fsync_dir(dest.parent)
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, dest)
+        _fsync_dir(dest.parent)
+
+
 def copy_store(src: Path, dest: Path, manifest: dict[str, Any], overwrite: bool) -> None:
     """Write a store snapshot at ``dest``: files copied and fsync'd, then one atomic rename.
 
@@ -473,19 +499,7 @@ def copy_store(src: Path, dest: Path, manifest: dict[str, Any], overwrite: bool)
     try:
         _copy_file(Path(src) / DATA_FILE, tmp / DATA_FILE)
         write_manifest(tmp, manifest)
-        if dest.exists():
-            if not overwrite:
-                raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True to replace it")
-            if not _exchange(tmp, dest):  # no atomic swap here: a short window without dest
-                old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
-                os.rename(dest, old)
-                os.rename(tmp, dest)
-                tmp = old
-            _fsync_dir(dest.parent)
-            shutil.rmtree(tmp)
-        else:
-            os.rename(tmp, dest)
-            _fsync_dir(dest.parent)
+        commit_dir(tmp, dest, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
