@@ -193,6 +193,26 @@ def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curva
     return state
 
 
+def move_disk_weight(module, fn, what: str):
+    """``nn.Module._apply`` for a disk-backed embedding: move the stand-in weight only.
+
+    ``to()`` / ``cuda()`` / ``cpu()`` move ``module.weight`` (a zero-strided stand-in of the
+    table's shape); the rows stay on disk. A dtype change is refused: the store's dtype is fixed.
+    """
+    w = module.weight
+    probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
+    if probe.dtype != w.dtype:
+        raise TypeError(f"a {what}'s dtype is fixed by its store ({w.dtype}); it cannot be "
+                        f"converted to {probe.dtype}. Cast its output instead")
+    if probe.device != w.device:
+        st = module._handle.state
+        w.data = torch.zeros((), dtype=w.dtype, device=probe.device).expand(st.num_rows,
+                                                                             st.dim)
+        if w.grad is not None:
+            w.grad = w.grad.to(probe.device)
+    return module
+
+
 def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
     """Copy tensors of one device to host memory; returns ``(host tensors, needs_sync)``.
 

@@ -39,7 +39,13 @@ from torch import nn
 
 import dsa_core
 
-from ._torch_common import StoreHandle, check_curvature, close_quietly, np_dtype
+from ._torch_common import (
+    StoreHandle,
+    check_curvature,
+    close_quietly,
+    move_disk_weight,
+    np_dtype,
+)
 from ._torch_embedding import DiskWeight
 
 __all__ = [
@@ -799,18 +805,7 @@ class ShardedDiskEmbedding(nn.Module):
     # -- module plumbing ------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """``to()`` / ``cuda()`` move :attr:`weight`; the shard stays on disk."""
-        w = self.weight
-        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
-        if probe.dtype != w.dtype:
-            raise TypeError(f"a ShardedDiskEmbedding's dtype is fixed by its shards "
-                            f"({w.dtype}); cast its output instead")
-        if probe.device != w.device:
-            st = self._handle.state
-            w.data = torch.zeros((), dtype=w.dtype, device=probe.device).expand(
-                st.num_rows, st.dim)
-            if w.grad is not None:
-                w.grad = w.grad.to(probe.device)
-        return self
+        return move_disk_weight(self, fn, "ShardedDiskEmbedding")
 
     def get_extra_state(self) -> dict:
         """This rank's shard manifest (flushed first); rows never enter a state dict."""

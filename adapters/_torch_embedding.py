@@ -18,6 +18,7 @@ from ._torch_common import (
     StoreHandle,
     check_curvature,
     close_quietly,
+    move_disk_weight,
     np_dtype,
     open_existing,
 )
@@ -412,18 +413,7 @@ class DiskEmbedding(nn.Module):
     # -- module plumbing ------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """``to()`` / ``cuda()`` / ``cpu()`` move :attr:`weight`; the store stays on disk."""
-        w = self.weight
-        probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
-        if probe.dtype != w.dtype:
-            raise TypeError(f"a DiskEmbedding's dtype is fixed by its store ({w.dtype}); it "
-                            f"cannot be converted to {probe.dtype}. Cast its output instead")
-        if probe.device != w.device:
-            st = self._handle.state
-            w.data = torch.zeros((), dtype=w.dtype, device=probe.device).expand(
-                st.num_rows, st.dim)
-            if w.grad is not None:
-                w.grad = w.grad.to(probe.device)
-        return self
+        return move_disk_weight(self, fn, "DiskEmbedding")
 
     def get_extra_state(self) -> dict:
         """A small manifest of the store (flushed first); the rows never enter a state dict."""

@@ -1,4 +1,5 @@
-"""A software-prefetch intrinsic for the kernels (``llvm.prefetch``).
+"""Helpers shared by the two kernel modules: a software-prefetch intrinsic (``llvm.prefetch``)
+and the per-row prelude (record prefetch, finiteness check).
 
 Rows of a batch are scattered over a table much larger than the CPU caches, so every record
 is a DRAM (or page-cache) miss; asking for the record a few rows ahead hides that latency.
@@ -11,8 +12,9 @@ so after editing this module clear ``dsa_core/__pycache__/*.nb[ic]``.
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -39,3 +41,26 @@ def prefetch_line(typingctx, arr, row, col):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+PREFETCH_ROWS = 4  # software-prefetch distance, in rows of the batch
+
+
+@njit(inline="always")
+def prefetch_record(S, sr, W, wr, woff, d):
+    """Prefetch state record ``S[sr]`` (and weight row ``W[wr]`` when it is separate)."""
+    line = 64 // S.itemsize
+    for c in range(0, S.shape[1], line):
+        prefetch_line(S, sr, c)
+    if W is not S:  # weights=False: the caller's weight row is a separate array
+        for c in range(woff, woff + d, line):
+            prefetch_line(W, wr, c)
+
+
+@njit(inline="always")
+def row_is_finite(g):
+    """True when every element of the 1-D row ``g`` is finite."""
+    for j in range(g.shape[0]):
+        if not np.isfinite(g[j]):
+            return False
+    return True

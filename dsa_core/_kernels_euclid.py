@@ -11,9 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._intrinsics import prefetch_line
-
-PREFETCH_ROWS = 4  # software-prefetch distance, in rows of the batch
+from ._intrinsics import PREFETCH_ROWS, prefetch_record, row_is_finite
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -36,15 +34,10 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
     d = G.shape[1]
     for i in range(lo, hi):
         if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            _prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
         g_ = G[i]
-        if skip_nonfinite:
-            ok = True
-            for j in range(d):
-                if not np.isfinite(g_[j]):
-                    ok = False
-            if not ok:
-                continue
+        if skip_nonfinite and not row_is_finite(g_):
+            continue
         # 1-D row views: with them LLVM vectorises the loop (measured 3.3 -> 0.63 ms for
         # 2048 x 128 on one thread); 2-D indexing of one array kept it scalar.
         rec = S[srows[i]]
@@ -62,13 +55,3 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
             m_[j] = m2
             v_[j] = v2
             w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-
-
-@njit(inline="always")
-def _prefetch_record(S, sr, W, wr, woff, d):
-    line = 64 // S.itemsize
-    for c in range(0, S.shape[1], line):
-        prefetch_line(S, sr, c)
-    if W is not S:  # weights=False: the caller's weight row is a separate array
-        for c in range(woff, woff + d, line):
-            prefetch_line(W, wr, c)

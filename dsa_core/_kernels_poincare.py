@@ -15,9 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._intrinsics import prefetch_line
-
-PREFETCH_ROWS = 4  # software-prefetch distance, in rows of the batch
+from ._intrinsics import PREFETCH_ROWS, prefetch_record, row_is_finite
 
 # indices into the hyperparameter array ``hp`` (all values already rounded to T)
 HP_K, HP_A1, HP_B1, HP_A2, HP_B2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_MAXNORM, HP_SGN = range(11)
@@ -58,15 +56,10 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
     d = G.shape[1]
     for i in range(lo, hi):
         if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            _prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
         g_ = G[i]
-        if skip_nonfinite:
-            ok = True
-            for j in range(d):
-                if not np.isfinite(g_[j]):
-                    ok = False
-            if not ok:
-                continue
+        if skip_nonfinite and not row_is_finite(g_):
+            continue
         # 1-D row views let LLVM vectorise the elementwise loops (see _kernels_euclid)
         rec = S[srows[i]]
         m_ = rec[moff:moff + d]
@@ -128,13 +121,3 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
             gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd
             m_[j] = (gyr * lam_x) / lam_y
             x_[j] = y
-
-
-@njit(inline="always")
-def _prefetch_record(S, sr, W, wr, woff, d):
-    line = 64 // S.itemsize
-    for c in range(0, S.shape[1], line):
-        prefetch_line(S, sr, c)
-    if W is not S:  # weights=False: the caller's weight row is a separate array
-        for c in range(woff, woff + d, line):
-            prefetch_line(W, wr, c)
