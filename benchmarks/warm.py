@@ -27,21 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import batches, machine, mem, print_table, timed, write_results
+from ._common import (
+    batches,
+    machine,
+    mem,
+    predirty,
+    print_table,
+    timed,
+    write_results,
+)
 
 LR = 1e-3
-
-
-def _dirty_background_bytes() -> int:
-    """The kernel's background writeback threshold: dirty_background_ratio of MemAvailable."""
-    try:
-        with open("/proc/sys/vm/dirty_background_ratio") as f:
-            ratio = int(f.read())
-        with open("/proc/meminfo") as f:
-            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
-        return avail * ratio // 100
-    except (OSError, ValueError, StopIteration):
-        return 1 << 30
 
 
 class DsaCore:
@@ -60,18 +56,9 @@ class DsaCore:
         self.dsa = dsa_core
         self.state = dsa_core.create(Path(root) / "dsa", n, d, curvature=curvature, lr=LR,
                                      init="uniform", init_scale=1e-3, progress=False)
-        if dirty and self.state.store.nbytes > _dirty_background_bytes() // 2:
-            # A store beyond the kernel's dirty threshold cannot stay dirty: pre-dirtying it
-            # only starts writeback and throttles the steps. Leave it clean (label says so).
-            dirty = False
+        dirty = dirty and predirty(self.state)
         self.name = ("dsa_core poincare" if curvature else "dsa_core euclid") + \
             ("" if dirty else ", clean pages")
-        if dirty:  # OR every byte with 0: values unchanged, every page written
-            data = self.state.store.data
-            step = max(1, (1 << 26) // data[0].nbytes)
-            for lo in range(0, data.shape[0], step):
-                blk = data[lo:lo + step].view(np.uint8)
-                blk |= 0
 
     def step(self, item):
         idx, g = item
