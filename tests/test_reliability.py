@@ -63,6 +63,8 @@ class Worker:
     def _pump(self):
         with self.proc.stdout:
             for line in self.proc.stdout:
+                if not line.endswith("\n"):  # killed mid-line (unbuffered stdout writes
+                    break                     # print's pieces one by one): no event
                 self.lines.put(line.split())
         self.lines.put(None)
 
