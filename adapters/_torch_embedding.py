@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsa_core
+from dsa_core._state import restore_rows
 
 from ._torch_common import (
     StoreHandle,
@@ -27,7 +27,6 @@ __all__ = ["DiskEmbedding", "DiskWeight"]
 
 _EXTRA_FORMAT = "dsa-torch-embedding"
 _IMPORT_CHUNK_ROWS = 1 << 16
-_RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk
 
 
 def open_snapshot(src, live: dsa_core.State, what: str,
@@ -57,43 +56,6 @@ def open_snapshot(src, live: dsa_core.State, what: str,
         dsa_core.close(snap)
         raise
     return snap
-
-
-def _void_journal(live: dsa_core.State) -> None:
-    """Make the undo journal of a ``durability="step"`` store unusable (truncate + fsync).
-
-    The journal of the last step stays on disk until the next ``open``; restoring an older
-    count could make its ``count_before`` match the new manifest, and ``open`` would then
-    "roll back" rows that the restore wrote. A truncated journal is ignored (torn).
-    """
-    path = live.path / "journal.dsa"
-    if not path.exists():
-        return
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.ftruncate(fd, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def restore_rows(live: dsa_core.State, snap: dsa_core.State) -> dsa_core.State:
-    """Copy every record of the snapshot ``snap`` into ``live``; returns ``live`` at its count.
-
-    The records (weights, m and v) are copied in chunks through the mapping, then the live
-    store is flushed (rows + manifest with the snapshot's count). Not atomic: a crash in the
-    middle leaves the live store mixed; run the restore again (the checkpoint is untouched).
-    """
-    if live.store.closed or live.store.mode != "r+":
-        raise ValueError(f"store {str(live.path)!r} is closed or read-only; cannot restore")
-    _void_journal(live)
-    dst, src = live.store.data, snap.store.data
-    rows = max(1, _RESTORE_CHUNK_BYTES // (dst.shape[1] * dst.itemsize))
-    for lo in range(0, dst.shape[0], rows):
-        dst[lo:lo + rows] = src[lo:lo + rows]
-    new = live._replace(count=snap.count)
-    dsa_core.flush(new)
-    return new
 
 
 class DiskWeight(nn.Parameter):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import warnings
 import weakref
 from pathlib import Path
@@ -13,7 +12,8 @@ from typing import Any, NamedTuple
 import torch
 
 import dsa_core
-from dsa_core._format import commit_dir
+from dsa_core._format import staged_dir
+from dsa_core._state import restore_rows
 
 from ._torch_common import (
     DirLock,
@@ -27,7 +27,7 @@ from ._torch_common import (
     to_device,
     to_host,
 )
-from ._torch_embedding import DiskWeight, open_snapshot, restore_rows
+from ._torch_embedding import DiskWeight, open_snapshot
 
 __all__ = ["CHECKPOINT_FILE", "MANIFEST_KEY", "DiskSparseAdam"]
 
@@ -502,21 +502,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
             e["snapshot"] = name
             e["path"] = str(dest_r / name)
         dest_r.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest_r.with_name(f"{dest_r.name}.tmp-{os.getpid()}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        try:
+        with staged_dir(dest_r, overwrite) as tmp:
             for name, s in slots:
                 dsa_core.checkpoint(s.handle.state, tmp / name)
             with open(tmp / CHECKPOINT_FILE, "wb") as f:
                 torch.save(sd, f)
                 f.flush()
                 os.fsync(f.fileno())
-            commit_dir(tmp, dest_r, overwrite)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return dest
 
     def load_checkpoint(self, src_dir) -> None:

@@ -42,7 +42,6 @@ import json
 import math
 import os
 import re
-import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
@@ -55,7 +54,8 @@ import numpy as np
 from jax.experimental import io_callback
 
 import dsa_core
-from dsa_core._format import commit_dir
+from dsa_core._format import staged_dir
+from dsa_core._state import restore_rows
 
 __all__ = [
     "PAD_ID",
@@ -930,7 +930,6 @@ def close(state: DiskAdamState) -> None:
 # ---------------------------------------------------------------------------------------------
 CHECKPOINT_MANIFEST = "checkpoint.json"
 _CHECKPOINT_FORMAT = "dsa-jax-checkpoint"
-_RESTORE_CHUNK_BYTES = 1 << 24
 
 
 def _table_names(handles: list[StoreHandle]) -> list[str]:
@@ -998,39 +997,14 @@ def checkpoint(state: DiskAdamState, dest, *, overwrite: bool = False) -> Path:
                             "dtype": c.dtype.name, "curvature": c.curvature}
                            for h, n, c in zip(handles, names, cores)]}
     dest_r.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest_r.with_name(f"{dest_r.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with staged_dir(dest_r, overwrite) as tmp:
         for n, core in zip(names, cores):
             dsa_core.checkpoint(core, tmp / n)
         with open(tmp / CHECKPOINT_MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        commit_dir(tmp, dest_r, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest
-
-
-def _void_journal(core: dsa_core.State) -> None:
-    """Truncate (and fsync) the undo journal of a ``durability="step"`` store.
-
-    The last step's journal stays on disk until the next ``open``; after a restore to an
-    older count its ``count_before`` could match the new manifest and ``open`` would "roll
-    back" restored rows. A truncated journal is ignored.
-    """
-    path = core.path / "journal.dsa"
-    if path.exists():
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def restore(state: DiskAdamState, src) -> DiskAdamState:
@@ -1099,14 +1073,7 @@ def restore(state: DiskAdamState, src) -> DiskAdamState:
         for h, snap in plans:
             if snap is None:
                 continue
-            core = h._core
-            _void_journal(core)
-            dst, rows_src = core.store.data, snap.store.data
-            chunk = max(1, _RESTORE_CHUNK_BYTES // (dst.shape[1] * dst.itemsize))
-            for lo in range(0, dst.shape[0], chunk):
-                dst[lo:lo + chunk] = rows_src[lo:lo + chunk]
-            h._core = core._replace(count=count)
-            dsa_core.flush(h._core)
+            h._core = restore_rows(h._core, snap)  # snap.count == count, checked above
     finally:
         for _, snap in plans:
             if snap is not None:

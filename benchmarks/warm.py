@@ -69,20 +69,25 @@ class DsaCore:
 
 
 class TorchSparseAdam:
+    """``torch.optim.SparseAdam`` on an in-RAM table; moments pre-touched after one step."""
+
     name, anchor = "torch.optim.SparseAdam", "torch"
 
     def __init__(self, n, d, root):
         import torch
 
         self.torch = torch
-        self.p = torch.nn.Parameter(torch.empty(n, d).uniform_(-1e-3, 1e-3))
-        self.opt = torch.optim.SparseAdam([self.p], lr=LR)
         self.shape = (n, d)
+        self.p, self.opt = self._build(torch.empty(n, d).uniform_(-1e-3, 1e-3))
         self.step((np.array([0]), np.zeros((1, d), np.float32)))
         st = self.opt.state[self.p]
         st["exp_avg"].fill_(0)  # pre-touch: zeros_like pages are mapped lazily
         st["exp_avg_sq"].fill_(0)
 
+    def _build(self, init):
+        p = self.torch.nn.Parameter(init)
+        return p, self.torch.optim.SparseAdam([p], lr=LR)
+
     def step(self, item):
         idx, g = item
         t = self.torch
@@ -94,32 +99,16 @@ class TorchSparseAdam:
         del self.opt, self.p
 
 
-class GeooptSparseRAdam:
+class GeooptSparseRAdam(TorchSparseAdam):
+    """geoopt ``SparseRiemannianAdam`` on ``PoincareBall(1)``, driven the same way."""
+
     name, anchor = "geoopt SparseRiemannianAdam", "geoopt"
 
-    def __init__(self, n, d, root):
+    def _build(self, init):
         import geoopt
-        import torch
 
-        self.torch = torch
-        ball = geoopt.PoincareBall(c=1.0)
-        self.p = geoopt.ManifoldParameter(torch.empty(n, d).uniform_(-1e-3, 1e-3), manifold=ball)
-        self.opt = geoopt.optim.SparseRiemannianAdam([self.p], lr=LR)
-        self.shape = (n, d)
-        self.step((np.array([0]), np.zeros((1, d), np.float32)))
-        st = self.opt.state[self.p]
-        st["exp_avg"].fill_(0)
-        st["exp_avg_sq"].fill_(0)
-
-    def step(self, item):
-        idx, g = item
-        t = self.torch
-        self.p.grad = t.sparse_coo_tensor(t.from_numpy(idx)[None], t.from_numpy(g), self.shape,
-                                          check_invariants=False)
-        self.opt.step()
-
-    def close(self):
-        del self.opt, self.p
+        p = geoopt.ManifoldParameter(init, manifold=geoopt.PoincareBall(c=1.0))
+        return p, geoopt.optim.SparseRiemannianAdam([p], lr=LR)
 
 
 class SeedStyle:

@@ -36,6 +36,7 @@ is garbage-collected.) Read-only opens take no lock.
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import fcntl
 import json
@@ -70,6 +71,7 @@ __all__ = [
     "commit_dir",
     "copy_store",
     "make_layout",
+    "staged_dir",
     "read_manifest",
     "write_manifest",
 ]
@@ -483,6 +485,27 @@ def commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
         _fsync_dir(dest.parent)
 
 
+@contextlib.contextmanager
+def staged_dir(dest: Path, overwrite: bool):
+    """Build a directory in ``dest.tmp-<pid>``; on success commit it as ``dest`` (``commit_dir``).
+
+    On any error the temporary directory is removed and ``dest`` is left as it was. The
+    snapshot writers (``dsa_core.checkpoint`` and the adapters' multi-store checkpoints)
+    write their files into the yielded path.
+    """
+    dest = Path(dest)
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        commit_dir(tmp, dest, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def copy_store(src: Path, dest: Path, manifest: dict[str, Any], overwrite: bool) -> None:
     """Write a store snapshot at ``dest``: files copied and fsync'd, then one atomic rename.
 
@@ -491,15 +514,6 @@ def copy_store(src: Path, dest: Path, manifest: dict[str, Any], overwrite: bool)
     an older snapshot swaps the two directories atomically (renameat2 RENAME_EXCHANGE) where
     the filesystem allows, so ``dest`` always holds one complete snapshot.
     """
-    dest = Path(dest)
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_dir(dest, overwrite) as tmp:
         _copy_file(Path(src) / DATA_FILE, tmp / DATA_FILE)
         write_manifest(tmp, manifest)
-        commit_dir(tmp, dest, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
