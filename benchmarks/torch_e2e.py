@@ -3,6 +3,7 @@
     python -m benchmarks.torch_e2e --smoke                 # seconds, tiny sizes
     python -m benchmarks.torch_e2e --rows 1000000 --steps 200
     python -m benchmarks.torch_e2e --rows 10000000 --dir /mnt/nvme/tmp
+    python -m benchmarks.torch_e2e --device cuda --rows 1000000   # table on the GPU
 
 Implementations, each in its own child process (so memory readings are its own), on the
 same batches of ids (seeded) and the same loss, ``mean((emb(ids) - target)**2)``:
@@ -17,8 +18,12 @@ same batches of ids (seeded) and the same loss, ``mean((emb(ids) - target)**2)``
 Rows/s counts the batch's ids (duplicates included) per second of a whole training step
 (forward, backward, optimizer step, zero_grad). Memory: RssAnon / RssFile of the child
 (``/proc/self/status``), ``*_peak`` the largest value sampled after each step, ``*_delta``
-relative to the child before the table was built. Writes
-``benchmarks/results/torch_e2e[_smoke].{json,csv}``.
+relative to the child before the table was built. ``opt_p50_ms`` is the optimizer step
+alone (synchronised on CUDA). With ``--device cuda`` the table and the ids live on the GPU
+(ids copied from pinned memory, as a ``pin_memory`` data loader does) and ``xfer_ms`` is the
+bare cost of the step's transfers: the coalesced gradient (ids + rows) to pinned host memory
+and the new rows back, timed alone. Writes
+``benchmarks/results/torch_e2e[_smoke|_cuda].{json,csv}``.
 """
 
 from __future__ import annotations
@@ -49,19 +54,21 @@ def _worker(args) -> dict:
     torch.manual_seed(0)
     dsa_core.warmup(("float32",))
     items = batches(args.rows, args.batch, args.warmup + args.steps, args.dist, seed=1)
-    target = torch.randn(args.dim)
+    dev = torch.device(args.device)
+    target = torch.randn(args.dim).to(dev)
     root = tempfile.mkdtemp(prefix="torch_e2e_", dir=args.dir)
     base = mem()
     t0 = time.perf_counter()
     try:
         if args.worker == "diskemb":
             emb = DiskEmbedding(args.rows, args.dim, state_dir=f"{root}/emb", init="uniform",
-                                init_scale=1e-3, seed=0)
+                                init_scale=1e-3, seed=0).to(dev)
             opt = DiskSparseAdam(emb.parameters(), lr=LR)
         else:
             emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
             with torch.no_grad():
                 emb.weight.uniform_(-1e-3, 1e-3)
+            emb = emb.to(dev)
             if args.worker == "torch":
                 opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
             else:
@@ -71,16 +78,28 @@ def _worker(args) -> dict:
             for st in opt.stores.values():
                 predirty(st)
 
+        cuda = dev.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        opt_times = []
+
         def step(ids):
-            out = emb(torch.from_numpy(ids))
+            ids = torch.from_numpy(ids)
+            if cuda:
+                ids = ids.pin_memory().to(dev, non_blocking=True)
+            out = emb(ids)
             ((out - target) ** 2).mean().backward()
+            sync()
+            t = time.perf_counter()
             opt.step()
+            sync()
+            opt_times.append(time.perf_counter() - t)
             opt.zero_grad()
 
         times, peak = [], dict(base)
         for k, ids in enumerate(items):
             t = time.perf_counter()
             step(ids)
+            sync()
             dt = time.perf_counter() - t
             if k == 0 and args.worker == "torch":
                 st = opt.state[emb.weight]
@@ -98,6 +117,11 @@ def _worker(args) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ts = np.asarray(times)
+    extra = {"opt_p50_ms": 1e3 * float(np.median(opt_times[args.warmup:]))}
+    if dev.type == "cuda":
+        extra["xfer_ms"] = _transfer_ms(torch, dev, args.batch, args.dim)
+        extra["gpu"] = torch.cuda.get_device_name(dev)
+        extra["gpu_peak_mb"] = torch.cuda.max_memory_allocated(dev) / MB
     return {
         "impl": args.worker, "rows": args.rows, "dim": args.dim, "batch": args.batch,
         "steps": args.steps, "dist": args.dist,
@@ -110,13 +134,35 @@ def _worker(args) -> dict:
         "file_peak_mb": peak["RssFile"] / MB,
         "anon_end_mb": end["RssAnon"] / MB,
         "file_end_mb": end["RssFile"] / MB,
+        **extra,
     }
+
+
+def _transfer_ms(torch, dev, batch: int, dim: int, reps: int = 50) -> float:
+    """Median time of one step's bare transfers: ids + rows to pinned host, rows back."""
+    ids = torch.randint(0, 1 << 20, (batch,), device=dev)
+    rows = torch.randn(batch, dim, device=dev)
+    h_ids = torch.empty(batch, dtype=ids.dtype, pin_memory=True)
+    h_rows = torch.empty(batch, dim, pin_memory=True)
+    back = torch.empty_like(rows)
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        h_ids.copy_(ids, non_blocking=True)
+        h_rows.copy_(rows, non_blocking=True)
+        torch.cuda.synchronize()
+        back.copy_(h_rows, non_blocking=True)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(ts))
 
 
 def _child(impl: str, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.torch_e2e", "--worker", impl,
            "--rows", str(args.rows), "--dim", str(args.dim), "--batch", str(args.batch),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dist", args.dist]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dist", args.dist,
+           "--device", args.device]
     if args.predirty:
         cmd.append("--predirty")
     if args.dir:
@@ -141,6 +187,7 @@ def main(argv=None) -> None:
     ap.add_argument("--predirty", action="store_true",
                     help="pre-dirty the dsa stores (pages writable, as in a long run; only when "
                          "they fit the kernel's dirty budget), as torch's moments are pre-touched")
+    ap.add_argument("--device", default="cpu", help="where the table lives: cpu or cuda")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -153,10 +200,15 @@ def main(argv=None) -> None:
     for r in rows:
         r["ratio_vs_torch"] = r["rows_per_s"] / ref if ref else float("nan")
     print(f"forward+backward+step, {args.rows:,} x {args.dim} float32, batch {args.batch}, "
-          f"{args.steps} steps ({args.dist} ids), CPU")
-    print_table(rows, ["impl", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms",
-                       "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb", "build_s"])
+          f"{args.steps} steps ({args.dist} ids), {args.device}")
+    cols = ["impl", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms", "opt_p50_ms",
+            "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb", "build_s"]
+    if args.device != "cpu":
+        cols[6:6] = ["xfer_ms", "gpu_peak_mb"]
+    print_table(rows, cols)
     name = "torch_e2e_smoke" if args.smoke else "torch_e2e"
+    if args.device != "cpu":
+        name += "_" + args.device.split(":")[0]
     base = write_results(name, rows, {"machine": machine(), "args": vars(args)})
     print(f"wrote {base}.json / .csv")
 

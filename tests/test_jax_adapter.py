@@ -277,19 +277,20 @@ def test_in_jit_matches_outside_jit(tmp_path):
     sa, sb = tx_out.init(a), tx_in.init(b)
 
     @jax.jit
-    def grad_fn(rows, inv, x):
-        return jax.grad(_loss)(rows, inv, x)
-
-    @jax.jit
     def train_step(opt_state, rows, idx, inv, x):
-        return tx_in.update((idx, jax.grad(_loss)(rows, inv, x)), opt_state)
+        gr = jax.grad(_loss)(rows, inv, x)
+        return tx_in.update((idx, gr), opt_state), gr
 
+    # Both paths step with the very gradient the fused program computed: XLA on GPU fuses
+    # the gradient differently in two programs (1 ULP apart, seen on an H200), and this test
+    # is about the optimizer, not about XLA's fusion.
     for ids, g in batches(4, 10):
         x = jnp.asarray(g)
-        ba = dj.gather(sa.stores, ids, buckets="pow2")
-        ra, sa = tx_out.update((ba.idx, grad_fn(ba.rows, ba.inverse, x)), sa)
         bb = dj.gather(sb.stores, ids, buckets="pow2")
-        rb, sb = train_step(sb, bb.rows, bb.idx, bb.inverse, x)
+        (rb, sb), gr = train_step(sb, bb.rows, bb.idx, bb.inverse, x)
+        ba = dj.gather(sa.stores, ids, buckets="pow2")
+        np.testing.assert_array_equal(np.asarray(ba.rows), np.asarray(bb.rows))
+        ra, sa = tx_out.update((ba.idx, gr), sa)
         np.testing.assert_array_equal(np.asarray(ra), np.asarray(rb))
     assert_same_store(a, b)
     assert int(sb.count) == 10 and isinstance(sb.count, jax.Array)
@@ -502,6 +503,18 @@ def test_weights_false_store_takes_params(tmp_path):
 
 
 # -- bad inputs leave the stores byte-identical ---------------------------------------------
+def _reset_effect_tokens():
+    """Forget JAX's ordered-effect tokens after a callback error (JAX-private API).
+
+    On a GPU backend a failed ordered ``io_callback`` leaves the runtime token failed: every
+    later ``jax.effects_barrier()`` -- and JAX's own atexit hook -- re-raises the error (seen
+    on an H200, jax 0.11.2). On CPU the error is raised once. Later tests need a clean token.
+    """
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.clear()
+
+
 def test_bad_inputs_leave_stores_unchanged(tmp_path):
     u, _ = make_twins(tmp_path, "u")
     other, _ = make_twins(tmp_path, "o", dim=D + 1)
@@ -554,7 +567,8 @@ def test_bad_inputs_leave_stores_unchanged(tmp_path):
         out = jax.jit(lambda s, i: tx_in.update({"user": (i, g), "other": ok}, s))(
             st_in, jnp.array([0, 1, N]))
         jax.block_until_ready(out)
-    jax.effects_barrier()
+        jax.effects_barrier()  # on GPU the callback's error surfaces here
+    _reset_effect_tokens()
     after = {p: store_digest(p) for p in (u.path, other.path)}
     assert after == before
     assert dj.core_states(st_in)["user"].count == 0
