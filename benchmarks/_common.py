@@ -29,15 +29,10 @@ def mem() -> dict[str, int]:
 
 
 def dirty_background_bytes() -> int:
-    """The kernel's background writeback threshold: dirty_background_ratio of MemAvailable."""
-    try:
-        with open("/proc/sys/vm/dirty_background_ratio") as f:
-            ratio = int(f.read())
-        with open("/proc/meminfo") as f:
-            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
-        return avail * ratio // 100
-    except (OSError, ValueError, StopIteration):
-        return 1 << 30
+    """The kernel's background writeback threshold (``dsa_core._format``'s reading)."""
+    from dsa_core._format import dirty_background_bytes as dbb
+
+    return dbb()
 
 
 def predirty(state) -> bool:

@@ -205,7 +205,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
 
     def signatures():
         fns = {"euclid": adam_rows_euclid, "poincare": adam_rows_poincare,
-               "segments": _coalesce._segments, "segment_sums": _coalesce._segment_sums,
+               "dedup": _coalesce._dedup, "sum_rows": _coalesce._sum_rows,
                "gather_rows": _coalesce.gather_rows,
                "bounds": _coalesce.bounds,
                "is_strictly_increasing": _coalesce.is_strictly_increasing}
@@ -731,3 +731,82 @@ def test_call_rejects(ctx, store_digest, prepare, call, exc, match):
     assert _tree(ctx.tmp_path, store_digest) == before
     assert ctx.state.count == count
 
+
+
+# -- the paging hint (access) ------------------------------------------------------------
+
+
+def _smaps_file_pmd_kib(path: Path) -> int:
+    """FilePmdMapped (KiB) of this process's mappings of ``path``."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("FilePmdMapped:"):
+            total += int(head[1])
+    return total
+
+
+def test_access_modes_resolve_and_give_identical_results(tmp_path, monkeypatch):
+    from dsa_core import _format
+
+    monkeypatch.delenv("DSA_ACCESS", raising=False)
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 64, 40), rng.standard_normal((40, 8)).astype(np.float32))
+               for _ in range(5)]
+    outs = {}
+    for access in ("ram", "disk", "auto"):
+        s = dsa_core.create(tmp_path / access, 64, 8, init="normal", access=access)
+        assert s.store.access == ("ram" if access == "auto" else access)  # tiny: fits
+        for i, g in batches:
+            s = dsa_core.step(s, i, g)
+        outs[access] = np.array(s.store.data)
+        dsa_core.close(s)
+        r = dsa_core.open(tmp_path / access, "r", access="disk")
+        assert r.store.access == "disk"
+        dsa_core.close(r)
+    np.testing.assert_array_equal(outs["ram"], outs["disk"])
+    np.testing.assert_array_equal(outs["ram"], outs["auto"])
+    # "auto" is "disk" when the file does not fit in RAM_FRACTION of the memory limit
+    monkeypatch.setattr(_format, "memory_limit", lambda: 10_000)
+    s = dsa_core.open(tmp_path / "auto")
+    assert s.store.access == "disk"
+    dsa_core.close(s)
+    monkeypatch.setenv("DSA_ACCESS", "ram")  # the environment replaces "auto"
+    s = dsa_core.open(tmp_path / "auto")
+    assert s.store.access == "ram"
+    dsa_core.close(s)
+
+
+def test_bad_access_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"access must be one of \('auto', 'ram', 'disk'\), "
+                                         r"got 'fast'"):
+        dsa_core.create(tmp_path / "s", 10, 4, access="fast")
+    assert not (tmp_path / "s").exists()
+    s = dsa_core.create(tmp_path / "t", 10, 4)
+    dsa_core.close(s)
+    with pytest.raises(ValueError, match="access must be one of"):
+        dsa_core.open(tmp_path / "t", access=None)
+    monkeypatch.setenv("DSA_ACCESS", "huge")
+    with pytest.raises(ValueError, match=r"DSA_ACCESS must be one of .* got 'huge'"):
+        dsa_core.open(tmp_path / "t")
+
+
+def test_memory_limit_reads_the_cgroup_cap():
+    from dsa_core import _format
+
+    phys = __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
+    assert 0 < _format.memory_limit() <= phys
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux-only")
+def test_ram_access_maps_huge_pages_where_the_kernel_can(tmp_path):
+    """Informative on kernels without large folios for the filesystem: then it skips."""
+    s = dsa_core.create(tmp_path / "h", 8192, 128, access="ram")  # 12 MiB of records
+    s.store.data[:, 0] += 1.0  # write-touch every row
+    pmd = _smaps_file_pmd_kib(s.store.file)
+    dsa_core.close(s)
+    if pmd == 0:
+        pytest.skip("this kernel/filesystem maps the store with 4 KiB pages only")
+    assert pmd >= 4096  # at least two 2 MiB PMD mappings
