@@ -50,6 +50,16 @@ class _Job(NamedTuple):
     host: list             # [idx, vals, rows?] on the host (pinned for CUDA)
 
 
+def _in_place(p: torch.Tensor) -> bool:
+    """True when the kernel can update ``p``'s rows where they are (a dense CPU table).
+
+    Saves copying the batch's rows out (``index_select``) and back (``index_copy_``): 0.2-0.3
+    ms of a 2048 x 128 step on the 2-core box.
+    """
+    return p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous() \
+        and p.dim() == 2 and p.dtype in (torch.float32, torch.float64)
+
+
 class _Owned:
     """What a DiskSparseAdam must release: its own stores and its state_dir lock."""
 
@@ -364,7 +374,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         idx = c._indices()[0]
         vals = c._values()
         dev = [idx, vals]
-        if slot.owned:
+        if slot.owned and not _in_place(p):
             dev.append(p.detach().index_select(0, idx))
         host, _ = to_host(dev)
         return _Job(p, slot, hp, idx, host)
@@ -376,7 +386,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if (st.betas, st.eps, st.maximize) != (betas, eps, maximize):
             st = st._replace(betas=betas, eps=eps, maximize=maximize)
         idx, vals = job.host[0].numpy(), job.host[1].numpy()
-        if job.slot.owned:
+        if job.slot.owned and len(job.host) == 2:  # a CPU table: its rows updated in place
+            h.state = dsa_core.step(st, idx, vals, lr=lr, table=job.p.detach().numpy())
+            torch.autograd.graph.increment_version(job.p)  # autograd sees it, as after add_
+        elif job.slot.owned:
             rows = job.host[2]
             h.state = dsa_core.step(st, idx, vals, lr=lr, params=rows.numpy())
             job.p.index_copy_(0, job.idx_dev, to_device(rows, job.p.device))

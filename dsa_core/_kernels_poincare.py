@@ -3,7 +3,8 @@
 The ball of curvature ``-c`` is geoopt's ``Stereographic(k)`` with ``k = -c``. All vector
 operations run in the storage dtype T; the row reductions (inner products, norms) are
 accumulated in float64 and rounded once to T (spec §6 allows this; it is more robust
-near the boundary than a float32 running sum).
+near the boundary than a float32 running sum), with eight partial sums (``dot64``) so they
+are not one serial chain of float64 adds.
 
 Preconditions (checked by the glue): ``srows`` unique, ids in range, ``G`` of shape
 ``(len(srows), dim)`` in T, ``Y`` a scratch array of the same shape, ``hp`` a T array of
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._intrinsics import PREFETCH_ROWS, prefetch_record, row_is_finite
+from ._intrinsics import PREFETCH_ROWS, dot64, prefetch_record, row_is_finite
 
 # indices into the hyperparameter array ``hp`` (all values already rounded to T)
 HP_K, HP_A1, HP_B1, HP_A2, HP_B2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_MAXNORM, HP_SGN = range(11)
@@ -66,47 +67,32 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         x_ = W[wrows[i]][woff:woff + d]
         y_ = Y[i]
         # conformal factor at x
-        acc = 0.0
-        for j in range(d):
-            acc += x_[j] * x_[j]
-        xx = T(acc)
+        xx = T(dot64(x_, x_))
         lam_x = two / max(one + k * xx, tiny)
         l2 = lam_x * lam_x
-        # Riemannian gradient, first moment, squared Riemannian norm
-        acc = 0.0
+        # Riemannian gradient (kept in y_ for the norm), first moment
         for j in range(d):
             rg = (g_[j] * sgn) / l2
             m_[j] = m_[j] * b1 + a1 * rg
-            acc += rg * rg
-        w = l2 * T(acc)
+            y_[j] = rg
+        w = l2 * T(dot64(y_, y_))
         v = rec[voff] * b2 + a2 * w
         rec[voff] = v
         den = np.sqrt(v / bc2) + eps
         # retraction (geoopt Stereographic.retr, spec §3.1): y = project(x + u), a plain
         # Euclidean step, u = -lr * m_hat / den
-        acc = 0.0
         for j in range(d):
-            y = x_[j] + neg_lr * ((m_[j] / bc1) / den)
-            y_[j] = y
-            acc += y * y
+            y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
         # projection onto the ball of radius maxnorm
-        nrm = max(np.sqrt(T(acc)), tiny)
+        nrm = max(np.sqrt(T(dot64(y_, y_))), tiny)
         if nrm > maxnorm:
             for j in range(d):
                 y_[j] = (y_[j] / nrm) * maxnorm
         # parallel transport of the new m from x to y: gyr[y, -x] m * L(x) / L(y)
-        acc_yy = 0.0
-        acc_xy = 0.0
-        acc_ym = 0.0
-        acc_xm = 0.0
-        for j in range(d):
-            y = y_[j]
-            x = x_[j]
-            m = m_[j]
-            acc_yy += y * y
-            acc_xy += x * y
-            acc_ym += y * m
-            acc_xm += x * m
+        acc_yy = dot64(y_, y_)
+        acc_xy = dot64(x_, y_)
+        acc_ym = dot64(y_, m_)
+        acc_xm = dot64(x_, m_)
         a2n = T(acc_yy)     # <a,a>, a = y
         ab = -T(acc_xy)     # <a,b>, b = -x
         aw = T(acc_ym)      # <a,w>, w = m

@@ -57,7 +57,7 @@ def _as_rows(a: Any, n: int, dim: int, dtype: np.dtype, name: str) -> np.ndarray
 
 
 def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
-         params: np.ndarray | None = None) -> State:
+         params: np.ndarray | None = None, table: np.ndarray | None = None) -> State:
     r"""One lazy Adam step on the rows ``idx`` of the store, **in place**; returns ``count + 1``.
 
     Parameters
@@ -76,6 +76,10 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         Only for ``weights=False`` stores: the current weight rows for ``idx`` (row ``k`` is
         the weight of ``idx[k]``). They are updated in place; duplicate ids all receive the
         new row.
+    table : ndarray, shape (num_rows, dim), store dtype, C-contiguous, writeable
+        Only for ``weights=False`` stores, instead of ``params``: the whole weight table
+        (e.g. ``param.detach().numpy()`` of a CPU embedding). Rows ``idx`` are updated in
+        place, no rows are copied out and back.
 
     Returns
     -------
@@ -105,19 +109,33 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     b = idx.shape[0]
     grad = _as_rows(grad, b, st.dim, st.dtype, "grad")
     if st.w_off is None:
-        if params is None:
+        if (params is None) == (table is None):
             raise ValueError("this store was created with weights=False: pass the current "
                              "weight rows as step(state, idx, grad, params=rows), rows of "
-                             f"shape (len(idx), {st.dim})")
-        params = np.asarray(params)
-        if params.dtype != st.dtype or params.shape != (b, st.dim):
-            raise ValueError(f"params must be a ({b}, {st.dim}) {st.dtype.name} array (the "
-                             f"weight rows of idx), got {params.shape} {params.dtype}")
-        if not params.flags.writeable:
-            raise ValueError("params must be writeable: step updates the rows in place")
-    elif params is not None:
-        raise ValueError("params is only for weights=False stores; this store holds the "
-                         "weights itself (read them with dsa_core.gather)")
+                             f"shape (len(idx), {st.dim}), or the whole weight table as "
+                             f"table=W of shape ({st.num_rows}, {st.dim}) -- one of the two")
+        if params is not None:
+            params = np.asarray(params)
+            if params.dtype != st.dtype or params.shape != (b, st.dim):
+                raise ValueError(f"params must be a ({b}, {st.dim}) {st.dtype.name} array "
+                                 f"(the weight rows of idx), got {params.shape} "
+                                 f"{params.dtype}")
+            if not params.flags.writeable:
+                raise ValueError("params must be writeable: step updates the rows in place")
+        else:
+            if not isinstance(table, np.ndarray) or table.dtype != st.dtype \
+                    or table.shape != (st.num_rows, st.dim):
+                raise ValueError(
+                    f"table must be the ({st.num_rows}, {st.dim}) {st.dtype.name} weight "
+                    f"table, got {getattr(table, 'shape', type(table).__name__)} "
+                    f"{getattr(table, 'dtype', '')}")
+            if not (table.flags.c_contiguous and table.flags.writeable):
+                raise ValueError("table must be C-contiguous and writeable (step updates its "
+                                 "rows in place); pass np.ascontiguousarray(table) and copy "
+                                 "it back, or use params=")
+    elif params is not None or table is not None:
+        raise ValueError("params/table are only for weights=False stores; this store holds "
+                         "the weights itself (read them with dsa_core.gather)")
     if state.nonfinite == "raise" and b and not np.isfinite(grad).all():
         rows = np.unique(idx[~np.isfinite(grad).all(axis=1)])
         raise FloatingPointError(
@@ -133,15 +151,16 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             srows, G, inv = coalesce(idx, grad, want_inverse=st.w_off is None)
     if state.durability != "step":
         if b:
-            _apply(state, t, lr, srows, G, inv, params)
+            _apply(state, t, lr, srows, G, inv, params, table)
         return new
     # journaled: undo record first (nothing changes if it cannot be written in full), then
     # the rows, fdatasync, and the manifest with the new count as the commit point
     undo = st.journal_write(srows, state.count) if b else None
     kept = None if params is None else params.copy()
+    kept_rows = table[srows] if table is not None and b else None
     try:
         if b:
-            _apply(state, t, lr, srows, G, inv, params)
+            _apply(state, t, lr, srows, G, inv, params, table)
             st.data_sync()
         _format.write_manifest(st.path, _manifest(new))
     except BaseException:
@@ -149,6 +168,8 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             st.data[srows] = undo
             if kept is not None:
                 params[...] = kept
+            if kept_rows is not None:
+                table[srows] = kept_rows
         raise
     return new
 
@@ -158,11 +179,13 @@ def _min_chunk(dim: int) -> int:
     return max(16, 16384 // dim)
 
 
-def _apply(state: State, t: int, lr: float, srows, G, inv, params) -> None:
+def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -> None:
     st = state.store
     T = st.dtype.type
     if st.w_off is not None:
         W, wrows, woff = st.data, srows, st.w_off
+    elif table is not None:  # the caller's whole table: its rows srows, in place
+        W, wrows, woff = table, srows, 0
     else:
         if inv is None:
             W = np.ascontiguousarray(params)
@@ -191,7 +214,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params) -> None:
         _pool.run_chunked(adam_rows_poincare,
                           (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip),
                           srows.shape[0], _min_chunk(st.dim))
-    if st.w_off is None:
+    if st.w_off is None and table is None:
         if inv is None:
             if W is not params:
                 params[...] = W

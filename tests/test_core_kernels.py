@@ -304,6 +304,54 @@ def test_weights_false_with_params(tmp_path, geom, dt):
     dsa_core.close(w)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("geom", ["euclid", "ball1"])
+def test_weights_false_with_table(tmp_path, geom, dt):
+    """``table=``: the caller's whole table is updated in place, rows ``idx`` only, equal to a
+    weights=True store and the oracle; a journaled store rolls the table back too."""
+    c, dtype = GEOMS[geom], DTYPES[dt]
+    rng = np.random.default_rng(12)
+    dim = 16
+    init = init_rows(rng, N, dim, c, dtype)
+    table = init.copy()
+    nw = dsa_core.create(tmp_path / "nw", N, dim, curvature=c, weights=False, lr=0.05,
+                         dtype=np.dtype(dtype).name)
+    w = make_store(tmp_path / "w", c, dtype, init)
+    P, M, V = oracle_state(init, c)
+    for t, (idx, G) in enumerate(batch_stream(rng, N, dim, dtype), start=1):
+        untouched = np.setdiff1d(np.arange(N), idx)
+        before = table[untouched].copy()
+        nw = dsa_core.step(nw, idx, G, table=table)
+        w = dsa_core.step(w, idx, G)
+        ref_step(P, M, V, idx, G, t, c, **hp(w))
+        np.testing.assert_array_equal(table[untouched], before)
+        np.testing.assert_array_equal(table, w.weights)
+        np.testing.assert_array_equal(nw.exp_avg, w.exp_avg)
+        np.testing.assert_array_equal(nw.exp_avg_sq, w.exp_avg_sq)
+        assert_matches((table, nw.exp_avg, nw.exp_avg_sq), (P, M, V), c, dtype, dim, f"t={t}")
+    dsa_core.close(nw)
+    dsa_core.close(w)
+
+
+def test_table_rolls_back_with_a_failed_journaled_step(tmp_path, monkeypatch):
+    from dsa_core import _format
+
+    nw = dsa_core.create(tmp_path / "nw", N, 4, weights=False, durability="step")
+    table = np.arange(N * 4, dtype=np.float32).reshape(N, 4) / 100
+    keep = table.copy()
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_format, "write_manifest", broken)
+    with pytest.raises(OSError, match="No space left"):
+        dsa_core.step(nw, np.array([3, 1, 3]), np.ones((3, 4), np.float32), table=table)
+    np.testing.assert_array_equal(table, keep)
+    assert not nw.exp_avg.any()
+    monkeypatch.undo()
+    dsa_core.close(nw)
+
+
 @pytest.mark.parametrize("geom", ["euclid", "ball1"])
 @pytest.mark.parametrize("pattern", ["sorted", "dups"])
 def test_weights_false_noncontiguous_params(tmp_path, geom, pattern):
