@@ -70,14 +70,16 @@ def _sum_rows(G, inv, Gc):
                 out[j] = src[j]
 
 
-def coalesce(idx, G, want_inverse=False):
+def coalesce(idx, G, want_inverse=False, out=None):
     """Sum the gradient rows of duplicate ids (spec §1.1).
 
     Returns ``(uidx, Gc, inv)``: ``uidx`` the unique ids **in order of first appearance**,
     ``Gc[u]`` the sum of the rows ``G[k]`` with ``idx[k] == uidx[u]`` added in order of
     appearance, and ``inv[k]`` the position of ``idx[k]`` in ``uidx`` (``None`` unless
     ``want_inverse``). When ``idx`` has no duplicate, ``idx`` and ``G`` themselves come back
-    (no copy) and ``inv`` is ``None`` (the identity).
+    (no copy) and ``inv`` is ``None`` (the identity). ``out``: an optional C-contiguous
+    buffer of ``G``'s dtype with at least ``len(idx) * dim`` elements for ``Gc`` (a reused
+    buffer saves the page faults of fresh memory on every step).
 
     One hash pass, no sort (rows are independent, spec §1.1: any order will do). Measured on
     2048 x 128 float32 unique ids: 168 us for the former stable sort + segment sums (which
@@ -86,7 +88,10 @@ def coalesce(idx, G, want_inverse=False):
     uidx, inv, nu = _dedup(idx)
     if nu == idx.shape[0]:
         return idx, G, None
-    Gc = np.empty((nu, G.shape[1]), G.dtype)
+    if out is None:
+        Gc = np.empty((nu, G.shape[1]), G.dtype)
+    else:
+        Gc = out[:nu * G.shape[1]].reshape(nu, G.shape[1])
     _sum_rows(G, inv, Gc)
     return uidx[:nu], Gc, (inv if want_inverse else None)
 

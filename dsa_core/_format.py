@@ -293,6 +293,7 @@ class Store:
         self._mm: mmap.mmap | None = None
         self.data: np.ndarray | None = None
         self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
+        self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
 
     # -- opening ---------------------------------------------------------------------------
     @property
