@@ -93,7 +93,11 @@ class _Pool:
         if helpers <= 0:
             fn(*args, 0, n)
             return
-        nchunks = 2 * (helpers + 1)
+        # 8 chunks per thread: a worker that wakes late (an idle vCPU takes tens of us)
+        # still finds work, and the caller waits for at most one small chunk at the end.
+        # Measured (python -m benchmarks.breakdown, 2 threads): 2 per thread 0.40 ms,
+        # 8 per thread 0.34 ms, 16 per thread 0.44-0.47 ms (dispatch under the GIL).
+        nchunks = 8 * (helpers + 1)
         chunk = -(-n // nchunks)
         nchunks = -(-n // chunk)
         job = _Job(fn, args, n, chunk, nchunks)

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SMOKES = {
     "warm": ["--smoke"],
+    "breakdown": ["--smoke"],
     "ooc": ["--smoke", "--modes", "random", "prefetch"],
     "torch_e2e": ["--smoke"],
     "jax_overhead": ["--ks", "8", "--rows", "2000", "--dim", "8", "--steps", "20",
@@ -29,7 +30,7 @@ def test_benchmark_smoke(name, tmp_path):
     if name == "jax_overhead":
         pytest.importorskip("jax")
     args = list(SMOKES[name])
-    if name in ("warm", "ooc"):
+    if name in ("warm", "ooc", "breakdown"):
         args += ["--workdir", str(tmp_path)]
     if name == "distributed":
         args += ["--dir", str(tmp_path)]
