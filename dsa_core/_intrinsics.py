@@ -16,7 +16,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
@@ -67,17 +67,43 @@ def row_is_finite(g):
 
 
 @njit(nogil=True, fastmath={"reassoc"})
-def dot64(a, b):
-    """``sum(a[j] * b[j])`` of two 1-D rows: products in their dtype, sums in float64.
-
-    The ``reassoc`` flag (on this function's instructions only) lets LLVM vectorise the
-    float64 sum; without it the reduction stays scalar (``vaddsd``): 7 such passes per row
-    made the Poincaré kernel compute-bound. For float32 rows the float64 sum of the float32
-    products is exact or all but exact, so the summation order does not show after the final
-    rounding to T (the float32 results stay bit-identical to the reference); float64 rows
-    may differ from it in the last bits, within the tested tolerance.
-    """
+def _dot64_lanes(a, b):
+    """float32 rows: the float64 sum vectorised (``reassoc`` on these instructions only)."""
     s = 0.0
     for j in range(a.shape[0]):
         s += np.float64(a[j] * b[j])
     return s
+
+
+@njit(nogil=True)
+def _dot64_serial(a, b):
+    """float64 rows: one sequential sum, numpy's order below 8 elements."""
+    s = 0.0
+    for j in range(a.shape[0]):
+        s += a[j] * b[j]
+    return s
+
+
+def dot64(a, b):
+    """``sum(a[j] * b[j])`` of two 1-D rows: products in their dtype, sums in float64.
+
+    float32 rows (``_dot64_lanes``): the sum runs in SIMD lanes. Without ``reassoc`` LLVM
+    keeps a float reduction scalar (``vaddsd``), and 7 such passes per row made the Poincaré
+    kernel compute-bound (0.85 -> 0.46 ms on 2048 cached rows). The float64 sum of float32
+    products is exact or all but exact, so the order does not show after the final rounding
+    to float32: results stay bit-identical to the reference.
+    float64 rows (``_dot64_serial``): a sequential sum, as before. There the order does show,
+    and the ball's transport can amplify a last-bit difference to 1e-5 relative with extreme
+    gradients (hypothesis found one with a lanes sum), so float64 keeps the reference's order.
+    """
+    s = 0.0
+    for j in range(a.shape[0]):
+        s += float(a[j] * b[j])
+    return s
+
+
+@overload(dot64)
+def _dot64_overload(a, b):
+    if a.dtype == types.float32 and b.dtype == types.float32:
+        return lambda a, b: _dot64_lanes(a, b)
+    return lambda a, b: _dot64_serial(a, b)

@@ -109,12 +109,12 @@ def install_kill(point: str, at: int) -> None:
     elif point in ("mid-kernel", "kernel"):
         real_a = stp._apply
 
-        def _apply(state, t, lr, srows, G, inv, params):
+        def _apply(state, t, lr, srows, G, inv, params, table=None):
             if now() and point == "mid-kernel":
                 h = max(1, srows.shape[0] // 2)
-                real_a(state, t, lr, srows[:h], G[:h], inv, params)
+                real_a(state, t, lr, srows[:h], G[:h], inv, params, table)
                 _die()
-            real_a(state, t, lr, srows, G, inv, params)
+            real_a(state, t, lr, srows, G, inv, params, table)
             if now():
                 _die()
         stp._apply = _apply
