@@ -3,8 +3,8 @@
 The ball of curvature ``-c`` is geoopt's ``Stereographic(k)`` with ``k = -c``. All vector
 operations run in the storage dtype T; the row reductions (inner products, norms) are
 accumulated in float64 and rounded once to T (spec §6 allows this; it is more robust
-near the boundary than a float32 running sum), with eight partial sums (``dot64``) so they
-are not one serial chain of float64 adds.
+near the boundary than a float32 running sum), by ``dot64``: in SIMD lanes for float32 rows,
+sequentially (the reference's order) for float64 rows.
 
 Preconditions (checked by the glue): ``srows`` unique, ids in range, ``G`` of shape
 ``(len(srows), dim)`` in T, ``Y`` a scratch array of the same shape, ``hp`` a T array of
