@@ -168,7 +168,7 @@ class DirLock:
 
 
 def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curvature: float,
-                  weights: bool, what: str) -> dsa_core.State | None:
+                  weights: bool, what: str, access: str = "auto") -> dsa_core.State | None:
     """Open the store at ``path`` for writing (resume), or return None if there is none.
 
     An existing store must have the expected shape, dtype, curvature and weight layout,
@@ -176,7 +176,7 @@ def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curva
     store held by another writer raises ``dsa_core.StoreLockedError``.
     """
     try:
-        state = dsa_core.open(path)
+        state = dsa_core.open(path, access=access)
     except FileNotFoundError:
         # no store yet (an incomplete one makes create raise FileExistsError, with advice)
         return None

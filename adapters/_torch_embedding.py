@@ -183,6 +183,9 @@ class DiskEmbedding(nn.Module):
         Replace an existing store at ``state_dir`` with a fresh one.
     progress : bool, optional
         Progress bar while a new table is initialised (default: only for large tables).
+    access : "auto", "ram" or "disk", default "auto"
+        How the store is paged (``dsa_core.create``'s ``access``): "ram" when the table fits
+        in memory (huge pages), "disk" when it does not; "auto" chooses by size.
 
     Attributes
     ----------
@@ -213,8 +216,10 @@ class DiskEmbedding(nn.Module):
                  init_scale: float | None = None, seed: int | None = None,
                  dtype: torch.dtype = torch.float32, scale_grad_by_freq: bool = False,
                  include_last_offset: bool = False, device: Any = None,
-                 overwrite: bool = False, progress: bool | None = None):
+                 overwrite: bool = False, progress: bool | None = None,
+                 access: str = "auto"):
         super().__init__()
+        dsa_core.check_access(access)
         num_embeddings, embedding_dim = int(num_embeddings), int(embedding_dim)
         if num_embeddings <= 0 or embedding_dim <= 0:
             raise ValueError(f"num_embeddings and embedding_dim must be positive, got "
@@ -232,10 +237,10 @@ class DiskEmbedding(nn.Module):
         path = Path(state_dir)
         state = None if overwrite else open_existing(
             path, num_rows=num_embeddings, dim=embedding_dim, dtype=dt, curvature=c,
-            weights=True, what=what)
+            weights=True, what=what, access=access)
         if state is None:
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
-                                 init_scale, seed, padding_idx, overwrite, progress)
+                                 init_scale, seed, padding_idx, overwrite, progress, access)
         self._handle = StoreHandle(state)
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self.num_embeddings = num_embeddings
@@ -247,7 +252,8 @@ class DiskEmbedding(nn.Module):
         self.weight = DiskWeight(self._handle, dtype, device)
 
     @staticmethod
-    def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress):
+    def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
+                access):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
@@ -258,7 +264,7 @@ class DiskEmbedding(nn.Module):
             init = None
         state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
                                 init=init, init_scale=init_scale, seed=seed,
-                                overwrite=overwrite, progress=progress)
+                                overwrite=overwrite, progress=progress, access=access)
         if padding_idx is not None:
             state.weights[padding_idx] = 0
         return state

@@ -116,6 +116,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         the Poincaré ball of curvature ``-c``, exactly geoopt ``SparseRiemannianAdam``. Also
         a per-group key. A geoopt ``ManifoldParameter`` on ``PoincareBall(c)`` or
         ``Stereographic(k<0)`` brings its own ``c`` (``float(manifold.c)`` / ``-k``).
+    access : "auto", "ram" or "disk", default "auto"
+        How this optimizer's stores are paged (``dsa_core.create``'s ``access``): "ram"
+        maps them with huge pages (they fit in memory), "disk" for state larger than
+        memory; "auto" chooses by size (and ``DSA_ACCESS``).
 
     Raises
     ------
@@ -170,9 +174,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 maximize: bool = False, *, state_dir=None, curvature: float = 0.0):
+                 maximize: bool = False, *, state_dir=None, curvature: float = 0.0,
+                 access: str = "auto"):
         check_torch_hparams(lr, betas, eps)
         c = check_curvature(curvature)
+        dsa_core.check_access(access)
+        self._access = access
         self._ready = False
         self._closed = False
         self._slots: dict[torch.Tensor, _Slot] = {}
@@ -269,7 +276,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
             for gi, pj, p, path, dt, c in own:  # pass 1: existing stores (no writes)
                 st = open_existing(path, num_rows=p.shape[0], dim=p.shape[1], dtype=dt,
                                    curvature=c, weights=False,
-                                   what=f"DiskSparseAdam parameter [{gi}, {pj}]")
+                                   what=f"DiskSparseAdam parameter [{gi}, {pj}]",
+                                   access=self._access)
                 states.append(st)
                 if st is not None:
                     opened.append(st)
@@ -279,7 +287,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     states[k] = dsa_core.create(path, p.shape[0], p.shape[1], curvature=c,
                                                 lr=lr, betas=betas, eps=eps,
                                                 maximize=maximize, weights=False,
-                                                dtype=dt.name)
+                                                dtype=dt.name, access=self._access)
                     opened.append(states[k])
                     created.append(path)
         except BaseException:

@@ -13,7 +13,7 @@ in place, with Numba kernels.
 The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit on it.
 """
 
-from ._format import FORMAT_VERSION, StoreLockedError
+from ._format import ACCESS_MODES, FORMAT_VERSION, StoreLockedError, check_access
 from ._prefetch import prefetch, prefetched, residency
 from ._state import State, checkpoint, close, create, flush, open, remove
 from ._pool import get_threads
@@ -22,9 +22,11 @@ from ._step import gather, step, threads, warmup
 __version__ = "0.1.0"
 
 __all__ = [
+    "ACCESS_MODES",
     "FORMAT_VERSION",
     "State",
     "checkpoint",
+    "check_access",
     "StoreLockedError",
     "close",
     "create",

@@ -44,6 +44,7 @@ import mmap
 import os
 import shutil
 import struct
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any
@@ -152,17 +153,28 @@ def dirty_background_bytes() -> int:
         return 1 << 30
 
 
+_RAM_STORES: weakref.WeakSet = weakref.WeakSet()  # open stores of this process mapped "ram"
+
+
+def ram_bytes_held() -> int:
+    """Bytes of the stores this process holds open with ``access="ram"``."""
+    return sum(st.nbytes for st in list(_RAM_STORES) if not st.closed)
+
+
 def auto_access(nbytes: int) -> str:
     """"ram" when the store fits in memory *and* may be dirty in full without writeback.
 
     Fits: ``nbytes <= RAM_FRACTION * memory_limit()``. Without writeback: ``nbytes <=
     dirty_background_bytes()``. The second matters because the kernel writes a dirty huge
     folio back whole: a 10M x 128 store (15.4 GB, past the 2.3 GB threshold here) mapped with
-    huge pages took 421 ms per step, against 15 ms with 4 KiB pages (measured).
+    huge pages took 421 ms per step, against 15 ms with 4 KiB pages (measured). Both limits
+    are shared by every store of the process, so the "ram" stores it already holds open count
+    against them: of two stores that each fit alone but not together, the second gets "disk".
     """
-    if nbytes > RAM_FRACTION * memory_limit():
+    total = nbytes + ram_bytes_held()
+    if total > RAM_FRACTION * memory_limit():
         return "disk"
-    return "ram" if nbytes <= dirty_background_bytes() else "disk"
+    return "ram" if total <= dirty_background_bytes() else "disk"
 
 
 class StoreLockedError(RuntimeError):
@@ -319,7 +331,10 @@ class Store:
     def advise(self, access: str) -> None:
         """Tell the kernel how the mapping will be used (see :func:`check_access`)."""
         access = check_access(access)
+        _RAM_STORES.discard(self)  # not counted against its own "auto" decision
         resolved = access if access != "auto" else auto_access(self.nbytes)
+        if resolved == "ram":
+            _RAM_STORES.add(self)
         if resolved == "ram" and hasattr(mmap, "MADV_HUGEPAGE"):
             # The table stays in the page cache: 2 MiB folios, mapped by PMD entries (one
             # TLB entry and one fault per 2 MiB instead of 512). A fault reads (or, on never
@@ -520,6 +535,7 @@ class Store:
         self._release()
 
     def _release(self) -> None:
+        _RAM_STORES.discard(self)
         for name in ("_jfd", "_fd", "_lockfd"):  # the lock goes last
             fd = getattr(self, name)
             if fd >= 0:

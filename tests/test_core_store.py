@@ -826,3 +826,29 @@ def test_ram_access_maps_huge_pages_where_the_kernel_can(tmp_path):
     if pmd == 0:
         pytest.skip("this kernel/filesystem maps the store with 4 KiB pages only")
     assert pmd >= 4096  # at least two 2 MiB PMD mappings
+
+
+def test_auto_access_counts_the_ram_stores_already_open(tmp_path, monkeypatch):
+    """The writeback threshold is per machine: two stores that fit it alone but not together
+    are not both mapped with huge pages."""
+    from dsa_core import _format
+
+    monkeypatch.delenv("DSA_ACCESS", raising=False)
+    a = dsa_core.create(tmp_path / "a", 1000, 16)
+    one = a.store.nbytes
+    dsa_core.close(a)
+    monkeypatch.setattr(_format, "memory_limit", lambda: 100 * one)
+    monkeypatch.setattr(_format, "dirty_background_bytes", lambda: int(1.5 * one))
+    assert _format.ram_bytes_held() == 0
+    a = dsa_core.open(tmp_path / "a")
+    b = dsa_core.create(tmp_path / "b", 1000, 16)
+    assert (a.store.access, b.store.access) == ("ram", "disk")
+    assert _format.ram_bytes_held() == one
+    dsa_core.close(a)
+    assert _format.ram_bytes_held() == 0
+    c = dsa_core.create(tmp_path / "c", 1000, 16)  # a's share is free again
+    assert c.store.access == "ram"
+    d = dsa_core.create(tmp_path / "d", 1000, 16, access="ram")  # explicit: as asked
+    assert d.store.access == "ram" and _format.ram_bytes_held() == 2 * one
+    for s in (b, c, d):
+        dsa_core.close(s)

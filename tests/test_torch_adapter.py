@@ -548,3 +548,22 @@ def test_cuda_loop_matches_sparse_adam(tmp_path, bag):
     close(st.exp_avg, o_ref.state[ref.weight]["exp_avg"].cpu(), TOL[torch.float32])
     close(st.exp_avg_sq, o_ref.state[ref.weight]["exp_avg_sq"].cpu(), TOL[torch.float32])
     o_dsk.close()
+
+
+def test_access_reaches_the_stores_and_a_bad_one_writes_nothing(tmp_path):
+    from adapters.torch import DiskEmbedding
+
+    emb = torch.nn.Embedding(50, 4, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "o", access="disk")
+    emb(torch.tensor([1, 2, 1])).sum().backward()
+    opt.step()
+    assert [s.store.access for s in opt.stores.values()] == ["disk"]
+    opt.close()
+    de = DiskEmbedding(50, 4, state_dir=tmp_path / "e", access="ram")
+    assert de._handle.state.store.access == "ram"
+    de.close()
+    with pytest.raises(ValueError, match=r"access must be one of \('auto', 'ram', 'disk'\)"):
+        DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "x", access="fast")
+    with pytest.raises(ValueError, match="access must be one of"):
+        DiskEmbedding(50, 4, state_dir=tmp_path / "y", access="huge")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
