@@ -14,9 +14,9 @@ The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit
 """
 
 from ._format import ACCESS_MODES, FORMAT_VERSION, StoreLockedError, check_access
+from ._pool import get_threads
 from ._prefetch import prefetch, prefetched, residency
 from ._state import State, checkpoint, close, create, flush, open, remove
-from ._pool import get_threads
 from ._step import gather, step, threads, warmup
 
 __version__ = "0.1.0"
@@ -25,9 +25,9 @@ __all__ = [
     "ACCESS_MODES",
     "FORMAT_VERSION",
     "State",
-    "checkpoint",
-    "check_access",
     "StoreLockedError",
+    "check_access",
+    "checkpoint",
     "close",
     "create",
     "flush",

@@ -12,8 +12,6 @@ from numba import njit
 
 from ._intrinsics import prefetch_line
 
-
-
 _HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
 
 

@@ -72,8 +72,8 @@ __all__ = [
     "commit_dir",
     "copy_store",
     "make_layout",
-    "staged_dir",
     "read_manifest",
+    "staged_dir",
     "write_manifest",
 ]
 

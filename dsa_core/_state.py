@@ -413,7 +413,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     return state
 
 
-def open(path, mode: str = "r+", *, access: str = "auto") -> State:  # noqa: A001
+def open(path, mode: str = "r+", *, access: str = "auto") -> State:
     """Open an existing store; the state resumes with the stored hyperparameters and count.
 
     ``mode="r+"`` (default) takes the store's writer lock (a second writer gets a clear

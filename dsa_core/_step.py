@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from . import _format, _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._kernels_euclid import adam_rows_euclid
 from ._kernels_poincare import HP_SIZE, adam_rows_poincare
-from . import _format, _pool
 from ._state import State, _manifest, _require_writable, check_lr, maxnorm
 
 __all__ = ["as_index", "gather", "step", "threads", "warmup"]
