@@ -57,6 +57,26 @@ def check_torch_hparams(lr: Any, betas: Any, eps: Any) -> None:
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
 
 
+def check_table_args(num_embeddings: Any, embedding_dim: Any, mode: str | None,
+                     padding_idx: int | None) -> tuple[int, int, int | None]:
+    """The checks that ``DiskEmbedding`` and ``ShardedDiskEmbedding`` share.
+
+    Returns ``(num_embeddings, embedding_dim, padding_idx)`` with the padding index made
+    non-negative, as ``nn.Embedding`` does.
+    """
+    n, d = int(num_embeddings), int(embedding_dim)
+    if n <= 0 or d <= 0:
+        raise ValueError(f"num_embeddings and embedding_dim must be positive, got {n} and {d}")
+    if mode not in (None, "sum", "mean"):
+        raise ValueError(f"mode must be None (nn.Embedding), 'sum' or 'mean' "
+                         f"(nn.EmbeddingBag), got {mode!r}; 'max' bags are not supported")
+    if padding_idx is not None:
+        if not -n <= padding_idx < n:
+            raise ValueError("Padding_idx must be within num_embeddings")
+        padding_idx = int(padding_idx) % n
+    return n, d, padding_idx
+
+
 def check_curvature(curvature: Any) -> float:
     try:
         c = float(curvature)

@@ -42,6 +42,7 @@ import dsa_core
 from ._torch_common import (
     StoreHandle,
     check_curvature,
+    check_table_args,
     close_quietly,
     move_disk_weight,
     np_dtype,
@@ -549,17 +550,7 @@ class ShardedDiskEmbedding(nn.Module):
                  overwrite: bool = False, exchange: str = "all_to_all",
                  timeout: float | timedelta | None = None, durability: str = "flush"):
         super().__init__()
-        n, d = int(num_embeddings), int(embedding_dim)
-        if n <= 0 or d <= 0:
-            raise ValueError(f"num_embeddings and embedding_dim must be positive, got {n} "
-                             f"and {d}")
-        if mode not in (None, "sum", "mean"):
-            raise ValueError(f"mode must be None (nn.Embedding), 'sum' or 'mean' "
-                             f"(nn.EmbeddingBag), got {mode!r}")
-        if padding_idx is not None:
-            if not -n <= padding_idx < n:
-                raise ValueError("Padding_idx must be within num_embeddings")
-            padding_idx = int(padding_idx) % n
+        n, d, padding_idx = check_table_args(num_embeddings, embedding_dim, mode, padding_idx)
         if grad_reduce not in ("sum", "mean"):
             raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
         if exchange not in _EXCHANGES:

@@ -17,6 +17,7 @@ from dsa_core._state import restore_rows
 from ._torch_common import (
     StoreHandle,
     check_curvature,
+    check_table_args,
     close_quietly,
     move_disk_weight,
     np_dtype,
@@ -220,17 +221,8 @@ class DiskEmbedding(nn.Module):
                  access: str = "auto"):
         super().__init__()
         dsa_core.check_access(access)
-        num_embeddings, embedding_dim = int(num_embeddings), int(embedding_dim)
-        if num_embeddings <= 0 or embedding_dim <= 0:
-            raise ValueError(f"num_embeddings and embedding_dim must be positive, got "
-                             f"{num_embeddings} and {embedding_dim}")
-        if mode not in (None, "sum", "mean"):
-            raise ValueError(f"mode must be None (nn.Embedding), 'sum' or 'mean' "
-                             f"(nn.EmbeddingBag), got {mode!r}; 'max' bags are not supported")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError("Padding_idx must be within num_embeddings")
-            padding_idx = int(padding_idx) % num_embeddings
+        num_embeddings, embedding_dim, padding_idx = check_table_args(
+            num_embeddings, embedding_dim, mode, padding_idx)
         dt = np_dtype(dtype, "DiskEmbedding")
         c = check_curvature(curvature)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
