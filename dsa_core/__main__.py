@@ -53,12 +53,15 @@ def cmd_info(a) -> int:
     info = {
         "path": str(st.path), "num_rows": st.num_rows, "dim": st.dim, "dtype": st.dtype.name,
         "curvature": st.curvature,
-        "geometry": "poincare ball" if st.curvature > 0 else "euclidean (SparseAdam)",
+        "geometry": "poincare ball" if st.curvature > 0 else (
+            "euclidean (SparseAdam)" if st.second_moment == "elementwise"
+            else "euclidean (row-wise second moment)"),
+        "second_moment": st.second_moment,
         "weights": st.has_weights, "count": st.count, "lr": st.lr, "betas": list(st.betas),
         "eps": st.eps, "maximize": st.maximize, "ball_eps": st.ball_eps,
         "nonfinite": st.nonfinite, "durability": st.durability,
         "record_bytes": st.store.stride * st.dtype.itemsize,
-        "size_on_disk_bytes": size, "format_version": _format.FORMAT_VERSION,
+        "size_on_disk_bytes": size, "format_version": _format.layout_version(st.store.layout),
     }
     if a.json:
         print(json.dumps(info, indent=1))

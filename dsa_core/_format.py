@@ -7,7 +7,10 @@ A store is a directory holding two files:
     embedding row, in the store dtype (little-endian float32 or float64)::
 
         header (4096 B): b"DSASTORE" | uint32 format version | uint32 n | JSON layout | zero padding
-        record r       : [ w (dim) | m (dim) | v (dim, or 1 when curvature > 0) | padding ]
+        record r       : [ w (dim) | m (dim) | v (dim, or 1) | padding ]
+
+    v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or
+    when the layout says ``"second_moment": "rowwise"`` (spec §7.3).
 
     The weight block is absent for stores created with ``weights=False``. Any
     numpy can read the weights without this package::
@@ -53,7 +56,7 @@ import numpy as np
 
 MAGIC = b"DSASTORE"
 FORMAT_NAME = "dsa-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # newest version this module reads and writes; see layout_version
 HEADER_BYTES = 4096
 DATA_FILE = "rows.dsa"
 MANIFEST_FILE = "manifest.json"
@@ -67,10 +70,12 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MANIFEST_FILE",
+    "SECOND_MOMENTS",
     "Store",
     "StoreLockedError",
     "commit_dir",
     "copy_store",
+    "layout_version",
     "make_layout",
     "read_manifest",
     "staged_dir",
@@ -182,11 +187,31 @@ class StoreLockedError(RuntimeError):
     """Another writer holds the store."""
 
 
+SECOND_MOMENTS = ("elementwise", "rowwise")
+
+
+def layout_version(layout: dict[str, Any]) -> int:
+    """The format version a store of ``layout`` is written with: the oldest that reads it.
+
+    1: the original records. 2: records with a row-wise second moment for ``curvature == 0``
+    (``"second_moment": "rowwise"``), which a version-1 reader would take for elementwise
+    v and read past the record; it refuses version 2 with "upgrade dsa_core".
+    """
+    return 2 if layout.get("second_moment") == "rowwise" else 1
+
+
 def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
-                has_weights: bool, align: int) -> dict[str, Any]:
-    """Column offsets and record stride (in elements) of one row record."""
+                has_weights: bool, align: int,
+                second_moment: str = "elementwise") -> dict[str, Any]:
+    """Column offsets and record stride (in elements) of one row record.
+
+    ``second_moment="rowwise"`` (``curvature == 0`` only) gives v one element per row and
+    adds the key ``"second_moment": "rowwise"``; elementwise layouts are unchanged from
+    format version 1.
+    """
     itemsize = np.dtype(dtype).itemsize
-    v_width = 1 if curvature > 0 else dim
+    rowwise = second_moment == "rowwise" and curvature == 0
+    v_width = 1 if (curvature > 0 or rowwise) else dim
     col = 0
     w_off = None
     if has_weights:
@@ -198,7 +223,7 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     if align:
         rec_bytes = -(-used * itemsize // align) * align
         stride = rec_bytes // itemsize
-    return {
+    layout = {
         "num_rows": int(num_rows),
         "dim": int(dim),
         "dtype": np.dtype(dtype).name,
@@ -210,11 +235,14 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
         "v_width": int(v_width),
         "align": int(align),
     }
+    if rowwise:
+        layout["second_moment"] = "rowwise"
+    return layout
 
 
 def _header_bytes(layout: dict[str, Any]) -> bytes:
     body = json.dumps(layout, sort_keys=True).encode()
-    head = MAGIC + struct.pack("<II", FORMAT_VERSION, len(body)) + body
+    head = MAGIC + struct.pack("<II", layout_version(layout), len(body)) + body
     if len(head) > HEADER_BYTES:  # pragma: no cover - layouts are tiny
         raise ValueError("layout does not fit in the store header")
     return head + b"\0" * (HEADER_BYTES - len(head))
@@ -299,6 +327,7 @@ class Store:
         self.m_off = layout["m"]
         self.v_off = layout["v"]
         self.v_width = layout["v_width"]
+        self.rowwise = layout.get("second_moment") == "rowwise"  # c == 0, one v per row
         self.closed = False
         self._fd = -1
         self._jfd = -1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._intrinsics import PREFETCH_ROWS, prefetch_record, row_is_finite
+from ._intrinsics import PREFETCH_ROWS, dot64, prefetch_record, row_is_finite
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -55,3 +55,56 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
             m_[j] = m2
             v_[j] = v2
             w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+
+
+# indices into the row-wise kernel's hyperparameter array ``hp`` (values already in T)
+RW_A1, RW_A2, RW_BC1, RW_BC2, RW_EPS, RW_NEG_LR, RW_SGN = range(7)
+RW_SIZE = 7
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite,
+                             lo, hi):
+    """Partial row-wise Adam (spec §7.3, FBGEMM ``PARTIAL_ROWWISE_ADAM``): one v per row.
+
+    Per row, in storage dtype T (``hp`` holds 1-b1, 1-b2, bc1, bc2, eps, -lr, sign)::
+
+        g  = sgn * G
+        dm = (g - m) * a1 ;  m' = m + dm           # per coordinate: SparseAdam's m, bit for bit
+        q  = T(sum_j(g_j * g_j) / d)               # products in T, sum in float64, one rounding
+        v' = v + (q - v) * a2                      # one scalar per row
+        den = sqrt(v' / bc2) + eps                 # eps after the bias-corrected sqrt
+        p' = p + (-lr) * ((m' / bc1) / den)
+
+    The mean (not the sum) keeps lr meaning what it means for elementwise Adam. Same
+    preconditions as :func:`adam_rows_euclid` (unique ``srows``, ids in range).
+    """
+    a1 = hp[RW_A1]
+    a2 = hp[RW_A2]
+    bc1 = hp[RW_BC1]
+    bc2 = hp[RW_BC2]
+    eps = hp[RW_EPS]
+    neg_lr = hp[RW_NEG_LR]
+    sgn = hp[RW_SGN]
+    T = hp.dtype.type
+    n = srows.shape[0]
+    d = G.shape[1]
+    for i in range(lo, hi):
+        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+        g_ = G[i]
+        if skip_nonfinite and not row_is_finite(g_):
+            continue
+        rec = S[srows[i]]
+        m_ = rec[moff:moff + d]
+        w_ = W[wrows[i]][woff:woff + d]
+        q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
+        v = rec[voff]
+        v2 = v + (q - v) * a2
+        rec[voff] = v2
+        den = np.sqrt(v2 / bc2) + eps
+        for j in range(d):
+            m = m_[j]
+            m2 = m + ((g_[j] * sgn) - m) * a1
+            m_[j] = m2
+            w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)

@@ -52,6 +52,28 @@ def euclid_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8, maximiz
     P[uidx] = p + T(-s) * ((dm + m) / den)
 
 
+def euclid_rowwise_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8,
+                        maximize=False):
+    """Partial row-wise Adam (spec §7.3, FBGEMM PARTIAL_ROWWISE_ADAM); ``V`` is (n, 1)."""
+    T = P.dtype.type
+    if len(idx) == 0:
+        return
+    uidx, g = coalesce_ref(idx, G)
+    if maximize:
+        g = -g
+    b1, b2 = betas
+    a1, a2 = T(1 - b1), T(1 - b2)
+    m, v, p = M[uidx], V[uidx], P[uidx]
+    m2 = m + (g - m) * a1
+    q = (g * g).astype(np.float64).sum(axis=1, keepdims=True) / g.shape[1]
+    v2 = v + (q.astype(P.dtype) - v) * a2
+    bc1, bc2 = T(1 - b1**t), T(1 - b2**t)
+    den = np.sqrt(v2 / bc2) + T(eps)
+    M[uidx] = m2
+    V[uidx] = v2
+    P[uidx] = p + T(-lr) * ((m2 / bc1) / den)
+
+
 def _rowdot(a, b):
     """Row inner products: products in T, sum in float64, rounded once to T."""
     return (a * b).astype(np.float64).sum(axis=1, keepdims=True).astype(a.dtype)

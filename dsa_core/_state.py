@@ -62,6 +62,14 @@ class State(NamedTuple):
         return self.store.curvature
 
     @property
+    def second_moment(self) -> str:
+        """``"elementwise"`` (SparseAdam's v), ``"rowwise"`` (spec §7.3) or, for c > 0,
+        ``"riemannian"`` (the ball's one scalar per row)."""
+        if self.store.curvature > 0:
+            return "riemannian"
+        return self.store.layout.get("second_moment", "elementwise")
+
+    @property
     def has_weights(self) -> bool:
         return self.store.w_off is not None
 
@@ -83,7 +91,8 @@ class State(NamedTuple):
 
     @property
     def exp_avg_sq(self) -> np.ndarray:
-        """A view of the second moments v: (num_rows, dim) for c == 0, (num_rows, 1) for c > 0."""
+        """A view of the second moments v: (num_rows, dim) for elementwise stores, (num_rows, 1)
+        for ``second_moment="rowwise"`` and for c > 0."""
         o = self.store.v_off
         return self.store.data[:, o:o + self.store.v_width]
 
@@ -159,6 +168,19 @@ def check_curvature(curvature: Any) -> float:
             f"curvature must be finite and >= 0 (0: Euclidean SparseAdam, c > 0: Poincaré "
             f"ball of curvature -c), got {curvature!r}")
     return c
+
+
+def check_second_moment(second_moment: Any, curvature: float) -> str:
+    """``"elementwise"`` or ``"rowwise"``; row-wise applies to the Euclidean kernel only."""
+    if second_moment not in _format.SECOND_MOMENTS:
+        raise ValueError(f"second_moment must be one of {_format.SECOND_MOMENTS}, got "
+                         f"{second_moment!r}")
+    if second_moment == "rowwise" and curvature > 0:
+        raise ValueError(
+            "second_moment='rowwise' is for curvature == 0: the ball kernel (curvature "
+            f"{curvature}) already keeps one second-moment scalar per row (the Riemannian "
+            "norm, spec §3.2); leave second_moment at 'elementwise'")
+    return second_moment
 
 
 def default_ball_eps(dtype: np.dtype) -> float:
@@ -264,7 +286,7 @@ def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_eps: float
 def _manifest(state: State) -> dict[str, Any]:
     return {
         "format": _format.FORMAT_NAME,
-        "version": _format.FORMAT_VERSION,
+        "version": _format.layout_version(state.store.layout),
         "layout": state.store.layout,
         "count": int(state.count),
         "hparams": {
@@ -285,7 +307,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            init_scale: float = 1e-2, seed: int = 0, dtype: Any = "float32",
            ball_eps: float | None = None, nonfinite: str = "propagate", align: int = 0,
            durability: str = "flush", overwrite: bool = False, access: str = "auto",
-           progress: bool | None = None) -> State:
+           second_moment: str = "elementwise", progress: bool | None = None) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
     Parameters
@@ -326,6 +348,12 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         which. Costs two fdatasyncs and a manifest rename per step.
     overwrite : bool, default False
         Replace an existing store at ``path`` (refused while another writer holds it).
+    second_moment : "elementwise" or "rowwise", default "elementwise"
+        ``curvature == 0`` only. ``"elementwise"``: SparseAdam's v, one per coordinate
+        (parity). ``"rowwise"``: one v per row from the mean of ``g²`` over the row (FBGEMM's
+        partial row-wise Adam, spec §7.3): the state shrinks from ``2*dim`` to ``dim + 1``
+        values per row, the update is no longer SparseAdam's (m still is, bit for bit). See
+        :func:`dsa_core.step` for the formula. Stores written with it are format version 2.
     access : "auto", "ram" or "disk", default "auto"
         How the mapping is paged (not stored; pass it again to :func:`open`). ``"ram"``:
         the table stays in the page cache -- 2 MiB huge folios mapped by PMD entries, far
@@ -350,6 +378,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     dt = check_dtype(dtype)
     c = check_curvature(curvature)
     lr, betas, eps, maximize, nonfinite = check_hparams(lr, betas, eps, maximize, nonfinite)
+    second_moment = check_second_moment(second_moment, c)
     if ball_eps is None:
         ball_eps = default_ball_eps(dt) if c > 0 else 0.0
     ball_eps = float(ball_eps)
@@ -364,7 +393,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             or align < 0 or (align and align % dt.itemsize):
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
                          f"got {align!r}")
-    layout = _format.make_layout(num_rows, dim, dt, c, bool(weights), int(align))
+    layout = _format.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
+                                 second_moment)
     if init is not None:
         if not weights:
             raise ValueError("init sets the weights, but weights=False stores hold none; "

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _format, _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
-from ._kernels_euclid import adam_rows_euclid
+from ._kernels_euclid import RW_SIZE, adam_rows_euclid, adam_rows_euclid_rowwise
 from ._kernels_poincare import HP_SIZE, adam_rows_poincare
 from ._state import State, _manifest, _require_writable, check_lr, maxnorm
 
@@ -98,7 +98,15 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
                           \frac{m}{\sqrt{v} + \epsilon}
 
     with one global step ``t`` for every row; rows not in ``idx`` are left bit-for-bit
-    unchanged (their moments do not decay). ``curvature > 0`` is geoopt's
+    unchanged (their moments do not decay). A ``second_moment="rowwise"`` store (spec §7.3,
+    FBGEMM's partial row-wise Adam) keeps the same m but one v per row:
+
+    .. math::
+
+        v \leftarrow v + (\mathrm{mean}_j\, g_j^2 - v)(1-\beta_2),\quad
+        p \leftarrow p - \mathrm{lr}\,\frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
+
+    ``curvature > 0`` is geoopt's
     ``SparseRiemannianAdam`` on the ball (spec §3.2): Riemannian gradient, one
     second-moment scalar per row, retraction + projection, transported first moment.
     """
@@ -218,7 +226,13 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
     bc2 = 1.0 - b2**t
     sgn = T(-1.0 if state.maximize else 1.0)
     skip = state.nonfinite == "skip_row"
-    if st.curvature == 0.0:
+    if st.rowwise:  # second_moment="rowwise" (spec §7.3)
+        hp = np.empty(RW_SIZE, st.dtype)
+        hp[:] = (1.0 - b1, 1.0 - b2, bc1, bc2, state.eps, -lr, sgn)
+        _pool.run_chunked(adam_rows_euclid_rowwise,
+                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp, skip),
+                          srows.shape[0], _min_chunk(st.dim))
+    elif st.curvature == 0.0:
         s = (lr * math.sqrt(bc2)) / bc1
         _pool.run_chunked(adam_rows_euclid,
                           (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, sgn,
@@ -292,6 +306,8 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
             G.flags.writeable = G3.flags.writeable = writeable
             adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, T(1), T(0.1), T(0.001),
                              T(1e-8), T(-1e-3), False, 0, 2)
+            adam_rows_euclid_rowwise(data, rows, 0, data, rows, 2, 4, G, np.zeros(RW_SIZE, dt),
+                                     False, 0, 2)
             hp = np.zeros(HP_SIZE, dt)
             adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), hp,
                                False, 0, 2)

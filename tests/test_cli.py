@@ -24,7 +24,8 @@ def test_info_reports_the_store(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert (info["num_rows"], info["dim"], info["dtype"]) == (50, 4, "float32")
     assert info["curvature"] == 1.0 and info["count"] == 1
-    assert info["format_version"] == dsa_core.FORMAT_VERSION
+    assert info["format_version"] == 1  # the ball's records have not changed since v1
+    assert info["second_moment"] == "riemannian"
     assert info["size_on_disk_bytes"] > 4096
 
 

@@ -426,15 +426,16 @@ def test_views(tmp_path, curvature):
     dsa_core.close(nw)
 
 
-@pytest.mark.parametrize(("curvature", "dt", "weights", "align"), [
-    (0.0, "float32", True, 0), (1.0, "float64", True, 0), (0.0, "float32", True, 512),
-    (1.0, "float32", False, 64)])
-def test_store_is_readable_with_plain_numpy(tmp_path, curvature, dt, weights, align):
+@pytest.mark.parametrize(("curvature", "dt", "weights", "align", "sm"), [
+    (0.0, "float32", True, 0, "elementwise"), (1.0, "float64", True, 0, "elementwise"),
+    (0.0, "float32", True, 512, "elementwise"), (1.0, "float32", False, 64, "elementwise"),
+    (0.0, "float32", True, 0, "rowwise"), (0.0, "float64", False, 64, "rowwise")])
+def test_store_is_readable_with_plain_numpy(tmp_path, curvature, dt, weights, align, sm):
     """The layout documented in dsa_core/_format.py: header, record stride and offsets."""
     p = tmp_path / "s"
     n, d = 33, 7
     s = dsa_core.create(p, n, d, curvature=curvature, dtype=dt, weights=weights, align=align,
-                        init="normal" if weights else None, init_scale=0.1)
+                        init="normal" if weights else None, init_scale=0.1, second_moment=sm)
     params = np.zeros((4, d), dt)
     s = dsa_core.step(s, [1, 30, 1, 2], _grad(4, d, np.dtype(dt)),
                       **({} if weights else {"params": params}))
@@ -445,7 +446,8 @@ def test_store_is_readable_with_plain_numpy(tmp_path, curvature, dt, weights, al
     assert lay["dtype"] == dt
     assert lay["num_rows"] == n
     assert lay["dim"] == d
-    assert lay["v_width"] == (1 if curvature else d)
+    assert lay["v_width"] == (1 if curvature or sm == "rowwise" else d)
+    assert lay.get("second_moment", "elementwise") == sm
     if align:
         assert (lay["stride"] * itemsize) % align == 0
     assert lay["stride"] >= (d if weights else 0) + d + lay["v_width"]
@@ -453,7 +455,8 @@ def test_store_is_readable_with_plain_numpy(tmp_path, curvature, dt, weights, al
     assert len(raw) == HEADER + n * lay["stride"] * itemsize
     assert raw[:8] == b"DSASTORE"
     version, size = struct.unpack("<II", raw[8:16])
-    assert version == dsa_core.FORMAT_VERSION
+    assert version == (2 if sm == "rowwise" else 1)  # v1 readers can read elementwise stores
+    assert json.loads((p / "manifest.json").read_text())["version"] == version
     assert json.loads(raw[16:16 + size]) == lay
     assert not raw[16 + size:HEADER].strip(b"\0")
     if weights:
