@@ -21,10 +21,12 @@ import dsa_core
 __all__ = [
     "DirLock",
     "StoreHandle",
+    "check_second_moment",
     "check_torch_hparams",
     "manifold_curvature",
     "np_dtype",
     "open_existing",
+    "store_second_moment",
     "to_host",
 ]
 
@@ -187,13 +189,31 @@ class DirLock:
             self._fd = -1
 
 
+def check_second_moment(second_moment: Any, curvature: float, what: str) -> str:
+    """``"elementwise"`` or ``"rowwise"`` (spec §7.3, c == 0 only), checked before any I/O."""
+    if second_moment not in ("elementwise", "rowwise"):
+        raise ValueError(f"{what}: second_moment must be 'elementwise' (SparseAdam's v) or "
+                         f"'rowwise' (one v per row), got {second_moment!r}")
+    if second_moment == "rowwise" and curvature > 0:
+        raise ValueError(f"{what}: second_moment='rowwise' is for curvature == 0; the ball "
+                         f"(curvature {curvature}) already keeps one second-moment scalar per "
+                         "row. Leave second_moment at 'elementwise'")
+    return second_moment
+
+
+def store_second_moment(second_moment: str, curvature: float) -> str:
+    """What ``State.second_moment`` reports for a store made with these settings."""
+    return "riemannian" if curvature > 0 else second_moment
+
+
 def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curvature: float,
-                  weights: bool, what: str, access: str = "auto") -> dsa_core.State | None:
+                  weights: bool, what: str, access: str = "auto",
+                  second_moment: str = "elementwise") -> dsa_core.State | None:
     """Open the store at ``path`` for writing (resume), or return None if there is none.
 
-    An existing store must have the expected shape, dtype, curvature and weight layout,
-    otherwise it is closed again, untouched, and a ``ValueError`` names the mismatch. A
-    store held by another writer raises ``dsa_core.StoreLockedError``.
+    An existing store must have the expected shape, dtype, curvature, weight layout and
+    second moment, otherwise it is closed again, untouched, and a ``ValueError`` names the
+    mismatch. A store held by another writer raises ``dsa_core.StoreLockedError``.
     """
     try:
         state = dsa_core.open(path, access=access)
@@ -210,6 +230,14 @@ def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curva
             f"{want[0]} x {want[1]} {want[2]} with curvature {want[3]} (weights stored: "
             f"{want[4]}) is needed. Use a fresh directory, or the same tables, order and "
             "settings as the run that created it")
+    want_sm = store_second_moment(second_moment, curvature)
+    if state.second_moment != want_sm:
+        dsa_core.close(state)
+        raise ValueError(
+            f"{what}: the existing store at {str(path)!r} keeps a {state.second_moment} "
+            f"second moment, but second_moment={second_moment!r} was asked for. A store's "
+            "second moment is fixed when it is created: pass the same second_moment, or use "
+            "a fresh directory")
     return state
 
 

@@ -17,6 +17,7 @@ from dsa_core._state import restore_rows
 from ._torch_common import (
     StoreHandle,
     check_curvature,
+    check_second_moment,
     check_table_args,
     close_quietly,
     move_disk_weight,
@@ -187,6 +188,10 @@ class DiskEmbedding(nn.Module):
     access : "auto", "ram" or "disk", default "auto"
         How the store is paged (``dsa_core.create``'s ``access``): "ram" when the table fits
         in memory (huge pages), "disk" when it does not; "auto" chooses by size.
+    second_moment : "elementwise" or "rowwise", default "elementwise"
+        ``curvature == 0`` only: SparseAdam's per-coordinate v (parity), or one v per row
+        (spec §7.3, FBGEMM's partial row-wise Adam; a record of ``2*dim + 1`` instead of
+        ``3*dim`` values). Fixed when the store is created; a reopened store must match.
 
     Attributes
     ----------
@@ -218,7 +223,7 @@ class DiskEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32, scale_grad_by_freq: bool = False,
                  include_last_offset: bool = False, device: Any = None,
                  overwrite: bool = False, progress: bool | None = None,
-                 access: str = "auto"):
+                 access: str = "auto", second_moment: str = "elementwise"):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
@@ -226,13 +231,15 @@ class DiskEmbedding(nn.Module):
         dt = np_dtype(dtype, "DiskEmbedding")
         c = check_curvature(curvature)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
+        check_second_moment(second_moment, c, what)
         path = Path(state_dir)
         state = None if overwrite else open_existing(
             path, num_rows=num_embeddings, dim=embedding_dim, dtype=dt, curvature=c,
-            weights=True, what=what, access=access)
+            weights=True, what=what, access=access, second_moment=second_moment)
         if state is None:
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
-                                 init_scale, seed, padding_idx, overwrite, progress, access)
+                                 init_scale, seed, padding_idx, overwrite, progress, access,
+                                 second_moment)
         self._handle = StoreHandle(state)
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self.num_embeddings = num_embeddings
@@ -245,7 +252,7 @@ class DiskEmbedding(nn.Module):
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
-                access):
+                access, second_moment):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
@@ -256,7 +263,8 @@ class DiskEmbedding(nn.Module):
             init = None
         state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
                                 init=init, init_scale=init_scale, seed=seed,
-                                overwrite=overwrite, progress=progress, access=access)
+                                overwrite=overwrite, progress=progress, access=access,
+                                second_moment=second_moment)
         if padding_idx is not None:
             state.weights[padding_idx] = 0
         return state
@@ -392,7 +400,8 @@ class DiskEmbedding(nn.Module):
         return {"format": _EXTRA_FORMAT, "version": 1, "path": str(st.path),
                 "num_embeddings": st.num_rows, "embedding_dim": st.dim,
                 "dtype": st.dtype.name, "curvature": st.curvature, "count": st.count,
-                "padding_idx": self.padding_idx, "mode": self.mode}
+                "padding_idx": self.padding_idx, "mode": self.mode,
+                "second_moment": st.second_moment}
 
     def set_extra_state(self, state: Any) -> None:
         """Check that a saved manifest describes a table like this one (the rows stay put)."""
@@ -407,6 +416,12 @@ class DiskEmbedding(nn.Module):
             raise ValueError(f"the saved DiskEmbedding is {want[0]} x {want[1]} {want[2]} "
                              f"with curvature {want[3]}, this one {have[0]} x {have[1]} "
                              f"{have[2]} with curvature {have[3]}")
+        want_sm = state.get("second_moment",  # written since rowwise stores exist
+                            "riemannian" if state["curvature"] > 0 else "elementwise")
+        if st.second_moment != want_sm:
+            raise ValueError(f"the saved DiskEmbedding keeps a {want_sm} second moment, this "
+                             f"one a {st.second_moment} one; build it with the saved "
+                             "second_moment")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "_extra_state"] = self.get_extra_state()

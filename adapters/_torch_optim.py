@@ -19,11 +19,13 @@ from ._torch_common import (
     DirLock,
     StoreHandle,
     check_curvature,
+    check_second_moment,
     check_torch_hparams,
     close_quietly,
     manifold_curvature,
     np_dtype,
     open_existing,
+    store_second_moment,
     to_device,
     to_host,
 )
@@ -120,6 +122,14 @@ class DiskSparseAdam(torch.optim.Optimizer):
         How this optimizer's stores are paged (``dsa_core.create``'s ``access``): "ram"
         maps them with huge pages (they fit in memory), "disk" for state larger than
         memory; "auto" chooses by size (and ``DSA_ACCESS``).
+    second_moment : "elementwise" or "rowwise", optional
+        The second moment of this optimizer's stores (``c == 0`` only). ``"elementwise"``
+        (the default): SparseAdam's v, one per coordinate, exact parity. ``"rowwise"``: one
+        v per row from the mean of ``g²`` (FBGEMM's partial row-wise Adam, spec §7.3): the
+        stores hold ``dim + 1`` instead of ``2 * dim`` values per row, the update is no
+        longer SparseAdam's (see README "Row-wise second moment" for the measured cost).
+        Fixed when a store is created; a resumed store must match. A DiskEmbedding's
+        parameter keeps its own store's setting (given here, it must match).
 
     Raises
     ------
@@ -175,11 +185,14 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  maximize: bool = False, *, state_dir=None, curvature: float = 0.0,
-                 access: str = "auto"):
+                 access: str = "auto", second_moment: str | None = None):
         check_torch_hparams(lr, betas, eps)
         c = check_curvature(curvature)
         dsa_core.check_access(access)
+        if second_moment is not None:
+            check_second_moment(second_moment, c, "DiskSparseAdam")
         self._access = access
+        self._second_moment = second_moment
         self._ready = False
         self._closed = False
         self._slots: dict[torch.Tensor, _Slot] = {}
@@ -204,6 +217,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
+
+    def _sm(self, c: float) -> str:
+        """``dsa_core.create``'s second_moment for an own store of curvature ``c``."""
+        return "elementwise" if c > 0 else (self._second_moment or "elementwise")
 
     def _plan(self, groups) -> list[tuple]:
         """Validate the parameters of ``groups``; no I/O. Returns one entry per parameter."""
@@ -248,6 +265,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
                             f"{where} is a DiskEmbedding created with curvature {c}, but its "
                             f"group asks for curvature {gc}; the curvature of a store is "
                             "fixed when it is created (DiskEmbedding(curvature=...))")
+                    sm = self._second_moment
+                    if sm is not None:
+                        check_second_moment(sm, c, f"DiskSparseAdam {where}")
+                    if sm is not None and h.state.second_moment != store_second_moment(sm, c):
+                        raise ValueError(
+                            f"{where} is a DiskEmbedding whose store keeps a "
+                            f"{h.state.second_moment} second moment, but this optimizer asks "
+                            f"for second_moment={sm!r}; set it on the embedding "
+                            "(DiskEmbedding(second_moment=...)) and leave it out here")
                     plan.append((gi, pj, p, None, dt, c))
                     continue
                 mc = manifold_curvature(p)
@@ -256,6 +282,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                                      f"group asks for curvature {gc}; drop curvature= (the "
                                      "manifold's is used) or make them equal")
                 c = gc if mc is None else mc
+                if self._second_moment is not None:
+                    check_second_moment(self._second_moment, c, f"DiskSparseAdam {where}")
                 if self.state_dir is None:
                     raise ValueError(f"DiskSparseAdam needs state_dir=...: the moments of "
                                      f"{where} are kept in a store there")
@@ -277,7 +305,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 st = open_existing(path, num_rows=p.shape[0], dim=p.shape[1], dtype=dt,
                                    curvature=c, weights=False,
                                    what=f"DiskSparseAdam parameter [{gi}, {pj}]",
-                                   access=self._access)
+                                   access=self._access, second_moment=self._sm(c))
                 states.append(st)
                 if st is not None:
                     opened.append(st)
@@ -287,7 +315,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     states[k] = dsa_core.create(path, p.shape[0], p.shape[1], curvature=c,
                                                 lr=lr, betas=betas, eps=eps,
                                                 maximize=maximize, weights=False,
-                                                dtype=dt.name, access=self._access)
+                                                dtype=dt.name, access=self._access,
+                                                second_moment=self._sm(c))
                     opened.append(states[k])
                     created.append(path)
         except BaseException:
@@ -573,6 +602,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     "group": gi, "index": pj, "name": s.name, "path": str(st.path),
                     "owned": s.owned, "count": int(st.count), "num_rows": st.num_rows,
                     "dim": st.dim, "dtype": st.dtype.name, "curvature": st.curvature,
+                    "second_moment": st.second_moment,
                     "hparams": {"lr": st.lr, "betas": list(st.betas), "eps": st.eps,
                                 "maximize": st.maximize}})
         sd[MANIFEST_KEY] = {"format": _MANIFEST_FORMAT, "version": 1,
@@ -621,6 +651,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
                         f"checkpoint store {e['name']!r} is {want[0]} x {want[1]} {want[2]} "
                         f"with curvature {want[3]}, but the parameter in its position has "
                         f"a {have[0]} x {have[1]} {have[2]} store with curvature {have[3]}")
+                want_sm = e.get("second_moment",  # written since rowwise stores exist
+                                "riemannian" if e["curvature"] > 0 else "elementwise")
+                if st.second_moment != want_sm:
+                    raise ValueError(
+                        f"checkpoint store {e['name']!r} keeps a {want_sm} second moment, but "
+                        f"the parameter in its position has a {st.second_moment} store; "
+                        "build the optimizer with the checkpoint's second_moment")
                 counts.append(int(e["count"]))
             if manifest.get("checkpoint") is not None:
                 snaps = self._open_snapshots(Path(manifest["checkpoint"]), entries, params)
@@ -695,6 +732,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
             if "exp_avg" not in s:
                 todo.append((st, int(s.get("step", 0)), None, None))
                 continue
+            if st.second_moment == "rowwise":
+                raise ValueError(
+                    f"the loaded state dict holds torch's elementwise exp_avg_sq, but the "
+                    f"store {str(st.path)!r} keeps one second moment per row "
+                    "(second_moment='rowwise'); there is no exact conversion. Load it into an "
+                    "optimizer with second_moment='elementwise', or start the moments afresh")
             m = torch.as_tensor(s["exp_avg"]).detach().cpu()
             v = torch.as_tensor(s["exp_avg_sq"]).detach().cpu()
             if tuple(m.shape) != (st.num_rows, st.dim) or m.shape != v.shape:

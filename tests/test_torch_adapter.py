@@ -567,3 +567,103 @@ def test_access_reaches_the_stores_and_a_bad_one_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="access must be one of"):
         DiskEmbedding(50, 4, state_dir=tmp_path / "y", access="huge")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# -- second_moment="rowwise" ---------------------------------------------------------------
+def test_rowwise_loop_is_dsa_core_rowwise_and_keeps_sparse_adams_m(tmp_path):
+    """DiskSparseAdam(second_moment="rowwise") hands torch's coalesced gradient to a
+    row-wise store: its weights equal dsa_core.step on such a store bit for bit, and its m
+    equals torch.optim.SparseAdam's (m depends on the gradients only, and this loss's
+    gradients do not depend on the weights)."""
+    from adapters.torch import DiskEmbedding
+
+    n, d = 200, 16
+    gen = torch.Generator().manual_seed(4)
+    ref = torch.nn.Embedding(n, d, sparse=True)
+    dsk = copy.deepcopy(ref)
+    w0 = ref.weight.detach().clone()
+    o_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    o_dsk = DiskSparseAdam(dsk.parameters(), lr=0.05, state_dir=tmp_path / "opt",
+                           second_moment="rowwise")
+    core = dsa_core.create(tmp_path / "core", n, d, init=w0.numpy(), lr=0.05,
+                           second_moment="rowwise")
+    coef = torch.randn(48, d, generator=gen)
+    for _ in range(15):
+        ids = batch(gen, n)
+        for emb, opt in ((ref, o_ref), (dsk, o_dsk)):
+            (emb(ids) * coef).sum().backward()
+            g = emb.weight.grad.coalesce()
+            opt.step()
+            opt.zero_grad()
+        core = dsa_core.step(core, g.indices()[0].numpy(), g.values().numpy())
+    st = o_dsk.store_for(dsk.weight)
+    assert st.second_moment == "rowwise" and st.exp_avg_sq.shape == (n, 1)
+    np.testing.assert_array_equal(dsk.weight.detach().numpy(), core.weights)
+    np.testing.assert_array_equal(st.exp_avg_sq, core.exp_avg_sq)
+    np.testing.assert_array_equal(st.exp_avg, o_ref.state[ref.weight]["exp_avg"].numpy())
+    assert not torch.equal(dsk.weight, ref.weight)
+    sd = o_dsk.state_dict()
+    assert sd[MANIFEST_KEY]["params"][0]["second_moment"] == "rowwise"
+    o_dsk.close()
+    dsa_core.close(core)
+    # a DiskEmbedding keeps its own setting; the optimizer may repeat it, not contradict it
+    emb = DiskEmbedding(n, d, state_dir=tmp_path / "emb", second_moment="rowwise")
+    assert emb.store.second_moment == "rowwise"
+    with pytest.raises(ValueError, match=r"DiskEmbedding whose store keeps a rowwise second "
+                                         r"moment, but this optimizer asks for "
+                                         r"second_moment='elementwise'"):
+        DiskSparseAdam(emb.parameters(), second_moment="elementwise")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.05, second_moment="rowwise")
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    opt.step()
+    assert emb.store.count == 1
+    opt.close()
+    emb.close()
+
+
+def test_rowwise_mismatches_are_refused_without_writing(tmp_path):
+    from adapters.torch import DiskEmbedding
+
+    emb = torch.nn.Embedding(50, 4, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "opt", second_moment="rowwise")
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    sd_rw = opt.state_dict()
+    opt.close()
+    before = digest(tmp_path / "opt")
+    # resuming the stores with the other setting
+    with pytest.raises(ValueError, match=r"keeps a rowwise second moment, but "
+                                         r"second_moment='elementwise' was asked for"):
+        DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "opt")
+    assert digest(tmp_path / "opt") == before
+    # a torch SparseAdam state dict has no row-wise v to load
+    ref = torch.optim.SparseAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    ref.step()
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "opt", second_moment="rowwise")
+    with pytest.raises(ValueError, match=r"elementwise exp_avg_sq, but the store .* keeps one "
+                                         r"second moment per row"):
+        opt.load_state_dict(ref.state_dict())
+    opt.close()
+    assert digest(tmp_path / "opt") == before
+    # a row-wise manifest into elementwise stores
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "el")
+    with pytest.raises(ValueError, match=r"keeps a rowwise second moment, but the parameter in "
+                                         r"its position has a elementwise store"):
+        opt.load_state_dict(sd_rw)
+    opt.close()
+    # bad values and the ball
+    with pytest.raises(ValueError, match=r"second_moment must be 'elementwise' .* or "
+                                         r"'rowwise' \(one v per row\), got 'mean'"):
+        DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "x", second_moment="mean")
+    with pytest.raises(ValueError, match=r"second_moment='rowwise' is for curvature == 0"):
+        DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "x", curvature=1.0,
+                       second_moment="rowwise")
+    with pytest.raises(ValueError, match=r"second_moment='rowwise' is for curvature == 0"):
+        DiskEmbedding(10, 4, state_dir=tmp_path / "e", curvature=1.0, second_moment="rowwise")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "e").exists()
+    emb2 = DiskEmbedding(10, 4, state_dir=tmp_path / "e2")
+    emb2.close()
+    with pytest.raises(ValueError, match=r"keeps a elementwise second moment, but "
+                                         r"second_moment='rowwise' was asked for"):
+        DiskEmbedding(10, 4, state_dir=tmp_path / "e2", second_moment="rowwise")
