@@ -28,6 +28,22 @@ def mem() -> dict[str, int]:
     return out
 
 
+def pages_written() -> int:
+    """Pages the kernel has written back since boot, system-wide (``nr_written``); 0 if unknown.
+
+    The delta over a timed loop, per step, shows how much of a step's cost is writeback on
+    a quiet machine.
+    """
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("nr_written "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def dirty_background_bytes() -> int:
     """The kernel's background writeback threshold (``dsa_core._format``'s reading)."""
     from dsa_core._format import dirty_background_bytes as dbb

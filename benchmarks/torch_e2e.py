@@ -19,7 +19,10 @@ Rows/s counts the batch's ids (duplicates included) per second of a whole traini
 (forward, backward, optimizer step, zero_grad). Memory: RssAnon / RssFile of the child
 (``/proc/self/status``), ``*_peak`` the largest value sampled after each step, ``*_delta``
 relative to the child before the table was built. ``opt_p50_ms`` is the optimizer step
-alone (synchronised on CUDA). With ``--device cuda`` the table and the ids live on the GPU
+alone (synchronised on CUDA). ``written_pages_per_step``: pages the kernel wrote back
+(``/proc/vmstat nr_written``, system-wide) per timed step -- on a quiet machine, the
+writeback that a store larger than the dirty limits causes. ``--second-moment rowwise``
+builds the DSA rows with the row-wise second moment (spec §7.3; not SparseAdam's update). With ``--device cuda`` the table and the ids live on the GPU
 (ids copied from pinned memory, as a ``pin_memory`` data loader does) and ``xfer_ms`` is the
 bare cost of the step's transfers: the coalesced gradient (ids + rows) to pinned host memory
 and the new rows back, timed alone. Writes
@@ -38,7 +41,7 @@ import time
 
 import numpy as np
 
-from ._common import batches, machine, mem, predirty, print_table, write_results
+from ._common import batches, machine, mem, pages_written, predirty, print_table, write_results
 
 IMPLS = ("torch", "dsa", "diskemb")
 LR = 1e-3
@@ -62,7 +65,8 @@ def _worker(args) -> dict:
     try:
         if args.worker == "diskemb":
             emb = DiskEmbedding(args.rows, args.dim, state_dir=f"{root}/emb", init="uniform",
-                                init_scale=1e-3, seed=0).to(dev)
+                                init_scale=1e-3, seed=0,
+                                second_moment=args.second_moment).to(dev)
             opt = DiskSparseAdam(emb.parameters(), lr=LR)
         else:
             emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
@@ -72,7 +76,8 @@ def _worker(args) -> dict:
             if args.worker == "torch":
                 opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
             else:
-                opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=f"{root}/opt")
+                opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=f"{root}/opt",
+                                     second_moment=args.second_moment)
         build_s = time.perf_counter() - t0
         if args.predirty and args.worker != "torch":  # the steady state of a long run
             for st in opt.stores.values():
@@ -96,7 +101,10 @@ def _worker(args) -> dict:
             opt.zero_grad()
 
         times, peak = [], dict(base)
+        written0 = pages_written()
         for k, ids in enumerate(items):
+            if k == args.warmup:
+                written0 = pages_written()
             t = time.perf_counter()
             step(ids)
             sync()
@@ -110,6 +118,7 @@ def _worker(args) -> dict:
             now = mem()
             peak = {key: max(peak[key], now[key]) for key in peak}
         end = mem()
+        written = pages_written() - written0
         if args.worker != "torch":
             opt.close()
         if args.worker == "diskemb":
@@ -117,7 +126,9 @@ def _worker(args) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ts = np.asarray(times)
-    extra = {"opt_p50_ms": 1e3 * float(np.median(opt_times[args.warmup:]))}
+    extra = {"opt_p50_ms": 1e3 * float(np.median(opt_times[args.warmup:])),
+             "written_pages_per_step": written / max(1, len(ts)),
+             "second_moment": "elementwise" if args.worker == "torch" else args.second_moment}
     if dev.type == "cuda":
         extra["xfer_ms"] = _transfer_ms(torch, dev, args.batch, args.dim)
         extra["gpu"] = torch.cuda.get_device_name(dev)
@@ -165,6 +176,7 @@ def _child(impl: str, args) -> dict:
            "--device", args.device]
     if args.predirty:
         cmd.append("--predirty")
+    cmd += ["--second-moment", args.second_moment]
     if args.dir:
         cmd += ["--dir", args.dir]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -188,6 +200,9 @@ def main(argv=None) -> None:
                     help="pre-dirty the dsa stores (pages writable, as in a long run; only when "
                          "they fit the kernel's dirty budget), as torch's moments are pre-touched")
     ap.add_argument("--device", default="cpu", help="where the table lives: cpu or cuda")
+    ap.add_argument("--second-moment", choices=("elementwise", "rowwise"),
+                    default="elementwise", help="of the DSA stores (rowwise: spec §7.3)")
+    ap.add_argument("--name", default=None, help="results file name (default: torch_e2e...)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -202,13 +217,16 @@ def main(argv=None) -> None:
     print(f"forward+backward+step, {args.rows:,} x {args.dim} float32, batch {args.batch}, "
           f"{args.steps} steps ({args.dist} ids), {args.device}")
     cols = ["impl", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms", "opt_p50_ms",
-            "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb", "build_s"]
+            "written_pages_per_step", "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb",
+            "build_s"]
     if args.device != "cpu":
-        cols[6:6] = ["xfer_ms", "gpu_peak_mb"]
+        cols[7:7] = ["xfer_ms", "gpu_peak_mb"]
     print_table(rows, cols)
     name = "torch_e2e_smoke" if args.smoke else "torch_e2e"
     if args.device != "cpu":
         name += "_" + args.device.split(":")[0]
+    if args.name and not args.smoke:
+        name = args.name
     base = write_results(name, rows, {"machine": machine(), "args": vars(args)})
     print(f"wrote {base}.json / .csv")
 

@@ -10,7 +10,9 @@ Implementations, in one process, on the same batches and gradients:
 - ``geoopt SparseRiemannianAdam`` on ``PoincareBall(1)`` (the Poincaré anchor),
 - ``seed-style``: the original DSA package's design -- three separate memmaps w/m/v, numpy
   fancy indexing, ``torch.unique`` + ``index_add_`` for duplicates, Adam math in torch,
-- ``dsa_core`` Euclidean and Poincaré.
+- ``dsa_core`` Euclidean and Poincaré, and Euclidean with ``second_moment="rowwise"`` (one
+  v per row, spec §7.3: not SparseAdam's update; ``benchmarks.reduced_state`` measures what
+  it costs in accuracy).
 
 Rows/s counts the batch's ids (duplicates included) per second of ``step``. Memory columns are
 this process's RssAnon / RssFile growth while the implementation was alive. Writes
@@ -50,14 +52,16 @@ class DsaCore:
     pre-touched; the ``clean pages`` row shows the cost right after a flush or checkpoint.
     """
 
-    def __init__(self, n, d, root, curvature=0.0, dirty=True):
+    def __init__(self, n, d, root, curvature=0.0, dirty=True, second_moment="elementwise"):
         import dsa_core
 
         self.dsa = dsa_core
         self.state = dsa_core.create(Path(root) / "dsa", n, d, curvature=curvature, lr=LR,
-                                     init="uniform", init_scale=1e-3, progress=False)
+                                     init="uniform", init_scale=1e-3, progress=False,
+                                     second_moment=second_moment)
         dirty = dirty and predirty(self.state)
         self.name = ("dsa_core poincare" if curvature else "dsa_core euclid") + \
+            (" rowwise" if second_moment == "rowwise" else "") + \
             ("" if dirty else ", clean pages")
 
     def step(self, item):
@@ -156,6 +160,7 @@ class SeedStyle:
 IMPLS = {
     "dsa_euclid": lambda n, d, r: DsaCore(n, d, r, 0.0),
     "dsa_euclid_clean": lambda n, d, r: DsaCore(n, d, r, 0.0, dirty=False),
+    "dsa_euclid_rowwise": lambda n, d, r: DsaCore(n, d, r, 0.0, second_moment="rowwise"),
     "dsa_poincare": lambda n, d, r: DsaCore(n, d, r, 1.0),
     "torch": TorchSparseAdam,
     "geoopt": GeooptSparseRAdam,
@@ -213,6 +218,7 @@ def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps, max_sec
 def _name(key):
     return {"dsa_euclid": "dsa_core euclid", "dsa_poincare": "dsa_core poincare",
             "dsa_euclid_clean": "dsa_core euclid, clean pages",
+            "dsa_euclid_rowwise": "dsa_core euclid rowwise",
             "torch": "torch.optim.SparseAdam", "geoopt": "geoopt SparseRiemannianAdam",
             "seed": "seed-style 3 memmaps"}[key]
 
@@ -268,7 +274,7 @@ def main(argv=None):
                        "rss_anon_mib", "rss_file_mib"])
     by = {(r["rows"], r["dist"], r["impl"]): r for r in rows}
     for dist in a.dist:
-        for name in ("dsa_core euclid", "dsa_core poincare"):
+        for name in ("dsa_core euclid", "dsa_core euclid rowwise", "dsa_core poincare"):
             small, big = by.get((1_000_000, dist, name)), by.get((10_000_000, dist, name))
             if small and big:
                 print(f"{name} {dist}: p50 at 10M / 1M = {big['p50_ms'] / small['p50_ms']:.2f}")

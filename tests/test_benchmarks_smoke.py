@@ -21,6 +21,7 @@ SMOKES = {
     "jax_overhead": ["--ks", "8", "--rows", "2000", "--dim", "8", "--steps", "20",
                      "--warmup", "5"],
     "durability": ["--smoke"],
+    "reduced_state": ["--smoke"],
     "distributed": ["--smoke"],  # writes distributed_smoke.*, never the committed results
 }
 
@@ -30,7 +31,7 @@ def test_benchmark_smoke(name, tmp_path):
     if name == "jax_overhead":
         pytest.importorskip("jax")
     args = list(SMOKES[name])
-    if name in ("warm", "ooc", "breakdown"):
+    if name in ("warm", "ooc", "breakdown", "reduced_state"):
         args += ["--workdir", str(tmp_path)]
     if name == "distributed":
         args += ["--dir", str(tmp_path)]
