@@ -90,11 +90,14 @@ def compile_log():
 
 
 # -- equality with dsa_core.step --------------------------------------------------------------
-@pytest.mark.parametrize("curvature", [0.0, 1.0])
+@pytest.mark.parametrize(("curvature", "second_moment"),
+                         [(0.0, "elementwise"), (0.0, "rowwise"), (1.0, "elementwise")])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_matches_dsa_core_step(tmp_path, curvature, dtype):
+def test_matches_dsa_core_step(tmp_path, curvature, second_moment, dtype):
+    """The transform is dsa_core.step, whatever the store keeps (row-wise v included)."""
     with jax.enable_x64(dtype == "float64"):
-        a, b = make_twins(tmp_path, curvature=curvature, dtype=dtype)
+        a, b = make_twins(tmp_path, curvature=curvature, dtype=dtype,
+                          second_moment=second_moment)
         tx = dj.sparse_adam(3e-2)
         st = tx.init(a)
         for t, (ids, g) in enumerate(batches(1, 12, dtype=dtype)):
