@@ -44,19 +44,22 @@ MEMCAP_CANDIDATES = [Path(__file__).resolve().parents[2] / "shared" / "tools" / 
 
 
 # -- the store ---------------------------------------------------------------------------------
-def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0):
+def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0,
+                 second_moment: str = "elementwise"):
     import dsa_core
 
     if keep and (path / "manifest.json").exists():
         st = dsa_core.open(path, mode="r")
-        if st.num_rows == rows and st.dim == dim and st.store.layout["align"] == align:
+        if st.num_rows == rows and st.dim == dim and st.store.layout["align"] == align \
+                and st.second_moment == second_moment:
             dsa_core.close(st)
             print(f"reusing store {path}")
             return
         dsa_core.close(st)
     t0 = time.perf_counter()
     st = dsa_core.create(path, rows, dim, init="uniform", init_scale=1e-3, lr=1e-3,
-                         align=align, overwrite=True, progress=True)
+                         align=align, overwrite=True, progress=True,
+                         second_moment=second_moment)
     dsa_core.close(st)  # msync: every page written to disk, no sparse holes
     dt = time.perf_counter() - t0
     gb = st.store.nbytes / 1e9
@@ -213,6 +216,9 @@ def main(argv=None):
     ap.add_argument("--ahead", type=int, default=2, help="read-ahead depth (prefetch/pipeline)")
     ap.add_argument("--align", type=int, default=0,
                     help="record alignment in bytes (dsa_core.create(align=...)); 0 packs")
+    ap.add_argument("--second-moment", choices=("elementwise", "rowwise"),
+                    default="elementwise",
+                    help="rowwise: one v per row (spec §7.3), 1,028-byte records at dim 128")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=int, default=10)
@@ -232,8 +238,9 @@ def main(argv=None):
         a.rows, a.dim, a.batch, a.steps, a.warmup = 20_000, 16, 64, 20, 2
         a.cap, a.disk_seconds, a.max_seconds, a.name = "256M", 1, 20, "ooc_smoke"
     workdir = Path(a.workdir or tempfile.gettempdir())
-    store = workdir / (f"dsa_ooc_{a.rows}x{a.dim}" + (f"_a{a.align}" if a.align else ""))
-    ensure_store(store, a.rows, a.dim, a.keep, a.align)
+    store = workdir / (f"dsa_ooc_{a.rows}x{a.dim}" + (f"_a{a.align}" if a.align else "")
+                       + ("_rowwise" if a.second_moment == "rowwise" else ""))
+    ensure_store(store, a.rows, a.dim, a.keep, a.align, a.second_moment)
     disk = measure_disk(store / "rows.dsa", a.disk_seconds)
     memcap = find_memcap()
     capped = cgroup_ok(memcap)
@@ -258,7 +265,7 @@ def main(argv=None):
             res = json.loads(r.stdout.strip().splitlines()[-1])
             peak = [ln for ln in r.stderr.splitlines() if ln.startswith("memcap:")]
             res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
-                        "align": a.align, "ahead": a.ahead if mode in ("prefetch", "pipeline")
+                        "align": a.align, "second_moment": a.second_moment, "ahead": a.ahead if mode in ("prefetch", "pipeline")
                         else 0,
                         "memcap": peak[-1] if peak else "",
                         "vs_qd32_reads": res["rows_per_s"] / disk["qd32_iops"]})
@@ -267,7 +274,7 @@ def main(argv=None):
                   f"{res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  hit "
                   f"{res['hit_rate']:.3f}  steps {res['steps']}", flush=True)
     print()
-    print_table(results, ["rows", "dist", "mode", "align", "ahead", "rows_per_s",
+    print_table(results, ["rows", "dist", "mode", "second_moment", "align", "ahead", "rows_per_s",
                           "vs_qd32_reads", "p50_ms", "p99_ms", "hit_rate", "steps", "memory"])
     meta = {"machine": machine(), "args": vars(a), "disk": disk, "store_gb": size_gb,
             "memory": label}
