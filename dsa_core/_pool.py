@@ -87,6 +87,9 @@ class _Pool:
             job = self._job
             if job is not None:
                 job.work()
+            # drop the job's arguments now: they hold views of a store's mapping, and a
+            # closed store must be unmappable (evictable, its file's space freed) at once
+            job = None
 
     def run(self, fn, args: tuple, n: int, min_chunk: int) -> None:
         helpers = min(self.threads, -(-n // max(1, min_chunk))) - 1

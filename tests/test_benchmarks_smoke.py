@@ -22,6 +22,7 @@ SMOKES = {
                      "--warmup", "5"],
     "durability": ["--smoke"],
     "reduced_state": ["--smoke"],
+    "folio_check": ["--smoke"],
     "distributed": ["--smoke"],  # writes distributed_smoke.*, never the committed results
 }
 
@@ -31,7 +32,7 @@ def test_benchmark_smoke(name, tmp_path):
     if name == "jax_overhead":
         pytest.importorskip("jax")
     args = list(SMOKES[name])
-    if name in ("warm", "ooc", "breakdown", "reduced_state"):
+    if name in ("warm", "ooc", "breakdown", "reduced_state", "folio_check"):
         args += ["--workdir", str(tmp_path)]
     if name == "distributed":
         args += ["--dir", str(tmp_path)]

@@ -4,6 +4,7 @@ inputs that must be rejected before anything is written."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import struct
@@ -855,3 +856,57 @@ def test_auto_access_counts_the_ram_stores_already_open(tmp_path, monkeypatch):
     assert d.store.access == "ram" and _format.ram_bytes_held() == 2 * one
     for s in (b, c, d):
         dsa_core.close(s)
+
+
+# -- file copies (checkpoints) -----------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1, 4096, 5000, (16 << 20) + 123])
+@pytest.mark.parametrize("path", ["direct", "copy_file_range", "plain"])
+def test_copy_file_paths_copy_every_byte(tmp_path, monkeypatch, size, path):
+    """Whichever copy path the filesystem allows (O_DIRECT reads, copy_file_range, a plain
+    copy), the copy equals the source, including sizes that are not block multiples."""
+    from dsa_core import _format
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes())
+    monkeypatch.setattr(_format.fcntl, "ioctl", _no_reflink)
+    used = []
+    real_direct = _format._copy_direct
+    if path == "direct":
+        def spy(s, fo):
+            ok = real_direct(s, fo)
+            used.append(ok)
+            return ok
+        monkeypatch.setattr(_format, "_copy_direct", spy)
+    else:
+        monkeypatch.setattr(_format, "_copy_direct", lambda s, fo: False)
+    if path == "plain":
+        def no_cfr(*a):
+            raise OSError(errno.EXDEV, "no copy_file_range")
+        monkeypatch.setattr(_format.os, "copy_file_range", no_cfr)
+    _format._copy_file(src, dst)
+    assert dst.read_bytes() == src.read_bytes()
+    if path == "direct" and not used[0]:
+        pytest.skip("this filesystem refuses O_DIRECT reads; the fallback copied the file")
+
+
+def _no_reflink(*a):
+    raise OSError(errno.EOPNOTSUPP, "no reflink")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_closed_store_is_unmapped_after_a_pooled_step(tmp_path):
+    """A pool worker must not keep the last job's arrays: they are views of the mapping, and
+    a closed store has to be unmappable at once (its page cache evictable, a removed file's
+    space freed). Before the fix the worker held them until the next pooled step."""
+    import gc
+
+    st = dsa_core.create(tmp_path / "s", 5000, 16, init="uniform")
+    rng = np.random.default_rng(0)
+    with dsa_core.threads(2):
+        st = dsa_core.step(st, np.arange(4096), rng.standard_normal((4096, 16))
+                           .astype(np.float32))
+    dsa_core.close(st)
+    del st
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(tmp_path / "s" / "rows.dsa") not in maps
