@@ -15,6 +15,8 @@ during step + flush (``/proc/diskstats``, after the device has been idle for a s
 changed row are reported:
 
 - ``mapping faults only``: nothing but the step's own faults;
+- ``dsa_core.prefetch``: the out-of-core read-ahead of exactly those rows
+  (``posix_fadvise(WILLNEED)`` per record);
 - ``read() of the file``: e.g. ``cp``/``cat``/a backup tool read it first;
 - ``copy_file_range``: what ``dsa_core.checkpoint`` did before it read with ``O_DIRECT``;
 - ``dsa_core.checkpoint``: the current checkpoint.
@@ -137,7 +139,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--rows", type=int, default=500, help="rows changed per case")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--cases", nargs="+", default=None, help="a subset, by index (0-3)")
+    ap.add_argument("--cases", nargs="+", default=None, help="a subset, by index (0-4)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -166,8 +168,18 @@ def main(argv=None) -> None:
         del s
         gc.collect()
 
+    pre_idx = {}
+
+    def prefetch():  # dsa_core.prefetch of exactly the rows the step will change
+        s = dsa_core.open(path, access="disk")
+        dsa_core.prefetch(s, pre_idx["idx"], wait=True)
+        dsa_core.close(s)
+        del s
+        gc.collect()
+
     cases = {
         "mapping faults only": lambda: None,
+        "dsa_core.prefetch": prefetch,
         "read() of the file": lambda: _read_all(file),
         "copy_file_range": lambda: _copy_file_range(file, root / "copy.bin"),
         "dsa_core.checkpoint": checkpoint,
@@ -177,6 +189,8 @@ def main(argv=None) -> None:
     out = []
     try:
         for name, fill in cases.items():
+            idx = np.sort(rng.choice(n, a.rows, replace=False))
+            pre_idx["idx"] = idx
             _settle(dev)
             time.sleep(6)  # ext4's journal commit (5 s) releases the pages it pins
             _evict(file)
@@ -188,7 +202,6 @@ def main(argv=None) -> None:
                     _evict(extra, drop_all=False)
             _settle(dev)
             st = dsa_core.open(path, access="disk")
-            idx = np.sort(rng.choice(n, a.rows, replace=False))
             resident = dsa_core.residency(st, idx)  # what the fill left cached of these rows
             w0 = _written_bytes(dev)
             st = dsa_core.step(st, idx, g)
