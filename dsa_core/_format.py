@@ -7,10 +7,11 @@ A store is a directory holding two files:
     embedding row, in the store dtype (little-endian float32 or float64)::
 
         header (4096 B): b"DSASTORE" | uint32 format version | uint32 n | JSON layout | zero padding
-        record r       : [ w (dim) | m (dim) | v (dim, or 1) | padding ]
+        record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | padding ]
 
     v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or
-    when the layout says ``"second_moment": "rowwise"`` (spec §7.3).
+    when the layout says ``"second_moment": "rowwise"`` (spec §7.3). With ``"first_moment":
+    "bfloat16"`` m holds ``dim`` bfloat16 values packed two per float32 slot.
 
     The weight block is absent for stores created with ``weights=False``. Any
     numpy can read the weights without this package::
@@ -67,6 +68,7 @@ _JHEAD = struct.Struct("<8sQQI")
 
 __all__ = [
     "DATA_FILE",
+    "FIRST_MOMENTS",
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MANIFEST_FILE",
@@ -188,25 +190,33 @@ class StoreLockedError(RuntimeError):
 
 
 SECOND_MOMENTS = ("elementwise", "rowwise")
+FIRST_MOMENTS = ("full", "bfloat16")
 
 
 def layout_version(layout: dict[str, Any]) -> int:
     """The format version a store of ``layout`` is written with: the oldest that reads it.
 
     1: the original records. 2: records with a row-wise second moment for ``curvature == 0``
-    (``"second_moment": "rowwise"``), which a version-1 reader would take for elementwise
-    v and read past the record; it refuses version 2 with "upgrade dsa_core".
+    (``"second_moment": "rowwise"``) or a bfloat16 first moment (``"first_moment":
+    "bfloat16"``), which a version-1 reader would misread (v past the record, m as float32);
+    it refuses version 2 with "upgrade dsa_core".
     """
-    return 2 if layout.get("second_moment") == "rowwise" else 1
+    if layout.get("second_moment") == "rowwise" or layout.get("first_moment") == "bfloat16":
+        return 2
+    return 1
 
 
 def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
                 has_weights: bool, align: int,
-                second_moment: str = "elementwise") -> dict[str, Any]:
+                second_moment: str = "elementwise",
+                first_moment: str = "full") -> dict[str, Any]:
     """Column offsets and record stride (in elements) of one row record.
 
     ``second_moment="rowwise"`` (``curvature == 0`` only) gives v one element per row and
-    adds the key ``"second_moment": "rowwise"``; elementwise layouts are unchanged from
+    adds the key ``"second_moment": "rowwise"``. ``first_moment="bfloat16"`` (float32,
+    ``curvature == 0``) packs m as ``dim`` bfloat16 values into ``m_width = ceil(dim / 2)``
+    float32 slots (little-endian: the uint16 view of the record holds m at ``2 * m``) and
+    adds ``"first_moment": "bfloat16"`` and ``"m_width"``. Other layouts are unchanged from
     format version 1.
     """
     itemsize = np.dtype(dtype).itemsize
@@ -216,8 +226,10 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     w_off = None
     if has_weights:
         w_off, col = 0, dim
+    bf16 = first_moment == "bfloat16" and curvature == 0
+    m_width = (dim + 1) // 2 if bf16 else dim
     m_off = col
-    v_off = m_off + dim
+    v_off = m_off + m_width
     used = v_off + v_width
     stride = used
     if align:
@@ -237,6 +249,9 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     }
     if rowwise:
         layout["second_moment"] = "rowwise"
+    if bf16:
+        layout["first_moment"] = "bfloat16"
+        layout["m_width"] = int(m_width)
     return layout
 
 
@@ -328,6 +343,8 @@ class Store:
         self.v_off = layout["v"]
         self.v_width = layout["v_width"]
         self.rowwise = layout.get("second_moment") == "rowwise"  # c == 0, one v per row
+        self.m_bf16 = layout.get("first_moment") == "bfloat16"  # m packed as bfloat16
+        self.m_width = layout.get("m_width", self.dim)  # elements of the record m occupies
         self.closed = False
         self._fd = -1
         self._jfd = -1

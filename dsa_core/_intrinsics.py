@@ -43,6 +43,38 @@ def prefetch_line(typingctx, arr, row, col):
     return sig, codegen
 
 
+@intrinsic
+def f32_bits(typingctx, x):
+    """The IEEE bits of a float32, as uint32 (a bitcast, no conversion)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def bits_f32(typingctx, u):
+    """The float32 whose IEEE bits are the low 32 bits of the integer ``u`` (a bitcast).
+
+    Any integer type is taken: numba widens ``uint32 << uint32`` to 64 bits.
+    """
+    if not isinstance(u, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if u.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        elif u.bitwidth < 32:
+            v = builder.zext(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(u), codegen
+
+
 PREFETCH_ROWS = 4  # software-prefetch distance, in rows of the batch
 
 

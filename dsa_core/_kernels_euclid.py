@@ -11,7 +11,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._intrinsics import PREFETCH_ROWS, dot64, prefetch_record, row_is_finite
+from ._intrinsics import (
+    PREFETCH_ROWS,
+    bits_f32,
+    dot64,
+    f32_bits,
+    prefetch_record,
+    row_is_finite,
+)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -108,3 +115,103 @@ def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_n
             m2 = m + ((g_[j] * sgn) - m) * a1
             m_[j] = m2
             w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+
+
+# -- bfloat16 first moment (spec §6: bf16 m with stochastic rounding, v in float32) ----------
+BF_NEG_S = 7  # hp index of -lr*sqrt(bc2)/bc1 (the elementwise step); 0..6 as RW_*
+BF_SIZE = 8
+
+_U16 = np.uint64(16)
+_U32 = np.uint64(32)
+_EXP = np.uint64(0x7F800000)
+_MANT = np.uint64(0x007FFFFF)
+_QNAN = np.uint64(0x40)
+_SM_ADD = np.uint64(0x9E3779B97F4A7C15)
+_SM_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_SM_M2 = np.uint64(0x94D049BB133111EB)
+
+
+@njit(inline="always")
+def sr_bits(t, row, d, j):
+    """16 random bits for coordinate ``j`` of ``row`` at step ``t``: splitmix64 of
+    ``(t << 32) ^ (row * d + j)``, top 16 bits (wrapping uint64 arithmetic)."""
+    z = ((np.uint64(t) << _U32) ^ (np.uint64(row) * np.uint64(d) + np.uint64(j))) + _SM_ADD
+    z = (z ^ (z >> np.uint64(30))) * _SM_M1
+    z = (z ^ (z >> np.uint64(27))) * _SM_M2
+    z = z ^ (z >> np.uint64(31))
+    return z >> np.uint64(48)
+
+
+@njit(inline="always")
+def bf16_from_f32(x, rnd):
+    """float32 ``x`` to bfloat16 bits, rounded stochastically with the 16 random bits ``rnd``:
+    up (in magnitude) with probability (dropped bits) / 2^16. Inf stays Inf, NaN stays NaN."""
+    b = np.uint64(f32_bits(x))
+    if (b & _EXP) == _EXP:
+        hi = b >> _U16
+        if (b & _MANT) != np.uint64(0):
+            hi = hi | _QNAN
+        return np.uint16(hi)
+    return np.uint16((b + rnd) >> _U16)
+
+
+@njit(inline="always")
+def f32_from_bf16(h):
+    return bits_f32(np.uint64(h) << _U16)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, rowwise, t,
+                           skip_nonfinite, lo, hi):
+    """Euclidean lazy Adam with m stored as bfloat16 (``M16`` = the records as uint16).
+
+    Per coordinate, in float32: ``m = f32(m16)``, then exactly :func:`adam_rows_euclid`
+    (``rowwise=False``: SparseAdam's v and update) or :func:`adam_rows_euclid_rowwise`
+    (``rowwise=True``) with that m, the weight updated with the unrounded new m, and the new m
+    stored as ``bf16_from_f32(m', sr_bits(t, row, d, j))``.
+    """
+    a1 = hp[RW_A1]
+    a2 = hp[RW_A2]
+    bc1 = hp[RW_BC1]
+    bc2 = hp[RW_BC2]
+    eps = hp[RW_EPS]
+    neg_lr = hp[RW_NEG_LR]
+    sgn = hp[RW_SGN]
+    neg_s = hp[BF_NEG_S]
+    T = hp.dtype.type
+    n = srows.shape[0]
+    d = G.shape[1]
+    for i in range(lo, hi):
+        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+        g_ = G[i]
+        if skip_nonfinite and not row_is_finite(g_):
+            continue
+        r = srows[i]
+        rec = S[r]
+        m_ = M16[r][m16off:m16off + d]
+        w_ = W[wrows[i]][woff:woff + d]
+        if rowwise:
+            q = T(dot64(g_, g_) / d)
+            v = rec[voff]
+            v2 = v + (q - v) * a2
+            rec[voff] = v2
+            den = np.sqrt(v2 / bc2) + eps
+            for j in range(d):
+                m = f32_from_bf16(m_[j])
+                m2 = m + ((g_[j] * sgn) - m) * a1
+                m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+        else:
+            v_ = rec[voff:voff + d]
+            for j in range(d):
+                g = g_[j] * sgn
+                m = f32_from_bf16(m_[j])
+                v = v_[j]
+                dm = (g - m) * a1
+                dv = (g * g - v) * a2
+                m2 = m + dm
+                v2 = v + dv
+                m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                v_[j] = v2
+                w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))

@@ -74,6 +74,59 @@ def euclid_rowwise_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8,
     P[uidx] = p + T(-lr) * ((m2 / bc1) / den)
 
 
+def sr_bits(t, rows, d):
+    """The kernels' random bits (``_kernels_euclid.sr_bits``) for ``rows`` x ``d``."""
+    key = (np.uint64(t) << np.uint64(32)) ^ (
+        np.asarray(rows).astype(np.uint64)[:, None] * np.uint64(d)
+        + np.arange(d, dtype=np.uint64)[None, :])
+    z = key + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return z >> np.uint64(48)
+
+
+def bf16_round(x, rnd):
+    """float32 ``x`` rounded stochastically to bfloat16 with 16 random bits ``rnd`` (uint64),
+    returned as float32 values; Inf stays Inf, NaN stays NaN (spec §6)."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    special = (b & np.uint64(0x7F800000)) == np.uint64(0x7F800000)
+    nan_bit = np.where((b & np.uint64(0x007FFFFF)) != 0, np.uint64(0x40), np.uint64(0))
+    hi = np.where(special, (b >> np.uint64(16)) | nan_bit, (b + rnd) >> np.uint64(16))
+    return (hi.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def euclid_bf16m_step(P, M, V, idx, G, t, *, rowwise, lr, betas=(0.9, 0.999), eps=1e-8,
+                      maximize=False):
+    """float32 Euclidean step with m stored as bfloat16 (``M`` holds bf16 values as float32):
+    SparseAdam (or, ``rowwise``, :func:`euclid_rowwise_step`) computed from the stored m, the
+    new m rounded stochastically with :func:`sr_bits` of (t, row, coordinate)."""
+    T = P.dtype.type
+    if len(idx) == 0:
+        return
+    uidx, g = coalesce_ref(idx, G)
+    if maximize:
+        g = -g
+    b1, b2 = betas
+    a1, a2 = T(1 - b1), T(1 - b2)
+    m, v, p = M[uidx], V[uidx], P[uidx]
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
+    if rowwise:
+        m2 = m + (g - m) * a1
+        q = (g * g).astype(np.float64).sum(axis=1, keepdims=True) / g.shape[1]
+        v2 = v + (q.astype(P.dtype) - v) * a2
+        den = np.sqrt(v2 / T(bc2)) + T(eps)
+        P[uidx] = p + T(-lr) * ((m2 / T(bc1)) / den)
+    else:
+        dm = (g - m) * a1
+        m2 = m + dm
+        v2 = v + (g * g - v) * a2
+        s = (lr * math.sqrt(bc2)) / bc1
+        P[uidx] = p + T(-s) * ((dm + m) / (np.sqrt(v2) + T(eps)))
+    V[uidx] = v2
+    M[uidx] = bf16_round(m2, sr_bits(t, uidx, g.shape[1]))
+
+
 def _rowdot(a, b):
     """Row inner products: products in T, sum in float64, rounded once to T."""
     return (a * b).astype(np.float64).sum(axis=1, keepdims=True).astype(a.dtype)

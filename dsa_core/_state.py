@@ -84,10 +84,25 @@ class State(NamedTuple):
         return self.store.data[:, o:o + self.dim]
 
     @property
+    def first_moment(self) -> str:
+        """``"full"`` (m in the store dtype) or ``"bfloat16"`` (m packed, spec §6)."""
+        return "bfloat16" if self.store.m_bf16 else "full"
+
+    @property
     def exp_avg(self) -> np.ndarray:
-        """A (num_rows, dim) view of the first moments m."""
-        o = self.store.m_off
-        return self.store.data[:, o:o + self.dim]
+        """A (num_rows, dim) view of the first moments m.
+
+        For ``first_moment="bfloat16"`` stores: a decoded float32 **copy** (read-only; it is
+        num_rows x dim x 4 bytes), since the file holds bfloat16.
+        """
+        st = self.store
+        o = st.m_off
+        if st.m_bf16:
+            raw = st.data[:, o:o + st.m_width].view(np.uint16)[:, :self.dim]
+            out = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            out.flags.writeable = False
+            return out
+        return st.data[:, o:o + self.dim]
 
     @property
     def exp_avg_sq(self) -> np.ndarray:
@@ -181,6 +196,19 @@ def check_second_moment(second_moment: Any, curvature: float) -> str:
             f"{curvature}) already keeps one second-moment scalar per row (the Riemannian "
             "norm, spec §3.2); leave second_moment at 'elementwise'")
     return second_moment
+
+
+def check_first_moment(first_moment: Any, curvature: float, dtype: np.dtype) -> str:
+    """``"full"`` or ``"bfloat16"``; bfloat16 m is for float32 Euclidean stores."""
+    if first_moment not in _format.FIRST_MOMENTS:
+        raise ValueError(f"first_moment must be one of {_format.FIRST_MOMENTS}, got "
+                         f"{first_moment!r}")
+    if first_moment == "bfloat16" and (curvature > 0 or np.dtype(dtype) != np.float32):
+        raise ValueError(
+            "first_moment='bfloat16' is for float32 stores with curvature == 0 (got dtype "
+            f"{np.dtype(dtype).name}, curvature {curvature}): the ball transports m, and a "
+            "float64 store keeps full precision on purpose. Use first_moment='full'")
+    return first_moment
 
 
 def default_ball_eps(dtype: np.dtype) -> float:
@@ -307,7 +335,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            init_scale: float = 1e-2, seed: int = 0, dtype: Any = "float32",
            ball_eps: float | None = None, nonfinite: str = "propagate", align: int = 0,
            durability: str = "flush", overwrite: bool = False, access: str = "auto",
-           second_moment: str = "elementwise", progress: bool | None = None) -> State:
+           second_moment: str = "elementwise", first_moment: str = "full",
+           progress: bool | None = None) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
     Parameters
@@ -354,6 +383,13 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         partial row-wise Adam, spec §7.3): the state shrinks from ``2*dim`` to ``dim + 1``
         values per row, the update is no longer SparseAdam's (m still is, bit for bit). See
         :func:`dsa_core.step` for the formula. Stores written with it are format version 2.
+    first_moment : "full" or "bfloat16", default "full"
+        float32 stores with ``curvature == 0`` only. ``"bfloat16"``: m is stored as
+        bfloat16 with stochastic rounding (spec §6; v stays float32), 2 bytes per
+        coordinate instead of 4. The step computes in float32 from the stored m and rounds
+        the new m up or down with probability by its distance (random bits from a hash of
+        the step, row and coordinate: reproducible, independent of threads and batch
+        order); the weight update uses the unrounded new m. Format version 2.
     access : "auto", "ram" or "disk", default "auto"
         How the mapping is paged (not stored; pass it again to :func:`open`). ``"ram"``:
         the table stays in the page cache -- 2 MiB huge folios mapped by PMD entries, far
@@ -379,6 +415,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     c = check_curvature(curvature)
     lr, betas, eps, maximize, nonfinite = check_hparams(lr, betas, eps, maximize, nonfinite)
     second_moment = check_second_moment(second_moment, c)
+    first_moment = check_first_moment(first_moment, c, dt)
     if ball_eps is None:
         ball_eps = default_ball_eps(dt) if c > 0 else 0.0
     ball_eps = float(ball_eps)
@@ -394,7 +431,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
                          f"got {align!r}")
     layout = _format.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
-                                 second_moment)
+                                 second_moment, first_moment)
     if init is not None:
         if not weights:
             raise ValueError("init sets the weights, but weights=False stores hold none; "

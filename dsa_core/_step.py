@@ -16,7 +16,13 @@ import numpy as np
 
 from . import _format, _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
-from ._kernels_euclid import RW_SIZE, adam_rows_euclid, adam_rows_euclid_rowwise
+from ._kernels_euclid import (
+    BF_SIZE,
+    RW_SIZE,
+    adam_rows_euclid,
+    adam_rows_euclid_bf16m,
+    adam_rows_euclid_rowwise,
+)
 from ._kernels_poincare import HP_SIZE, adam_rows_poincare
 from ._state import State, _manifest, _require_writable, check_lr, maxnorm
 
@@ -226,7 +232,15 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
     bc2 = 1.0 - b2**t
     sgn = T(-1.0 if state.maximize else 1.0)
     skip = state.nonfinite == "skip_row"
-    if st.rowwise:  # second_moment="rowwise" (spec §7.3)
+    if st.m_bf16:  # first_moment="bfloat16" (spec §6), either second moment
+        s = (lr * math.sqrt(bc2)) / bc1
+        hp = np.empty(BF_SIZE, st.dtype)
+        hp[:] = (1.0 - b1, 1.0 - b2, bc1, bc2, state.eps, -lr, sgn, -s)
+        _pool.run_chunked(adam_rows_euclid_bf16m,  # M16: the records as uint16 (a view)
+                          (W, wrows, woff, st.data, st.data.view(np.uint16), srows, 2 * st.m_off, st.v_off, G, hp,
+                           st.rowwise, t, skip),
+                          srows.shape[0], _min_chunk(st.dim))
+    elif st.rowwise:  # second_moment="rowwise" (spec §7.3)
         hp = np.empty(RW_SIZE, st.dtype)
         hp[:] = (1.0 - b1, 1.0 - b2, bc1, bc2, state.eps, -lr, sgn)
         _pool.run_chunked(adam_rows_euclid_rowwise,
@@ -308,6 +322,10 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
                              T(1e-8), T(-1e-3), False, 0, 2)
             adam_rows_euclid_rowwise(data, rows, 0, data, rows, 2, 4, G, np.zeros(RW_SIZE, dt),
                                      False, 0, 2)
+            if dt == np.float32:
+                for rw in (False, True):
+                    adam_rows_euclid_bf16m(data, rows, 0, data, data.view(np.uint16), rows, 4,
+                                           4, G, np.zeros(BF_SIZE, dt), rw, 1, False, 0, 2)
             hp = np.zeros(HP_SIZE, dt)
             adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), hp,
                                False, 0, 2)

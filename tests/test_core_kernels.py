@@ -29,8 +29,23 @@ class Rowwise(float):
     rowwise = True
 
 
+class Bf16(float):
+    """c == 0 with ``first_moment="bfloat16"`` (spec §6); float32 stores only."""
+
+    bf16 = True
+
+
+class RowwiseBf16(float):
+    rowwise = True
+    bf16 = True
+
+
 def rowwise(c) -> bool:
     return getattr(c, "rowwise", False)
+
+
+def bf16(c) -> bool:
+    return getattr(c, "bf16", False)
 
 
 def sm(c) -> str:
@@ -38,8 +53,16 @@ def sm(c) -> str:
     return "rowwise" if rowwise(c) else "elementwise"
 
 
-GEOMS = {"euclid": 0.0, "euclid_rw": Rowwise(0.0), "ball1": 1.0, "ball.5": 0.5}
-NO_BALL_HALF = ["euclid", "euclid_rw", "ball1"]
+def geo_kw(c, dtype=np.float32) -> dict:
+    """create() keywords of geometry ``c`` (skips the test: bfloat16 m is float32-only)."""
+    if bf16(c) and np.dtype(dtype) != np.float32:
+        pytest.skip("first_moment='bfloat16' is for float32 stores")
+    return {"second_moment": sm(c), "first_moment": "bfloat16" if bf16(c) else "full"}
+
+
+GEOMS = {"euclid": 0.0, "euclid_rw": Rowwise(0.0), "euclid_bf16": Bf16(0.0),
+         "euclid_rw_bf16": RowwiseBf16(0.0), "ball1": 1.0, "ball.5": 0.5}
+NO_BALL_HALF = ["euclid", "euclid_rw", "euclid_bf16", "euclid_rw_bf16", "ball1"]
 DTYPES = {"f32": np.float32, "f64": np.float64}
 DIMS = (1, 3, 16, 128)
 MAX_THREADS = 2  # dsa_core's pool takes any count; 2 exercises the hand-off
@@ -54,7 +77,11 @@ def ref_step(P, M, V, idx, G, t, c, **kw):
     with np.errstate(all="ignore"):
         if c == 0:
             kw.pop("ball_eps", None)
-            (R.euclid_rowwise_step if rowwise(c) else R.euclid_step)(P, M, V, idx, G, t, **kw)
+            if bf16(c):
+                R.euclid_bf16m_step(P, M, V, idx, G, t, rowwise=rowwise(c), **kw)
+            else:
+                (R.euclid_rowwise_step if rowwise(c) else R.euclid_step)(P, M, V, idx, G, t,
+                                                                         **kw)
         else:
             R.poincare_step(P, M, V, idx, G, t, curvature=c, **kw)
 
@@ -112,7 +139,8 @@ def batch_stream(rng, n, dim, dtype, steps=8):
 
 def make_store(path, c, dtype, init, **kw):
     kw.setdefault("lr", 0.05)
-    kw.setdefault("second_moment", sm(c))
+    for k, v in geo_kw(c, dtype).items():
+        kw.setdefault(k, v)
     return dsa_core.create(path, init.shape[0], init.shape[1], curvature=c, init=init,
                            dtype=np.dtype(dtype).name, **kw)
 
@@ -298,7 +326,7 @@ def test_weights_false_with_params(tmp_path, geom, dt):
     init = init_rows(rng, N, dim, c, dtype)
     ext = init.copy()  # the caller's table
     nw = dsa_core.create(tmp_path / "nw", N, dim, curvature=c, weights=False, lr=0.05,
-                         second_moment=sm(c), dtype=np.dtype(dtype).name)
+                         **geo_kw(c, dtype), dtype=np.dtype(dtype).name)
     assert not nw.has_weights
     with pytest.raises(ValueError, match="weights=False"):
         _ = nw.weights
@@ -335,7 +363,7 @@ def test_weights_false_with_table(tmp_path, geom, dt):
     init = init_rows(rng, N, dim, c, dtype)
     table = init.copy()
     nw = dsa_core.create(tmp_path / "nw", N, dim, curvature=c, weights=False, lr=0.05,
-                         second_moment=sm(c), dtype=np.dtype(dtype).name)
+                         **geo_kw(c, dtype), dtype=np.dtype(dtype).name)
     w = make_store(tmp_path / "w", c, dtype, init)
     P, M, V = oracle_state(init, c)
     for t, (idx, G) in enumerate(batch_stream(rng, N, dim, dtype), start=1):
@@ -387,7 +415,7 @@ def test_weights_false_noncontiguous_params(tmp_path, geom, pattern):
     view[...] = init[idx]
     assert not view.flags.c_contiguous
     nw = dsa_core.create(tmp_path / "nw", N, dim, curvature=c, weights=False, lr=0.05,
-                         second_moment=sm(c))
+                         **geo_kw(c))
     nw = dsa_core.step(nw, idx, G, params=view)
     w = make_store(tmp_path / "w", c, np.float32, init)
     w = dsa_core.step(w, idx, G)
@@ -591,8 +619,8 @@ finite_values = st.one_of(
 
 @st.composite
 def batch_sequences(draw):
-    c = draw(st.sampled_from([0.0, Rowwise(0.0), 1.0, 0.5]))
-    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    c = draw(st.sampled_from([0.0, Rowwise(0.0), Bf16(0.0), RowwiseBf16(0.0), 1.0, 0.5]))
+    dtype = np.float32 if bf16(c) else draw(st.sampled_from([np.float32, np.float64]))
     dim = draw(st.sampled_from([1, 2, 3, 5]))
     n = draw(st.integers(1, 6))
     steps = []
