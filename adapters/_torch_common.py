@@ -21,6 +21,7 @@ import dsa_core
 __all__ = [
     "DirLock",
     "StoreHandle",
+    "check_first_moment",
     "check_second_moment",
     "check_torch_hparams",
     "manifold_curvature",
@@ -201,6 +202,18 @@ def check_second_moment(second_moment: Any, curvature: float, what: str) -> str:
     return second_moment
 
 
+def check_first_moment(first_moment: Any, curvature: float, dtype: np.dtype, what: str) -> str:
+    """``"full"`` or ``"bfloat16"`` (spec §6: float32 stores, c == 0), before any I/O."""
+    if first_moment not in ("full", "bfloat16"):
+        raise ValueError(f"{what}: first_moment must be 'full' (m in the table's dtype) or "
+                         f"'bfloat16' (m stored as bfloat16), got {first_moment!r}")
+    if first_moment == "bfloat16" and (curvature > 0 or np.dtype(dtype) != np.float32):
+        raise ValueError(f"{what}: first_moment='bfloat16' is for float32 tables with "
+                         f"curvature == 0, not {np.dtype(dtype).name} with curvature "
+                         f"{curvature}. Leave first_moment at 'full'")
+    return first_moment
+
+
 def store_second_moment(second_moment: str, curvature: float) -> str:
     """What ``State.second_moment`` reports for a store made with these settings."""
     return "riemannian" if curvature > 0 else second_moment
@@ -208,7 +221,8 @@ def store_second_moment(second_moment: str, curvature: float) -> str:
 
 def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curvature: float,
                   weights: bool, what: str, access: str = "auto",
-                  second_moment: str = "elementwise") -> dsa_core.State | None:
+                  second_moment: str = "elementwise",
+                  first_moment: str = "full") -> dsa_core.State | None:
     """Open the store at ``path`` for writing (resume), or return None if there is none.
 
     An existing store must have the expected shape, dtype, curvature, weight layout and
@@ -238,6 +252,13 @@ def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curva
             f"second moment, but second_moment={second_moment!r} was asked for. A store's "
             "second moment is fixed when it is created: pass the same second_moment, or use "
             "a fresh directory")
+    if state.first_moment != first_moment:
+        dsa_core.close(state)
+        raise ValueError(
+            f"{what}: the existing store at {str(path)!r} keeps its first moment as "
+            f"{state.first_moment!r}, but first_moment={first_moment!r} was asked for. It is "
+            "fixed when the store is created: pass the same first_moment, or use a fresh "
+            "directory")
     return state
 
 

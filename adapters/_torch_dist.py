@@ -958,9 +958,9 @@ def _decide(infos: list[dict], rank: int, world: int, resume_from, overwrite: bo
 def _open_checked(path: Path, meta: dict) -> dsa_core.State:
     st = dsa_core.open(path)
     have = (st.num_rows, st.dim, st.dtype.name, st.curvature, st.has_weights,
-            st.second_moment == "rowwise")
+            st.second_moment == "rowwise" or st.first_moment == "bfloat16")
     want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True,
-            False)  # shards keep SparseAdam's (or the ball's) second moment
+            False)  # shards keep SparseAdam's (or the ball's) full moments
     if have != want:
         dsa_core.close(st)
         raise ValueError(f"shard {str(path)!r} holds a {have[0]} x {have[1]} {have[2]} store "

@@ -17,6 +17,7 @@ from dsa_core._state import restore_rows
 from ._torch_common import (
     StoreHandle,
     check_curvature,
+    check_first_moment,
     check_second_moment,
     check_table_args,
     close_quietly,
@@ -192,6 +193,9 @@ class DiskEmbedding(nn.Module):
         ``curvature == 0`` only: SparseAdam's per-coordinate v (parity), or one v per row
         (spec §7.3, FBGEMM's partial row-wise Adam; a record of ``2*dim + 1`` instead of
         ``3*dim`` values). Fixed when the store is created; a reopened store must match.
+    first_moment : "full" or "bfloat16", default "full"
+        float32 tables with ``curvature == 0`` only: ``"bfloat16"`` keeps m as bfloat16
+        with stochastic rounding (spec §6; v stays float32). Fixed at creation.
 
     Attributes
     ----------
@@ -223,7 +227,8 @@ class DiskEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32, scale_grad_by_freq: bool = False,
                  include_last_offset: bool = False, device: Any = None,
                  overwrite: bool = False, progress: bool | None = None,
-                 access: str = "auto", second_moment: str = "elementwise"):
+                 access: str = "auto", second_moment: str = "elementwise",
+                 first_moment: str = "full"):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
@@ -232,14 +237,16 @@ class DiskEmbedding(nn.Module):
         c = check_curvature(curvature)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
         check_second_moment(second_moment, c, what)
+        check_first_moment(first_moment, c, dt, what)
         path = Path(state_dir)
         state = None if overwrite else open_existing(
             path, num_rows=num_embeddings, dim=embedding_dim, dtype=dt, curvature=c,
-            weights=True, what=what, access=access, second_moment=second_moment)
+            weights=True, what=what, access=access, second_moment=second_moment,
+            first_moment=first_moment)
         if state is None:
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
                                  init_scale, seed, padding_idx, overwrite, progress, access,
-                                 second_moment)
+                                 second_moment, first_moment)
         self._handle = StoreHandle(state)
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self.num_embeddings = num_embeddings
@@ -252,7 +259,7 @@ class DiskEmbedding(nn.Module):
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
-                access, second_moment):
+                access, second_moment, first_moment):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
@@ -264,7 +271,7 @@ class DiskEmbedding(nn.Module):
         state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
                                 init=init, init_scale=init_scale, seed=seed,
                                 overwrite=overwrite, progress=progress, access=access,
-                                second_moment=second_moment)
+                                second_moment=second_moment, first_moment=first_moment)
         if padding_idx is not None:
             state.weights[padding_idx] = 0
         return state
@@ -401,7 +408,7 @@ class DiskEmbedding(nn.Module):
                 "num_embeddings": st.num_rows, "embedding_dim": st.dim,
                 "dtype": st.dtype.name, "curvature": st.curvature, "count": st.count,
                 "padding_idx": self.padding_idx, "mode": self.mode,
-                "second_moment": st.second_moment}
+                "second_moment": st.second_moment, "first_moment": st.first_moment}
 
     def set_extra_state(self, state: Any) -> None:
         """Check that a saved manifest describes a table like this one (the rows stay put)."""
@@ -422,6 +429,10 @@ class DiskEmbedding(nn.Module):
             raise ValueError(f"the saved DiskEmbedding keeps a {want_sm} second moment, this "
                              f"one a {st.second_moment} one; build it with the saved "
                              "second_moment")
+        want_fm = state.get("first_moment", "full")
+        if st.first_moment != want_fm:
+            raise ValueError(f"the saved DiskEmbedding keeps m as {want_fm!r}, this one as "
+                             f"{st.first_moment!r}; build it with the saved first_moment")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "_extra_state"] = self.get_extra_state()

@@ -19,6 +19,7 @@ from ._torch_common import (
     DirLock,
     StoreHandle,
     check_curvature,
+    check_first_moment,
     check_second_moment,
     check_torch_hparams,
     close_quietly,
@@ -130,6 +131,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
         longer SparseAdam's (see README "Row-wise second moment" for the measured cost).
         Fixed when a store is created; a resumed store must match. A DiskEmbedding's
         parameter keeps its own store's setting (given here, it must match).
+    first_moment : "full" or "bfloat16", optional
+        How the stores keep m (float32 parameters, ``c == 0``). ``"full"`` (the default):
+        in the parameter's dtype. ``"bfloat16"``: 2 bytes per coordinate, stochastic
+        rounding (spec §6; v stays float32); not SparseAdam's trajectory any more. Same
+        rules as ``second_moment`` for resumed stores and DiskEmbeddings.
 
     Raises
     ------
@@ -185,14 +191,20 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  maximize: bool = False, *, state_dir=None, curvature: float = 0.0,
-                 access: str = "auto", second_moment: str | None = None):
+                 access: str = "auto", second_moment: str | None = None,
+                 first_moment: str | None = None):
         check_torch_hparams(lr, betas, eps)
         c = check_curvature(curvature)
         dsa_core.check_access(access)
         if second_moment is not None:
             check_second_moment(second_moment, c, "DiskSparseAdam")
+        if first_moment not in (None, "full", "bfloat16"):
+            raise ValueError("DiskSparseAdam: first_moment must be 'full' (m in the table's "
+                             "dtype) or 'bfloat16' (m stored as bfloat16), got "
+                             f"{first_moment!r}")
         self._access = access
         self._second_moment = second_moment
+        self._first_moment = first_moment
         self._ready = False
         self._closed = False
         self._slots: dict[torch.Tensor, _Slot] = {}
@@ -274,6 +286,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
                             f"{h.state.second_moment} second moment, but this optimizer asks "
                             f"for second_moment={sm!r}; set it on the embedding "
                             "(DiskEmbedding(second_moment=...)) and leave it out here")
+                    fm = self._first_moment
+                    if fm is not None and h.state.first_moment != fm:
+                        raise ValueError(
+                            f"{where} is a DiskEmbedding whose store keeps m as "
+                            f"{h.state.first_moment!r}, but this optimizer asks for "
+                            f"first_moment={fm!r}; set it on the embedding "
+                            "(DiskEmbedding(first_moment=...)) and leave it out here")
                     plan.append((gi, pj, p, None, dt, c))
                     continue
                 mc = manifold_curvature(p)
@@ -284,6 +303,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 c = gc if mc is None else mc
                 if self._second_moment is not None:
                     check_second_moment(self._second_moment, c, f"DiskSparseAdam {where}")
+                if self._first_moment is not None:
+                    check_first_moment(self._first_moment, c, dt, f"DiskSparseAdam {where}")
                 if self.state_dir is None:
                     raise ValueError(f"DiskSparseAdam needs state_dir=...: the moments of "
                                      f"{where} are kept in a store there")
@@ -305,7 +326,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 st = open_existing(path, num_rows=p.shape[0], dim=p.shape[1], dtype=dt,
                                    curvature=c, weights=False,
                                    what=f"DiskSparseAdam parameter [{gi}, {pj}]",
-                                   access=self._access, second_moment=self._sm(c))
+                                   access=self._access, second_moment=self._sm(c),
+                                   first_moment=self._first_moment or "full")
                 states.append(st)
                 if st is not None:
                     opened.append(st)
@@ -316,7 +338,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                                                 lr=lr, betas=betas, eps=eps,
                                                 maximize=maximize, weights=False,
                                                 dtype=dt.name, access=self._access,
-                                                second_moment=self._sm(c))
+                                                second_moment=self._sm(c),
+                                                first_moment=self._first_moment or "full")
                     opened.append(states[k])
                     created.append(path)
         except BaseException:
@@ -602,7 +625,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     "group": gi, "index": pj, "name": s.name, "path": str(st.path),
                     "owned": s.owned, "count": int(st.count), "num_rows": st.num_rows,
                     "dim": st.dim, "dtype": st.dtype.name, "curvature": st.curvature,
-                    "second_moment": st.second_moment,
+                    "second_moment": st.second_moment, "first_moment": st.first_moment,
                     "hparams": {"lr": st.lr, "betas": list(st.betas), "eps": st.eps,
                                 "maximize": st.maximize}})
         sd[MANIFEST_KEY] = {"format": _MANIFEST_FORMAT, "version": 1,
@@ -658,6 +681,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
                         f"checkpoint store {e['name']!r} keeps a {want_sm} second moment, but "
                         f"the parameter in its position has a {st.second_moment} store; "
                         "build the optimizer with the checkpoint's second_moment")
+                want_fm = e.get("first_moment", "full")
+                if st.first_moment != want_fm:
+                    raise ValueError(
+                        f"checkpoint store {e['name']!r} keeps m as {want_fm!r}, but the "
+                        f"parameter in its position has a store with {st.first_moment!r}; "
+                        "build the optimizer with the checkpoint's first_moment")
                 counts.append(int(e["count"]))
             if manifest.get("checkpoint") is not None:
                 snaps = self._open_snapshots(Path(manifest["checkpoint"]), entries, params)
@@ -732,6 +761,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
             if "exp_avg" not in s:
                 todo.append((st, int(s.get("step", 0)), None, None))
                 continue
+            if st.first_moment == "bfloat16":
+                raise ValueError(
+                    f"the loaded state dict holds torch's float exp_avg, but the store "
+                    f"{str(st.path)!r} keeps m as bfloat16 (first_moment='bfloat16'). Load "
+                    "it into an optimizer with first_moment='full', or start the moments "
+                    "afresh")
             if st.second_moment == "rowwise":
                 raise ValueError(
                     f"the loaded state dict holds torch's elementwise exp_avg_sq, but the "

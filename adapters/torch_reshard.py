@@ -95,7 +95,8 @@ def _write_shards(olds, old: ShardPlan, new: ShardPlan, man: dict, root: Path,
                              ball_eps=s0.ball_eps if lay["curvature"] > 0 else None,
                              nonfinite=s0.nonfinite, align=lay["align"],
                              durability=s0.durability, progress=False,
-                             second_moment=lay.get("second_moment", "elementwise"))
+                             second_moment=lay.get("second_moment", "elementwise"),
+                             first_moment=lay.get("first_moment", "full"))
         try:
             dst = st.store.data
             for lo in range(0, n_j, rows):

@@ -667,3 +667,47 @@ def test_rowwise_mismatches_are_refused_without_writing(tmp_path):
     with pytest.raises(ValueError, match=r"keeps a elementwise second moment, but "
                                          r"second_moment='rowwise' was asked for"):
         DiskEmbedding(10, 4, state_dir=tmp_path / "e2", second_moment="rowwise")
+
+
+def test_bfloat16_first_moment_through_the_adapters(tmp_path):
+    """DiskSparseAdam(first_moment="bfloat16") steps like dsa_core.step on such a store, bit
+    for bit; mismatches are refused without writing."""
+    from adapters.torch import DiskEmbedding
+
+    n, d = 120, 8
+    gen = torch.Generator().manual_seed(5)
+    emb = torch.nn.Embedding(n, d, sparse=True)
+    core = dsa_core.create(tmp_path / "core", n, d, init=emb.weight.detach().numpy().copy(),
+                           lr=0.05, first_moment="bfloat16")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.05, state_dir=tmp_path / "opt",
+                         first_moment="bfloat16")
+    for _ in range(10):
+        ids = batch(gen, n)
+        emb(ids).pow(2).sum().backward()
+        g = emb.weight.grad.coalesce()
+        opt.step()
+        opt.zero_grad()
+        core = dsa_core.step(core, g.indices()[0].numpy(), g.values().numpy())
+    st = opt.store_for(emb.weight)
+    assert st.first_moment == "bfloat16"
+    np.testing.assert_array_equal(emb.weight.detach().numpy(), core.weights)
+    np.testing.assert_array_equal(st.exp_avg, core.exp_avg)
+    assert opt.state_dict()[MANIFEST_KEY]["params"][0]["first_moment"] == "bfloat16"
+    opt.close()
+    dsa_core.close(core)
+    before = digest(tmp_path / "opt")
+    with pytest.raises(ValueError, match=r"keeps its first moment as 'bfloat16', but "
+                                         r"first_moment='full' was asked for"):
+        DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "opt", first_moment="full")
+    with pytest.raises(ValueError, match=r"first_moment='bfloat16' is for float32 tables"):
+        DiskSparseAdam([torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.float64))],
+                       state_dir=tmp_path / "x", first_moment="bfloat16")
+    with pytest.raises(ValueError, match=r"first_moment must be 'full' .* got 'half'"):
+        DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "x", first_moment="half")
+    assert digest(tmp_path / "opt") == before and not (tmp_path / "x").exists()
+    de = DiskEmbedding(20, 4, state_dir=tmp_path / "de", first_moment="bfloat16")
+    assert de.store.first_moment == "bfloat16"
+    with pytest.raises(ValueError, match=r"whose store keeps m as 'bfloat16', but this "
+                                         r"optimizer asks for first_moment='full'"):
+        DiskSparseAdam(de.parameters(), first_moment="full")
+    de.close()
