@@ -45,13 +45,13 @@ MEMCAP_CANDIDATES = [Path(__file__).resolve().parents[2] / "shared" / "tools" / 
 
 # -- the store ---------------------------------------------------------------------------------
 def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0,
-                 second_moment: str = "elementwise"):
+                 second_moment: str = "elementwise", first_moment: str = "full"):
     import dsa_core
 
     if keep and (path / "manifest.json").exists():
         st = dsa_core.open(path, mode="r")
         if st.num_rows == rows and st.dim == dim and st.store.layout["align"] == align \
-                and st.second_moment == second_moment:
+                and st.second_moment == second_moment and st.first_moment == first_moment:
             dsa_core.close(st)
             print(f"reusing store {path}")
             return
@@ -59,7 +59,7 @@ def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0,
     t0 = time.perf_counter()
     st = dsa_core.create(path, rows, dim, init="uniform", init_scale=1e-3, lr=1e-3,
                          align=align, overwrite=True, progress=True,
-                         second_moment=second_moment)
+                         second_moment=second_moment, first_moment=first_moment)
     dsa_core.close(st)  # msync: every page written to disk, no sparse holes
     dt = time.perf_counter() - t0
     gb = st.store.nbytes / 1e9
@@ -219,6 +219,8 @@ def main(argv=None):
     ap.add_argument("--second-moment", choices=("elementwise", "rowwise"),
                     default="elementwise",
                     help="rowwise: one v per row (spec §7.3), 1,028-byte records at dim 128")
+    ap.add_argument("--first-moment", choices=("full", "bfloat16"), default="full",
+                    help="bfloat16: m stored as bfloat16 (spec §6)")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=int, default=10)
@@ -239,8 +241,9 @@ def main(argv=None):
         a.cap, a.disk_seconds, a.max_seconds, a.name = "256M", 1, 20, "ooc_smoke"
     workdir = Path(a.workdir or tempfile.gettempdir())
     store = workdir / (f"dsa_ooc_{a.rows}x{a.dim}" + (f"_a{a.align}" if a.align else "")
-                       + ("_rowwise" if a.second_moment == "rowwise" else ""))
-    ensure_store(store, a.rows, a.dim, a.keep, a.align, a.second_moment)
+                       + ("_rowwise" if a.second_moment == "rowwise" else "")
+                       + ("_bf16m" if a.first_moment == "bfloat16" else ""))
+    ensure_store(store, a.rows, a.dim, a.keep, a.align, a.second_moment, a.first_moment)
     disk = measure_disk(store / "rows.dsa", a.disk_seconds)
     memcap = find_memcap()
     capped = cgroup_ok(memcap)
@@ -265,7 +268,8 @@ def main(argv=None):
             res = json.loads(r.stdout.strip().splitlines()[-1])
             peak = [ln for ln in r.stderr.splitlines() if ln.startswith("memcap:")]
             res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
-                        "align": a.align, "second_moment": a.second_moment, "ahead": a.ahead if mode in ("prefetch", "pipeline")
+                        "align": a.align, "second_moment": a.second_moment,
+                        "first_moment": a.first_moment, "ahead": a.ahead if mode in ("prefetch", "pipeline")
                         else 0,
                         "memcap": peak[-1] if peak else "",
                         "vs_qd32_reads": res["rows_per_s"] / disk["qd32_iops"]})
@@ -274,7 +278,8 @@ def main(argv=None):
                   f"{res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  hit "
                   f"{res['hit_rate']:.3f}  steps {res['steps']}", flush=True)
     print()
-    print_table(results, ["rows", "dist", "mode", "second_moment", "align", "ahead", "rows_per_s",
+    print_table(results, ["rows", "dist", "mode", "second_moment", "first_moment", "align",
+                          "ahead", "rows_per_s",
                           "vs_qd32_reads", "p50_ms", "p99_ms", "hit_rate", "steps", "memory"])
     meta = {"machine": machine(), "args": vars(a), "disk": disk, "store_gb": size_gb,
             "memory": label}

@@ -1,4 +1,4 @@
-"""Reduced state: what ``second_moment="rowwise"`` costs in accuracy (its speed is in ``warm``).
+"""Reduced state: what row-wise v and a bfloat16 m cost in accuracy (their speed: ``warm``, ``ooc``).
 
     python -m benchmarks.reduced_state                 # 50k x 64, two tasks, uniform and zipf
     python -m benchmarks.reduced_state --smoke         # seconds; CI runs this
@@ -14,7 +14,8 @@ weights, so the runs differ only in the optimizer:
 
 - ``torch.optim.SparseAdam`` (the anchor),
 - ``dsa_core`` elementwise (SparseAdam's update: its curve must sit on the anchor's),
-- ``dsa_core`` rowwise (spec §7.3: one v per row from the mean of ``g²``).
+- ``dsa_core`` rowwise (spec §7.3: one v per row from the mean of ``g²``),
+- ``dsa_core`` bf16m (spec §6: m stored as bfloat16 with stochastic rounding), and both.
 
 Reported: the held-out loss (fixed samples) at checkpoints and at the end, and relative to
 SparseAdam's; the final train loss (mean of the last 10% of steps); how well the hidden rows
@@ -93,14 +94,14 @@ class Torch:
 
 
 class Dsa:
-    def __init__(self, E0, lr, root, second_moment):
+    def __init__(self, E0, lr, root, key, second_moment="elementwise", first_moment="full"):
         import dsa_core
 
         self.dsa = dsa_core
-        self.name = f"dsa_core {second_moment}"
-        self.state = dsa_core.create(Path(root) / second_moment, E0.shape[0], E0.shape[1],
-                                     init=E0, lr=lr, second_moment=second_moment,
-                                     progress=False)
+        self.name = f"dsa_core {key}"
+        self.state = dsa_core.create(Path(root) / key, E0.shape[0], E0.shape[1], init=E0,
+                                     lr=lr, second_moment=second_moment,
+                                     first_moment=first_moment, progress=False)
         st = self.state.store
         self.state_bytes_per_row = (st.stride - E0.shape[1]) * st.dtype.itemsize
 
@@ -117,7 +118,11 @@ class Dsa:
 IMPLS = {
     "torch": lambda E0, lr, root: Torch(E0, lr, root),
     "elementwise": lambda E0, lr, root: Dsa(E0, lr, root, "elementwise"),
-    "rowwise": lambda E0, lr, root: Dsa(E0, lr, root, "rowwise"),
+    "rowwise": lambda E0, lr, root: Dsa(E0, lr, root, "rowwise", second_moment="rowwise"),
+    "bf16m": lambda E0, lr, root: Dsa(E0, lr, root, "bf16m", first_moment="bfloat16"),
+    "rowwise+bf16m": lambda E0, lr, root: Dsa(E0, lr, root, "rowwise+bf16m",
+                                               second_moment="rowwise",
+                                               first_moment="bfloat16"),
 }
 
 
@@ -150,7 +155,7 @@ def run(n, d, rows, steps, tasks, dists, lr, dev_steps, workdir, evals=10):
                 err = (impl.weights()[seen] - X[seen]).astype(np.float64) ** 2
                 q = max(1, d // 4)  # the quarter of coordinates with the smallest contexts
                 out.append({
-                    "task": task, "dist": dist, "impl": impl.name, "steps": steps,
+                    "task": task, "dist": dist, "impl": impl.name, "key": key, "steps": steps,
                     "initial_heldout": sample_loss(E0, X, *hold),
                     "final_heldout": sample_loss(impl.weights(), X, *hold),
                     "final_train": float(np.mean(train[-tail:])),
@@ -168,10 +173,8 @@ def run(n, d, rows, steps, tasks, dists, lr, dev_steps, workdir, evals=10):
                 moved = np.linalg.norm(snap["elementwise"] - E0)
                 for r in out:
                     if (r["task"], r["dist"]) == (task, dist):
-                        key = next(k for k in IMPLS if r["impl"].endswith(k)
-                                   or (k == "torch" and r["impl"].startswith("torch")))
                         r[f"dev_vs_elementwise_at_{dev_steps}"] = float(
-                            np.linalg.norm(snap[key] - snap["elementwise"]) / moved)
+                            np.linalg.norm(snap[r["key"]] - snap["elementwise"]) / moved)
     for r in out:  # the accuracy cost: final held-out loss relative to SparseAdam's
         ref = next(x for x in out if (x["task"], x["dist"]) == (r["task"], r["dist"])
                    and x["impl"].startswith("torch"))

@@ -22,7 +22,8 @@ relative to the child before the table was built. ``opt_p50_ms`` is the optimize
 alone (synchronised on CUDA). ``written_pages_per_step``: pages the kernel wrote back
 (``/proc/vmstat nr_written``, system-wide) per timed step -- on a quiet machine, the
 writeback that a store larger than the dirty limits causes. ``--second-moment rowwise``
-builds the DSA rows with the row-wise second moment (spec §7.3; not SparseAdam's update). With ``--device cuda`` the table and the ids live on the GPU
+builds the DSA rows with the row-wise second moment (spec §7.3; not SparseAdam's update),
+``--first-moment bfloat16`` with m stored as bfloat16 (spec §6). With ``--device cuda`` the table and the ids live on the GPU
 (ids copied from pinned memory, as a ``pin_memory`` data loader does) and ``xfer_ms`` is the
 bare cost of the step's transfers: the coalesced gradient (ids + rows) to pinned host memory
 and the new rows back, timed alone. Writes
@@ -66,7 +67,8 @@ def _worker(args) -> dict:
         if args.worker == "diskemb":
             emb = DiskEmbedding(args.rows, args.dim, state_dir=f"{root}/emb", init="uniform",
                                 init_scale=1e-3, seed=0,
-                                second_moment=args.second_moment).to(dev)
+                                second_moment=args.second_moment,
+                                first_moment=args.first_moment).to(dev)
             opt = DiskSparseAdam(emb.parameters(), lr=LR)
         else:
             emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
@@ -77,7 +79,8 @@ def _worker(args) -> dict:
                 opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
             else:
                 opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=f"{root}/opt",
-                                     second_moment=args.second_moment)
+                                     second_moment=args.second_moment,
+                                     first_moment=args.first_moment)
         build_s = time.perf_counter() - t0
         if args.predirty and args.worker != "torch":  # the steady state of a long run
             for st in opt.stores.values():
@@ -128,7 +131,8 @@ def _worker(args) -> dict:
     ts = np.asarray(times)
     extra = {"opt_p50_ms": 1e3 * float(np.median(opt_times[args.warmup:])),
              "written_pages_per_step": written / max(1, len(ts)),
-             "second_moment": "elementwise" if args.worker == "torch" else args.second_moment}
+             "second_moment": "elementwise" if args.worker == "torch" else args.second_moment,
+             "first_moment": "full" if args.worker == "torch" else args.first_moment}
     if dev.type == "cuda":
         extra["xfer_ms"] = _transfer_ms(torch, dev, args.batch, args.dim)
         extra["gpu"] = torch.cuda.get_device_name(dev)
@@ -176,7 +180,7 @@ def _child(impl: str, args) -> dict:
            "--device", args.device]
     if args.predirty:
         cmd.append("--predirty")
-    cmd += ["--second-moment", args.second_moment]
+    cmd += ["--second-moment", args.second_moment, "--first-moment", args.first_moment]
     if args.dir:
         cmd += ["--dir", args.dir]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -202,6 +206,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", help="where the table lives: cpu or cuda")
     ap.add_argument("--second-moment", choices=("elementwise", "rowwise"),
                     default="elementwise", help="of the DSA stores (rowwise: spec §7.3)")
+    ap.add_argument("--first-moment", choices=("full", "bfloat16"), default="full",
+                    help="of the DSA stores (bfloat16: spec §6)")
     ap.add_argument("--name", default=None, help="results file name (default: torch_e2e...)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

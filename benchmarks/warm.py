@@ -52,16 +52,18 @@ class DsaCore:
     pre-touched; the ``clean pages`` row shows the cost right after a flush or checkpoint.
     """
 
-    def __init__(self, n, d, root, curvature=0.0, dirty=True, second_moment="elementwise"):
+    def __init__(self, n, d, root, curvature=0.0, dirty=True, second_moment="elementwise",
+                 first_moment="full"):
         import dsa_core
 
         self.dsa = dsa_core
         self.state = dsa_core.create(Path(root) / "dsa", n, d, curvature=curvature, lr=LR,
                                      init="uniform", init_scale=1e-3, progress=False,
-                                     second_moment=second_moment)
+                                     second_moment=second_moment, first_moment=first_moment)
         dirty = dirty and predirty(self.state)
         self.name = ("dsa_core poincare" if curvature else "dsa_core euclid") + \
             (" rowwise" if second_moment == "rowwise" else "") + \
+            (" bf16m" if first_moment == "bfloat16" else "") + \
             ("" if dirty else ", clean pages")
 
     def step(self, item):
@@ -161,6 +163,8 @@ IMPLS = {
     "dsa_euclid": lambda n, d, r: DsaCore(n, d, r, 0.0),
     "dsa_euclid_clean": lambda n, d, r: DsaCore(n, d, r, 0.0, dirty=False),
     "dsa_euclid_rowwise": lambda n, d, r: DsaCore(n, d, r, 0.0, second_moment="rowwise"),
+    "dsa_euclid_rowwise_bf16m": lambda n, d, r: DsaCore(n, d, r, 0.0, second_moment="rowwise",
+                                                        first_moment="bfloat16"),
     "dsa_poincare": lambda n, d, r: DsaCore(n, d, r, 1.0),
     "torch": TorchSparseAdam,
     "geoopt": GeooptSparseRAdam,
@@ -219,6 +223,7 @@ def _name(key):
     return {"dsa_euclid": "dsa_core euclid", "dsa_poincare": "dsa_core poincare",
             "dsa_euclid_clean": "dsa_core euclid, clean pages",
             "dsa_euclid_rowwise": "dsa_core euclid rowwise",
+            "dsa_euclid_rowwise_bf16m": "dsa_core euclid rowwise bf16m",
             "torch": "torch.optim.SparseAdam", "geoopt": "geoopt SparseRiemannianAdam",
             "seed": "seed-style 3 memmaps"}[key]
 
@@ -274,7 +279,8 @@ def main(argv=None):
                        "rss_anon_mib", "rss_file_mib"])
     by = {(r["rows"], r["dist"], r["impl"]): r for r in rows}
     for dist in a.dist:
-        for name in ("dsa_core euclid", "dsa_core euclid rowwise", "dsa_core poincare"):
+        for name in ("dsa_core euclid", "dsa_core euclid rowwise",
+                     "dsa_core euclid rowwise bf16m", "dsa_core poincare"):
             small, big = by.get((1_000_000, dist, name)), by.get((10_000_000, dist, name))
             if small and big:
                 print(f"{name} {dist}: p50 at 10M / 1M = {big['p50_ms'] / small['p50_ms']:.2f}")
