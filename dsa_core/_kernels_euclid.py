@@ -69,6 +69,13 @@ RW_A1, RW_A2, RW_BC1, RW_BC2, RW_EPS, RW_NEG_LR, RW_SGN = range(7)
 RW_SIZE = 7
 
 
+@njit(inline="always")
+def rw_params(hp):
+    """The row-wise layout of ``hp``: 1-b1, 1-b2, bc1, bc2, eps, -lr, sign (T values)."""
+    return (hp[RW_A1], hp[RW_A2], hp[RW_BC1], hp[RW_BC2], hp[RW_EPS], hp[RW_NEG_LR],
+            hp[RW_SGN])
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite,
                              lo, hi):
@@ -86,13 +93,7 @@ def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_n
     The mean (not the sum) keeps lr meaning what it means for elementwise Adam. Same
     preconditions as :func:`adam_rows_euclid` (unique ``srows``, ids in range).
     """
-    a1 = hp[RW_A1]
-    a2 = hp[RW_A2]
-    bc1 = hp[RW_BC1]
-    bc2 = hp[RW_BC2]
-    eps = hp[RW_EPS]
-    neg_lr = hp[RW_NEG_LR]
-    sgn = hp[RW_SGN]
+    a1, a2, bc1, bc2, eps, neg_lr, sgn = rw_params(hp)
     T = hp.dtype.type
     n = srows.shape[0]
     d = G.shape[1]
@@ -170,13 +171,7 @@ def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, r
     (``rowwise=True``) with that m, the weight updated with the unrounded new m, and the new m
     stored as ``bf16_from_f32(m', sr_bits(t, row, d, j))``.
     """
-    a1 = hp[RW_A1]
-    a2 = hp[RW_A2]
-    bc1 = hp[RW_BC1]
-    bc2 = hp[RW_BC2]
-    eps = hp[RW_EPS]
-    neg_lr = hp[RW_NEG_LR]
-    sgn = hp[RW_SGN]
+    a1, a2, bc1, bc2, eps, neg_lr, sgn = rw_params(hp)
     neg_s = hp[BF_NEG_S]
     T = hp.dtype.type
     n = srows.shape[0]
