@@ -198,10 +198,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         dsa_core.check_access(access)
         if second_moment is not None:
             check_second_moment(second_moment, c, "DiskSparseAdam")
-        if first_moment not in (None, "full", "bfloat16"):
-            raise ValueError("DiskSparseAdam: first_moment must be 'full' (m in the table's "
-                             "dtype) or 'bfloat16' (m stored as bfloat16), got "
-                             f"{first_moment!r}")
+        if first_moment is not None:  # the value here; float32 and c == 0 per parameter
+            check_first_moment(first_moment, 0.0, "float32", "DiskSparseAdam")
         self._access = access
         self._second_moment = second_moment
         self._first_moment = first_moment

@@ -9,10 +9,10 @@ written back whole: a step that changes one 1.5 KB row in a large folio writes m
 Pages faulted in through a ``MADV_RANDOM`` mapping (``access="disk"``) are 4 KiB folios.
 
 For each way of filling the cache, the store is first evicted (fsync +
-``posix_fadvise(DONTNEED)``, and ``drop_caches`` when run as root), then filled that way, then ``--rows`` random rows are stepped
-(``dsa_core.step``, ``access="disk"``) and flushed; the bytes the store's block device wrote
-during step + flush (``/proc/diskstats``, after the device has been idle for a second) per
-changed row are reported:
+``posix_fadvise(DONTNEED)``, and ``drop_caches`` when run as root), then filled that way,
+then ``--rows`` random rows are stepped (``dsa_core.step``, ``access="disk"``) and flushed;
+the bytes the store's block device wrote during step + flush (``/proc/diskstats``, after the
+device has been idle for a second) per changed row are reported:
 
 - ``mapping faults only``: nothing but the step's own faults;
 - ``dsa_core.prefetch``: the out-of-core read-ahead of exactly those rows
@@ -97,26 +97,18 @@ def _evict(file: Path, drop_all: bool = True) -> None:
         pass  # not root: DONTNEED alone
 
 
-def _resident(file: Path) -> float:
-    """Share of ``file``'s pages in the page cache (mincore on a read-only mapping)."""
-    import ctypes
-    import mmap
+def _resident(path: Path) -> float:
+    """Share of the store's record pages in the page cache (``dsa_core.residency`` of every
+    row, through a read-only ``access="disk"`` mapping, unmapped again before returning)."""
+    import dsa_core
 
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    st = dsa_core.open(path, mode="r", access="disk")
     try:
-        arr = np.frombuffer(mm, np.uint8)
-        pages = (size + 4095) // 4096
-        vec = (ctypes.c_ubyte * pages)()
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(size), vec) != 0:
-            return float("nan")
-        frac = float(np.frombuffer(vec, np.uint8).astype(bool).mean())
-        del arr
+        return dsa_core.residency(st, np.arange(st.num_rows))
     finally:
-        mm.close()
-    return frac
+        dsa_core.close(st)
+        del st
+        gc.collect()
 
 
 def _read_all(file: Path) -> None:
@@ -194,9 +186,9 @@ def main(argv=None) -> None:
             _settle(dev)
             time.sleep(6)  # ext4's journal commit (5 s) releases the pages it pins
             _evict(file)
-            evicted = _resident(file)
+            evicted = _resident(path)
             fill()
-            filled = _resident(file)
+            filled = _resident(path)
             for extra in (root / "copy.bin", root / "ckpt" / "rows.dsa"):
                 if extra.exists():  # its own dirty pages must not count below
                     _evict(extra, drop_all=False)

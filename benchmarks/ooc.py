@@ -269,8 +269,8 @@ def main(argv=None):
             peak = [ln for ln in r.stderr.splitlines() if ln.startswith("memcap:")]
             res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
                         "align": a.align, "second_moment": a.second_moment,
-                        "first_moment": a.first_moment, "ahead": a.ahead if mode in ("prefetch", "pipeline")
-                        else 0,
+                        "first_moment": a.first_moment,
+                        "ahead": a.ahead if mode in ("prefetch", "pipeline") else 0,
                         "memcap": peak[-1] if peak else "",
                         "vs_qd32_reads": res["rows_per_s"] / disk["qd32_iops"]})
             results.append(res)
@@ -279,8 +279,8 @@ def main(argv=None):
                   f"{res['hit_rate']:.3f}  steps {res['steps']}", flush=True)
     print()
     print_table(results, ["rows", "dist", "mode", "second_moment", "first_moment", "align",
-                          "ahead", "rows_per_s",
-                          "vs_qd32_reads", "p50_ms", "p99_ms", "hit_rate", "steps", "memory"])
+                          "ahead", "rows_per_s", "vs_qd32_reads", "p50_ms", "p99_ms",
+                          "hit_rate", "steps", "memory"])
     meta = {"machine": machine(), "args": vars(a), "disk": disk, "store_gb": size_gb,
             "memory": label}
 

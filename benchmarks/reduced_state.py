@@ -1,4 +1,4 @@
-"""Reduced state: what row-wise v and a bfloat16 m cost in accuracy (their speed: ``warm``, ``ooc``).
+"""Reduced state: what row-wise v and a bfloat16 m cost in accuracy (speed: ``warm``, ``ooc``).
 
     python -m benchmarks.reduced_state                 # 50k x 64, two tasks, uniform and zipf
     python -m benchmarks.reduced_state --smoke         # seconds; CI runs this
@@ -20,9 +20,9 @@ weights, so the runs differ only in the optimizer:
 Reported: the held-out loss (fixed samples) at checkpoints and at the end, and relative to
 SparseAdam's; the final train loss (mean of the last 10% of steps); how well the hidden rows
 were recovered (RMSE of ``E - X`` over the rows seen, and over the quarter of coordinates
-with the smallest context scale, which the loss weighs least); the state bytes per row, and the rowwise weights'
-distance from the elementwise ones after ``--dev-steps`` steps relative to how far the
-elementwise weights moved (the spec §6 measure used for bf16). Writes
+with the smallest context scale, which the loss weighs least); the state bytes per row; and
+each run's weights' distance from the elementwise ones after ``--dev-steps`` steps, relative
+to how far the elementwise weights moved (the spec §6 measure used for bf16). Writes
 ``benchmarks/results/reduced_state.{json,csv,png}``.
 """
 
@@ -229,7 +229,8 @@ def main(argv=None):
     print()
     print_table(rows, ["task", "dist", "impl", "initial_heldout", "final_heldout",
                        "heldout_vs_torch", "final_train", "rmse_E_X",
-                       "rmse_E_X_small_quarter", f"dev_vs_elementwise_at_{a.dev_steps}", "state_B_per_row",
+                       "rmse_E_X_small_quarter", f"dev_vs_elementwise_at_{a.dev_steps}",
+                       "state_B_per_row",
                        "opt_ms_per_step"])
     meta = {"machine": machine(), "args": vars(a), "curves": curves}
     base = write_results(a.name, rows, meta, lambda plt, _rows: plot(plt, curves))

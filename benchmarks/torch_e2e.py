@@ -23,10 +23,10 @@ alone (synchronised on CUDA). ``written_pages_per_step``: pages the kernel wrote
 (``/proc/vmstat nr_written``, system-wide) per timed step -- on a quiet machine, the
 writeback that a store larger than the dirty limits causes. ``--second-moment rowwise``
 builds the DSA rows with the row-wise second moment (spec §7.3; not SparseAdam's update),
-``--first-moment bfloat16`` with m stored as bfloat16 (spec §6). With ``--device cuda`` the table and the ids live on the GPU
-(ids copied from pinned memory, as a ``pin_memory`` data loader does) and ``xfer_ms`` is the
-bare cost of the step's transfers: the coalesced gradient (ids + rows) to pinned host memory
-and the new rows back, timed alone. Writes
+``--first-moment bfloat16`` with m stored as bfloat16 (spec §6). With ``--device cuda`` the
+table and the ids live on the GPU (ids copied from pinned memory, as a ``pin_memory`` data
+loader does) and ``xfer_ms`` is the bare cost of the step's transfers: the coalesced
+gradient (ids + rows) to pinned host memory and the new rows back, timed alone. Writes
 ``benchmarks/results/torch_e2e[_smoke|_cuda].{json,csv}``.
 """
 

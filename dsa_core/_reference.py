@@ -99,32 +99,15 @@ def bf16_round(x, rnd):
 def euclid_bf16m_step(P, M, V, idx, G, t, *, rowwise, lr, betas=(0.9, 0.999), eps=1e-8,
                       maximize=False):
     """float32 Euclidean step with m stored as bfloat16 (``M`` holds bf16 values as float32):
-    SparseAdam (or, ``rowwise``, :func:`euclid_rowwise_step`) computed from the stored m, the
+    the full-precision step (:func:`euclid_step`, or :func:`euclid_rowwise_step`) from the
+    stored m -- which updates the weights with the unrounded new m -- then the touched rows'
     new m rounded stochastically with :func:`sr_bits` of (t, row, coordinate)."""
-    T = P.dtype.type
     if len(idx) == 0:
         return
-    uidx, g = coalesce_ref(idx, G)
-    if maximize:
-        g = -g
-    b1, b2 = betas
-    a1, a2 = T(1 - b1), T(1 - b2)
-    m, v, p = M[uidx], V[uidx], P[uidx]
-    bc1, bc2 = 1 - b1**t, 1 - b2**t
-    if rowwise:
-        m2 = m + (g - m) * a1
-        q = (g * g).astype(np.float64).sum(axis=1, keepdims=True) / g.shape[1]
-        v2 = v + (q.astype(P.dtype) - v) * a2
-        den = np.sqrt(v2 / T(bc2)) + T(eps)
-        P[uidx] = p + T(-lr) * ((m2 / T(bc1)) / den)
-    else:
-        dm = (g - m) * a1
-        m2 = m + dm
-        v2 = v + (g * g - v) * a2
-        s = (lr * math.sqrt(bc2)) / bc1
-        P[uidx] = p + T(-s) * ((dm + m) / (np.sqrt(v2) + T(eps)))
-    V[uidx] = v2
-    M[uidx] = bf16_round(m2, sr_bits(t, uidx, g.shape[1]))
+    full = euclid_rowwise_step if rowwise else euclid_step
+    full(P, M, V, idx, G, t, lr=lr, betas=betas, eps=eps, maximize=maximize)
+    uidx = np.unique(np.asarray(idx, dtype=np.int64))
+    M[uidx] = bf16_round(M[uidx], sr_bits(t, uidx, M.shape[1]))
 
 
 def _rowdot(a, b):

@@ -67,7 +67,7 @@ class State(NamedTuple):
         ``"riemannian"`` (the ball's one scalar per row)."""
         if self.store.curvature > 0:
             return "riemannian"
-        return self.store.layout.get("second_moment", "elementwise")
+        return "rowwise" if self.store.rowwise else "elementwise"
 
     @property
     def has_weights(self) -> bool:

@@ -236,8 +236,9 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
         s = (lr * math.sqrt(bc2)) / bc1
         hp = np.empty(BF_SIZE, st.dtype)
         hp[:] = (1.0 - b1, 1.0 - b2, bc1, bc2, state.eps, -lr, sgn, -s)
-        _pool.run_chunked(adam_rows_euclid_bf16m,  # M16: the records as uint16 (a view)
-                          (W, wrows, woff, st.data, st.data.view(np.uint16), srows, 2 * st.m_off, st.v_off, G, hp,
+        m16 = st.data.view(np.uint16)  # the records as uint16: m at twice its float32 offset
+        _pool.run_chunked(adam_rows_euclid_bf16m,
+                          (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off, G, hp,
                            st.rowwise, t, skip),
                           srows.shape[0], _min_chunk(st.dim))
     elif st.rowwise:  # second_moment="rowwise" (spec §7.3)
