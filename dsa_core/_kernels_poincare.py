@@ -84,12 +84,13 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         for j in range(d):
             y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
         # projection onto the ball of radius maxnorm
-        nrm = max(np.sqrt(T(dot64(y_, y_))), tiny)
+        acc_yy = dot64(y_, y_)
+        nrm = max(np.sqrt(T(acc_yy)), tiny)
         if nrm > maxnorm:
             for j in range(d):
                 y_[j] = (y_[j] / nrm) * maxnorm
+            acc_yy = dot64(y_, y_)  # else y is unchanged and so is <y,y>: one pass saved
         # parallel transport of the new m from x to y: gyr[y, -x] m * L(x) / L(y)
-        acc_yy = dot64(y_, y_)
         acc_xy = dot64(x_, y_)
         acc_ym = dot64(y_, m_)
         acc_xm = dot64(x_, m_)
