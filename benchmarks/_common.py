@@ -44,6 +44,43 @@ def pages_written() -> int:
     return 0
 
 
+def disk_ios() -> tuple[int, int]:
+    """Reads and writes completed by the machine's disks since boot (``/proc/diskstats``).
+
+    Whole disks only (those in ``/sys/block`` with a ``device`` link: no partitions, loop or
+    RAM devices), system-wide; (0, 0) where unknown. The delta over a timed loop on an
+    otherwise idle machine is the I/O that loop caused.
+    """
+    try:
+        disks = {p.name for p in Path("/sys/block").iterdir() if (p / "device").exists()}
+        reads = writes = 0
+        with open("/proc/diskstats") as f:
+            for line in f:
+                x = line.split()
+                if len(x) > 7 and x[2] in disks:
+                    reads += int(x[3])
+                    writes += int(x[7])
+        return reads, writes
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def wait_disk_quiet(max_seconds: float = 120.0, window: float = 2.0,
+                    ios_per_s: float = 200.0) -> float:
+    """Wait until the disks do fewer than ``ios_per_s`` I/Os per second over ``window`` s.
+
+    Writeback of an earlier run (or of a freshly created store) otherwise competes with the
+    next measurement. Returns the seconds waited (``max_seconds`` if it never got quiet).
+    """
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_seconds:
+        a = sum(disk_ios())
+        time.sleep(window)
+        if sum(disk_ios()) - a < ios_per_s * window:
+            break
+    return time.perf_counter() - t0
+
+
 def dirty_background_bytes() -> int:
     """The kernel's background writeback threshold (``dsa_core._format``'s reading)."""
     from dsa_core._format import dirty_background_bytes as dbb

@@ -36,6 +36,7 @@ from ._common import (
     predirty,
     print_table,
     timed,
+    wait_disk_quiet,
     write_results,
 )
 
@@ -173,8 +174,13 @@ IMPLS = {
 
 
 def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps, max_seconds=120.0,
-        on_row=None):
-    """Each implementation is built once per table size and runs every id distribution."""
+        on_row=None, quiet_seconds=60.0):
+    """Each implementation is built once per table size and runs every id distribution.
+
+    Before each timed run the disk is left to go quiet (``quiet_seconds`` at most): the
+    writeback of the previous implementation's store, or of this one's ``create``, would
+    otherwise run during the timed steps of the next.
+    """
     out = []
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal((batch, dim), dtype=np.float32) for _ in range(8)]
@@ -191,6 +197,7 @@ def run(rows_list, dists, impls, steps, batch, dim, workdir, slow_steps, max_sec
             impl = IMPLS[key](n, dim, root)
             k = slow_steps if key == "geoopt" else steps
             for dist, (items, uniq) in plans.items():
+                wait_disk_quiet(quiet_seconds)
                 ts = timed(impl.step, items[: k + 10], warmup=10, max_seconds=max_seconds)
                 m1 = mem()
                 med = float(np.median(ts))
@@ -273,7 +280,8 @@ def main(argv=None):
           f"dsa_core threads {dsa_core.get_threads()}")
     meta = {"machine": machine(), "args": vars(a), "dsa_threads": dsa_core.get_threads()}
     rows = run(a.rows, a.dist, a.impls, a.steps, a.batch, a.dim, workdir, a.geoopt_steps,
-               a.max_seconds, on_row=lambda r: write_results(a.name, r, meta))
+               a.max_seconds, on_row=lambda r: write_results(a.name, r, meta),
+               quiet_seconds=2.0 if a.smoke else 60.0)
     print()
     print_table(rows, ["rows", "dist", "impl", "rows_per_s", "vs_anchor", "p50_ms", "p99_ms",
                        "rss_anon_mib", "rss_file_mib"])
