@@ -18,6 +18,10 @@
 4. Measures the QD32 read rate again after the runs; ``vs_qd32_reads`` is the rows/s over
    the higher of the two QD32 figures (a throttled probe cannot flatter the ratio).
 
+``--kernel-stacks`` (root only) also samples where the run's threads wait in the kernel
+(``/proc/self/task/*/stack`` every 0.2 s) and prints the most frequent top frames: a disk-bound
+run shows reads in flight (``filemap_read_folio``) and a full device queue (``blk_mq_get_tag``).
+
 Modes: ``plain`` (mapping with the OS default read-around), ``random`` (``MADV_RANDOM``, the
 dsa_core default), ``prefetch`` (``MADV_RANDOM`` + ``dsa_core.prefetch`` of the next batch while
 this step runs), ``pipeline`` (read-ahead plus write-back hints, ``sync_file_range``, for
@@ -147,6 +151,48 @@ def measure_disk(file: Path, seconds: int, qds=(1, 32)) -> dict:
 
 
 # -- one run (child process) ---------------------------------------------------------------------
+class StackSampler:
+    """Where this process's threads wait in the kernel: ``/proc/self/task/*/stack`` every
+    ``period`` s (root only; otherwise it samples nothing).
+
+    Counts the top two kernel frames of each thread per sample (``inner<caller``), or
+    ``(user space)`` for a thread outside the kernel, leaving out threads idle in a futex
+    (pool workers between jobs) and the sampler itself.
+    """
+
+    def __init__(self, period: float = 0.2):
+        self.period, self.counts, self.samples = period, {}, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        top = sorted(self.counts.items(), key=lambda kv: -kv[1])
+        return {"samples": self.samples, "top": top[:12]}
+
+    def _run(self):
+        me = threading.get_native_id()
+        while not self._stop.wait(self.period):
+            self.samples += 1
+            for task in Path("/proc/self/task").iterdir():
+                if int(task.name) == me:
+                    continue
+                try:
+                    lines = (task / "stack").read_text().split("\n")
+                except OSError:
+                    return  # not root: nothing to sample
+                fns = [ln.split()[1].split("+")[0] for ln in lines if len(ln.split()) > 1]
+                if fns and fns[0].startswith("futex"):
+                    continue
+                key = "<".join(fns[:2]) if fns else "(user space)"
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+
 def child(args) -> None:
     import dsa_core
     from dsa_core import _prefetch
@@ -165,10 +211,12 @@ def child(args) -> None:
     write_behind = args.mode == "pipeline"
     for j in range(min(ahead, len(ids))):
         dsa_core.prefetch(st, ids[j])
-    t_start, io0 = None, (0, 0)
+    t_start, io0, sampler = None, (0, 0), None
     for k in range(len(ids)):
         if k == args.warmup:
             t_start, io0 = time.perf_counter(), disk_ios()
+            if args.kernel_stacks:
+                sampler = StackSampler().start()
         j = k + ahead
         if j < len(ids) and k % args.hit_every == 0:
             # what the page cache alone holds of that batch, before its read-ahead
@@ -187,6 +235,7 @@ def child(args) -> None:
             break
     wall = time.perf_counter() - (t_start or time.perf_counter())
     io1 = disk_ios()
+    stacks = sampler.stop() if sampler is not None else None
     dsa_core.close(st)
     warm_only = not times  # too slow to finish the warm-up in time: report what it did
     if warm_only:
@@ -202,6 +251,7 @@ def child(args) -> None:
         # disk I/Os completed during the timed steps, per updated row (batch rows)
         "reads_per_row": (io1[0] - io0[0]) / (len(times) * args.batch) if times else 0.0,
         "writes_per_row": (io1[1] - io0[1]) / (len(times) * args.batch) if times else 0.0,
+        "kernel_stacks": stacks,
     }))
 
 
@@ -246,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--hit-every", type=int, default=10)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true", help="reuse an existing store of that shape")
+    ap.add_argument("--kernel-stacks", action="store_true",
+                    help="sample where the run's threads wait in the kernel (root only)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="ooc")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -281,6 +333,8 @@ def main(argv=None):
                    "--mode", mode, "--dist", dist, "--steps", str(a.steps), "--warmup",
                    str(a.warmup), "--batch", str(a.batch), "--max-seconds", str(a.max_seconds),
                    "--hit-every", str(a.hit_every), "--ahead", str(a.ahead)]
+            if a.kernel_stacks:
+                cmd.append("--kernel-stacks")
             if capped:
                 cmd = ["bash", str(memcap), a.cap, *cmd]
             env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -300,6 +354,11 @@ def main(argv=None):
                   f"{res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  hit "
                   f"{res['hit_rate']:.3f}  steps {res['steps']}  I/O per row "
                   f"{res['reads_per_row']:.2f} r + {res['writes_per_row']:.2f} w", flush=True)
+            if res.get("kernel_stacks"):
+                ks = res["kernel_stacks"]
+                print(f"    where the threads were ({ks['samples']} samples; idle threads left out):")
+                for fn, c in ks["top"][:8]:
+                    print(f"      {c:5d}  {fn}")
     wait_disk_quiet(a.quiet_seconds)
     after = measure_disk(store / "rows.dsa", a.disk_seconds, qds=(32,))
     disk["qd32_iops_after"] = after["qd32_iops"]
