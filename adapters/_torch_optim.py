@@ -173,7 +173,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
     hyperparameters); the stores themselves are never pickled and are **not snapshots**:
     the files keep moving with training. ``load_state_dict`` also accepts a
     ``torch.optim.SparseAdam`` (or geoopt ``SparseRiemannianAdam``) state dict and copies its
-    ``exp_avg`` / ``exp_avg_sq`` into the stores.
+    ``exp_avg`` / ``exp_avg_sq`` into the stores. Into reduced stores: ``second_moment=
+    "rowwise"`` takes the row mean of ``exp_avg_sq`` (the row-wise v of the same gradients:
+    a row's coordinates are always updated together), ``first_moment="bfloat16"`` the
+    nearest bfloat16 of ``exp_avg``.
 
     CUDA parameters: the coalesced ids, gradient rows and current weight rows are copied
     into pinned host buffers with ``non_blocking=True`` (one stream synchronize per step,
@@ -641,7 +644,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         state dict of a checkpoint (``optimizer.pt`` from :meth:`checkpoint`) also brings
         the rows: each snapshot store is copied into this optimizer's store.
         Without one (a ``torch.optim.SparseAdam`` or geoopt checkpoint), the saved
-        ``exp_avg`` / ``exp_avg_sq`` tensors are copied into the stores. All checks run
+        ``exp_avg`` / ``exp_avg_sq`` tensors are copied into the stores (reduced stores:
+        row mean of ``exp_avg_sq``, nearest bfloat16 of ``exp_avg``). All checks run
         before anything is changed.
         """
         self._check_open()
@@ -759,18 +763,6 @@ class DiskSparseAdam(torch.optim.Optimizer):
             if "exp_avg" not in s:
                 todo.append((st, int(s.get("step", 0)), None, None))
                 continue
-            if st.first_moment == "bfloat16":
-                raise ValueError(
-                    f"the loaded state dict holds torch's float exp_avg, but the store "
-                    f"{str(st.path)!r} keeps m as bfloat16 (first_moment='bfloat16'). Load "
-                    "it into an optimizer with first_moment='full', or start the moments "
-                    "afresh")
-            if st.second_moment == "rowwise":
-                raise ValueError(
-                    f"the loaded state dict holds torch's elementwise exp_avg_sq, but the "
-                    f"store {str(st.path)!r} keeps one second moment per row "
-                    "(second_moment='rowwise'); there is no exact conversion. Load it into an "
-                    "optimizer with second_moment='elementwise', or start the moments afresh")
             m = torch.as_tensor(s["exp_avg"]).detach().cpu()
             v = torch.as_tensor(s["exp_avg_sq"]).detach().cpu()
             if tuple(m.shape) != (st.num_rows, st.dim) or m.shape != v.shape:
@@ -778,10 +770,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
                                  f"{st.num_rows} x {st.dim} store {str(st.path)!r}")
             if st.curvature > 0:
                 v = v[:, :1]  # geoopt repeats the per-row scalar over the d columns
+            elif st.second_moment == "rowwise":
+                # Exact: a row's coordinates are always updated together, so the EMA of
+                # mean(g^2) that row-wise v keeps is the row mean of SparseAdam's v.
+                v = v.double().mean(dim=1, keepdim=True)
             todo.append((st, int(torch.as_tensor(s.get("step", 0))), m, v))
         for st, _, m, v in todo:
             if m is not None:
-                st.exp_avg[...] = m.numpy().astype(st.dtype, copy=False)
+                # bfloat16 m: rounded to nearest (State.set_exp_avg)
+                st.set_exp_avg(m.numpy().astype(st.dtype, copy=False))
                 st.exp_avg_sq[...] = v.numpy().astype(st.dtype, copy=False)
         return [t for _, t, _, _ in todo]
 

@@ -104,6 +104,30 @@ class State(NamedTuple):
             return out
         return st.data[:, o:o + self.dim]
 
+    def set_exp_avg(self, m: Any) -> None:
+        """Write the first moments: ``m`` of shape (num_rows, dim), any real dtype.
+
+        For a full store this is ``state.exp_avg[...] = m``. A ``first_moment="bfloat16"``
+        store takes each value rounded to the nearest bfloat16 (ties to even, as
+        ``torch.Tensor.to(torch.bfloat16)``; NaN stays NaN): a one-time conversion wants the
+        smallest error, not the step's stochastic rounding. Checked before anything is written.
+        """
+        st = self.store
+        m = np.asarray(m)
+        if m.shape != (self.num_rows, self.dim) or not (
+                np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
+            raise ValueError(f"exp_avg must be a real ({self.num_rows}, {self.dim}) array for "
+                             f"store {str(self.path)!r}; got {m.dtype} of shape {m.shape}")
+        if not st.m_bf16:
+            self.exp_avg[...] = m
+            return
+        o = st.m_off
+        step = max(1, (1 << 22) // max(1, self.dim))  # rows per chunk: 16 MiB of float32
+        for lo in range(0, self.num_rows, step):
+            x = np.ascontiguousarray(m[lo:lo + step], dtype=np.float32)
+            raw = st.data[lo:lo + step, o:o + st.m_width].view(np.uint16)[:, :self.dim]
+            raw[...] = bf16_nearest_even(x)
+
     @property
     def exp_avg_sq(self) -> np.ndarray:
         """A view of the second moments v: (num_rows, dim) for elementwise stores, (num_rows, 1)
@@ -116,6 +140,16 @@ class State(NamedTuple):
                 f"dim={self.dim}, dtype={self.dtype.name}, curvature={self.curvature}, "
                 f"count={self.count}, lr={self.lr}, betas={self.betas}, eps={self.eps}, "
                 f"maximize={self.maximize})")
+
+
+def bf16_nearest_even(x: np.ndarray) -> np.ndarray:
+    """The bfloat16 bits (uint16) nearest to float32 ``x``, ties to even; NaN stays NaN."""
+    b = x.view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():  # keep NaN a NaN (rounding could carry its mantissa into inf)
+        r[nan] = ((b[nan] >> 16) | 0x40).astype(np.uint16)
+    return r
 
 
 # -- validation ------------------------------------------------------------------------------

@@ -120,3 +120,34 @@ def test_bad_first_moment_writes_nothing(tmp_path, kw, msg):
     with pytest.raises(ValueError, match=msg):
         dsa_core.create(tmp_path / "s", N, D, **kw)
     assert not (tmp_path / "s").exists()
+
+
+def test_set_exp_avg_rounds_to_nearest_even(tmp_path):
+    """``State.set_exp_avg`` (loading moments, e.g. a SparseAdam state dict) rounds to the
+    nearest bfloat16, ties to even, as torch's own conversion; a full store takes the values
+    as they are; a wrong shape writes nothing."""
+    torch = pytest.importorskip("torch")
+    st = dsa_core.create(tmp_path / "b", N, D, first_moment="bfloat16")
+    rng = np.random.default_rng(4)
+    m = (rng.standard_normal((N, D)) * 10.0 ** rng.integers(-30, 30, (N, D))).astype(np.float32)
+    one = np.float32(1.0).view(np.uint32)
+    m[0, :6] = np.array([one + 0x8000, one + 0x18000, one + 0x7FFF, one + 0x8001, 0x7F7FFFFF,
+                         0x7FC00001], np.uint32).view(np.float32)  # ties, near-ties, max, NaN
+    m[1, :4] = [np.inf, -np.inf, -0.0, np.float32(1e-45)]
+    before = st.store.data.copy()
+    with pytest.raises(ValueError, match=r"exp_avg must be a real \(40, 8\) array"):
+        st.set_exp_avg(m[:, :4])
+    np.testing.assert_array_equal(st.store.data, before)
+    st.set_exp_avg(m)
+    want = torch.from_numpy(m).to(torch.bfloat16).float().numpy()
+    got = st.exp_avg
+    assert np.isnan(got[0, 5]) and np.isnan(want[0, 5])
+    got, want = got.copy(), want.copy()
+    got[0, 5] = want[0, 5] = 0
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(st.exp_avg_sq, 0)  # v untouched
+    dsa_core.close(st)
+    full = dsa_core.create(tmp_path / "f", N, D)
+    full.set_exp_avg(m)
+    np.testing.assert_array_equal(full.exp_avg.view(np.uint32), m.view(np.uint32))
+    dsa_core.close(full)
