@@ -42,6 +42,8 @@ import dsa_core
 from ._torch_common import (
     StoreHandle,
     check_curvature,
+    check_first_moment,
+    check_second_moment,
     check_table_args,
     close_quietly,
     move_disk_weight,
@@ -526,6 +528,15 @@ class ShardedDiskEmbedding(nn.Module):
         instead of hanging.
     durability : "flush" or "step"
         Passed to ``dsa_core.create`` for new shards.
+    second_moment : "elementwise" or "rowwise", default "elementwise"
+        As :class:`~adapters.torch.DiskEmbedding`: ``"rowwise"`` keeps one v per row (spec
+        §7.3, ``curvature == 0``). Recorded in every shard; every rank must pass the same,
+        and existing shards and checkpoints must match it.
+    first_moment : "full" or "bfloat16", default "full"
+        As :class:`~adapters.torch.DiskEmbedding`: ``"bfloat16"`` stores m as bfloat16
+        (float32, ``curvature == 0``). The stochastic rounding draws its bits from each
+        shard's *local* row number, so the rounding (not the math) differs from one process
+        and between world sizes, as it does between any two seeds.
 
     Attributes
     ----------
@@ -548,7 +559,8 @@ class ShardedDiskEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32, include_last_offset: bool = False,
                  device: Any = None, grad_reduce: str = "sum", resume_from=None,
                  overwrite: bool = False, exchange: str = "all_to_all",
-                 timeout: float | timedelta | None = None, durability: str = "flush"):
+                 timeout: float | timedelta | None = None, durability: str = "flush",
+                 second_moment: str = "elementwise", first_moment: str = "full"):
         super().__init__()
         n, d, padding_idx = check_table_args(num_embeddings, embedding_dim, mode, padding_idx)
         if grad_reduce not in ("sum", "mean"):
@@ -559,6 +571,8 @@ class ShardedDiskEmbedding(nn.Module):
             timeout = timedelta(seconds=float(timeout))
         dt = np_dtype(dtype, "ShardedDiskEmbedding")
         c = check_curvature(curvature)
+        second_moment = check_second_moment(second_moment, c, "ShardedDiskEmbedding")
+        first_moment = check_first_moment(first_moment, c, dt, "ShardedDiskEmbedding")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardedDiskEmbedding needs torch.distributed: call "
                                "dist.init_process_group(...) first (torchrun sets the "
@@ -579,11 +593,13 @@ class ShardedDiskEmbedding(nn.Module):
         meta = {"format": _SHARD_FORMAT, "version": 1, "rank": rank, "world_size": world,
                 "plan": sp.to_json(), "num_embeddings": n, "embedding_dim": d,
                 "dtype": dt.name, "curvature": c, "padding_idx": padding_idx,
-                "local_rows": sp.local_rows(rank)}
+                "local_rows": sp.local_rows(rank), "second_moment": second_moment,
+                "first_moment": first_moment}
 
         # phase 1: look (no writes), agree on what every rank found
         args = (n, d, dt.name, c, plan, padding_idx, grad_reduce, exchange,
-                None if resume_from is None else os.fspath(resume_from))
+                None if resume_from is None else os.fspath(resume_from), second_moment,
+                first_moment)
         my_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
             else int(seed)
         try:
@@ -606,7 +622,8 @@ class ShardedDiskEmbedding(nn.Module):
                 state = _open_checked(path, meta)
             else:
                 state = _create_shard(path, sp, rank, d, dt, c, init, init_scale, shard_seed,
-                                      padding_idx, overwrite, durability)
+                                      padding_idx, overwrite, durability, second_moment,
+                                      first_moment)
                 created = True
                 _write_json(path / SHARD_FILE, meta)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -773,7 +790,8 @@ class ShardedDiskEmbedding(nn.Module):
                     "num_embeddings": self.num_embeddings,
                     "embedding_dim": self.embedding_dim, "dtype": st.dtype.name,
                     "curvature": st.curvature, "padding_idx": self.padding_idx,
-                    "count": int(st.count),
+                    "second_moment": _store_setting(st)[0],
+                    "first_moment": _store_setting(st)[1], "count": int(st.count),
                     "shards": [f"rank{k}" for k in range(self.world_size)],
                     "local_rows": [self.plan.local_rows(k) for k in range(self.world_size)]}
         try:
@@ -791,7 +809,8 @@ class ShardedDiskEmbedding(nn.Module):
                 "world_size": self.world_size, "plan": self.plan.to_json(),
                 "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
                 "dtype": st.dtype.name, "curvature": st.curvature,
-                "padding_idx": self.padding_idx, "local_rows": st.num_rows}
+                "padding_idx": self.padding_idx, "local_rows": st.num_rows,
+                "second_moment": _store_setting(st)[0], "first_moment": _store_setting(st)[1]}
 
     # -- module plumbing ------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
@@ -811,8 +830,8 @@ class ShardedDiskEmbedding(nn.Module):
         if not isinstance(state, dict) or state.get("format") != _EXTRA_FORMAT:
             raise ValueError("not a ShardedDiskEmbedding state dict entry")
         keys = ("world_size", "rank", "plan", "num_embeddings", "embedding_dim", "dtype",
-                "curvature")
-        have, want = self._meta(), state
+                "curvature", "second_moment", "first_moment")
+        have, want = self._meta(), _with_setting_defaults(state)
         bad = [k for k in keys if have[k] != want.get(k)]
         if bad:
             raise ValueError("the saved ShardedDiskEmbedding differs in " + ", ".join(
@@ -884,7 +903,9 @@ def _check_meta(where: str, have: dict, want: dict) -> None:
             "Resuming with a different world size or plan needs the rows moved first: "
             "python -m adapters.torch_reshard SRC DEST --world-size "
             f"{want['world_size']} (offline, on a checkpoint), then resume_from=DEST")
-    keys = ("rank", "num_embeddings", "embedding_dim", "dtype", "curvature", "padding_idx")
+    keys = ("rank", "num_embeddings", "embedding_dim", "dtype", "curvature", "padding_idx",
+            "second_moment", "first_moment")
+    have = _with_setting_defaults(have)
     bad = [k for k in keys if have.get(k) != want[k]]
     if bad:
         raise ValueError(f"{where} is a shard of another table: " + ", ".join(
@@ -955,16 +976,27 @@ def _decide(infos: list[dict], rank: int, world: int, resume_from, overwrite: bo
         f"pass overwrite=True to start afresh. Nothing was written")
 
 
+def _store_setting(st: dsa_core.State) -> tuple[str, str]:
+    """(second_moment, first_moment) of a shard store, as ShardedDiskEmbedding names them."""
+    return ("rowwise" if st.second_moment == "rowwise" else "elementwise", st.first_moment)
+
+
+def _with_setting_defaults(meta: dict) -> dict:
+    """Shard metadata written before the reduced state existed holds full moments."""
+    return {"second_moment": "elementwise", "first_moment": "full", **meta}
+
+
 def _open_checked(path: Path, meta: dict) -> dsa_core.State:
     st = dsa_core.open(path)
     have = (st.num_rows, st.dim, st.dtype.name, st.curvature, st.has_weights,
-            st.second_moment == "rowwise" or st.first_moment == "bfloat16")
+            *_store_setting(st))
     want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True,
-            False)  # shards keep SparseAdam's (or the ball's) full moments
+            meta["second_moment"], meta["first_moment"])
     if have != want:
         dsa_core.close(st)
         raise ValueError(f"shard {str(path)!r} holds a {have[0]} x {have[1]} {have[2]} store "
-                         f"(curvature {have[3]}, weights {have[4]}); expected {want}")
+                         f"(curvature {have[3]}, weights {have[4]}, second_moment "
+                         f"{have[5]!r}, first_moment {have[6]!r}); expected {want}")
     return st
 
 
@@ -988,7 +1020,8 @@ def _copy_shard(src: Path, dest: Path) -> None:
 
 def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, c: float,
                   init: Any, init_scale: float, seed: int, padding_idx: int | None,
-                  overwrite: bool, durability: str) -> dsa_core.State:
+                  overwrite: bool, durability: str, second_moment: str = "elementwise",
+                  first_moment: str = "full") -> dsa_core.State:
     n = plan.local_rows(rank)
     if isinstance(init, str):
         if init not in ("normal", "uniform", "zeros"):
@@ -1001,7 +1034,8 @@ def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, 
         src = _ShardInit(init, plan, rank, d)
     st = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True, init=src,
                          init_scale=init_scale, seed=seed, overwrite=overwrite,
-                         durability=durability, progress=False)
+                         durability=durability, progress=False, second_moment=second_moment,
+                         first_moment=first_moment)
     if padding_idx is not None and int(plan.owner(padding_idx)) == rank:
         st.weights[int(plan.local(padding_idx))] = 0
     return st

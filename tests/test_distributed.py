@@ -18,6 +18,8 @@ C  3 ranks: the 2-rank checkpoint and state_dir are refused; a refused batch on 
    on one rank) and match the single-process run; the all_gather fallback exchange agrees
    with all_to_all. Finally rank 2 gets stuck (sleeps) and ranks 0 and 1 raise
    ShardExchangeError after the module's timeout.
+R  2 ranks with the reduced state: row-wise v, then row-wise v + bfloat16 m; a checkpoint,
+   and reopening with the other settings refused without writing.
 """
 
 from __future__ import annotations
@@ -218,6 +220,61 @@ def _worker(scenario: str, rank: int, world: int, port: int, tmp: Path) -> None:
     dist.destroy_process_group()
 
 
+# the reduced-state settings of scenario R, by state_dir
+REDUCED = {"R1": ("rowwise", "full"), "R2": ("rowwise", "bfloat16")}
+
+
+def reduced_loss(x: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
+    """A loss of the looked-up rows only (no dense layer): the same in worker and reference."""
+    x = x.reshape(-1, D)
+    return (x[:, :2].tanh() * torch.from_numpy(target(step, rank, world, len(x)))).sum()
+
+
+def _reduced_worker(rank: int, world: int, port: int, tmp: Path) -> None:
+    import hashlib
+
+    from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=GROUP_TIMEOUT))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+    out: dict = {"refused": []}
+    for name, (sm, fm) in REDUCED.items():
+        emb = ShardedDiskEmbedding(N, D, state_dir=tmp / name, padding_idx=PAD,
+                                   init=init_table(), second_moment=sm, first_moment=fm)
+        opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+        for step in range(1, K + 1):
+            ids = torch.from_numpy(batch(step, rank, world))
+            reduced_loss(emb(ids), step, rank, world).backward()
+            opt.step()
+            opt.zero_grad()
+            if name == "R2" and step == K1:
+                emb.checkpoint(tmp / "ckptR")
+        out[name] = {"second_moment": emb.store.second_moment,
+                     "first_moment": emb.store.first_moment, "count": emb.store.count}
+        opt.close()
+        emb.close()
+
+    def digest():
+        return hashlib.sha256((tmp / "R2" / f"rank{rank}" / "rows.dsa").read_bytes()).hexdigest()
+
+    before = digest()
+    for kw in ({"second_moment": "elementwise", "first_moment": "bfloat16"},
+               {"second_moment": "rowwise"},
+               {"second_moment": "rowwise", "first_moment": "bfloat16",
+                "resume_from": tmp / "ckptR", "curvature": 0.5}):
+        try:
+            ShardedDiskEmbedding(N, D, state_dir=tmp / "R2", padding_idx=PAD, **kw).close()
+            out["refused"].append(None)
+        except ValueError as exc:
+            out["refused"].append(str(exc))
+    out["unchanged"] = digest() == before
+    (tmp / f"R_rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
 # -- process management ---------------------------------------------------------------------------
 class Launch:
     """``world`` workers of one scenario around a TCPStore of this process."""
@@ -324,6 +381,27 @@ def reference(tmp: Path, scenario: str) -> dict:
     st = emb.store
     out = {"w": st.weights.copy(), "m": st.exp_avg.copy(), "v": st.exp_avg_sq.copy(),
            "count": st.count, "losses": losses, "dense": dense.weight.detach().numpy()}
+    opt.close()
+    emb.close()
+    return out
+
+
+def reduced_reference(tmp: Path, name: str) -> dict:
+    """One process, DiskEmbedding + DiskSparseAdam with scenario R's settings."""
+    from adapters.torch import DiskEmbedding, DiskSparseAdam
+
+    sm, fm = REDUCED[name]
+    emb = DiskEmbedding(N, D, state_dir=tmp / f"ref{name}", padding_idx=PAD,
+                        init=init_table(), second_moment=sm, first_moment=fm)
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    for step in range(1, K + 1):
+        ids = [batch(step, r, 2) for r in range(2)]
+        loss = sum(reduced_loss(emb(torch.from_numpy(i)), step, r, 2) for r, i in enumerate(ids))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    st = emb.store
+    out = {"w": st.weights.copy(), "m": st.exp_avg.copy(), "v": st.exp_avg_sq.copy()}
     opt.close()
     emb.close()
     return out
@@ -481,6 +559,56 @@ def test_two_and_three_processes(tmp_path):
     assert time.monotonic() - t_start < 120
 
 
+def test_reduced_state_shards(tmp_path):
+    """Shards with row-wise v (and bfloat16 m) train as one process does, keep their settings
+    through checkpoint and reshard, and refuse to reopen with other settings."""
+    import dsa_core
+    from adapters.torch_dist import read_manifest
+    from adapters.torch_reshard import reshard
+
+    launch = Launch("R", 2, tmp_path)
+    try:
+        assert launch.wait(time.monotonic() + 90) == [0, 0], launch.output()
+    finally:
+        launch.close()
+    res = [result(tmp_path, "R", r) for r in range(2)]
+    for r in range(2):
+        assert res[r]["R1"] == {"second_moment": "rowwise", "first_moment": "full",
+                                "count": K}
+        assert res[r]["R2"] == {"second_moment": "rowwise", "first_moment": "bfloat16",
+                                "count": K}
+        sm_msg, fm_msg, curv_msg = res[r]["refused"]
+        assert sm_msg and "second_moment 'rowwise' there, 'elementwise' here" in sm_msg
+        assert fm_msg and "first_moment 'bfloat16' there, 'full' here" in fm_msg
+        assert curv_msg and "curvature" in curv_msg  # rowwise on the ball: refused up front
+        assert res[r]["unchanged"]
+    # row-wise v: one process on the concatenated batches, up to the duplicate-sum order
+    got, ref = assemble(tmp_path / "R1", 2), reduced_reference(tmp_path, "R1")
+    close_(got["w"], ref["w"])
+    close_(got["m"], ref["m"])
+    close_(got["v"][:, :1], ref["v"])
+    # + bfloat16 m: the stochastic rounding draws from each shard's local row numbers, so
+    # only the rounding differs. Each step's stored m is within one bfloat16 ulp (2^-7) of
+    # its value, b1 = 0.9 decays older gaps (m apart by under 0.041 of its scale after K
+    # steps), and a row-wise v lets a coordinate's |m_hat| / sqrt(v_hat) reach sqrt(D):
+    # weights apart by under K * lr * 0.041 * sqrt(D) = 0.035
+    got2, ref2 = assemble(tmp_path / "R2", 2), reduced_reference(tmp_path, "R2")
+    assert np.abs(got2["w"] - ref2["w"]).max() < K * LR_EMB * 0.041 * np.sqrt(D)
+    assert not np.array_equal(got2["m"], got["m"])  # it did store the rounded m
+    assert (got2["m"].view(np.uint32) & 0xFFFF == 0).all()  # bfloat16 values
+    man = read_manifest(tmp_path / "ckptR")
+    assert (man["second_moment"], man["first_moment"], man["count"]) == \
+        ("rowwise", "bfloat16", K1)
+    # reshard keeps the settings and the rows, bit for bit
+    reshard(tmp_path / "ckptR", tmp_path / "ckptR3", 3, "range")
+    old, new = assemble(tmp_path / "ckptR", 2), assemble(tmp_path / "ckptR3", 3, "range")
+    for key in "wmv":
+        np.testing.assert_array_equal(old[key], new[key])
+    st = dsa_core.open(tmp_path / "ckptR3" / "rank1", mode="r")
+    assert (st.second_moment, st.first_moment) == ("rowwise", "bfloat16")
+    dsa_core.close(st)
+
+
 @pytest.mark.gpu
 def test_nccl(tmp_path):
     """NCCL (tensors on the GPU): one rank per GPU, same results as one process."""
@@ -533,5 +661,7 @@ if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "worker":
     _scen, _rank, _world, _port, _tmp = sys.argv[2], *map(int, sys.argv[3:6]), Path(sys.argv[6])
     if _scen == "N":
         _nccl_worker(_rank, _world, _port, _tmp)
+    elif _scen == "R":
+        _reduced_worker(_rank, _world, _port, _tmp)
     else:
         _worker(_scen, _rank, _world, _port, _tmp)
