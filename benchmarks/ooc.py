@@ -25,7 +25,9 @@ run shows reads in flight (``filemap_read_folio``) and a full device queue (``bl
 Modes: ``plain`` (mapping with the OS default read-around), ``random`` (``MADV_RANDOM``, the
 dsa_core default), ``prefetch`` (``MADV_RANDOM`` + ``dsa_core.prefetch`` of the next batch while
 this step runs), ``pipeline`` (read-ahead plus write-back hints, ``sync_file_range``, for
-each finished batch; an experiment that measured slower, kept to show it). Hit rate = share
+each finished batch; an experiment that measured slower, kept to show it), ``logprobe`` (an
+experiment, not a design: the ceiling of a log-structured write path -- see ``LogProbe``). Hit
+rate = share
 of the batch's pages that were resident before its read-ahead was issued (mincore), i.e.
 what the page cache alone gave.
 Writes ``benchmarks/results/ooc.{json,csv,png}``.
@@ -193,11 +195,58 @@ class StackSampler:
                 self.counts[key] = self.counts.get(key, 0) + 1
 
 
+class LogProbe:
+    """What a log-structured write path could reach out of core: an upper bound, measured.
+
+    Each step reads the batch's records through the store's mapping (opened read-only, so
+    the store is never modified), applies a stand-in update to the copy, and appends the
+    updated records to a circular 4 GiB log file next to the store: one sequential write per
+    step, started with ``sync_file_range`` and its pages dropped from the cache two steps
+    later. Nothing is written in place. Left out, so the figure is a ceiling: the row ->
+    log-position index, reading rows from the log, cleaning the log, crash consistency.
+    """
+
+    LOG_BYTES = 4 << 30
+
+    def __init__(self, st, path: Path):
+        from dsa_core import _prefetch
+
+        self.st, self.pf, self.path = st, _prefetch, path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.pos, self.inflight = 0, []
+
+    def step(self, idx, g):
+        u = np.unique(idx)
+        rec = self.st.store.data[u]  # the random reads (prefetched like the real step)
+        d = self.st.dim
+        rec[:, :d] -= np.float32(1e-3) * g[: len(u)]  # stand-in for the Adam update
+        buf = rec.view(np.uint8).reshape(-1)
+        if self.pos + buf.size > self.LOG_BYTES:
+            self.pos = 0
+        os.pwrite(self.fd, buf, self.pos)
+        self.pf._sync_file_range(self.fd, self.pos, buf.size, 2)  # SYNC_FILE_RANGE_WRITE
+        self.inflight.append((self.pos, buf.size))
+        if len(self.inflight) > 2:  # written by now (or waited for): leave the cache
+            p0, n0 = self.inflight.pop(0)
+            self.pf._sync_file_range(self.fd, p0, n0, 1 | 2 | 4)  # wait, write, wait
+            os.posix_fadvise(self.fd, p0, n0, os.POSIX_FADV_DONTNEED)
+        self.pos += buf.size
+
+    def close(self):
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+
 def child(args) -> None:
     import dsa_core
     from dsa_core import _prefetch
 
-    st = dsa_core.open(args.store)
+    probe = None
+    if args.mode == "logprobe":
+        st = dsa_core.open(args.store, mode="r")  # never written: the log takes the updates
+        probe = LogProbe(st, Path(args.store).parent / f"logprobe_{os.getpid()}.log")
+    else:
+        st = dsa_core.open(args.store)
     mm = st.store._mm
     if args.mode == "plain":
         mm.madvise(mmap.MADV_NORMAL)  # the OS default: read-around on every fault
@@ -224,7 +273,10 @@ def child(args) -> None:
         if ahead and j < len(ids):
             dsa_core.prefetch(st, ids[j])
         t0 = time.perf_counter()
-        st = dsa_core.step(st, ids[k], grads[k % 4])
+        if probe is not None:
+            probe.step(ids[k], grads[k % 4])
+        else:
+            st = dsa_core.step(st, ids[k], grads[k % 4])
         dt = time.perf_counter() - t0
         if write_behind:
             _prefetch.writeback(st, ids[k])
@@ -236,6 +288,8 @@ def child(args) -> None:
     wall = time.perf_counter() - (t_start or time.perf_counter())
     io1 = disk_ios()
     stacks = sampler.stop() if sampler is not None else None
+    if probe is not None:
+        probe.close()
     dsa_core.close(st)
     warm_only = not times  # too slow to finish the warm-up in time: report what it did
     if warm_only:
@@ -279,7 +333,7 @@ def main(argv=None):
     ap.add_argument("--cap", default="2G")
     ap.add_argument("--dist", nargs="+", default=["uniform", "zipf"])
     ap.add_argument("--modes", nargs="+", default=["plain", "random", "prefetch"],
-                    choices=["plain", "random", "prefetch", "pipeline"])
+                    choices=["plain", "random", "prefetch", "pipeline", "logprobe"])
     ap.add_argument("--ahead", type=int, default=2, help="read-ahead depth (prefetch/pipeline)")
     ap.add_argument("--align", type=int, default=0,
                     help="record alignment in bytes (dsa_core.create(align=...)); 0 packs")
@@ -347,7 +401,7 @@ def main(argv=None):
             res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
                         "align": a.align, "second_moment": a.second_moment,
                         "first_moment": a.first_moment,
-                        "ahead": a.ahead if mode in ("prefetch", "pipeline") else 0,
+                        "ahead": a.ahead if mode in ("prefetch", "pipeline", "logprobe") else 0,
                         "memcap": peak[-1] if peak else ""})
             results.append(res)
             print(f"  {dist:<7} {mode:<8} {res['rows_per_s']:>10,.0f} rows/s  p50 "
