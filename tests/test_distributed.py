@@ -272,6 +272,7 @@ def _reduced_worker(rank: int, world: int, port: int, tmp: Path) -> None:
             out["refused"].append(str(exc))
     out["unchanged"] = digest() == before
     (tmp / f"R_rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
     dist.destroy_process_group()
 
 
