@@ -118,6 +118,9 @@ class State(NamedTuple):
                 np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
             raise ValueError(f"exp_avg must be a real ({self.num_rows}, {self.dim}) array for "
                              f"store {str(self.path)!r}; got {m.dtype} of shape {m.shape}")
+        if not st.data.flags.writeable:
+            raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
+                             "with dsa_core.open(path) (mode='r+', the writer) to set its moments")
         if not st.m_bf16:
             self.exp_avg[...] = m
             return

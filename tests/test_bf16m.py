@@ -147,6 +147,10 @@ def test_set_exp_avg_rounds_to_nearest_even(tmp_path):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(st.exp_avg_sq, 0)  # v untouched
     dsa_core.close(st)
+    ro = dsa_core.open(tmp_path / "b", mode="r")
+    with pytest.raises(ValueError, match=r"open read-only \(mode='r'\); open it with "):
+        ro.set_exp_avg(m)
+    dsa_core.close(ro)
     full = dsa_core.create(tmp_path / "f", N, D)
     full.set_exp_avg(m)
     np.testing.assert_array_equal(full.exp_avg.view(np.uint32), m.view(np.uint32))
