@@ -790,8 +790,7 @@ class ShardedDiskEmbedding(nn.Module):
                     "num_embeddings": self.num_embeddings,
                     "embedding_dim": self.embedding_dim, "dtype": st.dtype.name,
                     "curvature": st.curvature, "padding_idx": self.padding_idx,
-                    "second_moment": _store_setting(st)[0],
-                    "first_moment": _store_setting(st)[1], "count": int(st.count),
+                    **_store_settings(st), "count": int(st.count),
                     "shards": [f"rank{k}" for k in range(self.world_size)],
                     "local_rows": [self.plan.local_rows(k) for k in range(self.world_size)]}
         try:
@@ -810,7 +809,7 @@ class ShardedDiskEmbedding(nn.Module):
                 "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
                 "dtype": st.dtype.name, "curvature": st.curvature,
                 "padding_idx": self.padding_idx, "local_rows": st.num_rows,
-                "second_moment": _store_setting(st)[0], "first_moment": _store_setting(st)[1]}
+                **_store_settings(st)}
 
     # -- module plumbing ------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
@@ -976,9 +975,11 @@ def _decide(infos: list[dict], rank: int, world: int, resume_from, overwrite: bo
         f"pass overwrite=True to start afresh. Nothing was written")
 
 
-def _store_setting(st: dsa_core.State) -> tuple[str, str]:
-    """(second_moment, first_moment) of a shard store, as ShardedDiskEmbedding names them."""
-    return ("rowwise" if st.second_moment == "rowwise" else "elementwise", st.first_moment)
+def _store_settings(st: dsa_core.State) -> dict[str, str]:
+    """``second_moment`` and ``first_moment`` of a shard store, as ShardedDiskEmbedding's
+    arguments name them (the ball's per-row v is its default, "elementwise")."""
+    return {"second_moment": "rowwise" if st.second_moment == "rowwise" else "elementwise",
+            "first_moment": st.first_moment}
 
 
 def _with_setting_defaults(meta: dict) -> dict:
@@ -989,7 +990,7 @@ def _with_setting_defaults(meta: dict) -> dict:
 def _open_checked(path: Path, meta: dict) -> dsa_core.State:
     st = dsa_core.open(path)
     have = (st.num_rows, st.dim, st.dtype.name, st.curvature, st.has_weights,
-            *_store_setting(st))
+            *_store_settings(st).values())
     want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True,
             meta["second_moment"], meta["first_moment"])
     if have != want:

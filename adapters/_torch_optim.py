@@ -777,8 +777,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             todo.append((st, int(torch.as_tensor(s.get("step", 0))), m, v))
         for st, _, m, v in todo:
             if m is not None:
-                # bfloat16 m: rounded to nearest (State.set_exp_avg)
-                st.set_exp_avg(m.numpy().astype(st.dtype, copy=False))
+                st.set_exp_avg(m.numpy())  # cast to the store (bfloat16 m: to nearest)
                 st.exp_avg_sq[...] = v.numpy().astype(st.dtype, copy=False)
         return [t for _, t, _, _ in todo]
 

@@ -26,10 +26,9 @@ Modes: ``plain`` (mapping with the OS default read-around), ``random`` (``MADV_R
 dsa_core default), ``prefetch`` (``MADV_RANDOM`` + ``dsa_core.prefetch`` of the next batch while
 this step runs), ``pipeline`` (read-ahead plus write-back hints, ``sync_file_range``, for
 each finished batch; an experiment that measured slower, kept to show it), ``logprobe`` (an
-experiment, not a design: the ceiling of a log-structured write path -- see ``LogProbe``). Hit
-rate = share
-of the batch's pages that were resident before its read-ahead was issued (mincore), i.e.
-what the page cache alone gave.
+experiment, not a design: the ceiling of a log-structured write path -- see ``LogProbe``).
+Hit rate = share of the batch's pages that were resident before its read-ahead was issued
+(mincore), i.e. what the page cache alone gave.
 Writes ``benchmarks/results/ooc.{json,csv,png}``.
 """
 
@@ -153,6 +152,11 @@ def measure_disk(file: Path, seconds: int, qds=(1, 32)) -> dict:
 
 
 # -- one run (child process) ---------------------------------------------------------------------
+def read_ahead(mode: str, ahead: int) -> int:
+    """Batches read ahead in ``mode``: none for the bare mappings, ``--ahead`` otherwise."""
+    return 0 if mode in ("plain", "random") else ahead
+
+
 class StackSampler:
     """Where this process's threads wait in the kernel: ``/proc/self/task/*/stack`` every
     ``period`` s (root only; otherwise it samples nothing).
@@ -207,6 +211,7 @@ class LogProbe:
     """
 
     LOG_BYTES = 4 << 30
+    WAIT_BEFORE, WAIT_AFTER = 1, 4  # SYNC_FILE_RANGE_WAIT_BEFORE / _WAIT_AFTER
 
     def __init__(self, st, path: Path):
         from dsa_core import _prefetch
@@ -224,11 +229,13 @@ class LogProbe:
         if self.pos + buf.size > self.LOG_BYTES:
             self.pos = 0
         os.pwrite(self.fd, buf, self.pos)
-        self.pf._sync_file_range(self.fd, self.pos, buf.size, 2)  # SYNC_FILE_RANGE_WRITE
+        write = self.pf.SYNC_FILE_RANGE_WRITE
+        self.pf._sync_file_range(self.fd, self.pos, buf.size, write)
         self.inflight.append((self.pos, buf.size))
         if len(self.inflight) > 2:  # written by now (or waited for): leave the cache
             p0, n0 = self.inflight.pop(0)
-            self.pf._sync_file_range(self.fd, p0, n0, 1 | 2 | 4)  # wait, write, wait
+            self.pf._sync_file_range(self.fd, p0, n0,
+                                     self.WAIT_BEFORE | write | self.WAIT_AFTER)
             os.posix_fadvise(self.fd, p0, n0, os.POSIX_FADV_DONTNEED)
         self.pos += buf.size
 
@@ -256,7 +263,7 @@ def child(args) -> None:
     dsa_core.warmup(("float32",))
     times, hits, all_times = [], [], []
     deadline = time.perf_counter() + args.max_seconds
-    ahead = {"plain": 0, "random": 0}.get(args.mode, args.ahead)
+    ahead = read_ahead(args.mode, args.ahead)
     write_behind = args.mode == "pipeline"
     for j in range(min(ahead, len(ids))):
         dsa_core.prefetch(st, ids[j])
@@ -401,7 +408,7 @@ def main(argv=None):
             res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
                         "align": a.align, "second_moment": a.second_moment,
                         "first_moment": a.first_moment,
-                        "ahead": a.ahead if mode in ("prefetch", "pipeline", "logprobe") else 0,
+                        "ahead": read_ahead(mode, a.ahead),
                         "memcap": peak[-1] if peak else ""})
             results.append(res)
             print(f"  {dist:<7} {mode:<8} {res['rows_per_s']:>10,.0f} rows/s  p50 "
