@@ -4,26 +4,48 @@ The Adam state (and, optionally, the weights) of an embedding table lives in one
 fixed-size row records, mapped into memory; each step updates only the rows of its batch,
 in place, with Numba kernels.
 
->>> import numpy as np, dsa_core
->>> state = dsa_core.create(tmp / "emb", num_rows=1000, dim=8, lr=1e-2)   # doctest: +SKIP
->>> state = dsa_core.step(state, np.array([3, 7, 3]), np.ones((3, 8), np.float32))  # +SKIP
->>> dsa_core.gather(state, [3]).shape, state.count                          # doctest: +SKIP
+>>> import tempfile, pathlib, numpy as np, dsa_core
+>>> tmp = pathlib.Path(tempfile.mkdtemp())
+>>> state = dsa_core.create(tmp / "emb", num_rows=1000, dim=8, lr=1e-2)
+>>> state = dsa_core.step(state, np.array([3, 7, 3]), np.ones((3, 8), np.float32))
+>>> dsa_core.gather(state, [3]).shape, state.count
 ((1, 8), 1)
+>>> dsa_core.close(state)
 
-The core never imports torch or jax; ``adapters.torch`` and ``adapters.jax`` sit on it.
+``step`` returns a new ``State`` (count + 1) and the one passed in becomes outdated: keep
+the returned value. The core never imports torch or jax; ``adapters.torch`` and
+``adapters.jax`` sit on this public API.
 """
 
-from ._format import ACCESS_MODES, FORMAT_VERSION, StoreLockedError, check_access
-from ._pool import get_threads
+from . import validation
+from ._files import staged_dir, write_json
+from ._layout import FORMAT_VERSION
+from ._paging import ACCESS_MODES, check_access
+from ._pool import get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
-from ._state import State, checkpoint, close, create, flush, open, remove
-from ._step import gather, step, threads, warmup
+from ._state import (
+    StaleStateError,
+    State,
+    checkpoint,
+    close,
+    create,
+    flush,
+    open,
+    read_records,
+    remove,
+    restore,
+    set_count,
+    write_records,
+)
+from ._step import gather, step, warmup
+from ._store import StoreLockedError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACCESS_MODES",
     "FORMAT_VERSION",
+    "StaleStateError",
     "State",
     "StoreLockedError",
     "check_access",
@@ -32,13 +54,20 @@ __all__ = [
     "create",
     "flush",
     "gather",
-    "get_threads",
+    "get_num_threads",
     "open",
     "prefetch",
     "prefetched",
+    "read_records",
     "remove",
     "residency",
+    "restore",
+    "set_count",
+    "set_num_threads",
+    "staged_dir",
     "step",
-    "threads",
+    "validation",
     "warmup",
+    "write_json",
+    "write_records",
 ]

@@ -1,19 +1,25 @@
 """Command line: ``python -m dsa_core`` or ``dsa``.
 
-    dsa info   STORE              shape, dtype, curvature, count, hyperparameters, size, format
+    dsa info   PATH               a store: shape, dtype, curvature, count, hyperparameters, size,
+                                  format, whether a writer holds it; a directory of stores (an
+                                  optimizer's state_dir, a checkpoint): one line per store
     dsa export STORE OUT.npy      the weights as a .npy file, written in chunks
     dsa verify STORE              header, finite values, rows inside the ball (c > 0)
     dsa bench  [--rows N]         a quick warm benchmark of this machine
 
 ``info``, ``export`` and ``verify`` open the store read-only (no lock), so they can run while
-a training process writes to it.
+a training process writes to it. The count they show is the one in ``manifest.json``: with
+``durability="flush"`` (the default) that is the count at the writer's last flush.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -23,10 +29,147 @@ import numpy as np
 
 CHUNK_BYTES = 1 << 26
 
+# On-disk names (the store format, see docs/storage.md). The CLI reads them directly rather
+# than through the core's private modules, so it does not depend on how those are split.
+FORMAT_NAME = "dsa-store"
+MANIFEST_FILE = "manifest.json"
+DATA_FILE = "rows.dsa"
+WRITER_LOCK = "writer.lock"          # the writer holds LOCK_EX on it while the store is open
+# Files the adapters leave next to their stores; only used to say what a directory is.
+DIR_MARKERS = {
+    ".dsa-torch.lock": "the state_dir of a torch DiskSparseAdam",
+    "optimizer.pt": "a DiskSparseAdam checkpoint (opt.checkpoint)",
+    "checkpoint.json": "a JAX optimizer checkpoint (adapters.jax.checkpoint)",
+}
+SHARD_FILE = "shard.json"            # rank{k}/shard.json: a ShardedDiskEmbedding shard
+SCAN_DEPTH = 2                       # how deep `dsa info DIR` looks for stores
+
+
+# -- argument types ---------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``1_000_000`` allowed)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def existing_dir(text: str) -> str:
+    """argparse type: a directory that exists."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+    return text
+
+
+# -- looking at a path without opening it -----------------------------------------------------
+def lock_held(path: Path) -> bool | None:
+    """Whether another open file holds an exclusive ``flock`` on ``path``.
+
+    A non-blocking shared lock is tried and, if granted, released at once: the writer keeps
+    its exclusive lock untouched. ``False`` when the file does not exist (nobody ever held
+    it, or the store was never opened for writing); ``None`` when it cannot be told.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _manifest(directory: Path) -> dict | None:
+    """The store manifest in ``directory``, or None if there is none / it is not a store's."""
+    try:
+        m = json.loads((directory / MANIFEST_FILE).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == FORMAT_NAME else None
+
+
+def _damage(directory: Path) -> str | None:
+    """What is wrong with a directory that holds store files but no manifest, else None."""
+    if (directory / MANIFEST_FILE).exists():
+        return None
+    if (directory / DATA_FILE).exists():
+        return (f"{str(directory)!r} is a damaged DSA store: its data file {DATA_FILE} is "
+                f"present but {MANIFEST_FILE} is missing (it holds the shape, layout, "
+                "hyperparameters and count, so the rows cannot be read). Restore the store "
+                "from a checkpoint, or delete the directory and create it again")
+    if (directory / (DATA_FILE + ".tmp")).exists():
+        return (f"{str(directory)!r} holds only {DATA_FILE}.tmp: a dsa_core.create that was "
+                "interrupted (or is running now). Delete the directory and create the store "
+                "again")
+    return None
+
+
+def _find_stores(root: Path, depth: int = SCAN_DEPTH) -> list[tuple[Path, str | None]]:
+    """Stores in the subdirectories of ``root``, up to ``depth`` levels down, sorted.
+
+    Each entry is ``(path, None)`` for a store and ``(path, message)`` for a damaged one. A
+    store's own subdirectories are not searched.
+    """
+    found: list[tuple[Path, str | None]] = []
+    if depth < 1:
+        return found
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir())
+    except OSError:
+        return found
+    for child in children:
+        if _manifest(child) is not None:
+            found.append((child, None))
+        elif (bad := _damage(child)) is not None:
+            found.append((child, bad))
+        else:
+            found.extend(_find_stores(child, depth - 1))
+    return found
+
+
+def _not_a_store(path) -> None:
+    """Raise a clear SystemExit for a path that is not a store but tells us something."""
+    directory = Path(path)
+    if not directory.is_dir() or (directory / MANIFEST_FILE).exists():
+        return
+    if (bad := _damage(directory)) is not None:
+        raise SystemExit(f"dsa: {bad}")
+    stores = _find_stores(directory)
+    if stores:
+        names = ", ".join(str(p.relative_to(directory)) for p, _ in stores[:8])
+        more = f" and {len(stores) - 8} more" if len(stores) > 8 else ""
+        raise SystemExit(
+            f"dsa: {str(directory)!r} is not a DSA store itself but holds {len(stores)} "
+            f"store(s): {names}{more}. Pass one of them (`dsa info {path}` lists them)")
+
 
 def _open(path):
     import dsa_core
 
+    _not_a_store(path)
     try:
         return dsa_core.open(path, mode="r")
     except (FileNotFoundError, ValueError) as exc:
@@ -45,31 +188,128 @@ def _bar(total, desc, enabled=True):
     return tqdm(total=total, desc=desc, unit="row", unit_scale=True, disable=not enabled)
 
 
-def cmd_info(a) -> int:
-    st = _open(a.store)
-    from dsa_core import _format
+# -- info ------------------------------------------------------------------------------------
+def _geometry(st) -> str:
+    if st.curvature > 0:
+        return "poincare ball"
+    return ("euclidean (SparseAdam)" if st.second_moment == "elementwise"
+            else "euclidean (row-wise second moment)")
 
-    size = sum(p.stat().st_size for p in Path(a.store).iterdir() if p.is_file())
-    info = {
+
+def _count_as_of(durability: str) -> str:
+    return ("the last step (durability='step' commits every step)" if durability == "step"
+            else "the last flush")
+
+
+def _writer_note(st, writer: bool | None) -> str:
+    if writer is None:
+        return f"unknown (could not probe {WRITER_LOCK})"
+    if not writer:
+        return "none (no process has the store open for writing)"
+    if st.durability == "step":
+        return "a writer holds this store (durability='step': the count above is current)"
+    return ("a writer holds this store: steps since its last flush are not counted here "
+            "(dsa_core.flush or checkpoint updates the count)")
+
+
+def _info(st) -> dict:
+    path = Path(st.path)
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    manifest = _manifest(path) or {}
+    return {
         "path": str(st.path), "num_rows": st.num_rows, "dim": st.dim, "dtype": st.dtype.name,
-        "curvature": st.curvature,
-        "geometry": "poincare ball" if st.curvature > 0 else (
-            "euclidean (SparseAdam)" if st.second_moment == "elementwise"
-            else "euclidean (row-wise second moment)"),
+        "curvature": st.curvature, "geometry": _geometry(st),
         "second_moment": st.second_moment,
-        "weights": st.has_weights, "count": st.count, "lr": st.lr, "betas": list(st.betas),
+        "weights": st.has_weights, "count": st.count,
+        "count_as_of": _count_as_of(st.durability),
+        "writer_active": lock_held(path / WRITER_LOCK),
+        "lr": st.lr, "betas": list(st.betas),
         "eps": st.eps, "maximize": st.maximize, "ball_eps": st.ball_eps,
         "nonfinite": st.nonfinite, "durability": st.durability,
         "record_bytes": st.store.stride * st.dtype.itemsize,
-        "size_on_disk_bytes": size, "format_version": _format.layout_version(st.store.layout),
+        "size_on_disk_bytes": size, "format_version": manifest.get("version"),
     }
+
+
+def _summary(st, info: dict) -> str:
+    """One line for a store in a directory listing."""
+    s = (f"{st.num_rows:,} x {st.dim} {st.dtype.name}, {info['geometry']}, "
+         f"count {st.count} (at {_count_as_of(st.durability)})")
+    if info["writer_active"]:
+        s += ", a writer holds it now"
+    if not st.has_weights:
+        s += ", moments only"
+    return s
+
+
+def _dir_kinds(directory: Path) -> list[str]:
+    """What the adapter files in ``directory`` say it is (best effort, by file name)."""
+    kinds = [what for name, what in DIR_MARKERS.items() if (directory / name).exists()]
+    if any((p / SHARD_FILE).is_file() for p in directory.glob("rank*")):
+        kinds.append("the shards of a ShardedDiskEmbedding (rank*/shard.json)")
+    return kinds
+
+
+def _info_dir(a, directory: Path, stores) -> int:
+    import dsa_core
+
+    kinds = _dir_kinds(directory)
+    owner = lock_held(directory / ".dsa-torch.lock")
+    listing = []
+    for p, bad in stores:
+        name = str(p.relative_to(directory))
+        if bad is None:
+            try:
+                st = dsa_core.open(p, mode="r")
+            except (OSError, ValueError) as exc:
+                bad = str(exc)
+            else:
+                info = _info(st)
+                listing.append({"name": name, "summary": _summary(st, info), **info})
+                continue
+        listing.append({"name": name, "path": str(p), "error": bad})
+    if a.json:
+        print(json.dumps({"path": str(directory), "kind": kinds, "optimizer_active": owner,
+                          "stores": listing}, indent=1))
+        return 0
+    n_ok = sum("error" not in e for e in listing)
+    head = f"{directory}: not a DSA store itself; it holds {n_ok} store(s)"
+    if len(listing) > n_ok:
+        head += f" and {len(listing) - n_ok} damaged one(s)"
+    print(head + (f" ({'; '.join(kinds)})" if kinds else "") + ":")
+    if owner:
+        print("  an optimizer holds this state_dir now")
+    width = max(len(e["name"]) for e in listing) + 1
+    for e in listing:
+        text = e.get("summary") or f"DAMAGED: {e['error']}"
+        print(f"  {e['name'] + '/':<{width}}  {text}")
+    print(f"(`dsa info {directory / listing[0]['name']}` shows one in full)")
+    return 0
+
+
+def cmd_info(a) -> int:
+    directory = Path(a.store)
+    if directory.is_dir() and not (directory / MANIFEST_FILE).exists():
+        if (bad := _damage(directory)) is not None:
+            raise SystemExit(f"dsa: {bad}")
+        stores = _find_stores(directory)
+        if stores:
+            return _info_dir(a, directory, stores)
+    st = _open(a.store)
+    info = _info(st)
     if a.json:
         print(json.dumps(info, indent=1))
-    else:
-        for k, v in info.items():
-            if k == "size_on_disk_bytes":
-                v = f"{v:,} ({v / 2**30:.2f} GiB)"
-            print(f"{k:>18}: {v}")
+        return 0
+    for k, v in info.items():
+        if k == "count_as_of":
+            continue
+        if k == "size_on_disk_bytes":
+            v = f"{v:,} ({v / 2**30:.2f} GiB)"
+        elif k == "count":
+            v = f"{v} (at {info['count_as_of']})"
+        elif k == "writer_active":
+            k, v = "writer", _writer_note(st, v)
+        print(f"{k:>18}: {v}")
     return 0
 
 
@@ -88,7 +328,8 @@ def cmd_export(a) -> int:
             bar.update(hi - lo)
     dst.flush()
     del dst
-    print(f"wrote {out} ({st.num_rows} x {st.dim} {st.dtype.name}, count {st.count})")
+    print(f"wrote {out} ({st.num_rows} x {st.dim} {st.dtype.name}, "
+          f"count {st.count} at {_count_as_of(st.durability)})")
     return 0
 
 
@@ -115,10 +356,10 @@ def cmd_verify(a) -> int:
     if outside:
         problems.append(f"{outside} rows lie on or outside the Poincaré ball "
                         f"(norm >= 1/sqrt(c) = {1 / math.sqrt(c):.6g})")
-    from dsa_core import _format
-
-    version = _format.read_manifest(st.path)["version"]
+    version = (_manifest(Path(st.path)) or {}).get("version")
     print(f"{st.path}: header and size ok, format v{version}, count {st.count}")
+    if lock_held(Path(st.path) / WRITER_LOCK):
+        print("  note: a writer holds this store; rows it is changing now may read half-done")
     for p in problems:
         print(f"  PROBLEM: {p}")
     if not problems:
@@ -168,32 +409,67 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="dsa", description="Inspect and benchmark DSA stores.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("info", help="shape, dtype, curvature, count, hyperparameters, size")
-    p.add_argument("store")
-    p.add_argument("--json", action="store_true")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dsa", description="Inspect and benchmark DSA stores (out-of-core sparse Adam). "
+        "info, export and verify open a store read-only, so they can run during training.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    quiet = "no progress bar"
+
+    p = sub.add_parser(
+        "info", help="shape, dtype, curvature, count, hyperparameters, size of a store; "
+        "or the stores in a directory (an optimizer's state_dir, a checkpoint)",
+        description="Show a store's shape, dtype, geometry, count, hyperparameters, size and "
+        "format, and whether a writer holds it now. The count is the one in manifest.json: "
+        "with durability='flush' (the default), the count at the writer's last flush. On a "
+        "directory that is not a store (an optimizer's state_dir, a checkpoint, the shards of "
+        f"a ShardedDiskEmbedding), list the stores up to {SCAN_DEPTH} levels below it.")
+    p.add_argument("store", metavar="PATH",
+                   help="a store directory, or a directory holding stores")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("export", help="write the weights to a .npy file (chunked)")
-    p.add_argument("store")
-    p.add_argument("out")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+
+    p = sub.add_parser("export", help="write the weights to a .npy file (chunked)",
+                       description="Write a store's weights to a .npy file, in chunks of "
+                       f"{CHUNK_BYTES >> 20} MiB, without loading the table into memory.")
+    p.add_argument("store", metavar="STORE", help="the store directory")
+    p.add_argument("out", metavar="OUT.npy", help="the .npy file to write")
+    p.add_argument("--force", action="store_true", help="overwrite OUT.npy if it exists")
+    p.add_argument("--quiet", action="store_true", help=quiet)
     p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("verify", help="check finiteness and (c > 0) that rows are in the ball")
-    p.add_argument("store")
-    p.add_argument("--quiet", action="store_true")
+
+    p = sub.add_parser("verify", help="check finiteness and (c > 0) that rows are in the ball",
+                       description="Check a store's header and size, that every value is "
+                       "finite and, for the Poincaré ball (c > 0), that every row lies inside "
+                       "the ball. Exit status 1 if a problem is found.")
+    p.add_argument("store", metavar="STORE", help="the store directory")
+    p.add_argument("--quiet", action="store_true", help=quiet)
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("bench", help="a quick warm benchmark of this machine")
-    p.add_argument("--rows", type=int, default=200_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--curvature", type=float, default=0.0)
-    p.add_argument("--workdir", default=None)
+
+    p = sub.add_parser("bench", help="a quick warm benchmark of this machine",
+                       description="Step a temporary store with random batches and report "
+                       "rows/s (median of the steps after 10 warm-up steps); with torch "
+                       "installed and c = 0, torch.optim.SparseAdam on the same batches.")
+    p.add_argument("--rows", type=positive_int, default=200_000, metavar="N",
+                   help="rows of the temporary table (default: %(default)s)")
+    p.add_argument("--dim", type=positive_int, default=128, metavar="D",
+                   help="embedding dimension (default: %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=2048, metavar="B",
+                   help="row ids per step, drawn with replacement (default: %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=100, metavar="S",
+                   help="timed steps, after 10 warm-up steps (default: %(default)s)")
+    p.add_argument("--curvature", type=nonnegative_float, default=0.0, metavar="C",
+                   help="0: Euclidean (SparseAdam); > 0: Poincaré ball of curvature -C "
+                   "(default: %(default)s)")
+    p.add_argument("--workdir", type=existing_dir, default=None, metavar="DIR",
+                   help="where to put the temporary store (default: the system temp dir); "
+                   "use the disk you mean to train on")
     p.set_defaults(fn=cmd_bench)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
     return a.fn(a)
 
 

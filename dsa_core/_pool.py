@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["get_threads", "run_chunked", "set_threads"]
+import numpy as np
+
+__all__ = ["get_num_threads", "run_chunked", "set_num_threads"]
 
 
 def _default_threads() -> int:
@@ -124,14 +126,20 @@ def run_chunked(fn, args: tuple, n: int, min_chunk: int = 64) -> None:
     _POOL.run(fn, args, n, min_chunk)
 
 
-def set_threads(n: int) -> int:
-    """Set the number of threads (the caller included); returns the previous value."""
-    n = int(n)
+def set_num_threads(n: int) -> None:
+    """Run the kernels on ``n`` threads from now on (the calling thread included).
+
+    As ``numba.set_num_threads`` and ``torch.set_num_threads``. The default is the number
+    of CPUs this process may use (its affinity mask), or the environment variable
+    ``DSA_NUM_THREADS``. Results do not depend on it: each row is updated by one thread.
+    """
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"num_threads must be an int >= 1, got {n!r}")
     if n < 1:
-        raise ValueError(f"threads must be >= 1, got {n}")
-    old, _POOL.threads = _POOL.threads, n
-    return old
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    _POOL.threads = int(n)
 
 
-def get_threads() -> int:
+def get_num_threads() -> int:
+    """The number of threads the kernels run on (see :func:`set_num_threads`)."""
     return _POOL.threads

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from ._format import HEADER_BYTES
+from ._layout import HEADER_BYTES
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)

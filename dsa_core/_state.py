@@ -1,24 +1,38 @@
-"""The ``State`` value and the store's life cycle: create, open, flush, close.
+"""The ``State`` value and the store's life cycle: create, open, flush, checkpoint, close.
 
-Policy only: argument checks, initialisation and the manifest contents. The bytes on
-disk are ``_format``'s business.
+Policy only: initialisation, the manifest contents, which State is current. The bytes on
+disk are ``_layout``'s and ``_store``'s business, the argument rules ``validation``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _format
-from ._format import Store
+from . import _layout
+from ._files import copy_file, staged_dir
+from ._paging import check_access
+from ._store import Store
+from .validation import (
+    DURABILITY_MODES,
+    INIT_NAMES,
+    check_curvature,
+    check_dtype,
+    check_first_moment,
+    check_hparams,
+    check_positive_int,
+    check_second_moment,
+)
 
-NONFINITE_MODES = ("propagate", "skip_row", "raise")
-DURABILITY_MODES = ("flush", "step")
 _INIT_CHUNK_BYTES = 1 << 24  # 16 MiB of records per initialisation chunk
 
 
@@ -44,6 +58,44 @@ class State(NamedTuple):
     @property
     def path(self) -> Path:
         return self.store.path
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(num_rows, dim)``: the shape of the embedding table."""
+        return (self.store.num_rows, self.store.dim)
+
+    @property
+    def closed(self) -> bool:
+        """True after :func:`dsa_core.close` (by this or any State of the same store)."""
+        return self.store.closed
+
+    @property
+    def writable(self) -> bool:
+        """True while the store is open for writing (``mode="r+"``, not closed)."""
+        return not self.store.closed and self.store.mode == "r+"
+
+    @property
+    def current(self) -> bool:
+        """True if this is the store's newest State: the one that may step, flush, checkpoint.
+
+        ``s1 = step(s0, ...)`` makes ``s0`` outdated: its ``count`` no longer says how many
+        steps the rows on disk have taken. ``s1._replace(lr=...)`` stays current.
+        """
+        return self.count == self.store.count
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The record layout (a copy): shape, dtype, curvature, column offsets, stride.
+
+        Two stores can exchange records (:func:`dsa_core.restore`,
+        :func:`dsa_core.write_records`) exactly when their layouts are equal.
+        """
+        return dict(self.store.layout)
+
+    @property
+    def access(self) -> str:
+        """How the mapping is paged: ``"ram"`` or ``"disk"`` (``"auto"`` resolved at open)."""
+        return self.store.access
 
     @property
     def num_rows(self) -> int:
@@ -145,6 +197,10 @@ class State(NamedTuple):
                 f"maximize={self.maximize})")
 
 
+class StaleStateError(RuntimeError):
+    """A ``State`` older than its store's newest one was stepped, flushed or checkpointed."""
+
+
 def bf16_nearest_even(x: np.ndarray) -> np.ndarray:
     """The bfloat16 bits (uint16) nearest to float32 ``x``, ties to even; NaN stays NaN."""
     b = x.view(np.uint32).astype(np.uint64)
@@ -155,116 +211,15 @@ def bf16_nearest_even(x: np.ndarray) -> np.ndarray:
     return r
 
 
-# -- validation ------------------------------------------------------------------------------
-def check_lr(lr: Any, *, allow_zero: bool = False) -> float:
-    """A finite lr > 0 (or >= 0 for a per-step value: schedules may reach 0)."""
-    try:
-        lr = float(lr)
-    except (TypeError, ValueError):
-        raise TypeError(f"lr must be a real number > 0, got {lr!r}") from None
-    if not (math.isfinite(lr) and (lr >= 0.0 if allow_zero else lr > 0.0)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"Invalid learning rate: {lr}; lr must be a finite number {bound}")
-    return lr
-
-
-def check_hparams(lr, betas, eps, maximize, nonfinite) -> tuple:
-    lr = check_lr(lr)
-    try:
-        eps = float(eps)
-    except (TypeError, ValueError):
-        raise TypeError(f"eps must be a real number > 0, got {eps!r}") from None
-    if not (math.isfinite(eps) and eps > 0.0):
-        raise ValueError(f"Invalid epsilon value: {eps}; eps must be a finite number > 0 "
-                         "(eps = 0 divides 0 by 0 for a row with a zero gradient)")
-    try:
-        b1, b2 = (float(b) for b in betas)
-    except (TypeError, ValueError):
-        raise TypeError(f"betas must be a pair of floats in [0, 1), got {betas!r}") from None
-    for i, b in enumerate((b1, b2)):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}; betas must lie "
-                             "in [0, 1), e.g. betas=(0.9, 0.999)")
-    if not isinstance(maximize, (bool, np.bool_)):
-        raise TypeError(f"maximize must be a bool, got {maximize!r}")
-    if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    return lr, (b1, b2), eps, bool(maximize), nonfinite
-
-
-def check_dtype(dtype: Any) -> np.dtype:
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        name = getattr(dtype, "name", None) or str(dtype)
-    if name in ("float16", "half", "bfloat16", "torch.float16", "torch.bfloat16"):
-        raise ValueError(
-            f"dtype {name} is not supported: float16 rounds eps=1e-8 to 0 and underflows "
-            "(1-beta2)*g^2, and bfloat16 loses the 0.999 decay (spec §6); use dtype='float32'")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be 'float32' or 'float64', got {dtype!r}") from None
-    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise ValueError(f"dtype must be 'float32' or 'float64', got {dt.name!r}")
-    return dt
-
-
-def check_curvature(curvature: Any) -> float:
-    try:
-        c = float(curvature)
-    except (TypeError, ValueError):
-        raise TypeError(f"curvature must be a real number >= 0, got {curvature!r}") from None
-    if not (math.isfinite(c) and c >= 0.0):
-        raise ValueError(
-            f"curvature must be finite and >= 0 (0: Euclidean SparseAdam, c > 0: Poincaré "
-            f"ball of curvature -c), got {curvature!r}")
-    return c
-
-
-def check_second_moment(second_moment: Any, curvature: float) -> str:
-    """``"elementwise"`` or ``"rowwise"``; row-wise applies to the Euclidean kernel only."""
-    if second_moment not in _format.SECOND_MOMENTS:
-        raise ValueError(f"second_moment must be one of {_format.SECOND_MOMENTS}, got "
-                         f"{second_moment!r}")
-    if second_moment == "rowwise" and curvature > 0:
-        raise ValueError(
-            "second_moment='rowwise' is for curvature == 0: the ball kernel (curvature "
-            f"{curvature}) already keeps one second-moment scalar per row (the Riemannian "
-            "norm, spec §3.2); leave second_moment at 'elementwise'")
-    return second_moment
-
-
-def check_first_moment(first_moment: Any, curvature: float, dtype: np.dtype) -> str:
-    """``"full"`` or ``"bfloat16"``; bfloat16 m is for float32 Euclidean stores."""
-    if first_moment not in _format.FIRST_MOMENTS:
-        raise ValueError(f"first_moment must be one of {_format.FIRST_MOMENTS}, got "
-                         f"{first_moment!r}")
-    if first_moment == "bfloat16" and (curvature > 0 or np.dtype(dtype) != np.float32):
-        raise ValueError(
-            "first_moment='bfloat16' is for float32 stores with curvature == 0 (got dtype "
-            f"{np.dtype(dtype).name}, curvature {curvature}): the ball transports m, and a "
-            "float64 store keeps full precision on purpose. Use first_moment='full'")
-    return first_moment
-
-
 def default_ball_eps(dtype: np.dtype) -> float:
-    """geoopt's projection margin: 4e-3 for float32, 1e-5 for float64 (spec §3.1)."""
+    """geoopt's projection margin: 4e-3 for float32, 1e-5 for float64 (docs/algorithms.md §3.1)."""
     return 4e-3 if np.dtype(dtype) == np.float32 else 1e-5
 
 
 def maxnorm(c: float, ball_eps: float, dtype: np.dtype):
-    """The projection radius in T: fl(1/sqrt(c + 1e-15)) * fl(1 - ball_eps) (spec §4)."""
+    """The projection radius in T: fl(1/sqrt(c + 1e-15)) * fl(1 - ball_eps) (docs/algorithms.md §4)."""
     T = np.dtype(dtype).type
     return (T(1) / np.sqrt(T(c) + T(1e-15))) * T(1 - ball_eps)
-
-
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return int(value)
 
 
 # -- initialisation ----------------------------------------------------------------------------
@@ -350,8 +305,8 @@ def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_eps: float
 # -- life cycle ----------------------------------------------------------------------------------
 def _manifest(state: State) -> dict[str, Any]:
     return {
-        "format": _format.FORMAT_NAME,
-        "version": _format.layout_version(state.store.layout),
+        "format": _layout.FORMAT_NAME,
+        "version": _layout.layout_version(state.store.layout),
         "layout": state.store.layout,
         "count": int(state.count),
         "hparams": {
@@ -446,8 +401,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     State
         Open for writing; this process holds the store's writer lock until ``close``.
     """
-    num_rows = _check_int("num_rows", num_rows)
-    dim = _check_int("dim", dim)
+    num_rows = check_positive_int("num_rows", num_rows)
+    dim = check_positive_int("dim", dim)
     dt = check_dtype(dtype)
     c = check_curvature(curvature)
     lr, betas, eps, maximize, nonfinite = check_hparams(lr, betas, eps, maximize, nonfinite)
@@ -461,22 +416,26 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     if not isinstance(weights, (bool, np.bool_)):
         raise TypeError(f"weights must be a bool, got {weights!r}")
     if durability not in DURABILITY_MODES:
-        raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
-    _format.check_access(access)
+        raise ValueError(f"durability must be one of {DURABILITY_MODES} ('flush': durable at "
+                         "flush/checkpoint; 'step': every step atomic), got "
+                         f"{durability!r}")
+    check_access(access)
     if isinstance(align, (bool, np.bool_)) or not isinstance(align, (int, np.integer)) \
             or align < 0 or (align and align % dt.itemsize):
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
                          f"got {align!r}")
-    layout = _format.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
+    layout = _layout.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
                                  second_moment, first_moment)
+    if isinstance(init, str) and init == "zeros":
+        init = None  # the records start as zeros (fallocate)
     if init is not None:
         if not weights:
             raise ValueError("init sets the weights, but weights=False stores hold none; "
                              "drop init or use weights=True")
         if isinstance(init, str):
-            if init not in ("normal", "uniform"):
-                raise ValueError(f"init must be None, an array of shape ({num_rows}, {dim}), "
-                                 f"'normal' or 'uniform'; got {init!r}")
+            if init not in INIT_NAMES:
+                raise ValueError(f"init must be None, an array of shape ({num_rows}, {dim}) "
+                                 f"or one of {INIT_NAMES}; got {init!r}")
             init_scale = float(init_scale)
             if not (math.isfinite(init_scale) and init_scale >= 0):
                 raise ValueError(f"init_scale must be finite and >= 0, got {init_scale}")
@@ -487,9 +446,15 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
-    existing = [p for p in (_format.MANIFEST_FILE, _format.DATA_FILE)
+    existing = [p for p in (_layout.MANIFEST_FILE, _layout.DATA_FILE)
                 if (directory / p).exists()]
     if existing and not overwrite:
+        if _layout.MANIFEST_FILE not in existing:
+            raise FileExistsError(
+                f"{str(directory)!r} holds a data file ({_layout.DATA_FILE}) but no "
+                f"{_layout.MANIFEST_FILE}: a damaged store (its manifest was deleted) that "
+                "cannot be opened. Restore it from a checkpoint, or pass overwrite=True to "
+                "replace it with a new store")
         raise FileExistsError(
             f"a store already exists at {str(directory)!r} ({', '.join(existing)}); "
             "open it with dsa_core.open(path) or pass overwrite=True to replace it")
@@ -499,22 +464,57 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         probe = Store(directory, layout, "r+")
         probe._lock()
         probe._release()
-        (directory / _format.MANIFEST_FILE).unlink(missing_ok=True)
-        (directory / _format.DATA_FILE).unlink(missing_ok=True)
-        (directory / _format.JOURNAL_FILE).unlink(missing_ok=True)
+        (directory / _layout.MANIFEST_FILE).unlink(missing_ok=True)
+        (directory / _layout.DATA_FILE).unlink(missing_ok=True)
+        (directory / _layout.JOURNAL_FILE).unlink(missing_ok=True)
 
-    store = Store.create_file(directory, layout, access)
-    try:
-        _fill(store, init, init_scale, seed, ball_eps, progress)
-        store.commit_new_file()
-        state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability)
-        _format.write_manifest(directory, _manifest(state))
-    except BaseException:
-        store.close()
-        (directory / (_format.DATA_FILE + ".tmp")).unlink(missing_ok=True)
-        (directory / _format.DATA_FILE).unlink(missing_ok=True)
-        raise
+    with _cleanup_on_sigterm():
+        store = Store.create_file(directory, layout, access)
+        try:
+            _fill(store, init, init_scale, seed, ball_eps, progress)
+            store.commit_new_file()
+            state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability)
+            _layout.write_manifest(directory, _manifest(state))
+        except BaseException:
+            store.close()
+            (directory / (_layout.DATA_FILE + ".tmp")).unlink(missing_ok=True)
+            (directory / _layout.DATA_FILE).unlink(missing_ok=True)
+            raise
     return state
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while ``create`` wrote a new store (see :func:`_cleanup_on_sigterm`)."""
+
+
+@contextlib.contextmanager
+def _cleanup_on_sigterm() -> Iterator[None]:
+    """Let a SIGTERM during ``create`` remove the half-written files, then end the process.
+
+    The default SIGTERM action ends the process at once, without running ``finally`` blocks:
+    ``rows.dsa.tmp`` (possibly gigabytes) would stay behind. Here the signal raises inside
+    the block instead, the caller's cleanup runs, and the process is then ended by the same
+    signal (exit status as before). Only where SIGTERM has its default action and only in
+    the main thread (Python delivers signals there); a program's own handler is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise  # pragma: no cover - the signal ends the process first
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _raise:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def open(path, mode: str = "r+", *, access: str = "auto") -> State:
@@ -526,9 +526,9 @@ def open(path, mode: str = "r+", *, access: str = "auto") -> State:
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
-    _format.check_access(access)
+    check_access(access)
     directory = Path(path)
-    manifest = _format.read_manifest(directory)
+    manifest = _layout.read_manifest(directory)
     try:
         layout = manifest["layout"]
         hp = manifest["hparams"]
@@ -539,17 +539,23 @@ def open(path, mode: str = "r+", *, access: str = "auto") -> State:
                          "the store is damaged") from None
     if mode == "r+":
         store.journal_recover(count)  # roll back a journaled step that never committed
+    store.count = count
     return State(store, count, float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
                  float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
                  str(hp.get("nonfinite", "propagate")), str(manifest.get("durability", "flush")))
 
 
 def flush(state: State) -> None:
-    """Make every step so far durable: msync the rows, then replace the manifest (count)."""
-    _require_writable(state)
+    """Make every step so far durable: msync the rows, then replace the manifest (count).
+
+    ``state`` must be the store's current State (the one the last :func:`step` returned):
+    an outdated one would write an old count beside newer rows, and raises
+    :class:`StaleStateError` instead.
+    """
+    require_current(state)
     state.store.sync()
     state.store.journal_void()  # a stale undo record must never roll back flushed rows
-    _format.write_manifest(state.store.path, _manifest(state))
+    _layout.write_manifest(state.store.path, _manifest(state))
 
 
 def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
@@ -560,8 +566,21 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     the directory into place: a ``kill -9`` at any moment leaves either no ``dest`` or a
     complete one. ``dsa_core.open(dest)`` resumes from it exactly. Replacing an existing
     snapshot needs ``overwrite=True`` (swapped atomically where the filesystem allows).
+    ``state`` must be current (see :func:`flush`).
+
+    >>> import tempfile, pathlib, numpy as np, dsa_core
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> s = dsa_core.create(tmp / "emb", num_rows=10, dim=4)
+    >>> s = dsa_core.step(s, [1], np.ones((1, 4), np.float32))
+    >>> dsa_core.checkpoint(s, tmp / "ckpt").name
+    'ckpt'
+    >>> s = dsa_core.step(s, [1], np.ones((1, 4), np.float32))   # training goes on
+    >>> snap = dsa_core.open(tmp / "ckpt", mode="r")
+    >>> snap.count, s.count
+    (1, 2)
+    >>> dsa_core.close(snap); dsa_core.close(s)
     """
-    _require_writable(state)
+    require_current(state)
     dest = Path(dest)
     if dest.resolve() == state.store.path.resolve():
         raise ValueError(f"checkpoint destination {str(dest)!r} is the live store itself; "
@@ -571,35 +590,122 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
                               "overwrite=True to replace it")
     flush(state)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _format.copy_store(state.store.path, dest, _manifest(state), overwrite)
+    with staged_dir(dest, overwrite) as tmp:
+        copy_file(state.store.file, tmp / _layout.DATA_FILE)
+        _layout.write_manifest(tmp, _manifest(state))
     return dest
 
 
 _RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk
 
 
-def restore_rows(live: State, snap: State) -> State:
-    """Copy every record of the snapshot ``snap`` into ``live``; returns ``live`` at its count.
+def check_same_layout(live: State, other: State, what: str = "") -> None:
+    """Raise ``ValueError`` unless the two stores have identical record layouts."""
+    have, want = live.store.layout, other.store.layout
+    if have != want:
+        raise ValueError(
+            f"{what + ': ' if what else ''}the store {str(other.path)!r} holds a "
+            f"{want['num_rows']} x {want['dim']} {want['dtype']} table with curvature "
+            f"{want['curvature']} (layout {want}), but the store {str(live.path)!r} is "
+            f"{have['num_rows']} x {have['dim']} {have['dtype']} with curvature "
+            f"{have['curvature']} (layout {have}); records move only between stores created "
+            "the same way")
 
-    Used by the adapters to resume from a checkpoint into their own stores (same layout,
-    checked by the caller). The undo journal is voided first: a journal of the last step
-    could otherwise "roll back" restored rows at the next ``open``. Then the records are
-    copied in chunks through the mapping and ``live`` is flushed with the snapshot's count.
-    Not atomic: a crash in the middle leaves ``live`` mixed; run the restore again.
+
+def restore(live: State, snapshot: State) -> State:
+    """Copy every record of ``snapshot`` into the store of ``live``; returns its new State.
+
+    For resuming into stores that already exist (an optimizer's own stores) from a
+    checkpoint: the layouts must be equal (checked before anything is written). The undo
+    journal is voided first (a journal of the last step could otherwise roll restored rows
+    back at the next ``open``), the records are copied in chunks, and ``live`` is flushed
+    at the snapshot's count (its hyperparameters stay ``live``'s). Not atomic: a crash in the middle
+    leaves ``live`` mixed; run the restore again. ``live`` must be current; the State
+    returned is, and earlier ones are outdated.
+
+    >>> import tempfile, pathlib, numpy as np, dsa_core
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> s = dsa_core.create(tmp / "emb", num_rows=10, dim=4)
+    >>> s = dsa_core.step(s, [3], np.ones((1, 4), np.float32))
+    >>> _ = dsa_core.checkpoint(s, tmp / "ckpt")
+    >>> s = dsa_core.step(s, [3], np.ones((1, 4), np.float32))
+    >>> snap = dsa_core.open(tmp / "ckpt", mode="r")
+    >>> s = dsa_core.restore(s, snap); dsa_core.close(snap)
+    >>> s.count
+    1
+    >>> dsa_core.close(s)
     """
-    _require_writable(live)
+    require_current(live)
+    check_same_layout(live, snapshot)
     live.store.journal_void()
-    dst, src = live.store.data, snap.store.data
+    dst, src = live.store.data, snapshot.store.data
     rows = max(1, _RESTORE_CHUNK_BYTES // (dst.shape[1] * dst.itemsize))
     for lo in range(0, dst.shape[0], rows):
         dst[lo:lo + rows] = src[lo:lo + rows]
-    new = live._replace(count=snap.count)
+    return set_count(live, snapshot.count)
+
+
+def set_count(state: State, count: int) -> State:
+    """Declare that the rows of the store have taken ``count`` steps; returns that State.
+
+    For importers that write moments themselves (e.g. from a ``torch.optim.SparseAdam``
+    state dict, or a reshard): the bias correction of the next step uses ``count + 1``.
+    The new count is made durable at once (flush); ``state`` must be current, and becomes
+    outdated.
+    """
+    require_current(state)
+    if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) \
+            or count < 0:
+        raise ValueError(f"count must be an int >= 0 (the number of completed steps), got "
+                         f"{count!r}")
+    new = state._replace(count=int(count))
+    new.store.count = new.count
     flush(new)
     return new
 
 
+def read_records(state: State, idx: Any) -> np.ndarray:
+    """A copy of the whole records (weights, m, v, padding) of rows ``idx``.
+
+    Shape ``(len(idx), state.layout["stride"])`` in the store dtype, in the layout of
+    ``state.layout``. With :func:`write_records`, this moves rows between stores of equal
+    layout entries (resharding, merging) without knowing what a record holds.
+    """
+    from ._step import as_index
+    st = state.store
+    if st.closed:
+        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+    return st.data[as_index(idx, st.num_rows)]
+
+
+def write_records(state: State, idx: Any, records: Any) -> None:
+    """Overwrite the whole records of rows ``idx`` (unique ids) with ``records``.
+
+    ``records`` must have shape ``(len(idx), stride)`` and the store dtype, as
+    :func:`read_records` returns them for a store of the same layout. Checked before
+    anything is written; ``state`` must be current. Durable at the next flush.
+    """
+    from ._step import as_index
+    require_current(state)
+    st = state.store
+    idx = as_index(idx, st.num_rows)
+    rec = np.asarray(records)
+    if rec.dtype != st.dtype or rec.shape != (idx.shape[0], st.stride):
+        raise ValueError(f"records must be a ({idx.shape[0]}, {st.stride}) {st.dtype.name} "
+                         f"array (whole records of store {str(st.path)!r}), got "
+                         f"{rec.shape} {rec.dtype}")
+    if idx.shape[0] > 1 and np.unique(idx).shape[0] != idx.shape[0]:
+        raise ValueError("idx must not repeat a row in write_records (which record would win "
+                         "is undefined); pass unique row ids")
+    st.data[idx] = rec
+
+
 def close(state: State) -> None:
-    """Flush (if writable) and release the writer lock. Safe to call twice."""
+    """Flush (if writable) and release the writer lock. Safe to call twice.
+
+    Closing through an outdated State raises :class:`StaleStateError` and leaves the store
+    open: its flush would record an old count. Close the current State.
+    """
     st = state.store
     if st.closed:
         return
@@ -617,10 +723,22 @@ def _require_writable(state: State) -> None:
                          "open it with mode='r+' to train")
 
 
+def require_current(state: State) -> None:
+    """The store is open for writing and ``state`` is its newest State, or a clear error."""
+    _require_writable(state)
+    if state.count != state.store.count:
+        raise StaleStateError(
+            f"this State of store {str(state.path)!r} is outdated: it is at step "
+            f"{state.count}, but the store has moved on to step {state.store.count} through "
+            "a newer State. dsa_core.step returns a new State and the old one may not step, "
+            "flush, checkpoint or close again (that would mix counts with rows): keep the "
+            "returned value, `state = dsa_core.step(state, idx, grad)`")
+
+
 def remove(path) -> None:
     """Delete a store directory (refused while a writer holds it)."""
     directory = Path(path)
-    manifest = _format.read_manifest(directory)
+    manifest = _layout.read_manifest(directory)
     st = Store.open_file(directory, manifest["layout"], "r+")
     st.close()
     shutil.rmtree(directory)

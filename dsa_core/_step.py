@@ -7,14 +7,12 @@ mapped rows, so a rejected call leaves the store byte-identical.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from . import _format, _pool
+from . import _layout, _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._kernels_euclid import (
     BF_SIZE,
@@ -24,9 +22,10 @@ from ._kernels_euclid import (
     adam_rows_euclid_rowwise,
 )
 from ._kernels_poincare import HP_SIZE, adam_rows_poincare
-from ._state import State, _manifest, _require_writable, check_lr, maxnorm
+from ._state import State, _manifest, maxnorm, require_current
+from .validation import check_lr
 
-__all__ = ["as_index", "gather", "step", "threads", "warmup"]
+__all__ = ["as_index", "gather", "step", "warmup"]
 
 
 def as_index(idx: Any, num_rows: int, name: str = "idx") -> np.ndarray:
@@ -116,7 +115,7 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     ``SparseRiemannianAdam`` on the ball (spec §3.2): Riemannian gradient, one
     second-moment scalar per row, retraction + projection, transported first moment.
     """
-    _require_writable(state)
+    require_current(state)
     st = state.store
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
     idx = as_index(idx, st.num_rows)
@@ -167,6 +166,7 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     if state.durability != "step":
         if b:
             _apply(state, t, lr, srows, G, inv, params, table)
+        st.count = t
         return new
     # journaled: undo record first (nothing changes if it cannot be written in full), then
     # the rows, fdatasync, and the manifest with the new count as the commit point
@@ -177,7 +177,7 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         if b:
             _apply(state, t, lr, srows, G, inv, params, table)
             st.data_sync()
-        _format.write_manifest(st.path, _manifest(new))
+        _layout.write_manifest(st.path, _manifest(new))
     except BaseException:
         if b:  # roll back in place: the caller's state (the old count) is right again
             st.data[srows] = undo
@@ -186,6 +186,7 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             if kept_rows is not None:
                 table[srows] = kept_rows
         raise
+    st.count = t
     return new
 
 
@@ -289,19 +290,6 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
         _pool.run_chunked(gather_rows, (st.data, idx, st.w_off, out), idx.shape[0],
                           _min_chunk(st.dim))
     return out
-
-
-@contextlib.contextmanager
-def threads(n: int) -> Iterator[None]:
-    """Run the kernels with ``n`` threads (the caller's included) inside the block.
-
-    The default is the number of CPUs this process may use (or ``DSA_NUM_THREADS``).
-    """
-    old = _pool.set_threads(n)
-    try:
-        yield
-    finally:
-        _pool.set_threads(old)
 
 
 def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:

@@ -1,0 +1,191 @@
+"""On-disk format of a DSA store: names, header, record layout, manifest.
+
+A store is a directory holding two files:
+
+``rows.dsa``
+    A 4096-byte header followed by ``num_rows`` fixed-size records, one per
+    embedding row, in the store dtype (little-endian float32 or float64)::
+
+        header (4096 B): b"DSASTORE" | uint32 format version | uint32 n | JSON layout | zero padding
+        record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | padding ]
+
+    v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or
+    when the layout says ``"second_moment": "rowwise"`` (spec §7.3). With ``"first_moment":
+    "bfloat16"`` m holds ``dim`` bfloat16 values packed two per float32 slot.
+
+    The weight block is absent for stores created with ``weights=False``. Any
+    numpy can read the weights without this package::
+
+        lay = json.load(open("store/manifest.json"))["layout"]
+        rec = np.memmap("store/rows.dsa", dtype=lay["dtype"], mode="r",
+                        offset=4096, shape=(lay["num_rows"], lay["stride"]))
+        w = rec[:, lay["w"]:lay["w"] + lay["dim"]]
+
+``manifest.json``
+    Format name and version, the layout (repeated from the header), the
+    hyperparameters and the step count. It is replaced atomically (temporary
+    file, fsync, rename, fsync of the directory) on every flush.
+
+``journal.dsa`` (only with ``durability="step"``)
+    The undo record of the step in progress: ``b"DSAJRNL1" | count_before | n | crc32`` then
+    the ``n`` row ids (int64) and their records as they were before the step. See
+    :func:`journal_write` for the commit protocol.
+
+One process at a time may open a store for writing: the writer holds an exclusive ``flock``
+on ``writer.lock`` for as long as the store is open. (Not on ``rows.dsa`` itself: ``mmap``
+duplicates the data file's descriptor, which would keep such a lock alive until the mapping
+is garbage-collected.) Read-only opens take no lock.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._files import write_json
+
+MAGIC = b"DSASTORE"
+FORMAT_NAME = "dsa-store"
+FORMAT_VERSION = 2  # newest version this module reads and writes; see layout_version
+HEADER_BYTES = 4096
+DATA_FILE = "rows.dsa"
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = "writer.lock"
+JOURNAL_FILE = "journal.dsa"
+
+__all__ = [
+    "DATA_FILE",
+    "FIRST_MOMENTS",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "JOURNAL_FILE",
+    "LOCK_FILE",
+    "MANIFEST_FILE",
+    "SECOND_MOMENTS",
+    "header_bytes",
+    "layout_version",
+    "make_layout",
+    "read_manifest",
+    "write_manifest",
+]
+
+
+SECOND_MOMENTS = ("elementwise", "rowwise")
+FIRST_MOMENTS = ("full", "bfloat16")
+
+
+def layout_version(layout: dict[str, Any]) -> int:
+    """The format version a store of ``layout`` is written with: the oldest that reads it.
+
+    1: the original records. 2: records with a row-wise second moment for ``curvature == 0``
+    (``"second_moment": "rowwise"``) or a bfloat16 first moment (``"first_moment":
+    "bfloat16"``), which a version-1 reader would misread (v past the record, m as float32);
+    it refuses version 2 with "upgrade dsa_core".
+    """
+    if layout.get("second_moment") == "rowwise" or layout.get("first_moment") == "bfloat16":
+        return 2
+    return 1
+
+
+def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
+                has_weights: bool, align: int,
+                second_moment: str = "elementwise",
+                first_moment: str = "full") -> dict[str, Any]:
+    """Column offsets and record stride (in elements) of one row record.
+
+    ``second_moment="rowwise"`` (``curvature == 0`` only) gives v one element per row and
+    adds the key ``"second_moment": "rowwise"``. ``first_moment="bfloat16"`` (float32,
+    ``curvature == 0``) packs m as ``dim`` bfloat16 values into ``m_width = ceil(dim / 2)``
+    float32 slots (little-endian: the uint16 view of the record holds m at ``2 * m``) and
+    adds ``"first_moment": "bfloat16"`` and ``"m_width"``. Other layouts are unchanged from
+    format version 1.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    rowwise = second_moment == "rowwise" and curvature == 0
+    v_width = 1 if (curvature > 0 or rowwise) else dim
+    col = 0
+    w_off = None
+    if has_weights:
+        w_off, col = 0, dim
+    bf16 = first_moment == "bfloat16" and curvature == 0
+    m_width = (dim + 1) // 2 if bf16 else dim
+    m_off = col
+    v_off = m_off + m_width
+    used = v_off + v_width
+    stride = used
+    if align:
+        rec_bytes = -(-used * itemsize // align) * align
+        stride = rec_bytes // itemsize
+    layout = {
+        "num_rows": int(num_rows),
+        "dim": int(dim),
+        "dtype": np.dtype(dtype).name,
+        "curvature": float(curvature),
+        "stride": int(stride),
+        "w": w_off,
+        "m": int(m_off),
+        "v": int(v_off),
+        "v_width": int(v_width),
+        "align": int(align),
+    }
+    if rowwise:
+        layout["second_moment"] = "rowwise"
+    if bf16:
+        layout["first_moment"] = "bfloat16"
+        layout["m_width"] = int(m_width)
+    return layout
+
+
+def header_bytes(layout: dict[str, Any]) -> bytes:
+    body = json.dumps(layout, sort_keys=True).encode()
+    head = MAGIC + struct.pack("<II", layout_version(layout), len(body)) + body
+    if len(head) > HEADER_BYTES:  # pragma: no cover - layouts are tiny
+        raise ValueError("layout does not fit in the store header")
+    return head + b"\0" * (HEADER_BYTES - len(head))
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync)."""
+    write_json(Path(directory) / MANIFEST_FILE, manifest)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """Read and check ``manifest.json``; clear errors for anything that is not a store."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"no DSA store at {str(directory)!r}: the directory does not exist; "
+            "create one with dsa_core.create(path, num_rows=..., dim=...)")
+    mpath = directory / MANIFEST_FILE
+    if not mpath.is_file() and (directory / DATA_FILE).is_file():
+        raise FileNotFoundError(
+            f"store {str(directory)!r} is damaged: its data file {DATA_FILE} is there but "
+            f"its {MANIFEST_FILE} is missing (deleted?), so the rows cannot be interpreted. "
+            "Restore the store from a checkpoint, or replace it with "
+            "dsa_core.create(path, ..., overwrite=True)")
+    if not mpath.is_file():
+        raise FileNotFoundError(
+            f"{str(directory)!r} is not a DSA store: it has no {MANIFEST_FILE}; "
+            "create one with dsa_core.create(path, num_rows=..., dim=...)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{str(mpath)!r} is not a DSA manifest (expected JSON with "
+            f"format={FORMAT_NAME!r}): {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(
+            f"{str(mpath)!r} is not a DSA manifest: format is {found!r}, "
+            f"expected {FORMAT_NAME!r}")
+    version = manifest.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise ValueError(
+            f"store {str(directory)!r} has format version {version!r}; this dsa_core reads "
+            f"versions 1..{FORMAT_VERSION}. Upgrade dsa_core to open it")
+    return manifest

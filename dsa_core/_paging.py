@@ -1,0 +1,116 @@
+"""Paging policy: how much memory this process may use and how a store's mapping is advised.
+
+``access="ram"`` keeps a table in the page cache with 2 MiB folios; ``"disk"`` pages it in
+4 KiB at random for tables larger than memory; ``"auto"`` chooses by size (see
+:func:`auto_access`). The registry of this process's "ram" stores lives here, so that
+several stores share one budget.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ACCESS_MODES", "auto_access", "check_access", "dirty_background_bytes",
+           "memory_limit", "ram_bytes_held"]
+
+ACCESS_MODES = ("auto", "ram", "disk")
+RAM_FRACTION = 0.7  # "auto" maps a store as "ram" when it fits in this share of memory
+
+
+def check_access(access: Any) -> str:
+    """Validate the ``access`` hint of ``create``/``open``.
+
+    ``"ram"``: the table is expected to stay in the page cache (2 MiB huge folios, PMD
+    mappings). ``"disk"``: the table is larger than memory and rows come from disk at random
+    (``MADV_RANDOM``: one 4 KiB page per fault, no read-around). ``"auto"`` (default): see
+    :func:`auto_access`. The environment variable
+    ``DSA_ACCESS`` replaces "auto" (for adapters and scripts that do not pass ``access``).
+    """
+    if access not in ACCESS_MODES:
+        raise ValueError(f"access must be one of {ACCESS_MODES}, got {access!r}: 'ram' when "
+                         "the table fits in memory, 'disk' when it does not, 'auto' to choose "
+                         "by size")
+    if access == "auto":
+        env = os.environ.get("DSA_ACCESS", "auto")
+        if env not in ACCESS_MODES:
+            raise ValueError(f"DSA_ACCESS must be one of {ACCESS_MODES}, got {env!r}")
+        access = env
+    return access
+
+
+def memory_limit() -> int:
+    """Bytes of memory this process may use: physical memory, capped by its cgroup(s)."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier, ctrls, rel = parts
+        if hier == "0":  # cgroup v2
+            base, name = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in ctrls.split(","):
+            base, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        rel_path = Path(rel.lstrip("/"))
+        for p in [rel_path, *rel_path.parents]:
+            try:
+                txt = (base / p / name).read_text().strip()
+            except OSError:
+                continue
+            if txt.isdigit():
+                limit = min(limit, int(txt))
+    return limit
+
+
+def dirty_background_bytes() -> int:
+    """The kernel's background-writeback threshold, in bytes.
+
+    ``vm.dirty_background_bytes`` when set, else ``vm.dirty_background_ratio`` percent of the
+    memory available for page cache (MemAvailable, as the kernel's dirtyable memory).
+    """
+    try:
+        with open("/proc/sys/vm/dirty_background_bytes") as f:
+            fixed = int(f.read())
+        if fixed:
+            return fixed
+        with open("/proc/sys/vm/dirty_background_ratio") as f:
+            ratio = int(f.read())
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
+        return avail * ratio // 100
+    except (OSError, ValueError, StopIteration):
+        return 1 << 30
+
+
+_RAM_STORES: weakref.WeakSet = weakref.WeakSet()  # open stores of this process mapped "ram"
+
+
+def ram_bytes_held() -> int:
+    """Bytes of the stores this process holds open with ``access="ram"``."""
+    return sum(st.nbytes for st in list(_RAM_STORES) if not st.closed)
+
+
+def auto_access(nbytes: int) -> str:
+    """"ram" when the store fits in memory *and* may be dirty in full without writeback.
+
+    Fits: ``nbytes <= RAM_FRACTION * memory_limit()``. Without writeback: ``nbytes <=
+    dirty_background_bytes()``. The second matters because the kernel writes a dirty huge
+    folio back whole: at 10M x 128 rows (stores of 10 and 15.4 GB, past the 2.3 GB threshold
+    here) the torch training loop took 421-467 ms per step with huge pages, 9-14 ms with
+    4 KiB pages (measured). Both limits
+    are shared by every store of the process, so the "ram" stores it already holds open count
+    against them: of two stores that each fit alone but not together, the second gets "disk".
+    """
+    total = nbytes + ram_bytes_held()
+    if total > RAM_FRACTION * memory_limit():
+        return "disk"
+    return "ram" if total <= dirty_background_bytes() else "disk"

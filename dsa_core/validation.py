@@ -1,0 +1,168 @@
+"""Argument checks shared by ``dsa_core`` and its adapters: one implementation per rule.
+
+Each check returns the normalised value or raises ``TypeError`` / ``ValueError`` with a
+message that says what must hold, what came, and how to fix it. Every check takes an
+optional ``what`` (e.g. ``"DiskSparseAdam"``) that prefixes its message, so an adapter
+names itself without a second copy of the rule.
+
+>>> from dsa_core import validation
+>>> validation.check_curvature(1)
+1.0
+>>> validation.check_second_moment("rowwise", 1.0, what="DiskEmbedding")
+Traceback (most recent call last):
+    ...
+ValueError: DiskEmbedding: second_moment='rowwise' is for curvature == 0: ...
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._layout import FIRST_MOMENTS, SECOND_MOMENTS
+from ._paging import ACCESS_MODES, check_access
+
+__all__ = [
+    "ACCESS_MODES",
+    "DURABILITY_MODES",
+    "FIRST_MOMENTS",
+    "INIT_NAMES",
+    "NONFINITE_MODES",
+    "SECOND_MOMENTS",
+    "check_access",
+    "check_curvature",
+    "check_dtype",
+    "check_first_moment",
+    "check_hparams",
+    "check_lr",
+    "check_positive_int",
+    "check_second_moment",
+]
+
+NONFINITE_MODES = ("propagate", "skip_row", "raise")
+DURABILITY_MODES = ("flush", "step")
+INIT_NAMES = ("zeros", "normal", "uniform")
+
+
+def _p(what: str) -> str:
+    return f"{what}: " if what else ""
+
+
+def check_lr(lr: Any, *, allow_zero: bool = False, what: str = "") -> float:
+    """A finite lr > 0 (or >= 0 for a per-step value: schedules may reach 0)."""
+    try:
+        lr = float(lr)
+    except (TypeError, ValueError):
+        raise TypeError(f"{_p(what)}lr must be a real number > 0, got {lr!r}") from None
+    if not (math.isfinite(lr) and (lr >= 0.0 if allow_zero else lr > 0.0)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{_p(what)}Invalid learning rate: {lr}; lr must be a finite number "
+                         f"{bound}")
+    return lr
+
+
+def check_hparams(lr, betas, eps, maximize, nonfinite, *, what: str = "") -> tuple:
+    """``(lr, (b1, b2), eps, maximize, nonfinite)`` checked and normalised, torch's order."""
+    lr = check_lr(lr, what=what)
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"{_p(what)}eps must be a real number > 0, got {eps!r}") from None
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ValueError(f"{_p(what)}Invalid epsilon value: {eps}; eps must be a finite "
+                         "number > 0 (eps = 0 divides 0 by 0 for a row with a zero gradient)")
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise TypeError(f"{_p(what)}betas must be a pair of floats in [0, 1), got "
+                        f"{betas!r}") from None
+    for i, b in enumerate((b1, b2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{_p(what)}Invalid beta parameter at index {i}: {b}; betas "
+                             "must lie in [0, 1), e.g. betas=(0.9, 0.999)")
+    if not isinstance(maximize, (bool, np.bool_)):
+        raise TypeError(f"{_p(what)}maximize must be a bool, got {maximize!r}")
+    check_nonfinite(nonfinite, what=what)
+    return lr, (b1, b2), eps, bool(maximize), nonfinite
+
+
+def check_nonfinite(nonfinite: Any, *, what: str = "") -> str:
+    """What a NaN/Inf gradient does: one of :data:`NONFINITE_MODES`."""
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"{_p(what)}nonfinite must be one of {NONFINITE_MODES} (spread as "
+                         "torch does, skip that row, or raise before writing), got "
+                         f"{nonfinite!r}")
+    return nonfinite
+
+
+def check_dtype(dtype: Any, *, what: str = "") -> np.dtype:
+    """float32 or float64; float16 and bfloat16 are refused with the reason."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = getattr(dtype, "name", None) or str(dtype)
+    if name in ("float16", "half", "bfloat16", "torch.float16", "torch.bfloat16"):
+        raise ValueError(
+            f"{_p(what)}dtype {name} is not supported: float16 rounds eps=1e-8 to 0 and "
+            "underflows (1-beta2)*g^2, and bfloat16 loses the 0.999 decay (docs/algorithms.md "
+            "§6); use dtype='float32'")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{_p(what)}dtype must be 'float32' or 'float64', got "
+                        f"{dtype!r}") from None
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"{_p(what)}dtype must be 'float32' or 'float64', got {dt.name!r}")
+    return dt
+
+
+def check_curvature(curvature: Any, *, what: str = "") -> float:
+    """A finite curvature ``c >= 0``: 0 is Euclidean, ``c > 0`` the ball of curvature -c."""
+    try:
+        c = float(curvature)
+    except (TypeError, ValueError):
+        raise TypeError(f"{_p(what)}curvature must be a real number >= 0, got "
+                        f"{curvature!r}") from None
+    if not (math.isfinite(c) and c >= 0.0):
+        raise ValueError(
+            f"{_p(what)}Invalid curvature: {curvature!r}; curvature must be finite and >= 0 "
+            "(0: Euclidean SparseAdam, c > 0: Poincaré ball of curvature -c)")
+    return c
+
+
+def check_second_moment(second_moment: Any, curvature: float, *, what: str = "") -> str:
+    """``"elementwise"`` or ``"rowwise"``; row-wise applies to the Euclidean kernel only."""
+    if second_moment not in SECOND_MOMENTS:
+        raise ValueError(f"{_p(what)}second_moment must be 'elementwise' (SparseAdam's v) or "
+                         f"'rowwise' (one v per row), got {second_moment!r}")
+    if second_moment == "rowwise" and curvature > 0:
+        raise ValueError(
+            f"{_p(what)}second_moment='rowwise' is for curvature == 0: the ball kernel "
+            f"(curvature {curvature}) already keeps one second-moment scalar per row (the "
+            "Riemannian norm, docs/algorithms.md §3.2); leave second_moment at 'elementwise'")
+    return second_moment
+
+
+def check_first_moment(first_moment: Any, curvature: float, dtype: Any, *,
+                       what: str = "") -> str:
+    """``"full"`` or ``"bfloat16"``; bfloat16 m is for float32 Euclidean stores."""
+    if first_moment not in FIRST_MOMENTS:
+        raise ValueError(f"{_p(what)}first_moment must be 'full' (m in the table's dtype) or "
+                         f"'bfloat16' (m stored as bfloat16), got {first_moment!r}")
+    if first_moment == "bfloat16" and (curvature > 0 or np.dtype(dtype) != np.float32):
+        raise ValueError(
+            f"{_p(what)}first_moment='bfloat16' is for float32 stores with curvature == 0 "
+            f"(got dtype {np.dtype(dtype).name}, curvature {curvature}): the ball transports "
+            "m, and a float64 store keeps full precision on purpose. Use first_moment='full'")
+    return first_moment
+
+
+def check_positive_int(name: str, value: Any, *, what: str = "") -> int:
+    """A Python or numpy integer > 0 (bools are refused)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{_p(what)}{name} must be a positive int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{_p(what)}{name} must be a positive int, got {value}")
+    return int(value)
