@@ -15,7 +15,7 @@ import torch
 import dsa_core
 
 from ._torch_common import (
-    StoreHandle,
+    SharedState,
     check_curvature,
     close_quietly,
     np_dtype,
@@ -157,7 +157,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         self.disk_dir = Path(disk_dir).absolute()
         self.max_queue_size = max_queue_size
         self._closed = False
-        self._handles: dict[str, StoreHandle] = {}
+        self._handles: dict[str, SharedState] = {}
         # One zero-size placeholder tensor per table: a real torch Optimizer (LR schedulers
         # accept it) that never holds the tables themselves.
         self._placeholders = {name: torch.zeros(0) for name in arrays}
@@ -190,7 +190,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                                          eps=group["eps"])
                     created.append(path)
                 opened.append(st)
-                self._handles[name] = StoreHandle(st)
+                self._handles[name] = SharedState(st)
         except BaseException:  # all or nothing: close what was opened, remove what was made
             for st in opened:
                 dsa_core.close(st)

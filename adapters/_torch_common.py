@@ -20,7 +20,7 @@ import dsa_core
 
 __all__ = [
     "DirLock",
-    "StoreHandle",
+    "SharedState",
     "check_first_moment",
     "check_second_moment",
     "check_torch_hparams",
@@ -127,11 +127,13 @@ def manifold_curvature(p: torch.Tensor) -> float | None:
         "row-wise Euclidean tables and the Poincaré ball (PoincareBall / Stereographic k<0)")
 
 
-class StoreHandle:
-    """A mutable cell holding one open ``dsa_core.State``.
+class SharedState:
+    """The one current ``dsa_core.State`` of a store that several torch objects use.
 
-    ``dsa_core.step`` returns a new ``State`` (count + 1); whoever steps writes it back here,
-    so the optimizer and a :class:`DiskEmbedding` that share one store see the same count.
+    A :class:`DiskEmbedding` owns its store and a ``DiskSparseAdam`` steps it; both hold this
+    cell. ``dsa_core.step`` returns a new ``State`` (count + 1) and the old one becomes
+    outdated (the core refuses to step or flush it), so whoever steps writes the new State
+    back here, and every holder flushes, checkpoints and closes the current one.
     """
 
     __slots__ = ("__weakref__", "borrower", "state")

@@ -40,7 +40,7 @@ from torch import nn
 import dsa_core
 
 from ._torch_common import (
-    StoreHandle,
+    SharedState,
     check_curvature,
     check_first_moment,
     check_second_moment,
@@ -322,7 +322,7 @@ class _Comm:
 class _Core:
     """What forward and backward need: the local shard, the plan, the exchanges."""
 
-    def __init__(self, handle: StoreHandle, plan: ShardPlan, comm: _Comm, rank: int,
+    def __init__(self, handle: SharedState, plan: ShardPlan, comm: _Comm, rank: int,
                  padding_idx: int | None, grad_scale: float | None):
         self.handle, self.plan, self.comm, self.rank = handle, plan, comm, rank
         self.pad_local = None
@@ -647,7 +647,7 @@ class ShardedDiskEmbedding(nn.Module):
         if resume_from is not None:
             comm.last_checkpoint = os.fspath(resume_from)
 
-        self._handle = StoreHandle(state)
+        self._handle = SharedState(state)
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self._core = _Core(self._handle, sp, comm, rank, padding_idx,
                            None if grad_reduce == "sum" else 1.0 / world)

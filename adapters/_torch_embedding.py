@@ -15,7 +15,7 @@ import dsa_core
 from dsa_core._state import restore_rows
 
 from ._torch_common import (
-    StoreHandle,
+    SharedState,
     check_curvature,
     check_first_moment,
     check_second_moment,
@@ -73,9 +73,9 @@ class DiskWeight(nn.Parameter):
     store through this object); in-place writes to it raise, and it cannot be pickled.
     """
 
-    _dsa_handle: StoreHandle
+    _dsa_handle: SharedState
 
-    def __new__(cls, handle: StoreHandle, dtype: torch.dtype, device: Any = None):
+    def __new__(cls, handle: SharedState, dtype: torch.dtype, device: Any = None):
         st = handle.state
         data = torch.zeros((), dtype=dtype, device=device).expand(st.num_rows, st.dim)
         self = super().__new__(cls, data, requires_grad=True)
@@ -247,7 +247,7 @@ class DiskEmbedding(nn.Module):
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
                                  init_scale, seed, padding_idx, overwrite, progress, access,
                                  second_moment, first_moment)
-        self._handle = StoreHandle(state)
+        self._handle = SharedState(state)
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim

@@ -17,7 +17,7 @@ from dsa_core._state import restore_rows
 
 from ._torch_common import (
     DirLock,
-    StoreHandle,
+    SharedState,
     check_curvature,
     check_first_moment,
     check_second_moment,
@@ -41,7 +41,7 @@ _MANIFEST_FORMAT = "dsa-torch-optimizer"
 
 class _Slot(NamedTuple):
     name: str              # "group{i}_param{j}" (own store) or the DiskEmbedding store path
-    handle: StoreHandle    # the store; shared with a DiskEmbedding for DiskWeight params
+    handle: SharedState    # the store; shared with a DiskEmbedding for DiskWeight params
     owned: bool            # True: weights=False store created/opened by this optimizer
 
 
@@ -67,7 +67,7 @@ class _Owned:
     """What a DiskSparseAdam must release: its own stores and its state_dir lock."""
 
     def __init__(self):
-        self.handles: list[StoreHandle] = []
+        self.handles: list[SharedState] = []
         self.lock: DirLock | None = None
 
     def close(self) -> None:
@@ -360,7 +360,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 h.borrower = weakref.ref(self)
                 slot = _Slot(str(h.state.path), h, False)
             else:
-                h = StoreHandle(states[k])
+                h = SharedState(states[k])
                 k += 1
                 self._owned.handles.append(h)
                 slot = _Slot(path.name, h, True)
