@@ -112,19 +112,26 @@ def _manifest(directory: Path) -> dict | None:
 
 
 def _damage(directory: Path) -> str | None:
-    """What is wrong with a directory that holds store files but no manifest, else None."""
+    """What is wrong with a directory that holds store files but no manifest, else None.
+
+    The text completes "PATH is ...".
+    """
     if (directory / MANIFEST_FILE).exists():
         return None
     if (directory / DATA_FILE).exists():
-        return (f"{str(directory)!r} is a damaged DSA store: its data file {DATA_FILE} is "
-                f"present but {MANIFEST_FILE} is missing (it holds the shape, layout, "
-                "hyperparameters and count, so the rows cannot be read). Restore the store "
-                "from a checkpoint, or delete the directory and create it again")
+        return (f"a damaged DSA store: its data file {DATA_FILE} is present but "
+                f"{MANIFEST_FILE} is missing (it holds the shape, layout, hyperparameters and "
+                "count, so the rows cannot be read). Restore the store from a checkpoint, or "
+                "delete the directory and create it again")
     if (directory / (DATA_FILE + ".tmp")).exists():
-        return (f"{str(directory)!r} holds only {DATA_FILE}.tmp: a dsa_core.create that was "
-                "interrupted (or is running now). Delete the directory and create the store "
-                "again")
+        return (f"not a DSA store: it holds only {DATA_FILE}.tmp, left by a dsa_core.create "
+                "that was interrupted (or is running now). Delete the directory and create "
+                "the store again")
     return None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _find_stores(root: Path, depth: int = SCAN_DEPTH) -> list[tuple[Path, str | None]]:
@@ -156,14 +163,15 @@ def _not_a_store(path) -> None:
     if not directory.is_dir() or (directory / MANIFEST_FILE).exists():
         return
     if (bad := _damage(directory)) is not None:
-        raise SystemExit(f"dsa: {bad}")
+        raise SystemExit(f"dsa: {str(directory)!r} is {bad}")
     stores = _find_stores(directory)
     if stores:
         names = ", ".join(str(p.relative_to(directory)) for p, _ in stores[:8])
         more = f" and {len(stores) - 8} more" if len(stores) > 8 else ""
         raise SystemExit(
-            f"dsa: {str(directory)!r} is not a DSA store itself but holds {len(stores)} "
-            f"store(s): {names}{more}. Pass one of them (`dsa info {path}` lists them)")
+            f"dsa: {str(directory)!r} is not a DSA store itself but holds "
+            f"{_plural(len(stores), 'store')}: {names}{more}. Pass one of them "
+            f"(`dsa info {path}` lists them)")
 
 
 def _open(path):
@@ -262,7 +270,7 @@ def _info_dir(a, directory: Path, stores) -> int:
             try:
                 st = dsa_core.open(p, mode="r")
             except (OSError, ValueError) as exc:
-                bad = str(exc)
+                bad = f"cannot be opened: {exc}"
             else:
                 info = _info(st)
                 listing.append({"name": name, "summary": _summary(st, info), **info})
@@ -273,15 +281,16 @@ def _info_dir(a, directory: Path, stores) -> int:
                           "stores": listing}, indent=1))
         return 0
     n_ok = sum("error" not in e for e in listing)
-    head = f"{directory}: not a DSA store itself; it holds {n_ok} store(s)"
+    head = f"{directory}: not a DSA store itself; it holds {_plural(n_ok, 'store')}"
     if len(listing) > n_ok:
-        head += f" and {len(listing) - n_ok} damaged one(s)"
+        head += f" and {_plural(len(listing) - n_ok, 'damaged one')}"
     print(head + (f" ({'; '.join(kinds)})" if kinds else "") + ":")
     if owner:
-        print("  an optimizer holds this state_dir now")
+        print("  a DiskSparseAdam holds this state_dir now: steps since its last flush are "
+              "not counted here")
     width = max(len(e["name"]) for e in listing) + 1
     for e in listing:
-        text = e.get("summary") or f"DAMAGED: {e['error']}"
+        text = e.get("summary") or f"PROBLEM: {e['error']}"
         print(f"  {e['name'] + '/':<{width}}  {text}")
     print(f"(`dsa info {directory / listing[0]['name']}` shows one in full)")
     return 0
@@ -291,7 +300,7 @@ def cmd_info(a) -> int:
     directory = Path(a.store)
     if directory.is_dir() and not (directory / MANIFEST_FILE).exists():
         if (bad := _damage(directory)) is not None:
-            raise SystemExit(f"dsa: {bad}")
+            raise SystemExit(f"dsa: {str(directory)!r} is {bad}")
         stores = _find_stores(directory)
         if stores:
             return _info_dir(a, directory, stores)

@@ -66,3 +66,210 @@ def test_bench_and_module_entry_point(tmp_path):
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert "rows/s" in r.stdout and "torch.optim.SparseAdam" in r.stdout
+
+
+def _run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "dsa_core", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+# -- dsa info: the count it shows, and a live writer --------------------------------------------
+def test_info_says_the_count_is_at_the_last_flush_and_sees_the_writer(tmp_path, capsys):
+    path = tmp_path / "s"
+    st = dsa_core.create(path, num_rows=10, dim=4)       # this process now holds the writer
+    for _ in range(3):
+        st = dsa_core.step(st, [1, 2], np.ones((2, 4), np.float32))
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "count: 0 (at the last flush)" in out
+    assert ("writer: a writer holds this store: steps since its last flush are not counted "
+            "here") in out
+    assert main(["info", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["count"], info["count_as_of"], info["writer_active"]) == (0, "the last flush",
+                                                                           True)
+    r = _run_cli("info", path)                           # from another process, too
+    assert r.returncode == 0, r.stderr
+    assert "count: 0 (at the last flush)" in r.stdout and "a writer holds this store" in r.stdout
+    # the probe did not disturb the writer: it steps, flushes and closes as before
+    st = dsa_core.step(st, [3], np.ones((1, 4), np.float32))
+    dsa_core.flush(st)
+    assert main(["info", str(path)]) == 0
+    assert "count: 4 (at the last flush)" in capsys.readouterr().out
+    dsa_core.close(st)
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "count: 4 (at the last flush)" in out and "writer: none" in out
+    dsa_core.close(dsa_core.open(path))                  # and the lock is free for a new writer
+
+
+def test_info_with_durability_step_says_the_count_is_current(tmp_path, capsys):
+    st = dsa_core.create(tmp_path / "s", num_rows=10, dim=4, durability="step")
+    st = dsa_core.step(st, [1], np.ones((1, 4), np.float32))
+    st = dsa_core.step(st, [2], np.ones((1, 4), np.float32))
+    assert main(["info", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "count: 2 (at the last step (durability='step' commits every step))" in out
+    assert "the count above is current" in out
+    dsa_core.close(st)
+
+
+# -- dsa info on a directory of stores ------------------------------------------------------------
+def test_info_lists_the_stores_of_an_optimizer_state_dir_and_checkpoint(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    from adapters.torch import DiskSparseAdam
+
+    e1 = torch.nn.Embedding(10, 4, sparse=True)
+    e2 = torch.nn.Embedding(7, 3, sparse=True)
+    state_dir = tmp_path / "opt"
+    opt = DiskSparseAdam([*e1.parameters(), *e2.parameters()], lr=1e-2, state_dir=state_dir)
+    try:
+        (e1(torch.tensor([1, 2])).sum() + e2(torch.tensor([3])).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        assert main(["info", str(state_dir)]) == 0
+        out = capsys.readouterr().out
+        assert "create one" not in out
+        assert "holds 2 stores (the state_dir of a torch DiskSparseAdam)" in out
+        assert "a DiskSparseAdam holds this state_dir now" in out
+        lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  group")}
+        assert set(lines) == {"group0_param0/", "group0_param1/"}
+        assert "10 x 4 float32" in lines["group0_param0/"]
+        assert "7 x 3 float32" in lines["group0_param1/"]
+        assert "a writer holds it now" in lines["group0_param0/"]
+        assert main(["info", str(state_dir), "--json"]) == 0
+        listing = json.loads(capsys.readouterr().out)
+        assert listing["optimizer_active"] is True
+        assert [(s["name"], s["num_rows"], s["dim"]) for s in listing["stores"]] == [
+            ("group0_param0", 10, 4), ("group0_param1", 7, 3)]
+        opt.checkpoint(tmp_path / "ck")
+    finally:
+        opt.close()
+    assert main(["info", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "holds 2 stores (a DiskSparseAdam checkpoint (opt.checkpoint))" in out
+    assert "count 1 (at the last flush)" in out and "a writer holds it" not in out
+    assert main(["info", str(state_dir)]) == 0
+    assert "holds this state_dir now" not in capsys.readouterr().out
+    # export and verify need one store: they name the ones there are
+    for args in (["verify", str(state_dir)],
+                 ["export", str(state_dir), str(tmp_path / "x.npy"), "--quiet"]):
+        with pytest.raises(SystemExit, match="holds 2 stores: group0_param0, group0_param1"):
+            main(args)
+
+
+def test_info_finds_stores_two_levels_down(tmp_path, capsys):
+    for k in range(2):                                   # the layout of a ShardedDiskEmbedding
+        dsa_core.close(dsa_core.create(tmp_path / "emb" / f"rank{k}", num_rows=10, dim=4))
+        (tmp_path / "emb" / f"rank{k}" / "shard.json").write_text("{}")
+    assert main(["info", str(tmp_path / "emb")]) == 0
+    out = capsys.readouterr().out
+    assert "holds 2 stores (the shards of a ShardedDiskEmbedding" in out
+    assert "  rank0/" in out and "  rank1/" in out
+    dsa_core.close(dsa_core.create(tmp_path / "runs" / "a" / "b", num_rows=6, dim=2))
+    assert main(["info", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "holds 1 store:" in out and "  a/b/" in out and "6 x 2 float32" in out
+    dsa_core.close(dsa_core.create(tmp_path / "deep" / "a" / "b" / "c", num_rows=6, dim=2))
+    with pytest.raises(SystemExit, match="not a DSA store"):   # three levels: not searched
+        main(["info", str(tmp_path / "deep")])
+
+
+# -- a damaged store ----------------------------------------------------------------------------
+def test_a_store_without_its_manifest_is_called_damaged(tmp_path, capsys):
+    path = tmp_path / "s"
+    dsa_core.close(dsa_core.create(path, num_rows=10, dim=4))
+    (path / "manifest.json").unlink()
+    for args in (["info", str(path)], ["verify", str(path)],
+                 ["export", str(path), str(tmp_path / "w.npy")]):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        msg = str(exc.value)
+        assert "is a damaged DSA store: its data file rows.dsa is present but manifest.json " \
+               "is missing" in msg
+        assert "Restore the store from a checkpoint, or delete the directory" in msg
+        assert "create one" not in msg and "not a DSA store" not in msg
+    assert not (tmp_path / "w.npy").exists()
+    dsa_core.close(dsa_core.create(tmp_path / "ok", num_rows=10, dim=4))
+    assert main(["info", str(tmp_path)]) == 0            # in a listing, too
+    out = capsys.readouterr().out
+    assert "holds 1 store and 1 damaged one" in out
+    assert "  s/   PROBLEM: a damaged DSA store: its data file rows.dsa is present" in out
+    half = tmp_path / "half"                             # a create cut short
+    half.mkdir()
+    (half / "rows.dsa.tmp").write_bytes(b"\0" * 64)
+    with pytest.raises(SystemExit, match="holds only rows.dsa.tmp, left by a dsa_core.create"):
+        main(["info", str(half)])
+
+
+# -- help texts ---------------------------------------------------------------------------------
+def _subparsers():
+    import argparse
+
+    from dsa_core.__main__ import build_parser
+
+    ap = build_parser()
+    (sub,) = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
+    return ap, sub
+
+
+def test_every_subcommand_and_option_has_help(capsys):
+    import argparse
+
+    ap, sub = _subparsers()
+    assert {c.dest for c in sub._choices_actions} == {"info", "export", "verify", "bench"}
+    assert all(c.help for c in sub._choices_actions)
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    top = capsys.readouterr().out
+    for c in sub._choices_actions:
+        assert c.dest in top and c.help.split()[0] in top
+    for name, parser in sub.choices.items():
+        assert parser.description, name
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())   # argparse wraps lines
+        for action in parser._actions:
+            assert action.help and action.help is not argparse.SUPPRESS, (name, action.dest)
+            shown = action.help.split("(default")[0].split("%(")[0]
+            assert " ".join(shown.split()) in text, (name, action.dest)
+    r = _run_cli("bench", "--help")
+    assert r.returncode == 0 and "rows of the temporary table (default: 200000)" in r.stdout
+
+
+# -- numeric options are checked by argparse ------------------------------------------------------
+NUMERIC = [(opt, bad) for opt in ("--rows", "--dim", "--batch", "--steps")
+           for bad in ("-5", "0", "1.5", "ten")] + [
+    ("--curvature", bad) for bad in ("-1", "nan", "inf", "x")]
+
+
+@pytest.mark.parametrize("opt, bad", NUMERIC)
+def test_bad_numeric_options_are_one_line_usage_errors(opt, bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", opt, bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"dsa bench: error: argument {opt}: must be a " in err and repr(bad) in err
+    assert "Traceback" not in err
+
+
+def test_every_numeric_option_has_a_checking_type():
+    from dsa_core.__main__ import nonnegative_float, positive_int
+
+    _, sub = _subparsers()
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            assert action.type not in (int, float), (name, action.dest)  # a bare int allows -5
+            if action.type is not None and action.dest != "workdir":
+                assert action.type in (positive_int, nonnegative_float), (name, action.dest)
+
+
+def test_bad_rows_from_the_command_line_is_not_a_traceback(tmp_path):
+    r = _run_cli("bench", "--rows", "-5")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == \
+        "dsa bench: error: argument --rows: must be a positive integer, got '-5'"
+    r = _run_cli("bench", "--workdir", tmp_path / "missing")
+    assert r.returncode == 2 and "is not an existing directory" in r.stderr
