@@ -335,4 +335,4 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                 warnings.warn(f"store {str(h.state.path)!r} is at step {h.state.count} but "
                               f"the state dict says {e['count']}: stores are not snapshots",
                               RuntimeWarning, stacklevel=2)
-                h.state = h.state._replace(count=int(e["count"]))
+                h.state = dsa_core.set_count(h.state, int(e["count"]))

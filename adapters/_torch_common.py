@@ -144,7 +144,7 @@ class SharedState:
 
     @property
     def closed(self) -> bool:
-        return self.state.store.closed
+        return self.state.closed
 
     def flush(self) -> None:
         if not self.closed:

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsa_core
-from dsa_core._state import restore_rows
 
 from ._torch_common import (
     SharedState,
@@ -41,7 +40,7 @@ def open_snapshot(src, live: dsa_core.State, what: str,
     """
     snap = dsa_core.open(src, mode="r")
     try:
-        have, want = live.store.layout, snap.store.layout
+        have, want = live.layout, snap.layout
         if have != want:
             raise ValueError(
                 f"{what}: the checkpoint store {str(src)!r} holds a {want['num_rows']} x "
@@ -102,7 +101,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, handle, pad, device, coalesced):
         st = handle.state
-        if st.store.closed:
+        if st.closed:
             raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; create a new "
                                "DiskEmbedding on the same state_dir to continue")
         idx = ids.numpy()
@@ -333,7 +332,7 @@ class DiskEmbedding(nn.Module):
         snap = open_snapshot(src, live, f"DiskEmbedding({self.num_embeddings}, "
                                         f"{self.embedding_dim})")
         try:
-            self._handle.state = restore_rows(live, snap)
+            self._handle.state = dsa_core.restore(live, snap)
         finally:
             dsa_core.close(snap)
 

@@ -12,8 +12,6 @@ from typing import Any, NamedTuple
 import torch
 
 import dsa_core
-from dsa_core._format import staged_dir
-from dsa_core._state import restore_rows
 
 from ._torch_common import (
     DirLock,
@@ -576,7 +574,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             e["snapshot"] = name
             e["path"] = str(dest_r / name)
         dest_r.parent.mkdir(parents=True, exist_ok=True)
-        with staged_dir(dest_r, overwrite) as tmp:
+        with dsa_core.staged_dir(dest_r, overwrite) as tmp:
             for name, s in slots:
                 dsa_core.checkpoint(s.handle.state, tmp / name)
             with open(tmp / CHECKPOINT_FILE, "wb") as f:
@@ -705,7 +703,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             for p, snap in zip(params, snaps):
                 if snap is not None:
                     h = self._slots[p].handle
-                    h.state = restore_rows(h.state, snap)
+                    h.state = dsa_core.restore(h.state, snap)
         finally:
             for snap in snaps:
                 if snap is not None:
@@ -722,7 +720,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     f"state dict says {cnt}: stores are not snapshots, their rows keep the "
                     f"newer state. Copy state_dir together with each checkpoint to roll back",
                     RuntimeWarning, stacklevel=2)
-            h.state = h.state._replace(count=cnt)
+            if h.state.count != cnt:
+                h.state = dsa_core.set_count(h.state, cnt)
 
     def _open_snapshots(self, root: Path, entries: list, params: list) -> list:
         """Open and check every snapshot store of a checkpoint manifest (read-only).

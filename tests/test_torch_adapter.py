@@ -557,10 +557,10 @@ def test_access_reaches_the_stores_and_a_bad_one_writes_nothing(tmp_path):
     opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "o", access="disk")
     emb(torch.tensor([1, 2, 1])).sum().backward()
     opt.step()
-    assert [s.store.access for s in opt.stores.values()] == ["disk"]
+    assert [s.access for s in opt.stores.values()] == ["disk"]
     opt.close()
     de = DiskEmbedding(50, 4, state_dir=tmp_path / "e", access="ram")
-    assert de._handle.state.store.access == "ram"
+    assert de.store.access == "ram"
     de.close()
     with pytest.raises(ValueError, match=r"access must be one of \('auto', 'ram', 'disk'\)"):
         DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "x", access="fast")
