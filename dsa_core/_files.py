@@ -32,14 +32,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path, obj: Any) -> None:
+def write_json(path, obj: Any, *, shared: bool = True) -> None:
     """Replace the JSON file ``path`` atomically and durably.
 
-    The text goes to a temporary file beside it (unique to this process and thread, so
-    concurrent writers of one path never share a temporary), which is written in full
+    The text goes to a temporary file beside it, which is written in full
     (``os.write`` may write less than asked, e.g. on a nearly full disk), fsync'd and
     renamed over ``path``; then the directory is fsync'd. A reader sees the old file or the
     new one, never a mix, and a crash leaves at most the temporary behind.
+
+    ``shared=True`` (default) names the temporary after this process and thread, so that
+    concurrent writers of one path never share one. ``shared=False`` is for a file with a
+    single writer (a store's manifest, under its writer lock): a fixed name, so that the
+    temporary a crash left behind is reused rather than piling up.
 
     >>> import json, tempfile, pathlib
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "meta.json"
@@ -48,7 +52,8 @@ def write_json(path, obj: Any) -> None:
     {'count': 3}
     """
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tag = f"-{os.getpid()}-{threading.get_ident()}" if shared else ""
+    tmp = path.with_name(f"{path.name}.tmp{tag}")
     data = memoryview(json.dumps(obj, indent=1, sort_keys=True).encode())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -151,7 +151,7 @@ def header_bytes(layout: dict[str, Any]) -> bytes:
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync)."""
-    write_json(Path(directory) / MANIFEST_FILE, manifest)
+    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False)  # one writer: the lock
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -135,8 +135,8 @@ def check_curvature(curvature: Any, *, what: str = "") -> float:
 def check_second_moment(second_moment: Any, curvature: float, *, what: str = "") -> str:
     """``"elementwise"`` or ``"rowwise"``; row-wise applies to the Euclidean kernel only."""
     if second_moment not in SECOND_MOMENTS:
-        raise ValueError(f"{_p(what)}second_moment must be 'elementwise' (SparseAdam's v) or "
-                         f"'rowwise' (one v per row), got {second_moment!r}")
+        raise ValueError(f"{_p(what)}second_moment must be one of {SECOND_MOMENTS} "
+                         f"(SparseAdam's v, or one v per row), got {second_moment!r}")
     if second_moment == "rowwise" and curvature > 0:
         raise ValueError(
             f"{_p(what)}second_moment='rowwise' is for curvature == 0: the ball kernel "
@@ -149,8 +149,8 @@ def check_first_moment(first_moment: Any, curvature: float, dtype: Any, *,
                        what: str = "") -> str:
     """``"full"`` or ``"bfloat16"``; bfloat16 m is for float32 Euclidean stores."""
     if first_moment not in FIRST_MOMENTS:
-        raise ValueError(f"{_p(what)}first_moment must be 'full' (m in the table's dtype) or "
-                         f"'bfloat16' (m stored as bfloat16), got {first_moment!r}")
+        raise ValueError(f"{_p(what)}first_moment must be one of {FIRST_MOMENTS} (m in the "
+                         f"table's dtype, or stored as bfloat16), got {first_moment!r}")
     if first_moment == "bfloat16" and (curvature > 0 or np.dtype(dtype) != np.float32):
         raise ValueError(
             f"{_p(what)}first_moment='bfloat16' is for float32 stores with curvature == 0 "

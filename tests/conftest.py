@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,19 @@ SPEC_N = 1000
 SPEC_B = 64
 SPEC_STEPS = 200
 ROW1_STEPS = (1, 150, 200)
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the block with ``dsa_core.set_num_threads(n)``, then restore the old count."""
+    import dsa_core
+
+    old = dsa_core.get_num_threads()
+    dsa_core.set_num_threads(n)
+    try:
+        yield
+    finally:
+        dsa_core.set_num_threads(old)
 
 
 def make_spec_batches(seed: int, dim: int, *, num_rows: int = SPEC_N, steps: int = SPEC_STEPS,

@@ -84,7 +84,9 @@ KILL_AT: list[str] = []  # the --kill-at point, if any
 
 def install_kill(point: str, at: int) -> None:
     """Patch dsa_core so that this process kills itself at ``point`` of step ``at``."""
-    import dsa_core._format as fmt
+    import dsa_core._files as files
+    import dsa_core._layout as fmt
+    import dsa_core._store as store
     import dsa_core._step as stp
 
     now = lambda: CURRENT[0] == at
@@ -99,13 +101,13 @@ def install_kill(point: str, at: int) -> None:
             _die()
         os.pwritev = pwritev
     elif point == "journal":
-        real_j = fmt.Store.journal_write
+        real_j = store.Store.journal_write
 
         def journal_write(self, rows, count_before):
             real_j(self, rows, count_before)
             if now():
                 _die()
-        fmt.Store.journal_write = journal_write
+        store.Store.journal_write = journal_write
     elif point in ("mid-kernel", "kernel"):
         real_a = stp._apply
 
@@ -119,13 +121,13 @@ def install_kill(point: str, at: int) -> None:
                 _die()
         stp._apply = _apply
     elif point == "data-sync":
-        real_s = fmt.Store.data_sync
+        real_s = store.Store.data_sync
 
         def data_sync(self):
             real_s(self)
             if now():
                 _die()
-        fmt.Store.data_sync = data_sync
+        store.Store.data_sync = data_sync
     elif point in ("manifest-tmp", "manifest-renamed"):
         real_r = os.replace
 
@@ -154,7 +156,7 @@ def install_kill(point: str, at: int) -> None:
             real_w(directory, manifest)
         fmt.write_manifest = write_manifest
     elif point in ("ckpt-commit", "ckpt-cleanup"):
-        real_x, real_rn, real_rm = fmt._exchange, os.rename, shutil.rmtree
+        real_x, real_rn, real_rm = files._exchange, os.rename, shutil.rmtree
 
         def exchange(a, b):
             if now() and point == "ckpt-commit":
@@ -173,7 +175,7 @@ def install_kill(point: str, at: int) -> None:
             if now() and point == "ckpt-cleanup":
                 _die()
             real_rm(path, *a, **k)
-        fmt._exchange, os.rename, shutil.rmtree = exchange, rename, rmtree
+        files._exchange, os.rename, shutil.rmtree = exchange, rename, rmtree
     else:
         raise SystemExit(f"unknown kill point {point!r}; one of {KILL_POINTS}")
 

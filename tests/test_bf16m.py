@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _format
+from dsa_core import _layout
 from dsa_core import _reference as R
 
 N, D = 40, 8
@@ -102,7 +102,7 @@ def test_resume_and_version(tmp_path, monkeypatch):
     dsa_core.close(half)
     dsa_core.close(b)
     assert json.loads((tmp_path / "half" / "manifest.json").read_text())["version"] == 2
-    monkeypatch.setattr(_format, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(_layout, "FORMAT_VERSION", 1)
     with pytest.raises(ValueError, match="format version 2; this dsa_core reads versions"):
         dsa_core.open(tmp_path / "half")
 

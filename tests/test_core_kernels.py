@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsa_core
+from conftest import num_threads
 from dsa_core import _reference as R
 
 
@@ -170,7 +171,7 @@ def test_step_matches_reference(tmp_path, geom, dt, dim, threads):
     init = init_rows(rng, N, dim, c, dtype)
     state = make_store(tmp_path / "s", c, dtype, init, lr=0.05)
     P, M, V = oracle_state(init, c)
-    with dsa_core.threads(threads):
+    with num_threads(threads):
         for t, (idx, G) in enumerate(batch_stream(rng, N, dim, dtype), start=1):
             before = state.store.data.copy()
             state = dsa_core.step(state, idx, G)
@@ -200,8 +201,8 @@ def test_thread_count_does_not_change_results(tmp_path, geom, dt):
     results = []
     for threads in (1, 2):
         state = make_store(tmp_path / f"t{threads}", c, dtype, init)
-        with dsa_core.threads(threads):
-            assert dsa_core.get_threads() == threads
+        with num_threads(threads):
+            assert dsa_core.get_num_threads() == threads
             for idx, G in batches:
                 state = dsa_core.step(state, idx, G)
         results.append(state.store.data.tobytes())
@@ -209,16 +210,18 @@ def test_thread_count_does_not_change_results(tmp_path, geom, dt):
     assert results[0] == results[1]
 
 
-def test_threads_context_restores_count():
-    old = dsa_core.get_threads()
-    with dsa_core.threads(1):
-        assert dsa_core.get_threads() == 1
-    assert dsa_core.get_threads() == old
-    with pytest.raises(RuntimeError, match="boom"), dsa_core.threads(1):
-        raise RuntimeError("boom")
-    assert dsa_core.get_threads() == old
-    with pytest.raises(ValueError, match="threads must be >= 1"), dsa_core.threads(0):
-        pass
+def test_set_num_threads_sets_and_checks():
+    old = dsa_core.get_num_threads()
+    try:
+        dsa_core.set_num_threads(1)
+        assert dsa_core.get_num_threads() == 1
+        with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+            dsa_core.set_num_threads(0)
+        with pytest.raises(TypeError, match="num_threads must be an int >= 1, got 1.5"):
+            dsa_core.set_num_threads(1.5)
+        assert dsa_core.get_num_threads() == 1  # a refused value changes nothing
+    finally:
+        dsa_core.set_num_threads(old)
 
 
 def test_pool_runs_every_chunk_once_and_uses_the_workers():
@@ -235,7 +238,7 @@ def test_pool_runs_every_chunk_once_and_uses_the_workers():
         time.sleep(0.002)  # long enough for the woken worker to claim a chunk
         out.extend(range(lo, hi))
 
-    with dsa_core.threads(2):
+    with num_threads(2):
         _pool.run_chunked(fn, (seen,), 1000, min_chunk=10)
     assert sorted(seen) == list(range(1000))
     assert len(names) == 2
@@ -243,7 +246,7 @@ def test_pool_runs_every_chunk_once_and_uses_the_workers():
     def bad(lo, hi):
         raise ZeroDivisionError("chunk failed")
 
-    with pytest.raises(ZeroDivisionError, match="chunk failed"), dsa_core.threads(2):
+    with pytest.raises(ZeroDivisionError, match="chunk failed"), num_threads(2):
         _pool.run_chunked(bad, (), 1000, min_chunk=10)
 
 
@@ -382,7 +385,7 @@ def test_weights_false_with_table(tmp_path, geom, dt):
 
 
 def test_table_rolls_back_with_a_failed_journaled_step(tmp_path, monkeypatch):
-    from dsa_core import _format
+    from dsa_core import _layout
 
     nw = dsa_core.create(tmp_path / "nw", N, 4, weights=False, durability="step")
     table = np.arange(N * 4, dtype=np.float32).reshape(N, 4) / 100
@@ -391,7 +394,7 @@ def test_table_rolls_back_with_a_failed_journaled_step(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_format, "write_manifest", broken)
+    monkeypatch.setattr(_layout, "write_manifest", broken)
     with pytest.raises(OSError, match="No space left"):
         dsa_core.step(nw, np.array([3, 1, 3]), np.ones((3, 4), np.float32), table=table)
     np.testing.assert_array_equal(table, keep)

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 import dsa_core
+from conftest import num_threads
 from dsa_core._kernels_euclid import adam_rows_euclid
 from dsa_core._kernels_poincare import adam_rows_poincare
 
-HEADER = 4096  # documented in dsa_core/_format.py
+HEADER = 4096  # documented in dsa_core/_layout.py
 
 
 def _grad(b, dim=4, dtype=np.float32, seed=0):
@@ -35,7 +36,7 @@ def _tree(path: Path, store_digest) -> tuple:
 
 
 def _read_with_numpy(path: Path):
-    """Exactly the recipe of the dsa_core._format docstring (plus m and v)."""
+    """Exactly the recipe of the dsa_core._layout docstring (plus m and v)."""
     with open(path / "manifest.json") as f:
         lay = json.load(f)["layout"]
     rec = np.memmap(path / "rows.dsa", dtype=lay["dtype"], mode="r", offset=HEADER,
@@ -432,7 +433,7 @@ def test_views(tmp_path, curvature):
     (0.0, "float32", True, 512, "elementwise"), (1.0, "float32", False, 64, "elementwise"),
     (0.0, "float32", True, 0, "rowwise"), (0.0, "float64", False, 64, "rowwise")])
 def test_store_is_readable_with_plain_numpy(tmp_path, curvature, dt, weights, align, sm):
-    """The layout documented in dsa_core/_format.py: header, record stride and offsets."""
+    """The layout documented in dsa_core/_layout.py: header, record stride and offsets."""
     p = tmp_path / "s"
     n, d = 33, 7
     s = dsa_core.create(p, n, d, curvature=curvature, dtype=dt, weights=weights, align=align,
@@ -769,7 +770,7 @@ def _smaps_file_pmd_kib(path: Path) -> int:
 
 
 def test_access_modes_resolve_and_give_identical_results(tmp_path, monkeypatch):
-    from dsa_core import _format
+    from dsa_core import _paging
 
     monkeypatch.delenv("DSA_ACCESS", raising=False)
     rng = np.random.default_rng(0)
@@ -789,7 +790,7 @@ def test_access_modes_resolve_and_give_identical_results(tmp_path, monkeypatch):
     np.testing.assert_array_equal(outs["ram"], outs["disk"])
     np.testing.assert_array_equal(outs["ram"], outs["auto"])
     # "auto" is "disk" when the file does not fit in RAM_FRACTION of the memory limit
-    monkeypatch.setattr(_format, "memory_limit", lambda: 10_000)
+    monkeypatch.setattr(_paging, "memory_limit", lambda: 10_000)
     s = dsa_core.open(tmp_path / "auto")
     assert s.store.access == "disk"
     dsa_core.close(s)
@@ -814,10 +815,10 @@ def test_bad_access_is_refused_before_anything_is_written(tmp_path, monkeypatch)
 
 
 def test_memory_limit_reads_the_cgroup_cap():
-    from dsa_core import _format
+    from dsa_core import _paging
 
     phys = __import__("os").sysconf("SC_PAGE_SIZE") * __import__("os").sysconf("SC_PHYS_PAGES")
-    assert 0 < _format.memory_limit() <= phys
+    assert 0 < _paging.memory_limit() <= phys
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps is Linux-only")
@@ -835,25 +836,25 @@ def test_ram_access_maps_huge_pages_where_the_kernel_can(tmp_path):
 def test_auto_access_counts_the_ram_stores_already_open(tmp_path, monkeypatch):
     """The writeback threshold is per machine: two stores that fit it alone but not together
     are not both mapped with huge pages."""
-    from dsa_core import _format
+    from dsa_core import _paging
 
     monkeypatch.delenv("DSA_ACCESS", raising=False)
     a = dsa_core.create(tmp_path / "a", 1000, 16)
     one = a.store.nbytes
     dsa_core.close(a)
-    monkeypatch.setattr(_format, "memory_limit", lambda: 100 * one)
-    monkeypatch.setattr(_format, "dirty_background_bytes", lambda: int(1.5 * one))
-    assert _format.ram_bytes_held() == 0
+    monkeypatch.setattr(_paging, "memory_limit", lambda: 100 * one)
+    monkeypatch.setattr(_paging, "dirty_background_bytes", lambda: int(1.5 * one))
+    assert _paging.ram_bytes_held() == 0
     a = dsa_core.open(tmp_path / "a")
     b = dsa_core.create(tmp_path / "b", 1000, 16)
     assert (a.store.access, b.store.access) == ("ram", "disk")
-    assert _format.ram_bytes_held() == one
+    assert _paging.ram_bytes_held() == one
     dsa_core.close(a)
-    assert _format.ram_bytes_held() == 0
+    assert _paging.ram_bytes_held() == 0
     c = dsa_core.create(tmp_path / "c", 1000, 16)  # a's share is free again
     assert c.store.access == "ram"
     d = dsa_core.create(tmp_path / "d", 1000, 16, access="ram")  # explicit: as asked
-    assert d.store.access == "ram" and _format.ram_bytes_held() == 2 * one
+    assert d.store.access == "ram" and _paging.ram_bytes_held() == 2 * one
     for s in (b, c, d):
         dsa_core.close(s)
 
@@ -864,26 +865,26 @@ def test_auto_access_counts_the_ram_stores_already_open(tmp_path, monkeypatch):
 def test_copy_file_paths_copy_every_byte(tmp_path, monkeypatch, size, path):
     """Whichever copy path the filesystem allows (O_DIRECT reads, copy_file_range, a plain
     copy), the copy equals the source, including sizes that are not block multiples."""
-    from dsa_core import _format
+    from dsa_core import _files
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.write_bytes(np.random.default_rng(size).integers(0, 256, size, np.uint8).tobytes())
-    monkeypatch.setattr(_format.fcntl, "ioctl", _no_reflink)
+    monkeypatch.setattr(_files.fcntl, "ioctl", _no_reflink)
     used = []
-    real_direct = _format._copy_direct
+    real_direct = _files._copy_direct
     if path == "direct":
         def spy(s, fo):
             ok = real_direct(s, fo)
             used.append(ok)
             return ok
-        monkeypatch.setattr(_format, "_copy_direct", spy)
+        monkeypatch.setattr(_files, "_copy_direct", spy)
     else:
-        monkeypatch.setattr(_format, "_copy_direct", lambda s, fo: False)
+        monkeypatch.setattr(_files, "_copy_direct", lambda s, fo: False)
     if path == "plain":
         def no_cfr(*a):
             raise OSError(errno.EXDEV, "no copy_file_range")
-        monkeypatch.setattr(_format.os, "copy_file_range", no_cfr)
-    _format._copy_file(src, dst)
+        monkeypatch.setattr(_files.os, "copy_file_range", no_cfr)
+    _files.copy_file(src, dst)
     assert dst.read_bytes() == src.read_bytes()
     if path == "direct" and not used[0]:
         pytest.skip("this filesystem refuses O_DIRECT reads; the fallback copied the file")
@@ -902,7 +903,7 @@ def test_closed_store_is_unmapped_after_a_pooled_step(tmp_path):
 
     st = dsa_core.create(tmp_path / "s", 5000, 16, init="uniform")
     rng = np.random.default_rng(0)
-    with dsa_core.threads(2):
+    with num_threads(2):
         st = dsa_core.step(st, np.arange(4096), rng.standard_normal((4096, 16))
                            .astype(np.float32))
     dsa_core.close(st)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _format
+from dsa_core import _layout
 
 N, D = 50, 16
 
@@ -109,7 +109,7 @@ def test_older_readers_refuse_rowwise_stores(tmp_path, monkeypatch):
     dsa_core.close(rw)
     assert json.loads((tmp_path / "el" / "manifest.json").read_text())["version"] == 1
     assert json.loads((tmp_path / "rw" / "manifest.json").read_text())["version"] == 2
-    monkeypatch.setattr(_format, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(_layout, "FORMAT_VERSION", 1)
     dsa_core.close(dsa_core.open(tmp_path / "el"))
     with pytest.raises(ValueError, match=r"format version 2; this dsa_core reads versions "
                                          r"1\.\.1\. Upgrade dsa_core"):
@@ -118,7 +118,7 @@ def test_older_readers_refuse_rowwise_stores(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("kw", "exc", "msg"), [
     ({"second_moment": "row"}, ValueError,
-     r"second_moment must be one of \('elementwise', 'rowwise'\), got 'row'"),
+     r"second_moment must be one of \('elementwise', 'rowwise'\) .*, got 'row'"),
     ({"second_moment": None}, ValueError, r"second_moment must be one of"),
     ({"second_moment": "rowwise", "curvature": 1.0}, ValueError,
      (r"second_moment='rowwise' is for curvature == 0: the ball kernel \(curvature 1\.0\) "
