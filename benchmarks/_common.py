@@ -82,10 +82,10 @@ def wait_disk_quiet(max_seconds: float = 120.0, window: float = 2.0,
 
 
 def dirty_background_bytes() -> int:
-    """The kernel's background writeback threshold (``dsa_core._format``'s reading)."""
-    from dsa_core._format import dirty_background_bytes as dbb
+    """The kernel's background writeback threshold (as ``dsa_core`` reads it)."""
+    import dsa_core
 
-    return dbb()
+    return int(dsa_core.paging_limits()["dirty_background_bytes"])
 
 
 def predirty(state) -> bool:

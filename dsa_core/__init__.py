@@ -20,7 +20,7 @@ the returned value. The core never imports torch or jax; ``adapters.torch`` and
 from . import validation
 from ._files import staged_dir, write_json
 from ._layout import FORMAT_VERSION
-from ._paging import ACCESS_MODES, check_access
+from ._paging import ACCESS_MODES, check_access, paging_limits
 from ._pool import get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
 from ._state import (
@@ -56,6 +56,7 @@ __all__ = [
     "gather",
     "get_num_threads",
     "open",
+    "paging_limits",
     "prefetch",
     "prefetched",
     "read_records",

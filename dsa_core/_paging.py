@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ACCESS_MODES", "auto_access", "check_access", "dirty_background_bytes",
-           "memory_limit", "ram_bytes_held"]
+           "memory_limit", "paging_limits", "ram_bytes_held"]
 
 ACCESS_MODES = ("auto", "ram", "disk")
 RAM_FRACTION = 0.7  # "auto" maps a store as "ram" when it fits in this share of memory
@@ -114,3 +114,19 @@ def auto_access(nbytes: int) -> str:
     if total > RAM_FRACTION * memory_limit():
         return "disk"
     return "ram" if total <= dirty_background_bytes() else "disk"
+
+
+def paging_limits() -> dict[str, int | float]:
+    """The figures ``access="auto"`` decides by, as read now (bytes).
+
+    ``memory_limit``: the memory this process may use (physical, capped by its cgroups);
+    ``ram_fraction``: the share of it a "ram" store may take; ``dirty_background_bytes``:
+    the kernel's background-writeback threshold; ``ram_bytes_held``: what this process's
+    open "ram" stores already take of both.
+
+    >>> sorted(paging_limits())
+    ['dirty_background_bytes', 'memory_limit', 'ram_bytes_held', 'ram_fraction']
+    """
+    return {"memory_limit": memory_limit(), "ram_fraction": RAM_FRACTION,
+            "dirty_background_bytes": dirty_background_bytes(),
+            "ram_bytes_held": ram_bytes_held()}
