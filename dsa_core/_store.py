@@ -15,6 +15,7 @@ import json
 import mmap
 import os
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from ._paging import _RAM_STORES, auto_access, check_access
 __all__ = ["Store", "StoreLockedError"]
 
 JOURNAL_MAGIC = b"DSAJRNL1"
+_LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01  # a held lock is reported after ~40 ms
 _JHEAD = struct.Struct("<8sQQI")
 
 
@@ -93,9 +95,16 @@ class Store:
 
     def _lock(self) -> None:
         fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for attempt in range(_LOCK_TRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # `dsa info` probes the lock with a shared flock for a few microseconds:
+                # a writer opening at that moment waits it out instead of failing
+                if attempt + 1 < _LOCK_TRIES:
+                    time.sleep(_LOCK_WAIT_S)
+        else:
             os.close(fd)
             raise StoreLockedError(
                 f"store {str(self.path)!r} is already open for writing (by this or another "
