@@ -1,8 +1,8 @@
 """Numba helpers of the glue: duplicate coalescing, row gather and scatter.
 
-Coalescing in NumPy (``np.add.at`` or argsort + ``np.add.reduceat``) cost 1.4-1.7 ms for a
-2048 x 128 batch, more than the Adam kernel itself (STYLE.md §0.7); here it is one hash pass
-over the ids and, only when there are duplicates, one pass summing their rows.
+Coalescing in NumPy (``np.add.at`` or argsort + ``np.add.reduceat``) costs more than the Adam
+kernel itself (figures: docs/benchmarks.md, design measurements); here it is one hash pass over
+the ids and, only when there are duplicates, one pass summing their rows.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _sum_rows(G, inv, Gc):
 
 
 def coalesce(idx, G, want_inverse=False, out=None):
-    """Sum the gradient rows of duplicate ids (spec §1.1).
+    """Sum the gradient rows of duplicate ids (docs/algorithms.md §1.1).
 
     Returns ``(uidx, Gc, inv)``: ``uidx`` the unique ids **in order of first appearance**,
     ``Gc[u]`` the sum of the rows ``G[k]`` with ``idx[k] == uidx[u]`` added in order of
@@ -79,9 +79,9 @@ def coalesce(idx, G, want_inverse=False, out=None):
     buffer of ``G``'s dtype with at least ``len(idx) * dim`` elements for ``Gc`` (a reused
     buffer saves the page faults of fresh memory on every step).
 
-    One hash pass, no sort (rows are independent, spec §1.1: any order will do). Measured on
-    2048 x 128 float32 unique ids: 168 us for the former stable sort + segment sums (which
-    copied every row), 9 us now.
+    One hash pass, no sort (rows are independent, docs/algorithms.md §1.1: any order will
+    do), and no copy at all for a batch without duplicates, the common case: a stable sort
+    plus segment sums copied every row.
     """
     uidx, inv, nu = _dedup(idx)
     if nu == idx.shape[0]:
@@ -102,7 +102,8 @@ def gather_rows(src, rows, off, out, lo, hi):
     """``out[i, :] = src[rows[i], off:off + out.shape[1]]`` for ``lo <= i < hi``.
 
     Each source row is a DRAM miss at a random place: prefetching the row a few ahead and
-    copying through 1-D row views took 2048 x 128 float32 rows from 0.98 to 0.3 ms.
+    copying through 1-D row views overlaps those misses (figures: docs/benchmarks.md, design
+    measurements).
     """
     d = out.shape[1]
     line = 64 // src.itemsize

@@ -77,10 +77,10 @@ def _copy_direct(src: Path, fo) -> bool:
 
     Why not ``copy_file_range``/``read``: they read through the page cache, whose read-ahead
     fills it with large folios (up to 2 MiB on ext4 with large-folio support). A store whose
-    cache holds such folios writes a whole folio back for every row a step changes: measured
-    1.6 MB written per dirtied 4 KiB page after a copy_file_range of the file, against 4 KiB
-    after plain mapping faults (``python -m benchmarks.folio_check``). ``O_DIRECT`` leaves the
-    source's cache as it was. The caller has flushed the mapping, so the disk holds the rows.
+    cache holds such folios writes a whole folio back for every row a step changes, hundreds
+    of times the 4 KiB that the row needs (``python -m benchmarks.folio_check``; figures:
+    docs/benchmarks.md, design measurements). ``O_DIRECT`` leaves the source's cache as it
+    was. The caller has flushed the mapping, so the disk holds the rows.
     """
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
     if flags == os.O_RDONLY:  # pragma: no cover - no O_DIRECT on this platform

@@ -9,9 +9,9 @@ A store is a directory holding two files:
         header (4096 B): b"DSASTORE" | uint32 format version | uint32 n | JSON layout | zero padding
         record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | padding ]
 
-    v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or
-    when the layout says ``"second_moment": "rowwise"`` (spec §7.3). With ``"first_moment":
-    "bfloat16"`` m holds ``dim`` bfloat16 values packed two per float32 slot.
+    v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or when
+    the layout says ``"second_moment": "rowwise"`` (docs/algorithms.md §7.3). With
+    ``"first_moment": "bfloat16"`` m holds ``dim`` bfloat16 values packed two per float32 slot.
 
     The weight block is absent for stores created with ``weights=False``. Any
     numpy can read the weights without this package::

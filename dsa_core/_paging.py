@@ -104,9 +104,9 @@ def auto_access(nbytes: int) -> str:
 
     Fits: ``nbytes <= RAM_FRACTION * memory_limit()``. Without writeback: ``nbytes <=
     dirty_background_bytes()``. The second matters because the kernel writes a dirty huge
-    folio back whole: at 10M x 128 rows (stores of 10 and 15.4 GB, past the 2.3 GB threshold
-    here) the torch training loop took 421-467 ms per step with huge pages, 9-14 ms with
-    4 KiB pages (measured). Both limits
+    folio back whole: a store past the threshold, mapped with huge pages, writes 2 MiB back
+    for every row a step changes, and its steps become tens of times slower than with 4 KiB
+    pages (figures: docs/benchmarks.md, design measurements). Both limits
     are shared by every store of the process, so the "ram" stores it already holds open count
     against them: of two stores that each fit alone but not together, the second gets "disk".
     """

@@ -1,11 +1,10 @@
 """A tiny work-claiming thread pool for the (nogil, serial) Numba kernels.
 
 Why not ``prange``: numba's parallel loop splits the rows statically between its threads and
-then waits at a barrier for all of them. When another process -- or torch's own OpenMP
-threads, still spinning after the forward/backward pass -- holds the cores, one of numba's
-threads is not scheduled for a few milliseconds, and every step waits for it. Measured on the
-2-core box, 2048 x 128 rows: 0.43 ms alone, **8.5 ms median** when each step followed a torch
-matmul.
+then waits at a barrier for all of them. When another process -- or torch's own OpenMP threads,
+still spinning after the forward/backward pass -- holds the cores, one of numba's threads is not
+scheduled for a few milliseconds, and every step waits for it: a sub-millisecond step became a
+many-millisecond one after each torch matmul (figures: docs/benchmarks.md, design measurements).
 
 Here the calling thread starts working at once and claims chunks of rows from a shared
 iterator (``next`` on a ``range`` iterator is atomic under the GIL); idle workers are woken and
@@ -100,8 +99,8 @@ class _Pool:
             return
         # 8 chunks per thread: a worker that wakes late (an idle vCPU takes tens of us)
         # still finds work, and the caller waits for at most one small chunk at the end.
-        # Measured (python -m benchmarks.breakdown, 2 threads): 2 per thread 0.40 ms,
-        # 8 per thread 0.34 ms, 16 per thread 0.44-0.47 ms (dispatch under the GIL).
+        # Fewer chunks leave a late worker idle, more pay for dispatch under the GIL
+        # (figures: docs/benchmarks.md, design measurements).
         nchunks = 8 * (helpers + 1)
         chunk = -(-n // nchunks)
         nchunks = -(-n // chunk)

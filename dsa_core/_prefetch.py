@@ -186,9 +186,10 @@ def writeback(state, idx: Any) -> None:
 
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the pages are queued for writing and stay
     cached, but are clean once written, so that under memory pressure the kernel could drop
-    them without stalling on dirty-page writeback. Not exported: measured out of core it made
-    things worse (ahead=2: 41k -> 24k rows/s on one hint thread, 26k -> 18.5k on its own
-    thread), so it is kept only for ``benchmarks.ooc --modes pipeline``.
+    them without stalling on dirty-page writeback. Not exported: out of core it made steps
+    slower, not faster (the writes compete with the reads the step waits on; figures:
+    docs/benchmarks.md, design measurements), so it is kept only for
+    ``benchmarks.ooc --modes pipeline``.
     """
     from ._step import as_index
 
@@ -203,9 +204,10 @@ def writeback(state, idx: Any) -> None:
 def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, key=None) -> Iterator[Any]:
     """Yield ``batches`` unchanged while read-ahead runs ``ahead`` batches in front.
 
-    ``key(batch)`` extracts the row ids (default: the batch itself, or its first element if
-    it is a tuple). ``ahead=2`` measured 41k rows/s against 35k for ``ahead=1`` and 39k for
-    ``ahead=4`` (10M x 128 out of core, 2 GiB cap, uniform ids). Typical use::
+    ``key(batch)`` extracts the row ids (default: the batch itself, or its first element if it
+    is a tuple). ``ahead=2`` keeps the disk busy while one batch is stepped; more batches ahead
+    only compete for the page cache (figures: docs/benchmarks.md, design measurements). Typical
+    use::
 
         for idx, grad in dsa_core.prefetched(state, loader):
             state = dsa_core.step(state, idx, grad)

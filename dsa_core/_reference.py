@@ -29,7 +29,7 @@ def coalesce_ref(idx, G):
 
 
 def euclid_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8, maximize=False):
-    """torch.optim.SparseAdam, spec §2.2, on the rows of ``idx``."""
+    """torch.optim.SparseAdam, docs/algorithms.md §2.2, on the rows of ``idx``."""
     T = P.dtype.type
     if len(idx) == 0:
         return
@@ -54,7 +54,8 @@ def euclid_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8, maximiz
 
 def euclid_rowwise_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8,
                         maximize=False):
-    """Partial row-wise Adam (spec §7.3, FBGEMM PARTIAL_ROWWISE_ADAM); ``V`` is (n, 1)."""
+    """Partial row-wise Adam (docs/algorithms.md §7.3, FBGEMM PARTIAL_ROWWISE_ADAM); ``V`` is
+    (n, 1)."""
     T = P.dtype.type
     if len(idx) == 0:
         return
@@ -88,7 +89,7 @@ def sr_bits(t, rows, d):
 
 def bf16_round(x, rnd):
     """float32 ``x`` rounded stochastically to bfloat16 with 16 random bits ``rnd`` (uint64),
-    returned as float32 values; Inf stays Inf, NaN stays NaN (spec §6)."""
+    returned as float32 values; Inf stays Inf, NaN stays NaN (docs/algorithms.md §6)."""
     b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
     special = (b & np.uint64(0x7F800000)) == np.uint64(0x7F800000)
     nan_bit = np.where((b & np.uint64(0x007FFFFF)) != 0, np.uint64(0x40), np.uint64(0))
@@ -116,7 +117,7 @@ def _rowdot(a, b):
 
 
 def maxnorm(c, ball_eps, dtype):
-    """Largest norm kept by the projection, in T (spec §4)."""
+    """Largest norm kept by the projection, in T (docs/algorithms.md §4)."""
     T = np.dtype(dtype).type
     return (T(1) / np.sqrt(T(c) + T(1e-15))) * T(1 - ball_eps)
 
@@ -154,7 +155,8 @@ def gyration(a, b, w, k):
 
 def poincare_step(P, M, V, idx, G, t, *, curvature, lr, betas=(0.9, 0.999), eps=1e-8,
                   maximize=False, ball_eps=None):
-    """geoopt SparseRiemannianAdam on Stereographic(k=-c), spec §3.2; ``V`` is (n, 1)."""
+    """geoopt SparseRiemannianAdam on Stereographic(k=-c), docs/algorithms.md §3.2; ``V`` is (n,
+    1)."""
     T = P.dtype.type
     if len(idx) == 0:
         return

@@ -115,8 +115,8 @@ class State(NamedTuple):
 
     @property
     def second_moment(self) -> str:
-        """``"elementwise"`` (SparseAdam's v), ``"rowwise"`` (spec §7.3) or, for c > 0,
-        ``"riemannian"`` (the ball's one scalar per row)."""
+        """``"elementwise"`` (SparseAdam's v), ``"rowwise"`` (docs/algorithms.md §7.3) or,
+        for c > 0, ``"riemannian"`` (the ball's one scalar per row)."""
         if self.store.curvature > 0:
             return "riemannian"
         return "rowwise" if self.store.rowwise else "elementwise"
@@ -137,7 +137,8 @@ class State(NamedTuple):
 
     @property
     def first_moment(self) -> str:
-        """``"full"`` (m in the store dtype) or ``"bfloat16"`` (m packed, spec §6)."""
+        """``"full"`` (m in the store dtype) or ``"bfloat16"`` (m packed, docs/algorithms.md
+        §6)."""
         return "bfloat16" if self.store.m_bf16 else "full"
 
     @property
@@ -217,7 +218,8 @@ def default_ball_eps(dtype: np.dtype) -> float:
 
 
 def maxnorm(c: float, ball_eps: float, dtype: np.dtype):
-    """The projection radius in T: fl(1/sqrt(c + 1e-15)) * fl(1 - ball_eps) (docs/algorithms.md §4)."""
+    """The projection radius in T: fl(1/sqrt(c + 1e-15)) * fl(1 - ball_eps) (docs/algorithms.md
+    §4)."""
     T = np.dtype(dtype).type
     return (T(1) / np.sqrt(T(c) + T(1e-15))) * T(1 - ball_eps)
 
@@ -351,7 +353,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         for ``c > 0`` rows beyond the projection radius are projected onto it. An array is
         checked (shape, finite, inside the ball for ``c > 0``) before anything is written.
     dtype : "float32" or "float64"
-        Storage dtype of weights and state. float16/bfloat16 are refused (spec §6).
+        Storage dtype of weights and state. float16/bfloat16 are refused (docs/algorithms.md §6).
     ball_eps : float, optional
         Projection margin for ``c > 0``; default 4e-3 (float32) or 1e-5 (float64), as geoopt.
     nonfinite : "propagate", "skip_row" or "raise"
@@ -370,14 +372,14 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     overwrite : bool, default False
         Replace an existing store at ``path`` (refused while another writer holds it).
     second_moment : "elementwise" or "rowwise", default "elementwise"
-        ``curvature == 0`` only. ``"elementwise"``: SparseAdam's v, one per coordinate
-        (parity). ``"rowwise"``: one v per row from the mean of ``g²`` over the row (FBGEMM's
-        partial row-wise Adam, spec §7.3): the state shrinks from ``2*dim`` to ``dim + 1``
+        ``curvature == 0`` only. ``"elementwise"``: SparseAdam's v, one per coordinate (parity).
+        ``"rowwise"``: one v per row from the mean of ``g²`` over the row (FBGEMM's partial
+        row-wise Adam, docs/algorithms.md §7.3): the state shrinks from ``2*dim`` to ``dim + 1``
         values per row, the update is no longer SparseAdam's (m still is, bit for bit). See
         :func:`dsa_core.step` for the formula. Stores written with it are format version 2.
     first_moment : "full" or "bfloat16", default "full"
         float32 stores with ``curvature == 0`` only. ``"bfloat16"``: m is stored as
-        bfloat16 with stochastic rounding (spec §6; v stays float32), 2 bytes per
+        bfloat16 with stochastic rounding (docs/algorithms.md §6; v stays float32), 2 bytes per
         coordinate instead of 4. The step computes in float32 from the stored m and rounds
         the new m up or down with probability by its distance (random bits from a hash of
         the step, row and coordinate: reproducible, independent of threads and batch

@@ -122,15 +122,15 @@ class Store:
         if resolved == "ram" and hasattr(mmap, "MADV_HUGEPAGE"):
             # The table stays in the page cache: 2 MiB folios, mapped by PMD entries (one
             # TLB entry and one fault per 2 MiB instead of 512). A fault reads (or, on never
-            # written space, zero-fills) its whole 2 MiB. Measured on 1M x 128 float32,
-            # warm, 2048 unique ids, A/B in one process: 0.52 -> 0.44 ms per step; 2.3 ->
-            # 1.1 ms while the kernel writes dirty pages back.
+            # written space, zero-fills) its whole 2 MiB. Fewer TLB misses make the warm
+            # step faster (figures: docs/benchmarks.md, design measurements).
             if hasattr(mmap, "MADV_NORMAL"):
                 self._mm.madvise(mmap.MADV_NORMAL)
             self._mm.madvise(mmap.MADV_HUGEPAGE)
         elif hasattr(mmap, "MADV_RANDOM"):
             # Rows are touched in random order: the default read-around would read up to
-            # 32 pages per fault (measured 262 rows/s vs 20k rows/s out of core).
+            # 32 pages per fault, nearly all of them unused: out of core that made steps
+            # two orders of magnitude slower (docs/benchmarks.md, design measurements).
             if hasattr(mmap, "MADV_NOHUGEPAGE"):
                 self._mm.madvise(mmap.MADV_NOHUGEPAGE)
             self._mm.madvise(mmap.MADV_RANDOM)
