@@ -402,6 +402,21 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     -------
     State
         Open for writing; this process holds the store's writer lock until ``close``.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib, dsa_core
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "emb"
+    >>> s = dsa_core.create(path, num_rows=1000, dim=16, init="normal", seed=0)
+    >>> s.shape, s.count, s.dtype.name
+    ((1000, 16), 0, 'float32')
+    >>> dsa_core.close(s)
+    >>> dsa_core.create(path, num_rows=1000, dim=16)
+    Traceback (most recent call last):
+        ...
+    FileExistsError: a store already exists at ... pass overwrite=True to replace it
+    >>> s = dsa_core.open(path)   # resume: same hyperparameters, same count
+    >>> dsa_core.close(s)
     """
     num_rows = check_positive_int("num_rows", num_rows)
     dim = check_positive_int("dim", dim)

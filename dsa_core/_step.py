@@ -90,11 +90,12 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     -------
     State
         ``state._replace(count=state.count + 1)``. The rows have already been written to the
-        mapped file (durable after :func:`flush`).
+        mapped file (durable after :func:`flush`). The ``state`` passed in is now outdated:
+        stepping, flushing or closing through it raises :class:`dsa_core.StaleStateError`.
 
     Notes
     -----
-    ``curvature == 0`` is ``torch.optim.SparseAdam`` exactly (spec §2.2):
+    ``curvature == 0`` is ``torch.optim.SparseAdam`` exactly (docs/algorithms.md §2.2):
 
     .. math::
 
@@ -103,17 +104,30 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
                           \frac{m}{\sqrt{v} + \epsilon}
 
     with one global step ``t`` for every row; rows not in ``idx`` are left bit-for-bit
-    unchanged (their moments do not decay). A ``second_moment="rowwise"`` store (spec §7.3,
-    FBGEMM's partial row-wise Adam) keeps the same m but one v per row:
+    unchanged (their moments do not decay). A ``second_moment="rowwise"`` store
+    (docs/algorithms.md §7.3, FBGEMM's partial row-wise Adam) keeps the same m but one v per
+    row:
 
     .. math::
 
         v \leftarrow v + (\mathrm{mean}_j\, g_j^2 - v)(1-\beta_2),\quad
         p \leftarrow p - \mathrm{lr}\,\frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}
 
-    ``curvature > 0`` is geoopt's
-    ``SparseRiemannianAdam`` on the ball (spec §3.2): Riemannian gradient, one
-    second-moment scalar per row, retraction + projection, transported first moment.
+    ``curvature > 0`` is geoopt's ``SparseRiemannianAdam`` on the ball (docs/algorithms.md
+    §3.2): Riemannian gradient, one second-moment scalar per row, retraction + projection,
+    transported first moment.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib, numpy as np, dsa_core
+    >>> s = dsa_core.create(pathlib.Path(tempfile.mkdtemp()) / "emb", num_rows=5, dim=2)
+    >>> s = dsa_core.step(s, [1, 3, 1], np.ones((3, 2), np.float32), lr=0.1)
+    >>> s.count   # Adam's first step moves each touched coordinate by about lr
+    1
+    >>> np.round(dsa_core.gather(s, [1, 0]), 4)   # row 0 is not in the batch: untouched
+    array([[-0.1, -0.1],
+           [ 0. ,  0. ]], dtype=float32)
+    >>> dsa_core.close(s)
     """
     require_current(state)
     st = state.store
@@ -196,9 +210,9 @@ _SCRATCH_MAX_BYTES = 16 << 20
 def _scratch(st, key: str, n: int) -> np.ndarray:
     """A reused 1-D buffer of at least ``n`` elements of the store dtype, kept on the store.
 
-    Fresh ``np.empty`` blocks of ~1 MB come from mmap and page-fault on every step: measured
-    ~45 us of a Zipf step (the coalesced rows) and ~90 us of a Poincaré step (its scratch).
-    A store has one writer and its steps run one after another, so one buffer per use is safe.
+    Fresh ``np.empty`` blocks of ~1 MB come from mmap and page-fault on every step, a visible
+    share of a small step (figures: docs/benchmarks.md, design measurements). A store has
+    one writer and its steps run one after another, so one buffer per use is safe.
     """
     buf = st.scratch.get(key)
     if buf is None or buf.shape[0] < n:
