@@ -277,8 +277,8 @@ def main(argv=None):
     import dsa_core
 
     print(f"warm benchmark: rows {a.rows}, dist {a.dist}, batch {a.batch}, dim {a.dim}, "
-          f"dsa_core threads {dsa_core.get_threads()}")
-    meta = {"machine": machine(), "args": vars(a), "dsa_threads": dsa_core.get_threads()}
+          f"dsa_core threads {dsa_core.get_num_threads()}")
+    meta = {"machine": machine(), "args": vars(a), "dsa_threads": dsa_core.get_num_threads()}
     rows = run(a.rows, a.dist, a.impls, a.steps, a.batch, a.dim, workdir, a.geoopt_steps,
                a.max_seconds, on_row=lambda r: write_results(a.name, r, meta),
                quiet_seconds=2.0 if a.smoke else 60.0)
