@@ -11,8 +11,11 @@ PYKEEN := pykeen==1.11.1
 
 setup: $(STAMP)
 
-# torch first, pinned: its CPU wheel lies on this machine's disk; an unpinned `torch` would
-# pull a multi-GB CUDA build. The package itself only asks for torch>=2.1.
+# torch first, pinned to the version the tests were run with, so that the next install finds
+# it satisfied and does not resolve a torch of its own (the package itself asks only for
+# torch>=2.1). Which build pip takes depends on the indexes it uses: on Linux, PyPI's torch is
+# the CUDA build (several GB); for the CPU build, add PyTorch's CPU index:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
