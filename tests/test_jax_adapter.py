@@ -105,7 +105,7 @@ def test_matches_dsa_core_step(tmp_path, curvature, second_moment, dtype):
                 upd = (ids, jnp.asarray(g))
                 ref_idx, ref_g = ids, g
             elif t % 3 == 1:  # via gather: unique rows, padded, autodiff-summed duplicates
-                batch = dj.gather(st.stores, ids, buckets="pow2")
+                batch = dj.gather_batch(st.stores, ids, buckets="pow2")
                 gr = jax.grad(lambda r, g=g, inv=batch.inverse:
                               jnp.sum(r[inv] * jnp.asarray(g)))(batch.rows)
                 assert gr.dtype == np.dtype(dtype)
@@ -130,7 +130,7 @@ def test_matches_dsa_core_step(tmp_path, curvature, second_moment, dtype):
 def test_gather_dedups_and_pads(tmp_path):
     a, _ = make_twins(tmp_path)
     ids = np.array([[5, 2], [2, 9], [5, 5]])
-    batch = dj.gather(a, ids, buckets=(2, 4, 16))
+    batch = dj.gather_batch(a, ids, buckets=(2, 4, 16))
     assert batch.num_unique == 3
     np.testing.assert_array_equal(batch.idx, [2, 5, 9, dj.PAD_ID])
     assert batch.inverse.shape == ids.shape and batch.inverse.dtype == jnp.int32
@@ -150,9 +150,9 @@ def test_gather_dedups_and_pads(tmp_path):
     with pytest.raises(ValueError, match="buckets must be"):
         dj.bucket_size(3, "pow3")
     with pytest.raises(TypeError, match="integer row ids"):
-        dj.gather(a, np.array([1.0, 2.0]))
+        dj.gather_batch(a, np.array([1.0, 2.0]))
     with pytest.raises(IndexError, match=r"\[0, num_rows\)"):
-        dj.gather(a, np.array([1, N]))
+        dj.gather_batch(a, np.array([1, N]))
 
 
 def test_padding_rows_are_not_touched(tmp_path):
@@ -160,7 +160,7 @@ def test_padding_rows_are_not_touched(tmp_path):
     tx = dj.sparse_adam(1e-2)
     st = tx.init(a)
     ids = np.array([4, 1, 4])
-    batch = dj.gather(st.stores, ids, buckets=(8,))
+    batch = dj.gather_batch(st.stores, ids, buckets=(8,))
     g = jax.grad(lambda r: jnp.sum(r[batch.inverse] ** 2))(batch.rows)
     rows, st = tx.update((batch.idx, g), st)
     b = dsa_core.step(b, ids, 2 * b.weights[ids], lr=1e-2)
@@ -189,7 +189,7 @@ def test_matches_torch_sparse_adam_same_grads(tmp_path):
     tx = dj.sparse_adam(2e-2)
     st = tx.init(a)
     for ids, g in batches(2, 25):
-        batch = dj.gather(st.stores, ids)
+        batch = dj.gather_batch(st.stores, ids)
         gr = jax.grad(lambda r, g=g, inv=batch.inverse:
                       jnp.sum(r[inv] * jnp.asarray(g)))(batch.rows)
         _, st = tx.update((batch.idx, gr), st)
@@ -197,7 +197,8 @@ def test_matches_torch_sparse_adam_same_grads(tmp_path):
         emb.weight.grad = torch.sparse_coo_tensor(k, torch.from_numpy(np.asarray(gr).copy()),
                                                   emb.weight.shape, check_invariants=True)
         opt.step()
-    # spec §5 tolerances for float32 (the core's kernels may contract to FMA: not bitwise)
+    # docs/algorithms.md §5 tolerances for float32 (the core's kernels may contract to FMA:
+    # not bitwise)
     tol = {"rtol": 1e-5, "atol": 3e-6}
     np.testing.assert_allclose(a.weights, emb.weight.detach().numpy(), **tol)
     s = opt.state[emb.weight]
@@ -224,7 +225,7 @@ def test_matches_torch_sparse_adam_trajectory(tmp_path):
     for _ in range(30):
         ids = rng.integers(0, 60, 32)
         y = rng.standard_normal(32).astype(np.float32)
-        batch = dj.gather(st.stores, ids, buckets="pow2")
+        batch = dj.gather_batch(st.stores, ids, buckets="pow2")
         _, st = tx.update((batch.idx, grad_fn(batch.rows, batch.inverse, y)), st)
         opt.zero_grad()
         out = emb(torch.from_numpy(ids)) @ torch.from_numpy(target)
@@ -257,8 +258,8 @@ def test_matrix_factorization_trains(tmp_path):
     for _ in range(100):
         u, i = rng.integers(0, nu, 128), rng.integers(0, ni, 128)
         y = np.sum(U[u] * V[i], -1).astype(np.float32)
-        bu = dj.gather(st.stores["user"], u, buckets="pow2")
-        bi = dj.gather(st.stores["item"], i, buckets="pow2")
+        bu = dj.gather_batch(st.stores["user"], u, buckets="pow2")
+        bi = dj.gather_batch(st.stores["item"], i, buckets="pow2")
         loss, g = value_and_grad({"user": bu.rows, "item": bi.rows},
                                  {"user": bu.inverse, "item": bi.inverse}, y)
         _, st = tx.update({"user": (bu.idx, g["user"]), "item": (bi.idx, g["item"])}, st,)
@@ -289,9 +290,9 @@ def test_in_jit_matches_outside_jit(tmp_path):
     # is about the optimizer, not about XLA's fusion.
     for ids, g in batches(4, 10):
         x = jnp.asarray(g)
-        bb = dj.gather(sb.stores, ids, buckets="pow2")
+        bb = dj.gather_batch(sb.stores, ids, buckets="pow2")
         (rb, sb), gr = train_step(sb, bb.rows, bb.idx, bb.inverse, x)
-        ba = dj.gather(sa.stores, ids, buckets="pow2")
+        ba = dj.gather_batch(sa.stores, ids, buckets="pow2")
         np.testing.assert_array_equal(np.asarray(ba.rows), np.asarray(bb.rows))
         ra, sa = tx_out.update((ba.idx, gr), sa)
         np.testing.assert_array_equal(np.asarray(ra), np.asarray(rb))
@@ -318,7 +319,7 @@ def test_float64_store_needs_x64(tmp_path):
     s = dsa_core.create(tmp_path / "f64", 10, 4, dtype="float64", progress=False)
     with jax.enable_x64(False):
         with pytest.raises(TypeError, match="store is float64 but JAX is in 32-bit mode"):
-            dj.gather(s, [1, 2])
+            dj.gather_batch(s, [1, 2])
         st = dj.sparse_adam(1e-2).init(s)
         with pytest.raises(TypeError, match="float64 needs jax.config.update"):
             dj.sparse_adam(1e-2).update(([1], jnp.ones((1, 4))), st)
@@ -331,7 +332,7 @@ def test_in_jit_scan_keeps_rows_on_device(tmp_path):
     sa, sb = tx_in.init(a), tx_out.init(b)
     ids = np.array([7, 3, 7, 11, 0])
     x = jnp.asarray(np.random.default_rng(5).standard_normal((5, D)), jnp.float32)
-    batch = dj.gather(sa.stores, ids)
+    batch = dj.gather_batch(sa.stores, ids)
 
     @jax.jit
     def run(opt_state, rows):
@@ -342,7 +343,7 @@ def test_in_jit_scan_keeps_rows_on_device(tmp_path):
         return jax.lax.scan(body, (opt_state, rows), None, length=6)[0]
 
     sa, rows = run(sa, batch.rows)
-    r = dj.gather(sb.stores, ids).rows
+    r = dj.gather_batch(sb.stores, ids).rows
     for _ in range(6):
         r, sb = tx_out.update((batch.idx, jax.grad(_loss)(r, batch.inverse, x)), sb)
     # the scan body and the eager grad are compiled apart: tanh may differ in the last bit
@@ -370,8 +371,8 @@ def test_second_jitted_step_does_not_recompile(tmp_path, compile_log):
     seen = []
     for step in range(4):
         ids = rng.integers(0, 200, 24)  # a different number of unique ids each step ...
-        ba = dj.gather(sa.stores, ids, buckets=(32,))  # ... one bucket
-        bb = dj.gather(sb.stores, ids, buckets=(32,))
+        ba = dj.gather_batch(sa.stores, ids, buckets=(32,))  # ... one bucket
+        bb = dj.gather_batch(sb.stores, ids, buckets=(32,))
         seen.append(ba.num_unique)
         _, sa = train_step(sa, ba.rows, ba.idx, ba.inverse, x)
         _, sb = tx_out.update((bb.idx, grad_fn(bb.rows, bb.inverse, x)), sb)
@@ -583,19 +584,187 @@ def test_stale_and_misused_states(tmp_path):
     st0 = tx.init(a)
     ids, g = batches(16, 1)[0]
     _, st1 = tx.update((ids, g), st0)
-    with pytest.raises(RuntimeError, match="stale optimizer state: its count is 0"):
+    before = store_digest(a.path)
+    # the old opt_state again: refused (it would count step 1 twice), nothing written
+    with pytest.raises(dsa_core.StaleStateError,
+                       match=r"^sparse_adam\.update: stale optimizer state: its count is 0 but "
+                             r"the store has made 1 steps\..*pass the opt_state returned by "
+                             r"the last update"):
         tx.update((ids, g), st0)
+    with pytest.raises(dsa_core.StaleStateError, match="stale optimizer state"):
+        dj.checkpoint(st0, tmp_path / "ck")
+    assert store_digest(a.path) == before and not (tmp_path / "ck").exists()
     with pytest.raises(RuntimeError, match="inside jax.jit"):
         jax.jit(lambda s, g: tx.update((ids, g), s)[1].count)(st1, jnp.asarray(g))
-    with pytest.raises(RuntimeError, match="stale"):
+    with pytest.raises(dsa_core.StaleStateError, match=r"^sparse_adam\.init: .* is stale"):
         tx.init(a)  # `a` is the count-0 dsa_core.State, the store is at 1
-    st2 = tx.init(dj.core_states(st1))  # fine: retires st1's handles
-    with pytest.raises(RuntimeError, match="superseded by a later init"):
-        tx.update((ids, g), st1)
+    # two optimizer states of one store: the first to step wins, the other is refused
+    st2 = tx.init(dj.core_states(st1))
     _, st2 = tx.update((ids, g), st2)
+    with pytest.raises(dsa_core.StaleStateError, match="through another optimizer state"):
+        tx.update((ids, g), st1)
+    with pytest.raises(dsa_core.StaleStateError, match="through another optimizer state"):
+        dj.checkpoint(st1, tmp_path / "ck")
+    assert dj.core_states(st2).count == 2
+    _, st2 = tx.update((ids, g), st2)  # the winner goes on
     dj.close(st2)
     with pytest.raises(ValueError, match="closed"):
         tx.update((ids, g), st2)
+
+
+def test_stale_state_in_jit(tmp_path):
+    """An old opt_state inside jit: the callback refuses it, the store is untouched."""
+    a, _ = make_twins(tmp_path)
+    tx = dj.sparse_adam(1e-2, in_jit=True)
+    step = jax.jit(lambda s, i, g: tx.update((i, g), s))
+    ids, g = batches(18, 1)[0]
+    st0 = tx.init(a)
+    _, st1 = step(st0, ids, jnp.asarray(g))
+    jax.block_until_ready(st1.count)
+    before = store_digest(a.path)
+    with pytest.raises(Exception, match="pass the opt_state returned by the last update"):
+        out = step(st0, ids, jnp.asarray(g))
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    _reset_effect_tokens()
+    assert store_digest(a.path) == before
+    _, st2 = step(st1, ids, jnp.asarray(g))
+    assert int(st2.count) == 2 == dj.core_states(st2).count
+
+
+def test_messages_name_the_call_not_the_store(tmp_path):
+    """Messages start with the function called (and the table, for several), no 'the store:'."""
+    a, _ = make_twins(tmp_path)
+    tx = dj.sparse_adam(1e-2)
+    st = tx.init(a)
+    with pytest.raises(IndexError, match=r"^sparse_adam\.update: idx must lie in \[0, num_rows\)"):
+        tx.update((np.array([N]), np.ones((1, D), np.float32)), st)
+    with pytest.raises(TypeError, match=r"^sparse_adam\.update: grad_rows must have the store"):
+        tx.update((np.array([1]), np.ones((1, D))), st)
+    with pytest.raises(TypeError, match=r"^gather_batch: ids must hold integer row ids"):
+        dj.gather_batch(st.stores, np.array([1.5]))
+    with pytest.raises(ValueError, match=r"^sparse_adam: Invalid learning rate: 0\.0"):
+        dj.sparse_adam(0.0)
+    with pytest.raises(ValueError, match=r"^sparse_adam\.update \(learning-rate schedule at "
+                                         r"count 0\): Invalid learning rate: -1\.0"):
+        dj.sparse_adam(lambda c: -1.0).update((np.array([1]), np.ones((1, D), np.float32)),
+                                              dj.sparse_adam(lambda c: -1.0).init(
+                                                  dj.core_states(st)))
+    b, _ = make_twins(tmp_path, "b")
+    st2 = tx.init({"user": dj.core_states(st), "item": b})
+    with pytest.raises(IndexError, match=r"^sparse_adam\.update: table \['item'\]: idx must"):
+        tx.update({"user": (np.array([1]), np.ones((1, D), np.float32)),
+                   "item": (np.array([N]), np.ones((1, D), np.float32))}, st2)
+    for fn in (lambda: tx.update((np.array([N]), np.ones((1, D), np.float32)), st),
+               lambda: tx.update((np.array([1.0]), np.ones((1, D), np.float32)), st)):
+        with pytest.raises(Exception) as info:
+            fn()
+        assert "the store:" not in str(info.value)
+    dj.close(st2)
+
+
+def test_renamed_names():
+    assert "DiskTable" in dj.__all__ and "gather_batch" in dj.__all__
+    assert "StoreHandle" not in dj.__all__ and "gather" not in dj.__all__
+    with pytest.warns(DeprecationWarning, match="now adapters.jax.gather_batch"):
+        assert dj.gather is dj.gather_batch
+    with pytest.warns(DeprecationWarning, match="now adapters.jax.DiskTable"):
+        assert dj.StoreHandle is dj.DiskTable
+    with pytest.raises(AttributeError):
+        dj.no_such_name  # noqa: B018
+
+
+def test_adapter_uses_the_public_core_api_only():
+    """adapters.jax and its private modules import no dsa_core._* and reach no .store."""
+    root = Path(dj.__file__).parent
+    for f in [root / "jax.py", *sorted(root.glob("_jax_*.py"))]:
+        text = f.read_text()
+        assert not re.search(r"dsa_core\._|from dsa_core\._", text), f
+        assert not re.search(r"\.store\.", text), f
+
+
+# -- create_store: a second run is refused, resume and overwrite are asked for ----------------
+def test_create_store_refuses_a_second_run(tmp_path):
+    path = tmp_path / "emb"
+    tx = dj.sparse_adam(1e-2)
+    st = tx.init(dj.create_store(path, N, D, init="normal"))
+    ids, g = batches(19, 1)[0]
+    _, st = tx.update((ids, g), st)
+    dj.close(st)
+    before = store_digest(path)
+    with pytest.raises(FileExistsError, match=r"^create_store: a store already exists at .* "
+                                              r"last flushed at step 1\): pass resume=True .* "
+                                              r"or overwrite=True .* Nothing was touched"):
+        dj.create_store(path, N, D, init="normal")
+    with pytest.raises(ValueError, match="pass one of them"):
+        dj.create_store(path, N, D, resume=True, overwrite=True)
+    with pytest.raises(TypeError, match="resume must be a bool"):
+        dj.create_store(path, N, D, resume="yes")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['nope'\]"):
+        dj.create_store(path, N, D, resume=True, nope=1)
+    assert store_digest(path) == before
+
+
+def test_create_store_resume(tmp_path):
+    path = tmp_path / "emb"
+    tx = dj.sparse_adam(1e-2)
+    ids, g = batches(20, 1)[0]
+    s = dj.create_store(path, N, D, init="normal", resume=True)  # nothing to resume: fresh
+    assert s.count == 0
+    w0 = s.weights.copy()
+    st = tx.init(s)
+    _, st = tx.update((ids, g), st)
+    w1 = dj.core_states(st).weights.copy()
+    dj.close(st)
+    s = dj.create_store(path, N, D, init="normal", seed=9, resume=True)  # init ignored
+    assert s.count == 1 and s.lr == 1e-2  # the transform's lr, flushed into the manifest
+    np.testing.assert_array_equal(s.weights, w1)
+    assert not np.array_equal(s.weights, w0)
+    dsa_core.close(s)
+    s = dj.create_store(path, N, D, resume=True, lr=5e-2, betas=(0.8, 0.99))  # given: applied
+    assert (s.lr, s.betas, s.current) == (5e-2, (0.8, 0.99), True)
+    _, st = tx.update((ids, g), tx.init(s))
+    dj.close(st)
+    assert dsa_core.open(path, mode="r").count == 2
+    # a store made another way is refused, closed again, untouched
+    before = store_digest(path)
+    for kw, what in [({"num_rows": N + 1}, "shape"), ({"dim": D + 1}, "shape"),
+                     ({"curvature": 1.0}, "curvature"), ({"dtype": "float64"}, "dtype"),
+                     ({"weights": False}, "weights"), ({"second_moment": "rowwise"},
+                                                       "second_moment")]:
+        args = {"num_rows": N, "dim": D, **kw}
+        with pytest.raises(ValueError, match=rf"^create_store: .* does not match this call: "
+                                             rf"it has {what} "):
+            dj.create_store(path, args.pop("num_rows"), args.pop("dim"), resume=True, **args)
+    assert store_digest(path) == before
+    s = dj.create_store(path, N, D, resume=True)  # not locked by the refusals
+    assert s.count == 2
+    with pytest.raises(dsa_core.StoreLockedError):
+        dj.create_store(path, N, D, resume=True)  # a second writer
+    dsa_core.close(s)
+
+
+def test_create_store_overwrite(tmp_path):
+    path = tmp_path / "emb"
+    tx = dj.sparse_adam(1e-2)
+    _, st = tx.update(batches(21, 1)[0], tx.init(dj.create_store(path, N, D)))
+    dj.close(st)
+    s = dj.create_store(path, N, D + 2, overwrite=True)  # a fresh store, any shape
+    assert (s.count, s.shape) == (0, (N, D + 2))
+    dsa_core.close(s)
+
+
+def test_create_store_weights_false_rerun_is_refused(tmp_path):
+    """The issue's case: fresh weights in the model would meet the old m, v and count."""
+    path = tmp_path / "mv"
+    tx = dj.sparse_adam(1e-2)
+    table = np.zeros((N, D), np.float32)
+    st = tx.init(dj.create_store(path, N, D, weights=False))
+    ids, g = batches(22, 1)[0]
+    _, st = tx.update((ids, g), st, params=table[ids])
+    dj.close(st)
+    with pytest.raises(FileExistsError, match="pass resume=True"):
+        dj.create_store(path, N, D, weights=False)
 
 
 def test_warmup_runs():

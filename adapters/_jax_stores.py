@@ -1,0 +1,194 @@
+"""Creating the stores a JAX transform trains, or reopening them when asked: ``create_store``.
+
+Private; the public names live in :mod:`adapters.jax`.
+
+A script run twice must not quietly continue the first run: fresh weights in the model
+(``weights=False``) paired with the old m and v and count, or a run the user meant to
+start over. So reopening an existing store is asked for (``resume=True``), replacing it is
+asked for (``overwrite=True``), and otherwise an existing store is refused, untouched.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+
+import dsa_core
+from dsa_core import validation
+
+__all__ = ["create_store"]
+
+_WHAT = "create_store"
+_CREATE_ARGS = {n: p.default for n, p in inspect.signature(dsa_core.create).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+# fixed when a store is created: a reopened store must have been made with these values
+_LAYOUT_ARGS = ("curvature", "dtype", "weights", "second_moment", "first_moment", "align")
+# the optimizer's settings: given ones replace a reopened store's, as if it was made with them
+_HPARAM_ARGS = ("lr", "betas", "eps", "maximize", "nonfinite", "durability")
+_OWN_ARGS = ("overwrite", "access")  # create_store's own handling
+
+
+def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
+                 overwrite: bool = False, access: str = "auto",
+                 **create_args: Any) -> dsa_core.State:
+    """Create the store of one table at ``path``; with ``resume=True``, reopen the one there.
+
+    The first call of a training script and every later one can be the same line: without
+    ``resume``/``overwrite`` a second run is refused, because silently reopening would go on
+    from the old run's count with its m and v (and, for ``weights=False`` stores, pair them
+    with freshly initialised weights).
+
+    Parameters
+    ----------
+    path : str or Path
+        Directory of the store.
+    num_rows, dim : int
+        Shape of the table.
+    resume : bool, default False
+        Reopen an existing store at ``path`` and continue from its count (its last flush,
+        see ``flush``/``checkpoint``). If there is nothing to resume (no store at ``path``),
+        a fresh one is created, so the same call starts a run and resumes it. The existing
+        store must match the call (below); its weights are kept and ``init`` is ignored.
+    overwrite : bool, default False
+        Replace an existing store with a fresh one (refused while another writer holds it).
+    access : "auto", "ram" or "disk"
+        How the store is paged (``dsa_core.create``/``open``).
+    **create_args
+        The keyword arguments of ``dsa_core.create``: ``curvature``, ``dtype``, ``weights``,
+        ``init``, ``lr``, ``durability``, ... When a store is reopened, ``curvature``,
+        ``dtype``, ``weights``, ``second_moment``, ``first_moment`` and ``align`` (given or
+        at their defaults, since the same call would have created it) and ``ball_eps`` (if
+        given) must agree with it, or a ``ValueError`` names the difference and the store is
+        closed again, untouched; ``lr``, ``betas``, ``eps``, ``maximize``, ``nonfinite`` and
+        ``durability``, where given, replace the store's own (written at its next flush);
+        ``init``, ``init_scale``, ``seed`` and ``progress`` only shape a new store.
+
+    Returns
+    -------
+    dsa_core.State
+        Open for writing, for ``sparse_adam(...).init``.
+
+    Raises
+    ------
+    FileExistsError
+        A store exists at ``path`` and neither ``resume`` nor ``overwrite`` was given
+        (nothing is touched); or ``path`` holds a damaged store (``dsa_core.create``'s
+        message says what to do).
+    ValueError
+        ``resume=True`` and ``overwrite=True`` together; a reopened store that does not
+        match the call.
+    dsa_core.StoreLockedError
+        Another process is writing the store.
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np, dsa_core
+    >>> from adapters import jax as dsa_jax
+    >>> path = tempfile.mkdtemp() + "/emb"
+    >>> store = dsa_jax.create_store(path, 100, 8, init="normal")   # a fresh store
+    >>> tx = dsa_jax.sparse_adam(1e-2)
+    >>> opt_state = tx.init(store)
+    >>> _, opt_state = tx.update(([3], np.ones((1, 8), np.float32)), opt_state)
+    >>> dsa_jax.close(opt_state)
+
+    Running the same line again is refused, and says what to choose:
+
+    >>> dsa_jax.create_store(path, 100, 8, init="normal")
+    Traceback (most recent call last):
+        ...
+    FileExistsError: create_store: a store already exists at '...' (100 x 8 float32, last
+    flushed at step 1): pass resume=True to reopen it and ..., or overwrite=True to ...
+
+    >>> store = dsa_jax.create_store(path, 100, 8, init="normal", resume=True)
+    >>> store.count
+    1
+    >>> dsa_core.close(store)
+    >>> dsa_jax.create_store(path, 100, 8, overwrite=True).count       # start over
+    0
+    """
+    for name, flag in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{_WHAT}: {name} must be a bool, got {flag!r}")
+    if resume and overwrite:
+        raise ValueError(f"{_WHAT}: resume=True reopens the store at {str(path)!r} and "
+                         "overwrite=True replaces it; pass one of them")
+    unknown = sorted(set(create_args) - set(_CREATE_ARGS) | set(create_args) & set(_OWN_ARGS))
+    if unknown:
+        raise TypeError(f"{_WHAT}: unexpected keyword argument(s) {unknown}; it takes "
+                        f"resume, overwrite, access and the keyword arguments of "
+                        f"dsa_core.create {sorted(set(_CREATE_ARGS) - set(_OWN_ARGS))}")
+    if resume:
+        try:
+            probe = dsa_core.open(path, mode="r")  # read-only: a mismatch leaves it untouched
+        except FileNotFoundError:
+            probe = None  # nothing to resume: a fresh store (a damaged one: create says so)
+        if probe is not None:
+            try:
+                _check_match(probe, num_rows, dim, create_args)
+                hparams = _hparams(probe, create_args)
+            finally:
+                dsa_core.close(probe)
+            return dsa_core.open(path, access=access)._replace(**hparams)
+    try:
+        return dsa_core.create(path, num_rows, dim, overwrite=overwrite, access=access,
+                               **create_args)
+    except FileExistsError as exc:
+        try:
+            found = dsa_core.open(path, mode="r")  # a real store (not a damaged one)?
+        except (OSError, ValueError):
+            raise exc from None
+        count, shape, dtype = found.count, found.shape, found.dtype.name
+        dsa_core.close(found)
+        raise FileExistsError(
+            f"{_WHAT}: a store already exists at {str(path)!r} ({shape[0]} x {shape[1]} "
+            f"{dtype}, last flushed at step {count}): pass resume=True to reopen it and "
+            f"continue from step {count}, or overwrite=True to replace it with a fresh store. "
+            "Nothing was touched") from None
+
+
+def _check_match(state: dsa_core.State, num_rows: int, dim: int,
+                 create_args: dict[str, Any]) -> None:
+    """A ``ValueError`` unless the store is what this call would have created."""
+    want = {n: create_args.get(n, _CREATE_ARGS[n]) for n in _LAYOUT_ARGS}
+    c = validation.check_curvature(want["curvature"], what=_WHAT)
+    dt = validation.check_dtype(want["dtype"], what=_WHAT)
+    validation.check_second_moment(want["second_moment"], c, what=_WHAT)
+    expect = {
+        "shape": ((int(num_rows), int(dim)), state.shape),
+        "dtype": (dt.name, state.dtype.name),
+        "curvature": (c, state.curvature),
+        "weights": (bool(want["weights"]), state.has_weights),
+        "second_moment": ("riemannian" if c > 0 else want["second_moment"],
+                          state.second_moment),
+        "first_moment": (want["first_moment"], state.first_moment),
+        "align": (want["align"], state.layout.get("align", 0)),
+    }
+    if create_args.get("ball_eps") is not None:
+        expect["ball_eps"] = (float(create_args["ball_eps"]), state.ball_eps)
+    diff = {k: v for k, v in expect.items() if v[0] != v[1]}
+    if diff:
+        desc = "; ".join(f"{k} {have!r} (asked: {asked!r})"
+                         for k, (asked, have) in diff.items())
+        raise ValueError(
+            f"{_WHAT}: the store at {str(state.path)!r} does not match this call: it has "
+            f"{desc}. resume=True continues a run with the settings that created it: pass "
+            "the same ones, or use a fresh directory (or overwrite=True to replace it)")
+
+
+def _hparams(state: dsa_core.State, create_args: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters this call gives a reopened store, checked (``{}`` if none)."""
+    given = {n: create_args[n] for n in _HPARAM_ARGS if n in create_args}
+    if not given:
+        return {}
+    lr, betas, eps, maximize, nonfinite = validation.check_hparams(
+        given.get("lr", state.lr), given.get("betas", state.betas),
+        given.get("eps", state.eps), given.get("maximize", state.maximize),
+        given.get("nonfinite", state.nonfinite), what=_WHAT)
+    durability = given.get("durability", state.durability)
+    if durability not in validation.DURABILITY_MODES:
+        raise ValueError(f"{_WHAT}: durability must be one of "
+                         f"{validation.DURABILITY_MODES}, got {durability!r}")
+    return {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
+            "nonfinite": nonfinite, "durability": durability}
