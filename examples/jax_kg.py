@@ -4,7 +4,7 @@ The JAX version of :mod:`examples.kg_embedding`: the same ComplEx/DistMult model
 initial weights, batches and negatives, trained with :mod:`adapters.jax`:
 
 1. the entity and relation tables are ``dsa_core`` stores (weights, m and v on disk);
-2. each step, :func:`adapters.jax.gather` deduplicates the batch's ids and puts only their
+2. each step, :func:`adapters.jax.gather_batch` deduplicates the batch's ids and puts only their
    rows on the device (padded to a power of two, so the jitted loss sees few shapes);
 3. a jitted ``value_and_grad`` of the loss with respect to those rows gives the row
    gradients (duplicates summed);
@@ -17,7 +17,7 @@ rounding of two frameworks' gradient kernels.
 
 Run::
 
-    python -m examples.jax_kg                         # UMLS, ~10 s on 2 cores
+    python -m examples.jax_kg                         # UMLS, small: CPU only
     python -m examples.jax_kg --compare-torch
 """
 
@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-import dsa_core
 from adapters import jax as dsa_jax
 
 from . import _kg
@@ -81,10 +80,11 @@ def loss_and_grads(ent_rows, rel_rows, ent_inv, rel_inv, hit, *, model: str, reg
 def train(cfg: Config, kg: _kg.KG, work: Path) -> dict:
     """Train with adapters.jax over dsa_core stores; returns metrics and the loss curve."""
     init_e, init_r = _initial_weights(cfg, kg)     # the torch example's initial weights
-    stores = {"ent": dsa_core.create(work / "entities", *init_e.shape, init=init_e,
-                                     progress=False, overwrite=True),
-              "rel": dsa_core.create(work / "relations", *init_r.shape, init=init_r,
-                                     progress=False, overwrite=True)}
+    # a fresh run every time: overwrite=True replaces the stores of an earlier run
+    stores = {"ent": dsa_jax.create_store(work / "entities", *init_e.shape, init=init_e,
+                                          progress=False, overwrite=True),
+              "rel": dsa_jax.create_store(work / "relations", *init_r.shape, init=init_r,
+                                          progress=False, overwrite=True)}
     tx = dsa_jax.sparse_adam(cfg.lr, return_rows=False)
     opt_state = tx.init(stores)
     queries = _kg.reciprocal(kg.train, kg.num_relations)
@@ -99,10 +99,10 @@ def train(cfg: Config, kg: _kg.KG, work: Path) -> dict:
             for qb, negs in _kg.batches(queries, kg.num_entities, cfg.batch, cfg.neg, rng):
                 cand = np.concatenate([qb[:, 2:], negs], 1)
                 hit = np.concatenate([np.zeros((len(qb), 1), bool), negs == qb[:, 2:]], 1)
-                be = dsa_jax.gather(opt_state.stores["ent"],
+                be = dsa_jax.gather_batch(opt_state.stores["ent"],
                                     np.concatenate([qb[:, 0], cand.reshape(-1)]),
                                     buckets="pow2")
-                br = dsa_jax.gather(opt_state.stores["rel"], qb[:, 1], buckets="pow2")
+                br = dsa_jax.gather_batch(opt_state.stores["rel"], qb[:, 1], buckets="pow2")
                 loss, (ge, gr) = loss_and_grads(be.rows, br.rows, be.inverse, br.inverse,
                                                 hit, model=cfg.model, reg=cfg.reg)
                 _, opt_state = tx.update({"ent": (be.idx, ge), "rel": (br.idx, gr)},
