@@ -100,9 +100,9 @@ def run_k(k: int, dim: int, num_rows: int, steps: int, warm: int, tmp: Path) -> 
                                progress=False)
 
     probe = store("probe")
-    batch = dsa_jax.gather(probe, ids, buckets="pow2")
+    batch = dsa_jax.gather_batch(probe, ids, buckets="pow2")
     g = grad_fn(batch.rows, batch.inverse, x).block_until_ready()
-    fns = {"gather": lambda: dsa_jax.gather(probe, ids, buckets="pow2"),
+    fns = {"gather": lambda: dsa_jax.gather_batch(probe, ids, buckets="pow2"),
            "grad only": lambda: grad_fn(batch.rows, batch.inverse, x).block_until_ready()}
     paths = []
     for return_rows in (True, False):
@@ -131,10 +131,14 @@ def main(argv=None) -> None:
                     help="numba threads for the store kernels (default 1: steadier timings)")
     args = ap.parse_args(argv)
     dsa_jax.warmup(("float32",))
-    with tempfile.TemporaryDirectory(prefix="dsa-jax-bench-") as tmp, \
-            dsa_core.threads(args.threads):
-        res = [run_k(k, args.dim, args.rows, args.steps, args.warmup, Path(tmp))
-               for k in args.ks]
+    old_threads = dsa_core.get_num_threads()
+    dsa_core.set_num_threads(args.threads)
+    try:
+        with tempfile.TemporaryDirectory(prefix="dsa-jax-bench-") as tmp:
+            res = [run_k(k, args.dim, args.rows, args.steps, args.warmup, Path(tmp))
+                   for k in args.ks]
+    finally:
+        dsa_core.set_num_threads(old_threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} cpus, "
           f"load {load:.1f}; numba threads {args.threads}; store {args.rows} x {args.dim} "
