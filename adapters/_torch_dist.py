@@ -1,12 +1,8 @@
 """Row-sharded disk embeddings over ``torch.distributed``: :class:`ShardedDiskEmbedding`.
 
-Private; the public names live in :mod:`adapters.torch_dist`.
-
-Layout on disk (one directory tree per machine; each rank writes only its own shard)::
-
-    state_dir/rank{k}/            an ordinary dsa_core store (rows.dsa, manifest.json)
-    state_dir/rank{k}/shard.json  which shard it is: rank, world size, ownership plan, shape
-    ckpt/dsa-sharded.json         checkpoints only: written last, marks a complete checkpoint
+Private; the public names live in :mod:`adapters.torch_dist`. The on-disk format (ownership
+plan, ``shard.json``, checkpoint manifests) is defined in :mod:`adapters._torch_shards`,
+which the offline resharder (:mod:`adapters.torch_reshard`) shares.
 
 Exchange protocol of one training step, per rank (W ranks, U distinct ids in this rank's
 batch, R ids received by this rank as an owner)::
@@ -18,12 +14,13 @@ batch, R ids received by this rank as an owner)::
     step      none: each owner steps its own shard (DiskSparseAdam), every rank every step
 
 A rank that refuses its batch (ids out of range, wrong dtype) sends counts of -1, so every
-rank raises at the same collective and the process group stays usable.
+rank raises at the same collective and the process group stays usable. Construction and
+checkpoints follow the same rule: every rank first looks (no writes), the ranks exchange what
+they found, and all go on or all raise the same error.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import weakref
@@ -38,36 +35,40 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsa_core
+from dsa_core import validation
 
 from ._torch_common import (
     SharedState,
-    check_curvature,
-    check_first_moment,
-    check_second_moment,
     check_table_args,
     close_quietly,
     move_disk_weight,
     np_dtype,
 )
 from ._torch_embedding import DiskWeight
+from ._torch_shards import (
+    MANIFEST_FILE,
+    ShardPlan,
+    check_shard_meta,
+    describe_plan,
+    manifest,
+    read_manifest,
+    read_shard_meta,
+    shard_meta,
+    shard_path,
+    store_settings,
+    table_of,
+    write_manifest,
+    write_shard_meta,
+)
 
 __all__ = [
-    "MANIFEST_FILE",
-    "SHARD_FILE",
     "ShardExchangeError",
-    "ShardPlan",
     "ShardedDiskEmbedding",
     "ddp_ignore",
-    "read_manifest",
-    "shard_path",
 ]
 
-SHARD_FILE = "shard.json"
-MANIFEST_FILE = "dsa-sharded.json"
-_SHARD_FORMAT = "dsa-torch-shard"
-_MANIFEST_FORMAT = "dsa-torch-sharded"
+_WHO = "ShardedDiskEmbedding"
 _EXTRA_FORMAT = "dsa-torch-sharded-embedding"
-_PLANS = ("mod", "range")
 _EXCHANGES = ("all_to_all", "all_gather")
 _REFUSED = {-1: IndexError, -2: TypeError, -3: ValueError, -4: RuntimeError}
 _CODES = {IndexError: -1, TypeError: -2, ValueError: -3}
@@ -79,121 +80,6 @@ class ShardExchangeError(RuntimeError):
     The process group is unusable afterwards; end every rank and restart them from the last
     complete checkpoint (``resume_from=``). Checkpoints are never modified by a failure.
     """
-
-
-# -- ownership plan -------------------------------------------------------------------------------
-class ShardPlan:
-    """Which rank owns global row ``r``, and where it sits in that rank's shard.
-
-    ``"mod"`` (default): owner ``r % W``, local row ``r // W``; hot low ids spread over all
-    ranks. ``"range"``: contiguous blocks of ``ceil(n / W)`` rows: owner ``r // block``, local
-    row ``r - owner * block``. Every shard must hold at least one row.
-    """
-
-    def __init__(self, num_rows: int, world_size: int, kind: str = "mod"):
-        if kind not in _PLANS:
-            raise ValueError(f"plan must be one of {_PLANS}, got {kind!r}")
-        self.num_rows, self.world_size, self.kind = int(num_rows), int(world_size), kind
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.block = -(-self.num_rows // self.world_size)
-        empty = [k for k in range(self.world_size) if self.local_rows(k) <= 0]
-        if empty:
-            raise ValueError(
-                f"a {self.num_rows}-row table cannot be split over {self.world_size} ranks with "
-                f"plan {kind!r}: rank(s) {empty} would own no row. Use fewer ranks"
-                + (" or plan='mod'" if kind == "range" else ""))
-
-    def owner(self, ids):
-        """Owner rank of each global id (torch tensor or numpy array, same kind back)."""
-        return ids % self.world_size if self.kind == "mod" else ids // self.block
-
-    def local(self, ids):
-        """Row of each global id inside its owner's shard."""
-        if self.kind == "mod":
-            return ids // self.world_size
-        return ids - (ids // self.block) * self.block
-
-    def global_ids(self, rank: int, local) -> np.ndarray:
-        """Global ids of the local rows ``local`` of shard ``rank`` (numpy int64)."""
-        local = np.asarray(local, dtype=np.int64)
-        if self.kind == "mod":
-            return local * self.world_size + rank
-        return local + rank * self.block
-
-    def local_rows(self, rank: int) -> int:
-        """Number of rows in shard ``rank``."""
-        n, w = self.num_rows, self.world_size
-        if self.kind == "mod":
-            return (n - rank + w - 1) // w
-        return max(0, min(self.block, n - rank * self.block))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "world_size": self.world_size, "num_rows": self.num_rows}
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, ShardPlan) and self.to_json() == other.to_json()
-
-    def __repr__(self) -> str:
-        return (f"ShardPlan({self.num_rows}, world_size={self.world_size}, "
-                f"kind={self.kind!r})")
-
-
-def shard_path(state_dir, rank: int, world_size: int) -> Path:
-    """The directory of shard ``rank``: ``state_dir`` formatted with ``{rank}`` and
-    ``{world_size}`` when it holds ``{rank}``, else ``state_dir/rank{rank}``."""
-    s = os.fspath(state_dir)
-    if "{rank}" in s:
-        return Path(s.format(rank=rank, world_size=world_size))
-    return Path(s) / f"rank{rank}"
-
-
-def _write_json(path: Path, obj: dict, tag: str = "") -> None:
-    """Replace ``path`` atomically (temp file + fsync + rename); concurrent writers are safe."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}{tag}")
-    data = json.dumps(obj, indent=1, sort_keys=True).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def read_manifest(root) -> dict[str, Any]:
-    """The manifest of a complete sharded checkpoint (``root/dsa-sharded.json``)."""
-    path = Path(root) / MANIFEST_FILE
-    try:
-        m = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{str(root)!r} is not a complete sharded checkpoint: it has no {MANIFEST_FILE}. "
-            "A live state_dir is not a checkpoint (write one with emb.checkpoint(DEST)); a "
-            "checkpoint cut short by a failure has no manifest either (the manifest is "
-            "written last, once every shard is in place): use an older one") from None
-    if not isinstance(m, dict) or m.get("format") != _MANIFEST_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a sharded-embedding manifest")
-    return m
-
-
-def _read_shard_meta(path: Path) -> dict[str, Any]:
-    p = path / SHARD_FILE
-    try:
-        meta = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(
-            f"{str(path)!r} holds a dsa_core store but no {SHARD_FILE}: it is not a shard of a "
-            "ShardedDiskEmbedding (or a checkpoint of one cut short). Use another state_dir"
-        ) from None
-    if not isinstance(meta, dict) or meta.get("format") != _SHARD_FORMAT:
-        raise ValueError(f"{str(p)!r} is not a shard description")
-    return meta
 
 
 # -- the collectives ------------------------------------------------------------------------------
@@ -338,9 +224,10 @@ class _Core:
         comm, plan, st = self.comm, self.plan, self.handle.state
         refused, err = 0, None
         try:
-            if st.store.closed:
+            if st.closed:
                 raise ValueError(f"the shard store {str(st.path)!r} is closed; create a new "
-                                 "ShardedDiskEmbedding on the same state_dir to continue")
+                                 "ShardedDiskEmbedding on the same state_dir with "
+                                 "resume=True to continue")
             if uniq.numel():
                 lo, hi = torch.stack([uniq[0], uniq[-1]]).tolist()
                 if lo < 0 or hi >= plan.num_rows:
@@ -462,20 +349,42 @@ class ShardedDiskEmbedding(nn.Module):
     ``forward`` sends each distinct id of this rank's batch to its owner (one
     ``all_to_all_single`` of split sizes, one of ids), the owners read the rows from disk and
     send them back; ``backward`` sends the row gradients to their owners, where the
-    contributions of all ranks are summed (spec §1.1) into the row-sparse gradient of
-    :attr:`weight`, the rank's **shard**. :class:`~adapters.torch.DiskSparseAdam` steps it
-    like any DiskEmbedding, so the training loop is unchanged::
+    contributions of all ranks are summed (docs/algorithms.md §1.1) into the row-sparse
+    gradient of :attr:`weight`, the rank's **shard**. :class:`~adapters.torch.DiskSparseAdam`
+    steps it like any DiskEmbedding, so the training loop is unchanged. Under ``torchrun``
+    each process calls ``dist.init_process_group("gloo", timeout=timedelta(seconds=60))``;
+    this example is one process, a group of one rank:
 
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))   # torchrun
-        emb = ShardedDiskEmbedding(10**9, 64, state_dir="/local/runs/emb")
-        opt = DiskSparseAdam(emb.parameters(), lr=1e-3)
-        loss = model(emb(ids)).sum(); loss.backward(); opt.step(); opt.zero_grad()
+    >>> import tempfile, torch, torch.distributed as dist
+    >>> from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> tmp = tempfile.mkdtemp()
+    >>> emb = ShardedDiskEmbedding(1000, 8, state_dir=tmp)    # this rank's shard: tmp/rank0
+    >>> opt = DiskSparseAdam(emb.parameters(), lr=1e-2)      # steps this rank's shard
+    >>> loss = emb(torch.tensor([[1, 2], [2, 999]])).square().sum()
+    >>> loss.backward(); opt.step(); opt.zero_grad()
+    >>> emb.store.count, emb.checkpoint(f"{tmp}/ckpt").name
+    (1, 'ckpt')
+    >>> opt.close(); emb.close()
+
+    Running the script again must say what it wants from the shards it finds: ``resume=True``
+    continues them (their rows, moments and step count), ``overwrite=True`` replaces them,
+    ``resume_from=`` a checkpoint copies that checkpoint over them:
+
+    >>> ShardedDiskEmbedding(1000, 8, state_dir=tmp)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    FileExistsError: ShardedDiskEmbedding: ... Pass resume=True ... or overwrite=True ...
+    >>> emb = ShardedDiskEmbedding(1000, 8, state_dir=tmp, resume=True)
+    >>> emb.store.count
+    1
+    >>> emb.close(); dist.destroy_process_group()
 
     Every rank's shard gets a gradient at every backward (possibly with no row), so every
-    shard steps at every ``opt.step()`` and the step counts ``t`` stay equal (spec §1.2). The
-    result equals one process training a :class:`DiskEmbedding` on the concatenation of all
-    ranks' batches (with ``grad_reduce="sum"``; the order of the duplicate sums may differ
-    at ulp level).
+    shard steps at every ``opt.step()`` and the step counts ``t`` stay equal
+    (docs/algorithms.md §1.2). The result equals one process training a
+    :class:`DiskEmbedding` on the concatenation of all ranks' batches (with
+    ``grad_reduce="sum"``; the order of the duplicate sums may differ at ulp level).
 
     **Collective calls.** Construction, ``forward`` (with or without grad), ``backward``,
     :meth:`lookup` and :meth:`checkpoint` exchange data: every rank of the group must call
@@ -488,8 +397,8 @@ class ShardedDiskEmbedding(nn.Module):
     state_dir : str or Path
         Root of the shards (``state_dir/rank{k}``), or a template holding ``{rank}`` (and
         optionally ``{world_size}``) for per-rank paths such as ``/local/ssd/emb/rank{rank}``.
-        Existing shards are reopened (resume); shards written by a run with another world
-        size or plan are refused (see :mod:`adapters.torch_reshard`).
+        Shards already there are refused unless ``resume=True`` or ``overwrite=True`` says
+        what to do with them (or ``resume_from=`` replaces them by a checkpoint).
     process_group : ProcessGroup, optional
         The group to shard over (default: the default group, which must be initialized).
     plan : "mod" or "range"
@@ -510,13 +419,20 @@ class ShardedDiskEmbedding(nn.Module):
         the concatenated batch with the sum of the ranks' losses. ``"mean"``: divided by
         the world size, as DDP does for dense parameters (one process on the concatenated
         batch with the mean of the ranks' losses).
+    resume : bool, default False
+        Continue the shards found in ``state_dir`` (``init`` and ``seed`` are then unused);
+        create them where there are none. They must have been written by a run with this
+        world size, plan and table settings (shards of another world size or plan are
+        refused: see :mod:`adapters.torch_reshard`). Without ``resume``, ``overwrite`` or
+        ``resume_from``, existing shards raise ``FileExistsError``: re-running a script must
+        not silently pair a fresh dense model with the old rows and moments.
     resume_from : str or Path, optional
         A checkpoint written by :meth:`checkpoint`: each rank copies its shard from
-        ``resume_from/rank{k}`` over its live shard, then training resumes exactly from it.
-        It must have this world size and plan (checked on every rank before anything is
-        written).
+        ``resume_from/rank{k}`` over its live shard (replacing it as one directory), then
+        training resumes exactly from it. It must have this world size and plan (checked
+        on every rank before anything is written). Not with ``overwrite``.
     overwrite : bool, default False
-        Replace existing shards with new ones.
+        Replace existing shards with new ones. Not with ``resume`` or ``resume_from``.
     exchange : "all_to_all" or "all_gather"
         ``all_to_all_single`` with split sizes (default; gloo and NCCL both have it), or a
         fallback through ``all_gather`` for backends without it (W times the traffic).
@@ -529,9 +445,9 @@ class ShardedDiskEmbedding(nn.Module):
     durability : "flush" or "step"
         Passed to ``dsa_core.create`` for new shards.
     second_moment : "elementwise" or "rowwise", default "elementwise"
-        As :class:`~adapters.torch.DiskEmbedding`: ``"rowwise"`` keeps one v per row (spec
-        §7.3, ``curvature == 0``). Recorded in every shard; every rank must pass the same,
-        and existing shards and checkpoints must match it.
+        As :class:`~adapters.torch.DiskEmbedding`: ``"rowwise"`` keeps one v per row
+        (docs/algorithms.md §7.3, ``curvature == 0``). Recorded in every shard; every rank
+        must pass the same, and existing shards and checkpoints must match it.
     first_moment : "full" or "bfloat16", default "full"
         As :class:`~adapters.torch.DiskEmbedding`: ``"bfloat16"`` stores m as bfloat16
         (float32, ``curvature == 0``). The stochastic rounding draws its bits from each
@@ -545,7 +461,10 @@ class ShardedDiskEmbedding(nn.Module):
         ``(local_rows, dim)``; give it (``emb.parameters()``) to DiskSparseAdam. Exclude it
         from DDP (:func:`ddp_ignore`), whose parameters must be the same on every rank.
     store : dsa_core.State
-        This rank's shard.
+        This rank's shard, as of now: each ``opt.step()`` replaces it by a newer State, and
+        the one read before is then outdated (``dsa_core`` refuses to step, flush or
+        checkpoint it: :class:`dsa_core.StaleStateError`). Read ``emb.store`` again
+        instead of keeping it.
     plan : ShardPlan
     comm_stats : dict
         Cumulative bytes this rank sent to **other** ranks, per kind (``counts``, ``ids``,
@@ -557,8 +476,8 @@ class ShardedDiskEmbedding(nn.Module):
                  mode: str | None = None, curvature: float = 0.0, init: Any = "normal",
                  init_scale: float | None = None, seed: int | None = None,
                  dtype: torch.dtype = torch.float32, include_last_offset: bool = False,
-                 device: Any = None, grad_reduce: str = "sum", resume_from=None,
-                 overwrite: bool = False, exchange: str = "all_to_all",
+                 device: Any = None, grad_reduce: str = "sum", resume: bool = False,
+                 resume_from=None, overwrite: bool = False, exchange: str = "all_to_all",
                  timeout: float | timedelta | None = None, durability: str = "flush",
                  second_moment: str = "elementwise", first_moment: str = "full"):
         super().__init__()
@@ -569,10 +488,11 @@ class ShardedDiskEmbedding(nn.Module):
             raise ValueError(f"exchange must be one of {_EXCHANGES}, got {exchange!r}")
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=float(timeout))
-        dt = np_dtype(dtype, "ShardedDiskEmbedding")
-        c = check_curvature(curvature)
-        second_moment = check_second_moment(second_moment, c, "ShardedDiskEmbedding")
-        first_moment = check_first_moment(first_moment, c, dt, "ShardedDiskEmbedding")
+        dt = np_dtype(dtype, _WHO)
+        c = validation.check_curvature(curvature, what=_WHO)
+        second_moment = validation.check_second_moment(second_moment, c, what=_WHO)
+        first_moment = validation.check_first_moment(first_moment, c, dt, what=_WHO)
+        _check_intent(resume, resume_from, overwrite)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardedDiskEmbedding needs torch.distributed: call "
                                "dist.init_process_group(...) first (torchrun sets the "
@@ -590,25 +510,24 @@ class ShardedDiskEmbedding(nn.Module):
         path = shard_path(state_dir, rank, world)
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
-        meta = {"format": _SHARD_FORMAT, "version": 1, "rank": rank, "world_size": world,
-                "plan": sp.to_json(), "num_embeddings": n, "embedding_dim": d,
-                "dtype": dt.name, "curvature": c, "padding_idx": padding_idx,
-                "local_rows": sp.local_rows(rank), "second_moment": second_moment,
-                "first_moment": first_moment}
+        meta = shard_meta(sp, rank, {
+            "num_embeddings": n, "embedding_dim": d, "dtype": dt.name, "curvature": c,
+            "padding_idx": padding_idx, "second_moment": second_moment,
+            "first_moment": first_moment})
 
         # phase 1: look (no writes), agree on what every rank found
-        args = (n, d, dt.name, c, plan, padding_idx, grad_reduce, exchange,
-                None if resume_from is None else os.fspath(resume_from), second_moment,
-                first_moment)
+        args = (n, d, dt.name, c, plan, padding_idx, grad_reduce, exchange, bool(resume),
+                None if resume_from is None else os.fspath(resume_from), bool(overwrite),
+                second_moment, first_moment)
         my_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
             else int(seed)
         try:
-            found = _inspect(path, meta, resume_from, overwrite, rank)
+            found = _inspect(path, meta, resume, resume_from, overwrite, rank)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by _decide
             found = {"error": f"{type(exc).__name__}: {exc}"}
         infos = comm.gather_objects({"args": args, "seed": my_seed, "found": found,
                                      "path": str(path)}, "construction")
-        action = _decide(infos, rank, world, resume_from, overwrite, path)
+        action = _decide(infos, resume, resume_from, overwrite, state_dir)
         shard_seed = int(np.random.SeedSequence([infos[0]["seed"], rank]).generate_state(
             1, np.uint64)[0] % (1 << 62))
 
@@ -625,7 +544,7 @@ class ShardedDiskEmbedding(nn.Module):
                                       padding_idx, overwrite, durability, second_moment,
                                       first_moment)
                 created = True
-                _write_json(path / SHARD_FILE, meta)
+                write_shard_meta(path, meta)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             err = f"rank {rank}: {type(exc).__name__}: {exc}"
         oks = comm.gather_objects({"error": err, "count": None if state is None
@@ -641,8 +560,8 @@ class ShardedDiskEmbedding(nn.Module):
                 dsa_core.close(state)
                 if created:
                     dsa_core.remove(path)
-            raise ValueError("ShardedDiskEmbedding could not be set up on every rank "
-                             "(nothing was changed on the ranks that succeeded):\n  "
+            raise ValueError("ShardedDiskEmbedding could not be set up on every rank (the "
+                             "shards this call created were removed again):\n  "
                              + "\n  ".join(errors))
         if resume_from is not None:
             comm.last_checkpoint = os.fspath(resume_from)
@@ -658,12 +577,17 @@ class ShardedDiskEmbedding(nn.Module):
         self.rank, self.world_size = rank, world
         self.process_group = group
         self.state_dir = os.fspath(state_dir)
+        self._meta = meta
         self.weight = DiskWeight(self._handle, dtype, device)
 
     # -- access ---------------------------------------------------------------------------
     @property
     def store(self) -> dsa_core.State:
-        """This rank's shard (``dsa_core.State``; its ``count`` is the step ``t``)."""
+        """This rank's shard (``dsa_core.State``; its ``count`` is the step ``t``).
+
+        The current State: read it again after ``opt.step()`` rather than keeping it (the
+        one read before is outdated and ``dsa_core`` refuses to step, flush or checkpoint it).
+        """
         return self._handle.state
 
     @property
@@ -757,24 +681,29 @@ class ShardedDiskEmbedding(nn.Module):
         comm, st = self._core.comm, self._handle.state
         dest = Path(dest)
         mine = dest / f"rank{self.rank}"
-        err = None
-        if st.store.closed:
-            err = f"rank {self.rank}: the shard is closed"
+        err: Exception | None = None
+        if st.closed:
+            err = ValueError("the shard is closed")
+        elif not st.current:
+            err = dsa_core.StaleStateError(
+                f"the shard's State is outdated (step {st.count}; the store has moved on "
+                "through a State that this module never saw, e.g. dsa_core.step(emb.store, "
+                "...)): step shards only with DiskSparseAdam. Close it and build the module "
+                "again with resume=True, or resume_from=CHECKPOINT")
         elif (mine.exists() or (dest / MANIFEST_FILE).exists()) and not overwrite:
-            err = f"rank {self.rank}: {str(dest)!r} already holds a checkpoint; pass " \
-                  "overwrite=True or choose a new directory"
-        _agree(comm, err, "checkpoint", FileExistsError)
+            err = FileExistsError(f"{str(dest)!r} already holds a checkpoint; pass "
+                                  "overwrite=True or choose a new directory")
+        _agree(comm, err, "checkpoint")
         if overwrite:
             try:
                 (dest / MANIFEST_FILE).unlink(missing_ok=True)
                 err = None
             except OSError as exc:
-                err = f"rank {self.rank}: {exc}"
+                err = exc
             _agree(comm, err, "checkpoint")
-        meta = self._meta()
         try:
             dsa_core.checkpoint(st, mine, overwrite=overwrite)
-            _write_json(mine / SHARD_FILE, meta)
+            write_shard_meta(mine, self._meta)
             err = None
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             err = f"rank {self.rank}: {type(exc).__name__}: {exc}"
@@ -785,41 +714,24 @@ class ShardedDiskEmbedding(nn.Module):
         if errors:
             raise RuntimeError("sharded checkpoint failed (no manifest written; it is not "
                                "a complete checkpoint):\n  " + "\n  ".join(errors))
-        manifest = {"format": _MANIFEST_FORMAT, "version": 1,
-                    "world_size": self.world_size, "plan": self.plan.to_json(),
-                    "num_embeddings": self.num_embeddings,
-                    "embedding_dim": self.embedding_dim, "dtype": st.dtype.name,
-                    "curvature": st.curvature, "padding_idx": self.padding_idx,
-                    **_store_settings(st), "count": int(st.count),
-                    "shards": [f"rank{k}" for k in range(self.world_size)],
-                    "local_rows": [self.plan.local_rows(k) for k in range(self.world_size)]}
         try:
-            _write_json(dest / MANIFEST_FILE, manifest, f"-{self.rank}")
+            write_manifest(dest, manifest(self.plan, self._meta, st.count))
             err = None
         except OSError as exc:
-            err = f"rank {self.rank}: {exc}"
+            err = exc
         _agree(comm, err, "checkpoint")
         comm.last_checkpoint = str(dest)
         return dest
 
-    def _meta(self) -> dict[str, Any]:
-        st = self._handle.state
-        return {"format": _SHARD_FORMAT, "version": 1, "rank": self.rank,
-                "world_size": self.world_size, "plan": self.plan.to_json(),
-                "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
-                "dtype": st.dtype.name, "curvature": st.curvature,
-                "padding_idx": self.padding_idx, "local_rows": st.num_rows,
-                **_store_settings(st)}
-
     # -- module plumbing ------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
         """``to()`` / ``cuda()`` move :attr:`weight`; the shard stays on disk."""
-        return move_disk_weight(self, fn, "ShardedDiskEmbedding")
+        return move_disk_weight(self, fn, _WHO)
 
     def get_extra_state(self) -> dict:
         """This rank's shard manifest (flushed first); rows never enter a state dict."""
         self._handle.flush()
-        m = self._meta()
+        m = dict(self._meta)
         m.update(format=_EXTRA_FORMAT, path=str(self._handle.state.path),
                  count=int(self._handle.state.count))
         return m
@@ -830,7 +742,7 @@ class ShardedDiskEmbedding(nn.Module):
             raise ValueError("not a ShardedDiskEmbedding state dict entry")
         keys = ("world_size", "rank", "plan", "num_embeddings", "embedding_dim", "dtype",
                 "curvature", "second_moment", "first_moment")
-        have, want = self._meta(), _with_setting_defaults(state)
+        have, want = self._meta, {**state, **table_of(state)}
         bad = [k for k in keys if have[k] != want.get(k)]
         if bad:
             raise ValueError("the saved ShardedDiskEmbedding differs in " + ", ".join(
@@ -874,11 +786,37 @@ def ddp_ignore(model: nn.Module) -> list[str]:
 
 
 # -- construction helpers -------------------------------------------------------------------------
-def _agree(comm: _Comm, err: str | None, what: str, exc_type=RuntimeError) -> None:
-    """Every rank learns every rank's error; all raise together, or none does."""
-    errs = [e for e in comm.gather_objects(err, what) if e]
+def _agree(comm: _Comm, err: Exception | None, what: str) -> None:
+    """Every rank learns every rank's error; all raise together, or none does.
+
+    All raise the type of the first rank's error (a ``FileExistsError``, ``ValueError`` or
+    ``StaleStateError`` keeps its type; anything else becomes a ``RuntimeError``), with every
+    rank's message.
+    """
+    mine = None if err is None else (type(err).__name__, f"rank {comm.rank}: {err}")
+    errs = [e for e in comm.gather_objects(mine, what) if e]
     if errs:
-        raise exc_type(f"sharded {what} refused on every rank:\n  " + "\n  ".join(errs))
+        exc_type = _AGREED.get(errs[0][0], RuntimeError)
+        raise exc_type(f"sharded {what} refused on every rank:\n  "
+                       + "\n  ".join(m for _, m in errs))
+
+
+_AGREED = {"FileExistsError": FileExistsError, "ValueError": ValueError,
+           "StaleStateError": dsa_core.StaleStateError}
+
+
+def _check_intent(resume: Any, resume_from: Any, overwrite: Any) -> None:
+    """What to do with shards already on disk: at most one of the three ways."""
+    for name, v in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{_WHO}: {name} must be True or False, got {v!r}")
+    if resume and overwrite:
+        raise ValueError(f"{_WHO}: resume=True and overwrite=True contradict each other: "
+                         "resume continues the shards in state_dir, overwrite replaces them "
+                         "with new ones. Pass one of them")
+    if overwrite and resume_from is not None:
+        raise ValueError(f"{_WHO}: resume_from= copies a checkpoint over the shards in "
+                         "state_dir and overwrite=True starts new ones: pass one of them")
 
 
 def _join(errors: list[tuple[int, str]]) -> str:
@@ -890,44 +828,25 @@ def _join(errors: list[tuple[int, str]]) -> str:
                        for m, ks in by.items())
 
 
-def _describe(meta: dict) -> str:
-    p = meta["plan"]
-    return f"world size {p['world_size']}, plan {p['kind']!r}"
-
-
-def _check_meta(where: str, have: dict, want: dict) -> None:
-    if have.get("plan") != want["plan"]:
-        raise ValueError(
-            f"{where} belongs to a run with {_describe(have)}; this run has {_describe(want)}. "
-            "Resuming with a different world size or plan needs the rows moved first: "
-            "python -m adapters.torch_reshard SRC DEST --world-size "
-            f"{want['world_size']} (offline, on a checkpoint), then resume_from=DEST")
-    keys = ("rank", "num_embeddings", "embedding_dim", "dtype", "curvature", "padding_idx",
-            "second_moment", "first_moment")
-    have = _with_setting_defaults(have)
-    bad = [k for k in keys if have.get(k) != want[k]]
-    if bad:
-        raise ValueError(f"{where} is a shard of another table: " + ", ".join(
-            f"{k} {have.get(k)!r} there, {want[k]!r} here" for k in bad))
-
-
-def _inspect(path: Path, meta: dict, resume_from, overwrite: bool, rank: int) -> dict:
-    """What this rank finds on disk; reads only."""
+def _inspect(path: Path, meta: dict, resume: bool, resume_from, overwrite: bool,
+             rank: int) -> dict:
+    """What this rank finds on disk; reads only (nothing when it will not use the shard)."""
     out: dict[str, Any] = {}
     if resume_from is not None:
         man = read_manifest(resume_from)
-        if man.get("plan") != meta["plan"]:
+        if man["plan"] != meta["plan"]:
             raise ValueError(
-                f"checkpoint {os.fspath(resume_from)!r} was written with {_describe(man)}; "
-                f"this run has {_describe(meta)}. Reshard it offline first: python -m "
+                f"checkpoint {os.fspath(resume_from)!r} was written with {describe_plan(man)}; "
+                f"this run has {describe_plan(meta)}. Reshard it offline first: python -m "
                 f"adapters.torch_reshard {os.fspath(resume_from)} NEW_DIR --world-size "
                 f"{meta['world_size']}, then resume_from=NEW_DIR")
         src = shard_path(resume_from, rank, meta["world_size"])
         if src.resolve() == path.resolve():
             raise ValueError(f"resume_from {os.fspath(resume_from)!r} is the state_dir itself; "
                              "resume into another state_dir (the checkpoint is copied), or "
-                             "pass state_dir=CHECKPOINT without resume_from to train in it")
-        _check_meta(f"checkpoint shard {str(src)!r}", _read_shard_meta(src), meta)
+                             "pass state_dir=CHECKPOINT, resume=True (without resume_from) "
+                             "to train in it")
+        check_shard_meta(f"checkpoint shard {str(src)!r}", read_shard_meta(src), meta)
         snap = dsa_core.open(src, mode="r")
         try:
             if snap.count != man["count"] or snap.num_rows != meta["local_rows"]:
@@ -940,16 +859,15 @@ def _inspect(path: Path, meta: dict, resume_from, overwrite: bool, rank: int) ->
             dsa_core.close(snap)
         out["count"] = man["count"]
         return out
-    if overwrite or not (path / "manifest.json").exists():
-        out["exists"] = False
-        return out
-    _check_meta(f"shard {str(path)!r}", _read_shard_meta(path), meta)
-    out["exists"] = True
+    out["exists"] = (path / "manifest.json").exists()
+    if out["exists"] and resume:  # only a shard to be continued needs to match this run
+        check_shard_meta(f"shard {str(path)!r}", read_shard_meta(path), meta)
     return out
 
 
-def _decide(infos: list[dict], rank: int, world: int, resume_from, overwrite: bool,
-            path: Path) -> str:
+def _decide(infos: list[dict], resume: bool, resume_from, overwrite: bool,
+            state_dir) -> str:
+    """What every rank does, from what every rank found (the same on every rank)."""
     args = {repr(i["args"]) for i in infos}
     if len(args) > 1:
         raise ValueError("the ranks built ShardedDiskEmbedding with different arguments "
@@ -961,36 +879,32 @@ def _decide(infos: list[dict], rank: int, world: int, resume_from, overwrite: bo
     if resume_from is not None:
         return "resume_from"
     found = [i["found"]["exists"] for i in infos]
-    if all(found):
-        return "open"
-    if not any(found):
-        return "create"
     have = [k for k, f in enumerate(found) if f]
     miss = [k for k, f in enumerate(found) if not f]
+    if overwrite or not have:
+        return "create"
+    if not resume:
+        ranks = "every rank" if not miss else f"ranks {have}"
+        raise FileExistsError(
+            f"{_WHO}: state_dir {os.fspath(state_dir)!r} already holds shards ({ranks} found "
+            f"one, e.g. {infos[have[0]]['path']!r}). Pass resume=True to continue training "
+            "them (their rows, moments and step count; init is then unused), or "
+            "overwrite=True to replace them with new shards; or give this run another "
+            "state_dir. Nothing was written")
+    if not miss:
+        return "open"
     raise ValueError(
-        f"ShardedDiskEmbedding refused: ranks {have} found their shards but ranks {miss} "
-        f"found none (e.g. {infos[miss[0]]['path']!r}). The state_dir was written by a run "
-        f"with fewer ranks, or some machine lacks its shards; resume from a checkpoint "
-        f"(resuming with another world size needs python -m adapters.torch_reshard), or "
-        f"pass overwrite=True to start afresh. Nothing was written")
-
-
-def _store_settings(st: dsa_core.State) -> dict[str, str]:
-    """``second_moment`` and ``first_moment`` of a shard store, as ShardedDiskEmbedding's
-    arguments name them (the ball's per-row v is its default, "elementwise")."""
-    return {"second_moment": "rowwise" if st.second_moment == "rowwise" else "elementwise",
-            "first_moment": st.first_moment}
-
-
-def _with_setting_defaults(meta: dict) -> dict:
-    """Shard metadata written before the reduced state existed holds full moments."""
-    return {"second_moment": "elementwise", "first_moment": "full", **meta}
+        f"{_WHO} refused: ranks {have} found their shards but ranks {miss} found none "
+        f"(e.g. {infos[miss[0]]['path']!r}). The state_dir was written by a run with fewer "
+        "ranks, or some machine lacks its shards; resume from a checkpoint (resuming with "
+        "another world size needs python -m adapters.torch_reshard), or pass overwrite=True "
+        "to start afresh. Nothing was written")
 
 
 def _open_checked(path: Path, meta: dict) -> dsa_core.State:
     st = dsa_core.open(path)
     have = (st.num_rows, st.dim, st.dtype.name, st.curvature, st.has_weights,
-            *_store_settings(st).values())
+            *store_settings(st).values())
     want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True,
             meta["second_moment"], meta["first_moment"])
     if have != want:
@@ -1002,21 +916,17 @@ def _open_checked(path: Path, meta: dict) -> dsa_core.State:
 
 
 def _copy_shard(src: Path, dest: Path) -> None:
-    """Copy a checkpoint shard over the live one (temp dir + rename; the source is untouched)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.resume-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("writer.lock", "*.tmp*"))
-    if dest.exists():
-        old = dest.with_name(f"{dest.name}.old-{os.getpid()}")
-        probe = dsa_core.open(dest) if (dest / "manifest.json").exists() else None
-        if probe is not None:  # refuses (StoreLockedError) while another writer holds it
-            dsa_core.close(probe)
-        os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, dest)
+    """Copy a checkpoint shard over the live one; the source is untouched.
+
+    Built beside ``dest`` and swapped in as one directory (``dsa_core.staged_dir``), so
+    ``dest`` is the old shard or the checkpoint's, never a mix. A live shard that another
+    writer holds is refused (``StoreLockedError``) before the swap.
+    """
+    with dsa_core.staged_dir(dest, overwrite=True) as tmp:
+        shutil.copytree(src, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("writer.lock", "*.tmp*"))
+        if (dest / "manifest.json").exists():
+            dsa_core.close(dsa_core.open(dest))  # raises while another writer holds it
 
 
 def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, c: float,
@@ -1025,7 +935,7 @@ def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, 
                   first_moment: str = "full") -> dsa_core.State:
     n = plan.local_rows(rank)
     if isinstance(init, str):
-        if init not in ("normal", "uniform", "zeros"):
+        if init not in validation.INIT_NAMES:
             raise ValueError(f"init must be 'normal', 'uniform', 'zeros', an array of shape "
                              f"(num_embeddings, dim) or a callable; got {init!r}")
         src = None if init == "zeros" else init

@@ -9,14 +9,33 @@ bit (weights, m and v of every global row moved to its new owner), the same step
 hyperparameters, and a manifest; ``ShardedDiskEmbedding(..., resume_from=DEST)`` with N
 processes then continues exactly where the SRC run stopped. Runs in one process, reading
 and writing in chunks of rows (memory O(chunk)); SRC is opened read-only and never
-modified. DEST is built in ``DEST.tmp-<pid>`` and renamed into place when complete.
+modified. DEST is built beside it and appears complete or not at all
+(``dsa_core.staged_dir``). The format it reads and writes is :mod:`adapters._torch_shards`.
+
+>>> import tempfile, pathlib, numpy as np, dsa_core
+>>> from adapters._torch_shards import (ShardPlan, manifest, shard_meta, write_manifest,
+...                                     write_shard_meta)
+>>> tmp = pathlib.Path(tempfile.mkdtemp())
+>>> table = {"num_embeddings": 10, "embedding_dim": 4, "dtype": "float32", "curvature": 0.0,
+...          "padding_idx": None, "second_moment": "elementwise", "first_moment": "full"}
+>>> two = ShardPlan(10, 2)                   # a 2-rank checkpoint, made by hand here
+>>> for k in range(2):
+...     st = dsa_core.create(tmp / "ckpt" / f"rank{k}", two.local_rows(k), 4, weights=True,
+...                          init=two.global_ids(k, np.arange(5))[:, None] * np.ones(4))
+...     st = dsa_core.set_count(st, 7); dsa_core.close(st)
+...     write_shard_meta(tmp / "ckpt" / f"rank{k}", shard_meta(two, k, table))
+>>> write_manifest(tmp / "ckpt", manifest(two, table, count=7))
+>>> reshard(tmp / "ckpt", tmp / "ckpt3", 3, "range").name
+'ckpt3'
+>>> st = dsa_core.open(tmp / "ckpt3" / "rank1", mode="r")   # rows 4..7 of the table
+>>> st.count, st.weights[:, 0].tolist()
+(7, [4.0, 5.0, 6.0, 7.0])
+>>> dsa_core.close(st)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -24,26 +43,32 @@ import numpy as np
 
 import dsa_core
 
-from ._torch_dist import (
-    _MANIFEST_FORMAT,
-    MANIFEST_FILE,
-    SHARD_FILE,
+from ._torch_shards import (
     ShardPlan,
-    _read_shard_meta,
-    _write_json,
+    manifest,
     read_manifest,
+    read_shard_meta,
+    shard_meta,
+    store_settings,
+    table_of,
+    write_manifest,
+    write_shard_meta,
 )
 
 __all__ = ["reshard"]
 
-_CHUNK_BYTES = 1 << 24
+_CHUNK_BYTES = 1 << 24  # records copied per chunk: memory stays O(chunk), not O(table)
 
 
 def reshard(src, dest, world_size: int, plan: str = "mod", *, progress: bool = False) -> Path:
-    """Rewrite checkpoint ``src`` as ``world_size`` shards with ownership ``plan`` at ``dest``."""
+    """Rewrite checkpoint ``src`` as ``world_size`` shards with ownership ``plan`` at ``dest``.
+
+    ``dest`` must not exist. Every shard of ``src`` is checked against its manifest (rank,
+    step, rows, record layout) before anything is written.
+    """
     src, dest = Path(src), Path(dest)
     man = read_manifest(src)
-    old = ShardPlan(man["num_embeddings"], man["world_size"], man["plan"]["kind"])
+    old = ShardPlan.from_json(man["plan"])
     new = ShardPlan(man["num_embeddings"], int(world_size), plan)
     if dest.exists():
         raise FileExistsError(f"{str(dest)!r} exists; reshard writes a new directory")
@@ -51,41 +76,41 @@ def reshard(src, dest, world_size: int, plan: str = "mod", *, progress: bool = F
     try:
         for k in range(old.world_size):
             path = src / f"rank{k}"
-            meta = _read_shard_meta(path)
+            meta = read_shard_meta(path)
             st = dsa_core.open(path, mode="r")
             olds.append(st)
-            if meta.get("rank") != k or st.count != man["count"] \
+            if meta["rank"] != k or meta["plan"] != man["plan"] or st.count != man["count"] \
                     or st.num_rows != old.local_rows(k):
                 raise ValueError(f"shard {str(path)!r} does not match the manifest of "
-                                 f"{str(src)!r} (rank {meta.get('rank')}, step {st.count}, "
+                                 f"{str(src)!r} (rank {meta['rank']}, step {st.count}, "
                                  f"{st.num_rows} rows); the checkpoint was modified")
-        tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            _write_shards(olds, old, new, man, tmp, progress)
-            out = dict(man, world_size=new.world_size, plan=new.to_json(),
-                       shards=[f"rank{j}" for j in range(new.world_size)],
-                       local_rows=[new.local_rows(j) for j in range(new.world_size)],
-                       format=_MANIFEST_FORMAT, resharded_from={
-                           "path": str(src.resolve()), "world_size": old.world_size,
-                           "plan": old.to_json()})
-            _write_json(tmp / MANIFEST_FILE, out)
-            os.rename(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        lay0 = _without_rows(olds[0].layout)
+        for st in olds[1:]:
+            if _without_rows(st.layout) != lay0:
+                raise ValueError(f"the shards of {str(src)!r} have different record layouts "
+                                 f"({str(olds[0].path)!r}: {lay0}, {str(st.path)!r}: "
+                                 f"{_without_rows(st.layout)}); the checkpoint was modified")
+        table = table_of(man)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with dsa_core.staged_dir(dest, overwrite=False) as tmp:
+            _write_shards(olds, old, new, table, int(man["count"]), tmp, progress)
+            write_manifest(tmp, manifest(new, table, man["count"], resharded_from={
+                "path": str(src.resolve()), "world_size": old.world_size,
+                "plan": old.to_json()}))
     finally:
         for st in olds:
             dsa_core.close(st)
     return dest
 
 
-def _write_shards(olds, old: ShardPlan, new: ShardPlan, man: dict, root: Path,
-                  progress: bool) -> None:
+def _without_rows(layout: dict) -> dict:
+    return {k: v for k, v in layout.items() if k != "num_rows"}
+
+
+def _write_shards(olds: list[dsa_core.State], old: ShardPlan, new: ShardPlan, table: dict,
+                  count: int, root: Path, progress: bool) -> None:
     s0 = olds[0]
-    lay = s0.store.layout
-    meta0 = _read_shard_meta(s0.path)
+    lay = s0.layout
     rows = max(1, _CHUNK_BYTES // (lay["stride"] * s0.dtype.itemsize))
     for j in range(new.world_size):
         n_j = new.local_rows(j)
@@ -95,22 +120,21 @@ def _write_shards(olds, old: ShardPlan, new: ShardPlan, man: dict, root: Path,
                              ball_eps=s0.ball_eps if lay["curvature"] > 0 else None,
                              nonfinite=s0.nonfinite, align=lay["align"],
                              durability=s0.durability, progress=False,
-                             second_moment=lay.get("second_moment", "elementwise"),
-                             first_moment=lay.get("first_moment", "full"))
+                             **store_settings(s0))
         try:
-            dst = st.store.data
+            if _without_rows(st.layout) != _without_rows(lay):
+                raise ValueError(f"the new shard's record layout {st.layout} differs from the "
+                                 f"checkpoint's {lay}; cannot move records between them")
             for lo in range(0, n_j, rows):
                 hi = min(n_j, lo + rows)
                 gids = new.global_ids(j, np.arange(lo, hi))
                 own, loc = old.owner(gids), old.local(gids)
                 for k in np.unique(own):
                     sel = own == k
-                    dst[lo:hi][sel] = olds[k].store.data[loc[sel]]
-            st = st._replace(count=int(man["count"]))
-            dsa_core.flush(st)
-            meta = dict(meta0, rank=j, world_size=new.world_size, plan=new.to_json(),
-                        local_rows=n_j)
-            _write_json(root / f"rank{j}" / SHARD_FILE, meta)
+                    dsa_core.write_records(st, np.arange(lo, hi)[sel],
+                                           dsa_core.read_records(olds[k], loc[sel]))
+            st = dsa_core.set_count(st, count)  # flushes the rows and the count
+            write_shard_meta(root / f"rank{j}", shard_meta(new, j, table))
         finally:
             dsa_core.close(st)
         if progress:
@@ -122,8 +146,11 @@ def main(argv=None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("src", help="a complete sharded checkpoint (holds dsa-sharded.json)")
     ap.add_argument("dest", help="new directory for the resharded checkpoint")
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--plan", choices=("mod", "range"), default="mod")
+    ap.add_argument("--world-size", type=int, required=True,
+                    help="number of shards (ranks) of the new checkpoint")
+    ap.add_argument("--plan", choices=("mod", "range"), default="mod",
+                    help="ownership of the new shards: row r on rank r %% N (mod, default) "
+                         "or contiguous blocks of rows (range)")
     a = ap.parse_args(argv)
     try:
         out = reshard(a.src, a.dest, a.world_size, a.plan, progress=True)

@@ -68,24 +68,24 @@ def _worker(a) -> dict:
     ids = batches(a.rows, a.batch, a.warmup + a.steps, a.dist, seed=1000 + a.rank)
     uniq = [len(np.unique(i)) for i in ids[a.warmup:]]
     times = {"fwd": [], "bwd": [], "opt": [], "step": []}
-    with dsa_core.threads(threads):
-        for k, i in enumerate(ids):
-            if k == a.warmup:
-                dist.barrier()
-                stats0 = emb.comm_stats
-            x = torch.from_numpy(i)
-            t0 = time.perf_counter()
-            loss = ((emb(x) - 1.0) ** 2).mean()
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            opt.zero_grad()
-            t3 = time.perf_counter()
-            if k >= a.warmup:
-                for key, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2),
-                               ("step", t3 - t0)):
-                    times[key].append(v)
+    dsa_core.set_num_threads(threads)  # this worker process: its own thread count
+    for k, i in enumerate(ids):
+        if k == a.warmup:
+            dist.barrier()
+            stats0 = emb.comm_stats
+        x = torch.from_numpy(i)
+        t0 = time.perf_counter()
+        loss = ((emb(x) - 1.0) ** 2).mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        if k >= a.warmup:
+            for key, v in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2),
+                           ("step", t3 - t0)):
+                times[key].append(v)
     stats = emb.comm_stats
     sent = {k: (stats[k] - stats0[k]) / a.steps for k in ("counts", "ids", "rows", "grads")}
     out = {"rank": a.rank, "build_s": build, "threads": threads, "count": emb.store.count,

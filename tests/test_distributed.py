@@ -12,7 +12,8 @@ A  2 ranks, DDP dense layer, ``grad_reduce="mean"``, K steps; checkpoint at step
 B  2 ranks resume from A's checkpoint (exact: bit-identical to A), checkpoint at step K, then
    rank 1 ``os._exit``\\ s after a forward and rank 0's backward must raise
    ShardExchangeError within the timeout.
-C  3 ranks: the 2-rank checkpoint and state_dir are refused; a refused batch on one rank
+C  3 ranks: the 2-rank checkpoint and state_dir (resume=True) are refused, and so is a
+   re-run on that state_dir without resume=True (FileExistsError); a refused batch on one rank
    raises on all and leaves the group usable; then resume from the checkpoint resharded
    offline to 3 ranks (plan "range", bag mode "sum", ``grad_reduce="sum"``, an empty batch
    on one rank) and match the single-process run; the all_gather fallback exchange agrees
@@ -20,6 +21,9 @@ C  3 ranks: the 2-rank checkpoint and state_dir are refused; a refused batch on 
    ShardExchangeError after the module's timeout.
 R  2 ranks with the reduced state: row-wise v, then row-wise v + bfloat16 m; a checkpoint,
    and reopening with the other settings refused without writing.
+
+The in-process tests use a gloo group of one rank (a ``HashStore``, no sockets): re-runs that
+need ``resume=True`` or ``overwrite=True``, outdated States, the shard format module.
 """
 
 from __future__ import annotations
@@ -117,13 +121,14 @@ def _worker(scenario: str, rank: int, world: int, port: int, tmp: Path) -> None:
     common = {"padding_idx": PAD, "init": init_table()}
     if scenario == "C":
         common.update(plan="range", mode="sum", grad_reduce="sum")
-        for kwargs in ({"resume_from": tmp / "ckpt"}, {}):  # 2-rank checkpoint / state_dir
+        # the 2-rank checkpoint, the 2-rank state_dir resumed, and re-run without resume=True
+        for state_dir, kwargs in (("C", {"resume_from": tmp / "ckpt"}),
+                                  ("A", {"resume": True}), ("A", {})):
             try:
-                ShardedDiskEmbedding(N, D, state_dir=tmp / ("C" if kwargs else "A"),
-                                     **common, **kwargs)
+                ShardedDiskEmbedding(N, D, state_dir=tmp / state_dir, **common, **kwargs)
                 out.setdefault("refused", []).append(None)
-            except ValueError as exc:
-                out.setdefault("refused", []).append(str(exc))
+            except (ValueError, FileExistsError) as exc:
+                out.setdefault("refused", []).append([type(exc).__name__, str(exc)])
         emb = ShardedDiskEmbedding(N, D, state_dir=tmp / "C", resume_from=tmp / "ckpt3",
                                    **common)
         bad = torch.tensor([1, 2, N + 3 if rank == 1 else 3])  # rank 1 refuses its batch
@@ -261,8 +266,8 @@ def _reduced_worker(rank: int, world: int, port: int, tmp: Path) -> None:
         return hashlib.sha256((tmp / "R2" / f"rank{rank}" / "rows.dsa").read_bytes()).hexdigest()
 
     before = digest()
-    for kw in ({"second_moment": "elementwise", "first_moment": "bfloat16"},
-               {"second_moment": "rowwise"},
+    for kw in ({"second_moment": "elementwise", "first_moment": "bfloat16", "resume": True},
+               {"second_moment": "rowwise", "resume": True},
                {"second_moment": "rowwise", "first_moment": "bfloat16",
                 "resume_from": tmp / "ckptR", "curvature": 0.5}):
         try:
@@ -451,6 +456,173 @@ def test_needs_a_process_group(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one rank in this process (no sockets: a HashStore)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def tree(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under ``root``: size, mtime and contents (to show nothing was touched)."""
+    return {str(f.relative_to(root)): (f.stat().st_size, f.stat().st_mtime_ns, f.read_bytes())
+            for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def train_one_step(emb, opt, ids=(1, 2, 2, 7)) -> None:
+    (emb(torch.tensor(ids)) ** 2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_rerun_needs_resume_or_overwrite(tmp_path, one_rank):
+    """Existing shards are refused unless resume=True or overwrite=True says what to do
+    (nothing on disk touched by a refusal); resume_from still replaces them by a checkpoint."""
+    from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
+
+    root = tmp_path / "emb"
+    emb = ShardedDiskEmbedding(N, D, state_dir=root, init=init_table())
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    train_one_step(emb, opt)
+    emb.checkpoint(tmp_path / "ckpt")
+    train_one_step(emb, opt)
+    rows = emb.store.weights.copy()
+    opt.close()
+    emb.close()
+
+    before = tree(tmp_path)
+    with pytest.raises(FileExistsError) as err:
+        ShardedDiskEmbedding(N, D, state_dir=root, init=init_table())
+    msg = str(err.value)
+    assert "resume=True" in msg and "overwrite=True" in msg and "Nothing was written" in msg
+    assert str(root / "rank0") in msg
+    for kw, exc, words in (({"resume": True, "overwrite": True}, ValueError, "contradict"),
+                           ({"resume_from": tmp_path / "ckpt", "overwrite": True}, ValueError,
+                            "pass one of them"),
+                           ({"resume": 1}, TypeError, "True or False"),
+                           ({"resume": True, "embedding_dim": D + 1}, ValueError,
+                            "shard of another table")):
+        kw = {"embedding_dim": D, **kw}
+        with pytest.raises(exc, match=words):
+            ShardedDiskEmbedding(N, state_dir=root, **kw)
+    assert tree(tmp_path) == before  # every refusal: nothing written, nothing renamed
+
+    emb = ShardedDiskEmbedding(N, D, state_dir=root, resume=True)  # continues: count 2
+    assert emb.store.count == 2
+    np.testing.assert_array_equal(emb.store.weights, rows)
+    emb.close()
+    emb = ShardedDiskEmbedding(N, D, state_dir=root, resume_from=tmp_path / "ckpt")
+    assert emb.store.count == 1  # the checkpoint replaced the live shard
+    emb.close()
+    emb = ShardedDiskEmbedding(N, D, state_dir=root, overwrite=True, init="zeros")
+    assert emb.store.count == 0 and not emb.store.weights.any()
+    emb.close()
+    fresh = tmp_path / "fresh"  # resume=True where there is nothing yet: creates
+    emb = ShardedDiskEmbedding(N, D, state_dir=fresh, resume=True, init="zeros")
+    assert emb.store.count == 0 and (fresh / "rank0" / "shard.json").exists()
+    emb.close()
+
+
+def test_stale_state_through_the_module(tmp_path, one_rank):
+    """``emb.store`` read before an ``opt.step()`` is outdated, and stepping a shard behind
+    the optimizer's back makes the module's own State outdated: both are refused."""
+    import dsa_core
+    from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding, read_manifest
+
+    emb = ShardedDiskEmbedding(N, D, state_dir=tmp_path / "emb", init=init_table())
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    old = emb.store
+    train_one_step(emb, opt)
+    assert not old.current and emb.store.current and emb.store.count == 1
+    with pytest.raises(dsa_core.StaleStateError):
+        dsa_core.flush(old)
+    with pytest.raises(dsa_core.StaleStateError):
+        dsa_core.checkpoint(old, tmp_path / "old")
+    assert not (tmp_path / "old").exists()
+
+    dsa_core.step(emb.store, np.array([3]), np.ones((1, D), np.float32))  # behind its back
+    with pytest.raises(dsa_core.StaleStateError, match="outdated"):
+        emb.checkpoint(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(FileNotFoundError):
+        read_manifest(tmp_path / "ckpt")
+    with pytest.raises(dsa_core.StaleStateError):
+        train_one_step(emb, opt)
+    opt.close()
+    emb.close()
+
+
+def test_shard_format(tmp_path):
+    """The format module: manifests and shard descriptions are checked when read."""
+    from adapters._torch_shards import (
+        ShardPlan,
+        manifest,
+        read_manifest,
+        read_shard_meta,
+        shard_meta,
+        write_manifest,
+        write_shard_meta,
+    )
+
+    table = {"num_embeddings": N, "embedding_dim": D, "dtype": "float32", "curvature": 0.0,
+             "padding_idx": PAD}  # written before the reduced state: its defaults apply
+    plan = ShardPlan(N, 3, "range")
+    assert ShardPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="not a shard plan"):
+        ShardPlan.from_json({"kind": "mod", "world_size": 2})
+    man = manifest(plan, table, count=4)
+    assert (man["second_moment"], man["first_moment"]) == ("elementwise", "full")
+    assert man["local_rows"] == [14, 14, 12] and man["shards"] == ["rank0", "rank1", "rank2"]
+    write_manifest(tmp_path, man)
+    assert read_manifest(tmp_path) == man
+    for bad, words in (({**man, "version": 2}, "format version 2"),
+                       ({**man, "world_size": 2}, "contradicts itself"),
+                       ({k: v for k, v in man.items() if k != "count"}, "lacks count"),
+                       ({**man, "format": "other"}, "not a sharded-embedding manifest")):
+        write_manifest(tmp_path, bad)
+        with pytest.raises(ValueError, match=words):
+            read_manifest(tmp_path)
+    (tmp_path / "dsa-sharded.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_manifest(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a complete sharded checkpoint"):
+        read_manifest(tmp_path / "nowhere")
+    meta = shard_meta(plan, 2, table)
+    assert (meta["rank"], meta["local_rows"]) == (2, 12)
+    write_shard_meta(tmp_path, meta)
+    assert read_shard_meta(tmp_path) == meta
+    with pytest.raises(ValueError, match="no shard.json"):
+        read_shard_meta(tmp_path / "nowhere")
+    assert not list(tmp_path.glob("*.tmp*"))  # dsa_core.write_json left no temporary
+
+
+def test_public_seams_only():
+    """The distributed modules import no private name of another module (the shard format
+    is a module of its own) and no private dsa_core module."""
+    import ast
+
+    for name in ("_torch_dist", "_torch_shards", "torch_dist", "torch_reshard"):
+        tree_ = ast.parse((ROOT / "adapters" / f"{name}.py").read_text())
+        for node in ast.walk(tree_):
+            if isinstance(node, ast.ImportFrom):
+                mod = ("." * node.level) + (node.module or "")
+                assert not mod.startswith("dsa_core._"), (name, mod)
+                assert not (name == "torch_reshard" and mod == "._torch_dist"), mod
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert mod == "__future__" or not private, (name, mod, private)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("dsa_core._") for a in node.names), name
+            elif isinstance(node, ast.Attribute) and node.attr in ("data", "layout"):
+                base = node.value
+                assert not (isinstance(base, ast.Attribute) and base.attr == "store"), \
+                    (name, ast.unparse(node))
+
+
 def test_two_and_three_processes(tmp_path):
     """2 and 3 gloo processes == one process; exact resume; refusal; dead rank; reshard."""
     import dsa_core
@@ -540,9 +712,14 @@ def test_two_and_three_processes(tmp_path):
     # C: refusals on every rank, then 3 processes == one process
     rc = [result(tmp_path, "C", r) for r in range(3)]
     for r in range(3):
-        ckpt_msg, dir_msg = rc[r]["refused"]
-        assert ckpt_msg and "world size 2" in ckpt_msg and "torch_reshard" in ckpt_msg
-        assert dir_msg and "world size 2" in dir_msg
+        (ckpt_t, ckpt_msg), (dir_t, dir_msg), (rerun_t, rerun_msg) = rc[r]["refused"]
+        assert ckpt_t == "ValueError" and "world size 2" in ckpt_msg
+        assert "torch_reshard" in ckpt_msg
+        assert dir_t == "ValueError" and "world size 2" in dir_msg
+        # a re-run on existing shards (ranks 0 and 1 have one, rank 2 none) is refused on
+        # every rank with the same error, which offers both ways on
+        assert rerun_t == "FileExistsError" and "ranks [0, 1] found one" in rerun_msg
+        assert "resume=True" in rerun_msg and "overwrite=True" in rerun_msg
         assert rc[r]["bad_batch"] and ("refused" in rc[r]["bad_batch"] or r == 1)
         assert rc[r]["fallback_ok"]
         assert rc[r]["count"] == K
