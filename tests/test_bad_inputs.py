@@ -153,7 +153,7 @@ def _jax_update(idx, grad, tx=None):
 
 def _gather64(e):
     with jax.enable_x64(False):
-        dj.gather(e.core64, np.array([1, 2]))
+        dj.gather_batch(e.core64, np.array([1, 2]))
 
 
 def _embedding(where="new", **kw):
@@ -320,10 +320,10 @@ CASES = [
     ("jax-padding-with-gradient", _jax_update([1, -1], G2), ValueError,
      r"padding rows \(id -1\) must have a zero gradient"),
     ("jax-lr-zero", lambda e: dj.sparse_adam(0.0), ValueError,
-     r"Invalid learning rate: 0\.0; it must be a finite number > 0"),
+     r"Invalid learning rate: 0\.0; lr must be a finite number > 0"),
     ("jax-lr-nan", lambda e: dj.sparse_adam(NAN), ValueError, r"Invalid learning rate: nan"),
     ("jax-schedule-negative", _jax_update([1], G1, dj.sparse_adam(lambda c: -0.5)),
-     ValueError, r"Invalid learning rate: -0\.5 at count 1"),
+     ValueError, r"learning-rate schedule at count 1\): Invalid learning rate: -0\.5"),
     ("jax-eps-negative", lambda e: dj.sparse_adam(1e-2, eps=-1e-8), ValueError,
      r"Invalid epsilon value: -1e-08"),
     ("jax-b1-one", lambda e: dj.sparse_adam(1e-2, b1=1.0), ValueError,
@@ -337,9 +337,9 @@ CASES = [
     ("jax-init-closed", _jax_init_closed, ValueError, r"is closed; open it"),
     ("jax-init-not-a-store", lambda e: dj.sparse_adam(1e-2).init(np.zeros((25, 4))),
      TypeError, r"init takes open dsa_core stores"),
-    ("jax-gather-float-ids", lambda e: dj.gather(e.js.stores, np.array([1.5])), TypeError,
+    ("jax-gather-float-ids", lambda e: dj.gather_batch(e.js.stores, np.array([1.5])), TypeError,
      r"ids must hold integer row ids, got dtype float64"),
-    ("jax-gather-out-of-range", lambda e: dj.gather(e.js.stores, np.array([[0, 25]])),
+    ("jax-gather-out-of-range", lambda e: dj.gather_batch(e.js.stores, np.array([[0, 25]])),
      IndexError, r"\[0, 25\); got 25"),
     ("jax-gather-float64-without-x64", _gather64, TypeError,
      r"the store is float64 but JAX is in 32-bit mode"),
