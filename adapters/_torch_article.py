@@ -13,13 +13,14 @@ import numpy as np
 import torch
 
 import dsa_core
+from dsa_core import validation
 
 from ._torch_common import (
     SharedState,
-    check_curvature,
     close_quietly,
     np_dtype,
-    open_existing,
+    peek_existing,
+    reopen,
 )
 
 __all__ = ["DiskSparseRiemannianAdam"]
@@ -81,8 +82,11 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
     params : dict[str, Tensor | ndarray] (or a list, named ``param_0``, ``param_1``, ...)
         Name -> initial 2-D table ``(num_rows, dim)``; its values become the stored weights
         (read in chunks, not copied whole). If ``<disk_dir>/<name>`` already holds a store of
-        that shape it is reopened and training resumes from it (as the article did with its
-        existing files); the given values are then ignored.
+        that shape it is reopened and training resumes from it, as the article did with its
+        existing files (code written for the article relies on it); the given values are
+        then ignored, and a ``UserWarning`` says so, since a second run of a script
+        otherwise goes on from the first one's state without a word. Delete ``disk_dir``
+        (or use another) to start from the given values.
     lr : float, default 1e-3
         Learning rate; ``param_groups[0]["lr"]`` is read at every step (LR schedulers work).
     beta1, beta2, eps : float
@@ -119,6 +123,23 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
     is bit-for-bit lazy Adam as ``torch.optim.SparseAdam`` (eps added before the bias
     correction); writes are never dropped or read stale; each table has its own step count,
     advanced when the table is in ``updates`` (also with no rows).
+
+    Examples
+    --------
+    The article's loop: read rows, compute the loss in torch, hand back the gradients.
+
+    >>> import tempfile, torch
+    >>> from adapters.torch import DiskSparseRiemannianAdam
+    >>> emb = torch.nn.Embedding(100, 4)
+    >>> opt = DiskSparseRiemannianAdam(params={"emb": emb.weight}, lr=0.01,
+    ...                                disk_dir=tempfile.mkdtemp())
+    >>> idx = torch.tensor([3, 7, 3])
+    >>> w = torch.from_numpy(opt.state_files["emb"]["w"][idx.numpy()].copy())
+    >>> w.requires_grad_(True).pow(2).sum().backward()
+    >>> opt.step(updates={"emb": (idx, w.grad)})
+    >>> opt.store("emb").count
+    1
+    >>> opt.shutdown()
     """
 
     def __init__(self, params: dict | list, lr: float = 1e-3, beta1: float = 0.9,
@@ -142,7 +163,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         if weight_decay != 0:
             raise ValueError(f"weight_decay={weight_decay} is not supported: the disk stores "
                              "run plain lazy Adam; pass weight_decay=0")
-        c = check_curvature(k)
+        c = validation.check_curvature(k, what="DiskSparseRiemannianAdam k")
         arrays = {}
         for name, value in tables.items():
             if not isinstance(name, str) or not name or name in (".", "..") \
@@ -181,9 +202,19 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                     else np.dtype(np.float32))
                 path = self.disk_dir / name
                 n, d = (int(s) for s in arr.shape)
-                st = open_existing(path, num_rows=n, dim=d, dtype=dt, curvature=c,
-                                   weights=True, what=f"DiskSparseRiemannianAdam[{name!r}]")
-                if st is None:
+                what = f"DiskSparseRiemannianAdam[{name!r}]"
+                expect = {"num_rows": n, "dim": d, "dtype": dt, "curvature": c,
+                          "weights": True, "what": what}
+                count = peek_existing(path, **expect)
+                if count is not None:
+                    st = reopen(path, **expect)
+                    warnings.warn(
+                        f"{what}: {str(path)!r} already holds this table ({n} x {d} "
+                        f"{dt.name}, trained {count} steps); it is reopened and training "
+                        f"resumes from it, as in the DSA article, so the initial values "
+                        f"given in params[{name!r}] are ignored. Delete the directory (or "
+                        "use another disk_dir) to start from them", UserWarning, stacklevel=3)
+                else:
                     st = dsa_core.create(path, n, d, curvature=c, dtype=dt.name,
                                          weights=True, init=arr, lr=group["lr"],
                                          betas=(group["beta1"], group["beta2"]),
@@ -312,7 +343,13 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore hyperparameters and per-table step counts from :meth:`state_dict`."""
+        """Restore hyperparameters (lr, betas, ... as schedulers left them) from :meth:`state_dict`.
+
+        The tables stay in their stores, so the state dict's step counts must be the
+        stores' own: one taken before further steps is refused with a ``ValueError`` (it
+        would pair an old count with newer rows), nothing changed. To roll back, copy
+        ``disk_dir`` together with each state dict.
+        """
         self._check_open()
         sd = dict(state_dict)
         manifest = sd.pop("dsa_manifest", None)
@@ -328,11 +365,14 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                     st.num_rows, st.dim, st.dtype.name, st.curvature):
                 raise ValueError(f"table {name!r} in the state dict does not match the store "
                                  f"{str(st.path)!r}")
+            if int(e["count"]) != st.count:
+                raise ValueError(
+                    f"DiskSparseRiemannianAdam.load_state_dict: the state dict was taken at "
+                    f"step {e['count']} of table {name!r}, but its store {str(st.path)!r} is "
+                    f"at step {st.count}. A state dict holds no rows (they stay in the store "
+                    f"and kept moving), so loading it would pair step {e['count']} with the "
+                    f"rows of step {st.count}; nothing was changed. To go back to an "
+                    "earlier point, copy disk_dir together with each state dict (or train "
+                    "with adapters.torch.DiskSparseAdam, whose opt.checkpoint(dest) / "
+                    "opt.load_checkpoint(dest) do it atomically)")
         super().load_state_dict(sd)
-        for name, e in tables.items():
-            h = self._handles[name]
-            if h.state.count != e["count"]:
-                warnings.warn(f"store {str(h.state.path)!r} is at step {h.state.count} but "
-                              f"the state dict says {e['count']}: stores are not snapshots",
-                              RuntimeWarning, stacklevel=2)
-                h.state = dsa_core.set_count(h.state, int(e["count"]))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import math
 import os
 import sys
 from pathlib import Path
@@ -21,13 +20,18 @@ import dsa_core
 __all__ = [
     "DirLock",
     "SharedState",
-    "check_first_moment",
-    "check_second_moment",
+    "check_existing",
+    "check_reopen",
+    "check_table_args",
     "check_torch_hparams",
+    "close_quietly",
     "manifold_curvature",
+    "move_disk_weight",
     "np_dtype",
-    "open_existing",
+    "peek_existing",
+    "reopen",
     "store_second_moment",
+    "to_device",
     "to_host",
 ]
 
@@ -36,14 +40,14 @@ LOCK_FILE = ".dsa-torch.lock"
 
 
 def np_dtype(dtype: torch.dtype, what: str) -> np.dtype:
-    """The store dtype for a torch dtype; float32 and float64 only (spec §6)."""
+    """The store dtype for a torch dtype; float32 and float64 only (docs/algorithms.md §6)."""
     try:
         return _NP_DTYPES[dtype]
     except KeyError:
         raise TypeError(
             f"{what} has dtype {dtype}; disk stores hold float32 or float64 rows (float16 and "
-            "bfloat16 break Adam: eps=1e-8 rounds to 0 and the 0.999 decay is lost, spec §6). "
-            "Keep the table in float32") from None
+            "bfloat16 break Adam: eps=1e-8 rounds to 0 and the 0.999 decay is lost, "
+            "docs/algorithms.md §6). Keep the table in float32") from None
 
 
 def check_torch_hparams(lr: Any, betas: Any, eps: Any) -> None:
@@ -80,26 +84,16 @@ def check_table_args(num_embeddings: Any, embedding_dim: Any, mode: str | None,
     return n, d, padding_idx
 
 
-def check_curvature(curvature: Any) -> float:
-    try:
-        c = float(curvature)
-    except (TypeError, ValueError):
-        raise TypeError(f"curvature must be a real number >= 0, got {curvature!r}") from None
-    if not (math.isfinite(c) and c >= 0.0):
-        raise ValueError(f"Invalid curvature: {curvature}; curvature must be finite and >= 0 "
-                         "(0: Euclidean SparseAdam, c > 0: Poincaré ball of curvature -c)")
-    return c
-
-
 def manifold_curvature(p: torch.Tensor) -> float | None:
     """The ball curvature ``c`` of a geoopt ``ManifoldParameter``, or None for other tensors.
 
     geoopt is never imported here: a tensor can only carry a geoopt manifold if geoopt is
     already in ``sys.modules``. ``PoincareBall(c)`` gives ``float(manifold.c)`` (what geoopt
     itself computes with), ``Stereographic(k)`` with ``k < 0`` gives ``-float(k)``, and the
-    ``Euclidean`` manifold gives 0 (torch SparseAdam semantics, spec §4). Anything else
-    (spheres, ``k >= 0`` stereographic models, the ``*Exact`` exp-map variants, products)
-    is refused: the disk kernels implement the ball with geoopt's default retraction only.
+    ``Euclidean`` manifold gives 0 (torch SparseAdam semantics, docs/algorithms.md §4).
+    Anything else (spheres, ``k >= 0`` stereographic models, the ``*Exact`` exp-map variants,
+    products) is refused: the disk kernels implement the ball with geoopt's default
+    retraction only.
     """
     geoopt = sys.modules.get("geoopt")
     manifold = getattr(p, "manifold", None)
@@ -192,75 +186,89 @@ class DirLock:
             self._fd = -1
 
 
-def check_second_moment(second_moment: Any, curvature: float, what: str) -> str:
-    """``"elementwise"`` or ``"rowwise"`` (spec §7.3, c == 0 only), checked before any I/O."""
-    if second_moment not in ("elementwise", "rowwise"):
-        raise ValueError(f"{what}: second_moment must be 'elementwise' (SparseAdam's v) or "
-                         f"'rowwise' (one v per row), got {second_moment!r}")
-    if second_moment == "rowwise" and curvature > 0:
-        raise ValueError(f"{what}: second_moment='rowwise' is for curvature == 0; the ball "
-                         f"(curvature {curvature}) already keeps one second-moment scalar per "
-                         "row. Leave second_moment at 'elementwise'")
-    return second_moment
-
-
-def check_first_moment(first_moment: Any, curvature: float, dtype: np.dtype, what: str) -> str:
-    """``"full"`` or ``"bfloat16"`` (spec §6: float32 stores, c == 0), before any I/O."""
-    if first_moment not in ("full", "bfloat16"):
-        raise ValueError(f"{what}: first_moment must be 'full' (m in the table's dtype) or "
-                         f"'bfloat16' (m stored as bfloat16), got {first_moment!r}")
-    if first_moment == "bfloat16" and (curvature > 0 or np.dtype(dtype) != np.float32):
-        raise ValueError(f"{what}: first_moment='bfloat16' is for float32 tables with "
-                         f"curvature == 0, not {np.dtype(dtype).name} with curvature "
-                         f"{curvature}. Leave first_moment at 'full'")
-    return first_moment
-
-
 def store_second_moment(second_moment: str, curvature: float) -> str:
     """What ``State.second_moment`` reports for a store made with these settings."""
     return "riemannian" if curvature > 0 else second_moment
 
 
-def open_existing(path: Path, *, num_rows: int, dim: int, dtype: np.dtype, curvature: float,
-                  weights: bool, what: str, access: str = "auto",
-                  second_moment: str = "elementwise",
-                  first_moment: str = "full") -> dsa_core.State | None:
-    """Open the store at ``path`` for writing (resume), or return None if there is none.
+def check_reopen(resume: Any, overwrite: Any, what: str) -> tuple[bool, bool]:
+    """``resume`` and ``overwrite`` as bools; both True is refused (they contradict)."""
+    for name, value in (("resume", resume), ("overwrite", overwrite)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{what}: {name} must be a bool, got {value!r}")
+    if resume and overwrite:
+        raise ValueError(
+            f"{what}: resume=True and overwrite=True contradict each other: resume=True "
+            "continues from the existing state, overwrite=True deletes it and starts afresh. "
+            "Pass one of them")
+    return bool(resume), bool(overwrite)
 
-    An existing store must have the expected shape, dtype, curvature, weight layout and
-    second moment, otherwise it is closed again, untouched, and a ``ValueError`` names the
-    mismatch. A store held by another writer raises ``dsa_core.StoreLockedError``.
+
+def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.dtype,
+                   curvature: float, weights: bool, what: str,
+                   second_moment: str = "elementwise", first_moment: str = "full") -> None:
+    """``ValueError`` unless the open store ``state`` is what a resumed run needs.
+
+    Shape, dtype, curvature, weight layout, second and first moment are fixed when a store is
+    created; a store that differs cannot be resumed, only replaced (``overwrite=True``).
     """
-    try:
-        state = dsa_core.open(path, access=access)
-    except FileNotFoundError:
-        # no store yet (an incomplete one makes create raise FileExistsError, with advice)
-        return None
+    path = str(state.path)
     have = (state.num_rows, state.dim, state.dtype.name, state.curvature, state.has_weights)
     want = (num_rows, dim, dtype.name, curvature, weights)
     if have != want:
-        dsa_core.close(state)
         raise ValueError(
-            f"{what}: the existing store at {str(path)!r} holds a {have[0]} x {have[1]} "
+            f"{what}: the existing store at {path!r} holds a {have[0]} x {have[1]} "
             f"{have[2]} table with curvature {have[3]} (weights stored: {have[4]}), but "
             f"{want[0]} x {want[1]} {want[2]} with curvature {want[3]} (weights stored: "
-            f"{want[4]}) is needed. Use a fresh directory, or the same tables, order and "
-            "settings as the run that created it")
+            f"{want[4]}) is needed. Use a fresh directory, the same tables, order and "
+            "settings as the run that created it, or overwrite=True to replace it")
     want_sm = store_second_moment(second_moment, curvature)
     if state.second_moment != want_sm:
-        dsa_core.close(state)
         raise ValueError(
-            f"{what}: the existing store at {str(path)!r} keeps a {state.second_moment} "
+            f"{what}: the existing store at {path!r} keeps a {state.second_moment} "
             f"second moment, but second_moment={second_moment!r} was asked for. A store's "
-            "second moment is fixed when it is created: pass the same second_moment, or use "
-            "a fresh directory")
+            "second moment is fixed when it is created: pass the same second_moment, use "
+            "a fresh directory, or overwrite=True to replace it")
     if state.first_moment != first_moment:
-        dsa_core.close(state)
         raise ValueError(
-            f"{what}: the existing store at {str(path)!r} keeps its first moment as "
+            f"{what}: the existing store at {path!r} keeps its first moment as "
             f"{state.first_moment!r}, but first_moment={first_moment!r} was asked for. It is "
-            "fixed when the store is created: pass the same first_moment, or use a fresh "
-            "directory")
+            "fixed when the store is created: pass the same first_moment, use a fresh "
+            "directory, or overwrite=True to replace it")
+
+
+def peek_existing(path: Path, **expect: Any) -> int | None:
+    """The step count of the store at ``path``, or None if there is none; writes nothing.
+
+    The store is opened read-only (no lock, no journal recovery) and checked with
+    :func:`check_existing` (``expect`` are its keyword arguments), so a run can be refused
+    (``resume=False``) or a mismatch reported before anything on disk changes. A directory
+    without a store, or a damaged one whose manifest is missing, gives None: creating a
+    store there then raises ``FileExistsError`` with advice if a data file is in the way.
+    """
+    try:
+        snap = dsa_core.open(path, mode="r")
+    except FileNotFoundError:
+        return None
+    try:
+        check_existing(snap, **expect)
+        return int(snap.count)
+    finally:
+        dsa_core.close(snap)
+
+
+def reopen(path: Path, *, access: str = "auto", **expect: Any) -> dsa_core.State:
+    """Open the store at ``path`` for writing (resume) and check it again once locked.
+
+    A store held by another writer raises ``dsa_core.StoreLockedError``; a mismatch closes
+    it again and raises ``ValueError`` (see :func:`check_existing`).
+    """
+    state = dsa_core.open(path, access=access)
+    try:
+        check_existing(state, **expect)
+    except BaseException:
+        dsa_core.close(state)
+        raise
     return state
 
 
@@ -290,8 +298,9 @@ def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
     CPU tensors come back as they are (zero copy). CUDA tensors are copied into freshly
     allocated **pinned** buffers with ``non_blocking=True`` (torch's caching host allocator
     recycles the buffers and keeps each one alive until its copy has completed); the caller
-    must synchronize the stream before reading them (STYLE.md §3.3). Other devices use a
-    blocking ``.cpu()``.
+    must synchronize the stream before reading them (the copies are asynchronous: reading
+    earlier could see a buffer that is still being filled). Other devices use a blocking
+    ``.cpu()``.
     """
     if not tensors or tensors[0].device.type == "cpu":
         return tensors, False

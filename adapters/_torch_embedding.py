@@ -12,17 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsa_core
+from dsa_core import validation
 
 from ._torch_common import (
     SharedState,
-    check_curvature,
-    check_first_moment,
-    check_second_moment,
+    check_reopen,
     check_table_args,
     close_quietly,
     move_disk_weight,
     np_dtype,
-    open_existing,
+    peek_existing,
+    reopen,
 )
 
 __all__ = ["DiskEmbedding", "DiskWeight"]
@@ -88,8 +88,8 @@ class DiskWeight(nn.Parameter):
 
     def __reduce_ex__(self, proto):
         raise TypeError("a DiskWeight cannot be pickled or deep-copied: its rows live in a "
-                        "store on disk. Save the module's state_dict() (a small manifest) "
-                        "and keep the store directory")
+                        "store on disk. Snapshot them with emb.checkpoint(dest) (or the "
+                        "optimizer's opt.checkpoint(dest), which includes them)")
 
     def __deepcopy__(self, memo):
         return self.__reduce_ex__(2)
@@ -102,8 +102,9 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, weight, ids, handle, pad, device, coalesced):
         st = handle.state
         if st.closed:
-            raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; create a new "
-                               "DiskEmbedding on the same state_dir to continue")
+            raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; to continue, "
+                               "create a new DiskEmbedding on the same state_dir with "
+                               "resume=True")
         idx = ids.numpy()
         if device.type == "cuda":
             buf = torch.empty((idx.shape[0], st.dim), dtype=weight.dtype, pin_memory=True)
@@ -139,20 +140,25 @@ class DiskEmbedding(nn.Module):
     row-sparse gradient of those rows only (duplicates summed, the padding row left out,
     exactly the gradient of ``nn.Embedding(sparse=True)``); :class:`DiskSparseAdam`'s
     ``step`` writes the new rows back through ``dsa_core.step``. The training loop is
-    unchanged::
-
-        emb = DiskEmbedding(100_000_000, 128, state_dir="runs/emb")
-        opt = DiskSparseAdam(emb.parameters(), lr=1e-3)      # no state_dir needed for it
-        loss = model(emb(ids)).sum(); loss.backward(); opt.step(); opt.zero_grad()
+    unchanged.
 
     Parameters
     ----------
     num_embeddings, embedding_dim : int
         Shape of the table.
     state_dir : str or Path
-        Directory of the store (weights, m and v, one record per row). If it already holds
-        a store, it is reopened and training resumes from it (``init`` is then ignored); a
-        store of another shape, dtype or curvature is refused.
+        Directory of the store (weights, m and v, one record per row).
+    resume : bool, default False
+        Whether an existing store at ``state_dir`` is reopened. A store there holds the
+        weights, m, v and step count of an earlier run; continuing from it must be asked
+        for, since a script run twice would otherwise go on from the first run's state
+        without a word. ``resume=True``: reopen it if there is one (``init`` is then unused
+        and training continues from its step), else create a new one, so the same line
+        starts a run and continues it. ``resume=False`` (default): an existing store is
+        refused with ``FileExistsError``, nothing touched.
+    overwrite : bool, default False
+        Replace an existing store at ``state_dir`` with a new one (its rows are deleted).
+        ``resume=True`` with ``overwrite=True`` is refused.
     padding_idx : int, optional
         As ``nn.Embedding``: that row is zeroed at creation, gets no gradient and is never
         updated; in bag modes it is left out of the reduction.
@@ -165,9 +171,10 @@ class DiskEmbedding(nn.Module):
         the Poincaré ball of curvature ``-c`` (geoopt ``SparseRiemannianAdam`` semantics).
         Fixed when the store is created.
     init : "normal", "uniform", "zeros", or array-like/tensor of shape (num_embeddings, dim)
-        Initial weights of a new store, written in chunks. ``"normal"`` draws
-        ``N(0, init_scale^2)`` (``nn.Embedding``'s ``N(0, 1)`` with the default scale for
-        ``c == 0``), ``"uniform"`` ``U(-init_scale, init_scale)``.
+        Initial weights of a new store, written in chunks (``dsa_core.create``'s ``init``,
+        passed through). ``"normal"`` draws ``N(0, init_scale^2)`` (``nn.Embedding``'s
+        ``N(0, 1)`` with the default scale for ``c == 0``), ``"uniform"``
+        ``U(-init_scale, init_scale)``, ``"zeros"`` leaves every row 0.
     init_scale : float, optional
         Default 1.0 for ``c == 0`` (as ``nn.Embedding``) and 1e-3 for ``c > 0`` (points
         near the origin of the ball, as in Poincaré embeddings).
@@ -181,8 +188,6 @@ class DiskEmbedding(nn.Module):
     device : torch.device, optional
         Device of :attr:`weight` (where gradients accumulate); outputs are always on the
         input's device. ``module.to(device)`` moves it without touching the store.
-    overwrite : bool, default False
-        Replace an existing store at ``state_dir`` with a fresh one.
     progress : bool, optional
         Progress bar while a new table is initialised (default: only for large tables).
     access : "auto", "ram" or "disk", default "auto"
@@ -190,11 +195,21 @@ class DiskEmbedding(nn.Module):
         in memory (huge pages), "disk" when it does not; "auto" chooses by size.
     second_moment : "elementwise" or "rowwise", default "elementwise"
         ``curvature == 0`` only: SparseAdam's per-coordinate v (parity), or one v per row
-        (spec §7.3, FBGEMM's partial row-wise Adam; a record of ``2*dim + 1`` instead of
-        ``3*dim`` values). Fixed when the store is created; a reopened store must match.
+        (docs/algorithms.md §7.3, FBGEMM's partial row-wise Adam; a record of ``2*dim + 1``
+        instead of ``3*dim`` values). Fixed when the store is created; a resumed store
+        must match.
     first_moment : "full" or "bfloat16", default "full"
         float32 tables with ``curvature == 0`` only: ``"bfloat16"`` keeps m as bfloat16
-        with stochastic rounding (spec §6; v stays float32). Fixed at creation.
+        with stochastic rounding (docs/algorithms.md §6; v stays float32). Fixed at
+        creation.
+    nonfinite : "propagate", "skip_row" or "raise", optional
+        What a NaN or Inf in a gradient row does when :class:`DiskSparseAdam` steps this
+        table: ``"propagate"`` spreads it into that row as torch does, ``"skip_row"`` leaves
+        such a row untouched (and does not decay its moments), ``"raise"`` raises
+        ``FloatingPointError`` before anything is written. It is recorded in the store. The
+        default, None, keeps what the store records (``"propagate"`` for a new one); a value
+        applies from now on, to a resumed store too: unlike the moments' layout it is a
+        policy, not a property of the rows.
 
     Attributes
     ----------
@@ -202,8 +217,18 @@ class DiskEmbedding(nn.Module):
         The data-less stand-in parameter that receives the sparse gradient (see
         :class:`DiskWeight`); give it (``emb.parameters()``) to :class:`DiskSparseAdam`.
     store : dsa_core.State
-        The open store (``store.weights``, ``store.exp_avg``, ``store.exp_avg_sq`` are
-        views of the rows on disk).
+        The store's current State (``store.weights``, ``store.exp_avg``,
+        ``store.exp_avg_sq`` are views of the rows on disk).
+
+    Raises
+    ------
+    FileExistsError
+        ``state_dir`` holds a store and neither ``resume`` nor ``overwrite`` is True.
+    ValueError
+        Invalid arguments, or an existing store of another shape, dtype, curvature or moment
+        layout (it cannot be resumed; ``overwrite=True`` replaces it). Nothing is written.
+    dsa_core.StoreLockedError
+        Another module or process writes the store.
 
     Notes
     -----
@@ -213,39 +238,81 @@ class DiskEmbedding(nn.Module):
     reclaimable. ``max_norm`` and ``mode="max"`` are not supported (``max_norm`` rewrites
     weights inside forward; ``max`` bags would update rows that got no gradient).
 
-    The store's step count is the optimizer's ``t`` (bias correction); the module's
-    ``state_dict()`` saves a small manifest (``_extra_state``), never the rows, and flushes
-    the store. Loading an ``nn.Embedding`` state dict (a ``weight`` tensor) copies those
-    weights into the store.
+    The store's step count is the optimizer's ``t`` (bias correction). The module's
+    ``state_dict()`` flushes the store and saves a small manifest (``_extra_state``),
+    never the rows, so it is no snapshot: loading one whose step count differs from the
+    store's is refused (it would claim rows the store no longer holds). For a point to go
+    back to, use :meth:`checkpoint` / :meth:`load_checkpoint`, or the optimizer's
+    ``checkpoint``, which includes this table. Loading an ``nn.Embedding`` state dict (a
+    ``weight`` tensor) copies those weights into the store.
+
+    Examples
+    --------
+    >>> import tempfile, torch
+    >>> from adapters.torch import DiskEmbedding, DiskSparseAdam
+    >>> tmp = tempfile.mkdtemp()
+    >>> emb = DiskEmbedding(1000, 8, state_dir=f"{tmp}/emb", seed=0)
+    >>> opt = DiskSparseAdam(emb.parameters(), lr=1e-2)   # no state_dir: the store is emb's
+    >>> emb(torch.tensor([[1, 2], [2, 3]])).pow(2).sum().backward()
+    >>> opt.step(); opt.zero_grad()
+    >>> emb.store.count, emb.weight_rows([2]).shape
+    (1, torch.Size([1, 8]))
+    >>> opt.close(); emb.close()
+
+    A second run on the same ``state_dir`` must say what it wants:
+
+    >>> DiskEmbedding(1000, 8, state_dir=f"{tmp}/emb")
+    Traceback (most recent call last):
+        ...
+    FileExistsError: DiskEmbedding(1000, 8): state_dir ... already holds a store ...
+    >>> emb = DiskEmbedding(1000, 8, state_dir=f"{tmp}/emb", resume=True)
+    >>> emb.store.count
+    1
+    >>> emb.close()
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, state_dir,
+                 resume: bool = False, overwrite: bool = False,
                  padding_idx: int | None = None, mode: str | None = None,
                  curvature: float = 0.0, init: Any = "normal",
                  init_scale: float | None = None, seed: int | None = None,
                  dtype: torch.dtype = torch.float32, scale_grad_by_freq: bool = False,
                  include_last_offset: bool = False, device: Any = None,
-                 overwrite: bool = False, progress: bool | None = None,
-                 access: str = "auto", second_moment: str = "elementwise",
-                 first_moment: str = "full"):
+                 progress: bool | None = None, access: str = "auto",
+                 second_moment: str = "elementwise", first_moment: str = "full",
+                 nonfinite: str | None = None):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
-        dt = np_dtype(dtype, "DiskEmbedding")
-        c = check_curvature(curvature)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
-        check_second_moment(second_moment, c, what)
-        check_first_moment(first_moment, c, dt, what)
+        dt = np_dtype(dtype, "DiskEmbedding")
+        c = validation.check_curvature(curvature, what=what)
+        validation.check_second_moment(second_moment, c, what=what)
+        validation.check_first_moment(first_moment, c, dt, what=what)
+        if nonfinite is not None:
+            validation.check_nonfinite(nonfinite, what=what)
+        resume, overwrite = check_reopen(resume, overwrite, what)
         path = Path(state_dir)
-        state = None if overwrite else open_existing(
-            path, num_rows=num_embeddings, dim=embedding_dim, dtype=dt, curvature=c,
-            weights=True, what=what, access=access, second_moment=second_moment,
-            first_moment=first_moment)
-        if state is None:
+        expect = {"num_rows": num_embeddings, "dim": embedding_dim, "dtype": dt,
+                  "curvature": c, "weights": True, "what": what,
+                  "second_moment": second_moment, "first_moment": first_moment}
+        count = None if overwrite else peek_existing(path, **expect)
+        if count is not None and not resume:
+            raise FileExistsError(
+                f"{what}: state_dir {str(path)!r} already holds a store ({num_embeddings} x "
+                f"{embedding_dim} {dt.name}, trained {count} steps) from an earlier run; "
+                "nothing was changed. Pass resume=True to continue training from it (its "
+                "weights, m, v and step count; init is then unused), or overwrite=True to "
+                "replace it with a new table")
+        if count is not None:
+            state = reopen(path, access=access, **expect)
+        else:
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
                                  init_scale, seed, padding_idx, overwrite, progress, access,
-                                 second_moment, first_moment)
+                                 second_moment, first_moment, nonfinite or "propagate")
+        if nonfinite is not None and state.nonfinite != nonfinite:
+            state = state._replace(nonfinite=nonfinite)  # recorded at the next flush
         self._handle = SharedState(state)
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self.num_embeddings = num_embeddings
@@ -258,19 +325,18 @@ class DiskEmbedding(nn.Module):
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
-                access, second_moment, first_moment):
+                access, second_moment, first_moment, nonfinite):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         if isinstance(init, torch.Tensor):
             init = init.detach().cpu().numpy()
-        if isinstance(init, str) and init == "zeros":
-            init = None
         state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
                                 init=init, init_scale=init_scale, seed=seed,
                                 overwrite=overwrite, progress=progress, access=access,
-                                second_moment=second_moment, first_moment=first_moment)
+                                second_moment=second_moment, first_moment=first_moment,
+                                nonfinite=nonfinite)
         if padding_idx is not None:
             state.weights[padding_idx] = 0
         return state
@@ -278,7 +344,13 @@ class DiskEmbedding(nn.Module):
     # -- access ---------------------------------------------------------------------------
     @property
     def store(self) -> dsa_core.State:
-        """The open ``dsa_core.State`` of the table (its ``count`` is the step ``t``)."""
+        """The current ``dsa_core.State`` of the table (its ``count`` is the step ``t``).
+
+        A value, not a live handle: each optimizer step makes a new State, and one read
+        before a step is then outdated. Reading its rows still works (they are the same
+        mapped views), but ``dsa_core.step`` / ``flush`` / ``checkpoint`` / ``close`` on it
+        raise ``dsa_core.StaleStateError``; read ``emb.store`` again after stepping.
+        """
         return self._handle.state
 
     def weight_rows(self, ids) -> torch.Tensor:
@@ -325,6 +397,22 @@ class DiskEmbedding(nn.Module):
         The rows (weights, m, v) and the step count become the snapshot's; the store must
         have the same shape, dtype and curvature (checked before anything is written). The
         snapshot itself is left untouched.
+
+        Examples
+        --------
+        >>> import tempfile, torch
+        >>> from adapters.torch import DiskEmbedding, DiskSparseAdam
+        >>> tmp = tempfile.mkdtemp()
+        >>> emb = DiskEmbedding(100, 4, state_dir=f"{tmp}/emb", seed=0)
+        >>> opt = DiskSparseAdam(emb.parameters(), lr=0.1)
+        >>> def train(steps):
+        ...     for _ in range(steps):
+        ...         emb(torch.tensor([1, 2])).sum().backward(); opt.step(); opt.zero_grad()
+        >>> train(2); _ = emb.checkpoint(f"{tmp}/ck"); train(3)
+        >>> emb.load_checkpoint(f"{tmp}/ck")
+        >>> emb.store.count
+        2
+        >>> opt.close(); emb.close()
         """
         live = self._handle.state
         if Path(src).resolve() == live.path.resolve():
@@ -343,13 +431,14 @@ class DiskEmbedding(nn.Module):
         self.close()
 
     def extra_repr(self) -> str:
-        s = f"{self.num_embeddings}, {self.embedding_dim}, state_dir={str(self.store.path)!r}"
+        st = self._handle.state
+        s = f"{self.num_embeddings}, {self.embedding_dim}, state_dir={str(st.path)!r}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         if self.mode is not None:
             s += f", mode={self.mode!r}"
-        if self.store.curvature:
-            s += f", curvature={self.store.curvature}"
+        if st.curvature:
+            s += f", curvature={st.curvature}"
         return s
 
     # -- forward --------------------------------------------------------------------------
@@ -371,7 +460,8 @@ class DiskEmbedding(nn.Module):
             # One row per lookup, as nn.Embedding(sparse=True): the output is the gathered
             # block itself and the gradient the uncoalesced (ids, grad rows) pair, which the
             # optimizer coalesces with torch's own coalesce(). Saves torch.unique, a second
-            # gather and the dense embedding backward: 2048 x 128, fwd+bwd 2.3 -> 0.7 ms.
+            # gather and the dense embedding backward, most of a small forward + backward
+            # (figures: docs/benchmarks.md, "Torch end to end").
             ids = input.reshape(-1).to("cpu", torch.int64)
             rows = _GatherRows.apply(self.weight, ids, self._handle, self.padding_idx,
                                      input.device, False)
@@ -410,7 +500,11 @@ class DiskEmbedding(nn.Module):
                 "second_moment": st.second_moment, "first_moment": st.first_moment}
 
     def set_extra_state(self, state: Any) -> None:
-        """Check that a saved manifest describes a table like this one (the rows stay put)."""
+        """Check that a saved manifest describes this table as it is (the rows stay put).
+
+        Shape, dtype, curvature and moment layout must match, and so must the step count:
+        a manifest of another step describes rows the store no longer holds.
+        """
         st = self._handle.state
         if not isinstance(state, dict) or state.get("format") != _EXTRA_FORMAT:
             raise ValueError("not a DiskEmbedding state dict entry (expected the manifest "
@@ -432,6 +526,15 @@ class DiskEmbedding(nn.Module):
         if st.first_moment != want_fm:
             raise ValueError(f"the saved DiskEmbedding keeps m as {want_fm!r}, this one as "
                              f"{st.first_moment!r}; build it with the saved first_moment")
+        saved = state.get("count")
+        if saved is not None and int(saved) != st.count:
+            raise ValueError(
+                f"the saved DiskEmbedding state was taken at step {saved}, but its store "
+                f"{str(st.path)!r} is at step {st.count}: a state dict holds no rows, so "
+                f"loading it would pair step {saved} with the rows of step {st.count}. "
+                "Nothing was changed. To go back to an earlier point, save with "
+                "opt.checkpoint(dest) or emb.checkpoint(dest) (snapshots of the rows) and "
+                "resume with opt.load_checkpoint(dest) / emb.load_checkpoint(dest)")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "_extra_state"] = self.get_extra_state()

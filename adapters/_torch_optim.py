@@ -4,36 +4,37 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 import dsa_core
+from dsa_core import validation
 
 from ._torch_common import (
     DirLock,
     SharedState,
-    check_curvature,
-    check_first_moment,
-    check_second_moment,
+    check_reopen,
     check_torch_hparams,
     close_quietly,
     manifold_curvature,
     np_dtype,
-    open_existing,
+    peek_existing,
+    reopen,
     store_second_moment,
     to_device,
     to_host,
 )
 from ._torch_embedding import DiskWeight, open_snapshot
 
-__all__ = ["CHECKPOINT_FILE", "MANIFEST_KEY", "DiskSparseAdam"]
+__all__ = ["CHECKPOINT_FILE", "EXTRA_FILE", "MANIFEST_KEY", "DiskSparseAdam"]
 
 MANIFEST_KEY = "dsa_manifest"
 CHECKPOINT_FILE = "optimizer.pt"
+EXTRA_FILE = "extra.pt"  # checkpoint(extra=...): the user's state dicts, in the same directory
 _MANIFEST_FORMAT = "dsa-torch-optimizer"
 
 
@@ -45,6 +46,7 @@ class _Slot(NamedTuple):
 
 class _Job(NamedTuple):
     p: torch.Tensor
+    where: str             # "parameter [i, j]", for messages
     slot: _Slot
     hp: tuple              # (lr, (beta1, beta2), eps, maximize)
     idx_dev: torch.Tensor  # coalesced row ids on p's device (for index_copy_)
@@ -54,8 +56,8 @@ class _Job(NamedTuple):
 def _in_place(p: torch.Tensor) -> bool:
     """True when the kernel can update ``p``'s rows where they are (a dense CPU table).
 
-    Saves copying the batch's rows out (``index_select``) and back (``index_copy_``): 0.2-0.3
-    ms of a 2048 x 128 step on the 2-core box.
+    Saves copying the batch's rows out (``index_select``) and back (``index_copy_``), a
+    noticeable share of a small step (docs/benchmarks.md, "Torch end to end").
     """
     return p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous() \
         and p.dim() == 2 and p.dtype in (torch.float32, torch.float64)
@@ -81,6 +83,29 @@ def _group_hparams(group: dict) -> tuple:
     if not math.isfinite(lr):
         raise ValueError(f"Invalid learning rate: {lr}")
     return lr, (float(betas[0]), float(betas[1])), float(eps), bool(group.get("maximize", False))
+
+
+def _save_durably(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` and fsync it (the checkpoint commits only durable files)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_loadable(path: Path) -> None:
+    """``TypeError`` unless ``torch.load(path, weights_only=True)`` reads it back.
+
+    Mapped (``mmap=True``), so checking a large model state dict reads no tensor data.
+    """
+    try:
+        torch.load(path, weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises UnpicklingError (and others) for such objects
+        raise TypeError(
+            "checkpoint(extra=...) holds something torch.load(weights_only=True) refuses "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "keep to tensors, dicts, lists, numbers and strings, e.g. the state_dict() of "
+            "the model and the scheduler. Nothing was written") from None
 
 
 class DiskSparseAdam(torch.optim.Optimizer):
@@ -109,9 +134,21 @@ class DiskSparseAdam(torch.optim.Optimizer):
     state_dir : str or Path
         Directory of this optimizer's stores: ``<state_dir>/group{i}_param{j}`` for the
         ``j``-th parameter of the ``i``-th group, a stable name, so an optimizer built the
-        same way on the same ``state_dir`` resumes from the stores (counts included). One
+        same way on the same ``state_dir`` can resume from the stores (see ``resume``). One
         optimizer per ``state_dir`` (a lock file; a second one raises
         ``dsa_core.StoreLockedError``). Not needed when every parameter is a DiskEmbedding's.
+    resume : bool, default False
+        Whether existing stores under ``state_dir`` are reopened. They hold the m, v and
+        step counts of an earlier run, but not its weights (those are the model's): a
+        script run twice would otherwise pair freshly initialised weights with the old
+        moments without a word. ``resume=True``: reopen each store that exists (its
+        moments and step count carry on) and create the others, so the same line starts a
+        run and continues it; restore the model's weights yourself (e.g. from
+        :meth:`checkpoint`'s ``extra``). ``resume=False`` (default): existing stores are
+        refused with ``FileExistsError``, nothing touched.
+    overwrite : bool, default False
+        Replace existing stores with new ones (their moments are deleted). ``resume=True``
+        with ``overwrite=True`` is refused.
     curvature : float, default 0.0
         ``0``: Euclidean, exactly ``torch.optim.SparseAdam``. ``c > 0``: Riemannian Adam on
         the Poincaré ball of curvature ``-c``, exactly geoopt ``SparseRiemannianAdam``. Also
@@ -124,19 +161,32 @@ class DiskSparseAdam(torch.optim.Optimizer):
     second_moment : "elementwise" or "rowwise", optional
         The second moment of this optimizer's stores (``c == 0`` only). ``"elementwise"``
         (the default): SparseAdam's v, one per coordinate, exact parity. ``"rowwise"``: one
-        v per row from the mean of ``g²`` (FBGEMM's partial row-wise Adam, spec §7.3): the
-        stores hold ``dim + 1`` instead of ``2 * dim`` values per row, the update is no
-        longer SparseAdam's (see README "Row-wise second moment" for the measured cost).
-        Fixed when a store is created; a resumed store must match. A DiskEmbedding's
-        parameter keeps its own store's setting (given here, it must match).
+        v per row from the mean of ``g²`` (FBGEMM's partial row-wise Adam,
+        docs/algorithms.md §7.3): the stores hold ``dim + 1`` instead of ``2 * dim`` values
+        per row, the update is no longer SparseAdam's (its accuracy and speed:
+        docs/benchmarks.md, "Reduced state"). Fixed when a store is created; a resumed store
+        must match. A DiskEmbedding's parameter keeps its own store's setting (given here,
+        it must match).
     first_moment : "full" or "bfloat16", optional
         How the stores keep m (float32 parameters, ``c == 0``). ``"full"`` (the default):
         in the parameter's dtype. ``"bfloat16"``: 2 bytes per coordinate, stochastic
-        rounding (spec §6; v stays float32); not SparseAdam's trajectory any more. Same
-        rules as ``second_moment`` for resumed stores and DiskEmbeddings.
+        rounding (docs/algorithms.md §6; v stays float32); not SparseAdam's trajectory any
+        more. Same rules as ``second_moment`` for resumed stores and DiskEmbeddings.
+    nonfinite : "propagate", "skip_row" or "raise", optional
+        What a NaN or Inf in a gradient row does: ``"propagate"`` spreads it into that row's
+        weights and moments, as torch does; ``"skip_row"`` leaves such a row untouched (its
+        moments do not decay); ``"raise"`` raises ``FloatingPointError`` before any store is
+        written. Recorded in each store. The default, None, keeps what a store records
+        (``"propagate"`` for a new one); a value applies to this optimizer's own stores, new
+        and resumed alike (a policy, not a property of the rows, so a resumed store may
+        change it). A DiskEmbedding's parameter keeps its module's setting (given here, it
+        must match), as for ``second_moment``.
 
     Raises
     ------
+    FileExistsError
+        ``state_dir`` holds stores of an earlier run and neither ``resume`` nor
+        ``overwrite`` is True.
     ValueError
         Invalid hyperparameters (torch's messages), sparse or complex parameters (torch's
         messages), parameters that are not 2-D, a store under ``state_dir`` that does not
@@ -148,7 +198,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     Notes
     -----
-    For ``curvature == 0`` the update is SparseAdam's (spec §2.2), per touched row:
+    For ``curvature == 0`` the update is SparseAdam's (docs/algorithms.md §2.2), per
+    touched row:
 
     .. math::
 
@@ -160,21 +211,26 @@ class DiskSparseAdam(torch.optim.Optimizer):
     parameter has a gradient (even one with no rows); rows absent from the gradient are
     left bit-for-bit untouched (their moments do not decay). For ``c > 0`` the second moment
     is one scalar per row (the squared Riemannian gradient norm) and the first moment is
-    parallel-transported (spec §3.2).
+    parallel-transported (docs/algorithms.md §3.2).
 
     Checkpoints: :meth:`checkpoint` writes a consistent snapshot of every store it steps
-    (one ``dsa_core.checkpoint`` per store, named as in ``state_dir``) plus the state dict
-    (``optimizer.pt``) pointing at them, all committed by one atomic rename: a crash leaves
-    no checkpoint or a complete one. :meth:`load_checkpoint` resumes from it (rows, counts,
-    param groups). :meth:`state_dict` alone flushes every store and adds a small manifest
-    under the top-level key ``"dsa_manifest"`` (store names and paths, counts,
-    hyperparameters); the stores themselves are never pickled and are **not snapshots**:
-    the files keep moving with training. ``load_state_dict`` also accepts a
-    ``torch.optim.SparseAdam`` (or geoopt ``SparseRiemannianAdam``) state dict and copies its
-    ``exp_avg`` / ``exp_avg_sq`` into the stores. Into reduced stores: ``second_moment=
-    "rowwise"`` takes the row mean of ``exp_avg_sq`` (the row-wise v of the same gradients:
-    a row's coordinates are always updated together), ``first_moment="bfloat16"`` the
-    nearest bfloat16 of ``exp_avg``.
+    (one ``dsa_core.checkpoint`` per store, named as in ``state_dir``), the state dict
+    (``optimizer.pt``) pointing at them and, if given, the ``extra`` state dicts (the
+    model's, the scheduler's), all committed by one atomic rename: a crash leaves no
+    checkpoint or a complete one. :meth:`load_checkpoint` resumes from it (rows, counts,
+    param groups) and returns ``extra``.
+
+    :meth:`state_dict` is **not** a checkpoint: it flushes every store and adds a small
+    manifest under the top-level key ``"dsa_manifest"`` (store names and paths, counts,
+    hyperparameters), but m and v stay in the stores and keep moving with training. So
+    :meth:`load_state_dict` refuses a DSA state dict whose step counts differ from the
+    stores' (it would pair an old count with newer moments); one that matches (saved and
+    loaded with no step in between, e.g. across a restart with ``resume=True``) loads.
+    It also accepts a ``torch.optim.SparseAdam`` (or geoopt ``SparseRiemannianAdam``) state
+    dict and copies its ``exp_avg`` / ``exp_avg_sq`` into the stores. Into reduced stores:
+    ``second_moment="rowwise"`` takes the row mean of ``exp_avg_sq`` (the row-wise v of
+    the same gradients: a row's coordinates are always updated together),
+    ``first_moment="bfloat16"`` the nearest bfloat16 of ``exp_avg``.
 
     CUDA parameters: the coalesced ids, gradient rows and current weight rows are copied
     into pinned host buffers with ``non_blocking=True`` (one stream synchronize per step,
@@ -183,27 +239,62 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     Examples
     --------
-    >>> emb = torch.nn.Embedding(1000, 16, sparse=True)          # doctest: +SKIP
-    >>> opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp / "opt")
-    >>> emb(torch.tensor([1, 2, 2])).sum().backward(); opt.step(); opt.zero_grad()
+    >>> import tempfile, torch
+    >>> from adapters.torch import DiskSparseAdam
+    >>> tmp = tempfile.mkdtemp()
+    >>> emb = torch.nn.Embedding(1000, 16, sparse=True)
+    >>> opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=f"{tmp}/opt")
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    >>> for _ in range(3):
+    ...     emb(torch.tensor([1, 2, 2])).sum().backward(); opt.step(); opt.zero_grad()
+    ...     sched.step()
+    >>> opt.store_for(emb.weight).count
+    3
+
+    A checkpoint that can be resumed from, with the model and the scheduler:
+
+    >>> _ = opt.checkpoint(f"{tmp}/ck", extra={"model": emb.state_dict(),
+    ...                                        "sched": sched.state_dict()})
+    >>> opt.close()
+
+    The same script run again must say what it wants done with the stores:
+
+    >>> emb = torch.nn.Embedding(1000, 16, sparse=True)
+    >>> DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=f"{tmp}/opt")
+    Traceback (most recent call last):
+        ...
+    FileExistsError: DiskSparseAdam: state_dir ... already holds the stores of an earlier run: ...
+    >>> opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=f"{tmp}/opt",
+    ...                      overwrite=True)
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    >>> extra = opt.load_checkpoint(f"{tmp}/ck")
+    >>> _ = emb.load_state_dict(extra["model"]); sched.load_state_dict(extra["sched"])
+    >>> opt.store_for(emb.weight).count
+    3
     >>> opt.close()
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 maximize: bool = False, *, state_dir=None, curvature: float = 0.0,
-                 access: str = "auto", second_moment: str | None = None,
-                 first_moment: str | None = None):
+                 maximize: bool = False, *, state_dir=None, resume: bool = False,
+                 overwrite: bool = False, curvature: float = 0.0, access: str = "auto",
+                 second_moment: str | None = None, first_moment: str | None = None,
+                 nonfinite: str | None = None):
         check_torch_hparams(lr, betas, eps)
-        c = check_curvature(curvature)
+        what = "DiskSparseAdam"
+        c = validation.check_curvature(curvature, what=what)
         dsa_core.check_access(access)
         if second_moment is not None:
-            check_second_moment(second_moment, c, "DiskSparseAdam")
+            validation.check_second_moment(second_moment, c, what=what)
         if first_moment is not None:  # the value here; float32 and c == 0 per parameter
-            check_first_moment(first_moment, 0.0, "float32", "DiskSparseAdam")
+            validation.check_first_moment(first_moment, 0.0, "float32", what=what)
+        if nonfinite is not None:
+            validation.check_nonfinite(nonfinite, what=what)
+        self._resume, self._overwrite = check_reopen(resume, overwrite, what)
         self._access = access
         self._second_moment = second_moment
         self._first_moment = first_moment
+        self._nonfinite = nonfinite
         self._ready = False
         self._closed = False
         self._slots: dict[torch.Tensor, _Slot] = {}
@@ -251,7 +342,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         plan = []
         for gi in groups:
             group = self.param_groups[gi]
-            gc = check_curvature(group.get("curvature", 0.0))
+            gc = validation.check_curvature(group.get("curvature", 0.0),
+                                            what=f"DiskSparseAdam param group {gi}")
             group["curvature"] = gc
             for pj, p in enumerate(group["params"]):
                 where = f"parameter [{gi}, {pj}]"
@@ -278,7 +370,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                             "fixed when it is created (DiskEmbedding(curvature=...))")
                     sm = self._second_moment
                     if sm is not None:
-                        check_second_moment(sm, c, f"DiskSparseAdam {where}")
+                        validation.check_second_moment(sm, c, what=f"DiskSparseAdam {where}")
                     if sm is not None and h.state.second_moment != store_second_moment(sm, c):
                         raise ValueError(
                             f"{where} is a DiskEmbedding whose store keeps a "
@@ -292,6 +384,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
                             f"{h.state.first_moment!r}, but this optimizer asks for "
                             f"first_moment={fm!r}; set it on the embedding "
                             "(DiskEmbedding(first_moment=...)) and leave it out here")
+                    nf = self._nonfinite
+                    if nf is not None and h.state.nonfinite != nf:
+                        raise ValueError(
+                            f"{where} is a DiskEmbedding whose store handles non-finite "
+                            f"gradients with nonfinite={h.state.nonfinite!r}, but this "
+                            f"optimizer asks for nonfinite={nf!r}; set it on the embedding "
+                            "(DiskEmbedding(nonfinite=...)) and leave it out here")
                     plan.append((gi, pj, p, None, dt, c))
                     continue
                 mc = manifold_curvature(p)
@@ -301,9 +400,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
                                      "manifold's is used) or make them equal")
                 c = gc if mc is None else mc
                 if self._second_moment is not None:
-                    check_second_moment(self._second_moment, c, f"DiskSparseAdam {where}")
+                    validation.check_second_moment(self._second_moment, c,
+                                                   what=f"DiskSparseAdam {where}")
                 if self._first_moment is not None:
-                    check_first_moment(self._first_moment, c, dt, f"DiskSparseAdam {where}")
+                    validation.check_first_moment(self._first_moment, c, dt,
+                                                  what=f"DiskSparseAdam {where}")
                 if self.state_dir is None:
                     raise ValueError(f"DiskSparseAdam needs state_dir=...: the moments of "
                                      f"{where} are kept in a store there")
@@ -311,36 +412,56 @@ class DiskSparseAdam(torch.optim.Optimizer):
         return plan
 
     def _attach(self, groups) -> None:
-        """Open (resume) or create the stores of ``groups``; all or nothing."""
+        """Open (resume) or create the stores of ``groups``; all or nothing.
+
+        Every existing store is first looked at read-only (shape and layout checked, and
+        refused unless ``resume`` or ``overwrite`` was asked for), so a refusal leaves the
+        disk as it was; only then are stores opened for writing or created.
+        """
         plan = self._plan(groups)
         own = [e for e in plan if e[3] is not None]
         new_lock = None
         if own and self._owned.lock is None:
             new_lock = DirLock(self.state_dir, "DiskSparseAdam")
-        opened: list[tuple] = []
+        opened: list[dsa_core.State] = []
         created: list[Path] = []
         try:
+            expect, found = [], []
+            for gi, pj, p, path, dt, c in own:  # pass 1: look, write nothing
+                kw = {"num_rows": p.shape[0], "dim": p.shape[1], "dtype": dt, "curvature": c,
+                      "weights": False, "what": f"DiskSparseAdam parameter [{gi}, {pj}]",
+                      "second_moment": self._sm(c),
+                      "first_moment": self._first_moment or "full"}
+                expect.append(kw)
+                found.append(None if self._overwrite else peek_existing(path, **kw))
+            old = [(e[3].name, n) for e, n in zip(own, found) if n is not None]
+            if old and not self._resume:
+                listed = ", ".join(f"{name} (step {n})" for name, n in old[:4])
+                more = f" and {len(old) - 4} more" if len(old) > 4 else ""
+                raise FileExistsError(
+                    f"DiskSparseAdam: state_dir {str(self.state_dir)!r} already holds the "
+                    f"stores of an earlier run: {listed}{more}; nothing was changed. Pass "
+                    "resume=True to continue from them (their m, v and step counts; restore "
+                    "the model's weights too, e.g. from the extra= of opt.checkpoint), or "
+                    "overwrite=True to delete them and start afresh")
             states = []
-            for gi, pj, p, path, dt, c in own:  # pass 1: existing stores (no writes)
-                st = open_existing(path, num_rows=p.shape[0], dim=p.shape[1], dtype=dt,
-                                   curvature=c, weights=False,
-                                   what=f"DiskSparseAdam parameter [{gi}, {pj}]",
-                                   access=self._access, second_moment=self._sm(c),
-                                   first_moment=self._first_moment or "full")
-                states.append(st)
-                if st is not None:
-                    opened.append(st)
-            for k, (gi, pj, p, path, dt, c) in enumerate(own):  # pass 2: new stores
-                if states[k] is None:
+            for k, (gi, pj, p, path, dt, c) in enumerate(own):  # pass 2: open or create
+                if found[k] is not None:
+                    st = reopen(path, access=self._access, **expect[k])
+                else:
                     lr, betas, eps, maximize = _group_hparams(self.param_groups[gi])
-                    states[k] = dsa_core.create(path, p.shape[0], p.shape[1], curvature=c,
-                                                lr=lr, betas=betas, eps=eps,
-                                                maximize=maximize, weights=False,
-                                                dtype=dt.name, access=self._access,
-                                                second_moment=self._sm(c),
-                                                first_moment=self._first_moment or "full")
-                    opened.append(states[k])
+                    st = dsa_core.create(path, p.shape[0], p.shape[1], curvature=c, lr=lr,
+                                         betas=betas, eps=eps, maximize=maximize,
+                                         weights=False, dtype=dt.name, access=self._access,
+                                         second_moment=self._sm(c),
+                                         first_moment=self._first_moment or "full",
+                                         nonfinite=self._nonfinite or "propagate",
+                                         overwrite=self._overwrite)
                     created.append(path)
+                opened.append(st)
+                if self._nonfinite is not None and st.nonfinite != self._nonfinite:
+                    st = st._replace(nonfinite=self._nonfinite)  # recorded at the next flush
+                states.append(st)
         except BaseException:
             for st in opened:
                 dsa_core.close(st)
@@ -373,8 +494,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         Every gradient is checked (and coalesced and copied to the host) before any store
         is written, so a bad gradient raises with nothing changed. Raises ``RuntimeError``
-        for a dense gradient (torch's message) and ``ValueError`` for a gradient whose
-        ``sparse_dim`` is not 1.
+        for a dense gradient (torch's message), ``ValueError`` for a gradient whose
+        ``sparse_dim`` is not 1, and ``FloatingPointError`` for a NaN or Inf in the gradient
+        of a store with ``nonfinite="raise"``.
         """
         self._check_open()
         loss = None
@@ -396,6 +518,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 jobs.append(job)
         for dev in devices:  # the non_blocking copies to pinned memory must have landed
             torch.cuda.current_stream(dev).synchronize()
+        for job in jobs:  # nonfinite="raise": refuse before *any* store is written
+            if job.slot.handle.state.nonfinite == "raise":
+                vals = job.host[1].numpy()
+                if not np.isfinite(vals).all():
+                    bad = job.host[0].numpy()[~np.isfinite(vals).all(axis=1)]
+                    raise FloatingPointError(
+                        f"the gradient of {job.where} holds NaN or Inf for row(s) "
+                        f"{bad[:10].tolist()}; nothing was written (nonfinite='raise'). Use "
+                        "nonfinite='skip_row' to skip such rows")
         for job in jobs:
             self._apply(job)
         return loss
@@ -436,7 +567,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if slot.owned and not _in_place(p):
             dev.append(p.detach().index_select(0, idx))
         host, _ = to_host(dev)
-        return _Job(p, slot, hp, idx, host)
+        return _Job(p, where, slot, hp, idx, host)
 
     def _apply(self, job: _Job) -> None:
         lr, betas, eps, maximize = job.hp
@@ -458,7 +589,14 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     # -- inspection, durability, life cycle -----------------------------------------------
     def store_for(self, p: torch.Tensor) -> dsa_core.State:
-        """The ``dsa_core.State`` of parameter ``p`` (``.exp_avg``, ``.exp_avg_sq``, ``.count``)."""
+        """The current ``dsa_core.State`` of parameter ``p`` (``.exp_avg``, ``.exp_avg_sq``,
+        ``.count``).
+
+        A value, not a live handle: the next :meth:`step` makes a new State and this one
+        outdated. Its rows stay readable (the same mapped views), but ``dsa_core.step``,
+        ``flush``, ``checkpoint`` or ``close`` on it raise ``dsa_core.StaleStateError``
+        (they would record an old count beside newer rows); call ``store_for`` again.
+        """
         try:
             return self._slots[p].handle.state
         except KeyError:
@@ -481,7 +619,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     @property
     def stores(self) -> dict[str, dsa_core.State]:
-        """Store name -> ``dsa_core.State``, in parameter order."""
+        """Store name -> current ``dsa_core.State``, in parameter order (see :meth:`store_for`)."""
         return {s.name: s.handle.state for s in self._ordered_slots()}
 
     def _ordered_slots(self) -> list[_Slot]:
@@ -515,31 +653,50 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this DiskSparseAdam is closed; create a new one on the same "
-                               "state_dir to continue (it resumes from the stores)")
+            raise RuntimeError("this DiskSparseAdam is closed; to continue, create a new one "
+                               "on the same state_dir with resume=True (it reopens the "
+                               "stores)")
 
     def __getstate__(self):
         raise TypeError("DiskSparseAdam cannot be pickled or deep-copied: its state lives in "
-                        "stores on disk. Save opt.state_dict() (a small manifest) and keep "
-                        "state_dir")
+                        "stores on disk. Save it with opt.checkpoint(dest) and resume with "
+                        "opt.load_checkpoint(dest)")
 
     # -- checkpoints ----------------------------------------------------------------------
-    def checkpoint(self, dest_dir, *, overwrite: bool = False) -> Path:
+    def checkpoint(self, dest_dir, *, overwrite: bool = False,
+                   extra: dict[str, Any] | None = None) -> Path:
         """Write a consistent snapshot of the optimizer to ``dest_dir``; training goes on.
 
         ``dest_dir`` receives one ``dsa_core.checkpoint`` per parameter, named as in
         ``state_dir`` (``group{i}_param{j}``; a :class:`DiskEmbedding`'s store, weights
-        included, under the name of its position too), and ``optimizer.pt``: this
-        optimizer's :meth:`state_dict` whose ``"dsa_manifest"`` points at those snapshots.
-        Everything is built in a temporary sibling directory, fsync'd, and renamed into
-        place at once, so a crash (``kill -9``, power loss) at any moment leaves either no
-        ``dest_dir`` or a complete one (at worst a ``<dest_dir>.tmp-<pid>`` leftover).
-        Replacing an existing checkpoint needs ``overwrite=True`` (swapped atomically where
-        the filesystem allows).
+        included, under the name of its position too), ``optimizer.pt``: this optimizer's
+        :meth:`state_dict` whose ``"dsa_manifest"`` points at those snapshots, and, if
+        ``extra`` is given, ``extra.pt``. Everything is built in a temporary sibling
+        directory, fsync'd, and renamed into place at once, so a crash (``kill -9``, power
+        loss) at any moment leaves either no ``dest_dir`` or a complete one (at worst a
+        ``<dest_dir>.tmp-<pid>`` leftover), and an error while writing leaves ``dest_dir``
+        as it was. Replacing an existing checkpoint needs ``overwrite=True`` (swapped
+        atomically where the filesystem allows).
 
         Resume with :meth:`load_checkpoint` on an optimizer built the same way (it copies the
         snapshots into that optimizer's stores), or build the optimizer with
-        ``state_dir=dest_dir`` (it then trains *in* the checkpoint, which stops being one).
+        ``state_dir=dest_dir, resume=True`` (it then trains *in* the checkpoint, which stops
+        being one).
+
+        Parameters
+        ----------
+        dest_dir : str or Path
+            The checkpoint directory; neither a live store nor one containing ``state_dir``.
+        overwrite : bool, default False
+            Replace an existing ``dest_dir``.
+        extra : dict, optional
+            What else a resumed run needs, typically ``{"model": model.state_dict(),
+            "sched": scheduler.state_dict()}`` (the weights of ordinary parameters are the
+            model's, not the optimizer's). Saved with ``torch.save`` inside the same atomic
+            directory, so it can never disagree with the stores, and returned by
+            :meth:`load_checkpoint`. It must load with ``torch.load(weights_only=True)``
+            (tensors, dicts, lists, numbers, strings): that is checked before the checkpoint
+            is committed, so a checkpoint that could not be resumed is never written.
 
         Returns
         -------
@@ -547,6 +704,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
             ``dest_dir``.
         """
         self._check_open()
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict of what to save with the checkpoint (e.g. "
+                            f"{{'model': model.state_dict()}}), got {type(extra).__name__}")
         dest = Path(dest_dir)
         dest_r = dest.resolve()
         slots = []
@@ -570,6 +730,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         sd = self.state_dict()  # flushes every store
         man = sd[MANIFEST_KEY]
         man["checkpoint"] = str(dest_r)
+        man["extra"] = EXTRA_FILE if extra is not None else None
         for e, (name, _) in zip(man["params"], slots):
             e["snapshot"] = name
             e["path"] = str(dest_r / name)
@@ -577,21 +738,30 @@ class DiskSparseAdam(torch.optim.Optimizer):
         with dsa_core.staged_dir(dest_r, overwrite) as tmp:
             for name, s in slots:
                 dsa_core.checkpoint(s.handle.state, tmp / name)
-            with open(tmp / CHECKPOINT_FILE, "wb") as f:
-                torch.save(sd, f)
-                f.flush()
-                os.fsync(f.fileno())
+            if extra is not None:
+                _save_durably(extra, tmp / EXTRA_FILE)
+                _check_loadable(tmp / EXTRA_FILE)
+            _save_durably(sd, tmp / CHECKPOINT_FILE)
         return dest
 
-    def load_checkpoint(self, src_dir) -> None:
-        """Resume from a checkpoint written by :meth:`checkpoint` (the directory may have moved).
+    def load_checkpoint(self, src_dir) -> dict[str, Any]:
+        """Resume from a checkpoint written by :meth:`checkpoint`; returns its ``extra``.
 
         The optimizer must have the same parameters (order, shapes, dtypes, curvatures) as
-        the one that wrote it. Every snapshot is checked before anything is written; then
-        its rows (m and v, and the weights of a :class:`DiskEmbedding`) are copied into this
-        optimizer's stores, the step counts and param groups (lr, betas, ...) are restored,
-        and the stores are flushed. The checkpoint itself is never modified. The weights of
-        ordinary parameters are the model's: restore them from the model's own state dict.
+        the one that wrote it; the directory may have moved. Every snapshot is checked
+        before anything is written; then its rows (m and v, and the weights of a
+        :class:`DiskEmbedding`) are copied into this optimizer's stores, the step counts
+        and param groups (lr, betas, ...) are restored, and the stores are flushed. The
+        checkpoint itself is never modified.
+
+        Returns
+        -------
+        dict
+            The ``extra`` given to :meth:`checkpoint` (``{}`` if there was none). The
+            weights of ordinary parameters are the model's: restore them from it, e.g.
+            ``model.load_state_dict(extra["model"])``, after this call (a
+            :class:`DiskEmbedding` in the model refuses a state dict of another step, and
+            its step is the checkpoint's only once this call has restored it).
         """
         self._check_open()
         src = Path(src_dir)
@@ -605,13 +775,20 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if not isinstance(man, dict) or "checkpoint" not in man:
             raise ValueError(f"{str(f)!r} is not a DiskSparseAdam checkpoint state dict (no "
                              f"{MANIFEST_KEY!r} with a 'checkpoint' entry)")
+        extra: dict[str, Any] = {}
+        if man.get("extra"):
+            extra = torch.load(src / str(man["extra"]), weights_only=True)
         man["checkpoint"] = str(src.resolve())
         self.load_state_dict(sd)
+        return extra
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict plus ``"dsa_manifest"``; flushes every store first.
 
-        Per-parameter state holds only ``{"step": t}``; m and v stay in the stores.
+        Per-parameter state holds only ``{"step": t}``; m and v stay in the stores, so this
+        is a description of the stores *now*, not a snapshot: after further steps,
+        :meth:`load_state_dict` refuses it. For a point to come back to, use
+        :meth:`checkpoint`.
         """
         self.flush()
         sd = super().state_dict()
@@ -634,17 +811,27 @@ class DiskSparseAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or from torch's SparseAdam).
+        """Load a state dict from :meth:`state_dict`, a checkpoint, or torch's SparseAdam.
 
-        With a ``"dsa_manifest"``, each entry is matched to the parameter in the same
-        position (same shape, dtype and curvature required) and its step count restored;
-        stores are found by this optimizer's ``state_dir`` (a moved directory is fine). The
-        state dict of a checkpoint (``optimizer.pt`` from :meth:`checkpoint`) also brings
-        the rows: each snapshot store is copied into this optimizer's store.
-        Without one (a ``torch.optim.SparseAdam`` or geoopt checkpoint), the saved
-        ``exp_avg`` / ``exp_avg_sq`` tensors are copied into the stores (reduced stores:
-        row mean of ``exp_avg_sq``, nearest bfloat16 of ``exp_avg``). All checks run
-        before anything is changed.
+        A DSA state dict (with ``"dsa_manifest"``) holds no rows: m and v stay in the
+        stores. Each entry is matched to the parameter in the same position (same shape,
+        dtype, curvature and moment layout), and its step count must equal the store's:
+        a state dict taken at step 5 of stores now at step 25 is **refused** with a
+        ``ValueError`` (loading it would pair count 5 with the moments of step 25), nothing
+        changed. One that matches (no step since it was taken, e.g. across a restart with
+        ``resume=True``) restores the param groups (lr, betas, ... as schedulers left
+        them). To go back to an earlier point, use :meth:`checkpoint` and
+        :meth:`load_checkpoint`. Stores are found by this optimizer's ``state_dir`` (a
+        moved directory is fine).
+
+        The state dict of a checkpoint (``optimizer.pt`` from :meth:`checkpoint`) brings
+        the rows too: each snapshot store is copied into this optimizer's store.
+
+        A ``torch.optim.SparseAdam`` or geoopt state dict (no manifest): the saved
+        ``exp_avg`` / ``exp_avg_sq`` tensors and step counts are copied into the stores
+        (reduced stores: row mean of ``exp_avg_sq``, nearest bfloat16 of ``exp_avg``).
+
+        All checks run before anything is changed.
         """
         self._check_open()
         sd = dict(state_dict)
@@ -690,6 +877,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 counts.append(int(e["count"]))
             if manifest.get("checkpoint") is not None:
                 snaps = self._open_snapshots(Path(manifest["checkpoint"]), entries, params)
+            try:
+                self._check_counts(entries, params, counts, snaps)
+            except BaseException:
+                for snap in snaps:
+                    if snap is not None:
+                        dsa_core.close(snap)
+                raise
         else:
             counts = self._import_torch_state(params, ids, saved_state)
         new_state = {}
@@ -712,16 +906,25 @@ class DiskSparseAdam(torch.optim.Optimizer):
             g["curvature"] = c  # fixed by the stores (a SparseAdam checkpoint has none)
         for p, cnt, snap in zip(params, counts, snaps):
             h = self._slots[p].handle
-            if snap is not None:
-                continue  # the rows and the count came from the snapshot
-            if h.state.count != cnt and manifest is not None:
-                warnings.warn(
-                    f"store {str(h.state.path)!r} is at step {h.state.count} but the loaded "
-                    f"state dict says {cnt}: stores are not snapshots, their rows keep the "
-                    f"newer state. Copy state_dir together with each checkpoint to roll back",
-                    RuntimeWarning, stacklevel=2)
-            if h.state.count != cnt:
+            if snap is None and h.state.count != cnt:  # imported from a torch state dict
                 h.state = dsa_core.set_count(h.state, cnt)
+
+    def _check_counts(self, entries: list, params: list, counts: list, snaps: list) -> None:
+        """``ValueError`` unless every store whose rows stay has the state dict's count."""
+        for gp, (e, p, cnt, snap) in enumerate(zip(entries, params, counts, snaps)):
+            st = self._slots[p].handle.state
+            if snap is not None or st.count == cnt:
+                continue
+            where = f"parameter [{e.get('group', '?')}, {e.get('index', gp)}]"
+            raise ValueError(
+                f"DiskSparseAdam.load_state_dict: this state dict was taken at step {cnt} of "
+                f"{where} (store {e.get('name')!r}), but that store {str(st.path)!r} is at "
+                f"step {st.count}. A state dict holds no rows (m and v stay in the stores and "
+                f"kept moving), so loading it would pair step {cnt} with the moments of step "
+                f"{st.count}; nothing was changed. torch.save(opt.state_dict()) is not a "
+                "checkpoint: to go back to an earlier point, write one with "
+                "opt.checkpoint(dest) (extra={'model': model.state_dict(), ...} carries the "
+                "rest) and resume with opt.load_checkpoint(dest)")
 
     def _open_snapshots(self, root: Path, entries: list, params: list) -> list:
         """Open and check every snapshot store of a checkpoint manifest (read-only).

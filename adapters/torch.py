@@ -6,10 +6,7 @@ Three entry points:
     A drop-in for ``torch.optim.SparseAdam`` (``nn.Embedding`` / ``nn.EmbeddingBag`` with
     ``sparse=True``, parameters on CPU or CUDA): the same constructor, checks and
     semantics, plus ``state_dir`` (where m and v live) and ``curvature`` (Poincaré ball,
-    geoopt ``SparseRiemannianAdam`` semantics)::
-
-        opt = DiskSparseAdam(emb.parameters(), lr=1e-3, state_dir="runs/opt")
-        loss.backward(); opt.step(); opt.zero_grad()
+    geoopt ``SparseRiemannianAdam`` semantics).
 
 :class:`DiskEmbedding`
     An embedding (or bag) module whose weights live on disk too, for tables larger than
@@ -20,29 +17,51 @@ Three entry points:
     ``step(updates=...)``, ``shutdown()``), so the article's code runs with one changed
     import line.
 
-Checkpoints: ``opt.checkpoint(dest_dir)`` writes a consistent snapshot of every store the
-optimizer steps (``DiskEmbedding`` tables included) plus its state dict, committed by one
-atomic rename; ``opt.load_checkpoint(dest_dir)`` resumes from it. ``DiskEmbedding`` has
-``checkpoint(dest)`` / ``load_checkpoint(src)`` for its table alone.
+>>> import tempfile, torch
+>>> from adapters.torch import DiskSparseAdam
+>>> tmp = tempfile.mkdtemp()
+>>> emb = torch.nn.Embedding(1000, 8, sparse=True)
+>>> opt = DiskSparseAdam(emb.parameters(), lr=1e-3, state_dir=f"{tmp}/opt")
+>>> emb(torch.tensor([3, 7, 3])).sum().backward(); opt.step(); opt.zero_grad()
+>>> _ = opt.checkpoint(f"{tmp}/ck", extra={"model": emb.state_dict()})
+>>> opt.close()
+
+Existing state is reopened only when asked: ``DiskSparseAdam(..., resume=True)`` /
+``DiskEmbedding(..., resume=True)`` continue from the stores in ``state_dir``,
+``overwrite=True`` replaces them, and with neither an existing store is refused
+(``FileExistsError``), so a script run twice never pairs new weights with old moments
+unnoticed. The article's adapter keeps the article's behaviour (it reopens) and warns.
+
+Checkpoints: ``opt.checkpoint(dest_dir, extra={...})`` writes a consistent snapshot of
+every store the optimizer steps (``DiskEmbedding`` tables included), its state dict and the
+``extra`` state dicts (model, scheduler), committed by one atomic rename;
+``extra = opt.load_checkpoint(dest_dir)`` resumes from it. ``opt.state_dict()`` is a small
+manifest, not a checkpoint: ``load_state_dict`` refuses one whose step counts the stores
+have moved past. ``DiskEmbedding`` has ``checkpoint(dest)`` / ``load_checkpoint(src)`` for
+its table alone.
 
 ``StoreLockedError`` (from dsa_core) is raised when a second optimizer or module opens a
-store that another one is writing.
+store that another one is writing; ``StaleStateError`` when a ``dsa_core.State`` obtained
+before a step (``opt.store_for(p)``, ``emb.store``) is stepped, flushed or checkpointed
+after it.
 """
 
 from __future__ import annotations
 
-from dsa_core import StoreLockedError
+from dsa_core import StaleStateError, StoreLockedError
 
 from ._torch_article import DiskSparseRiemannianAdam
 from ._torch_embedding import DiskEmbedding, DiskWeight
-from ._torch_optim import CHECKPOINT_FILE, MANIFEST_KEY, DiskSparseAdam
+from ._torch_optim import CHECKPOINT_FILE, EXTRA_FILE, MANIFEST_KEY, DiskSparseAdam
 
 __all__ = [
     "CHECKPOINT_FILE",
+    "EXTRA_FILE",
     "MANIFEST_KEY",
     "DiskEmbedding",
     "DiskSparseAdam",
     "DiskSparseRiemannianAdam",
     "DiskWeight",
+    "StaleStateError",
     "StoreLockedError",
 ]

@@ -209,8 +209,10 @@ def test_resume_lock_scheduler_and_options(tmp_path):
         sched.step()
     sd = opt.state_dict()
     opt.shutdown()
-    resumed = DiskSparseRiemannianAdam({"emb": torch.zeros(30, 4)}, lr=0.1,  # init ignored
-                                       disk_dir=tmp_path)
+    with pytest.warns(UserWarning, match=r"reopened .* the initial values given in "
+                                         r"params\['emb'\] are ignored"):
+        resumed = DiskSparseRiemannianAdam({"emb": torch.zeros(30, 4)}, lr=0.1,
+                                           disk_dir=tmp_path)
     resumed.load_state_dict(sd)
     assert resumed.param_groups[0]["lr"] == 0.1 * 0.5 ** 4
     assert resumed.store("emb").count == 4
@@ -248,3 +250,28 @@ def test_cuda_grads(tmp_path):
         ref = dsa_core.step(ref, idx.cpu().numpy(), w.grad.cpu().numpy())
     same_store(opt.state_files["emb"], ref)
     opt.shutdown()
+
+
+def test_reopen_warns_and_an_older_state_dict_is_refused(tmp_path):
+    """The article's behaviour stays (an existing store is reopened and the given table
+    ignored), but it is said; a state dict the store has moved past is refused."""
+    init = torch.randn(30, 4)
+    opt = DiskSparseRiemannianAdam({"emb": init}, lr=0.1, disk_dir=tmp_path)
+    opt.step(updates={"emb": (torch.tensor([1, 2]), torch.ones(2, 4))})
+    sd = opt.state_dict()
+    opt.step(updates={"emb": (torch.tensor([3]), torch.ones(1, 4))})
+    w = opt.state_files["emb"]["w"].copy()
+    opt.shutdown()
+    with pytest.warns(UserWarning, match=r"DiskSparseRiemannianAdam\['emb'\]: .* already holds "
+                                         r"this table \(30 x 4 float32, trained 2 steps\); it "
+                                         r"is reopened"):
+        opt = DiskSparseRiemannianAdam({"emb": torch.zeros(30, 4)}, lr=0.1, disk_dir=tmp_path)
+    assert np.array_equal(opt.state_files["emb"]["w"], w)
+    before = digest(tmp_path)
+    with pytest.raises(ValueError, match=r"taken at step 1 of table 'emb', but its store .* "
+                                         r"is at step 2.*nothing was changed"):
+        opt.load_state_dict(sd)
+    assert opt.store("emb").count == 2
+    opt.load_state_dict(opt.state_dict())  # the state as it is loads
+    opt.shutdown()
+    assert digest(tmp_path) == before

@@ -10,6 +10,7 @@ import copy
 import hashlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -332,7 +333,7 @@ def test_two_optimizers_on_one_state_dir(tmp_path):
     opt.close()  # safe twice
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
-    DiskSparseAdam([e.weight for e in embs], state_dir=opt.state_dir).close()
+    DiskSparseAdam([e.weight for e in embs], state_dir=opt.state_dir, resume=True).close()
 
 
 def test_mismatched_store_refused_without_writing(tmp_path):
@@ -345,7 +346,7 @@ def test_mismatched_store_refused_without_writing(tmp_path):
     with pytest.raises(ValueError, match="curvature"):
         DiskSparseAdam([e.weight for e in embs], curvature=1.0, state_dir=tmp_path / "opt")
     assert digest(tmp_path / "opt") == before
-    DiskSparseAdam([e.weight for e in embs], state_dir=tmp_path / "opt").close()
+    DiskSparseAdam([e.weight for e in embs], state_dir=tmp_path / "opt", resume=True).close()
 
 
 def test_add_param_group_creates_store(tmp_path):
@@ -421,7 +422,7 @@ def test_state_dict_round_trip_is_bit_exact(tmp_path):
     ck = torch.load(ckpt, weights_only=True)
     emb = _fresh()
     emb.load_state_dict(ck["model"])
-    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "run")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "run", resume=True)
     sch = torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)
     opt.load_state_dict(ck["opt"])
     sch.load_state_dict(ck["sched"])
@@ -443,7 +444,7 @@ _RESUME_SCRIPT = textwrap.dedent("""
     from tests.test_torch_adapter import _fresh, _run
     phase, mode, d = sys.argv[1], sys.argv[2], sys.argv[3]
     emb = _fresh()
-    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=d + "/opt")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=d + "/opt", resume=True)
     if phase == "first":
         _run(opt, emb, 5, 0)
         ck = {{"model": emb.state_dict()}}
@@ -497,20 +498,52 @@ def test_load_torch_sparse_adam_checkpoint(tmp_path):
     o_dsk.close()
 
 
-def test_loading_an_older_state_dict_warns(tmp_path):
+def test_state_dict_of_an_earlier_step_is_refused(tmp_path):
+    """Issue 18 §5: torch.save(opt.state_dict()) at step 5, trained to 25, loaded: refused
+    (it holds no rows, so it would pair count 5 with the moments of step 25), nothing
+    changed, and the message names the real checkpoint."""
     emb = _fresh()
     opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path)
-    _run(opt, emb, 2, 0)
-    sd = opt.state_dict()
-    _run(opt, emb, 2, 2)
-    with pytest.warns(RuntimeWarning, match="not snapshots"):
+    sch = torch.optim.lr_scheduler.StepLR(opt, 10, 0.5)
+    for t in range(5):
+        _run(opt, emb, 1, t)
+        sch.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    for t in range(5, 25):
+        _run(opt, emb, 1, t)
+        sch.step()
+    opt.flush()
+    before = digest(tmp_path)
+    lr = opt.param_groups[0]["lr"]
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    with pytest.raises(ValueError, match=r"taken at step 5 .* is at step 25.*nothing was "
+                                         r"changed.*opt\.checkpoint\(dest\).*"
+                                         r"opt\.load_checkpoint\(dest\)") as err:
         opt.load_state_dict(sd)
-    assert opt.store_for(emb.weight).count == 2
-    bad = copy.deepcopy(sd)
+    assert "parameter [0, 0]" in str(err.value)
+    assert opt.store_for(emb.weight).count == 25 and opt.state[emb.weight]["step"] == 25
+    assert opt.param_groups[0]["lr"] == lr == 0.02 * 0.5 ** 2
+    assert digest(tmp_path) == before
+    # a state dict of the stores as they are loads (here: the param groups it carries)
+    now = opt.state_dict()
+    opt.param_groups[0]["lr"] = 1.0
+    opt.load_state_dict(now)
+    assert opt.param_groups[0]["lr"] == lr and opt.store_for(emb.weight).count == 25
+    # a layout mismatch is refused too
+    bad = copy.deepcopy(now)
     bad[MANIFEST_KEY]["params"][0]["dim"] = 13
     with pytest.raises(ValueError, match="500 x 13"):
         opt.load_state_dict(bad)
     opt.close()
+    # and a fresh optimizer (stores at step 0) refuses a state dict of step 25
+    emb2 = _fresh()
+    opt2 = DiskSparseAdam(emb2.parameters(), lr=0.02, state_dir=tmp_path / "fresh")
+    with pytest.raises(ValueError, match=r"taken at step 25 .* is at step 0"):
+        opt2.load_state_dict(now)
+    assert opt2.store_for(emb2.weight).count == 0
+    opt2.close()
 
 
 def test_pickling_refused(tmp_path):
@@ -643,8 +676,8 @@ def test_rowwise_mismatches_are_refused_without_writing(tmp_path):
         opt.load_state_dict(sd_rw)
     opt.close()
     # bad values and the ball
-    with pytest.raises(ValueError, match=r"second_moment must be 'elementwise' .* or "
-                                         r"'rowwise' \(one v per row\), got 'mean'"):
+    with pytest.raises(ValueError, match=r"^DiskSparseAdam: second_moment must be .*"
+                                         r"'elementwise'.*'rowwise'.* got 'mean'"):
         DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "x", second_moment="mean")
     with pytest.raises(ValueError, match=r"second_moment='rowwise' is for curvature == 0"):
         DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "x", curvature=1.0,
@@ -747,10 +780,12 @@ def test_bfloat16_first_moment_through_the_adapters(tmp_path):
     with pytest.raises(ValueError, match=r"keeps its first moment as 'bfloat16', but "
                                          r"first_moment='full' was asked for"):
         DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "opt", first_moment="full")
-    with pytest.raises(ValueError, match=r"first_moment='bfloat16' is for float32 tables"):
+    with pytest.raises(ValueError, match=r"DiskSparseAdam parameter \[0, 0\]: "
+                                         r"first_moment='bfloat16' is for float32 stores"):
         DiskSparseAdam([torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.float64))],
                        state_dir=tmp_path / "x", first_moment="bfloat16")
-    with pytest.raises(ValueError, match=r"first_moment must be 'full' .* got 'half'"):
+    with pytest.raises(ValueError, match=r"^DiskSparseAdam: first_moment must be .*'full'.*"
+                                         r"'bfloat16'.* got 'half'"):
         DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "x", first_moment="half")
     assert digest(tmp_path / "opt") == before and not (tmp_path / "x").exists()
     de = DiskEmbedding(20, 4, state_dir=tmp_path / "de", first_moment="bfloat16")
@@ -759,3 +794,261 @@ def test_bfloat16_first_moment_through_the_adapters(tmp_path):
                                          r"optimizer asks for first_moment='full'"):
         DiskSparseAdam(de.parameters(), first_moment="full")
     de.close()
+
+
+# -- issue 18: reopening must be asked for, stale States, checkpoint(extra=), nonfinite ------
+def test_rerun_on_an_existing_state_dir_is_refused_unless_asked(tmp_path):
+    """Issue 18 §5: a second run with the same state_dir paired fresh weights with the old m
+    and v and went on from count 20 without a word. Now it is refused (FileExistsError,
+    offering resume=True and overwrite=True, nothing touched) unless asked for."""
+    sd_dir = tmp_path / "opt"
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=sd_dir, resume=True)  # creates
+    _run(opt, emb, 20, 0)
+    m20 = opt.store_for(emb.weight).exp_avg.copy()
+    opt.close()
+    before = digest(sd_dir)
+    emb = _fresh()  # the second run of the script: freshly initialised weights
+    with pytest.raises(FileExistsError, match=r"already holds the stores of an earlier run: "
+                                              r"group0_param0 \(step 20\); nothing was "
+                                              r"changed\. Pass resume=True .* or "
+                                              r"overwrite=True"):
+        DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=sd_dir)
+    with pytest.raises(ValueError, match="resume=True and overwrite=True contradict"):
+        DiskSparseAdam(emb.parameters(), state_dir=sd_dir, resume=True, overwrite=True)
+    with pytest.raises(TypeError, match="resume must be a bool"):
+        DiskSparseAdam(emb.parameters(), state_dir=sd_dir, resume="yes")
+    assert digest(sd_dir) == before
+    # resume=True: the moments and the count carry on
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=sd_dir, resume=True)
+    st = opt.store_for(emb.weight)
+    assert st.count == 20 and opt.state[emb.weight]["step"] == 20
+    assert np.array_equal(st.exp_avg, m20)
+    opt.close()
+    # overwrite=True: new stores, step 0, zero moments
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=sd_dir, overwrite=True)
+    st = opt.store_for(emb.weight)
+    assert st.count == 0 and not st.exp_avg.any() and not st.exp_avg_sq.any()
+    assert opt.state[emb.weight] == {}
+    _run(opt, emb, 1, 0)
+    opt.close()
+
+
+def test_add_param_group_refuses_an_existing_store_unless_resumed(tmp_path):
+    a, b = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Embedding(12, 4, sparse=True)
+    DiskSparseAdam([{"params": [a.weight]}, {"params": [b.weight]}],
+                   state_dir=tmp_path).close()
+    shutil.rmtree(tmp_path / "group0_param0")
+    opt = DiskSparseAdam([a.weight], state_dir=tmp_path)  # group0_param0 is new
+    with pytest.raises(FileExistsError, match=r"group1_param0 \(step 0\)"):
+        opt.add_param_group({"params": [b.weight]})
+    assert len(opt.param_groups) == 1
+    opt.close()
+    opt = DiskSparseAdam([a.weight], state_dir=tmp_path, resume=True)
+    opt.add_param_group({"params": [b.weight]})
+    assert list(opt.stores) == ["group0_param0", "group1_param0"]
+    opt.close()
+
+
+def test_a_state_obtained_before_a_step_is_stale(tmp_path):
+    """dsa_core refuses to step, flush, checkpoint or close an outdated State; through the
+    adapter that is a State taken with store_for() (or .stores) before opt.step()."""
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "opt")
+    old = opt.store_for(emb.weight)
+    _run(opt, emb, 1, 0)
+    assert old.count == 0 and not old.current
+    for call in (lambda: dsa_core.flush(old),
+                 lambda: dsa_core.checkpoint(old, tmp_path / "ck"),
+                 lambda: dsa_core.step(old, [1], np.ones((1, 12), np.float32),
+                                       table=emb.weight.detach().numpy()),
+                 lambda: dsa_core.close(old)):
+        with pytest.raises(dsa_core.StaleStateError, match="outdated"):
+            call()
+    assert not (tmp_path / "ck").exists()
+    assert np.array_equal(old.exp_avg, opt.store_for(emb.weight).exp_avg)  # reads still work
+    new = opt.store_for(emb.weight)
+    assert new.current and new.count == 1
+    dsa_core.flush(new)
+    _run(opt, emb, 1, 1)  # the optimizer keeps the current State itself
+    assert opt.store_for(emb.weight).count == 2
+    opt.close()
+
+
+def _model_and_opt(state_dir, **kw):
+    torch.manual_seed(3)
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(300, 8, sparse=True),
+                                 "lin": torch.nn.Linear(8, 1)})
+    opt = DiskSparseAdam(model["emb"].parameters(), lr=0.05, state_dir=state_dir, **kw)
+    dense = torch.optim.Adam(model["lin"].parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+    return model, opt, dense, sched
+
+
+def _train(model, opt, dense, sched, t0, steps):
+    for t in range(t0, t0 + steps):
+        gen = torch.Generator().manual_seed(200 + t)
+        ids = torch.randint(0, 300, (32,), generator=gen)
+        y = torch.randn(32, 1, generator=gen)
+        ((model["lin"](model["emb"](ids)) - y) ** 2).mean().backward()
+        for o in (opt, dense):
+            o.step()
+            o.zero_grad()
+        sched.step()
+
+
+def test_checkpoint_extra_carries_the_model_and_scheduler(tmp_path):
+    """opt.checkpoint(dest, extra={...}) puts the model's and the schedulers' state dicts in
+    the same atomic directory; load_checkpoint returns them and the run resumes bit-exact."""
+    model, opt, dense, sched = _model_and_opt(tmp_path / "ref")
+    _train(model, opt, dense, sched, 0, 12)
+    ref_w = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_st = opt.store_for(model["emb"].weight)
+    ref_m, ref_v = ref_st.exp_avg.copy(), ref_st.exp_avg_sq.copy()
+    opt.close()
+
+    model, opt, dense, sched = _model_and_opt(tmp_path / "run")
+    _train(model, opt, dense, sched, 0, 5)
+    ck = opt.checkpoint(tmp_path / "ck", extra={"model": model.state_dict(),
+                                               "dense": dense.state_dict(),
+                                               "sched": sched.state_dict(), "epoch": 5})
+    assert sorted(p.name for p in ck.iterdir()) == ["extra.pt", "group0_param0",
+                                                    "optimizer.pt"]
+    _train(model, opt, dense, sched, 5, 4)  # trained on past the checkpoint, then lost
+    opt.close()
+    del model, opt, dense, sched
+
+    model, opt, dense, sched = _model_and_opt(tmp_path / "run", overwrite=True)
+    extra = opt.load_checkpoint(tmp_path / "ck")
+    assert sorted(extra) == ["dense", "epoch", "model", "sched"] and extra["epoch"] == 5
+    model.load_state_dict(extra["model"])
+    dense.load_state_dict(extra["dense"])
+    sched.load_state_dict(extra["sched"])
+    assert opt.store_for(model["emb"].weight).count == 5
+    _train(model, opt, dense, sched, 5, 7)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref_w[k]), k
+    st = opt.store_for(model["emb"].weight)
+    assert st.count == 12
+    assert np.array_equal(st.exp_avg, ref_m) and np.array_equal(st.exp_avg_sq, ref_v)
+    # a checkpoint without extra gives {}
+    opt.checkpoint(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "extra.pt").exists()
+    assert opt.load_checkpoint(tmp_path / "plain") == {}
+    opt.close()
+
+
+class _NotWeights:
+    """Pickles fine, but torch.load(weights_only=True) refuses it."""
+
+
+def test_checkpoint_extra_that_cannot_be_resumed_is_refused(tmp_path):
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "opt")
+    _run(opt, emb, 2, 0)
+    with pytest.raises(TypeError, match="extra must be a dict"):
+        opt.checkpoint(tmp_path / "ck", extra=[emb.state_dict()])
+    with pytest.raises(TypeError, match=r"torch\.load\(weights_only=True\) refuses.*Nothing "
+                                        r"was written"):
+        opt.checkpoint(tmp_path / "ck", extra={"obj": _NotWeights()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["opt"]  # no ck, no ck.tmp-*
+    opt.close()
+
+
+def test_a_failure_mid_checkpoint_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """An error after the stores were snapshotted (here: writing optimizer.pt) leaves no
+    dest and no temporary directory, and an older checkpoint being replaced stays whole.
+    (SIGKILL at every point of a checkpoint: tests/test_reliability.py.)"""
+    import adapters._torch_optim as topt
+
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "opt")
+    _run(opt, emb, 2, 0)
+    opt.checkpoint(tmp_path / "old", extra={"model": emb.state_dict()})
+    old = digest(tmp_path / "old")
+    _run(opt, emb, 2, 2)
+    real = topt._save_durably
+
+    def crash(obj, path):
+        if path.name == topt.CHECKPOINT_FILE:
+            assert (path.parent / "group0_param0").is_dir()  # the stores are already there
+            raise OSError(28, "No space left on device")
+        real(obj, path)
+
+    monkeypatch.setattr(topt, "_save_durably", crash)
+    for dest, kw in ((tmp_path / "new", {}), (tmp_path / "old", {"overwrite": True})):
+        with pytest.raises(OSError, match="No space left"):
+            opt.checkpoint(dest, extra={"model": emb.state_dict()}, **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "opt"]
+    assert digest(tmp_path / "old") == old
+    monkeypatch.setattr(topt, "_save_durably", real)
+    opt.checkpoint(tmp_path / "old", overwrite=True)  # the optimizer is still usable
+    assert torch.load(tmp_path / "old" / "optimizer.pt",
+                      weights_only=True)[MANIFEST_KEY]["params"][0]["count"] == 4
+    opt.close()
+
+
+def _nan_grad(n, d, rows, bad_row):
+    vals = torch.ones(len(rows), d)
+    vals[rows.index(bad_row), 1] = float("nan")
+    return torch.sparse_coo_tensor(torch.tensor([rows]), vals, (n, d), check_invariants=True)
+
+
+def test_nonfinite_policies(tmp_path):
+    n, d = 20, 4
+    w0 = torch.randn(n, d, generator=torch.Generator().manual_seed(0))
+
+    def one_step(policy, where):
+        p = torch.nn.Parameter(w0.clone())
+        kw = {} if policy is None else {"nonfinite": policy}
+        opt = DiskSparseAdam([p], lr=0.1, state_dir=tmp_path / where, **kw)
+        p.grad = _nan_grad(n, d, [2, 5, 7], 5)
+        return p, opt
+
+    # "propagate" (the default): NaN spreads into row 5, as torch.optim.SparseAdam does
+    p, opt = one_step(None, "prop")
+    ref = torch.nn.Parameter(w0.clone())
+    ref.grad = p.grad.clone()
+    torch.optim.SparseAdam([ref], lr=0.1).step()
+    opt.step()
+    assert torch.isnan(p[5]).any() and torch.allclose(p[[2, 7]], ref[[2, 7]])
+    assert opt.store_for(p).nonfinite == "propagate"
+    opt.close()
+    # "skip_row": row 5 and its moments untouched, the others stepped
+    p, opt = one_step("skip_row", "skip")
+    opt.step()
+    st = opt.store_for(p)
+    assert torch.equal(p[5], w0[5]) and not st.exp_avg[5].any() and not st.exp_avg_sq[5].any()
+    assert torch.allclose(p[[2, 7]], ref[[2, 7]]) and st.count == 1
+    opt.close()
+    assert dsa_core.open(tmp_path / "skip" / "group0_param0", mode="r").nonfinite == "skip_row"
+    # "raise": FloatingPointError before any store is written (a good gradient on the first
+    # parameter is not applied either)
+    good = torch.nn.Parameter(w0.clone())
+    bad = torch.nn.Parameter(w0.clone())
+    opt = DiskSparseAdam([good, bad], lr=0.1, state_dir=tmp_path / "raise", nonfinite="raise")
+    opt.flush()
+    before = digest(tmp_path / "raise")
+    good.grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, d), (n, d),
+                                        check_invariants=True)
+    bad.grad = _nan_grad(n, d, [2, 5, 7], 5)
+    with pytest.raises(FloatingPointError, match=r"parameter \[0, 1\] holds NaN or Inf for "
+                                                 r"row\(s\) \[5\]; nothing was written"):
+        opt.step()
+    opt.flush()
+    assert digest(tmp_path / "raise") == before
+    assert torch.equal(good, w0) and torch.equal(bad, w0)
+    assert opt.store_for(good).count == opt.store_for(bad).count == 0
+    opt.close()
+    # resumed: None keeps the store's policy, a value replaces it (recorded at the flush)
+    p = torch.nn.Parameter(w0.clone())
+    opt = DiskSparseAdam([p], state_dir=tmp_path / "skip", resume=True)
+    assert opt.store_for(p).nonfinite == "skip_row"
+    opt.close()
+    opt = DiskSparseAdam([p], state_dir=tmp_path / "skip", resume=True, nonfinite="raise")
+    assert opt.store_for(p).nonfinite == "raise"
+    opt.close()
+    assert dsa_core.open(tmp_path / "skip" / "group0_param0", mode="r").nonfinite == "raise"
+    with pytest.raises(ValueError, match=r"^DiskSparseAdam: nonfinite must be one of"):
+        DiskSparseAdam([p], state_dir=tmp_path / "x", nonfinite="ignore")
+    assert not (tmp_path / "x").exists()

@@ -12,6 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import dsa_core
+
 from adapters.torch import (
     DiskEmbedding,
     DiskSparseAdam,
@@ -216,7 +218,8 @@ def test_reopen_resumes_bit_exact(tmp_path):
     buf.seek(0)
     ck = torch.load(buf, weights_only=True)
     assert list(ck["model"]) == ["_extra_state"] and ck["model"]["_extra_state"]["count"] == 4
-    de = DiskEmbedding(60, 8, state_dir=tmp_path / "run", init="zeros")  # reopened: init unused
+    de = DiskEmbedding(60, 8, state_dir=tmp_path / "run", init="zeros",  # init unused
+                       resume=True)
     de.load_state_dict(ck["model"])
     opt = DiskSparseAdam(de.parameters(), lr=0.05)
     opt.load_state_dict(ck["opt"])
@@ -249,7 +252,7 @@ def test_locks_and_mismatched_store(tmp_path):
     de.flush()
     before = digest(tmp_path)
     with pytest.raises(StoreLockedError):
-        DiskEmbedding(40, 4, state_dir=tmp_path)
+        DiskEmbedding(40, 4, state_dir=tmp_path, resume=True)
     opt = DiskSparseAdam(de.parameters())
     with pytest.raises(StoreLockedError, match="already stepped by another DiskSparseAdam"):
         DiskSparseAdam(de.parameters())
@@ -318,3 +321,129 @@ def test_cuda_matches_embedding(tmp_path):
     close(st.exp_avg_sq, ref_state["exp_avg_sq"].cpu())
     o_de.close()
     de.close()
+
+
+# -- issue 18: reopening must be asked for, init="zeros", nonfinite, stale States ------------
+def test_rerun_on_an_existing_store_is_refused_unless_asked(tmp_path):
+    path = tmp_path / "emb"
+    de = DiskEmbedding(40, 4, state_dir=path, resume=True, seed=0)  # nothing there: creates
+    opt = DiskSparseAdam(de.parameters(), lr=0.1)
+    for _ in range(3):
+        de(torch.tensor([1, 2, 2])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    rows = de.weight_rows(torch.arange(40))
+    opt.close()
+    de.close()
+    before = digest(path)
+    with pytest.raises(FileExistsError, match=r"DiskEmbedding\(40, 4\): state_dir .* already "
+                                              r"holds a store \(40 x 4 float32, trained 3 "
+                                              r"steps\).*nothing was changed\. Pass "
+                                              r"resume=True .* or overwrite=True"):
+        DiskEmbedding(40, 4, state_dir=path)
+    with pytest.raises(ValueError, match="resume=True and overwrite=True contradict"):
+        DiskEmbedding(40, 4, state_dir=path, resume=True, overwrite=True)
+    with pytest.raises(ValueError, match=r"existing store .* holds a 40 x 4 float32 table.*"
+                                         r"overwrite=True to replace it"):
+        DiskEmbedding(41, 4, state_dir=path)  # a mismatch is named even without resume
+    assert digest(path) == before
+    de = DiskEmbedding(40, 4, state_dir=path, resume=True, init="zeros")  # init unused
+    assert de.store.count == 3 and torch.equal(de.weight_rows(torch.arange(40)), rows)
+    de.close()
+    de = DiskEmbedding(40, 4, state_dir=path, overwrite=True, init="zeros")
+    st = de.store
+    assert st.count == 0 and not st.weights.any() and not st.exp_avg.any()
+    de.close()
+
+
+def test_init_zeros_is_passed_through_to_dsa_core(tmp_path):
+    de = DiskEmbedding(30, 4, state_dir=tmp_path / "de", init="zeros", padding_idx=2)
+    core = dsa_core.create(tmp_path / "core", 30, 4, init="zeros")
+    assert np.array_equal(de.store.weights, core.weights) and not core.weights.any()
+    de.close()
+    dsa_core.close(core)
+    with pytest.raises(ValueError, match="init must be"):
+        DiskEmbedding(30, 4, state_dir=tmp_path / "bad", init="ones")
+    assert not (tmp_path / "bad" / "rows.dsa").exists()
+
+
+def test_nonfinite_is_recorded_and_kept_on_resume(tmp_path):
+    path = tmp_path / "de"
+    de = DiskEmbedding(20, 4, state_dir=path, init="uniform", seed=1, nonfinite="skip_row")
+    w0 = de.weight_rows(torch.arange(20))
+    opt = DiskSparseAdam(de.parameters(), lr=0.1)
+    out = de(torch.tensor([3, 4]))
+    (out * torch.tensor([[1.0], [float("nan")]])).sum().backward()  # row 4: NaN gradient
+    opt.step()
+    st = de.store
+    assert torch.equal(de.weight_rows([4]), w0[[4]]) and not st.exp_avg[4].any()
+    assert not torch.equal(de.weight_rows([3]), w0[[3]]) and st.count == 1
+    opt.close()
+    with pytest.raises(ValueError, match=r"DiskEmbedding whose store handles non-finite "
+                                         r"gradients with nonfinite='skip_row', but this "
+                                         r"optimizer asks for nonfinite='raise'"):
+        DiskSparseAdam(de.parameters(), nonfinite="raise")
+    de.close()
+    assert dsa_core.open(path, mode="r").nonfinite == "skip_row"
+    de = DiskEmbedding(20, 4, state_dir=path, resume=True)  # None: the store's own
+    assert de.store.nonfinite == "skip_row"
+    de.close()
+    de = DiskEmbedding(20, 4, state_dir=path, resume=True, nonfinite="raise")
+    opt = DiskSparseAdam(de.parameters(), lr=0.1, nonfinite="raise")  # may repeat it
+    (de(torch.tensor([3])) * float("inf")).sum().backward()
+    with pytest.raises(FloatingPointError, match="nothing was written"):
+        opt.step()
+    assert de.store.count == 1
+    opt.close()
+    de.close()
+    assert dsa_core.open(path, mode="r").nonfinite == "raise"
+    with pytest.raises(ValueError, match=r"^DiskEmbedding\(20, 4\): nonfinite must be one of"):
+        DiskEmbedding(20, 4, state_dir=tmp_path / "x", nonfinite="nan")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_state_read_before_a_step_is_stale(tmp_path):
+    de = DiskEmbedding(20, 4, state_dir=tmp_path / "de", seed=0)
+    opt = DiskSparseAdam(de.parameters(), lr=0.1)
+    old = de.store
+    de(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    with pytest.raises(dsa_core.StaleStateError, match="outdated"):
+        dsa_core.checkpoint(old, tmp_path / "ck")
+    with pytest.raises(dsa_core.StaleStateError):
+        dsa_core.step(old, [1], np.ones((1, 4), np.float32))
+    assert not (tmp_path / "ck").exists()
+    de.checkpoint(tmp_path / "ck")  # the module checkpoints its current State
+    assert dsa_core.open(tmp_path / "ck", mode="r").count == 1
+    opt.close()
+    de.close()
+
+
+def test_module_state_dict_of_an_earlier_step_is_refused(tmp_path):
+    model = nn.ModuleDict({"emb": DiskEmbedding(20, 4, state_dir=tmp_path / "de", seed=0),
+                           "lin": nn.Linear(4, 1)})
+    opt = DiskSparseAdam(model["emb"].parameters(), lr=0.1)
+
+    def step():
+        model["lin"](model["emb"](torch.tensor([1, 2]))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    sd = model.state_dict()
+    step()
+    step()
+    before = digest(tmp_path / "de")
+    with pytest.raises(RuntimeError, match=r"taken at step 1, but its store .* is at step 3.*"
+                                           r"Nothing was changed.*opt\.checkpoint\(dest\)"):
+        model.load_state_dict(sd)
+    assert digest(tmp_path / "de") == before and model["emb"].store.count == 3
+    model.load_state_dict(model.state_dict())  # the state as it is loads
+    # through a checkpoint: load_checkpoint first, then the model's state dict matches
+    opt.checkpoint(tmp_path / "ck", extra={"model": model.state_dict()})
+    step()
+    extra = opt.load_checkpoint(tmp_path / "ck")
+    model.load_state_dict(extra["model"])
+    assert model["emb"].store.count == 3
+    opt.close()
+    model["emb"].close()
