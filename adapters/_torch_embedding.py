@@ -386,8 +386,8 @@ class DiskEmbedding(nn.Module):
         in one step, so a crash at any moment leaves either no ``dest`` or a complete one.
         Training goes on in the live store. Resume with :meth:`load_checkpoint` (copies the
         snapshot into this table's store) or by building a ``DiskEmbedding`` with
-        ``state_dir=dest`` (training then continues *in* the snapshot). Replacing an existing
-        ``dest`` needs ``overwrite=True``.
+        ``state_dir=dest, resume=True`` (training then continues *in* the snapshot, which
+        stops being one). Replacing an existing ``dest`` needs ``overwrite=True``.
         """
         return dsa_core.checkpoint(self._handle.state, dest, overwrite=overwrite)
 
