@@ -10,7 +10,7 @@
    threads).
 3. For each mode and id distribution, evicts the store from the page cache, waits for the disk
    to be quiet, then runs the training loop in a child process inside a memory cgroup
-   (``../shared/tools/memcap`` mechanism; page cache + anonymous memory capped). Without a
+   (a cgroup v2 ``memory.max``: page cache + anonymous memory capped). Without a
    writable cgroup the store is only evicted (``posix_fadvise(DONTNEED)``) and the run is
    labelled ``cold``. The child counts the disk I/Os of its timed steps (``/proc/diskstats``,
    system-wide): reads and writes per updated row, and the disk I/Os per second they add up
@@ -346,9 +346,10 @@ def main(argv=None):
                     help="record alignment in bytes (dsa_core.create(align=...)); 0 packs")
     ap.add_argument("--second-moment", choices=("elementwise", "rowwise"),
                     default="elementwise",
-                    help="rowwise: one v per row (spec §7.3), 1,028-byte records at dim 128")
+                    help="rowwise: one v per row (docs/algorithms.md §7.3), 1,028-byte "
+                         "records at dim 128")
     ap.add_argument("--first-moment", choices=("full", "bfloat16"), default="full",
-                    help="bfloat16: m stored as bfloat16 (spec §6)")
+                    help="bfloat16: m stored as bfloat16 (docs/algorithms.md §6)")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=int, default=10)

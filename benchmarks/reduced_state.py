@@ -14,15 +14,16 @@ weights, so the runs differ only in the optimizer:
 
 - ``torch.optim.SparseAdam`` (the anchor),
 - ``dsa_core`` elementwise (SparseAdam's update: its curve must sit on the anchor's),
-- ``dsa_core`` rowwise (spec §7.3: one v per row from the mean of ``g²``),
-- ``dsa_core`` bf16m (spec §6: m stored as bfloat16 with stochastic rounding), and both.
+- ``dsa_core`` rowwise (docs/algorithms.md §7.3: one v per row from the mean of ``g²``),
+- ``dsa_core`` bf16m (docs/algorithms.md §6: m stored as bfloat16 with stochastic
+  rounding), and both.
 
 Reported: the held-out loss (fixed samples) at checkpoints and at the end, and relative to
 SparseAdam's; the final train loss (mean of the last 10% of steps); how well the hidden rows
 were recovered (RMSE of ``E - X`` over the rows seen, and over the quarter of coordinates
 with the smallest context scale, which the loss weighs least); the state bytes per row; and
 each run's weights' distance from the elementwise ones after ``--dev-steps`` steps, relative
-to how far the elementwise weights moved (the spec §6 measure used for bf16). Writes
+to how far the elementwise weights moved (the docs/algorithms.md §6 measure used for bf16). Writes
 ``benchmarks/results/reduced_state.{json,csv,png}``.
 """
 

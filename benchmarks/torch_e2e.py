@@ -22,8 +22,9 @@ relative to the child before the table was built. ``opt_p50_ms`` is the optimize
 alone (synchronised on CUDA). ``written_pages_per_step``: pages the kernel wrote back
 (``/proc/vmstat nr_written``, system-wide) per timed step -- on a quiet machine, the
 writeback that a store larger than the dirty limits causes. ``--second-moment rowwise``
-builds the DSA rows with the row-wise second moment (spec §7.3; not SparseAdam's update),
-``--first-moment bfloat16`` with m stored as bfloat16 (spec §6). With ``--device cuda`` the
+builds the DSA rows with the row-wise second moment (docs/algorithms.md §7.3; not
+SparseAdam's update), ``--first-moment bfloat16`` with m stored as bfloat16
+(docs/algorithms.md §6). With ``--device cuda`` the
 table and the ids live on the GPU (ids copied from pinned memory, as a ``pin_memory`` data
 loader does) and ``xfer_ms`` is the bare cost of the step's transfers: the coalesced
 gradient (ids + rows) to pinned host memory and the new rows back, timed alone. Writes
@@ -205,9 +206,10 @@ def main(argv=None) -> None:
                          "they fit the kernel's dirty budget), as torch's moments are pre-touched")
     ap.add_argument("--device", default="cpu", help="where the table lives: cpu or cuda")
     ap.add_argument("--second-moment", choices=("elementwise", "rowwise"),
-                    default="elementwise", help="of the DSA stores (rowwise: spec §7.3)")
+                    default="elementwise",
+                    help="of the DSA stores (rowwise: docs/algorithms.md §7.3)")
     ap.add_argument("--first-moment", choices=("full", "bfloat16"), default="full",
-                    help="of the DSA stores (bfloat16: spec §6)")
+                    help="of the DSA stores (bfloat16: docs/algorithms.md §6)")
     ap.add_argument("--name", default=None, help="results file name (default: torch_e2e...)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

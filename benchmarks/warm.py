@@ -11,8 +11,8 @@ Implementations, in one process, on the same batches and gradients:
 - ``seed-style``: the original DSA package's design -- three separate memmaps w/m/v, numpy
   fancy indexing, ``torch.unique`` + ``index_add_`` for duplicates, Adam math in torch,
 - ``dsa_core`` Euclidean and Poincaré, and Euclidean with ``second_moment="rowwise"`` (one
-  v per row, spec §7.3: not SparseAdam's update; ``benchmarks.reduced_state`` measures what
-  it costs in accuracy).
+  v per row, docs/algorithms.md §7.3: not SparseAdam's update; ``benchmarks.reduced_state``
+  measures what it costs in accuracy).
 
 Rows/s counts the batch's ids (duplicates included) per second of ``step``. Memory columns are
 this process's RssAnon / RssFile growth while the implementation was alive. Writes

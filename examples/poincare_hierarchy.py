@@ -195,7 +195,7 @@ class _Model:
             import geoopt
 
             # Stereographic(k=-1) is PoincareBall(c=1); built from a tensor of the points'
-            # dtype, so that float64 points get a float64 curvature (spec §3.6)
+            # dtype, so that float64 points get a float64 curvature (docs/algorithms.md §3.6)
             ball = geoopt.Stereographic(k=torch.tensor(-1.0, dtype=getattr(torch, cfg.dtype)))
             self.w = geoopt.ManifoldParameter(torch.tensor(init), manifold=ball)
             self.opt = geoopt.optim.SparseRiemannianAdam([self.w], lr=cfg.lr)

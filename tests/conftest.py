@@ -1,6 +1,6 @@
 """Shared fixtures for the dsa_core tests.
 
-* ``spec_batches`` / ``spec_init``: the reference-test recipe of ALGORITHMS.md §5 (Zipf-like
+* ``spec_batches`` / ``spec_init``: the reference-test recipe of docs/algorithms.md §5 (Zipf-like
   ids with forced patterns, N(0,1) float32 gradients scaled by 1e-3 at every 7th step, and the
   Euclidean / ball initialisations).
 * ``store_digest``: sha256 of every file of a store directory, to prove that a rejected call

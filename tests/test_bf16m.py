@@ -1,4 +1,4 @@
-"""``first_moment="bfloat16"`` (spec §6): m stored as bfloat16 with stochastic rounding.
+"""``first_moment="bfloat16"`` (docs/algorithms.md §6): m as bfloat16, stochastically rounded.
 
 ``test_core_kernels`` checks the kernel against the NumPy oracle bit for bit (both second
 moments, every batch shape). These tests pin the rounding itself and the store's contract.

@@ -25,13 +25,14 @@ from dsa_core import _reference as R
 
 
 class Rowwise(float):
-    """c == 0 with ``second_moment="rowwise"`` (spec §7.3): a float, so ``c == 0`` holds."""
+    """c == 0 with ``second_moment="rowwise"`` (docs/algorithms.md §7.3); a float, so
+    ``c == 0`` holds."""
 
     rowwise = True
 
 
 class Bf16(float):
-    """c == 0 with ``first_moment="bfloat16"`` (spec §6); float32 stores only."""
+    """c == 0 with ``first_moment="bfloat16"`` (docs/algorithms.md §6); float32 stores only."""
 
     bf16 = True
 
@@ -575,7 +576,8 @@ def _geoopt_run(init, batches, c, **kw):
 @pytest.mark.parametrize("geom", ["euclid", "ball1"])
 def test_nonfinite_propagate_like_the_anchors(tmp_path, geom):
     """Default mode: NaN/Inf spread exactly where torch (per coordinate) and geoopt (per row,
-    through the row reductions) spread them (spec §6); then finite steps on the same rows."""
+    through the row reductions) spread them (docs/algorithms.md §6); then finite steps on the
+    same rows."""
     c = GEOMS[geom]
     rng = np.random.default_rng(23)
     dim = 10
@@ -604,7 +606,7 @@ def test_nonfinite_propagate_like_the_anchors(tmp_path, geom):
     assert np.isnan(ours[0][bad]).any()
     good = np.setdiff1d(np.arange(N), bad)
     assert np.isfinite(ours[0][good]).all()
-    if c == 0:  # the finite values match torch as well (spec §5 float32 tolerance)
+    if c == 0:  # the finite values match torch as well (docs/algorithms.md §5 float32 tolerance)
         for a, b in zip(ours, anchor, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-6)
     else:  # geoopt: NaN fills the whole row of P and M after the step that follows

@@ -1,9 +1,9 @@
-"""dsa_core against its anchors, following the reference-test recipe of ALGORITHMS.md §5.
+"""dsa_core against its anchors, following the reference-test recipe of docs/algorithms.md §5.
 
-* ``curvature == 0`` against ``torch.optim.SparseAdam`` (spec §2.2);
+* ``curvature == 0`` against ``torch.optim.SparseAdam`` (docs/algorithms.md §2.2);
 * ``curvature > 0`` against ``geoopt.optim.SparseRiemannianAdam`` on
-  ``Stereographic(k=-c)`` (spec §3.2), comparing our (n, 1) second moment with every column
-  of geoopt's (n, d) ``exp_avg_sq``.
+  ``Stereographic(k=-c)`` (docs/algorithms.md §3.2), comparing our (n, 1) second moment with
+  every column of geoopt's (n, d) ``exp_avg_sq``.
 
 Both anchors are driven exactly as the spec says: ``p.grad = torch.sparse_coo_tensor(idx[None],
 vals, p.shape)`` (uncoalesced, duplicates included), then ``opt.step()``; the store gets the
@@ -32,7 +32,7 @@ SEEDS = (0, 1, 2)
 DIMS = (16, 10, 3)
 DTYPES = {"f32": np.float32, "f64": np.float64}
 
-# spec §5 configs: name -> (curvature, create() kwargs)
+# docs/algorithms.md §5 configs: name -> (curvature, create() kwargs)
 CONFIGS = {
     "euclid-default": (0.0, {"lr": 1e-2}),
     "euclid-lr.1-max": (0.0, {"lr": 0.1, "betas": (0.5, 0.99), "eps": 1e-6, "maximize": True}),
@@ -73,7 +73,8 @@ LOCKSTEP_TOL = {"P": {"rtol": 0, "atol": 2e-7}, "M": {"rtol": 0, "atol": 1e-6},
 
 
 def _anchor(init: np.ndarray, curvature: float, kw: dict):
-    """The anchor optimizer on a copy of ``init`` (torch SparseAdam or geoopt, spec §5)."""
+    """The anchor optimizer on a copy of ``init`` (torch SparseAdam or geoopt,
+    docs/algorithms.md §5)."""
     data = torch.from_numpy(init.copy())
     if curvature == 0:
         p = torch.nn.Parameter(data)

@@ -261,7 +261,7 @@ def test_after_warmup_no_step_compiles_anything(warmup_report):
 
 
 def test_after_warmup_readonly_grad_compiles_nothing(warmup_report):
-    """Read-only gradients (np.asarray of a jax.Array, STYLE.md §2.4) are warmed too."""
+    """Read-only gradients (np.asarray of a jax.Array is read-only) are warmed too."""
     assert warmup_report["read-only grad"] == warmup_report["warmup"]
 
 

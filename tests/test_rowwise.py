@@ -1,4 +1,4 @@
-"""``second_moment="rowwise"`` (spec §7.3): one second moment per row for c == 0.
+"""``second_moment="rowwise"`` (docs/algorithms.md §7.3): one second moment per row, c == 0.
 
 The kernel is checked against the NumPy oracle in ``test_core_kernels`` (it runs every
 geometry there); these tests pin what the option means: the same m as SparseAdam, the same
