@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     import dsa_core
     from dsa_core import _pool
     from dsa_core._coalesce import coalesce
-    from dsa_core._kernels_euclid import adam_rows_euclid
+    from dsa_core._kernels_euclid import adam_rows_euclid, euclid_hparams
     from dsa_core._step import as_index
 
     dsa_core.warmup(("float32",), readonly=False)
@@ -69,8 +69,9 @@ def main(argv=None) -> None:
                              progress=False)
         predirty(st)
         S = st.store
-        T = np.float32
-        consts = (T(1.0), T(0.1), T(0.001), T(1e-8), T(-1e-3), False)
+        hp = euclid_hparams(np.float32, lr=1e-3, betas=(0.9, 0.999), bc1=1.0, bc2=1.0,
+                            eps=1e-8, maximize=False)
+        consts = (hp, False)
         holder = [st]
 
         def full(it):
@@ -111,9 +112,9 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out = [{"part": p, "ms": ms, "rows": a.rows, "batch": a.batch, "dim": a.dim,
-            "threads": _pool.get_threads(), "access": access} for p, ms in rows]
+            "threads": _pool.get_num_threads(), "access": access} for p, ms in rows]
     print(f"warm step breakdown, {a.rows:,} x {a.dim} float32, batch {a.batch} unique ids, "
-          f"{_pool.get_threads()} threads, access={access!r}")
+          f"{_pool.get_num_threads()} threads, access={access!r}")
     print_table(out, ["part", "ms"])
     base = write_results("breakdown_smoke" if a.smoke else "breakdown", out,
                          {"machine": machine(), "args": vars(a)})

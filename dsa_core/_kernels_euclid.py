@@ -1,12 +1,15 @@
 """Numba kernel: row-wise Euclidean lazy Adam, exactly ``torch.optim.SparseAdam`` (spec §2.2).
 
-Kernels see arrays and scalars only. Preconditions, checked by the glue in ``_step``:
-``srows`` unique (so chunks running on different threads never write the same record), all
-row ids in range, ``G`` of shape ``(len(srows), dim)`` in the store dtype, scalars already
-rounded to that dtype.
+Kernels see arrays only. Preconditions, checked by the glue in ``_step``: ``srows`` unique
+(so chunks running on different threads never write the same record), all row ids in range,
+``G`` of shape ``(len(srows), dim)`` in the store dtype, and the step's scalars in ``hp``, the
+array :func:`euclid_hparams` packs (already rounded to that dtype); every kernel here reads it
+with :func:`unpack_euclid`.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit
@@ -20,10 +23,44 @@ from ._intrinsics import (
     row_is_finite,
 )
 
+# -- hyperparameters: one T array ``hp``, the same layout for every kernel of this module -----
+# indices into ``hp`` (all values already rounded to T)
+HP_A1, HP_A2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_SGN, HP_NEG_S = range(8)
+HP_SIZE = 8
+
+
+def euclid_hparams(dtype, *, lr: float, betas: tuple[float, float], bc1: float, bc2: float,
+                   eps: float, maximize: bool) -> np.ndarray:
+    """The ``hp`` array of this module's kernels for one step, each value rounded once to T.
+
+    ``bc1``, ``bc2`` are the bias corrections ``1 - beta**t``. Each value is computed in float64
+    and rounded once, when stored: the elementwise kernels take SparseAdam's step size with both
+    corrections folded in, ``neg_s = -(lr * sqrt(bc2)) / bc1`` (torch's order of operations);
+    the row-wise ones divide by ``bc1`` and ``sqrt(v / bc2)`` themselves.
+    """
+    b1, b2 = betas
+    hp = np.empty(HP_SIZE, dtype)
+    hp[HP_A1] = 1.0 - b1
+    hp[HP_A2] = 1.0 - b2
+    hp[HP_BC1] = bc1
+    hp[HP_BC2] = bc2
+    hp[HP_EPS] = eps
+    hp[HP_NEG_LR] = -lr
+    hp[HP_SGN] = -1.0 if maximize else 1.0  # exact in T: maximize negates g, bit for bit
+    hp[HP_NEG_S] = -((lr * math.sqrt(bc2)) / bc1)
+    return hp
+
+
+@njit(inline="always")
+def unpack_euclid(hp):
+    """``hp`` as named T scalars: a1 = 1-b1, a2 = 1-b2, bc1, bc2, eps, neg_lr = -lr, sgn,
+    neg_s (see :func:`euclid_hparams`). Unused ones cost nothing: LLVM drops their loads."""
+    return (hp[HP_A1], hp[HP_A2], hp[HP_BC1], hp[HP_BC2], hp[HP_EPS], hp[HP_NEG_LR],
+            hp[HP_SGN], hp[HP_NEG_S])
+
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, neg_s,
-                     skip_nonfinite, lo, hi):
+def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, lo, hi):
     """Update rows ``srows`` of the state ``S`` and rows ``wrows`` of the weights ``W``.
 
     Per coordinate, in storage dtype T (spec §2.2)::
@@ -37,6 +74,7 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
     (``weights=False`` stores: ``W`` holds the caller's rows). Runs rows ``lo:hi`` of the
     batch serially with the GIL released; ``_pool.run_chunked`` spreads chunks over threads.
     """
+    a1, a2, _, _, eps, _, sgn, neg_s = unpack_euclid(hp)
     n = srows.shape[0]
     d = G.shape[1]
     for i in range(lo, hi):
@@ -64,24 +102,12 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, sgn, a1, a2, eps, 
             w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
 
 
-# indices into the row-wise kernel's hyperparameter array ``hp`` (values already in T)
-RW_A1, RW_A2, RW_BC1, RW_BC2, RW_EPS, RW_NEG_LR, RW_SGN = range(7)
-RW_SIZE = 7
-
-
-@njit(inline="always")
-def rw_params(hp):
-    """The row-wise layout of ``hp``: 1-b1, 1-b2, bc1, bc2, eps, -lr, sign (T values)."""
-    return (hp[RW_A1], hp[RW_A2], hp[RW_BC1], hp[RW_BC2], hp[RW_EPS], hp[RW_NEG_LR],
-            hp[RW_SGN])
-
-
 @njit(cache=True, nogil=True, error_model="numpy")
 def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite,
                              lo, hi):
     """Partial row-wise Adam (spec §7.3, FBGEMM ``PARTIAL_ROWWISE_ADAM``): one v per row.
 
-    Per row, in storage dtype T (``hp`` holds 1-b1, 1-b2, bc1, bc2, eps, -lr, sign)::
+    Per row, in storage dtype T::
 
         g  = sgn * G
         dm = (g - m) * a1 ;  m' = m + dm           # per coordinate: SparseAdam's m, bit for bit
@@ -93,7 +119,7 @@ def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_n
     The mean (not the sum) keeps lr meaning what it means for elementwise Adam. Same
     preconditions as :func:`adam_rows_euclid` (unique ``srows``, ids in range).
     """
-    a1, a2, bc1, bc2, eps, neg_lr, sgn = rw_params(hp)
+    a1, a2, bc1, bc2, eps, neg_lr, sgn, _ = unpack_euclid(hp)
     T = hp.dtype.type
     n = srows.shape[0]
     d = G.shape[1]
@@ -119,9 +145,6 @@ def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_n
 
 
 # -- bfloat16 first moment (spec §6: bf16 m with stochastic rounding, v in float32) ----------
-BF_NEG_S = 7  # hp index of -lr*sqrt(bc2)/bc1 (the elementwise step); 0..6 as RW_*
-BF_SIZE = 8
-
 _U16 = np.uint64(16)
 _U32 = np.uint64(32)
 _EXP = np.uint64(0x7F800000)
@@ -171,8 +194,7 @@ def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, r
     (``rowwise=True``) with that m, the weight updated with the unrounded new m, and the new m
     stored as ``bf16_from_f32(m', sr_bits(t, row, d, j))``.
     """
-    a1, a2, bc1, bc2, eps, neg_lr, sgn = rw_params(hp)
-    neg_s = hp[BF_NEG_S]
+    a1, a2, bc1, bc2, eps, neg_lr, sgn, neg_s = unpack_euclid(hp)
     T = hp.dtype.type
     n = srows.shape[0]
     d = G.shape[1]

@@ -7,8 +7,13 @@ near the boundary than a float32 running sum), by ``dot64``: in SIMD lanes for f
 sequentially (the reference's order) for float64 rows.
 
 Preconditions (checked by the glue): ``srows`` unique, ids in range, ``G`` of shape
-``(len(srows), dim)`` in T, ``Y`` a scratch array of the same shape, ``hp`` a T array of
-the scalars listed in ``adam_rows_poincare``.
+``(len(srows), dim)`` in T, ``Y`` a scratch array of the same shape, ``hp`` the T array
+:func:`poincare_hparams` packs.
+
+The steps carry geoopt's names (``geoopt.manifolds.stereographic.math``): :func:`lambda_x`,
+:func:`project`, :func:`gyration`. They are small helpers that numba inlines into the kernel
+(``inline="always"``: no call, the same operations in the same order as one loop nest), so
+the kernel reads as the algorithm at no cost in speed or bits.
 """
 
 from __future__ import annotations
@@ -18,9 +23,88 @@ from numba import njit
 
 from ._intrinsics import PREFETCH_ROWS, dot64, prefetch_record, row_is_finite
 
-# indices into the hyperparameter array ``hp`` (all values already rounded to T)
+# -- hyperparameters: one T array ``hp`` ------------------------------------------------------
+# indices into ``hp`` (all values already rounded to T)
 HP_K, HP_A1, HP_B1, HP_A2, HP_B2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_MAXNORM, HP_SGN = range(11)
 HP_SIZE = 11
+
+
+def poincare_hparams(dtype, *, curvature: float, lr: float, betas: tuple[float, float],
+                     bc1: float, bc2: float, eps: float, maxnorm: float,
+                     maximize: bool) -> np.ndarray:
+    """The ``hp`` array of :func:`adam_rows_poincare` for one step, each value rounded once to T.
+
+    ``k = -curvature`` is geoopt's ``Stereographic(k)`` (the ball has ``k < 0``); ``bc1``,
+    ``bc2`` are the bias corrections ``1 - beta**t``; ``maxnorm`` the projection radius,
+    already computed in T (``_state.maxnorm``), so storing it is exact.
+    """
+    b1, b2 = betas
+    hp = np.empty(HP_SIZE, dtype)
+    hp[HP_K] = -curvature
+    hp[HP_A1] = 1.0 - b1
+    hp[HP_B1] = b1
+    hp[HP_A2] = 1.0 - b2
+    hp[HP_B2] = b2
+    hp[HP_BC1] = bc1
+    hp[HP_BC2] = bc2
+    hp[HP_EPS] = eps
+    hp[HP_NEG_LR] = -lr
+    hp[HP_MAXNORM] = maxnorm
+    hp[HP_SGN] = -1.0 if maximize else 1.0  # exact in T: maximize negates g, bit for bit
+    return hp
+
+
+@njit(inline="always")
+def unpack_poincare(hp):
+    """``hp`` as named T scalars: k, a1 = 1-b1, b1, a2 = 1-b2, b2, bc1, bc2, eps,
+    neg_lr = -lr, maxnorm, sgn (see :func:`poincare_hparams`)."""
+    return (hp[HP_K], hp[HP_A1], hp[HP_B1], hp[HP_A2], hp[HP_B2], hp[HP_BC1], hp[HP_BC2],
+            hp[HP_EPS], hp[HP_NEG_LR], hp[HP_MAXNORM], hp[HP_SGN])
+
+
+# -- the ball's operations, named as in geoopt (scalars in T, sums through dot64) ------------
+@njit(inline="always")
+def lambda_x(xx, k):
+    """The conformal factor ``2 / (1 + k<x,x>)`` at a point x, given ``xx = <x,x>`` in T
+    (geoopt's ``lambda_x``, clamped below at 1e-15 as there). Taking ``<x,x>`` rather than x
+    lets the kernel reuse the norms it needs anyway, at x and at the new point."""
+    T = type(xx)
+    return T(2.0) / max(T(1.0) + k * xx, T(1e-15))
+
+
+@njit(inline="always")
+def project(y_, yy, maxnorm):
+    """geoopt's ``project``: the row ``y_`` onto the ball of radius ``maxnorm``, in place.
+
+    ``yy`` is ``<y,y>`` as ``dot64`` returns it. Returns whether ``y_`` was rescaled: a row
+    inside the ball is unchanged, and so is ``<y,y>``, so the caller sums it again only then.
+    The sums stay with the caller: with them in here, numba kept an incref/decref of the row
+    per call (its refcount pruning did not remove them; float64 ``dot64`` is a call that can
+    raise) and the float32 kernel measured ~3% slower.
+    """
+    T = y_.dtype.type
+    nrm = max(np.sqrt(T(yy)), T(1e-15))
+    moved = nrm > maxnorm
+    if moved:
+        for j in range(y_.shape[0]):
+            y_[j] = (y_[j] / nrm) * maxnorm
+    return moved
+
+
+@njit(inline="always")
+def gyration(uu, uv, uw, vv, vw, k):
+    """geoopt's ``gyration`` ``gyr[u,v]w = w + 2 (a u + b v) / d``, as its row scalars.
+
+    Takes the inner products ``<u,u>, <u,v>, <u,w>, <v,v>, <v,w>`` (T) and returns
+    ``(a, b, d)`` with geoopt's expressions and clamp; the caller applies them per coordinate,
+    fused with whatever else it does to the row (the transport's rescaling, here).
+    """
+    T = type(k)
+    K2 = k * k
+    a = (((-K2) * uw) * vv - k * vw) + ((T(2.0) * K2) * uv) * vw
+    b = ((-K2) * vw) * uu + k * uw
+    d = max((T(1.0) - (T(2.0) * k) * uv) + (K2 * uu) * vv, T(1e-15))
+    return a, b, d
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -29,7 +113,7 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
 
     Per row x with coalesced gradient g, first moment m (vector), second moment v (scalar)::
 
-        L = 2 / max(1 + k<x,x>, 1e-15);  rg = g / L^2
+        L = lambda_x(x);  rg = g / L^2                       # egrad2rgrad
         m = m*b1 + a1*rg;  v = v*b2 + a2*(L^2 <rg,rg>)
         u = -lr * (m / bc1) / (sqrt(v / bc2) + eps)
         y = project(x + u);       m <- gyr[y, -x] m * L(x) / L(y)
@@ -37,22 +121,9 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
     ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign (T values).
     Runs rows ``lo:hi`` of the batch; ``_pool.run_chunked`` spreads chunks over threads.
     """
-    k = hp[HP_K]
-    a1 = hp[HP_A1]
-    b1 = hp[HP_B1]
-    a2 = hp[HP_A2]
-    b2 = hp[HP_B2]
-    bc1 = hp[HP_BC1]
-    bc2 = hp[HP_BC2]
-    eps = hp[HP_EPS]
-    neg_lr = hp[HP_NEG_LR]
-    maxnorm = hp[HP_MAXNORM]
-    sgn = hp[HP_SGN]
+    k, a1, b1, a2, b2, bc1, bc2, eps, neg_lr, maxnorm, sgn = unpack_poincare(hp)
     T = hp.dtype.type
-    one = T(1.0)
     two = T(2.0)
-    tiny = T(1e-15)
-    K2 = k * k
     n = srows.shape[0]
     d = G.shape[1]
     for i in range(lo, hi):
@@ -66,11 +137,10 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         m_ = rec[moff:moff + d]
         x_ = W[wrows[i]][woff:woff + d]
         y_ = Y[i]
-        # conformal factor at x
         xx = T(dot64(x_, x_))
-        lam_x = two / max(one + k * xx, tiny)
+        lam_x = lambda_x(xx, k)
         l2 = lam_x * lam_x
-        # Riemannian gradient (kept in y_ for the norm), first moment
+        # egrad2rgrad (kept in y_ for the norm), fused with the first moment
         for j in range(d):
             rg = (g_[j] * sgn) / l2
             m_[j] = m_[j] * b1 + a1 * rg
@@ -83,26 +153,15 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         # Euclidean step, u = -lr * m_hat / den
         for j in range(d):
             y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
-        # projection onto the ball of radius maxnorm
         acc_yy = dot64(y_, y_)
-        nrm = max(np.sqrt(T(acc_yy)), tiny)
-        if nrm > maxnorm:
-            for j in range(d):
-                y_[j] = (y_[j] / nrm) * maxnorm
-            acc_yy = dot64(y_, y_)  # else y is unchanged and so is <y,y>: one pass saved
-        # parallel transport of the new m from x to y: gyr[y, -x] m * L(x) / L(y)
-        acc_xy = dot64(x_, y_)
-        acc_ym = dot64(y_, m_)
-        acc_xm = dot64(x_, m_)
-        a2n = T(acc_yy)     # <a,a>, a = y
-        ab = -T(acc_xy)     # <a,b>, b = -x
-        aw = T(acc_ym)      # <a,w>, w = m
-        bw = -T(acc_xm)     # <b,w>
-        b2n = xx            # <b,b>
-        ga = (((-K2) * aw) * b2n - k * bw) + ((two * K2) * ab) * bw
-        gb = ((-K2) * bw) * a2n + k * aw
-        gd = max((one - (two * k) * ab) + (K2 * a2n) * b2n, tiny)
-        lam_y = two / max(one + k * a2n, tiny)
+        if project(y_, acc_yy, maxnorm):
+            acc_yy = dot64(y_, y_)  # else y, and so <y,y>, is unchanged: one pass saved
+        yy = T(acc_yy)
+        # parallel transport of the new m from x to y (geoopt transp):
+        # gyr[y, -x] m * L(x) / L(y), with u = y, v = -x, w = m
+        ga, gb, gd = gyration(yy, -T(dot64(x_, y_)), T(dot64(y_, m_)), xx,
+                              -T(dot64(x_, m_)), k)
+        lam_y = lambda_x(yy, k)
         for j in range(d):
             y = y_[j]
             gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd

@@ -7,7 +7,6 @@ mapped rows, so a rejected call leaves the store byte-identical.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -15,13 +14,12 @@ import numpy as np
 from . import _layout, _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._kernels_euclid import (
-    BF_SIZE,
-    RW_SIZE,
     adam_rows_euclid,
     adam_rows_euclid_bf16m,
     adam_rows_euclid_rowwise,
+    euclid_hparams,
 )
-from ._kernels_poincare import HP_SIZE, adam_rows_poincare
+from ._kernels_poincare import adam_rows_poincare, poincare_hparams
 from ._state import State, _manifest, maxnorm, require_current
 from .validation import check_lr
 
@@ -229,7 +227,6 @@ def _min_chunk(dim: int) -> int:
 
 def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -> None:
     st = state.store
-    T = st.dtype.type
     if st.w_off is not None:
         W, wrows, woff = st.data, srows, st.w_off
     elif table is not None:  # the caller's whole table: its rows srows, in place
@@ -243,40 +240,35 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
             W = params[first]
         wrows, woff = np.arange(srows.shape[0], dtype=np.int64), 0
     b1, b2 = state.betas
-    bc1 = 1.0 - b1**t
+    bc1 = 1.0 - b1**t  # one global step t for every row
     bc2 = 1.0 - b2**t
-    sgn = T(-1.0 if state.maximize else 1.0)
     skip = state.nonfinite == "skip_row"
-    if st.m_bf16:  # first_moment="bfloat16" (spec §6), either second moment
-        s = (lr * math.sqrt(bc2)) / bc1
-        hp = np.empty(BF_SIZE, st.dtype)
-        hp[:] = (1.0 - b1, 1.0 - b2, bc1, bc2, state.eps, -lr, sgn, -s)
-        m16 = st.data.view(np.uint16)  # the records as uint16: m at twice its float32 offset
-        _pool.run_chunked(adam_rows_euclid_bf16m,
-                          (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off, G, hp,
-                           st.rowwise, t, skip),
-                          srows.shape[0], _min_chunk(st.dim))
-    elif st.rowwise:  # second_moment="rowwise" (spec §7.3)
-        hp = np.empty(RW_SIZE, st.dtype)
-        hp[:] = (1.0 - b1, 1.0 - b2, bc1, bc2, state.eps, -lr, sgn)
-        _pool.run_chunked(adam_rows_euclid_rowwise,
-                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp, skip),
-                          srows.shape[0], _min_chunk(st.dim))
-    elif st.curvature == 0.0:
-        s = (lr * math.sqrt(bc2)) / bc1
-        _pool.run_chunked(adam_rows_euclid,
-                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, sgn,
-                           T(1.0 - b1), T(1.0 - b2), T(state.eps), T(-s), skip),
-                          srows.shape[0], _min_chunk(st.dim))
-    else:
-        hp = np.empty(HP_SIZE, st.dtype)
-        hp[:] = (-st.curvature, 1.0 - b1, b1, 1.0 - b2, b2, bc1, bc2, state.eps, -lr, 0.0,
-                 sgn)
-        hp[9] = maxnorm(st.curvature, state.ball_eps, st.dtype)
+    n, chunk = srows.shape[0], _min_chunk(st.dim)
+    if st.curvature == 0.0:
+        hp = euclid_hparams(st.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
+                            eps=state.eps, maximize=state.maximize)
+        if st.m_bf16:  # first_moment="bfloat16" (spec §6), either second moment
+            m16 = st.data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
+            _pool.run_chunked(adam_rows_euclid_bf16m,
+                              (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off, G,
+                               hp, st.rowwise, t, skip), n, chunk)
+        elif st.rowwise:  # second_moment="rowwise" (spec §7.3)
+            _pool.run_chunked(adam_rows_euclid_rowwise,
+                              (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp, skip),
+                              n, chunk)
+        else:
+            _pool.run_chunked(adam_rows_euclid,
+                              (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp, skip),
+                              n, chunk)
+    else:  # the ball (create refuses rowwise and bfloat16 m here)
+        hp = poincare_hparams(st.dtype, curvature=st.curvature, lr=lr, betas=state.betas,
+                              bc1=bc1, bc2=bc2, eps=state.eps,
+                              maxnorm=maxnorm(st.curvature, state.ball_eps, st.dtype),
+                              maximize=state.maximize)
         Y = _scratch(st, "poincare_y", G.size).reshape(G.shape)
         _pool.run_chunked(adam_rows_poincare,
                           (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip),
-                          srows.shape[0], _min_chunk(st.dim))
+                          n, chunk)
     if st.w_off is None and table is None:
         if inv is None:
             if W is not params:
@@ -315,22 +307,22 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
     rows = np.arange(2, dtype=np.int64)
     for dt in dtypes:
         dt = np.dtype(dt)
-        T = dt.type
         data = np.zeros((2, 6), dt)
+        hp = euclid_hparams(dt, lr=1e-3, betas=(0.9, 0.999), bc1=0.1, bc2=1e-3, eps=1e-8,
+                            maximize=False)
+        php = poincare_hparams(dt, curvature=1.0, lr=1e-3, betas=(0.9, 0.999), bc1=0.1,
+                               bc2=1e-3, eps=1e-8, maxnorm=dt.type(0.99), maximize=False)
         for writeable in (True, False) if readonly else (True,):
             G = np.zeros((2, 2), dt)
             G3 = np.zeros((3, 2), dt)  # three rows, one duplicate id: the coalescing path
             G.flags.writeable = G3.flags.writeable = writeable
-            adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, T(1), T(0.1), T(0.001),
-                             T(1e-8), T(-1e-3), False, 0, 2)
-            adam_rows_euclid_rowwise(data, rows, 0, data, rows, 2, 4, G, np.zeros(RW_SIZE, dt),
-                                     False, 0, 2)
+            adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, hp, False, 0, 2)
+            adam_rows_euclid_rowwise(data, rows, 0, data, rows, 2, 4, G, hp, False, 0, 2)
             if dt == np.float32:
                 for rw in (False, True):
                     adam_rows_euclid_bf16m(data, rows, 0, data, data.view(np.uint16), rows, 4,
-                                           4, G, np.zeros(BF_SIZE, dt), rw, 1, False, 0, 2)
-            hp = np.zeros(HP_SIZE, dt)
-            adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), hp,
+                                           4, G, hp, rw, 1, False, 0, 2)
+            adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), php,
                                False, 0, 2)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
         gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
