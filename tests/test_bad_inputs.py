@@ -283,7 +283,7 @@ CASES = [
      r"DiskEmbedding has dtype torch\.float16"),
     ("emb-existing-other-shape", _embedding("de-closed", num_embeddings=31), ValueError,
      r"DiskEmbedding\(31, 4\): the existing store .* holds a 30 x 4 float32 table"),
-    ("emb-second-writer", lambda e: DiskEmbedding(30, 4, state_dir=e.root / "de"),
+    ("emb-second-writer", lambda e: DiskEmbedding(30, 4, state_dir=e.root / "de", resume=True),
      dsa_core.StoreLockedError, r"already open for writing"),
     ("emb-foreign-store", lambda e: DiskEmbedding(30, 4, state_dir=e.root / "foreign"),
      ValueError, r"is not a DSA manifest: format is 'parquet'"),
@@ -444,7 +444,7 @@ def test_read_only_directory(tmp_path):
         with pytest.raises(OSError, match=erofs):
             dsa_core.create(ro / "new", 10, 4)
         with pytest.raises(OSError, match=erofs):
-            DiskEmbedding(30, 4, state_dir=ro / "de")
+            DiskEmbedding(30, 4, state_dir=ro / "de", resume=True)
         with pytest.raises(OSError, match=erofs):
             DiskSparseAdam([torch.nn.Parameter(torch.zeros(20, 4))], state_dir=ro / "opt")
         reader = dsa_core.open(ro / "core", mode="r")

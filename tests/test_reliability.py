@@ -496,8 +496,7 @@ def test_flush_voids_a_stale_journal(tmp_path):
     other.state = dsa_core.step(other.state, *cw.batch(40))
     other.state = dsa_core.step(other.state, *cw.batch(41))
     s.store.data[:] = other.state.store.data  # restore another run's rows at count 2
-    s = s._replace(count=2)
-    dsa_core.flush(s)
+    s = dsa_core.set_count(s, 2)  # flushes
     dsa_core.close(s)
     again = dsa_core.open(p)
     kept = other.torn_rows(again.store.data)
@@ -569,12 +568,12 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     torch = pytest.importorskip("torch")
     from adapters.torch import DiskEmbedding, DiskSparseAdam
 
-    def build(state_dir, emb_dir):
+    def build(state_dir, emb_dir, resume=False):
         torch.manual_seed(0)
         emb = torch.nn.Embedding(400, 8, sparse=True)
-        de = DiskEmbedding(300, 8, state_dir=emb_dir, init="normal", seed=1)
+        de = DiskEmbedding(300, 8, state_dir=emb_dir, init="normal", seed=1, resume=resume)
         opt = DiskSparseAdam([{"params": [emb.weight]}, {"params": [de.weight], "lr": 0.03}],
-                             lr=0.02, state_dir=state_dir)
+                             lr=0.02, state_dir=state_dir, resume=resume)
         return emb, de, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
 
     def run(emb, de, opt, sched, t0, steps):
@@ -622,7 +621,7 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     de2.close()
 
     # resume by training *in* the checkpoint: an optimizer built with state_dir=checkpoint
-    emb3, de3, opt3, sched3 = build(moved, Path(moved) / "group1_param0")
+    emb3, de3, opt3, sched3 = build(moved, Path(moved) / "group1_param0", resume=True)
     with torch.no_grad():
         emb3.weight.copy_(weights_at_7)
     opt3.load_checkpoint(moved)  # its stores are the snapshots themselves: nothing copied
@@ -689,7 +688,7 @@ def test_disk_embedding_checkpoint(tmp_path):
     # or a table opened on the checkpoint itself
     opt2.close()
     de2.close()
-    de3 = DiskEmbedding(200, 6, state_dir=tmp_path / "ck")
+    de3 = DiskEmbedding(200, 6, state_dir=tmp_path / "ck", resume=True)
     opt3 = DiskSparseAdam(de3.parameters(), lr=0.05)
     assert de3.store.count == 5
     _torch_run(de3, opt3, 4, 6)
