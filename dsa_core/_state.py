@@ -759,7 +759,3 @@ def remove(path) -> None:
     st = Store.open_file(directory, manifest["layout"], "r+")
     st.close()
     shutil.rmtree(directory)
-
-
-def restore_rows(live: State, snap: State) -> State:  # TEMPORARY: until the adapters move
-    return restore(live, snap)

@@ -1,8 +1,9 @@
 """``step`` and ``gather``: validate and canonicalise, then hand arrays to a kernel.
 
-All policy lives here (coalescing, bias correction, dtype rounding of scalars, threads);
-the kernels see arrays and scalars only. Every check runs before any kernel touches the
-mapped rows, so a rejected call leaves the store byte-identical.
+All policy lives here (coalescing, bias correction, which kernel, threads); the kernels see
+arrays only, their hyperparameters packed into one array by the ``*_hparams`` function that
+sits beside each kernel. Every check runs before any kernel touches the mapped rows, so a
+rejected call leaves the store byte-identical.
 """
 
 from __future__ import annotations
