@@ -560,7 +560,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
             if lo < 0 or hi >= p.shape[0]:
                 raise IndexError(f"the gradient of {where} has row ids {lo}..{hi}; they must "
                                  f"lie in [0, {p.shape[0]})")
-        c = g.coalesce()  # torch's own duplicate sums: bit-identical inputs (spec §1.1)
+        # torch's own duplicate sums: bit-identical inputs (docs/algorithms.md §1.1)
+        c = g.coalesce()
         idx = c._indices()[0]
         vals = c._values()
         dev = [idx, vals]

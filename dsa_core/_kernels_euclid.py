@@ -1,4 +1,4 @@
-"""Numba kernel: row-wise Euclidean lazy Adam, exactly ``torch.optim.SparseAdam`` (spec §2.2).
+"""Numba kernels: row-wise Euclidean lazy Adam = SparseAdam (docs/algorithms.md §2.2).
 
 Kernels see arrays only. Preconditions, checked by the glue in ``_step``: ``srows`` unique
 (so chunks running on different threads never write the same record), all row ids in range,
@@ -63,7 +63,7 @@ def unpack_euclid(hp):
 def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, lo, hi):
     """Update rows ``srows`` of the state ``S`` and rows ``wrows`` of the weights ``W``.
 
-    Per coordinate, in storage dtype T (spec §2.2)::
+    Per coordinate, in storage dtype T (docs/algorithms.md §2.2)::
 
         g  = sgn * G                       # sgn = -1 for maximize (exact)
         dm = (g - m) * a1 ;  dv = (g*g - v) * a2
@@ -105,7 +105,9 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite
 @njit(cache=True, nogil=True, error_model="numpy")
 def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite,
                              lo, hi):
-    """Partial row-wise Adam (spec §7.3, FBGEMM ``PARTIAL_ROWWISE_ADAM``): one v per row.
+    """Partial row-wise Adam (docs/algorithms.md §7.3, FBGEMM ``PARTIAL_ROWWISE_ADAM``).
+
+    One v per row.
 
     Per row, in storage dtype T::
 
@@ -144,7 +146,7 @@ def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_n
             w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
 
 
-# -- bfloat16 first moment (spec §6: bf16 m with stochastic rounding, v in float32) ----------
+# -- bfloat16 first moment (docs/algorithms.md §6: stochastically rounded m, v in float32) --
 _U16 = np.uint64(16)
 _U32 = np.uint64(32)
 _EXP = np.uint64(0x7F800000)

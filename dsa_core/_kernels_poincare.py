@@ -1,8 +1,8 @@
-"""Numba kernel: row-wise Riemannian Adam on the Poincaré ball (spec §3, geoopt parity).
+"""Numba kernel: Riemannian Adam on the Poincaré ball, geoopt parity (docs/algorithms.md §3).
 
 The ball of curvature ``-c`` is geoopt's ``Stereographic(k)`` with ``k = -c``. All vector
 operations run in the storage dtype T; the row reductions (inner products, norms) are
-accumulated in float64 and rounded once to T (spec §6 allows this; it is more robust
+accumulated in float64 and rounded once to T (docs/algorithms.md §6 allows this; it is more robust
 near the boundary than a float32 running sum), by ``dot64``: in SIMD lanes for float32 rows,
 sequentially (the reference's order) for float64 rows.
 
@@ -109,7 +109,7 @@ def gyration(uu, uv, uw, vv, vw, k):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite, lo, hi):
-    """One Riemannian Adam step for each row in ``srows`` (spec §3.2).
+    """One Riemannian Adam step for each row in ``srows`` (docs/algorithms.md §3.2).
 
     Per row x with coalesced gradient g, first moment m (vector), second moment v (scalar)::
 
@@ -149,8 +149,8 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
         v = rec[voff] * b2 + a2 * w
         rec[voff] = v
         den = np.sqrt(v / bc2) + eps
-        # retraction (geoopt Stereographic.retr, spec §3.1): y = project(x + u), a plain
-        # Euclidean step, u = -lr * m_hat / den
+        # retraction (geoopt Stereographic.retr, docs/algorithms.md §3.1): y = project(x + u),
+        # a plain Euclidean step, u = -lr * m_hat / den
         for j in range(d):
             y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
         acc_yy = dot64(y_, y_)

@@ -248,12 +248,12 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
     if st.curvature == 0.0:
         hp = euclid_hparams(st.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
                             eps=state.eps, maximize=state.maximize)
-        if st.m_bf16:  # first_moment="bfloat16" (spec §6), either second moment
+        if st.m_bf16:  # first_moment="bfloat16" (docs/algorithms.md §6), either second moment
             m16 = st.data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
             _pool.run_chunked(adam_rows_euclid_bf16m,
                               (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off, G,
                                hp, st.rowwise, t, skip), n, chunk)
-        elif st.rowwise:  # second_moment="rowwise" (spec §7.3)
+        elif st.rowwise:  # second_moment="rowwise" (docs/algorithms.md §7.3)
             _pool.run_chunked(adam_rows_euclid_rowwise,
                               (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp, skip),
                               n, chunk)
