@@ -168,7 +168,7 @@ def _ball_init(n, d, c, gen):
     x = torch.randn(n, d, generator=gen)
     x = x / x.norm(dim=1, keepdim=True)
     r = torch.rand(n, 1, generator=gen) * 0.9  # rows at the boundary (c|x|^2 -> 1) would
-    return x * r / c ** 0.5                    # need looser tolerances (spec §6)
+    return x * r / c ** 0.5                    # need looser tolerances (docs/algorithms.md §6)
 
 
 @pytest.mark.parametrize(("manifold", "c", "explicit"), [("ball", 1.0, False),
