@@ -371,26 +371,18 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     sm = self._second_moment
                     if sm is not None:
                         validation.check_second_moment(sm, c, what=f"DiskSparseAdam {where}")
-                    if sm is not None and h.state.second_moment != store_second_moment(sm, c):
-                        raise ValueError(
-                            f"{where} is a DiskEmbedding whose store keeps a "
-                            f"{h.state.second_moment} second moment, but this optimizer asks "
-                            f"for second_moment={sm!r}; set it on the embedding "
-                            "(DiskEmbedding(second_moment=...)) and leave it out here")
-                    fm = self._first_moment
-                    if fm is not None and h.state.first_moment != fm:
-                        raise ValueError(
-                            f"{where} is a DiskEmbedding whose store keeps m as "
-                            f"{h.state.first_moment!r}, but this optimizer asks for "
-                            f"first_moment={fm!r}; set it on the embedding "
-                            "(DiskEmbedding(first_moment=...)) and leave it out here")
-                    nf = self._nonfinite
-                    if nf is not None and h.state.nonfinite != nf:
-                        raise ValueError(
-                            f"{where} is a DiskEmbedding whose store handles non-finite "
-                            f"gradients with nonfinite={h.state.nonfinite!r}, but this "
-                            f"optimizer asks for nonfinite={nf!r}; set it on the embedding "
-                            "(DiskEmbedding(nonfinite=...)) and leave it out here")
+                    fm, nf, st = self._first_moment, self._nonfinite, h.state
+                    for name, asked, want, kept in (
+                            ("second_moment", sm, sm and store_second_moment(sm, c),
+                             f"keeps a {st.second_moment} second moment"),
+                            ("first_moment", fm, fm, f"keeps m as {st.first_moment!r}"),
+                            ("nonfinite", nf, nf, "handles non-finite gradients with "
+                                                  f"nonfinite={st.nonfinite!r}")):
+                        if asked is not None and getattr(st, name) != want:
+                            raise ValueError(
+                                f"{where} is a DiskEmbedding whose store {kept}, but this "
+                                f"optimizer asks for {name}={asked!r}; set it on the embedding "
+                                f"(DiskEmbedding({name}=...)) and leave it out here")
                     plan.append((gi, pj, p, None, dt, c))
                     continue
                 mc = manifold_curvature(p)

@@ -196,26 +196,35 @@ def write_shard_meta(path, meta: dict[str, Any]) -> None:
     dsa_core.write_json(Path(path) / SHARD_FILE, meta)
 
 
+def _read_json(p: Path, fmt: str, what: str, keys: tuple[str, ...],
+               missing: Exception) -> dict[str, Any]:
+    """Read the JSON file ``p`` of format ``fmt`` (a ``what``) and check its version and keys.
+
+    ``missing`` is raised when there is no such file (each caller says what that means).
+    """
+    try:
+        obj = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise missing from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{str(p)!r} is not valid JSON ({exc}); it is not a {what}") from None
+    if not isinstance(obj, dict) or obj.get("format") != fmt:
+        raise ValueError(f"{str(p)!r} is not a {what}")
+    _check_version(p, obj)
+    _check_keys(p, obj, keys)
+    return obj
+
+
 def read_shard_meta(path) -> dict[str, Any]:
     """The description of the shard store at ``path`` (its ``shard.json``), checked."""
     path = Path(path)
-    p = path / SHARD_FILE
-    try:
-        meta = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(
-            f"{str(path)!r} holds a dsa_core store but no {SHARD_FILE}: it is not a shard of a "
-            "ShardedDiskEmbedding (or a checkpoint of one cut short). Use another state_dir"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{str(p)!r} is not valid JSON ({exc}); it is not a shard "
-                         "description") from None
-    if not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT:
-        raise ValueError(f"{str(p)!r} is not a shard description")
-    _check_version(p, meta)
-    _check_keys(p, meta, ("rank", "world_size", "plan", "local_rows", "num_embeddings",
-                          "embedding_dim", "dtype", "curvature", "padding_idx"))
-    return meta
+    return _read_json(
+        path / SHARD_FILE, SHARD_FORMAT, "shard description",
+        ("rank", "world_size", "plan", "local_rows", "num_embeddings", "embedding_dim",
+         "dtype", "curvature", "padding_idx"),
+        ValueError(f"{str(path)!r} holds a dsa_core store but no {SHARD_FILE}: it is not a "
+                   "shard of a ShardedDiskEmbedding (or a checkpoint of one cut short). Use "
+                   "another state_dir"))
 
 
 def check_shard_meta(where: str, have: dict, want: dict) -> None:
@@ -261,22 +270,15 @@ def write_manifest(root, obj: dict[str, Any]) -> None:
 def read_manifest(root) -> dict[str, Any]:
     """The manifest of a complete sharded checkpoint (``root/dsa-sharded.json``), checked."""
     path = Path(root) / MANIFEST_FILE
-    try:
-        m = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
+    m = _read_json(
+        path, MANIFEST_FORMAT, "sharded-embedding manifest",
+        ("world_size", "plan", "count", "num_embeddings", "embedding_dim", "dtype",
+         "curvature", "padding_idx"),
+        FileNotFoundError(
             f"{str(root)!r} is not a complete sharded checkpoint: it has no {MANIFEST_FILE}. "
             "A live state_dir is not a checkpoint (write one with emb.checkpoint(DEST)); a "
             "checkpoint cut short by a failure has no manifest either (the manifest is "
-            "written last, once every shard is in place): use an older one") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{str(path)!r} is not valid JSON ({exc}); it is not a "
-                         "sharded-embedding manifest") from None
-    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a sharded-embedding manifest")
-    _check_version(path, m)
-    _check_keys(path, m, ("world_size", "plan", "count", "num_embeddings", "embedding_dim",
-                          "dtype", "curvature", "padding_idx"))
+            "written last, once every shard is in place): use an older one"))
     plan = ShardPlan.from_json(m["plan"])
     if plan.world_size != m["world_size"] or plan.num_rows != m["num_embeddings"]:
         raise ValueError(f"{str(path)!r} contradicts itself: plan {m['plan']} for a "
