@@ -92,7 +92,12 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
     beta1, beta2, eps : float
         Adam hyperparameters (the article's names), read at every step.
     weight_decay : float, default 0
-        Only 0 is supported (the stores implement plain lazy Adam).
+        L2 weight decay, as geoopt's ``RiemannianAdam`` (which the article's optimizer
+        mimics) and ``torch.optim.Adam``: ``g <- g + weight_decay * w`` on the Euclidean
+        gradient of each row of the batch, before the step (for ``k > 0`` before the
+        conversion to the Riemannian gradient, ``egrad2rgrad``, as geoopt does). Lazy:
+        rows not in ``updates`` do not decay. ``param_groups[0]["weight_decay"]`` is read
+        at every step. Negative values raise torch's ``Invalid weight_decay value: ...``.
     k : float, default 0.0
         ``0.0``: Euclidean, exactly ``torch.optim.SparseAdam``. ``k > 0``: Riemannian Adam on
         the Poincaré ball of curvature ``-k`` (``k = 1.0``: the unit ball), exactly geoopt
@@ -122,7 +127,8 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
     parallel transport of the momentum) instead of a rescaled Euclidean step; ``k = 0``
     is bit-for-bit lazy Adam as ``torch.optim.SparseAdam`` (eps added before the bias
     correction); writes are never dropped or read stale; each table has its own step count,
-    advanced when the table is in ``updates`` (also with no rows).
+    advanced when the table is in ``updates`` (also with no rows); ``weight_decay`` is
+    geoopt's L2 on the rows of the batch (duplicates of a row decay it once).
 
     Examples
     --------
@@ -160,9 +166,10 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
             raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
         if not 0.0 <= beta2 < 1.0:
             raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
-        if weight_decay != 0:
-            raise ValueError(f"weight_decay={weight_decay} is not supported: the disk stores "
-                             "run plain lazy Adam; pass weight_decay=0")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        weight_decay = validation.check_weight_decay(weight_decay,
+                                                     what="DiskSparseRiemannianAdam")
         c = validation.check_curvature(k, what="DiskSparseRiemannianAdam k")
         arrays = {}
         for name, value in tables.items():
@@ -218,7 +225,8 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                     st = dsa_core.create(path, n, d, curvature=c, dtype=dt.name,
                                          weights=True, init=arr, lr=group["lr"],
                                          betas=(group["beta1"], group["beta2"]),
-                                         eps=group["eps"])
+                                         eps=group["eps"],
+                                         weight_decay=group["weight_decay"])
                     created.append(path)
                 opened.append(st)
                 self._handles[name] = SharedState(st)
@@ -269,6 +277,10 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         eps = float(group["eps"])
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"Invalid learning rate: {lr}")
+        wd = group.get("weight_decay", 0.0)
+        if not 0.0 <= wd:
+            raise ValueError(f"Invalid weight_decay value: {wd}")
+        wd = validation.check_weight_decay(float(wd), what="DiskSparseRiemannianAdam")
         jobs = []
         for name, pair in updates.items():
             if name not in self._handles:
@@ -287,7 +299,9 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
             jobs.append((name, idx, g))
         for name, idx, g in jobs:
             h = self._handles[name]
-            st = h.state._replace(betas=betas, eps=eps)
+            # L2 (geoopt's RiemannianAdam: g + wd * x before egrad2rgrad), never decoupled
+            st = h.state._replace(betas=betas, eps=eps, weight_decay=wd,
+                                  decoupled_weight_decay=False)
             h.state = dsa_core.step(st, idx, g, lr=lr)
             self.state[self._placeholders[name]]["step"] = h.state.count
 

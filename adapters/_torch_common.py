@@ -30,6 +30,7 @@ __all__ = [
     "np_dtype",
     "peek_existing",
     "reopen",
+    "row_options",
     "store_second_moment",
     "to_device",
     "to_host",
@@ -50,8 +51,14 @@ def np_dtype(dtype: torch.dtype, what: str) -> np.dtype:
             "docs/algorithms.md §6). Keep the table in float32") from None
 
 
-def check_torch_hparams(lr: Any, betas: Any, eps: Any) -> None:
-    """``torch.optim.SparseAdam``'s constructor checks, word for word and in its order."""
+def check_torch_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any = 0.0,
+                        decoupled_weight_decay: Any = False) -> None:
+    """``torch.optim.SparseAdam``'s constructor checks, word for word and in its order, then
+    ``torch.optim.Adam``'s for ``weight_decay`` (SparseAdam has none).
+
+    ``decoupled_weight_decay`` must be a bool (torch takes anything truthy; a flag that is
+    stored in every store's manifest is checked instead).
+    """
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
     if not 0.0 < lr:
@@ -62,6 +69,11 @@ def check_torch_hparams(lr: Any, betas: Any, eps: Any) -> None:
         raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
     if not 0.0 <= betas[1] < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not isinstance(decoupled_weight_decay, (bool, np.bool_)):
+        raise TypeError(f"decoupled_weight_decay must be a bool, got "
+                        f"{decoupled_weight_decay!r}")
 
 
 def check_table_args(num_embeddings: Any, embedding_dim: Any, mode: str | None,
@@ -206,11 +218,13 @@ def check_reopen(resume: Any, overwrite: Any, what: str) -> tuple[bool, bool]:
 
 def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.dtype,
                    curvature: float, weights: bool, what: str,
-                   second_moment: str = "elementwise", first_moment: str = "full") -> None:
+                   second_moment: str = "elementwise", first_moment: str = "full",
+                   per_row_step: bool = False, decay_missed_steps: bool = False) -> None:
     """``ValueError`` unless the open store ``state`` is what a resumed run needs.
 
-    Shape, dtype, curvature, weight layout, second and first moment are fixed when a store is
-    created; a store that differs cannot be resumed, only replaced (``overwrite=True``).
+    Shape, dtype, curvature, weight layout, second and first moment, per-row step counts and
+    the catch-up of missed weight decay are fixed when a store is created; a store that
+    differs cannot be resumed, only replaced (``overwrite=True``).
     """
     path = str(state.path)
     have = (state.num_rows, state.dim, state.dtype.name, state.curvature, state.has_weights)
@@ -235,6 +249,23 @@ def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.
             f"{state.first_moment!r}, but first_moment={first_moment!r} was asked for. It is "
             "fixed when the store is created: pass the same first_moment, use a fresh "
             "directory, or overwrite=True to replace it")
+    have_ro = row_options(state)
+    want_ro = {"per_row_step": bool(per_row_step),
+               "decay_missed_steps": bool(decay_missed_steps)}
+    bad = [k for k in have_ro if have_ro[k] != want_ro[k]]
+    if bad:
+        raise ValueError(
+            f"{what}: the existing store at {path!r} was created with "
+            f"{', '.join(f'{k}={have_ro[k]}' for k in bad)}, but "
+            f"{', '.join(f'{k}={want_ro[k]}' for k in bad)} was asked for. These options "
+            "shape each row's record and are fixed when a store is created: pass the store's "
+            "values, use a fresh directory, or overwrite=True to replace it")
+
+
+def row_options(state: dsa_core.State) -> dict[str, bool]:
+    """The per-row layout options of a store: ``per_row_step`` and ``decay_missed_steps``."""
+    return {"per_row_step": bool(state.per_row_step),
+            "decay_missed_steps": bool(state.decay_missed_steps)}
 
 
 def peek_existing(path: Path, **expect: Any) -> int | None:

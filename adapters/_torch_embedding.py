@@ -7,6 +7,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +24,7 @@ from ._torch_common import (
     np_dtype,
     peek_existing,
     reopen,
+    row_options,
 )
 
 __all__ = ["DiskEmbedding", "DiskWeight"]
@@ -210,6 +212,21 @@ class DiskEmbedding(nn.Module):
         default, None, keeps what the store records (``"propagate"`` for a new one); a value
         applies from now on, to a resumed store too: unlike the moments' layout it is a
         policy, not a property of the rows.
+    per_row_step : bool, default False
+        Each row keeps its own step count for the bias correction (a row first seen late
+        takes a first step of about ``lr * sign(g)``; docs/algorithms.md §7.2). A layout
+        option of the store (one int32 per row), fixed when it is created; a resumed store
+        must match. :class:`DiskSparseAdam` honours it (given there too, it must agree).
+    decay_missed_steps : bool, default False
+        A row that comes back after missing steps first gets the decoupled weight decay of
+        every step it missed (docs/algorithms.md §7.1; a per-row last step in the record),
+        so decay acts as if every row were decayed at every step. Fixed at creation; the
+        optimizer that steps the table must use ``decoupled_weight_decay=True``.
+
+    The weight decay itself is not a module argument: as for ``nn.Embedding``, it is the
+    optimizer's hyperparameter (``DiskSparseAdam(emb.parameters(), weight_decay=...,
+    decoupled_weight_decay=...)``, per param group, changeable between steps). The module
+    only fixes what the rows' records must hold.
 
     Attributes
     ----------
@@ -280,7 +297,8 @@ class DiskEmbedding(nn.Module):
                  include_last_offset: bool = False, device: Any = None,
                  progress: bool | None = None, access: str = "auto",
                  second_moment: str = "elementwise", first_moment: str = "full",
-                 nonfinite: str | None = None):
+                 nonfinite: str | None = None, per_row_step: bool = False,
+                 decay_missed_steps: bool = False):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
@@ -292,11 +310,17 @@ class DiskEmbedding(nn.Module):
         validation.check_first_moment(first_moment, c, dt, what=what)
         if nonfinite is not None:
             validation.check_nonfinite(nonfinite, what=what)
+        for name, flag in (("per_row_step", per_row_step),
+                           ("decay_missed_steps", decay_missed_steps)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{what}: {name} must be a bool, got {flag!r}")
+        rows = {"per_row_step": bool(per_row_step),
+                "decay_missed_steps": bool(decay_missed_steps)}
         resume, overwrite = check_reopen(resume, overwrite, what)
         path = Path(state_dir)
         expect = {"num_rows": num_embeddings, "dim": embedding_dim, "dtype": dt,
                   "curvature": c, "weights": True, "what": what,
-                  "second_moment": second_moment, "first_moment": first_moment}
+                  "second_moment": second_moment, "first_moment": first_moment, **rows}
         count = None if overwrite else peek_existing(path, **expect)
         if count is not None and not resume:
             raise FileExistsError(
@@ -310,7 +334,7 @@ class DiskEmbedding(nn.Module):
         else:
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
                                  init_scale, seed, padding_idx, overwrite, progress, access,
-                                 second_moment, first_moment, nonfinite or "propagate")
+                                 second_moment, first_moment, nonfinite or "propagate", rows)
         if nonfinite is not None and state.nonfinite != nonfinite:
             state = state._replace(nonfinite=nonfinite)  # recorded at the next flush
         self._handle = SharedState(state)
@@ -325,7 +349,7 @@ class DiskEmbedding(nn.Module):
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
-                access, second_moment, first_moment, nonfinite):
+                access, second_moment, first_moment, nonfinite, rows):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
@@ -336,7 +360,10 @@ class DiskEmbedding(nn.Module):
                                 init=init, init_scale=init_scale, seed=seed,
                                 overwrite=overwrite, progress=progress, access=access,
                                 second_moment=second_moment, first_moment=first_moment,
-                                nonfinite=nonfinite)
+                                nonfinite=nonfinite, **rows,
+                                # the optimizer sets the decay at each step; a store that
+                                # catches up decay is created with the decoupled kind
+                                decoupled_weight_decay=rows["decay_missed_steps"])
         if padding_idx is not None:
             state.weights[padding_idx] = 0
         return state
@@ -497,12 +524,14 @@ class DiskEmbedding(nn.Module):
                 "num_embeddings": st.num_rows, "embedding_dim": st.dim,
                 "dtype": st.dtype.name, "curvature": st.curvature, "count": st.count,
                 "padding_idx": self.padding_idx, "mode": self.mode,
-                "second_moment": st.second_moment, "first_moment": st.first_moment}
+                "second_moment": st.second_moment, "first_moment": st.first_moment,
+                **row_options(st)}
 
     def set_extra_state(self, state: Any) -> None:
         """Check that a saved manifest describes this table as it is (the rows stay put).
 
-        Shape, dtype, curvature and moment layout must match, and so must the step count:
+        Shape, dtype, curvature, moment layout and per-row options must match, and so must
+        the step count:
         a manifest of another step describes rows the store no longer holds.
         """
         st = self._handle.state
@@ -526,6 +555,15 @@ class DiskEmbedding(nn.Module):
         if st.first_moment != want_fm:
             raise ValueError(f"the saved DiskEmbedding keeps m as {want_fm!r}, this one as "
                              f"{st.first_moment!r}; build it with the saved first_moment")
+        have_ro = row_options(st)  # written since the per-row options exist
+        want_ro = {k: bool(state.get(k, False)) for k in have_ro}
+        bad = [k for k in have_ro if have_ro[k] != want_ro[k]]
+        if bad:
+            raise ValueError(
+                "the saved DiskEmbedding was created with "
+                + ", ".join(f"{k}={want_ro[k]}" for k in bad) + ", this one with "
+                + ", ".join(f"{k}={have_ro[k]}" for k in bad) + "; build it with the saved "
+                + " and ".join(bad))
         saved = state.get("count")
         if saved is not None and int(saved) != st.count:
             raise ValueError(

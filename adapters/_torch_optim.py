@@ -24,6 +24,7 @@ from ._torch_common import (
     np_dtype,
     peek_existing,
     reopen,
+    row_options,
     store_second_moment,
     to_device,
     to_host,
@@ -36,6 +37,8 @@ MANIFEST_KEY = "dsa_manifest"
 CHECKPOINT_FILE = "optimizer.pt"
 EXTRA_FILE = "extra.pt"  # checkpoint(extra=...): the user's state dicts, in the same directory
 _MANIFEST_FORMAT = "dsa-torch-optimizer"
+# param-group keys that a loaded state dict without them leaves as this optimizer has them
+_KEPT_KEYS = ("weight_decay", "decoupled_weight_decay")
 
 
 class _Slot(NamedTuple):
@@ -48,7 +51,7 @@ class _Job(NamedTuple):
     p: torch.Tensor
     where: str             # "parameter [i, j]", for messages
     slot: _Slot
-    hp: tuple              # (lr, (beta1, beta2), eps, maximize)
+    hp: tuple              # (lr, (beta1, beta2), eps, maximize, weight_decay, decoupled)
     idx_dev: torch.Tensor  # coalesced row ids on p's device (for index_copy_)
     host: list             # [idx, vals, rows?] on the host (pinned for CUDA)
 
@@ -76,13 +79,32 @@ class _Owned:
 
 
 def _group_hparams(group: dict) -> tuple:
-    """Read a param group's hyperparameters for this step (schedulers may have changed them)."""
+    """Read a param group's hyperparameters for this step (schedulers may have changed them).
+
+    ``(lr, (beta1, beta2), eps, maximize, weight_decay, decoupled_weight_decay)``; torch's
+    checks and messages first, then the core's (a finite weight decay).
+    """
     lr, betas, eps = group["lr"], group["betas"], group["eps"]
-    check_torch_hparams(lr, betas, eps)
+    wd = group.get("weight_decay", 0.0)
+    decoupled = group.get("decoupled_weight_decay", False)
+    check_torch_hparams(lr, betas, eps, wd, decoupled)
     lr = float(lr)
     if not math.isfinite(lr):
         raise ValueError(f"Invalid learning rate: {lr}")
-    return lr, (float(betas[0]), float(betas[1])), float(eps), bool(group.get("maximize", False))
+    wd = validation.check_weight_decay(float(wd), what="DiskSparseAdam")
+    return (lr, (float(betas[0]), float(betas[1])), float(eps),
+            bool(group.get("maximize", False)), wd, bool(decoupled))
+
+
+def _check_catch_up(st: dsa_core.State, decoupled: bool, where: str) -> None:
+    """``ValueError`` if a ``decay_missed_steps`` store would be stepped with L2 decay."""
+    if st.decay_missed_steps and not decoupled:
+        raise ValueError(
+            f"{where}: its store {str(st.path)!r} was created with decay_missed_steps=True, "
+            "which catches up the decoupled (AdamW) weight decay of the steps a row missed; "
+            "its param group has decoupled_weight_decay=False (L2 decay has no closed form "
+            "for missed steps). Set decoupled_weight_decay=True for that group, or use a "
+            "store created without decay_missed_steps")
 
 
 def _save_durably(obj: Any, path: Path) -> None:
@@ -131,6 +153,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
     eps : float, default 1e-8
     maximize : bool, default False
         As ``torch.optim.SparseAdam`` (same checks, same messages, in the same order).
+    weight_decay : float, default 0.0
+        As ``torch.optim.Adam`` (its check and message, ``Invalid weight_decay value: ...``),
+        a per-group hyperparameter read at every step. With ``decoupled_weight_decay=False``
+        it is L2: ``g <- g + weight_decay * p`` for the rows of the batch before the Adam
+        update (``torch.optim.Adam(weight_decay=...)`` on those rows). Lazy, like the
+        moments: rows absent from a batch do not decay (unless ``decay_missed_steps``).
+    decoupled_weight_decay : bool, default False
+        As ``torch.optim.Adam``: ``True`` is AdamW, ``p <- p * (1 - lr * weight_decay)`` and
+        then the Adam step, in ``torch.optim.AdamW``'s order. Per group.
     state_dir : str or Path
         Directory of this optimizer's stores: ``<state_dir>/group{i}_param{j}`` for the
         ``j``-th parameter of the ``i``-th group, a stable name, so an optimizer built the
@@ -181,6 +212,20 @@ class DiskSparseAdam(torch.optim.Optimizer):
         and resumed alike (a policy, not a property of the rows, so a resumed store may
         change it). A DiskEmbedding's parameter keeps its module's setting (given here, it
         must match), as for ``second_moment``.
+    per_row_step : bool, optional
+        ``True``: each row keeps its own step count ``t_r`` (incremented when the row is in
+        a batch) for the bias correction, so a row first seen late takes a first step of
+        about ``lr * sign(g)`` instead of a global-``t`` one (docs/algorithms.md §7.2); the
+        global count stays (``state[p]["step"]``, schedules). A layout option of the stores
+        (an int32 per row), fixed when a store is created, like ``second_moment``: the
+        default, None, is False for this optimizer's own stores and keeps a DiskEmbedding's
+        setting (given here, it must match). Not a param-group key.
+    decay_missed_steps : bool, optional
+        ``True``: a row that comes back after missing steps first gets the decoupled decay of
+        every step it missed, so decay behaves as if applied to every row at every step
+        (exact for a constant lr; docs/algorithms.md §7.1). Needs
+        ``decoupled_weight_decay=True`` in every group that steps such a store. A layout
+        option (a per-row last step), with the same rules as ``per_row_step``.
 
     Raises
     ------
@@ -190,7 +235,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
     ValueError
         Invalid hyperparameters (torch's messages), sparse or complex parameters (torch's
         messages), parameters that are not 2-D, a store under ``state_dir`` that does not
-        match its parameter. Nothing is written when construction fails.
+        match its parameter (shape, moments, ``per_row_step``, ``decay_missed_steps``),
+        ``decay_missed_steps`` without ``decoupled_weight_decay``. Nothing is written when
+        construction fails.
     TypeError
         Parameters that are not float32/float64, or on an unsupported geoopt manifold.
     dsa_core.StoreLockedError
@@ -209,7 +256,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     with one global step ``t`` per parameter, incremented at every ``step()`` in which the
     parameter has a gradient (even one with no rows); rows absent from the gradient are
-    left bit-for-bit untouched (their moments do not decay). For ``c > 0`` the second moment
+    left bit-for-bit untouched (their moments do not decay). ``weight_decay`` adds
+    ``wd * p`` to ``g`` first (L2) or, with ``decoupled_weight_decay``, multiplies ``p`` by
+    ``1 - lr * wd`` first (AdamW), for the touched rows; when every row is in every batch
+    this is ``torch.optim.Adam`` / ``AdamW`` up to SparseAdam's placement of ``eps``
+    (``sqrt(v) + eps`` before the bias correction, not after). ``per_row_step`` replaces
+    ``t`` by the row's own count in the bias correction. For ``c > 0`` the second moment
     is one scalar per row (the squared Riemannian gradient norm) and the first moment is
     parallel-transported (docs/algorithms.md §3.2).
 
@@ -276,12 +328,19 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 maximize: bool = False, *, state_dir=None, resume: bool = False,
+                 maximize: bool = False, *, weight_decay: float = 0.0,
+                 decoupled_weight_decay: bool = False, state_dir=None, resume: bool = False,
                  overwrite: bool = False, curvature: float = 0.0, access: str = "auto",
                  second_moment: str | None = None, first_moment: str | None = None,
-                 nonfinite: str | None = None):
-        check_torch_hparams(lr, betas, eps)
+                 nonfinite: str | None = None, per_row_step: bool | None = None,
+                 decay_missed_steps: bool | None = None):
+        check_torch_hparams(lr, betas, eps, weight_decay, decoupled_weight_decay)
         what = "DiskSparseAdam"
+        validation.check_weight_decay(weight_decay, what=what)
+        for name, flag in (("per_row_step", per_row_step),
+                           ("decay_missed_steps", decay_missed_steps)):
+            if flag is not None and not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{what}: {name} must be a bool (or None), got {flag!r}")
         c = validation.check_curvature(curvature, what=what)
         dsa_core.check_access(access)
         if second_moment is not None:
@@ -295,13 +354,16 @@ class DiskSparseAdam(torch.optim.Optimizer):
         self._second_moment = second_moment
         self._first_moment = first_moment
         self._nonfinite = nonfinite
+        self._per_row_step = None if per_row_step is None else bool(per_row_step)
+        self._decay_missed = None if decay_missed_steps is None else bool(decay_missed_steps)
         self._ready = False
         self._closed = False
         self._slots: dict[torch.Tensor, _Slot] = {}
         self._owned = _Owned()
         self.state_dir = None if state_dir is None else Path(state_dir)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
-                    "curvature": c}
+                    "weight_decay": weight_decay,
+                    "decoupled_weight_decay": bool(decoupled_weight_decay), "curvature": c}
         super().__init__(params, defaults)
         self._finalizer = weakref.finalize(self, _Owned.close, self._owned)
         self._attach(range(len(self.param_groups)))
@@ -324,6 +386,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """``dsa_core.create``'s second_moment for an own store of curvature ``c``."""
         return "elementwise" if c > 0 else (self._second_moment or "elementwise")
 
+    def _row_options(self) -> dict[str, bool]:
+        """``per_row_step`` and ``decay_missed_steps`` of this optimizer's own stores."""
+        return {"per_row_step": bool(self._per_row_step),
+                "decay_missed_steps": bool(self._decay_missed)}
+
     def _plan(self, groups) -> list[tuple]:
         """Validate the parameters of ``groups``; no I/O. Returns one entry per parameter."""
         sparse, cplx = [], []
@@ -345,6 +412,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             gc = validation.check_curvature(group.get("curvature", 0.0),
                                             what=f"DiskSparseAdam param group {gi}")
             group["curvature"] = gc
+            decoupled = _group_hparams(group)[5]  # torch's checks, for overrides too
             for pj, p in enumerate(group["params"]):
                 where = f"parameter [{gi}, {pj}]"
                 if p.dim() != 2:
@@ -372,17 +440,23 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     if sm is not None:
                         validation.check_second_moment(sm, c, what=f"DiskSparseAdam {where}")
                     fm, nf, st = self._first_moment, self._nonfinite, h.state
+                    pr, dm = self._per_row_step, self._decay_missed
                     for name, asked, want, kept in (
                             ("second_moment", sm, sm and store_second_moment(sm, c),
                              f"keeps a {st.second_moment} second moment"),
                             ("first_moment", fm, fm, f"keeps m as {st.first_moment!r}"),
                             ("nonfinite", nf, nf, "handles non-finite gradients with "
-                                                  f"nonfinite={st.nonfinite!r}")):
+                                                  f"nonfinite={st.nonfinite!r}"),
+                            ("per_row_step", pr, pr,
+                             f"was created with per_row_step={st.per_row_step}"),
+                            ("decay_missed_steps", dm, dm, "was created with "
+                             f"decay_missed_steps={st.decay_missed_steps}")):
                         if asked is not None and getattr(st, name) != want:
                             raise ValueError(
                                 f"{where} is a DiskEmbedding whose store {kept}, but this "
                                 f"optimizer asks for {name}={asked!r}; set it on the embedding "
                                 f"(DiskEmbedding({name}=...)) and leave it out here")
+                    _check_catch_up(st, decoupled, f"DiskSparseAdam {where}")
                     plan.append((gi, pj, p, None, dt, c))
                     continue
                 mc = manifold_curvature(p)
@@ -397,6 +471,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 if self._first_moment is not None:
                     validation.check_first_moment(self._first_moment, c, dt,
                                                   what=f"DiskSparseAdam {where}")
+                if self._decay_missed and not decoupled:
+                    raise ValueError(
+                        f"DiskSparseAdam: decay_missed_steps=True catches up the decoupled "
+                        f"(AdamW) weight decay of the steps a row missed, but param group "
+                        f"{gi} (of {where}) has decoupled_weight_decay=False; pass "
+                        "decoupled_weight_decay=True")
                 if self.state_dir is None:
                     raise ValueError(f"DiskSparseAdam needs state_dir=...: the moments of "
                                      f"{where} are kept in a store there")
@@ -423,7 +503,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 kw = {"num_rows": p.shape[0], "dim": p.shape[1], "dtype": dt, "curvature": c,
                       "weights": False, "what": f"DiskSparseAdam parameter [{gi}, {pj}]",
                       "second_moment": self._sm(c),
-                      "first_moment": self._first_moment or "full"}
+                      "first_moment": self._first_moment or "full", **self._row_options()}
                 expect.append(kw)
                 found.append(None if self._overwrite else peek_existing(path, **kw))
             old = [(e[3].name, n) for e, n in zip(own, found) if n is not None]
@@ -441,14 +521,16 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 if found[k] is not None:
                     st = reopen(path, access=self._access, **expect[k])
                 else:
-                    lr, betas, eps, maximize = _group_hparams(self.param_groups[gi])
+                    lr, betas, eps, maximize, wd, decoupled = _group_hparams(
+                        self.param_groups[gi])
                     st = dsa_core.create(path, p.shape[0], p.shape[1], curvature=c, lr=lr,
                                          betas=betas, eps=eps, maximize=maximize,
+                                         weight_decay=wd, decoupled_weight_decay=decoupled,
                                          weights=False, dtype=dt.name, access=self._access,
                                          second_moment=self._sm(c),
                                          first_moment=self._first_moment or "full",
                                          nonfinite=self._nonfinite or "propagate",
-                                         overwrite=self._overwrite)
+                                         overwrite=self._overwrite, **self._row_options())
                     created.append(path)
                 opened.append(st)
                 if self._nonfinite is not None and st.nonfinite != self._nonfinite:
@@ -546,6 +628,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if slot.handle.closed:
             raise RuntimeError(f"the store of {where} ({str(slot.handle.state.path)!r}) is "
                                "closed")
+        _check_catch_up(slot.handle.state, hp[5], f"DiskSparseAdam {where}")
         raw = g._indices()[0]
         if raw.numel():  # before coalesce(): torch's coalesce corrupts memory on a negative id
             lo, hi = (int(v) for v in torch.aminmax(raw))  # one sync on CUDA
@@ -563,11 +646,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
         return _Job(p, where, slot, hp, idx, host)
 
     def _apply(self, job: _Job) -> None:
-        lr, betas, eps, maximize = job.hp
+        lr, betas, eps, maximize, wd, decoupled = job.hp
         h = job.slot.handle
         st = h.state
-        if (st.betas, st.eps, st.maximize) != (betas, eps, maximize):
-            st = st._replace(betas=betas, eps=eps, maximize=maximize)
+        if (st.betas, st.eps, st.maximize, st.weight_decay, st.decoupled_weight_decay) != (
+                betas, eps, maximize, wd, decoupled):
+            st = st._replace(betas=betas, eps=eps, maximize=maximize, weight_decay=wd,
+                             decoupled_weight_decay=decoupled)
         idx, vals = job.host[0].numpy(), job.host[1].numpy()
         if job.slot.owned and len(job.host) == 2:  # a CPU table: its rows updated in place
             h.state = dsa_core.step(st, idx, vals, lr=lr, table=job.p.detach().numpy())
@@ -744,8 +829,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         the one that wrote it; the directory may have moved. Every snapshot is checked
         before anything is written; then its rows (m and v, and the weights of a
         :class:`DiskEmbedding`) are copied into this optimizer's stores, the step counts
-        and param groups (lr, betas, ...) are restored, and the stores are flushed. The
-        checkpoint itself is never modified.
+        and param groups (lr, betas, weight_decay, ...) are restored, and the stores are
+        flushed. The checkpoint itself is never modified.
 
         Returns
         -------
@@ -795,8 +880,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     "owned": s.owned, "count": int(st.count), "num_rows": st.num_rows,
                     "dim": st.dim, "dtype": st.dtype.name, "curvature": st.curvature,
                     "second_moment": st.second_moment, "first_moment": st.first_moment,
+                    **row_options(st),
                     "hparams": {"lr": st.lr, "betas": list(st.betas), "eps": st.eps,
-                                "maximize": st.maximize}})
+                                "maximize": st.maximize, "weight_decay": st.weight_decay,
+                                "decoupled_weight_decay": st.decoupled_weight_decay}})
         sd[MANIFEST_KEY] = {"format": _MANIFEST_FORMAT, "version": 1,
                             "state_dir": None if self.state_dir is None
                             else str(self.state_dir.resolve()),
@@ -808,12 +895,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         A DSA state dict (with ``"dsa_manifest"``) holds no rows: m and v stay in the
         stores. Each entry is matched to the parameter in the same position (same shape,
-        dtype, curvature and moment layout), and its step count must equal the store's:
-        a state dict taken at step 5 of stores now at step 25 is **refused** with a
-        ``ValueError`` (loading it would pair count 5 with the moments of step 25), nothing
-        changed. One that matches (no step since it was taken, e.g. across a restart with
-        ``resume=True``) restores the param groups (lr, betas, ... as schedulers left
-        them). To go back to an earlier point, use :meth:`checkpoint` and
+        dtype, curvature, moment layout and per-row options), and its step count must equal
+        the store's: a state dict taken at step 5 of stores now at step 25 is **refused**
+        with a ``ValueError`` (loading it would pair count 5 with the moments of step 25),
+        nothing changed. One that matches (no step since it was taken, e.g. across a restart
+        with ``resume=True``) restores the param groups (lr, betas, weight_decay, ... as
+        schedulers left them). To go back to an earlier point, use :meth:`checkpoint` and
         :meth:`load_checkpoint`. Stores are found by this optimizer's ``state_dir`` (a
         moved directory is fine).
 
@@ -822,7 +909,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         A ``torch.optim.SparseAdam`` or geoopt state dict (no manifest): the saved
         ``exp_avg`` / ``exp_avg_sq`` tensors and step counts are copied into the stores
-        (reduced stores: row mean of ``exp_avg_sq``, nearest bfloat16 of ``exp_avg``).
+        (reduced stores: row mean of ``exp_avg_sq``, nearest bfloat16 of ``exp_avg``). Its
+        param groups have no ``weight_decay`` / ``decoupled_weight_decay``: this optimizer's
+        values are kept. A ``decay_missed_steps`` store counts the missed decay from the
+        imported step on (SparseAdam decayed nothing); a ``per_row_step`` store refuses it
+        (one global step cannot give each row its own count).
 
         All checks run before anything is changed.
         """
@@ -838,6 +929,17 @@ class DiskSparseAdam(torch.optim.Optimizer):
                              "or a group of a different size")
         ids = [i for g in saved_groups for i in g["params"]]
         saved_state = sd.get("state", {})
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            decoupled = sg.get("decoupled_weight_decay", g.get("decoupled_weight_decay"))
+            for pj, p in enumerate(g["params"]):
+                st = self._slots[p].handle.state
+                if st.decay_missed_steps and not decoupled:
+                    raise ValueError(
+                        f"DiskSparseAdam.load_state_dict: param group {gi} of the state dict "
+                        "has decoupled_weight_decay=False, but the store of parameter "
+                        f"[{gi}, {pj}] ({str(st.path)!r}) was created with "
+                        "decay_missed_steps=True, which needs decoupled weight decay; "
+                        "nothing was changed")
         snaps = [None] * len(params)
         if manifest is not None:
             entries = manifest.get("params", []) if isinstance(manifest, dict) else []
@@ -867,6 +969,17 @@ class DiskSparseAdam(torch.optim.Optimizer):
                         f"checkpoint store {e['name']!r} keeps m as {want_fm!r}, but the "
                         f"parameter in its position has a store with {st.first_moment!r}; "
                         "build the optimizer with the checkpoint's first_moment")
+                have_ro = row_options(st)  # written since per-row options exist
+                want_ro = {k: bool(e.get(k, False)) for k in have_ro}
+                bad = [k for k in have_ro if have_ro[k] != want_ro[k]]
+                if bad:
+                    raise ValueError(
+                        f"checkpoint store {e['name']!r} was created with "
+                        + ", ".join(f"{k}={want_ro[k]}" for k in bad)
+                        + ", but the parameter in its position has a store with "
+                        + ", ".join(f"{k}={have_ro[k]}" for k in bad)
+                        + "; build the optimizer with the checkpoint's "
+                        + " and ".join(bad) + ". Nothing was changed")
                 counts.append(int(e["count"]))
             if manifest.get("checkpoint") is not None:
                 snaps = self._open_snapshots(Path(manifest["checkpoint"]), entries, params)
@@ -885,6 +998,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 new_state[i] = {"step": cnt}
         sd["state"] = new_state
         curvatures = [g["curvature"] for g in self.param_groups]
+        # A SparseAdam (or geoopt) state dict has no weight decay: its groups keep this
+        # optimizer's values for the keys they lack, rather than losing them
+        kept = [{k: g[k] for k in _KEPT_KEYS if k not in sg and k in g}
+                for g, sg in zip(self.param_groups, saved_groups)]
         try:
             super().load_state_dict(sd)
             for p, snap in zip(params, snaps):
@@ -895,8 +1012,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
             for snap in snaps:
                 if snap is not None:
                     dsa_core.close(snap)
-        for g, c in zip(self.param_groups, curvatures):
+        for g, c, k in zip(self.param_groups, curvatures, kept):
             g["curvature"] = c  # fixed by the stores (a SparseAdam checkpoint has none)
+            g.update(k)
         for p, cnt, snap in zip(params, counts, snaps):
             h = self._slots[p].handle
             if snap is None and h.state.count != cnt:  # imported from a torch state dict
@@ -955,6 +1073,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
         for p, i in zip(params, ids):
             s = saved_state.get(i, {})
             st = self._slots[p].handle.state
+            if st.per_row_step and ("exp_avg" in s or int(torch.as_tensor(s.get("step", 0)))):
+                raise ValueError(
+                    f"DiskSparseAdam.load_state_dict: the store {str(st.path)!r} was created "
+                    "with per_row_step=True, which keeps each row's own step count; a "
+                    "torch.optim.SparseAdam state dict has only one global step, so the rows' "
+                    "counts cannot be recovered from it. Import it into a store created "
+                    "without per_row_step; nothing was changed")
             if "exp_avg" not in s:
                 todo.append((st, int(s.get("step", 0)), None, None))
                 continue
@@ -970,9 +1095,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 # mean(g^2) that row-wise v keeps is the row mean of SparseAdam's v.
                 v = v.double().mean(dim=1, keepdim=True)
             todo.append((st, int(torch.as_tensor(s.get("step", 0))), m, v))
-        for st, _, m, v in todo:
+        for st, t, m, v in todo:
             if m is not None:
                 st.set_exp_avg(m.numpy())  # cast to the store (bfloat16 m: to nearest)
                 st.exp_avg_sq[...] = v.numpy().astype(st.dtype, copy=False)
+            if st.decay_missed_steps:
+                # SparseAdam decayed nothing: no row has missed a decay before step t
+                st.last_steps[...] = t
         return [t for _, t, _, _ in todo]
 

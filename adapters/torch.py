@@ -5,8 +5,10 @@ Three entry points:
 :class:`DiskSparseAdam`
     A drop-in for ``torch.optim.SparseAdam`` (``nn.Embedding`` / ``nn.EmbeddingBag`` with
     ``sparse=True``, parameters on CPU or CUDA): the same constructor, checks and
-    semantics, plus ``state_dir`` (where m and v live) and ``curvature`` (Poincaré ball,
-    geoopt ``SparseRiemannianAdam`` semantics).
+    semantics, plus ``state_dir`` (where m and v live), ``curvature`` (Poincaré ball,
+    geoopt ``SparseRiemannianAdam`` semantics), ``weight_decay`` /
+    ``decoupled_weight_decay`` (``torch.optim.Adam``'s L2 and AdamW, on the batch's rows)
+    and the per-row options ``per_row_step`` / ``decay_missed_steps``.
 
 :class:`DiskEmbedding`
     An embedding (or bag) module whose weights live on disk too, for tables larger than

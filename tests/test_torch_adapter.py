@@ -1052,3 +1052,364 @@ def test_nonfinite_policies(tmp_path):
     with pytest.raises(ValueError, match=r"^DiskSparseAdam: nonfinite must be one of"):
         DiskSparseAdam([p], state_dir=tmp_path / "x", nonfinite="ignore")
     assert not (tmp_path / "x").exists()
+
+
+# -- weight decay and per-row step counts (docs/algorithms.md §7.1, §7.2) ------------------
+@pytest.mark.parametrize("kw", [{"weight_decay": -0.1}, {"weight_decay": -1e-12},
+                                {"weight_decay": float("nan")},
+                                {"lr": -1.0, "weight_decay": -1.0},
+                                {"betas": (0.9, 1.0), "weight_decay": -1.0},
+                                {"eps": -1.0, "weight_decay": -1.0}])
+def test_invalid_weight_decay_matches_torch_adam_word_for_word(tmp_path, kw):
+    """torch.optim.Adam's message and order (lr, eps, betas, then weight_decay; lr and eps
+    stay SparseAdam's: 0 is refused, where Adam accepts it)."""
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError) as want:
+        torch.optim.Adam([p], **kw)
+    with pytest.raises(ValueError) as got:
+        DiskSparseAdam([p], **kw, state_dir=tmp_path / "opt")
+    assert str(got.value) == str(want.value)
+    assert not (tmp_path / "opt").exists()
+
+
+def test_bad_weight_decay_options_write_nothing(tmp_path):
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    q = torch.nn.Parameter(torch.zeros(5, 3))
+    # a group override is checked as the default is (torch's message), before any store
+    with pytest.raises(ValueError, match=r"^Invalid weight_decay value: -0.5$"):
+        DiskSparseAdam([{"params": [p]}, {"params": [q], "weight_decay": -0.5}],
+                       state_dir=tmp_path / "opt")
+    with pytest.raises(ValueError, match=r"Invalid weight_decay value: inf"):
+        DiskSparseAdam([p], weight_decay=float("inf"), state_dir=tmp_path / "opt")
+    with pytest.raises(TypeError, match="decoupled_weight_decay must be a bool"):
+        DiskSparseAdam([p], weight_decay=0.1, decoupled_weight_decay="yes",
+                       state_dir=tmp_path / "opt")
+    with pytest.raises(TypeError, match="per_row_step must be a bool"):
+        DiskSparseAdam([p], per_row_step=1, state_dir=tmp_path / "opt")
+    # catching up missed decay is a form of decoupled decay
+    with pytest.raises(ValueError, match=r"decay_missed_steps=True .* param group 1 .* "
+                                         r"decoupled_weight_decay=False"):
+        DiskSparseAdam([{"params": [p]}, {"params": [q], "decoupled_weight_decay": False}],
+                       weight_decay=0.1, decoupled_weight_decay=True, decay_missed_steps=True,
+                       state_dir=tmp_path / "opt")
+    assert not (tmp_path / "opt").exists()
+    # a group switched to L2 between steps: refused at the step, before any store is written
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), weight_decay=0.1, decoupled_weight_decay=True,
+                         decay_missed_steps=True, state_dir=tmp_path / "ok")
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    opt.flush()
+    before, w = digest(tmp_path / "ok"), emb.weight.detach().clone()
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    with pytest.raises(ValueError, match="decay_missed_steps=True"):
+        opt.step()
+    opt.param_groups[0]["decoupled_weight_decay"] = True
+    opt.param_groups[0]["weight_decay"] = -1.0
+    with pytest.raises(ValueError, match=r"^Invalid weight_decay value: -1.0$"):
+        opt.step()
+    assert digest(tmp_path / "ok") == before and torch.equal(emb.weight.detach(), w)
+    opt.close()
+
+
+def _dense_pair(dtype, seed=0, n=40, d=8):
+    torch.manual_seed(seed)
+    sparse = torch.nn.Embedding(n, d, sparse=True, dtype=dtype)
+    dense = torch.nn.Embedding(n, d, sparse=False, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(sparse.weight)
+    return sparse, dense
+
+
+# Max |DiskSparseAdam - torch.optim.Adam/AdamW| over the weights of 100 steps, measured (L2 /
+# AdamW), and the tolerance asserted, per (dtype, eps); see the test's docstring.
+DENSE_TOL = {(torch.float64, 1e-8): 1e-6,     # measured 3.2e-7 / 2.2e-7: eps placement
+             (torch.float64, 1e-16): 1e-13,   # measured 3.1e-15 / 2.2e-15: rounding
+             (torch.float32, 1e-8): 2e-6}     # measured 3.6e-7 / 3.6e-7: 3 float32 ulps
+
+
+@pytest.mark.parametrize(("dtype", "eps"), list(DENSE_TOL))
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_every_row_every_step_is_dense_adam_with_weight_decay(tmp_path, dtype, eps, decoupled):
+    """When every row is in every batch, lazy decay is dense decay: DiskSparseAdam with
+    ``decoupled_weight_decay=True`` follows ``torch.optim.AdamW(weight_decay=wd)``, with
+    False ``torch.optim.Adam(weight_decay=wd)`` (L2), on the same loss with an LR scheduler.
+
+    The one difference is SparseAdam's placement of eps: DSA steps by
+    ``lr / bc1 * m / (sqrt(v / bc2) + eps / sqrt(bc2))``, Adam by
+    ``lr / bc1 * m / (sqrt(v / bc2) + eps)``: an eps larger by ``1 / sqrt(bc2)`` (31.6 at
+    t = 1), so the steps differ by about ``lr * eps * (1 / sqrt(bc2) - 1) / sqrt(v_hat)``,
+    most in the first steps and on coordinates with a small gradient. Measured over 100
+    steps (n=40, d=8, lr=0.02 halved every 30 steps, wd=0.1), the max weight deviation is,
+    L2 / AdamW: float64 with eps=1e-8 3.2e-7 / 2.2e-7, and it scales with eps (3.2e-11 /
+    2.2e-11 at eps=1e-12), down to float64 rounding at eps=1e-16 (3.1e-15 / 2.2e-15): the
+    eps placement is the whole difference. float32, eps=1e-8: 3.6e-7 / 3.6e-7 (3 ulps of
+    weights ~1; the sparse and dense backward also sum duplicates in different orders).
+    Asserted: 1e-6, 1e-13 and 2e-6 (``DENSE_TOL``), while the decay itself moves the
+    weights by more than 1e-2 (checked, so a missing or doubled decay would be seen).
+    """
+    n, d, wd, steps = 40, 8, 0.1, 100
+    tol = DENSE_TOL[(dtype, eps)]
+    sparse, dense = _dense_pair(dtype)
+    nodecay = copy.deepcopy(sparse)
+    kw = {"lr": 0.02, "betas": (0.9, 0.999), "eps": eps}
+    ref_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    o_ref = ref_cls(dense.parameters(), **kw, weight_decay=wd)
+    o_dsk = DiskSparseAdam(sparse.parameters(), **kw, weight_decay=wd,
+                           decoupled_weight_decay=decoupled, state_dir=tmp_path / "opt")
+    o_nod = DiskSparseAdam(nodecay.parameters(), **kw, state_dir=tmp_path / "nodecay")
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=30, gamma=0.5)
+              for o in (o_ref, o_dsk, o_nod)]
+    gen = torch.Generator().manual_seed(3)
+    target = torch.randn(n, d, dtype=dtype, generator=gen)
+    dev = 0.0
+    for _ in range(steps):
+        ids = torch.cat([torch.randperm(n, generator=gen),
+                         torch.randint(0, n, (20,), generator=gen)])  # every row, + dups
+        for emb, opt in ((dense, o_ref), (sparse, o_dsk), (nodecay, o_nod)):
+            out = emb(ids)
+            (((out - target[ids]) ** 2).sum() + out.sin().sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        for s in scheds:
+            s.step()
+        dev = max(dev, float((sparse.weight - dense.weight).detach().abs().max()))
+    assert o_dsk.param_groups[0]["lr"] == o_ref.param_groups[0]["lr"] == 0.02 / 8
+    assert dev < tol, dev
+    st, ref = o_dsk.store_for(sparse.weight), o_ref.state[dense.weight]
+    assert st.count == ref["step"] == steps
+    assert st.weight_decay == wd and st.decoupled_weight_decay == decoupled
+    np.testing.assert_allclose(st.exp_avg, ref["exp_avg"].numpy(), rtol=0, atol=10 * tol)
+    np.testing.assert_allclose(st.exp_avg_sq, ref["exp_avg_sq"].numpy(), rtol=0,
+                               atol=10 * tol)
+    assert float((nodecay.weight - sparse.weight).detach().abs().max()) > 1e-2
+    o_dsk.close()
+    o_nod.close()
+
+
+@pytest.mark.parametrize("opts", [
+    {"weight_decay": 0.05},
+    {"weight_decay": 0.05, "decoupled_weight_decay": True},
+    {"weight_decay": 0.05, "decoupled_weight_decay": True, "decay_missed_steps": True},
+    {"per_row_step": True},
+    {"weight_decay": 0.05, "decoupled_weight_decay": True, "decay_missed_steps": True,
+     "per_row_step": True, "maximize": True}])
+def test_adapter_steps_are_dsa_core_steps_with_the_options(tmp_path, opts):
+    """Bit for bit ``dsa_core.step`` with the same options, through torch (coalesce, a
+    schedule, rows that skip steps), on a CPU table updated in place."""
+    n, d = 60, 6
+    emb = torch.nn.Embedding(n, d, sparse=True)
+    init = emb.weight.detach().numpy().copy()
+    layout = {k: opts.pop(k) for k in ("per_row_step", "decay_missed_steps") if k in opts}
+    opt = DiskSparseAdam(emb.parameters(), lr=0.03, **opts, **layout,
+                         state_dir=tmp_path / "opt")
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97)
+    ref = dsa_core.create(tmp_path / "ref", n, d, init=init, lr=0.03, **opts, **layout)
+    gen = torch.Generator().manual_seed(5)
+    for t in range(25):
+        ids = batch(gen, 30 if t < 15 else n, b=12, dup=4)  # rows >= 30 first seen late
+        ((emb(ids) - 0.5) ** 2).sum().backward()
+        g = emb.weight.grad.coalesce()
+        lr = opt.param_groups[0]["lr"]
+        ref = dsa_core.step(ref, g.indices()[0].numpy(), g.values().numpy(), lr=lr)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    st = opt.store_for(emb.weight)
+    assert np.array_equal(emb.weight.detach().numpy(), ref.weights)
+    assert np.array_equal(st.exp_avg, ref.exp_avg)
+    assert np.array_equal(st.exp_avg_sq, ref.exp_avg_sq)
+    if st.per_row_step:
+        assert np.array_equal(st.row_steps, ref.row_steps)
+        assert st.row_steps[4] == 25 and 0 < st.row_steps[40:].max() < 10  # hub, late rows
+    if st.decay_missed_steps:
+        assert np.array_equal(st.last_steps, ref.last_steps)
+    opt.close()
+    dsa_core.close(ref)
+
+
+def test_per_row_step_gives_a_late_row_a_fresh_first_step(tmp_path):
+    """A row first seen at step 51 moves by ~lr * sign(g) with per_row_step=True (a fresh
+    Adam's first step: m_hat = g, v_hat = g^2); with the global count it moves by
+    lr * (1 - b1) / (1 - b1^51) * sqrt(1 - b2^51) / sqrt(1 - b2) = 0.709 lr."""
+    lr, late = 0.01, 20
+    moves = {}
+    for per_row in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(30, 4, sparse=True)
+        with torch.no_grad():  # |g| = 2|w| far above eps: the first step is lr * g / |g|
+            emb.weight[late] = torch.tensor([0.5, -0.3, 0.2, -0.7])
+        opt = DiskSparseAdam(emb.parameters(), lr=lr, per_row_step=per_row,
+                             state_dir=tmp_path / f"opt{per_row}")
+        for _ in range(50):
+            emb(torch.tensor([0, 1, 2])).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        before = emb.weight.detach()[late].clone()
+        emb(torch.tensor([0, late])).pow(2).sum().backward()
+        g = emb.weight.grad.coalesce().to_dense()[late]
+        opt.step()
+        moves[per_row] = (emb.weight.detach()[late] - before) / (-lr * torch.sign(g))
+        st = opt.store_for(emb.weight)
+        assert st.count == opt.state[emb.weight]["step"] == 51  # the global count stays
+        if per_row:
+            assert st.row_steps[[0, 1, 2, late, 3]].tolist() == [51, 50, 50, 1, 0]
+        opt.close()
+    np.testing.assert_allclose(moves[True], 1.0, rtol=1e-5)
+    np.testing.assert_allclose(moves[False], 0.7089, rtol=1e-3)
+
+
+def test_row_options_are_fixed_per_store_and_checked_on_resume(tmp_path):
+    """A resumed store, a state dict or a checkpoint with other per-row options is refused,
+    naming both values, with nothing written; the same options resume bit-exactly."""
+    def build(**kw):
+        torch.manual_seed(1)
+        emb = torch.nn.Embedding(50, 4, sparse=True)
+        return emb, kw
+
+    def train(emb, opt, t0, t1):
+        for t in range(t0, t1):
+            gen = torch.Generator().manual_seed(t)
+            ((emb(batch(gen, 50, b=10)) - 0.2) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    opts = {"weight_decay": 0.1, "decoupled_weight_decay": True, "per_row_step": True,
+            "decay_missed_steps": True}
+    emb, _ = build()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, **opts, state_dir=tmp_path / "opt")
+    train(emb, opt, 0, 4)
+    sd = opt.state_dict()
+    g0 = sd["param_groups"][0]
+    assert (g0["weight_decay"], g0["decoupled_weight_decay"]) == (0.1, True)
+    e = sd[MANIFEST_KEY]["params"][0]
+    assert (e["per_row_step"], e["decay_missed_steps"]) == (True, True)
+    assert e["hparams"]["weight_decay"] == 0.1 and e["hparams"]["decoupled_weight_decay"]
+    opt.checkpoint(tmp_path / "ck", extra={"model": emb.state_dict()})
+    w_ck = emb.weight.detach().clone()
+    train(emb, opt, 4, 8)  # the uninterrupted run
+    w_end = emb.weight.detach().clone()
+    opt.close()
+    before = digest(tmp_path / "opt")
+    for other, msg in (({"per_row_step": False}, r"per_row_step=True, but per_row_step=False"),
+                       ({"decay_missed_steps": False},
+                        r"decay_missed_steps=True, but decay_missed_steps=False")):
+        with pytest.raises(ValueError, match=msg):
+            DiskSparseAdam(emb.parameters(), lr=0.02, **{**opts, **other},
+                           state_dir=tmp_path / "opt", resume=True)
+    assert digest(tmp_path / "opt") == before
+    # the checkpoint into an optimizer whose stores lack the options: refused, nothing written
+    plain = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "plain")
+    plain.flush()
+    before_plain = digest(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"created with per_row_step=True, decay_missed_steps="
+                                         r"True, but .* per_row_step=False, "
+                                         r"decay_missed_steps=False"):
+        plain.load_checkpoint(tmp_path / "ck")
+    with pytest.raises(ValueError, match="per_row_step"):
+        plain.load_state_dict(sd)
+    assert digest(tmp_path / "plain") == before_plain
+    plain.close()
+    # the same options: resume from the checkpoint, bit for bit the uninterrupted run
+    emb2, _ = build()
+    opt2 = DiskSparseAdam(emb2.parameters(), lr=0.0123, **opts, state_dir=tmp_path / "opt2")
+    extra = opt2.load_checkpoint(tmp_path / "ck")
+    emb2.load_state_dict(extra["model"])
+    assert torch.equal(emb2.weight.detach(), w_ck)
+    assert opt2.param_groups[0]["lr"] == 0.02 and opt2.param_groups[0]["weight_decay"] == 0.1
+    train(emb2, opt2, 4, 8)
+    assert torch.equal(emb2.weight.detach(), w_end)
+    opt2.close()
+    # and through resume=True on the live stores (weights from the model as it was)
+    opt3 = DiskSparseAdam(emb.parameters(), lr=0.02, **opts, state_dir=tmp_path / "opt",
+                          resume=True)
+    assert opt3.store_for(emb.weight).count == 8 and opt3.store_for(emb.weight).per_row_step
+    opt3.close()
+
+
+def test_weight_decay_is_a_param_group_hyperparameter(tmp_path):
+    """Per-group values (an override, a change between steps) reach each store's State and
+    its manifest; a torch.optim.SparseAdam state dict (no weight_decay) keeps this
+    optimizer's values when it is imported."""
+    a = torch.nn.Embedding(20, 4, sparse=True)
+    b = torch.nn.Embedding(30, 4, sparse=True)
+    opt = DiskSparseAdam([{"params": [a.weight]},
+                          {"params": [b.weight], "weight_decay": 0.3,
+                           "decoupled_weight_decay": True}],
+                         lr=0.01, weight_decay=0.01, state_dir=tmp_path / "opt")
+    for _ in range(2):
+        (a(torch.tensor([1, 2])).sum() + b(torch.tensor([3])).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    sa, sb = opt.store_for(a.weight), opt.store_for(b.weight)
+    assert (sa.weight_decay, sa.decoupled_weight_decay) == (0.01, False)
+    assert (sb.weight_decay, sb.decoupled_weight_decay) == (0.3, True)
+    opt.param_groups[0]["weight_decay"] = 0.02
+    (a(torch.tensor([1])).sum() + b(torch.tensor([3])).sum()).backward()
+    opt.step()
+    opt.flush()
+    snap = dsa_core.open(tmp_path / "opt" / "group0_param0", mode="r")
+    assert snap.weight_decay == 0.02 and not snap.decoupled_weight_decay
+    dsa_core.close(snap)
+    opt.close()
+    # a SparseAdam state dict: moments imported, weight decay kept
+    ref = torch.nn.Embedding(20, 4, sparse=True)
+    o_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.01)
+    ref(torch.tensor([1, 5])).sum().backward()
+    o_ref.step()
+    sd_ref = o_ref.state_dict()
+    assert "weight_decay" not in sd_ref["param_groups"][0]
+    dsk = copy.deepcopy(ref)
+    o = DiskSparseAdam(dsk.parameters(), lr=0.5, weight_decay=0.2,
+                       decoupled_weight_decay=True, decay_missed_steps=True,
+                       state_dir=tmp_path / "imp")
+    o.load_state_dict(sd_ref)
+    g = o.param_groups[0]
+    assert (g["lr"], g["weight_decay"], g["decoupled_weight_decay"]) == (0.01, 0.2, True)
+    st = o.store_for(dsk.weight)
+    assert st.count == 1 and np.array_equal(st.exp_avg, o_ref.state[ref.weight]["exp_avg"])
+    assert (st.last_steps == 1).all()  # SparseAdam decayed nothing: no decay missed so far
+    o.close()
+    # ... but one global step cannot give each row its own count
+    o = DiskSparseAdam(dsk.parameters(), per_row_step=True, state_dir=tmp_path / "prs")
+    o.flush()
+    before = digest(tmp_path / "prs")
+    with pytest.raises(ValueError, match="per_row_step=True.* only one global step"):
+        o.load_state_dict(sd_ref)
+    assert digest(tmp_path / "prs") == before and o.store_for(dsk.weight).count == 0
+    o.close()
+
+
+def test_disk_embedding_row_options_meet_the_optimizer(tmp_path):
+    """The module owns the store (and so the per-row options); the optimizer owns the decay."""
+    from adapters.torch import DiskEmbedding
+
+    emb = DiskEmbedding(40, 4, state_dir=tmp_path / "emb", seed=0, per_row_step=True,
+                        decay_missed_steps=True)
+    assert emb.store.per_row_step and emb.store.decay_missed_steps
+    with pytest.raises(ValueError, match=r"was created with per_row_step=True, but this "
+                                         r"optimizer asks for per_row_step=False"):
+        DiskSparseAdam(emb.parameters(), per_row_step=False, weight_decay=0.1,
+                       decoupled_weight_decay=True)
+    with pytest.raises(ValueError, match=r"decay_missed_steps=True.*decoupled_weight_decay="
+                                         r"False"):
+        DiskSparseAdam(emb.parameters(), weight_decay=0.1)
+    opt = DiskSparseAdam(emb.parameters(), lr=0.05, weight_decay=0.1,
+                         decoupled_weight_decay=True)  # options: the store's
+    ref = dsa_core.create(tmp_path / "ref", 40, 4, init=emb.store.weights.copy(), lr=0.05,
+                          weight_decay=0.1, decoupled_weight_decay=True, per_row_step=True,
+                          decay_missed_steps=True)
+    for t in range(6):
+        ids = torch.tensor([1, 2, 2] if t % 3 else [1, 9])
+        rows = torch.from_numpy(dsa_core.gather(ref, ids.numpy())).requires_grad_(True)
+        (rows ** 2).sum().backward()
+        ref = dsa_core.step(ref, ids.numpy(), rows.grad.numpy())
+        (emb(ids) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert np.array_equal(emb.store.weights, ref.weights)
+    assert np.array_equal(emb.store.row_steps, ref.row_steps)
+    assert emb.store.weight_decay == 0.1 and emb.store.decoupled_weight_decay
+    opt.close()
+    emb.close()
+    dsa_core.close(ref)

@@ -447,3 +447,90 @@ def test_module_state_dict_of_an_earlier_step_is_refused(tmp_path):
     assert model["emb"].store.count == 3
     opt.close()
     model["emb"].close()
+
+
+# -- per-row options (docs/algorithms.md §7.1, §7.2) ----------------------------------------
+def test_row_options_resume_state_dict_and_refusals(tmp_path):
+    """``per_row_step`` / ``decay_missed_steps`` are the module's (it owns the store): fixed
+    at creation, recorded in its state dict, refused on resume or load when they differ
+    (both values named, nothing written); the decay itself is the optimizer's."""
+    def run(de, opt, t0, t1):
+        for t in range(t0, t1):
+            x = ids_2d(torch.Generator().manual_seed(t), 60, (3, 4))
+            (de(x) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    rows = {"per_row_step": True, "decay_missed_steps": True}
+    hp = {"lr": 0.05, "weight_decay": 0.2, "decoupled_weight_decay": True}
+    torch.manual_seed(0)
+    init = torch.randn(60, 8)
+    ref = DiskEmbedding(60, 8, state_dir=tmp_path / "ref", init=init, **rows)
+    o_ref = DiskSparseAdam(ref.parameters(), **hp)
+    run(ref, o_ref, 0, 8)
+
+    de = DiskEmbedding(60, 8, state_dir=tmp_path / "run", init=init, **rows)
+    opt = DiskSparseAdam(de.parameters(), **hp)
+    run(de, opt, 0, 3)
+    sd = de.state_dict()
+    osd = opt.state_dict()
+    assert sd["_extra_state"]["per_row_step"] and sd["_extra_state"]["decay_missed_steps"]
+    opt.close()
+    de.close()
+    before = digest(tmp_path / "run")
+    for other in ({"per_row_step": False}, {"decay_missed_steps": False}):
+        (name, value), = other.items()
+        with pytest.raises(ValueError, match=rf"created with {name}=True, but {name}=False "
+                                             "was asked for"):
+            DiskEmbedding(60, 8, state_dir=tmp_path / "run", resume=True, **{**rows, **other})
+    assert digest(tmp_path / "run") == before
+    # a module without the options refuses the state dict of one with them
+    plain = DiskEmbedding(60, 8, state_dir=tmp_path / "plain", init=init)
+    with pytest.raises(RuntimeError, match=r"was created with per_row_step=True, "
+                                           r"decay_missed_steps=True, this one with "
+                                           r"per_row_step=False, decay_missed_steps=False"):
+        plain.load_state_dict(sd)
+    plain.close()
+    # the same options resume bit for bit
+    de = DiskEmbedding(60, 8, state_dir=tmp_path / "run", resume=True, **rows)
+    de.load_state_dict(sd)
+    # the state dict brings lr and weight_decay; the group must allow the catch-up already
+    opt = DiskSparseAdam(de.parameters(), lr=0.5, decoupled_weight_decay=True)
+    opt.load_state_dict(osd)
+    assert opt.param_groups[0]["weight_decay"] == 0.2
+    run(de, opt, 3, 8)
+    for name in ("weights", "exp_avg", "exp_avg_sq", "row_steps", "last_steps"):
+        assert np.array_equal(getattr(de.store, name), getattr(ref.store, name)), name
+    # an optimizer with L2 decay cannot step a store that catches up decoupled decay
+    opt.close()
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        DiskSparseAdam(de.parameters(), lr=0.05, weight_decay=0.2)
+    de.close()
+    o_ref.close()
+    ref.close()
+    # bad values, before anything is written
+    with pytest.raises(TypeError, match="per_row_step must be a bool"):
+        DiskEmbedding(10, 4, state_dir=tmp_path / "bad", per_row_step="yes")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_row_options_survive_a_checkpoint(tmp_path):
+    de = DiskEmbedding(30, 4, state_dir=tmp_path / "e", seed=1, per_row_step=True)
+    opt = DiskSparseAdam(de.parameters(), lr=0.1)
+    for ids in ([1, 2], [2, 3], [2]):
+        de(torch.tensor(ids)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    de.checkpoint(tmp_path / "ck")
+    steps = de.store.row_steps.copy()
+    assert steps[[1, 2, 3, 4]].tolist() == [1, 3, 1, 0]
+    de(torch.tensor([4])).sum().backward()
+    opt.step()
+    de.load_checkpoint(tmp_path / "ck")
+    assert np.array_equal(de.store.row_steps, steps) and de.store.count == 3
+    opt.close()
+    de.close()
+    other = DiskEmbedding(30, 4, state_dir=tmp_path / "o", seed=1)  # no per-row steps
+    with pytest.raises(ValueError, match="layout"):
+        other.load_checkpoint(tmp_path / "ck")
+    other.close()
