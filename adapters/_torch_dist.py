@@ -453,6 +453,14 @@ class ShardedDiskEmbedding(nn.Module):
         (float32, ``curvature == 0``). The stochastic rounding draws its bits from each
         shard's *local* row number, so the rounding (not the math) differs from one process
         and between world sizes, as it does between any two seeds.
+    per_row_step, decay_missed_steps : bool, default False
+        As :class:`~adapters.torch.DiskEmbedding`: each row's own step count for the bias
+        correction, and the catch-up of the decoupled weight decay a row missed. Recorded in
+        every shard; every rank must pass the same, and existing shards and checkpoints
+        must match. The per-row fields move with their rows when a checkpoint is resharded.
+        The weight decay itself is the optimizer's (``DiskSparseAdam(...,
+        weight_decay=..., decoupled_weight_decay=...)``); give every rank's optimizer the
+        same.
 
     Attributes
     ----------
@@ -479,7 +487,8 @@ class ShardedDiskEmbedding(nn.Module):
                  device: Any = None, grad_reduce: str = "sum", resume: bool = False,
                  resume_from=None, overwrite: bool = False, exchange: str = "all_to_all",
                  timeout: float | timedelta | None = None, durability: str = "flush",
-                 second_moment: str = "elementwise", first_moment: str = "full"):
+                 second_moment: str = "elementwise", first_moment: str = "full",
+                 per_row_step: bool = False, decay_missed_steps: bool = False):
         super().__init__()
         n, d, padding_idx = check_table_args(num_embeddings, embedding_dim, mode, padding_idx)
         if grad_reduce not in ("sum", "mean"):
@@ -492,6 +501,12 @@ class ShardedDiskEmbedding(nn.Module):
         c = validation.check_curvature(curvature, what=_WHO)
         second_moment = validation.check_second_moment(second_moment, c, what=_WHO)
         first_moment = validation.check_first_moment(first_moment, c, dt, what=_WHO)
+        for name, flag in (("per_row_step", per_row_step),
+                           ("decay_missed_steps", decay_missed_steps)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{_WHO}: {name} must be a bool, got {flag!r}")
+        rows = {"per_row_step": bool(per_row_step),
+                "decay_missed_steps": bool(decay_missed_steps)}
         _check_intent(resume, resume_from, overwrite)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ShardedDiskEmbedding needs torch.distributed: call "
@@ -513,12 +528,12 @@ class ShardedDiskEmbedding(nn.Module):
         meta = shard_meta(sp, rank, {
             "num_embeddings": n, "embedding_dim": d, "dtype": dt.name, "curvature": c,
             "padding_idx": padding_idx, "second_moment": second_moment,
-            "first_moment": first_moment})
+            "first_moment": first_moment, **rows})
 
         # phase 1: look (no writes), agree on what every rank found
         args = (n, d, dt.name, c, plan, padding_idx, grad_reduce, exchange, bool(resume),
                 None if resume_from is None else os.fspath(resume_from), bool(overwrite),
-                second_moment, first_moment)
+                second_moment, first_moment, rows["per_row_step"], rows["decay_missed_steps"])
         my_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
             else int(seed)
         try:
@@ -542,7 +557,7 @@ class ShardedDiskEmbedding(nn.Module):
             else:
                 state = _create_shard(path, sp, rank, d, dt, c, init, init_scale, shard_seed,
                                       padding_idx, overwrite, durability, second_moment,
-                                      first_moment)
+                                      first_moment, rows)
                 created = True
                 write_shard_meta(path, meta)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -741,7 +756,8 @@ class ShardedDiskEmbedding(nn.Module):
         if not isinstance(state, dict) or state.get("format") != _EXTRA_FORMAT:
             raise ValueError("not a ShardedDiskEmbedding state dict entry")
         keys = ("world_size", "rank", "plan", "num_embeddings", "embedding_dim", "dtype",
-                "curvature", "second_moment", "first_moment")
+                "curvature", "second_moment", "first_moment", "per_row_step",
+                "decay_missed_steps")
         have, want = self._meta, {**state, **table_of(state)}
         bad = [k for k in keys if have[k] != want.get(k)]
         if bad:
@@ -906,12 +922,14 @@ def _open_checked(path: Path, meta: dict) -> dsa_core.State:
     have = (st.num_rows, st.dim, st.dtype.name, st.curvature, st.has_weights,
             *store_settings(st).values())
     want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True,
-            meta["second_moment"], meta["first_moment"])
+            meta["second_moment"], meta["first_moment"], meta["per_row_step"],
+            meta["decay_missed_steps"])
     if have != want:
         dsa_core.close(st)
         raise ValueError(f"shard {str(path)!r} holds a {have[0]} x {have[1]} {have[2]} store "
                          f"(curvature {have[3]}, weights {have[4]}, second_moment "
-                         f"{have[5]!r}, first_moment {have[6]!r}); expected {want}")
+                         f"{have[5]!r}, first_moment {have[6]!r}, per_row_step {have[7]}, "
+                         f"decay_missed_steps {have[8]}); expected {want}")
     return st
 
 
@@ -932,8 +950,9 @@ def _copy_shard(src: Path, dest: Path) -> None:
 def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, c: float,
                   init: Any, init_scale: float, seed: int, padding_idx: int | None,
                   overwrite: bool, durability: str, second_moment: str = "elementwise",
-                  first_moment: str = "full") -> dsa_core.State:
+                  first_moment: str = "full", rows: dict | None = None) -> dsa_core.State:
     n = plan.local_rows(rank)
+    rows = rows or {"per_row_step": False, "decay_missed_steps": False}
     if isinstance(init, str):
         if init not in validation.INIT_NAMES:
             raise ValueError(f"init must be 'normal', 'uniform', 'zeros', an array of shape "
@@ -946,7 +965,10 @@ def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, 
     st = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True, init=src,
                          init_scale=init_scale, seed=seed, overwrite=overwrite,
                          durability=durability, progress=False, second_moment=second_moment,
-                         first_moment=first_moment)
+                         first_moment=first_moment, **rows,
+                         # the optimizer sets the decay at each step; a store that catches
+                         # up decay is created with the decoupled kind
+                         decoupled_weight_decay=rows["decay_missed_steps"])
     if padding_idx is not None and int(plan.owner(padding_idx)) == rank:
         st.weights[int(plan.local(padding_idx))] = 0
     return st

@@ -11,17 +11,18 @@ Layout on disk (one directory tree per machine; each rank writes only its own sh
     ckpt/dsa-sharded.json         checkpoints only: written last, marks a complete checkpoint
 
 A shard description (``shard.json``) and a manifest (``dsa-sharded.json``) are JSON objects
-that share the *table* keys (:data:`TABLE_KEYS`: shape, dtype, curvature, padding row and the
-reduced-state settings) and the plan (``{"kind", "world_size", "num_rows"}``); a shard adds
-its ``rank`` and ``local_rows``, a manifest the step ``count`` and every shard's directory
-and row count. Both are written with :func:`dsa_core.write_json` (atomic and durable).
+that share the *table* keys (:data:`TABLE_KEYS`: shape, dtype, curvature, padding row, the
+reduced-state settings and the per-row options) and the plan (``{"kind", "world_size",
+"num_rows"}``); a shard adds its ``rank`` and ``local_rows``, a manifest the step ``count``
+and every shard's directory and row count. Both are written with :func:`dsa_core.write_json` (atomic and durable).
 
 >>> import tempfile, pathlib
 >>> plan = ShardPlan(10, 3)
 >>> [plan.local_rows(k) for k in range(3)], int(plan.owner(7)), int(plan.local(7))
 ([4, 3, 3], 1, 2)
 >>> table = {"num_embeddings": 10, "embedding_dim": 4, "dtype": "float32", "curvature": 0.0,
-...          "padding_idx": None, "second_moment": "elementwise", "first_moment": "full"}
+...          "padding_idx": None, "second_moment": "elementwise", "first_moment": "full",
+...          "per_row_step": False, "decay_missed_steps": False}
 >>> root = pathlib.Path(tempfile.mkdtemp())
 >>> write_manifest(root, manifest(plan, table, count=5))
 >>> m = read_manifest(root)
@@ -68,9 +69,11 @@ MANIFEST_FORMAT = "dsa-torch-sharded"
 FORMAT_VERSION = 1
 PLANS = ("mod", "range")
 TABLE_KEYS = ("num_embeddings", "embedding_dim", "dtype", "curvature", "padding_idx",
-              "second_moment", "first_moment")
-# written before the reduced state existed: such shards and manifests hold full moments
-_SETTING_DEFAULTS = {"second_moment": "elementwise", "first_moment": "full"}
+              "second_moment", "first_moment", "per_row_step", "decay_missed_steps")
+# written before the reduced state (or the per-row options) existed: such shards and
+# manifests hold full moments and no per-row fields
+_SETTING_DEFAULTS = {"second_moment": "elementwise", "first_moment": "full",
+                     "per_row_step": False, "decay_missed_steps": False}
 
 
 # -- ownership plan -------------------------------------------------------------------------------
@@ -169,11 +172,13 @@ def describe_plan(meta: dict) -> str:
 
 
 # -- the table settings ---------------------------------------------------------------------------
-def store_settings(state: dsa_core.State) -> dict[str, str]:
-    """``second_moment`` and ``first_moment`` of a shard store, as ShardedDiskEmbedding's
-    arguments name them (the ball's per-row v is its default, "elementwise")."""
+def store_settings(state: dsa_core.State) -> dict[str, Any]:
+    """``second_moment``, ``first_moment``, ``per_row_step`` and ``decay_missed_steps`` of a
+    shard store, as ShardedDiskEmbedding's (and ``dsa_core.create``'s) arguments name them
+    (the ball's per-row v is its default, "elementwise")."""
     return {"second_moment": "rowwise" if state.second_moment == "rowwise" else "elementwise",
-            "first_moment": state.first_moment}
+            "first_moment": state.first_moment, "per_row_step": bool(state.per_row_step),
+            "decay_missed_steps": bool(state.decay_missed_steps)}
 
 
 def table_of(meta: dict) -> dict[str, Any]:

@@ -557,6 +557,70 @@ def test_stale_state_through_the_module(tmp_path, one_rank):
     emb.close()
 
 
+def test_row_options_in_shards(tmp_path, one_rank):
+    """``per_row_step`` / ``decay_missed_steps`` are recorded in every shard description and
+    checkpoint manifest, must match on resume (nothing written by a refusal), and the
+    per-row fields move with their rows through a reshard."""
+    import dsa_core
+    from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding, read_manifest
+    from adapters.torch_reshard import reshard
+
+    rows = {"per_row_step": True, "decay_missed_steps": True}
+    root = tmp_path / "emb"
+    emb = ShardedDiskEmbedding(N, D, state_dir=root, init=init_table(), **rows)
+    assert emb.store.per_row_step and emb.store.decay_missed_steps
+    with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+        DiskSparseAdam(emb.parameters(), lr=LR_EMB, weight_decay=0.1)
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB, weight_decay=0.1,
+                         decoupled_weight_decay=True)
+    train_one_step(emb, opt)
+    train_one_step(emb, opt, ids=(3, 7))
+    emb.checkpoint(tmp_path / "ckpt")
+    st = emb.store
+    assert st.row_steps[[1, 2, 3, 7, 0]].tolist() == [1, 1, 1, 2, 0]
+    assert st.last_steps[[1, 2, 3, 7, 0]].tolist() == [1, 1, 2, 2, 0]
+    assert emb.get_extra_state()["per_row_step"] is True
+    meta = json.loads((root / "rank0" / "shard.json").read_text())
+    man = read_manifest(tmp_path / "ckpt")
+    for m in (meta, man):
+        assert (m["per_row_step"], m["decay_missed_steps"]) == (True, True)
+    opt.close()
+    emb.close()
+    before = tree(tmp_path)
+    for kw in ({"resume": True, "per_row_step": False},
+               {"resume_from": tmp_path / "ckpt", "decay_missed_steps": False}):
+        (name, _), = [(k, v) for k, v in kw.items() if k in rows]
+        with pytest.raises(ValueError, match=rf"shard of another table: {name} True there, "
+                                             rf"False here"):
+            ShardedDiskEmbedding(N, D, state_dir=root, **{**rows, **kw})
+    assert tree(tmp_path) == before
+    emb = ShardedDiskEmbedding(N, D, state_dir=root, resume=True, **rows)
+    assert emb.store.count == 2 and emb.store.row_steps[7] == 2
+    sd = emb.state_dict()
+    emb.close()
+    other = ShardedDiskEmbedding(N, D, state_dir=tmp_path / "other", init=init_table())
+    with pytest.raises(RuntimeError, match=r"per_row_step \(saved True, here False\)"):
+        other.load_state_dict(sd)
+    other.close()
+    # reshard (per_row_step shards): the row counts move with their rows
+    emb = ShardedDiskEmbedding(N, D, state_dir=tmp_path / "prs", init=init_table(),
+                               per_row_step=True)
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+    for ids in ((1, 2, 2, 7), (2, 30), (2,)):
+        train_one_step(emb, opt, ids=ids)
+    emb.checkpoint(tmp_path / "ck1")
+    steps = emb.store.row_steps.copy()
+    opt.close()
+    emb.close()
+    reshard(tmp_path / "ck1", tmp_path / "ck2", 2, "mod")
+    assert read_manifest(tmp_path / "ck2")["per_row_step"] is True
+    for k in range(2):
+        sk = dsa_core.open(tmp_path / "ck2" / f"rank{k}", mode="r")
+        assert sk.per_row_step and sk.count == 3
+        np.testing.assert_array_equal(sk.row_steps, steps[k::2])
+        dsa_core.close(sk)
+
+
 def test_shard_format(tmp_path):
     """The format module: manifests and shard descriptions are checked when read."""
     from adapters._torch_shards import (
