@@ -24,9 +24,11 @@ _WHAT = "create_store"
 _CREATE_ARGS = {n: p.default for n, p in inspect.signature(dsa_core.create).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
 # fixed when a store is created: a reopened store must have been made with these values
-_LAYOUT_ARGS = ("curvature", "dtype", "weights", "second_moment", "first_moment", "align")
+_LAYOUT_ARGS = ("curvature", "dtype", "weights", "second_moment", "first_moment", "align",
+                "per_row_step", "decay_missed_steps")
 # the optimizer's settings: given ones replace a reopened store's, as if it was made with them
-_HPARAM_ARGS = ("lr", "betas", "eps", "maximize", "nonfinite", "durability")
+_HPARAM_ARGS = ("lr", "betas", "eps", "maximize", "nonfinite", "durability", "weight_decay",
+                "decoupled_weight_decay")
 _OWN_ARGS = ("overwrite", "access")  # create_store's own handling
 
 
@@ -57,13 +59,15 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
         How the store is paged (``dsa_core.create``/``open``).
     **create_args
         The keyword arguments of ``dsa_core.create``: ``curvature``, ``dtype``, ``weights``,
-        ``init``, ``lr``, ``durability``, ... When a store is reopened, ``curvature``,
-        ``dtype``, ``weights``, ``second_moment``, ``first_moment`` and ``align`` (given or
+        ``init``, ``lr``, ``durability``, ``weight_decay``, ``per_row_step``, ... When a
+        store is reopened, ``curvature``, ``dtype``, ``weights``, ``second_moment``,
+        ``first_moment``, ``align``, ``per_row_step`` and ``decay_missed_steps`` (given or
         at their defaults, since the same call would have created it) and ``ball_eps`` (if
         given) must agree with it, or a ``ValueError`` names the difference and the store is
-        closed again, untouched; ``lr``, ``betas``, ``eps``, ``maximize``, ``nonfinite`` and
-        ``durability``, where given, replace the store's own (written at its next flush);
-        ``init``, ``init_scale``, ``seed`` and ``progress`` only shape a new store.
+        closed again, untouched; ``lr``, ``betas``, ``eps``, ``maximize``, ``nonfinite``,
+        ``durability``, ``weight_decay`` and ``decoupled_weight_decay``, where given,
+        replace the store's own (written at its next flush); ``init``, ``init_scale``,
+        ``seed`` and ``progress`` only shape a new store.
 
     Returns
     -------
@@ -164,6 +168,9 @@ def _check_match(state: dsa_core.State, num_rows: int, dim: int,
                           state.second_moment),
         "first_moment": (want["first_moment"], state.first_moment),
         "align": (want["align"], state.layout.get("align", 0)),
+        "per_row_step": (bool(want["per_row_step"]), bool(state.per_row_step)),
+        "decay_missed_steps": (bool(want["decay_missed_steps"]),
+                               bool(state.decay_missed_steps)),
     }
     if create_args.get("ball_eps") is not None:
         expect["ball_eps"] = (float(create_args["ball_eps"]), state.ball_eps)
@@ -190,5 +197,14 @@ def _hparams(state: dsa_core.State, create_args: dict[str, Any]) -> dict[str, An
     if durability not in validation.DURABILITY_MODES:
         raise ValueError(f"{_WHAT}: durability must be one of "
                          f"{validation.DURABILITY_MODES}, got {durability!r}")
+    wd = validation.check_weight_decay(given.get("weight_decay", state.weight_decay),
+                                       what=_WHAT)
+    decoupled = given.get("decoupled_weight_decay", state.decoupled_weight_decay)
+    if not isinstance(decoupled, (bool, np.bool_)):
+        raise TypeError(f"{_WHAT}: decoupled_weight_decay must be a bool, got {decoupled!r}")
+    if state.decay_missed_steps and not decoupled:
+        raise ValueError(f"{_WHAT}: the store at {str(state.path)!r} was created with "
+                         "decay_missed_steps=True, which needs decoupled_weight_decay=True")
     return {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
-            "nonfinite": nonfinite, "durability": durability}
+            "nonfinite": nonfinite, "durability": durability, "weight_decay": wd,
+            "decoupled_weight_decay": bool(decoupled)}

@@ -42,14 +42,16 @@ class Config(NamedTuple):
 
     schedule: Callable[[Any], Any] | None  # learning-rate schedule(count), or None
     lr: float | None        # constant learning rate; None: the schedule's, or each store's
-    overrides: dict         # State fields set in every table at init: betas, eps, maximize
+    overrides: dict         # State fields set in every table at init: betas, eps, maximize,
+    #                         weight_decay, decoupled_weight_decay
     in_jit: bool            # update emits an ordered io_callback (jit/scan-able)
     return_rows: bool       # update returns the new rows
 
 
 def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
                 b1: float | None = None, b2: float | None = None, eps: float | None = None,
-                *, maximize: bool | None = None, in_jit: bool = False,
+                *, maximize: bool | None = None, weight_decay: float | None = None,
+                decoupled_weight_decay: bool | None = None, in_jit: bool = False,
                 return_rows: bool = True) -> SparseGradientTransformation:
     r"""Lazy (sparse) Adam over ``dsa_core`` stores, as an optax-style ``(init, update)`` pair.
 
@@ -65,6 +67,20 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
         for every table (and is written to the store's manifest at the next flush).
     maximize : bool, optional
         Ascend instead of descend; ``None`` keeps the stores' setting.
+    weight_decay : float, optional
+        Weight decay ``>= 0`` of the rows of each batch (lazy: rows absent from a batch do
+        not decay, unless their store was created with ``decay_missed_steps=True``). With
+        ``decoupled_weight_decay`` false it is L2, ``g <- g + weight_decay * p`` before the
+        Adam update (``torch.optim.Adam(weight_decay=)``); true, it is AdamW's
+        ``p <- p * (1 - lr * weight_decay)`` before the Adam update (``optax.adamw`` and
+        ``torch.optim.AdamW`` scale the decay by the learning rate the same way, optax with
+        the schedule's value). ``None`` keeps each store's own value (0 for a new store);
+        a value overrides it for every table (written to the manifest at the next flush).
+    decoupled_weight_decay : bool, optional
+        ``True``: AdamW's decoupled decay; ``False``: L2 (torch's name and meaning). ``None``
+        keeps the stores' setting. A store created with ``decay_missed_steps=True`` needs
+        it true. The per-row options ``per_row_step`` and ``decay_missed_steps`` belong to
+        the stores (:func:`create_store`), fixed when they are created.
     in_jit : bool, default False
         ``False``: ``update`` runs on the host and must be called outside ``jax.jit``
         (the default and the cheapest). ``True``: ``update`` emits one ordered
@@ -118,8 +134,9 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
     Notes
     -----
     Semantics are those of ``dsa_core.step``: with ``curvature == 0`` the store follows
-    ``torch.optim.SparseAdam`` (lazy Adam: one global step count ``t`` for bias correction;
-    rows absent from a batch are not touched and their moments do not decay),
+    ``torch.optim.SparseAdam`` (lazy Adam: one global step count ``t`` for bias correction,
+    or each row's own with ``per_row_step`` stores; rows absent from a batch are not
+    touched and their moments do not decay),
 
     .. math::
 
@@ -130,6 +147,7 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
 
     and with ``curvature > 0`` geoopt's ``SparseRiemannianAdam`` on the Poincaré ball
     (docs/algorithms.md §3). The store decides the geometry; this transform only moves arrays.
+    Weight decay (above) comes first, on the rows of the batch.
 
     ``update`` mutates the stores in place, so the state it returns is the only valid one:
     an old state would count its steps a second time, and raises
@@ -225,6 +243,13 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
         if not isinstance(maximize, (bool, np.bool_)):
             raise TypeError(f"{what}: maximize must be a bool or None, got {maximize!r}")
         overrides["maximize"] = bool(maximize)
+    if weight_decay is not None:
+        overrides["weight_decay"] = validation.check_weight_decay(weight_decay, what=what)
+    if decoupled_weight_decay is not None:
+        if not isinstance(decoupled_weight_decay, (bool, np.bool_)):
+            raise TypeError(f"{what}: decoupled_weight_decay must be a bool or None, got "
+                            f"{decoupled_weight_decay!r}")
+        overrides["decoupled_weight_decay"] = bool(decoupled_weight_decay)
     if not isinstance(in_jit, (bool, np.bool_)):
         raise TypeError(f"{what}: in_jit must be a bool, got {in_jit!r}")
     cfg = Config(schedule, const_lr, overrides, bool(in_jit), bool(return_rows))
@@ -255,7 +280,7 @@ def init(cfg: Config, stores: Any) -> DiskAdamState:
     if not paths:
         raise ValueError(f"{INIT}: init needs at least one dsa_core store (got an empty "
                          "pytree)")
-    tables, counts, seen = [], set(), {}
+    cores, names, counts, seen = [], [], set(), {}
     for path, leaf in paths:
         name = jax.tree_util.keystr(path)
         if not isinstance(leaf, dsa_core.State):
@@ -289,7 +314,14 @@ def init(cfg: Config, stores: Any) -> DiskAdamState:
             core = core._replace(**rep)
         if cfg.lr is not None:
             core = core._replace(lr=cfg.lr)
-        tables.append(DiskTable(core, name, in_jit=cfg.in_jit))
+        if core.decay_missed_steps and not core.decoupled_weight_decay:
+            raise ValueError(
+                f"{INIT}: store {str(leaf.path)!r} was created with decay_missed_steps=True, "
+                "which catches up the decoupled (AdamW) weight decay of the steps a row "
+                "missed, but this transform steps it with decoupled_weight_decay=False (L2); "
+                "pass sparse_adam(..., decoupled_weight_decay=True)")
+        cores.append(core)
+        names.append(name)
         counts.add(int(leaf.count))
     if len(counts) > 1:
         raise ValueError(
@@ -297,6 +329,7 @@ def init(cfg: Config, stores: Any) -> DiskAdamState:
             "transform keeps one global step count for all its tables. Use stores trained "
             "together, or one transform per table")
     (count,) = counts
+    tables = [DiskTable(core, name, in_jit=cfg.in_jit) for core, name in zip(cores, names)]
     # in_jit: a jax.Array from the start, so the jitted step sees one argument type
     count = jnp.asarray(count, jnp.int32) if cfg.in_jit else np.asarray(count, np.int32)
     return DiskAdamState(count, treedef.unflatten(tables))

@@ -769,3 +769,114 @@ def test_create_store_weights_false_rerun_is_refused(tmp_path):
 
 def test_warmup_runs():
     dj.warmup(("float32",))
+
+
+# -- weight decay and per-row steps (docs/algorithms.md §7.1, §7.2) -----------------------------
+@pytest.mark.parametrize("opts", [
+    {"weight_decay": 0.1},
+    {"weight_decay": 0.1, "decoupled_weight_decay": True},
+    {"weight_decay": 0.1, "decoupled_weight_decay": True, "decay_missed_steps": True},
+    {"per_row_step": True},
+    {"weight_decay": 0.1, "decoupled_weight_decay": True, "decay_missed_steps": True,
+     "per_row_step": True}])
+@pytest.mark.parametrize("in_jit", [False, True])
+def test_weight_decay_matches_dsa_core_step(tmp_path, opts, in_jit):
+    """``sparse_adam(weight_decay=, decoupled_weight_decay=)`` on stores made by
+    ``create_store(per_row_step=, decay_missed_steps=)`` is ``dsa_core.step`` with the same
+    options, bit for bit, with a schedule and rows that skip steps."""
+    hp = {k: opts[k] for k in ("weight_decay", "decoupled_weight_decay") if k in opts}
+    layout = {k: opts[k] for k in ("per_row_step", "decay_missed_steps") if k in opts}
+    init = np.random.default_rng(0).standard_normal((N, D)) * 0.1
+    # the transform brings the decay; a store that catches up decay is made decoupled
+    made = {"decoupled_weight_decay": True} if layout.get("decay_missed_steps") else {}
+    a = dj.create_store(tmp_path / "a", N, D, init=init, lr=1e-2, **layout, **made)
+    b = dsa_core.create(tmp_path / "b", N, D, init=init, lr=1e-2, **layout, **hp)
+    assert (a.per_row_step, a.decay_missed_steps) == (b.per_row_step, b.decay_missed_steps)
+    # a schedule on the host; inside jit a constant (a traced schedule may differ from the
+    # host's in the last bit, see sparse_adam)
+    sched = (lambda count: 3e-2) if in_jit else (lambda count: 3e-2 * 0.95 ** count)
+    tx = dj.sparse_adam(3e-2 if in_jit else sched, **hp, in_jit=in_jit)
+    st = tx.init(a)
+    step = jax.jit(lambda s, i, g: tx.update((i, g), s)) if in_jit else \
+        (lambda s, i, g: tx.update((i, g), s))
+    for t, (ids, g) in enumerate(batches(7, 10)):
+        if t >= 5:
+            ids = ids + N // 2  # rows first seen late (and rows that miss steps)
+        _, st = step(st, ids, jnp.asarray(g))
+        b = dsa_core.step(b, ids, g, lr=float(sched(np.int32(t))))
+    a = dj.core_states(st)
+    assert_same_store(a, b)
+    assert (a.weight_decay, a.decoupled_weight_decay) == (b.weight_decay,
+                                                          b.decoupled_weight_decay)
+    if b.per_row_step:
+        np.testing.assert_array_equal(a.row_steps, b.row_steps)
+    if b.decay_missed_steps:
+        np.testing.assert_array_equal(a.last_steps, b.last_steps)
+    dj.flush(st)
+    snap = dsa_core.open(a.path, mode="r")  # the transform's decay is in the manifest
+    assert snap.weight_decay == hp.get("weight_decay", 0.0)
+    dsa_core.close(snap)
+    dj.close(st)
+    dsa_core.close(b)
+
+
+def test_weight_decay_arguments_and_the_stores_own(tmp_path):
+    a, b = make_twins(tmp_path, weight_decay=0.2, decoupled_weight_decay=True)
+    st = dj.sparse_adam(1e-2).init(a)  # None: the store's own decay
+    ids, g = batches(3, 1)[0]
+    _, st = dj.sparse_adam(1e-2).update((ids, g), st)
+    b = dsa_core.step(b, ids, g)
+    assert_same_store(dj.core_states(st), b)
+    dj.close(st)
+    dsa_core.close(b)
+    for kw, exc, msg in [({"weight_decay": -0.1}, ValueError,
+                          r"^sparse_adam: Invalid weight_decay value: -0.1"),
+                         ({"weight_decay": float("inf")}, ValueError, "Invalid weight_decay"),
+                         ({"weight_decay": "0.1x"}, TypeError, "weight_decay must be"),
+                         ({"decoupled_weight_decay": 1}, TypeError,
+                          "decoupled_weight_decay must be a bool")]:
+        with pytest.raises(exc, match=msg):
+            dj.sparse_adam(1e-2, **kw)
+    # a store that catches up decoupled decay refuses an L2 transform at init
+    s = dj.create_store(tmp_path / "dm", N, D, weight_decay=0.1, decoupled_weight_decay=True,
+                        decay_missed_steps=True)
+    with pytest.raises(ValueError, match=r"decay_missed_steps=True.*decoupled_weight_decay="
+                                         r"True"):
+        dj.sparse_adam(1e-2, decoupled_weight_decay=False).init(s)
+    dsa_core.close(s)
+
+
+def test_create_store_resume_checks_the_row_options(tmp_path):
+    path = tmp_path / "emb"
+    s = dj.create_store(path, N, D, per_row_step=True, decay_missed_steps=True,
+                        weight_decay=0.1, decoupled_weight_decay=True)
+    tx = dj.sparse_adam(1e-2)
+    _, st = tx.update(batches(4, 1)[0], tx.init(s))
+    dj.checkpoint(st, tmp_path / "ck")
+    dj.close(st)
+    before = store_digest(path)
+    for kw, what in [({"per_row_step": False, "decay_missed_steps": True},
+                      r"per_row_step True \(asked: False\)"),
+                     ({"per_row_step": True}, r"decay_missed_steps True \(asked: False\)")]:
+        with pytest.raises(ValueError, match=rf"does not match this call: it has {what}"):
+            dj.create_store(path, N, D, resume=True, decoupled_weight_decay=True, **kw)
+    with pytest.raises(ValueError, match="decay_missed_steps=True, which needs "
+                                         "decoupled_weight_decay=True"):
+        dj.create_store(path, N, D, resume=True, per_row_step=True, decay_missed_steps=True,
+                        decoupled_weight_decay=False)
+    assert store_digest(path) == before
+    s = dj.create_store(path, N, D, resume=True, per_row_step=True, decay_missed_steps=True,
+                        weight_decay=0.3)  # a given hyperparameter replaces the store's
+    assert (s.count, s.weight_decay, s.decoupled_weight_decay) == (1, 0.3, True)
+    row_steps = s.row_steps.copy()
+    assert row_steps.max() == 1
+    # a checkpoint restores the per-row fields; a store without them is refused
+    st = tx.init(s)
+    _, st = tx.update(batches(5, 1)[0], st)
+    st = dj.restore(st, tmp_path / "ck")
+    np.testing.assert_array_equal(dj.core_states(st).row_steps, row_steps)
+    dj.close(st)
+    plain = tx.init(dj.create_store(tmp_path / "plain", N, D))
+    with pytest.raises(ValueError, match="layout"):
+        dj.restore(plain, tmp_path / "ck")
+    dj.close(plain)
