@@ -1194,11 +1194,16 @@ def test_every_row_every_step_is_dense_adam_with_weight_decay(tmp_path, dtype, e
     {"per_row_step": True},
     {"weight_decay": 0.05, "decoupled_weight_decay": True, "decay_missed_steps": True,
      "per_row_step": True, "maximize": True}])
-def test_adapter_steps_are_dsa_core_steps_with_the_options(tmp_path, opts):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_adapter_steps_are_dsa_core_steps_with_the_options(tmp_path, opts, in_place):
     """Bit for bit ``dsa_core.step`` with the same options, through torch (coalesce, a
-    schedule, rows that skip steps), on a CPU table updated in place."""
+    schedule, rows that skip steps), on a CPU table updated in place and on one whose rows
+    go out and back (a non-contiguous table: the path CUDA parameters take)."""
     n, d = 60, 6
     emb = torch.nn.Embedding(n, d, sparse=True)
+    if not in_place:
+        emb.weight = torch.nn.Parameter(emb.weight.detach().t().contiguous().t())
+        assert not emb.weight.is_contiguous()
     init = emb.weight.detach().numpy().copy()
     layout = {k: opts.pop(k) for k in ("per_row_step", "decay_missed_steps") if k in opts}
     opt = DiskSparseAdam(emb.parameters(), lr=0.03, **opts, **layout,
