@@ -1,5 +1,6 @@
-"""Helpers shared by the two kernel modules: a software-prefetch intrinsic (``llvm.prefetch``)
-and the per-row prelude (record prefetch, finiteness check).
+"""Helpers shared by the two kernel modules: a software-prefetch intrinsic (``llvm.prefetch``),
+the per-row prelude (record prefetch, finiteness check) and the per-row options of
+docs/algorithms.md §7.1–§7.2 (counters, per-row bias corrections, weight decay factors).
 
 Rows of a batch are scattered over a table much larger than the CPU caches, so every record
 is a DRAM (or page-cache) miss; asking for the record a few rows ahead hides that latency.
@@ -11,6 +12,8 @@ so after editing this module clear ``dsa_core/__pycache__/*.nb[ic]``.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from llvmlite import ir
@@ -139,3 +142,154 @@ def _dot64_overload(a, b):
     if a.dtype == types.float32 and b.dtype == types.float32:
         return lambda a, b: _dot64_lanes(a, b)
     return lambda a, b: _dot64_serial(a, b)
+
+
+# -- per-row options (docs/algorithms.md §7.1, §7.2) -------------------------------------------
+# Weight decay modes.
+WD_NONE, WD_L2, WD_DECOUPLED = 0, 1, 2
+
+# The ``*_options`` kernels (the step calls them only when an option is on; the plain
+# kernels are unchanged) take one float64 array ``op`` for everything the options need,
+# packed by :func:`options_array`: one argument, because each argument of a kernel call
+# costs the dispatcher time and a step makes 16 calls. The integers (counter offsets, the
+# step, the mode) are exact in float64. The per-row values are computed in double and
+# rounded once to T, as the glue computes the global ones (a T array cannot hold them:
+# fl32(0.9) is not 0.9). Indices into ``op``:
+OP_RS, OP_LS, OP_T, OP_MODE, OP_LR, OP_B1, OP_B2, OP_KEEP, OP_NTAB, OP_SAT = range(10)
+# ``OP_RS`` / ``OP_LS``: element offsets of the ``row_step`` / ``last_step`` counters, -1 if
+# absent.
+# Then, for per_row_step stores, a table of the bias corrections of the counts 0..ntab-1,
+# three values per count: 1 - b1**t, 1 - b2**t, sqrt(1 - b2**t) -- the bits of the pow calls
+# (libm's pow, as numba's math.pow and Python's ** call it) without two pow calls per row
+# (with them: +10% on a warm 1M x 128 step). ``OP_SAT`` = 1 when the table reaches the count
+# past which both corrections are exactly 1.0 (b**t <= 2**-54).
+OP_TAB = 10
+BIAS_TABLE_MAX = 1 << 16  # counts in the table (1.5 MiB); larger ones call pow
+
+
+@njit(cache=True)
+def _fill_bias_table(op, b1, b2, ntab):
+    for t in range(ntab):
+        ft = float(t)
+        c1 = 1.0 - math.pow(b1, ft)
+        c2 = 1.0 - math.pow(b2, ft)
+        o = OP_TAB + 3 * t
+        op[o] = c1
+        op[o + 1] = c2
+        op[o + 2] = math.sqrt(c2)
+
+
+def _saturation(b: float) -> int:
+    """The smallest count t >= 1 from which ``1 - b**t == 1.0`` in double (monotone in t)."""
+    if b == 0.0:
+        return 1
+    t = max(1, math.ceil(-54 * math.log(2) / math.log(b)))
+    while t > 1 and 1.0 - b ** (t - 1) == 1.0:
+        t -= 1
+    while 1.0 - b**t != 1.0:
+        t += 1
+    return t
+
+
+def options_array(*, rs_off: int = -1, ls_off: int = -1, t: int = 0, wd_mode: int = WD_NONE,
+                  lr: float = 0.0, betas: tuple[float, float] = (0.0, 0.0),
+                  weight_decay: float = 0.0, out: np.ndarray | None = None) -> np.ndarray:
+    """The kernels' ``op`` array for one step (module comment above).
+
+    ``rs_off``, ``ls_off``: the counters' offsets (-1: absent); ``t`` the global step;
+    ``wd_mode`` one of ``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``; ``lr``, ``betas`` and
+    ``keep = 1 - lr*wd`` unrounded. ``out``, an earlier result of the same store, is updated
+    in place: the bias table (``rs_off >= 0``) is built once per betas.
+    """
+    b1, b2 = betas
+    table = rs_off >= 0
+    if out is None or out[OP_B1] != b1 or out[OP_B2] != b2 or (out[OP_NTAB] > 0) != table:
+        ntab, sat = 0, 0.0
+        if table:
+            ntab = max(_saturation(b1), _saturation(b2))
+            sat = 1.0 if ntab <= BIAS_TABLE_MAX else 0.0
+            ntab = min(ntab, BIAS_TABLE_MAX)
+        out = np.empty(OP_TAB + 3 * ntab, np.float64)
+        out[OP_B1], out[OP_B2], out[OP_NTAB], out[OP_SAT] = b1, b2, ntab, sat
+        if ntab:
+            _fill_bias_table(out, b1, b2, ntab)
+    out[OP_RS], out[OP_LS], out[OP_T], out[OP_MODE] = rs_off, ls_off, t, wd_mode
+    out[OP_LR] = lr
+    out[OP_KEEP] = 1.0 - lr * weight_decay
+    return out
+
+
+@njit(inline="always")
+def unpack_options(op):
+    """``(rs_off, ls_off, t, wd_mode)`` of ``op`` as ints."""
+    return int(op[OP_RS]), int(op[OP_LS]), int(op[OP_T]), int(op[OP_MODE])
+
+
+def counter_view(S):
+    """``S`` (the records) viewed as the counters' ints: int32 for float32 records, int64 for
+    float64 (``_layout.counter_dtype``); same shape, so the same element offsets."""
+    return S.view(np.int32 if S.dtype == np.float32 else np.int64)
+
+
+@overload(counter_view)
+def _counter_view_overload(S):
+    if S.dtype == types.float32:
+        return lambda S: S.view(np.int32)
+    return lambda S: S.view(np.int64)
+
+
+@njit(inline="always")
+def advance_counters(C, r, rs_off, ls_off, t):
+    """Update the counters of record ``r`` for an update at global step ``t``; returns
+    ``(tr, k)``.
+
+    ``C`` is the records viewed as ints. With a ``row_step`` slot (``rs_off >= 0``) the row's
+    own count becomes ``tr = t_r + 1`` (else ``tr = 0``: use the global corrections). With a
+    ``last_step`` slot, ``k = t - last`` is the number of steps whose decay the row takes now
+    (the missed ones and this one; at least 1, should a count have been set back), and
+    ``last`` becomes ``t``; without one, ``k = 1``.
+    """
+    tr = 0
+    if rs_off >= 0:
+        tr = C[r, rs_off] + 1
+        C[r, rs_off] = tr
+    k = 1
+    if ls_off >= 0:
+        k = max(t - C[r, ls_off], 1)
+        C[r, ls_off] = t
+    return tr, k
+
+
+@njit(inline="always")
+def row_bias_corrections(op, tr):
+    """``(1 - b1**tr, 1 - b2**tr, sqrt(1 - b2**tr))`` in float64, bit for bit as libm's ``pow``
+    (and Python's ``b**t`` in the glue) gives them: from the table of ``op``, or 1.0 past the
+    saturation count, or pow calls. A row with ``tr == t`` gets the global corrections."""
+    ntab = int(op[OP_NTAB])
+    if tr < ntab:
+        o = OP_TAB + 3 * tr
+        return op[o], op[o + 1], op[o + 2]
+    if op[OP_SAT] != 0.0:
+        return 1.0, 1.0, 1.0
+    ftr = float(tr)
+    c2 = 1.0 - math.pow(op[OP_B2], ftr)
+    return 1.0 - math.pow(op[OP_B1], ftr), c2, math.sqrt(c2)
+
+
+@njit(inline="always")
+def row_corrections(T, op, tr, bc1, bc2):
+    """``(fl(bc1), fl(bc2))`` in T with the row's own count ``tr``, for the kernels that divide
+    by the corrections themselves; the global ``bc1``, ``bc2`` (already T) for ``tr == 0``."""
+    if tr == 0:
+        return bc1, bc2
+    c1, c2, _ = row_bias_corrections(op, tr)
+    return T(c1), T(c2)
+
+
+@njit(inline="always")
+def decay_factor(keep, op, k):
+    """The decoupled decay of ``k`` steps in T: ``keep = fl(1 - lr*wd)`` for ``k == 1``,
+    else ``fl((1 - lr*wd)**k)``, the power taken in float64 and rounded once."""
+    if k == 1:
+        return keep
+    return type(keep)(math.pow(op[OP_KEEP], float(k)))

@@ -21,22 +21,36 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._intrinsics import PREFETCH_ROWS, dot64, prefetch_record, row_is_finite
+from ._intrinsics import (
+    PREFETCH_ROWS,
+    WD_DECOUPLED,
+    WD_L2,
+    advance_counters,
+    counter_view,
+    decay_factor,
+    dot64,
+    prefetch_record,
+    row_corrections,
+    row_is_finite,
+    unpack_options,
+)
 
 # -- hyperparameters: one T array ``hp`` ------------------------------------------------------
 # indices into ``hp`` (all values already rounded to T)
-HP_K, HP_A1, HP_B1, HP_A2, HP_B2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_MAXNORM, HP_SGN = range(11)
-HP_SIZE = 11
+(HP_K, HP_A1, HP_B1, HP_A2, HP_B2, HP_BC1, HP_BC2, HP_EPS, HP_NEG_LR, HP_MAXNORM, HP_SGN,
+ HP_WD, HP_KEEP) = range(13)
+HP_SIZE = 13
 
 
 def poincare_hparams(dtype, *, curvature: float, lr: float, betas: tuple[float, float],
                      bc1: float, bc2: float, eps: float, maxnorm: float,
-                     maximize: bool) -> np.ndarray:
+                     maximize: bool, weight_decay: float = 0.0) -> np.ndarray:
     """The ``hp`` array of :func:`adam_rows_poincare` for one step, each value rounded once to T.
 
     ``k = -curvature`` is geoopt's ``Stereographic(k)`` (the ball has ``k < 0``); ``bc1``,
     ``bc2`` are the bias corrections ``1 - beta**t``; ``maxnorm`` the projection radius,
-    already computed in T (``_state.maxnorm``), so storing it is exact.
+    already computed in T (``_state.maxnorm``), so storing it is exact. ``wd`` is the L2
+    coefficient, ``keep = 1 - lr*wd`` the one-step decoupled shrink (docs/algorithms.md §7.1).
     """
     b1, b2 = betas
     hp = np.empty(HP_SIZE, dtype)
@@ -51,15 +65,17 @@ def poincare_hparams(dtype, *, curvature: float, lr: float, betas: tuple[float, 
     hp[HP_NEG_LR] = -lr
     hp[HP_MAXNORM] = maxnorm
     hp[HP_SGN] = -1.0 if maximize else 1.0  # exact in T: maximize negates g, bit for bit
+    hp[HP_WD] = weight_decay
+    hp[HP_KEEP] = 1.0 - lr * weight_decay
     return hp
 
 
 @njit(inline="always")
 def unpack_poincare(hp):
     """``hp`` as named T scalars: k, a1 = 1-b1, b1, a2 = 1-b2, b2, bc1, bc2, eps,
-    neg_lr = -lr, maxnorm, sgn (see :func:`poincare_hparams`)."""
+    neg_lr = -lr, maxnorm, sgn, wd, keep = 1-lr*wd (see :func:`poincare_hparams`)."""
     return (hp[HP_K], hp[HP_A1], hp[HP_B1], hp[HP_A2], hp[HP_B2], hp[HP_BC1], hp[HP_BC2],
-            hp[HP_EPS], hp[HP_NEG_LR], hp[HP_MAXNORM], hp[HP_SGN])
+            hp[HP_EPS], hp[HP_NEG_LR], hp[HP_MAXNORM], hp[HP_SGN], hp[HP_WD], hp[HP_KEEP])
 
 
 # -- the ball's operations, named as in geoopt (scalars in T, sums through dot64) ------------
@@ -121,7 +137,7 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
     ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign (T values).
     Runs rows ``lo:hi`` of the batch; ``_pool.run_chunked`` spreads chunks over threads.
     """
-    k, a1, b1, a2, b2, bc1, bc2, eps, neg_lr, maxnorm, sgn = unpack_poincare(hp)
+    k, a1, b1, a2, b2, bc1, bc2, eps, neg_lr, maxnorm, sgn, _, _ = unpack_poincare(hp)
     T = hp.dtype.type
     two = T(2.0)
     n = srows.shape[0]
@@ -145,6 +161,81 @@ def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonf
             rg = (g_[j] * sgn) / l2
             m_[j] = m_[j] * b1 + a1 * rg
             y_[j] = rg
+        w = l2 * T(dot64(y_, y_))
+        v = rec[voff] * b2 + a2 * w
+        rec[voff] = v
+        den = np.sqrt(v / bc2) + eps
+        # retraction (geoopt Stereographic.retr, docs/algorithms.md §3.1): y = project(x + u),
+        # a plain Euclidean step, u = -lr * m_hat / den
+        for j in range(d):
+            y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
+        acc_yy = dot64(y_, y_)
+        if project(y_, acc_yy, maxnorm):
+            acc_yy = dot64(y_, y_)  # else y, and so <y,y>, is unchanged: one pass saved
+        yy = T(acc_yy)
+        # parallel transport of the new m from x to y (geoopt transp):
+        # gyr[y, -x] m * L(x) / L(y), with u = y, v = -x, w = m
+        ga, gb, gd = gyration(yy, -T(dot64(x_, y_)), T(dot64(y_, m_)), xx,
+                              -T(dot64(x_, m_)), k)
+        lam_y = lambda_x(yy, k)
+        for j in range(d):
+            y = y_[j]
+            gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd
+            m_[j] = (gyr * lam_x) / lam_y
+            x_[j] = y
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def adam_rows_poincare_options(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite,
+                               op, lo, hi):
+    """:func:`adam_rows_poincare` with the options of docs/algorithms.md §7.1–§7.2 (``op`` as
+    for ``_kernels_euclid.adam_rows_euclid_options``).
+
+    ``WD_L2`` adds ``wd*x`` to the Euclidean gradient before ``egrad2rgrad`` (geoopt
+    ``RiemannianAdam``'s weight decay); ``WD_DECOUPLED`` shrinks the point first, ``x <- x *
+    decay_factor`` (a Euclidean shrink toward the origin: it stays inside the ball), and the
+    step then starts from the shrunk point; ``per_row_step`` takes ``fl(bc1)``, ``fl(bc2)``
+    from the row's own count.
+    """
+    k, a1, b1, a2, b2, bc1_0, bc2_0, eps, neg_lr, maxnorm, sgn, wd, keep = unpack_poincare(hp)
+    T = hp.dtype.type
+    rs_off, ls_off, t, wd_mode = unpack_options(op)
+    C = counter_view(S)  # the records as ints: the counters
+    two = T(2.0)
+    n = srows.shape[0]
+    d = G.shape[1]
+    for i in range(lo, hi):
+        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+        g_ = G[i]
+        if skip_nonfinite and not row_is_finite(g_):
+            continue
+        # 1-D row views let LLVM vectorise the elementwise loops (see _kernels_euclid)
+        r = srows[i]
+        rec = S[r]
+        m_ = rec[moff:moff + d]
+        x_ = W[wrows[i]][woff:woff + d]
+        y_ = Y[i]
+        tr, steps = advance_counters(C, r, rs_off, ls_off, t)
+        bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)  # per_row_step: the row's own
+        if wd_mode == WD_DECOUPLED:  # shrink toward the origin first, then step from there
+            f = decay_factor(keep, op, steps)
+            for j in range(d):
+                x_[j] = x_[j] * f
+        xx = T(dot64(x_, x_))
+        lam_x = lambda_x(xx, k)
+        l2 = lam_x * lam_x
+        # egrad2rgrad (kept in y_ for the norm), fused with the first moment
+        if wd_mode == WD_L2:  # L2 decay on the Euclidean gradient, before egrad2rgrad
+            for j in range(d):
+                rg = (g_[j] * sgn + wd * x_[j]) / l2
+                m_[j] = m_[j] * b1 + a1 * rg
+                y_[j] = rg
+        else:
+            for j in range(d):
+                rg = (g_[j] * sgn) / l2
+                m_[j] = m_[j] * b1 + a1 * rg
+                y_[j] = rg
         w = l2 * T(dot64(y_, y_))
         v = rec[voff] * b2 + a2 * w
         rec[voff] = v

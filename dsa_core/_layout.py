@@ -7,11 +7,20 @@ A store is a directory holding two files:
     embedding row, in the store dtype (little-endian float32 or float64)::
 
         header (4096 B): b"DSASTORE" | uint32 format version | uint32 n | JSON layout | zero padding
-        record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | padding ]
+        record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | t_r | last | padding ]
 
     v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or when
     the layout says ``"second_moment": "rowwise"`` (docs/algorithms.md §7.3). With
     ``"first_moment": "bfloat16"`` m holds ``dim`` bfloat16 values packed two per float32 slot.
+
+    The two per-row counters exist only in stores created with the option that needs them, each
+    one element slot at the offset the layout names: ``"row_step"`` (``per_row_step=True``:
+    the row's own update count t_r, docs/algorithms.md §7.2) and ``"last_step"``
+    (``decay_missed_steps=True``: the global step of the row's last update, 0 for never,
+    docs/algorithms.md §7.1). A counter is an integer stored in the slot's bits: int32 in a
+    float32 slot, int64 in a float64 slot (the int view of the records,
+    ``data.view(counter_dtype(dtype))``, has the records' shape, so the element offset is the
+    same in both views). Counters start at 0 (the file is created zero-filled).
 
     The weight block is absent for stores created with ``weights=False``. Any
     numpy can read the weights without this package::
@@ -50,7 +59,7 @@ from ._files import write_json
 
 MAGIC = b"DSASTORE"
 FORMAT_NAME = "dsa-store"
-FORMAT_VERSION = 2  # newest version this module reads and writes; see layout_version
+FORMAT_VERSION = 3  # newest version this module reads and writes; see layout_version
 HEADER_BYTES = 4096
 DATA_FILE = "rows.dsa"
 MANIFEST_FILE = "manifest.json"
@@ -67,6 +76,7 @@ __all__ = [
     "LOCK_FILE",
     "MANIFEST_FILE",
     "SECOND_MOMENTS",
+    "counter_dtype",
     "header_bytes",
     "layout_version",
     "make_layout",
@@ -85,25 +95,38 @@ def layout_version(layout: dict[str, Any]) -> int:
     1: the original records. 2: records with a row-wise second moment for ``curvature == 0``
     (``"second_moment": "rowwise"``) or a bfloat16 first moment (``"first_moment":
     "bfloat16"``), which a version-1 reader would misread (v past the record, m as float32);
-    it refuses version 2 with "upgrade dsa_core".
+    it refuses version 2 with "upgrade dsa_core". 3: records with per-row counters
+    (``"row_step"``, ``"last_step"``), which a version-2 reader would ignore (it would run the
+    global bias correction and no catch-up decay on a store made for them). Stores without
+    these options keep their version: their bytes are those of version 1 or 2.
     """
+    if "row_step" in layout or "last_step" in layout:
+        return 3
     if layout.get("second_moment") == "rowwise" or layout.get("first_moment") == "bfloat16":
         return 2
     return 1
 
 
+def counter_dtype(dtype: np.dtype) -> np.dtype:
+    """The integer type of the per-row counters of a store of ``dtype``: int32 in float32
+    slots, int64 in float64 slots (same width, so one view of the records holds both)."""
+    return np.dtype(np.int32) if np.dtype(dtype).itemsize == 4 else np.dtype(np.int64)
+
+
 def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
                 has_weights: bool, align: int,
                 second_moment: str = "elementwise",
-                first_moment: str = "full") -> dict[str, Any]:
+                first_moment: str = "full", *, per_row_step: bool = False,
+                decay_missed_steps: bool = False) -> dict[str, Any]:
     """Column offsets and record stride (in elements) of one row record.
 
     ``second_moment="rowwise"`` (``curvature == 0`` only) gives v one element per row and
     adds the key ``"second_moment": "rowwise"``. ``first_moment="bfloat16"`` (float32,
     ``curvature == 0``) packs m as ``dim`` bfloat16 values into ``m_width = ceil(dim / 2)``
     float32 slots (little-endian: the uint16 view of the record holds m at ``2 * m``) and
-    adds ``"first_moment": "bfloat16"`` and ``"m_width"``. Other layouts are unchanged from
-    format version 1.
+    adds ``"first_moment": "bfloat16"`` and ``"m_width"``. ``per_row_step`` and
+    ``decay_missed_steps`` each add one counter slot after v, at the offsets ``"row_step"``
+    and ``"last_step"`` (format version 3). Other layouts are unchanged from format version 1.
     """
     itemsize = np.dtype(dtype).itemsize
     rowwise = second_moment == "rowwise" and curvature == 0
@@ -117,6 +140,11 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     m_off = col
     v_off = m_off + m_width
     used = v_off + v_width
+    rs_off = ls_off = None
+    if per_row_step:
+        rs_off, used = used, used + 1
+    if decay_missed_steps:
+        ls_off, used = used, used + 1
     stride = used
     if align:
         rec_bytes = -(-used * itemsize // align) * align
@@ -138,6 +166,10 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     if bf16:
         layout["first_moment"] = "bfloat16"
         layout["m_width"] = int(m_width)
+    if rs_off is not None:
+        layout["row_step"] = int(rs_off)
+    if ls_off is not None:
+        layout["last_step"] = int(ls_off)
     return layout
 
 

@@ -3,6 +3,14 @@
 Slow and simple on purpose. Works on plain ``(n, dim)`` arrays ``P, M, V`` (``V`` is
 ``(n, 1)`` for the ball) that it updates in place, with the step count ``t`` already
 incremented.
+
+The options of docs/algorithms.md §7.1–§7.2, the same keywords for every step function:
+``weight_decay`` (L2 alone; AdamW's decoupled decay with ``decoupled_weight_decay=True``),
+``row_steps`` (an int array ``(n,)`` of per-row update counts, updated in place: passing it
+means ``per_row_step``), ``last_steps`` (an int array ``(n,)`` of the step of each row's last
+update, 0 for never, updated in place: passing it means ``decay_missed_steps``, whose catch-up
+applies with decoupled decay). The per-row powers are Python's ``b ** t`` (libm ``pow``), one
+row at a time, as the kernels and the glue compute them.
 """
 
 from __future__ import annotations
@@ -28,8 +36,51 @@ def coalesce_ref(idx, G):
     return uidx, Gc
 
 
-def euclid_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8, maximize=False):
-    """torch.optim.SparseAdam, docs/algorithms.md §2.2, on the rows of ``idx``."""
+def _row_counts(uidx, t, row_steps, last_steps):
+    """Advance the per-row counters of the rows ``uidx`` at step ``t``; returns ``(tr, k)``:
+    the rows' own counts (``None`` without ``row_steps``) and the number of steps whose decay
+    each row takes now (ones without ``last_steps``)."""
+    tr = None
+    if row_steps is not None:
+        tr = row_steps[uidx].astype(np.int64) + 1
+        row_steps[uidx] = tr
+    k = np.ones(uidx.shape[0], np.int64)
+    if last_steps is not None:
+        k = np.maximum(t - last_steps[uidx].astype(np.int64), 1)
+        last_steps[uidx] = t
+    return tr, k
+
+
+def _corrections(b1, b2, t, tr):
+    """Bias corrections in float64, shape (rows, 1): the global t, or each row's own count."""
+    if tr is None:
+        return np.array([[1 - b1**t]]), np.array([[1 - b2**t]])
+    return (np.array([[1 - b1 ** int(x)] for x in tr]),
+            np.array([[1 - b2 ** int(x)] for x in tr]))
+
+
+def _decoupled(p, k, lr, weight_decay):
+    """AdamW's decay of each row for ``k`` steps: p * fl((1 - lr*wd)**k), one rounding."""
+    keep = 1.0 - lr * weight_decay
+    f = np.array([[keep ** int(x)] for x in k]).astype(p.dtype)
+    return p * f
+
+
+def _decay(g, p, k, lr, weight_decay, decoupled_weight_decay):
+    """The weight decay of docs/algorithms.md §7.1 on one coalesced batch (sign applied):
+    returns ``(g, p)``, the gradient with L2 added, or the weights decayed."""
+    if not weight_decay:
+        return g, p
+    if decoupled_weight_decay:
+        return g, _decoupled(p, k, lr, weight_decay)
+    return g + p.dtype.type(weight_decay) * p, p
+
+
+def euclid_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8, maximize=False,
+                weight_decay=0.0, decoupled_weight_decay=False, row_steps=None,
+                last_steps=None):
+    """torch.optim.SparseAdam, docs/algorithms.md §2.2, on the rows of ``idx``; the options of
+    §7.1–§7.2 as in the module docstring."""
     T = P.dtype.type
     if len(idx) == 0:
         return
@@ -38,22 +89,25 @@ def euclid_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8, maximiz
         g = -g
     b1, b2 = betas
     a1, a2, e = T(1 - b1), T(1 - b2), T(eps)
+    tr, k = _row_counts(uidx, t, row_steps, last_steps)
     m, v, p = M[uidx], V[uidx], P[uidx]
+    g, p = _decay(g, p, k, lr, weight_decay, decoupled_weight_decay)
     dm = (g - m) * a1
     dv = (g * g - v) * a2
     m2 = m + dm
     v2 = v + dv
     den = np.sqrt(v2) + e
-    bc1 = 1 - b1**t
-    bc2 = 1 - b2**t
-    s = (lr * math.sqrt(bc2)) / bc1
+    bc1, bc2 = _corrections(b1, b2, t, tr)
+    s = np.array([[(lr * math.sqrt(c2)) / c1] for c1, c2 in zip(bc1[:, 0], bc2[:, 0],
+                                                                 strict=True)])
     M[uidx] = m2
     V[uidx] = v2
-    P[uidx] = p + T(-s) * ((dm + m) / den)
+    P[uidx] = p + (-s).astype(P.dtype) * ((dm + m) / den)
 
 
 def euclid_rowwise_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8,
-                        maximize=False):
+                        maximize=False, weight_decay=0.0, decoupled_weight_decay=False,
+                        row_steps=None, last_steps=None):
     """Partial row-wise Adam (docs/algorithms.md §7.3, FBGEMM PARTIAL_ROWWISE_ADAM); ``V`` is
     (n, 1)."""
     T = P.dtype.type
@@ -64,11 +118,13 @@ def euclid_rowwise_step(P, M, V, idx, G, t, *, lr, betas=(0.9, 0.999), eps=1e-8,
         g = -g
     b1, b2 = betas
     a1, a2 = T(1 - b1), T(1 - b2)
+    tr, k = _row_counts(uidx, t, row_steps, last_steps)
     m, v, p = M[uidx], V[uidx], P[uidx]
+    g, p = _decay(g, p, k, lr, weight_decay, decoupled_weight_decay)
     m2 = m + (g - m) * a1
     q = (g * g).astype(np.float64).sum(axis=1, keepdims=True) / g.shape[1]
     v2 = v + (q.astype(P.dtype) - v) * a2
-    bc1, bc2 = T(1 - b1**t), T(1 - b2**t)
+    bc1, bc2 = (c.astype(P.dtype) for c in _corrections(b1, b2, t, tr))
     den = np.sqrt(v2 / bc2) + T(eps)
     M[uidx] = m2
     V[uidx] = v2
@@ -98,15 +154,16 @@ def bf16_round(x, rnd):
 
 
 def euclid_bf16m_step(P, M, V, idx, G, t, *, rowwise, lr, betas=(0.9, 0.999), eps=1e-8,
-                      maximize=False):
+                      maximize=False, **options):
     """float32 Euclidean step with m stored as bfloat16 (``M`` holds bf16 values as float32):
     the full-precision step (:func:`euclid_step`, or :func:`euclid_rowwise_step`) from the
     stored m -- which updates the weights with the unrounded new m -- then the touched rows'
-    new m rounded stochastically with :func:`sr_bits` of (t, row, coordinate)."""
+    new m rounded stochastically with :func:`sr_bits` of (t, row, coordinate). ``options``:
+    the keywords of §7.1–§7.2 (module docstring), passed on."""
     if len(idx) == 0:
         return
     full = euclid_rowwise_step if rowwise else euclid_step
-    full(P, M, V, idx, G, t, lr=lr, betas=betas, eps=eps, maximize=maximize)
+    full(P, M, V, idx, G, t, lr=lr, betas=betas, eps=eps, maximize=maximize, **options)
     uidx = np.unique(np.asarray(idx, dtype=np.int64))
     M[uidx] = bf16_round(M[uidx], sr_bits(t, uidx, M.shape[1]))
 
@@ -154,9 +211,11 @@ def gyration(a, b, w, k):
 
 
 def poincare_step(P, M, V, idx, G, t, *, curvature, lr, betas=(0.9, 0.999), eps=1e-8,
-                  maximize=False, ball_eps=None):
+                  maximize=False, ball_eps=None, weight_decay=0.0,
+                  decoupled_weight_decay=False, row_steps=None, last_steps=None):
     """geoopt SparseRiemannianAdam on Stereographic(k=-c), docs/algorithms.md §3.2; ``V`` is (n,
-    1)."""
+    1). Options (§7.1–§7.2): L2 adds ``wd*x`` to the Euclidean gradient before egrad2rgrad;
+    decoupled decay shrinks the point ``x*(1 - lr*wd)`` before the step."""
     T = P.dtype.type
     if len(idx) == 0:
         return
@@ -167,17 +226,18 @@ def poincare_step(P, M, V, idx, G, t, *, curvature, lr, betas=(0.9, 0.999), eps=
         g = -g
     b1, b2 = betas
     k = T(-curvature)
+    tr, steps = _row_counts(uidx, t, row_steps, last_steps)
     x, m, v = P[uidx], M[uidx], V[uidx]
+    g, x = _decay(g, x, steps, lr, weight_decay, decoupled_weight_decay)
     lam = lambda_x(x, k)
     l2 = lam * lam
     rg = g / l2
     m = m * T(b1) + T(1 - b1) * rg
     w = l2 * _rowdot(rg, rg)
     v = v * T(b2) + T(1 - b2) * w
-    bc1 = 1 - b1**t
-    bc2 = 1 - b2**t
-    den = np.sqrt(v / T(bc2)) + T(eps)
-    u = T(-lr) * ((m / T(bc1)) / den)
+    bc1, bc2 = (c.astype(P.dtype) for c in _corrections(b1, b2, t, tr))
+    den = np.sqrt(v / bc2) + T(eps)
+    u = T(-lr) * ((m / bc1) / den)
     y = project(x + u, maxnorm(curvature, ball_eps, P.dtype))  # retraction: x + u, projected
     m_t = (gyration(y, -x, m, k) * lam) / lambda_x(y, k)
     P[uidx] = y

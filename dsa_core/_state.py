@@ -31,6 +31,7 @@ from .validation import (
     check_hparams,
     check_positive_int,
     check_second_moment,
+    check_weight_decay_options,
 )
 
 _INIT_CHUNK_BYTES = 1 << 24  # 16 MiB of records per initialisation chunk
@@ -53,6 +54,8 @@ class State(NamedTuple):
     ball_eps: float         # projection margin of the ball (c > 0); 0.0 for c == 0
     nonfinite: str          # "propagate" | "skip_row" | "raise"
     durability: str = "flush"  # "flush": durable at flush(); "step": every step is atomic
+    weight_decay: float = 0.0  # docs/algorithms.md §7.1: L2, or AdamW's with the flag below
+    decoupled_weight_decay: bool = False
 
     # -- read-only conveniences ------------------------------------------------------------
     @property
@@ -126,6 +129,38 @@ class State(NamedTuple):
         return self.store.w_off is not None
 
     @property
+    def per_row_step(self) -> bool:
+        """True if each row keeps its own step count for the bias correction
+        (``create(per_row_step=True)``, docs/algorithms.md §7.2)."""
+        return self.store.rs_off >= 0
+
+    @property
+    def decay_missed_steps(self) -> bool:
+        """True if each row records the step of its last update, so that decoupled weight
+        decay catches up on the steps it missed (``create(decay_missed_steps=True)``,
+        docs/algorithms.md §7.1)."""
+        return self.store.ls_off >= 0
+
+    @property
+    def row_steps(self) -> np.ndarray:
+        """A (num_rows,) int view of each row's own update count t_r (``per_row_step``
+        stores); 0 for a row never updated. No copy: writes reach the file (importers)."""
+        return self._counter(self.store.rs_off, "row_steps", "per_row_step")
+
+    @property
+    def last_steps(self) -> np.ndarray:
+        """A (num_rows,) int view of the global step at which each row was last updated
+        (``decay_missed_steps`` stores); 0 for never. No copy: writes reach the file."""
+        return self._counter(self.store.ls_off, "last_steps", "decay_missed_steps")
+
+    def _counter(self, off: int, name: str, option: str) -> np.ndarray:
+        if off < 0:
+            raise ValueError(f"store {str(self.path)!r} was created without {option}=True "
+                             f"and keeps no {name}; create the store with "
+                             f"dsa_core.create(..., {option}=True) to have them")
+        return self.store.counters[:, off]
+
+    @property
     def weights(self) -> np.ndarray:
         """A (num_rows, dim) view of the stored weights (no copy; writes reach the file)."""
         if self.store.w_off is None:
@@ -195,7 +230,11 @@ class State(NamedTuple):
         return (f"dsa_core.State(path={str(self.path)!r}, num_rows={self.num_rows}, "
                 f"dim={self.dim}, dtype={self.dtype.name}, curvature={self.curvature}, "
                 f"count={self.count}, lr={self.lr}, betas={self.betas}, eps={self.eps}, "
-                f"maximize={self.maximize})")
+                f"maximize={self.maximize}"
+                + (f", weight_decay={self.weight_decay}" if self.weight_decay else "")
+                + (", decoupled_weight_decay=True" if self.decoupled_weight_decay else "")
+                + (", per_row_step=True" if self.per_row_step else "")
+                + (", decay_missed_steps=True" if self.decay_missed_steps else "") + ")")
 
 
 class StaleStateError(RuntimeError):
@@ -318,6 +357,8 @@ def _manifest(state: State) -> dict[str, Any]:
             "maximize": state.maximize,
             "ball_eps": state.ball_eps,
             "nonfinite": state.nonfinite,
+            "weight_decay": state.weight_decay,
+            "decoupled_weight_decay": state.decoupled_weight_decay,
         },
         "durability": state.durability,
     }
@@ -330,6 +371,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            ball_eps: float | None = None, nonfinite: str = "propagate", align: int = 0,
            durability: str = "flush", overwrite: bool = False, access: str = "auto",
            second_moment: str = "elementwise", first_moment: str = "full",
+           weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
+           decay_missed_steps: bool = False, per_row_step: bool = False,
            progress: bool | None = None) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
@@ -384,6 +427,28 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         the new m up or down with probability by its distance (random bits from a hash of
         the step, row and coordinate: reproducible, independent of threads and batch
         order); the weight update uses the unrounded new m. Format version 2.
+    weight_decay : float, default 0.0
+        Finite, >= 0. Alone it is L2 decay as in ``torch.optim.Adam``: ``g <- g + wd*p`` for
+        the batch's rows (after duplicates are summed and maximize applied), before the Adam
+        update (docs/algorithms.md §7.1). On the ball ``wd*x`` joins the Euclidean gradient
+        before it becomes Riemannian (geoopt ``RiemannianAdam``). A hyperparameter: stored
+        in the manifest, changeable with ``state._replace(weight_decay=...)``.
+    decoupled_weight_decay : bool, default False
+        ``True``: AdamW, in ``torch.optim.AdamW``'s order: ``p <- p*(1 - lr*wd)`` first, then
+        the Adam step (from the gradient without decay) on the decayed ``p``; on the ball the
+        point is shrunk the same way, toward the origin, inside the ball. Lazy: only the
+        batch's rows decay. A hyperparameter like ``weight_decay``.
+    decay_missed_steps : bool, default False
+        Needs ``decoupled_weight_decay=True``. Each row records the global step of its last
+        update; a row updated at step t decays by ``(1 - lr*wd)**(t - last)``: the steps it
+        missed and this one, so its decay is that of dense AdamW, exactly for a constant lr
+        (with a schedule the missed steps are decayed at the current lr). A layout option,
+        fixed at creation (one counter per record, format version 3).
+    per_row_step : bool, default False
+        Each row keeps its own update count ``t_r`` and its bias corrections use
+        ``1 - beta**t_r`` instead of the global step (docs/algorithms.md §7.2): a row seen
+        first at step 1000 takes the first step of a fresh Adam. The global count still
+        counts steps (schedules). A layout option, fixed at creation (format version 3).
     access : "auto", "ram" or "disk", default "auto"
         How the mapping is paged (not stored; pass it again to :func:`open`). ``"ram"``:
         the table stays in the page cache -- 2 MiB huge folios mapped by PMD entries, far
@@ -425,6 +490,9 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     lr, betas, eps, maximize, nonfinite = check_hparams(lr, betas, eps, maximize, nonfinite)
     second_moment = check_second_moment(second_moment, c)
     first_moment = check_first_moment(first_moment, c, dt)
+    weight_decay, decoupled_weight_decay, decay_missed_steps, per_row_step = \
+        check_weight_decay_options(weight_decay, decoupled_weight_decay, decay_missed_steps,
+                                   per_row_step)
     if ball_eps is None:
         ball_eps = default_ball_eps(dt) if c > 0 else 0.0
     ball_eps = float(ball_eps)
@@ -442,7 +510,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
                          f"got {align!r}")
     layout = _layout.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
-                                 second_moment, first_moment)
+                                 second_moment, first_moment, per_row_step=per_row_step,
+                                 decay_missed_steps=decay_missed_steps)
     if isinstance(init, str) and init == "zeros":
         init = None  # the records start as zeros (fallocate)
     if init is not None:
@@ -490,7 +559,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         try:
             _fill(store, init, init_scale, seed, ball_eps, progress)
             store.commit_new_file()
-            state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability)
+            state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability,
+                          weight_decay, decoupled_weight_decay)
             _layout.write_manifest(directory, _manifest(state))
         except BaseException:
             store.close()
@@ -559,7 +629,9 @@ def open(path, mode: str = "r+", *, access: str = "auto") -> State:
     store.count = count
     return State(store, count, float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
                  float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
-                 str(hp.get("nonfinite", "propagate")), str(manifest.get("durability", "flush")))
+                 str(hp.get("nonfinite", "propagate")), str(manifest.get("durability", "flush")),
+                 float(hp.get("weight_decay", 0.0)),
+                 bool(hp.get("decoupled_weight_decay", False)))
 
 
 def flush(state: State) -> None:

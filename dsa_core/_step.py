@@ -14,15 +14,19 @@ import numpy as np
 
 from . import _layout, _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
+from ._intrinsics import WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_euclid import (
     adam_rows_euclid,
     adam_rows_euclid_bf16m,
+    adam_rows_euclid_bf16m_options,
+    adam_rows_euclid_options,
     adam_rows_euclid_rowwise,
+    adam_rows_euclid_rowwise_options,
     euclid_hparams,
 )
-from ._kernels_poincare import adam_rows_poincare, poincare_hparams
+from ._kernels_poincare import adam_rows_poincare, adam_rows_poincare_options, poincare_hparams
 from ._state import State, _manifest, maxnorm, require_current
-from .validation import check_lr
+from .validation import check_lr, check_weight_decay
 
 __all__ = ["as_index", "gather", "step", "warmup"]
 
@@ -116,6 +120,14 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     §3.2): Riemannian gradient, one second-moment scalar per row, retraction + projection,
     transported first moment.
 
+    The options of :func:`create` (docs/algorithms.md §7.1–§7.2): ``state.weight_decay``
+    alone adds ``wd * p`` to each row's summed gradient (L2, ``torch.optim.Adam``); with
+    ``state.decoupled_weight_decay`` each row is first multiplied by ``1 - lr * wd``
+    (``torch.optim.AdamW``), by ``(1 - lr * wd) ** (t - last)`` in a ``decay_missed_steps``
+    store; a ``per_row_step`` store takes the bias corrections from each row's own count.
+    ``lr`` is this step's. Rows not in ``idx`` and rows skipped for non-finite gradients are
+    not decayed and keep their counters.
+
     Examples
     --------
     >>> import tempfile, pathlib, numpy as np, dsa_core
@@ -131,6 +143,8 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     require_current(state)
     st = state.store
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
+    if state.weight_decay:  # set by _replace: checked as create checks it
+        check_weight_decay(state.weight_decay, what="State.weight_decay")
     idx = as_index(idx, st.num_rows)
     b = idx.shape[0]
     grad = _as_rows(grad, b, st.dim, st.dtype, "grad")
@@ -241,35 +255,47 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
             W = params[first]
         wrows, woff = np.arange(srows.shape[0], dtype=np.int64), 0
     b1, b2 = state.betas
-    bc1 = 1.0 - b1**t  # one global step t for every row
+    bc1 = 1.0 - b1**t  # one global step t for every row (per_row_step: the kernels, per row)
     bc2 = 1.0 - b2**t
     skip = state.nonfinite == "skip_row"
     n, chunk = srows.shape[0], _min_chunk(st.dim)
+    wd = state.weight_decay
+    # docs/algorithms.md §7.1-§7.2: with an option on, the *_options kernels and their float64
+    # options array (kept on the store: its bias table is built once); else the plain ones
+    opts = ()
+    if wd != 0.0 or st.rs_off >= 0 or st.ls_off >= 0:
+        mode = WD_NONE if wd == 0.0 else WD_DECOUPLED if state.decoupled_weight_decay else WD_L2
+        opts = (options_array(rs_off=st.rs_off, ls_off=st.ls_off, t=t, wd_mode=mode, lr=lr,
+                              betas=state.betas, weight_decay=wd,
+                              out=st.scratch.get("options")),)
+        st.scratch["options"] = opts[0]
     if st.curvature == 0.0:
         hp = euclid_hparams(st.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
-                            eps=state.eps, maximize=state.maximize)
+                            eps=state.eps, maximize=state.maximize, weight_decay=wd)
         if st.m_bf16:  # first_moment="bfloat16" (docs/algorithms.md §6), either second moment
             m16 = st.data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
-            _pool.run_chunked(adam_rows_euclid_bf16m,
-                              (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off, G,
-                               hp, st.rowwise, t, skip), n, chunk)
-        elif st.rowwise:  # second_moment="rowwise" (docs/algorithms.md §7.3)
-            _pool.run_chunked(adam_rows_euclid_rowwise,
-                              (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp, skip),
-                              n, chunk)
-        else:
-            _pool.run_chunked(adam_rows_euclid,
-                              (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp, skip),
-                              n, chunk)
+            if opts:
+                _pool.run_chunked(adam_rows_euclid_bf16m_options,
+                                  (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off,
+                                   G, hp, st.rowwise, skip, *opts), n, chunk)
+            else:
+                _pool.run_chunked(adam_rows_euclid_bf16m,
+                                  (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off,
+                                   G, hp, st.rowwise, t, skip), n, chunk)
+        else:  # second_moment="rowwise" (docs/algorithms.md §7.3), or SparseAdam's
+            kernel = (adam_rows_euclid_rowwise_options if opts else adam_rows_euclid_rowwise) \
+                if st.rowwise else (adam_rows_euclid_options if opts else adam_rows_euclid)
+            _pool.run_chunked(kernel, (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp,
+                                       skip, *opts), n, chunk)
     else:  # the ball (create refuses rowwise and bfloat16 m here)
         hp = poincare_hparams(st.dtype, curvature=st.curvature, lr=lr, betas=state.betas,
                               bc1=bc1, bc2=bc2, eps=state.eps,
                               maxnorm=maxnorm(st.curvature, state.ball_eps, st.dtype),
-                              maximize=state.maximize)
+                              maximize=state.maximize, weight_decay=wd)
         Y = _scratch(st, "poincare_y", G.size).reshape(G.shape)
-        _pool.run_chunked(adam_rows_poincare,
-                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip),
-                          n, chunk)
+        _pool.run_chunked(adam_rows_poincare_options if opts else adam_rows_poincare,
+                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip,
+                           *opts), n, chunk)
     if st.w_off is None and table is None:
         if inv is None:
             if W is not params:
@@ -299,11 +325,14 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
+def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
+           options: bool = False) -> None:
     """Compile (or load from numba's cache) every kernel specialisation used by ``step``.
 
     ``readonly=True`` also builds the variants for read-only gradients (``np.asarray`` of a
-    JAX array, a read-only memmap): numba compiles those separately.
+    JAX array, a read-only memmap): numba compiles those separately. ``options=True`` also
+    builds the kernels of stores with weight decay or per-row counters (docs/algorithms.md
+    §7.1–§7.2), which otherwise compile at their first step.
     """
     rows = np.arange(2, dtype=np.int64)
     for dt in dtypes:
@@ -313,18 +342,31 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True) -> None:
                             maximize=False)
         php = poincare_hparams(dt, curvature=1.0, lr=1e-3, betas=(0.9, 0.999), bc1=0.1,
                                bc2=1e-3, eps=1e-8, maxnorm=dt.type(0.99), maximize=False)
+        op = options_array(rs_off=5, ls_off=-1, t=1, wd_mode=WD_L2, lr=1e-3,
+                           betas=(0.9, 0.999)) if options else None
         for writeable in (True, False) if readonly else (True,):
             G = np.zeros((2, 2), dt)
             G3 = np.zeros((3, 2), dt)  # three rows, one duplicate id: the coalescing path
             G.flags.writeable = G3.flags.writeable = writeable
+            Y = np.zeros((2, 2), dt)
             adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, hp, False, 0, 2)
             adam_rows_euclid_rowwise(data, rows, 0, data, rows, 2, 4, G, hp, False, 0, 2)
             if dt == np.float32:
                 for rw in (False, True):
                     adam_rows_euclid_bf16m(data, rows, 0, data, data.view(np.uint16), rows, 4,
                                            4, G, hp, rw, 1, False, 0, 2)
-            adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, np.zeros((2, 2), dt), php,
-                               False, 0, 2)
+            adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, Y, php, False, 0, 2)
+            if options:  # docs/algorithms.md §7.1-§7.2 (compiled on first use otherwise)
+                adam_rows_euclid_options(data, rows, 0, data, rows, 2, 4, G, hp, False, op, 0, 2)
+                adam_rows_euclid_rowwise_options(data, rows, 0, data, rows, 2, 4, G, hp, False,
+                                                 op, 0, 2)
+                if dt == np.float32:
+                    for rw in (False, True):
+                        adam_rows_euclid_bf16m_options(data, rows, 0, data,
+                                                       data.view(np.uint16), rows, 4, 4, G, hp,
+                                                       rw, False, op, 0, 2)
+                adam_rows_poincare_options(data, rows, 0, data, rows, 2, 4, G, Y, php, False,
+                                           op, 0, 2)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
         gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
     is_strictly_increasing(rows)

@@ -30,6 +30,7 @@ from ._layout import (
     JOURNAL_FILE,
     LOCK_FILE,
     MAGIC,
+    counter_dtype,
     header_bytes,
 )
 from ._paging import _RAM_STORES, auto_access, check_access
@@ -72,6 +73,9 @@ class Store:
         self.rowwise = layout.get("second_moment") == "rowwise"  # c == 0, one v per row
         self.m_bf16 = layout.get("first_moment") == "bfloat16"  # m packed as bfloat16
         self.m_width = layout.get("m_width", self.dim)  # elements of the record m occupies
+        # per-row counters (docs/algorithms.md §7.1, §7.2): element offsets, or -1 if absent
+        self.rs_off = layout.get("row_step", -1)   # per_row_step: the row's update count t_r
+        self.ls_off = layout.get("last_step", -1)  # decay_missed_steps: step of last update
         self.closed = False
         # The live step count: that of the newest State of this store. States carry their own
         # count; one that differs from this is outdated and may not step (dsa_core._state).
@@ -81,6 +85,7 @@ class Store:
         self._lockfd = -1
         self._mm: mmap.mmap | None = None
         self.data: np.ndarray | None = None
+        self.counters: np.ndarray | None = None  # ``data`` viewed as ints (counter_dtype)
         self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
         self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
 
@@ -146,6 +151,7 @@ class Store:
         self.data = arr.reshape(self.num_rows, self.stride)
         if not writable:
             self.data.flags.writeable = False
+        self.counters = self.data.view(counter_dtype(self.dtype))
 
     @classmethod
     def create_file(cls, directory: Path, layout: dict[str, Any],
@@ -316,6 +322,7 @@ class Store:
         self.closed = True
         if self.data is not None:
             self.data.flags.writeable = False
+            self.counters.flags.writeable = False
         self._release()
 
     def _release(self) -> None:

@@ -39,6 +39,8 @@ __all__ = [
     "check_lr",
     "check_positive_int",
     "check_second_moment",
+    "check_weight_decay",
+    "check_weight_decay_options",
 ]
 
 NONFINITE_MODES = ("propagate", "skip_row", "raise")
@@ -86,6 +88,47 @@ def check_hparams(lr, betas, eps, maximize, nonfinite, *, what: str = "") -> tup
         raise TypeError(f"{_p(what)}maximize must be a bool, got {maximize!r}")
     check_nonfinite(nonfinite, what=what)
     return lr, (b1, b2), eps, bool(maximize), nonfinite
+
+
+def check_weight_decay(weight_decay: Any, *, what: str = "") -> float:
+    """A finite ``weight_decay >= 0`` (0 turns it off), torch's message for a bad value."""
+    try:
+        if isinstance(weight_decay, (bool, np.bool_, str, bytes)):
+            raise TypeError
+        wd = float(weight_decay)  # a Python or numpy number, a 1-element tensor
+    except (TypeError, ValueError):
+        raise TypeError(f"{_p(what)}weight_decay must be a real number >= 0, got "
+                        f"{weight_decay!r}") from None
+    if not (math.isfinite(wd) and wd >= 0.0):
+        raise ValueError(f"{_p(what)}Invalid weight_decay value: {wd}; weight_decay must be a "
+                         "finite number >= 0 (0 turns it off), e.g. weight_decay=1e-2")
+    return wd
+
+
+def check_weight_decay_options(weight_decay: Any, decoupled_weight_decay: Any = False,
+                               decay_missed_steps: Any = False, per_row_step: Any = False, *,
+                               what: str = "") -> tuple[float, bool, bool, bool]:
+    """``(weight_decay, decoupled_weight_decay, decay_missed_steps, per_row_step)`` checked.
+
+    The flags must be bools. ``decay_missed_steps=True`` (decay a revisited row for every step
+    it missed, docs/algorithms.md §7.1) is a form of decoupled decay: it needs
+    ``decoupled_weight_decay=True`` (with L2 decay the decay goes through the gradient, and
+    a step the row missed has no gradient to go through).
+    """
+    wd = check_weight_decay(weight_decay, what=what)
+    for name, flag in (("decoupled_weight_decay", decoupled_weight_decay),
+                       ("decay_missed_steps", decay_missed_steps),
+                       ("per_row_step", per_row_step)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{_p(what)}{name} must be a bool, got {flag!r}")
+    if decay_missed_steps and not decoupled_weight_decay:
+        raise ValueError(
+            f"{_p(what)}decay_missed_steps=True needs decoupled_weight_decay=True: it applies "
+            "AdamW's decay p <- p*(1 - lr*weight_decay) of every step a row missed when the "
+            "row comes back, and L2 decay (weight_decay alone, added to the gradient) has no "
+            "gradient on the steps a row misses. Pass decoupled_weight_decay=True, or drop "
+            "decay_missed_steps")
+    return wd, bool(decoupled_weight_decay), bool(decay_missed_steps), bool(per_row_step)
 
 
 def check_nonfinite(nonfinite: Any, *, what: str = "") -> str:
