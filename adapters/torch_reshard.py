@@ -120,6 +120,8 @@ def _write_shards(olds: list[dsa_core.State], old: ShardPlan, new: ShardPlan, ta
                              ball_eps=s0.ball_eps if lay["curvature"] > 0 else None,
                              nonfinite=s0.nonfinite, align=lay["align"],
                              durability=s0.durability, progress=False,
+                             weight_decay=s0.weight_decay,
+                             decoupled_weight_decay=s0.decoupled_weight_decay,
                              **store_settings(s0))
         try:
             if _without_rows(st.layout) != _without_rows(lay):

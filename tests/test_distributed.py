@@ -602,22 +602,26 @@ def test_row_options_in_shards(tmp_path, one_rank):
     with pytest.raises(RuntimeError, match=r"per_row_step \(saved True, here False\)"):
         other.load_state_dict(sd)
     other.close()
-    # reshard (per_row_step shards): the row counts move with their rows
+    # reshard (per-row shards): the row counts and last steps move with their rows, and the
+    # new shards keep the weight decay that decay_missed_steps needs
     emb = ShardedDiskEmbedding(N, D, state_dir=tmp_path / "prs", init=init_table(),
-                               per_row_step=True)
-    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)
+                               per_row_step=True, decay_missed_steps=True)
+    opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB, weight_decay=0.01,
+                         decoupled_weight_decay=True)
     for ids in ((1, 2, 2, 7), (2, 30), (2,)):
         train_one_step(emb, opt, ids=ids)
     emb.checkpoint(tmp_path / "ck1")
-    steps = emb.store.row_steps.copy()
+    steps, last = emb.store.row_steps.copy(), emb.store.last_steps.copy()
     opt.close()
     emb.close()
     reshard(tmp_path / "ck1", tmp_path / "ck2", 2, "mod")
     assert read_manifest(tmp_path / "ck2")["per_row_step"] is True
     for k in range(2):
         sk = dsa_core.open(tmp_path / "ck2" / f"rank{k}", mode="r")
-        assert sk.per_row_step and sk.count == 3
+        assert sk.per_row_step and sk.decay_missed_steps and sk.count == 3
+        assert (sk.weight_decay, sk.decoupled_weight_decay) == (0.01, True)
         np.testing.assert_array_equal(sk.row_steps, steps[k::2])
+        np.testing.assert_array_equal(sk.last_steps, last[k::2])
         dsa_core.close(sk)
 
 
