@@ -234,6 +234,8 @@ def _info(st) -> dict:
         "lr": st.lr, "betas": list(st.betas),
         "eps": st.eps, "maximize": st.maximize, "ball_eps": st.ball_eps,
         "nonfinite": st.nonfinite, "durability": st.durability,
+        **{k: getattr(st, k) for k in ("weight_decay", "decoupled_weight_decay", "per_row_step",
+                                       "decay_missed_steps")},
         "record_bytes": st.store.stride * st.dtype.itemsize,
         "size_on_disk_bytes": size, "format_version": manifest.get("version"),
     }
