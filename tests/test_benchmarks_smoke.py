@@ -24,6 +24,7 @@ SMOKES = {
     "reduced_state": ["--smoke"],
     "folio_check": ["--smoke"],
     "distributed": ["--smoke"],  # writes distributed_smoke.*, never the committed results
+    "decay_quality": ["--smoke"],  # its stores go to TMPDIR (tmp_path)
 }
 
 
