@@ -9,27 +9,31 @@ with :func:`unpack_euclid`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import njit
 
 from ._intrinsics import (
+    N_STEP,
     OP_LR,
+    OP_STEP,
     PREFETCH_ROWS,
     WD_DECOUPLED,
     WD_L2,
-    advance_counters,
     bits_f32,
     counter_view,
     decay_factor,
     dot64,
     f32_bits,
     prefetch_record,
+    read_counters,
     row_bias_corrections,
     row_corrections,
     row_is_finite,
     unpack_options,
+    write_counters,
 )
 
 # -- hyperparameters: one T array ``hp``, the same layout for every kernel of this module -----
@@ -80,6 +84,8 @@ def row_step_size(T, op, tr, neg_s):
     global t; ``neg_s`` (the global one) when ``tr == 0`` (no ``per_row_step``)."""
     if tr == 0:
         return neg_s
+    if tr < N_STEP:  # the few-updates rows: precomputed for this lr, the same bits
+        return T(op[OP_STEP + tr])
     bc1, _, sq2 = row_bias_corrections(op, tr)
     return T(-((op[OP_LR] * sq2) / bc1))
 
@@ -127,82 +133,98 @@ def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite
             w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid_options(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, op,
-                             lo, hi):
-    """:func:`adam_rows_euclid` with the options of docs/algorithms.md §7.1–§7.2.
+@functools.cache
+def euclid_options_kernel(per_row: bool, last: bool, mode: int):
+    """:func:`adam_rows_euclid_options` for one combination of options, compiled on first use.
 
-    ``op`` is the float64 options array of ``_intrinsics.options_array`` (the same for every
-    ``*_options`` kernel): the offsets of the ``row_step`` / ``last_step`` counters in the
-    records (-1: absent; the counters are read through ``counter_view(S)``, the records as
-    ints), the global step ``t``, the decay mode -- ``WD_L2``: ``g <- sgn*g + wd*p``, then
-    the update; ``WD_DECOUPLED``: ``p <- p * f`` first, ``f = decay_factor(...)``, fused into
-    the update's pass with the same roundings as two passes -- and the float64 values the
-    per-row ones are computed from. With ``per_row_step`` the step size is the row's own
-    (:func:`row_step_size`). A skipped (non-finite) row keeps its counters and is not
-    decayed. The step takes this kernel only when an option is on: without, the plain
-    kernel runs (no change to its bits or speed).
+    ``per_row`` (a ``row_step`` counter), ``last`` (a ``last_step`` counter) and ``mode``
+    (``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``) are closure constants, which numba freezes into
+    the compiled code: each specialisation holds only the code of its options (one kernel
+    with run-time switches for all of them measured 5-15% slower per warm step: a 128-wide
+    row has little work besides). Cached by numba per combination.
     """
-    a1, a2, _, _, eps, _, sgn, neg_s0, wd, keep = unpack_euclid(hp)
-    T = hp.dtype.type
-    rs_off, ls_off, t, wd_mode = unpack_options(op)
-    C = counter_view(S)  # the records as ints: the counters
-    n = srows.shape[0]
-    d = G.shape[1]
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        # 1-D row views: with them LLVM vectorises the loop (measured 3.3 -> 0.63 ms for
-        # 2048 x 128 on one thread); 2-D indexing of one array kept it scalar.
-        r = srows[i]
-        rec = S[r]
-        m_ = rec[moff:moff + d]
-        v_ = rec[voff:voff + d]
-        w_ = W[wrows[i]][woff:woff + d]
-        tr, k = advance_counters(C, r, rs_off, ls_off, t)
-        neg_s = row_step_size(T, op, tr, neg_s0)
-        if wd_mode == WD_DECOUPLED:  # AdamW: decay first, then the step on the decayed p
-            f = decay_factor(keep, op, k)
-            for j in range(d):  # the decay fused into the step's pass (one pass measured
-                g = g_[j] * sgn  # cheaper than two after the pow), the same roundings
-                m = m_[j]
-                v = v_[j]
-                dm = (g - m) * a1
-                dv = (g * g - v) * a2
-                m2 = m + dm
-                v2 = v + dv
-                m_[j] = m2
-                v_[j] = v2
-                w_[j] = (w_[j] * f) + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-        elif wd_mode == WD_L2:  # torch.optim.Adam's weight_decay: g + wd*p
-            for j in range(d):
-                g = g_[j] * sgn + wd * w_[j]
-                m = m_[j]
-                v = v_[j]
-                dm = (g - m) * a1
-                dv = (g * g - v) * a2
-                m2 = m + dm
-                v2 = v + dv
-                m_[j] = m2
-                v_[j] = v2
-                w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-        else:
-            for j in range(d):
-                g = g_[j] * sgn
-                m = m_[j]
-                v = v_[j]
-                dm = (g - m) * a1
-                dv = (g * g - v) * a2
-                m2 = m + dm
-                v2 = v + dv
-                m_[j] = m2
-                v_[j] = v2
-                w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def adam_rows_euclid_options(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, op,
+                                 lo, hi):
+        """:func:`adam_rows_euclid` with the options of docs/algorithms.md §7.1–§7.2.
 
+        ``op`` is the float64 options array of ``_intrinsics.options_array`` (the same for every
+        ``*_options`` kernel): the offsets of the ``row_step`` / ``last_step`` counters in the
+        records (-1: absent; the counters are read through ``counter_view(S)``, the records as
+        ints), the global step ``t``, the decay mode -- ``WD_L2``: ``g <- sgn*g + wd*p``, then
+        the update; ``WD_DECOUPLED``: ``p <- p * f`` first, ``f = decay_factor(...)``, fused into
+        the update's pass with the same roundings as two passes -- and the float64 values the
+        per-row ones are computed from. With ``per_row_step`` the step size is the row's own
+        (:func:`row_step_size`). A skipped (non-finite) row keeps its counters and is not
+        decayed. The step takes this kernel only when an option is on: without, the plain
+        kernel runs (no change to its bits or speed).
+        """
+        a1, a2, _, _, eps, _, sgn, neg_s0, wd, keep = unpack_euclid(hp)
+        T = hp.dtype.type
+        rs_off, ls_off, t, _ = unpack_options(op)
+        if not per_row:  # compile-time constants: LLVM drops the code they switch off
+            rs_off = -1
+        if not last:
+            ls_off = -1
+        wd_mode = mode
+        C = counter_view(S)  # the records as ints: the counters
+        n = srows.shape[0]
+        d = G.shape[1]
+        for i in range(lo, hi):
+            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+            g_ = G[i]
+            if skip_nonfinite and not row_is_finite(g_):
+                continue
+            # 1-D row views: with them LLVM vectorises the loop (measured 3.3 -> 0.63 ms for
+            # 2048 x 128 on one thread); 2-D indexing of one array kept it scalar.
+            r = srows[i]
+            rec = S[r]
+            m_ = rec[moff:moff + d]
+            v_ = rec[voff:voff + d]
+            w_ = W[wrows[i]][woff:woff + d]
+            tr, k = read_counters(C, r, rs_off, ls_off, t)
+            neg_s = row_step_size(T, op, tr, neg_s0)
+            if wd_mode == WD_DECOUPLED:  # AdamW: decay first, then the step on the decayed p
+                f = decay_factor(keep, op, k)
+                for j in range(d):  # the decay fused into the step's pass (one pass measured
+                    g = g_[j] * sgn  # cheaper than two after the pow), the same roundings
+                    m = m_[j]
+                    v = v_[j]
+                    dm = (g - m) * a1
+                    dv = (g * g - v) * a2
+                    m2 = m + dm
+                    v2 = v + dv
+                    m_[j] = m2
+                    v_[j] = v2
+                    w_[j] = (w_[j] * f) + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+            elif wd_mode == WD_L2:  # torch.optim.Adam's weight_decay: g + wd*p
+                for j in range(d):
+                    g = g_[j] * sgn + wd * w_[j]
+                    m = m_[j]
+                    v = v_[j]
+                    dm = (g - m) * a1
+                    dv = (g * g - v) * a2
+                    m2 = m + dm
+                    v2 = v + dv
+                    m_[j] = m2
+                    v_[j] = v2
+                    w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+            else:
+                for j in range(d):
+                    g = g_[j] * sgn
+                    m = m_[j]
+                    v = v_[j]
+                    dm = (g - m) * a1
+                    dv = (g * g - v) * a2
+                    m2 = m + dm
+                    v2 = v + dv
+                    m_[j] = m2
+                    v_[j] = v2
+                    w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+            write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
 
+    return adam_rows_euclid_options
 
 @njit(inline="always")
 def l2_gradient(y_, g_, w_, sgn, wd):
@@ -255,65 +277,82 @@ def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_n
             w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid_rowwise_options(W, wrows, woff, S, srows, moff, voff, G, hp,
-                                     skip_nonfinite, op, lo, hi):
-    """:func:`adam_rows_euclid_rowwise` with the options (arguments as for
-    :func:`adam_rows_euclid_options`). L2 needs the whole gradient row with the decay for the row
-    mean of g², so it is written to a scratch row first; with ``per_row_step`` bc1 and bc2
-    are the row's own.
+@functools.cache
+def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
+    """:func:`adam_rows_euclid_rowwise_options` for one combination of options (as
+    :func:`euclid_options_kernel`).
+
+    ``per_row`` (a ``row_step`` counter), ``last`` (a ``last_step`` counter) and ``mode``
+    (``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``) are closure constants, which numba freezes into
+    the compiled code: each specialisation holds only the code of its options (one kernel
+    with run-time switches for all of them measured 5-15% slower per warm step: a 128-wide
+    row has little work besides). Cached by numba per combination.
     """
-    a1, a2, bc1_0, bc2_0, eps, neg_lr, sgn, _, wd, keep = unpack_euclid(hp)
-    T = hp.dtype.type
-    rs_off, ls_off, t, wd_mode = unpack_options(op)
-    C = counter_view(S)  # the records as ints: the counters
-    n = srows.shape[0]
-    d = G.shape[1]
-    y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        r = srows[i]
-        rec = S[r]
-        m_ = rec[moff:moff + d]
-        w_ = W[wrows[i]][woff:woff + d]
-        tr, k = advance_counters(C, r, rs_off, ls_off, t)
-        bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)
-        v = rec[voff]
-        if wd_mode == WD_L2:
-            l2_gradient(y_, g_, w_, sgn, wd)
-            q = T(dot64(y_, y_) / d)
-            v2 = v + (q - v) * a2
-            rec[voff] = v2
-            den = np.sqrt(v2 / bc2) + eps
-            for j in range(d):
-                m = m_[j]
-                m2 = m + (y_[j] - m) * a1
-                m_[j] = m2
-                w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-        else:
-            q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
-            v2 = v + (q - v) * a2
-            rec[voff] = v2
-            den = np.sqrt(v2 / bc2) + eps
-            if wd_mode == WD_DECOUPLED:  # decay first, fused into the pass
-                f = decay_factor(keep, op, k)
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def adam_rows_euclid_rowwise_options(W, wrows, woff, S, srows, moff, voff, G, hp,
+                                         skip_nonfinite, op, lo, hi):
+        """:func:`adam_rows_euclid_rowwise` with the options (arguments as for
+        :func:`adam_rows_euclid_options`). L2 needs the whole gradient row with the decay for the
+        row mean of g², so it is written to a scratch row first; with ``per_row_step`` bc1 and
+        bc2 are the row's own.
+        """
+        a1, a2, bc1_0, bc2_0, eps, neg_lr, sgn, _, wd, keep = unpack_euclid(hp)
+        T = hp.dtype.type
+        rs_off, ls_off, t, _ = unpack_options(op)
+        if not per_row:  # compile-time constants: LLVM drops the code they switch off
+            rs_off = -1
+        if not last:
+            ls_off = -1
+        wd_mode = mode
+        C = counter_view(S)  # the records as ints: the counters
+        n = srows.shape[0]
+        d = G.shape[1]
+        y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
+        for i in range(lo, hi):
+            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+            g_ = G[i]
+            if skip_nonfinite and not row_is_finite(g_):
+                continue
+            r = srows[i]
+            rec = S[r]
+            m_ = rec[moff:moff + d]
+            w_ = W[wrows[i]][woff:woff + d]
+            tr, k = read_counters(C, r, rs_off, ls_off, t)
+            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)
+            v = rec[voff]
+            if wd_mode == WD_L2:
+                l2_gradient(y_, g_, w_, sgn, wd)
+                q = T(dot64(y_, y_) / d)
+                v2 = v + (q - v) * a2
+                rec[voff] = v2
+                den = np.sqrt(v2 / bc2) + eps
                 for j in range(d):
                     m = m_[j]
-                    m2 = m + ((g_[j] * sgn) - m) * a1
-                    m_[j] = m2
-                    w_[j] = (w_[j] * f) + neg_lr * ((m2 / bc1) / den)
-            else:
-                for j in range(d):
-                    m = m_[j]
-                    m2 = m + ((g_[j] * sgn) - m) * a1
+                    m2 = m + (y_[j] - m) * a1
                     m_[j] = m2
                     w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+            else:
+                q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
+                v2 = v + (q - v) * a2
+                rec[voff] = v2
+                den = np.sqrt(v2 / bc2) + eps
+                if wd_mode == WD_DECOUPLED:  # decay first, fused into the pass
+                    f = decay_factor(keep, op, k)
+                    for j in range(d):
+                        m = m_[j]
+                        m2 = m + ((g_[j] * sgn) - m) * a1
+                        m_[j] = m2
+                        w_[j] = (w_[j] * f) + neg_lr * ((m2 / bc1) / den)
+                else:
+                    for j in range(d):
+                        m = m_[j]
+                        m2 = m + ((g_[j] * sgn) - m) * a1
+                        m_[j] = m2
+                        w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+            write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
 
-
+    return adam_rows_euclid_rowwise_options
 
 # -- bfloat16 first moment (docs/algorithms.md §6: stochastically rounded m, v in float32) --
 _U16 = np.uint64(16)
@@ -405,81 +444,100 @@ def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, r
                 w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid_bf16m_options(W, wrows, woff, S, M16, srows, m16off, voff, G, hp,
-                                   rowwise, skip_nonfinite, op, lo, hi):
-    """:func:`adam_rows_euclid_bf16m` with the options (arguments as for
-    :func:`adam_rows_euclid_rowwise_options`; ``t`` also seeds the stochastic rounding, as
-    before). The decoupled decay is a pass of its own here: this kernel is compute-bound.
+@functools.cache
+def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
+    """:func:`adam_rows_euclid_bf16m_options` for one combination of options (as
+    :func:`euclid_options_kernel`).
+
+    ``per_row`` (a ``row_step`` counter), ``last`` (a ``last_step`` counter) and ``mode``
+    (``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``) are closure constants, which numba freezes into
+    the compiled code: each specialisation holds only the code of its options (one kernel
+    with run-time switches for all of them measured 5-15% slower per warm step: a 128-wide
+    row has little work besides). Cached by numba per combination.
     """
-    a1, a2, bc1_0, bc2_0, eps, neg_lr, sgn, neg_s0, wd, keep = unpack_euclid(hp)
-    T = hp.dtype.type
-    rs_off, ls_off, t, wd_mode = unpack_options(op)
-    C = counter_view(S)  # the records as ints: the counters
-    n = srows.shape[0]
-    d = G.shape[1]
-    y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        r = srows[i]
-        rec = S[r]
-        m_ = M16[r][m16off:m16off + d]
-        w_ = W[wrows[i]][woff:woff + d]
-        tr, k = advance_counters(C, r, rs_off, ls_off, t)
-        if wd_mode == WD_DECOUPLED:
-            f = decay_factor(keep, op, k)
-            for j in range(d):
-                w_[j] = w_[j] * f
-        l2 = wd_mode == WD_L2
-        if l2:  # the L2 gradient sgn*g + wd*p, in the scratch row; read back with sign +1
-            l2_gradient(y_, g_, w_, sgn, wd)
-        if rowwise:
-            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)
-            q = T(dot64(y_, y_) / d) if l2 else T(dot64(g_, g_) / d)
-            v = rec[voff]
-            v2 = v + (q - v) * a2
-            rec[voff] = v2
-            den = np.sqrt(v2 / bc2) + eps
-            if l2:
+    @njit(cache=True, nogil=True, error_model="numpy")
+    def adam_rows_euclid_bf16m_options(W, wrows, woff, S, M16, srows, m16off, voff, G, hp,
+                                       rowwise, skip_nonfinite, op, lo, hi):
+        """:func:`adam_rows_euclid_bf16m` with the options (arguments as for
+        :func:`adam_rows_euclid_rowwise_options`; ``t`` also seeds the stochastic rounding, as
+        before). The decoupled decay is a pass of its own here: this kernel is compute-bound.
+        """
+        a1, a2, bc1_0, bc2_0, eps, neg_lr, sgn, neg_s0, wd, keep = unpack_euclid(hp)
+        T = hp.dtype.type
+        rs_off, ls_off, t, _ = unpack_options(op)
+        if not per_row:  # compile-time constants: LLVM drops the code they switch off
+            rs_off = -1
+        if not last:
+            ls_off = -1
+        wd_mode = mode
+        C = counter_view(S)  # the records as ints: the counters
+        n = srows.shape[0]
+        d = G.shape[1]
+        y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
+        for i in range(lo, hi):
+            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+            g_ = G[i]
+            if skip_nonfinite and not row_is_finite(g_):
+                continue
+            r = srows[i]
+            rec = S[r]
+            m_ = M16[r][m16off:m16off + d]
+            w_ = W[wrows[i]][woff:woff + d]
+            tr, k = read_counters(C, r, rs_off, ls_off, t)
+            if wd_mode == WD_DECOUPLED:
+                f = decay_factor(keep, op, k)
                 for j in range(d):
-                    m = f32_from_bf16(m_[j])
-                    m2 = m + (y_[j] - m) * a1
-                    m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
-                    w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+                    w_[j] = w_[j] * f
+            l2 = wd_mode == WD_L2
+            if l2:  # the L2 gradient sgn*g + wd*p, in the scratch row; read back with sign +1
+                l2_gradient(y_, g_, w_, sgn, wd)
+            if rowwise:
+                bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)
+                q = T(dot64(y_, y_) / d) if l2 else T(dot64(g_, g_) / d)
+                v = rec[voff]
+                v2 = v + (q - v) * a2
+                rec[voff] = v2
+                den = np.sqrt(v2 / bc2) + eps
+                if l2:
+                    for j in range(d):
+                        m = f32_from_bf16(m_[j])
+                        m2 = m + (y_[j] - m) * a1
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+                else:
+                    for j in range(d):
+                        m = f32_from_bf16(m_[j])
+                        m2 = m + ((g_[j] * sgn) - m) * a1
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
             else:
-                for j in range(d):
-                    m = f32_from_bf16(m_[j])
-                    m2 = m + ((g_[j] * sgn) - m) * a1
-                    m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
-                    w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-        else:
-            neg_s = row_step_size(T, op, tr, neg_s0)
-            v_ = rec[voff:voff + d]
-            if l2:
-                for j in range(d):
-                    g = y_[j]
-                    m = f32_from_bf16(m_[j])
-                    v = v_[j]
-                    dm = (g - m) * a1
-                    dv = (g * g - v) * a2
-                    m2 = m + dm
-                    v2 = v + dv
-                    m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
-                    v_[j] = v2
-                    w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-            else:
-                for j in range(d):
-                    g = g_[j] * sgn
-                    m = f32_from_bf16(m_[j])
-                    v = v_[j]
-                    dm = (g - m) * a1
-                    dv = (g * g - v) * a2
-                    m2 = m + dm
-                    v2 = v + dv
-                    m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
-                    v_[j] = v2
-                    w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+                neg_s = row_step_size(T, op, tr, neg_s0)
+                v_ = rec[voff:voff + d]
+                if l2:
+                    for j in range(d):
+                        g = y_[j]
+                        m = f32_from_bf16(m_[j])
+                        v = v_[j]
+                        dm = (g - m) * a1
+                        dv = (g * g - v) * a2
+                        m2 = m + dm
+                        v2 = v + dv
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        v_[j] = v2
+                        w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+                else:
+                    for j in range(d):
+                        g = g_[j] * sgn
+                        m = f32_from_bf16(m_[j])
+                        v = v_[j]
+                        dm = (g - m) * a1
+                        dv = (g * g - v) * a2
+                        m2 = m + dm
+                        v2 = v + dv
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        v_[j] = v2
+                        w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+            write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+
+    return adam_rows_euclid_bf16m_options

@@ -59,10 +59,25 @@ def _corrections(b1, b2, t, tr):
             np.array([[1 - b2 ** int(x)] for x in tr]))
 
 
+def decay_power(keep, k):
+    """``keep**k`` by binary powering in double: the product, lowest bit first, of
+    ``keep**(2**i)`` (Python's ``**``) over the set bits of ``k``; ``keep`` for ``k == 1``."""
+    if k == 1:
+        return keep
+    f, i = 1.0, 0
+    while k:
+        if k & 1:
+            f *= keep ** (1 << i)
+        k >>= 1
+        i += 1
+    return f
+
+
 def _decoupled(p, k, lr, weight_decay):
-    """AdamW's decay of each row for ``k`` steps: p * fl((1 - lr*wd)**k), one rounding."""
+    """AdamW's decay of each row for ``k`` steps: p * fl((1 - lr*wd)**k), one rounding (the
+    power by :func:`decay_power`)."""
     keep = 1.0 - lr * weight_decay
-    f = np.array([[keep ** int(x)] for x in k]).astype(p.dtype)
+    f = np.array([[decay_power(keep, int(x))] for x in k]).astype(p.dtype)
     return p * f
 
 

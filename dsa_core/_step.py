@@ -18,13 +18,13 @@ from ._intrinsics import WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_euclid import (
     adam_rows_euclid,
     adam_rows_euclid_bf16m,
-    adam_rows_euclid_bf16m_options,
-    adam_rows_euclid_options,
     adam_rows_euclid_rowwise,
-    adam_rows_euclid_rowwise_options,
+    euclid_bf16m_options_kernel,
     euclid_hparams,
+    euclid_options_kernel,
+    euclid_rowwise_options_kernel,
 )
-from ._kernels_poincare import adam_rows_poincare, adam_rows_poincare_options, poincare_hparams
+from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_options_kernel
 from ._state import State, _manifest, maxnorm, require_current
 from .validation import check_lr, check_weight_decay
 
@@ -260,13 +260,15 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
     skip = state.nonfinite == "skip_row"
     n, chunk = srows.shape[0], _min_chunk(st.dim)
     wd = state.weight_decay
-    # docs/algorithms.md §7.1-§7.2: with an option on, the *_options kernels and their float64
-    # options array (kept on the store: its bias table is built once); else the plain ones
-    opts = ()
+    # docs/algorithms.md §7.1-§7.2: with an option on, a kernel specialised for the options
+    # (compiled on first use) and the float64 options array (kept on the store: its bias
+    # table is built once); else the plain kernels, exactly as before the options existed
+    opts, spec = (), None
     if wd != 0.0 or st.rs_off >= 0 or st.ls_off >= 0:
         mode = WD_NONE if wd == 0.0 else WD_DECOUPLED if state.decoupled_weight_decay else WD_L2
+        spec = (st.rs_off >= 0, st.ls_off >= 0, mode)
         opts = (options_array(rs_off=st.rs_off, ls_off=st.ls_off, t=t, wd_mode=mode, lr=lr,
-                              betas=state.betas, weight_decay=wd,
+                              betas=state.betas, weight_decay=wd, dtype=st.dtype,
                               out=st.scratch.get("options")),)
         st.scratch["options"] = opts[0]
     if st.curvature == 0.0:
@@ -274,8 +276,8 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
                             eps=state.eps, maximize=state.maximize, weight_decay=wd)
         if st.m_bf16:  # first_moment="bfloat16" (docs/algorithms.md §6), either second moment
             m16 = st.data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
-            if opts:
-                _pool.run_chunked(adam_rows_euclid_bf16m_options,
+            if spec:
+                _pool.run_chunked(euclid_bf16m_options_kernel(*spec),
                                   (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off,
                                    G, hp, st.rowwise, skip, *opts), n, chunk)
             else:
@@ -283,8 +285,10 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
                                   (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off,
                                    G, hp, st.rowwise, t, skip), n, chunk)
         else:  # second_moment="rowwise" (docs/algorithms.md §7.3), or SparseAdam's
-            kernel = (adam_rows_euclid_rowwise_options if opts else adam_rows_euclid_rowwise) \
-                if st.rowwise else (adam_rows_euclid_options if opts else adam_rows_euclid)
+            if st.rowwise:
+                kernel = euclid_rowwise_options_kernel(*spec) if spec else adam_rows_euclid_rowwise
+            else:
+                kernel = euclid_options_kernel(*spec) if spec else adam_rows_euclid
             _pool.run_chunked(kernel, (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp,
                                        skip, *opts), n, chunk)
     else:  # the ball (create refuses rowwise and bfloat16 m here)
@@ -293,7 +297,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
                               maxnorm=maxnorm(st.curvature, state.ball_eps, st.dtype),
                               maximize=state.maximize, weight_decay=wd)
         Y = _scratch(st, "poincare_y", G.size).reshape(G.shape)
-        _pool.run_chunked(adam_rows_poincare_options if opts else adam_rows_poincare,
+        _pool.run_chunked(poincare_options_kernel(*spec) if spec else adam_rows_poincare,
                           (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip,
                            *opts), n, chunk)
     if st.w_off is None and table is None:
@@ -343,7 +347,10 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
         php = poincare_hparams(dt, curvature=1.0, lr=1e-3, betas=(0.9, 0.999), bc1=0.1,
                                bc2=1e-3, eps=1e-8, maxnorm=dt.type(0.99), maximize=False)
         op = options_array(rs_off=5, ls_off=-1, t=1, wd_mode=WD_L2, lr=1e-3,
-                           betas=(0.9, 0.999)) if options else None
+                           betas=(0.9, 0.999), dtype=dt)
+        specs = [(p, la, m) for p in (False, True) for la in (False, True)
+                 for m in (WD_NONE, WD_L2, WD_DECOUPLED) if p or la or m != WD_NONE] \
+            if options else []
         for writeable in (True, False) if readonly else (True,):
             G = np.zeros((2, 2), dt)
             G3 = np.zeros((3, 2), dt)  # three rows, one duplicate id: the coalescing path
@@ -356,17 +363,18 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
                     adam_rows_euclid_bf16m(data, rows, 0, data, data.view(np.uint16), rows, 4,
                                            4, G, hp, rw, 1, False, 0, 2)
             adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, Y, php, False, 0, 2)
-            if options:  # docs/algorithms.md §7.1-§7.2 (compiled on first use otherwise)
-                adam_rows_euclid_options(data, rows, 0, data, rows, 2, 4, G, hp, False, op, 0, 2)
-                adam_rows_euclid_rowwise_options(data, rows, 0, data, rows, 2, 4, G, hp, False,
-                                                 op, 0, 2)
+            for spec in specs:  # docs/algorithms.md §7.1-§7.2 (else compiled on first use)
+                euclid_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp, False, op,
+                                             0, 2)
+                euclid_rowwise_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp,
+                                                     False, op, 0, 2)
                 if dt == np.float32:
                     for rw in (False, True):
-                        adam_rows_euclid_bf16m_options(data, rows, 0, data,
-                                                       data.view(np.uint16), rows, 4, 4, G, hp,
-                                                       rw, False, op, 0, 2)
-                adam_rows_poincare_options(data, rows, 0, data, rows, 2, 4, G, Y, php, False,
-                                           op, 0, 2)
+                        euclid_bf16m_options_kernel(*spec)(data, rows, 0, data,
+                                                           data.view(np.uint16), rows, 4, 4, G,
+                                                           hp, rw, False, op, 0, 2)
+                poincare_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, Y, php,
+                                               False, op, 0, 2)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
         gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
     is_strictly_increasing(rows)

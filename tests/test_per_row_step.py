@@ -347,3 +347,25 @@ def test_store_arrays_of_counter_stores_are_the_usual_views(tmp_path):
     s = dsa_core.step(s, [4], np.ones((1, D), np.float32))
     assert m[4].any() and v[4].any() and s.row_steps[4] == 1 and s.last_steps[4] == 1
     dsa_core.close(s)
+
+
+def test_counters_past_int32(tmp_path):
+    """float32 stores keep int32 counters: ``last_step`` holds the step modulo 2**32 and the
+    gap is taken modulo 2**32 (exact below 2**32 steps), ``row_step`` saturates at 2**31 - 1
+    (where every correction is exactly 1.0)."""
+    lr, wd = 0.01, 0.3
+    init = np.full((4, D), 0.5, np.float32)
+    s = dsa_core.create(tmp_path / "s", 4, D, init=init, lr=lr, weight_decay=wd,
+                        decoupled_weight_decay=True, decay_missed_steps=True,
+                        per_row_step=True)
+    t0 = 2**31 + 2  # the last update of row 1, past int32
+    s.last_steps[1] = np.int64(t0).astype(np.int32)  # its low 32 bits, as a step stores it
+    s.row_steps[2] = 2**31 - 1
+    s = dsa_core.set_count(s, t0 + 2)
+    s = dsa_core.step(s, [1, 2], np.zeros((2, D), np.float32))  # step t0 + 3: row 1 missed 2
+    keep = 1.0 - lr * wd
+    np.testing.assert_array_equal(s.weights[1], init[1] * np.float32(keep**3))
+    assert s.last_steps[1] == np.int64(t0 + 3).astype(np.int32)
+    assert s.row_steps[2] == 2**31 - 1
+    assert np.isfinite(s.weights).all()
+    dsa_core.close(s)

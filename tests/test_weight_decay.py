@@ -30,6 +30,7 @@ from test_core_kernels import (
 
 import dsa_core
 from conftest import num_threads
+from dsa_core import _reference as R
 
 N = 40
 WD = 0.5  # with lr = 0.05 one step keeps 0.975 of a weight: the decay is visible at once
@@ -306,8 +307,9 @@ def test_every_row_every_batch_catch_up_is_plain_decoupled_decay(tmp_path, per_r
 def test_idle_row_takes_the_decay_of_every_step_it_missed(tmp_path, idle, geom, dt):
     """Constant lr, zero gradients (so the Adam part of each update is exactly 0): a row
     updated at step 1, idle for ``idle`` steps and revisited is multiplied by exactly
-    fl((1 - lr*wd)^(idle + 1)) at the revisit -- the decay of dense AdamW, to one rounding --
-    while without catch-up it takes one step's decay."""
+    fl((1 - lr*wd)^(idle + 1)) at the revisit (the power in double, within 1e-14 of the exact
+    one) -- the decay of dense AdamW, to rounding -- while without catch-up it takes one
+    step's decay."""
     c, dtype = GEOMS[geom], DTYPES[dt]
     T = np.dtype(dtype).type
     lr, wd, dim = 0.01, 0.3, 8
@@ -332,9 +334,11 @@ def test_idle_row_takes_the_decay_of_every_step_it_missed(tmp_path, idle, geom, 
     once = init[2] * T(keep)
     np.testing.assert_array_equal(lazy.weights[2], once * T(keep))
     np.testing.assert_array_equal(lazy.weights[3], init[3] * T(keep))
-    np.testing.assert_array_equal(catch.weights[2], once * T(keep ** (idle + 1)))
+    # the power by binary powering in double (the kernels' and the oracle's), rounded once
+    np.testing.assert_array_equal(catch.weights[2], once * T(R.decay_power(keep, idle + 1)))
+    assert abs(R.decay_power(keep, idle + 1) / keep ** (idle + 1) - 1) < 1e-14
     # row 3, never updated before (last step 0), takes the decay of all idle + 2 steps
-    np.testing.assert_array_equal(catch.weights[3], init[3] * T(keep ** (idle + 2)))
+    np.testing.assert_array_equal(catch.weights[3], init[3] * T(R.decay_power(keep, idle + 2)))
     np.testing.assert_allclose(catch.weights[2], init[2] * keep ** (idle + 2),
                                rtol=4 * np.finfo(dtype).eps)
     assert catch.last_steps[2] == catch.last_steps[3] == idle + 2
