@@ -1,0 +1,612 @@
+"""Partition-ordered training: edge buckets, a near-optimal bucket order, streamed batches.
+
+A step that touches random rows of a table larger than memory runs at the disk's random-read
+rate. For edge-list workloads (skip-gram / Node2Vec walks, TransE, DistMult, ComplEx) the
+rows a batch touches can be chosen instead: split the node ids into ``P`` contiguous
+partitions and the edges into ``P * P`` buckets (bucket ``(i, j)``: source in partition
+``i``, destination in partition ``j``), keep ``c`` partitions in memory, and train bucket by
+bucket in an order that swaps few partitions (BETA, from Marius). Partitions entering the
+buffer are read sequentially ahead of use and leaving ones written back sequentially
+(``dsa_core.load_range`` / ``dsa_core.release_range``), so the disk sees streams, not seeks.
+
+>>> import numpy as np
+>>> from dsa_core import buckets
+>>> edges = np.random.default_rng(0).integers(0, 100, size=(1000, 2))
+>>> plan = buckets.plan(edges, 100, partitions=4, buffer=2)
+>>> plan.bounds
+array([  0,  25,  50,  75, 100])
+>>> plan.order(epoch=0)
+Order(P=4, c=2, buckets=16, loads=7, lower_bound=7)
+>>> seen = 0
+>>> for batch in plan.batches(128, negatives=5):
+...     src, dst = batch.edges[:, 0], batch.edges[:, 1]   # all from bucket batch.bucket
+...     seen += len(batch.edges)
+>>> seen, batch.negatives.shape[1]
+(1000, 5)
+
+With stores (``plan.batches(..., stores=[state])``) the iterator issues the loads and
+releases of each store's partitions itself. The user guide is ``docs/buckets.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import dsa_core
+
+from . import _bucket_order
+
+__all__ = ["Batch", "BatchIterator", "Order", "Plan", "open_plan", "plan"]
+
+_PLAN_FORMAT = "dsa_core.buckets.plan"
+_ITER_KIND = "dsa_core.buckets.BatchIterator"
+# stream tags of the seeded generators, last and nonzero so that no two streams share a seed
+_ORDER, _SHUFFLE, _NEGATIVES = 1, 2, 3
+
+
+# -- argument checks -----------------------------------------------------------------------
+def _int(value: Any, name: str, low: int, hint: str = "") -> int:
+    """``value`` as an int >= ``low`` (bools refused), else a TypeError / ValueError."""
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r}{hint}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r} "
+                        f"({type(value).__name__}){hint}") from None
+    if v < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {v}{hint}")
+    return int(v)
+
+
+def _check_edges(edges: Any):
+    if not isinstance(edges, np.ndarray):  # np.memmap is an ndarray: never copied here
+        edges = np.asarray(edges)
+    if edges.ndim != 2 or edges.shape[1] not in (2, 3):
+        raise ValueError("edges must be an (E, 2) array of (source, destination) or an (E, 3) "
+                         f"array of (head, relation, tail), got shape {edges.shape}")
+    if not np.issubdtype(edges.dtype, np.integer):
+        raise TypeError(f"edges must hold integer node ids, got dtype {edges.dtype}; convert "
+                        "them with edges.astype(np.int64) (after checking they are whole)")
+    return edges
+
+
+# -- the plan ------------------------------------------------------------------------------
+class Order(NamedTuple):
+    """One epoch's bucket order (see :meth:`Plan.order`).
+
+    Attributes
+    ----------
+    buckets : ndarray
+        ``(P*P, 2)`` int64 partition pairs ``(i, j)`` in training order, each once.
+    buffers : list of tuple
+        For each bucket, the sorted partitions resident while it trains (at most ``c``,
+        both of its partitions among them).
+    loads : int
+        Partition loads of the epoch, the initial fill included.
+    lower_bound : int
+        The fewest loads any order with a ``c``-partition buffer can have.
+    """
+
+    buckets: np.ndarray
+    buffers: list
+    loads: int
+    lower_bound: int
+
+    def __repr__(self) -> str:
+        P = int(round(len(self.buckets) ** 0.5))
+        c = max((len(b) for b in self.buffers), default=0)
+        return (f"Order(P={P}, c={c}, buckets={len(self.buckets)}, loads={self.loads}, "
+                f"lower_bound={self.lower_bound})")
+
+
+class Plan:
+    """Edges bucketed by partition pair, with the partition bounds and the bucket order.
+
+    Made by :func:`plan` (or :func:`open_plan` for one saved with ``out=``).
+
+    Attributes
+    ----------
+    num_nodes, num_partitions, buffer, seed, num_edges : int
+        ``num_partitions`` is P, ``buffer`` is c.
+    bounds : ndarray
+        ``(P+1,)`` int64: partition ``p`` holds node (table row) ids
+        ``[bounds[p], bounds[p+1])``; sizes differ by at most 1.
+    edges : ndarray or np.memmap
+        ``(E, 2|3)`` in the input dtype, sorted by bucket (stable: edges of one bucket keep
+        their input order); a read-only memmap when the plan was built with ``out=``.
+    offsets : ndarray
+        ``(P*P + 1,)`` int64: bucket ``(i, j)`` is ``edges[offsets[i*P+j]:offsets[i*P+j+1]]``.
+    bucket_sizes : ndarray
+        ``(P, P)`` int64 edges per bucket.
+    path : Path or None
+        The ``out`` directory holding ``edges``, or None when they are in memory.
+    """
+
+    def __init__(self, *, num_nodes, num_partitions, buffer, seed, edges, offsets, path=None):
+        self.num_nodes = int(num_nodes)
+        self.num_partitions = int(num_partitions)
+        self.buffer = int(buffer)
+        self.seed = int(seed)
+        self.edges = edges
+        self.offsets = np.asarray(offsets, np.int64)
+        self.num_edges = int(self.offsets[-1])
+        self.path = None if path is None else Path(path)
+        P = self.num_partitions
+        self.bounds = _bounds(self.num_nodes, P)
+        self.bucket_sizes = np.diff(self.offsets).reshape(P, P)
+        self._orders: dict[int, tuple] = {}
+
+    def __repr__(self) -> str:
+        where = "in memory" if self.path is None else f"at {str(self.path)!r}"
+        sizes = self.bucket_sizes
+        return (f"Plan(num_nodes={self.num_nodes:,}, num_edges={self.num_edges:,}, "
+                f"P={self.num_partitions}, c={self.buffer}, seed={self.seed}, "
+                f"columns={self.edges.shape[1]}, largest bucket={int(sizes.max()):,} edges, "
+                f"epoch loads={_bucket_order.beta_loads(self.num_partitions, self.buffer)} "
+                f"(lower bound "
+                f"{_bucket_order.lower_bound(self.num_partitions, self.buffer)}), "
+                f"edges {where})")
+
+    def partition_of(self, ids) -> np.ndarray:
+        """Partition index of each node id (same shape as ``ids``).
+
+        >>> p = plan([[0, 9]], 10, partitions=3)
+        >>> p.bounds, p.partition_of([0, 2, 3, 9])
+        (array([ 0,  3,  6, 10]), array([0, 0, 1, 2]))
+        """
+        ids = np.asarray(ids)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"ids must be integer node ids, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.num_nodes)
+        if bad.any():
+            first = ids.ravel()[np.flatnonzero(bad.ravel())[0]]
+            raise ValueError(f"node ids must lie in [0, num_nodes={self.num_nodes}), got "
+                             f"{int(first)}")
+        return np.searchsorted(self.bounds, ids.astype(np.int64), side="right") - 1
+
+    def _epoch_order(self, epoch: int) -> tuple:
+        """``(buckets, state_of, states, loads)`` of ``epoch`` (cached: a few recent ones)."""
+        got = self._orders.get(epoch)
+        if got is None:
+            rng = np.random.default_rng([self.seed, epoch, _ORDER])
+            got = _bucket_order.order_buckets(self.num_partitions, self.buffer, rng)
+            if len(self._orders) >= 4:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = got
+        return got
+
+    def order(self, epoch: int = 0) -> Order:
+        """The bucket order of ``epoch``: BETA on a permutation of the partition labels
+        seeded by ``(seed, epoch)``; buckets that become available at the same swap are
+        shuffled. Same ``(seed, epoch)``, same order.
+
+        >>> o = plan([[0, 1]], 40, partitions=8, buffer=3).order(epoch=2)
+        >>> len(o.buckets), o.loads, o.lower_bound
+        (64, 17, 16)
+        """
+        epoch = _int(epoch, "epoch", 0)
+        buckets, state_of, states, loads = self._epoch_order(epoch)
+        return Order(buckets.copy(), [states[s] for s in state_of], loads,
+                     _bucket_order.lower_bound(self.num_partitions, self.buffer))
+
+    def batches(self, batch_size: int, *, negatives: int = 0, epoch: int = 0,
+                epochs: int = 1, stores: Sequence = (), start=None) -> BatchIterator:
+        """Iterate over the edges bucket by bucket, ``epochs`` epochs from ``epoch``.
+
+        Parameters
+        ----------
+        batch_size : int
+            Edges per batch (>= 1); a bucket's last batch may be shorter, and no batch mixes
+            buckets.
+        negatives : int
+            Negative node ids drawn per edge (>= 0), i.i.d. uniform over the rows of the
+            partitions resident for the bucket.
+        epoch, epochs : int
+            The first epoch (its number seeds the order and the shuffles) and how many.
+        stores : sequence of dsa_core.State
+            Stores whose rows are the node ids (``num_rows == num_nodes``): the iterator
+            requests each partition's rows with ``dsa_core.load_range`` before its first
+            bucket (the partition entering at the next swap while the current buffer
+            trains: plan for c + 1 partitions of memory) and hands leaving ones back with
+            ``dsa_core.release_range``. It never waits on them. Hints only: the values
+            trained are the same with or without stores.
+        start : dict or tuple, optional
+            Resume from ``it.state_dict()`` (checked against this plan and these
+            parameters) or from a position ``(epoch, bucket_index, batch_index)``.
+
+        Returns
+        -------
+        BatchIterator
+            Yields :class:`Batch` ``(edges, negatives, bucket, position)``.
+        """
+        return BatchIterator(self, batch_size, negatives=negatives, epoch=epoch,
+                             epochs=epochs, stores=stores, start=start)
+
+
+def _bounds(num_nodes: int, P: int) -> np.ndarray:
+    return (np.arange(P + 1, dtype=np.int64) * num_nodes) // P
+
+
+def plan(edges, num_nodes: int, *, partitions: int, buffer: int = 2, seed: int = 0,
+         out=None, chunk_edges: int = 1 << 22) -> Plan:
+    """Bucket ``edges`` by partition pair for partition-ordered training.
+
+    Parameters
+    ----------
+    edges : array_like or np.memmap
+        ``(E, 2)`` (source, destination) or ``(E, 3)`` (head, relation, tail) integer node
+        ids in ``[0, num_nodes)``; the relation column is carried unchanged. A memmap may be
+        larger than memory: it is read ``chunk_edges`` rows at a time.
+    num_nodes : int
+        Rows of the tables the ids index (>= 1).
+    partitions : int
+        P, in ``[1, num_nodes]``: partition ``p`` is the contiguous id range
+        ``[p*num_nodes//P, (p+1)*num_nodes//P)``.
+    buffer : int
+        c >= 2, the partitions held in memory at once (c >= P: all of them, one state).
+    seed : int
+        Seeds the partition relabelling of each epoch's order, the shuffles and negatives.
+    out : path, optional
+        A directory (absent or empty) for the bucketed copy of the edges, written as
+        ``edges.npy`` (opened as a read-only memmap), ``offsets.npy`` and ``plan.json``; it
+        appears complete or not at all. None keeps the copy in memory.
+    chunk_edges : int
+        Edges read per chunk of the two passes (memory: O(P*P + chunk_edges)).
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    ValueError, TypeError
+        Bad shapes, dtypes or parameters, and any id out of range (the first one and its
+        edge index named), before anything is written.
+
+    Notes
+    -----
+    A stable counting sort in two chunked passes: the first checks the ids and counts each
+    bucket, the second writes each chunk's edges at their bucket's cursor.
+    """
+    num_nodes = _int(num_nodes, "num_nodes", 1)
+    P = _int(partitions, "partitions", 1)
+    if P > num_nodes:
+        raise ValueError(f"partitions must be <= num_nodes = {num_nodes} (each partition "
+                         f"needs a node), got {P}")
+    c = _int(buffer, "buffer", 2, "; the buffer holds the two partitions of a bucket at "
+             "least")
+    seed = _int(seed, "seed", 0)
+    chunk = _int(chunk_edges, "chunk_edges", 1)
+    edges = _check_edges(edges)
+    out = None if out is None else Path(out)
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        hint = ("; it holds a plan: open it with buckets.open_plan(out)"
+                if (out / "plan.json").exists() else "")
+        raise FileExistsError(f"out must be a new or empty directory, {str(out)!r} is not"
+                              f"{hint}; or pass another path")
+    E, cols = edges.shape
+    bounds = _bounds(num_nodes, P)
+
+    def chunks():
+        for lo in range(0, E, chunk):
+            ch = np.asarray(edges[lo:lo + chunk])
+            yield lo, ch, _bucket_ids(ch, lo, bounds, num_nodes, P)
+
+    counts = np.zeros(P * P, np.int64)  # pass 1: check every id, count every bucket
+    for _, _, b in chunks():
+        counts += np.bincount(b, minlength=P * P)
+    offsets = np.zeros(P * P + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+
+    def fill(target):  # pass 2: stable scatter of each chunk at its buckets' cursors
+        cursor = offsets[:-1].copy()
+        for _, ch, b in chunks():
+            order = np.argsort(b, kind="stable")
+            bs = b[order]
+            cnt = np.bincount(b, minlength=P * P)
+            first = np.cumsum(cnt) - cnt
+            target[cursor[bs] + (np.arange(len(bs)) - first[bs])] = ch[order]
+            cursor += cnt
+
+    meta = {"format": _PLAN_FORMAT, "version": 1, "num_nodes": num_nodes,
+            "num_partitions": P, "buffer": c, "seed": seed, "num_edges": E, "columns": cols,
+            "dtype": edges.dtype.str}
+    if out is None:
+        target = np.empty((E, cols), edges.dtype)
+        fill(target)
+        return Plan(num_nodes=num_nodes, num_partitions=P, buffer=c, seed=seed,
+                    edges=target, offsets=offsets)
+    with dsa_core.staged_dir(out, overwrite=out.exists()) as tmp:
+        if E:
+            target = np.lib.format.open_memmap(tmp / "edges.npy", mode="w+",
+                                               dtype=edges.dtype, shape=(E, cols))
+            fill(target)
+            target.flush()
+            del target
+        else:  # a zero-length file cannot be mapped
+            np.save(tmp / "edges.npy", np.empty((0, cols), edges.dtype))
+        with open(tmp / "edges.npy", "rb+") as f:
+            os.fsync(f.fileno())
+        with open(tmp / "offsets.npy", "wb") as f:
+            np.save(f, offsets)
+            f.flush()
+            os.fsync(f.fileno())
+        dsa_core.write_json(tmp / "plan.json", meta)
+    return open_plan(out)
+
+
+def _bucket_ids(ch: np.ndarray, lo: int, bounds: np.ndarray, n: int, P: int) -> np.ndarray:
+    """Bucket index ``i*P + j`` of each edge of the chunk starting at edge ``lo``."""
+    src, dst = ch[:, 0], ch[:, -1]
+    bad = (src < 0) | (src >= n) | (dst < 0) | (dst >= n)
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        row = tuple(int(v) for v in ch[k])
+        col = 0 if not 0 <= row[0] < n else -1
+        what = "source/head" if col == 0 else "destination/tail"
+        raise ValueError(f"node ids must lie in [0, num_nodes={n}); edge {lo + k} is {row}: "
+                         f"its {what} {row[col]} is out of range (the first such id; the "
+                         "relation column is not checked); fix the ids or num_nodes")
+    src = np.searchsorted(bounds, src.astype(np.int64), side="right") - 1
+    dst = np.searchsorted(bounds, dst.astype(np.int64), side="right") - 1
+    return src * P + dst
+
+
+def open_plan(path, *, buffer: int | None = None, seed: int | None = None) -> Plan:
+    """Open a plan saved with ``plan(..., out=path)`` (its edges as a read-only memmap).
+
+    ``buffer`` / ``seed``: None keeps the saved ones; others change the order (not the
+    buckets).
+    """
+    path = Path(path)
+    try:
+        meta = json.loads((path / "plan.json").read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{str(path)!r} holds no bucketed plan (no plan.json); make "
+                                "one with buckets.plan(edges, num_nodes, partitions=..., "
+                                "out=path)") from None
+    if meta.get("format") != _PLAN_FORMAT:
+        raise ValueError(f"{str(path / 'plan.json')!r} is not a buckets plan")
+    edges = np.load(path / "edges.npy", mmap_mode="r" if meta["num_edges"] else None)
+    offsets = np.load(path / "offsets.npy")
+    P = int(meta["num_partitions"])
+    if (edges.shape != (meta["num_edges"], meta["columns"]) or offsets.shape != (P * P + 1,)
+            or int(offsets[-1]) != meta["num_edges"]):
+        raise ValueError(f"the plan at {str(path)!r} is damaged: edges {edges.shape}, "
+                         f"offsets {offsets.shape} do not match plan.json")
+    c = meta["buffer"] if buffer is None else _int(buffer, "buffer", 2)
+    seed = meta["seed"] if seed is None else _int(seed, "seed", 0)
+    return Plan(num_nodes=meta["num_nodes"], num_partitions=P, buffer=c, seed=seed,
+                edges=edges, offsets=offsets, path=path)
+
+
+# -- iteration ---------------------------------------------------------------------------
+class Batch(NamedTuple):
+    """One batch of :meth:`Plan.batches`.
+
+    Attributes
+    ----------
+    edges : ndarray
+        ``(b, 2|3)`` int64 global ids (and relations), all from ``bucket``.
+    negatives : ndarray
+        ``(b, negatives)`` int64 node ids, uniform over the resident partitions' rows.
+    bucket : tuple of int
+        ``(i, j)``.
+    position : tuple of int
+        ``(epoch, bucket_index, batch_index)`` of this batch.
+    """
+
+    edges: np.ndarray
+    negatives: np.ndarray
+    bucket: tuple
+    position: tuple
+
+
+class BatchIterator:
+    """The batches of a :class:`Plan`, in bucket order (made by :meth:`Plan.batches`).
+
+    ``position`` is ``(epoch, bucket_index, batch_index)`` of the next batch,
+    ``state_dict()`` that position with the parameters a resume must match, and ``loads``
+    the partition loads issued so far (counted with or without stores). Every batch is a
+    deterministic function of (seed, epoch, bucket index, batch index), so a resumed
+    iterator yields exactly the batches the uninterrupted one would have.
+    """
+
+    def __init__(self, plan: Plan, batch_size, *, negatives=0, epoch=0, epochs=1,
+                 stores=(), start=None):
+        self.plan = plan
+        self.batch_size = _int(batch_size, "batch_size", 1)
+        self.negatives = _int(negatives, "negatives", 0)
+        self.epoch = _int(epoch, "epoch", 0)
+        self.epochs = _int(epochs, "epochs", 0)
+        self.stores = _check_stores(stores, plan.num_nodes)
+        self._pos = self._start(start)
+        self.loads = 0
+        self._gen: Iterator[Batch] | None = None
+
+    # -- position and resume ---------------------------------------------------------
+    @property
+    def position(self) -> tuple:
+        """``(epoch, bucket_index, batch_index)`` of the next batch."""
+        return self._pos
+
+    def _params(self) -> dict:
+        p = self.plan
+        return {"kind": _ITER_KIND, "version": 1, "num_nodes": p.num_nodes,
+                "num_partitions": p.num_partitions, "buffer": p.buffer, "seed": p.seed,
+                "num_edges": p.num_edges, "columns": int(p.edges.shape[1]),
+                "buckets_crc32": zlib.crc32(p.offsets.astype("<i8").tobytes()),
+                "batch_size": self.batch_size, "negatives": self.negatives}
+
+    def state_dict(self) -> dict:
+        """JSON-able: the next batch's position and the parameters a resume must match."""
+        e, k, t = self._pos
+        return {**self._params(), "epoch": e, "bucket_index": k, "batch_index": t}
+
+    def _num_batches(self, epoch: int, k: int) -> int:
+        i, j = self.plan._epoch_order(epoch)[0][k]
+        return -(-int(self.plan.bucket_sizes[i, j]) // self.batch_size)
+
+    def _start(self, start) -> tuple:
+        P2 = self.plan.num_partitions ** 2
+        end = self.epoch + self.epochs
+        if start is None:
+            return (self.epoch, 0, 0) if self.epochs else (end, 0, 0)
+        if isinstance(start, dict):
+            mine = self._params()
+            if start.get("kind") != _ITER_KIND:
+                raise ValueError("start must be a BatchIterator.state_dict() or a position "
+                                 f"(epoch, bucket_index, batch_index), got a dict with keys "
+                                 f"{sorted(start)}")
+            diff = [f"{key} {start.get(key)!r} != {val!r}" for key, val in mine.items()
+                    if start.get(key) != val]
+            if diff:
+                raise ValueError("start was saved by another plan or with other batch "
+                                 f"parameters (saved != now): {'; '.join(diff)}; resume with "
+                                 "the plan, batch_size and negatives it was saved with")
+            start = (start["epoch"], start["bucket_index"], start["batch_index"])
+        try:
+            e, k, t = (_int(v, "start position", 0) for v in start)
+        except (TypeError, ValueError) as exc:
+            raise ValueError("start must be a state_dict or a position (epoch, "
+                             f"bucket_index, batch_index) of ints >= 0, got {start!r}"
+                             ) from exc
+        ok = (e == end and k == 0 and t == 0) or (
+            self.epoch <= e < end and k < P2 and t < max(1, self._num_batches(e, k)))
+        if not ok:
+            raise ValueError(f"start position {(e, k, t)} is not in this iteration: epochs "
+                             f"[{self.epoch}, {end}), bucket_index < {P2}, batch_index "
+                             "below that bucket's batch count (or the end, "
+                             f"{(end, 0, 0)}); pass the epoch/epochs it was saved under")
+        return (e, k, t)
+
+    # -- iteration -------------------------------------------------------------------
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._gen is None:
+            self._gen = self._batches()
+        return next(self._gen)
+
+    def _hint(self, fn, p: int) -> None:
+        lo, hi = int(self.plan.bounds[p]), int(self.plan.bounds[p + 1])
+        for s in self.stores:
+            fn(s, lo, hi)
+
+    def _batches(self) -> Iterator[Batch]:
+        plan, B, K = self.plan, self.batch_size, self.negatives
+        P2 = plan.num_partitions ** 2
+        bounds, end = plan.bounds, self.epoch + self.epochs
+        e0, k0, t0 = self._pos
+        loaded: set[int] = set()  # partitions loaded (or being) and not released since
+
+        def load(p):
+            loaded.add(p)
+            self.loads += 1
+            self._hint(dsa_core.load_range, p)
+
+        def release(p):
+            loaded.discard(p)
+            self._hint(dsa_core.release_range, p)
+
+        for e in range(e0, end):
+            buckets, state_of, states, _ = plan._epoch_order(e)
+            sizes = plan.bucket_sizes[buckets[:, 0], buckets[:, 1]]
+            for k in range(k0 if e == e0 else 0, P2):
+                s = state_of[k]
+                if (e, k) == (e0, k0) or k == 0 or s != state_of[k - 1]:
+                    # a new buffer state: hand back what left, load what entered, read the
+                    # partition of the next swap ahead, and note when each partition leaving
+                    # at that swap is last needed (its edges, or every batch's negatives)
+                    here = set(states[s])
+                    nxt = _next_state(plan, e, s, states, end)
+                    for p in sorted(loaded - here):
+                        release(p)
+                    for p in sorted(here - loaded):
+                        load(p)
+                    if nxt is not None and nxt - here:
+                        load(min(nxt - here))
+                    leaving = set() if nxt is None else here - nxt
+                    last_use = {p: -1 for p in leaving}
+                    for q in range(k, P2):
+                        if state_of[q] != s:
+                            break
+                        if sizes[q]:
+                            for p in leaving:
+                                if K or p in buckets[q]:
+                                    last_use[p] = q
+                    res = np.array(sorted(here), np.int64)
+                    rsz = bounds[res + 1] - bounds[res]
+                    rcum = np.concatenate([[0], np.cumsum(rsz)])
+                n = int(sizes[k])
+                if not n:
+                    continue
+                for p in [p for p, q in last_use.items() if q < k and p in loaded]:
+                    release(p)  # no batch from here to the swap needs it
+                i, j = (int(v) for v in buckets[k])
+                b = i * plan.num_partitions + j
+                # one sequential read of the bucket (a copy, also of a memmap)
+                edges = np.array(plan.edges[plan.offsets[b]:plan.offsets[b + 1]], np.int64)
+                perm = np.random.default_rng([plan.seed, e, k, _SHUFFLE]).permutation(n)
+                nb = -(-n // B)
+                for t in range(t0 if (e, k) == (e0, k0) else 0, nb):
+                    batch = edges[perm[t * B:(t + 1) * B]]
+                    if K:
+                        rng = np.random.default_rng([plan.seed, e, k, t, _NEGATIVES])
+                        u = rng.integers(0, rcum[-1], size=(len(batch), K), dtype=np.int64)
+                        at = np.searchsorted(rcum, u, side="right") - 1
+                        neg = bounds[res[at]] + (u - rcum[at])
+                    else:
+                        neg = np.empty((len(batch), 0), np.int64)
+                    self._pos = ((e, k, t + 1) if t + 1 < nb else
+                                 (e, k + 1, 0) if k + 1 < P2 else (e + 1, 0, 0))
+                    yield Batch(batch, neg, (i, j), (e, k, t))
+                del edges, perm
+            self._pos = (e + 1, 0, 0)
+        for p in sorted(loaded):
+            release(p)
+
+    def __repr__(self) -> str:
+        return (f"BatchIterator(batch_size={self.batch_size}, negatives={self.negatives}, "
+                f"epochs [{self.epoch}, {self.epoch + self.epochs}), position={self._pos}, "
+                f"stores={len(self.stores)}, loads={self.loads})")
+
+
+def _next_state(plan: Plan, e: int, s: int, states: list, end: int):
+    """The buffer state after state ``s`` of epoch ``e`` (the next epoch's first), or None."""
+    if s + 1 < len(states):
+        return set(states[s + 1])
+    if e + 1 < end:
+        return set(plan._epoch_order(e + 1)[2][0])
+    return None
+
+
+def _check_stores(stores, num_nodes: int) -> tuple:
+    if isinstance(stores, dsa_core.State):
+        raise TypeError("stores must be a sequence of dsa_core.State, got one State; pass "
+                        "stores=[state]")
+    try:
+        stores = tuple(stores)
+    except TypeError:
+        raise TypeError(f"stores must be a sequence of dsa_core.State, got "
+                        f"{type(stores).__name__}") from None
+    for n, s in enumerate(stores):
+        if not isinstance(s, dsa_core.State):
+            raise TypeError(f"stores[{n}] must be a dsa_core.State, got {type(s).__name__}")
+        if s.closed:
+            raise ValueError(f"stores[{n}] ({str(s.path)!r}) is closed; pass an open store")
+        if s.num_rows != num_nodes:
+            raise ValueError(f"stores[{n}] must have num_rows == plan.num_nodes = "
+                             f"{num_nodes} (its rows are the node ids), got {s.num_rows}")
+    return stores
+
