@@ -23,6 +23,7 @@ from ._layout import FORMAT_VERSION
 from ._paging import ACCESS_MODES, check_access, paging_limits
 from ._pool import get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
+from ._ranges import load_range, release_range, wait_ranges
 from ._state import (
     StaleStateError,
     State,
@@ -55,11 +56,13 @@ __all__ = [
     "flush",
     "gather",
     "get_num_threads",
+    "load_range",
     "open",
     "paging_limits",
     "prefetch",
     "prefetched",
     "read_records",
+    "release_range",
     "remove",
     "residency",
     "restore",
@@ -68,6 +71,7 @@ __all__ = [
     "staged_dir",
     "step",
     "validation",
+    "wait_ranges",
     "warmup",
     "write_json",
     "write_records",

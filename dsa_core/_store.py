@@ -87,6 +87,7 @@ class Store:
         self.data: np.ndarray | None = None
         self.counters: np.ndarray | None = None  # ``data`` viewed as ints (counter_dtype)
         self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
+        self._ranges = None  # dsa_core._ranges.RangeWorker, created on first load/release_range
         self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
 
     # -- opening ---------------------------------------------------------------------------
@@ -318,6 +319,8 @@ class Store:
             return
         if self._prefetcher is not None:
             self._prefetcher.close()
+        if self._ranges is not None:  # drops queued range requests, joins the thread
+            self._ranges.close()
         self.sync()
         self.closed = True
         if self.data is not None:

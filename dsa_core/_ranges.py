@@ -1,0 +1,422 @@
+"""Range load / release: bring a contiguous block of rows into memory, or give it back.
+
+Partition-ordered training touches one block of rows (a partition) for a while, then moves
+on. Instead of paying one random page fault per row, the block can be read **sequentially**
+before it is needed and written back **sequentially** when it is done:
+
+- ``load_range``: read the records' bytes with large ``pread`` calls on a private descriptor
+  (so the page cache holds them), then ``madvise(MADV_POPULATE_READ)`` the mapped range, so
+  that the steps find the pages already mapped and take no faults.
+- ``release_range``: ``sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`` writes the dirty
+  pages of the range in file order; then ``madvise(MADV_PAGEOUT)`` on the mapped range and
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the byte range let the kernel drop the (now clean)
+  pages.
+
+Both only hint: ``step`` still reads and writes every row through the shared mapping, whose
+pages are the page cache itself, so no value can change, go stale or get lost whatever the
+timing. The kernel never drops a dirty page without writing it first, so a row a step writes
+while its range is being released is kept (or written again). No call here can discard data:
+``MADV_DONTNEED``, ``MADV_FREE`` and ``MADV_REMOVE`` are never used.
+
+Requests of one store run in submission order on one daemon thread per store, created on
+first use and stopped by ``Store.close`` before it syncs. The thread uses its own descriptor
+(its own open file description) on the data file: a write error it is told about
+(``sync_file_range`` consumes the error report of the file description it is given) is still
+reported to the store's own ``flush``/``close``, and the store's descriptors may be closed
+while a request runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import operator
+import os
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ._layout import HEADER_BYTES
+from ._prefetch import PAGE, _libc, _sync_file_range
+
+__all__ = ["load_range", "release_range", "wait_ranges"]
+
+MADV_PAGEOUT = 21        # reclaim the range's pages (clean file pages are dropped)
+MADV_POPULATE_READ = 22  # map the range's pages now (read faults), without dirtying them
+SYNC_FILE_RANGE_WAIT_BEFORE = 1
+SYNC_FILE_RANGE_WRITE = 2
+SYNC_FILE_RANGE_WAIT_AFTER = 4
+LOAD_CHUNK = 8 << 20      # bytes per pread of a load (one reused buffer)
+RELEASE_CHUNK = 64 << 20  # bytes written back and dropped per release step
+POPULATE = True           # map loaded pages (MADV_POPULATE_READ) after reading them
+
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+
+_CREATE_LOCK = threading.Lock()
+
+
+def _closed_error(st) -> ValueError:
+    return ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+
+
+class _Request:
+    __slots__ = ("kind", "start", "stop", "done")
+
+    def __init__(self, kind: str, start: int, stop: int):
+        self.kind, self.start, self.stop = kind, start, stop
+        self.done = threading.Event()
+
+    def __repr__(self) -> str:
+        name = {"load": "load_range", "release": "release_range"}.get(self.kind, self.kind)
+        return f"{name}(rows [{self.start}, {self.stop}))"
+
+
+def _private_fd(fd: int, writable: bool) -> int:
+    """A new open file description of the same file (its own error-report and read-ahead
+    state); a plain ``dup`` if /proc is not mounted."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}",
+                       (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(fd)
+
+
+class RangeWorker:
+    """The background thread of one store's range requests, and their FIFO queue.
+
+    Holds no reference to the ``Store``: only its mapped array (which keeps the mapping, and
+    so the addresses it advises, alive) and a private descriptor of the data file.
+    """
+
+    def __init__(self, store):
+        self.path = store.path
+        self._data = store.data  # a buffer export of the mmap: the mapping cannot go away
+        self._base = store.data.__array_interface__["data"][0] - HEADER_BYTES
+        self._map_end = -(-store.nbytes // PAGE) * PAGE
+        self._file_bytes = store.nbytes
+        self._rec = store.stride * store.dtype.itemsize
+        self._fd = _private_fd(store._fd, store.mode == "r+")
+        try:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # this fd's read-ahead
+        except (OSError, AttributeError):
+            pass
+        self._q: collections.deque[_Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._error: tuple[_Request, BaseException] | None = None
+        self._can_pageout = True
+        self._can_populate = POPULATE
+        self.loaded_bytes = 0    # bytes read by loads (for tests and benchmarks)
+        self.released_bytes = 0  # bytes covered by releases
+        self._thread = threading.Thread(target=self._run, name="dsa-ranges", daemon=True)
+        self._finalizer = weakref.finalize(store, self.stop)  # a store dropped unclosed
+        self._thread.start()
+
+    # -- caller side -------------------------------------------------------------------------
+    def submit(self, kind: str, start: int, stop: int, st) -> _Request:
+        req = _Request(kind, start, stop)
+        with self._cv:
+            if self._stopping:
+                raise _closed_error(st)
+            self._q.append(req)
+            self._cv.notify()
+        return req
+
+    def raise_error(self) -> None:
+        """Re-raise (once) the first error a request met in the background."""
+        with self._cv:
+            failed, self._error = self._error, None
+        if failed is not None:
+            req, exc = failed
+            if isinstance(exc, OSError):
+                raise OSError(exc.errno, f"background {req!r} of store {str(self.path)!r} "
+                              f"failed: {exc.strerror or exc}; it was only a hint (no value "
+                              "was changed), but the error is the disk's: check it, then "
+                              "flush") from exc
+            raise RuntimeError(f"background {req!r} of store {str(self.path)!r} failed: "
+                               f"{exc!r}") from exc
+
+    def stop(self) -> None:
+        """Drop the queued requests, end the running one at its next chunk, let the thread
+        exit (it closes its descriptor). Does not wait."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop and wait for the thread (``Store.close`` calls this before it syncs)."""
+        self.stop()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._finalizer.detach()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # -- worker side -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._q and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    req = self._q.popleft()
+                try:
+                    if req.kind == "load":
+                        self._load(req.start, req.stop)
+                    elif req.kind == "release":
+                        self._release(req.start, req.stop)
+                except BaseException as exc:  # reported by the next call on this store
+                    with self._cv:
+                        if self._error is None:
+                            self._error = (req, exc)
+                finally:
+                    req.done.set()
+        finally:
+            with self._cv:
+                self._stopping = True
+                left, self._q = list(self._q), collections.deque()
+            for req in left:  # dropped: their waiters return (the store is closing)
+                req.done.set()
+            os.close(self._fd)
+            self._fd = -1
+
+    def _span(self, start: int, stop: int) -> tuple[int, int]:
+        """The file bytes of rows [start, stop), widened outward to whole pages."""
+        lo = HEADER_BYTES + start * self._rec
+        hi = HEADER_BYTES + stop * self._rec
+        return (lo // PAGE) * PAGE, min(-(-hi // PAGE) * PAGE, self._map_end)
+
+    def _advise(self, off: int, length: int, advice: int) -> bool:
+        """madvise the mapped bytes [off, off+length); False if the kernel lacks ``advice``."""
+        if _madvise(ctypes.c_void_p(self._base + off), ctypes.c_size_t(length), advice) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EINVAL:  # advice unknown to this kernel (or not for this mapping)
+            return False
+        if err in (errno.EAGAIN, errno.EINTR):  # transient (e.g. a page under reclaim)
+            return True
+        raise OSError(err, f"madvise({advice}) failed: {os.strerror(err)}")
+
+    def _load(self, start: int, stop: int) -> None:
+        lo, hi = self._span(start, stop)
+        hi_file = min(hi, self._file_bytes)
+        buf = bytearray(min(LOAD_CHUNK, max(hi_file - lo, PAGE)))
+        view = memoryview(buf)
+        off = lo
+        while off < hi and not self._stopping:
+            end = min(off + LOAD_CHUNK, hi)
+            pos = off
+            while pos < min(end, hi_file):  # CPython releases the GIL around preadv
+                n = os.preadv(self._fd, [view[:min(end, hi_file) - pos]], pos)
+                if n <= 0:
+                    break
+                pos += n
+            self.loaded_bytes += pos - off
+            if self._can_populate and not self._stopping:
+                self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
+            off = end
+
+    def _release(self, start: int, stop: int) -> None:
+        lo, hi = self._span(start, stop)
+        flags = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
+        off = lo
+        while off < hi and not self._stopping:
+            end = min(off + RELEASE_CHUNK, hi)
+            if _sync_file_range(self._fd, off, end - off, flags) != 0:
+                err = ctypes.get_errno()
+                # not written: nothing is dropped (the kernel would keep dirty pages anyway)
+                raise OSError(err, f"sync_file_range failed: {os.strerror(err)}")
+            if self._can_pageout:
+                self._can_pageout = self._advise(off, end - off, MADV_PAGEOUT)
+            os.posix_fadvise(self._fd, off, end - off, os.POSIX_FADV_DONTNEED)
+            self.released_bytes += end - off
+            off = end
+
+
+# -- public API -----------------------------------------------------------------------------
+def _store_of(state: Any):
+    st = getattr(state, "store", None)
+    if st is None or not hasattr(st, "num_rows"):
+        raise TypeError(f"state must be a dsa_core.State (from dsa_core.create/open), got "
+                        f"{type(state).__name__}")
+    return st
+
+
+def _bound(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int row index, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int row index, got {type(value).__name__} "
+                        f"{value!r}; convert it with int(...)") from None
+
+
+def _check_range(st, start: Any, stop: Any) -> tuple[int, int]:
+    start, stop = _bound("start", start), _bound("stop", stop)
+    if not 0 <= start <= stop <= st.num_rows:
+        raise ValueError(f"the row range must satisfy 0 <= start <= stop <= num_rows = "
+                         f"{st.num_rows}, got start={start}, stop={stop}; rows [start, stop) "
+                         "are loaded or released")
+    return start, stop
+
+
+def _worker(st, create: bool) -> RangeWorker | None:
+    w = getattr(st, "_ranges", None)
+    if w is not None or not create:
+        return w
+    with _CREATE_LOCK:
+        w = st._ranges
+        if w is None:
+            if st.closed:
+                raise _closed_error(st)
+            w = st._ranges = RangeWorker(st)
+    return w
+
+
+def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
+    st = _store_of(state)
+    if st.closed:
+        raise _closed_error(st)
+    start, stop = _check_range(st, start, stop)
+    w = _worker(st, create=stop > start)
+    if w is not None:
+        w.raise_error()
+    if stop == start or w is None:
+        return
+    req = w.submit(kind, start, stop, st)
+    if wait:
+        req.done.wait()
+        w.raise_error()
+
+
+def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None:
+    """Start bringing the records of rows ``[start, stop)`` into memory, in the background.
+
+    The rows' bytes are read **sequentially**, in large reads, on this store's range thread
+    (one per store; its requests run in submission order), so that the steps which then touch
+    these rows find them in memory instead of faulting them in one at a time. On this
+    in-place store "memory" is the page cache: a loaded range occupies about
+    ``(stop - start) * record bytes`` of it until :func:`release_range` gives it back (or
+    the kernel reclaims it under pressure). On the log-structured store (a later store kind)
+    the same call will load the rows into its memory region.
+
+    A hint: no value changes, and steps may touch any row at any time — before, during or
+    after the load — and always read and write the current data.
+
+    Parameters
+    ----------
+    state : State
+        Any State of the store (an outdated one is fine: it only locates the store).
+    start, stop : int
+        The rows ``[start, stop)``, with ``0 <= start <= stop <= num_rows``. An empty range
+        does nothing.
+    wait : bool, default False
+        Return only once the rows have been read (and every earlier request of this store is
+        done).
+
+    Raises
+    ------
+    ValueError
+        The store is closed, or the range is out of bounds.
+    TypeError
+        ``start``/``stop`` are not integers.
+    OSError
+        An earlier background request of this store failed (each error is raised once, by
+        the next ``load_range``/``release_range``/``wait_ranges`` call on the store).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib, dsa_core
+    >>> state = dsa_core.create(pathlib.Path(tempfile.mkdtemp()) / "emb", 2000, 8)
+    >>> dsa_core.load_range(state, 0, 1000, wait=True)
+    >>> dsa_core.residency(state, range(1000))
+    1.0
+    >>> dsa_core.close(state)
+    """
+    _submit("load", state, start, stop, wait)
+
+
+def release_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None:
+    """Start writing rows ``[start, stop)`` back to disk and dropping them from memory.
+
+    In the background, on this store's range thread (after every earlier request): the
+    dirty pages of the range are written **sequentially**, in file order, and waited for;
+    then the kernel is asked to drop the range's (now clean) pages, giving that memory back.
+    On the log-structured store (a later store kind) the same call will seal the rows out of
+    its memory region.
+
+    A hint: no value changes and no update is lost. A step may write these rows while the
+    release runs, or after it: the kernel never drops a page without writing its changes, so
+    such a row simply stays (or comes back) in memory. The write-back is not a flush: the
+    manifest (step count, hyper-parameters) is only made durable by :func:`dsa_core.flush`.
+    A read-only store may release too (it has nothing to write).
+
+    Parameters
+    ----------
+    state : State
+        Any State of the store (an outdated one is fine).
+    start, stop : int
+        The rows ``[start, stop)``, with ``0 <= start <= stop <= num_rows``. An empty range
+        does nothing.
+    wait : bool, default False
+        Return only once the range has been written and dropped (and every earlier request
+        of this store is done).
+
+    Raises
+    ------
+    ValueError, TypeError, OSError
+        As :func:`load_range`. A write error of the release (e.g. ``EIO``) is raised once by
+        the next call on the store, and also by the store's next ``flush``/``close``.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib, numpy as np, dsa_core
+    >>> state = dsa_core.create(pathlib.Path(tempfile.mkdtemp()) / "emb", 2000, 8)
+    >>> state = dsa_core.step(state, np.arange(100), np.ones((100, 8), np.float32))
+    >>> before = dsa_core.gather(state, np.arange(2000))
+    >>> dsa_core.release_range(state, 0, 1000, wait=True)   # written back, then dropped
+    >>> bool((dsa_core.gather(state, np.arange(2000)) == before).all())   # values unchanged
+    True
+    >>> dsa_core.close(state)
+    """
+    _submit("release", state, start, stop, wait)
+
+
+def wait_ranges(state: Any) -> None:
+    """Block until every load/release queued so far on this store is done.
+
+    Raises the first error a background request met since the last call that reported one
+    (see :func:`load_range`). Returns at once if none was queued, and when the store is
+    closed meanwhile (``close`` drops the queued requests).
+
+    >>> import tempfile, pathlib, dsa_core
+    >>> state = dsa_core.create(pathlib.Path(tempfile.mkdtemp()) / "emb", 2000, 8)
+    >>> dsa_core.load_range(state, 0, 2000)
+    >>> dsa_core.wait_ranges(state)
+    >>> dsa_core.close(state)
+    """
+    st = _store_of(state)
+    w = _worker(st, create=False)
+    if w is None:
+        if st.closed:
+            raise _closed_error(st)
+        return
+    try:
+        req = w.submit("barrier", 0, 0, st)
+    except ValueError:
+        if st.closed:
+            raise
+        req = None
+    if req is not None:
+        req.done.wait()
+    w.raise_error()
