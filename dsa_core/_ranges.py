@@ -79,11 +79,17 @@ class _Request:
 def _private_fd(fd: int, writable: bool) -> int:
     """A new open file description of the same file (its own error-report and read-ahead
     state); a plain ``dup`` if /proc is not mounted."""
+    want = os.fstat(fd)
     try:
-        return os.open(f"/proc/self/fd/{fd}",
-                       (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        new = os.open(f"/proc/self/fd/{fd}",
+                      (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except OSError:
         return os.dup(fd)
+    got = os.fstat(new)
+    if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):  # never another file
+        os.close(new)
+        return os.dup(fd)
+    return new
 
 
 class RangeWorker:
@@ -95,6 +101,7 @@ class RangeWorker:
 
     def __init__(self, store):
         self.path = store.path
+        self.pid = os.getpid()  # a forked child gets a worker of its own
         self._data = store.data  # a buffer export of the mmap: the mapping cannot go away
         self._base = store.data.__array_interface__["data"][0] - HEADER_BYTES
         self._map_end = -(-store.nbytes // PAGE) * PAGE
@@ -144,20 +151,20 @@ class RangeWorker:
     def stop(self) -> None:
         """Drop the queued requests, end the running one at its next chunk, let the thread
         exit (it closes its descriptor). Does not wait."""
+        if self.pid != os.getpid():  # a forked child's copy: the thread is not here
+            return
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
 
     def close(self) -> None:
         """Stop and wait for the thread (``Store.close`` calls this before it syncs)."""
+        if self.pid != os.getpid():
+            return
         self.stop()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         self._finalizer.detach()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
 
     # -- worker side -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -272,11 +279,13 @@ def _check_range(st, start: Any, stop: Any) -> tuple[int, int]:
 
 def _worker(st, create: bool) -> RangeWorker | None:
     w = getattr(st, "_ranges", None)
+    if w is not None and w.pid != os.getpid():
+        w = None  # inherited through fork: its thread and queue are the parent's
     if w is not None or not create:
         return w
     with _CREATE_LOCK:
         w = st._ranges
-        if w is None:
+        if w is None or w.pid != os.getpid():
             if st.closed:
                 raise _closed_error(st)
             w = st._ranges = RangeWorker(st)

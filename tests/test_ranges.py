@@ -11,6 +11,8 @@ import errno
 import gc
 import os
 import threading
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -317,3 +319,38 @@ def test_a_store_dropped_unclosed_stops_its_thread(tmp_path):
     for fd in fds:  # the store's own descriptors leak when it is not closed: tidy up
         if fd >= 0:
             os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_worker(tmp_path):
+    """The parent's thread does not exist in a forked child: the child must not wait on it."""
+    s = dsa_core.create(tmp_path / "s", 1000, D)
+    dsa_core.load_range(s, 0, 1000, wait=True)
+    parent_worker = s.store._ranges
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork of a threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            dsa_core.load_range(s, 0, 1000, wait=True)
+            dsa_core.release_range(s, 0, 500, wait=True)
+            dsa_core.wait_ranges(s)
+            code = 0 if s.store._ranges is not parent_worker else 2
+            dsa_core.close(s)
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on a range request")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert s.store._ranges is parent_worker and parent_worker._thread.is_alive()
+    dsa_core.load_range(s, 0, 1000, wait=True)  # the parent's worker goes on
+    dsa_core.close(s)
