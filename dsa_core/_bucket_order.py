@@ -11,7 +11,10 @@ with c partitions, then keeps c - 1 of them fixed and cycles the last slot throu
 partition not yet paired with them. The fixed partitions are then done (every pair with them
 has co-resided) and leave; the partition that was swapped in last stays and becomes one of the
 next fixed set, c - 2 more are loaded, and the cycle repeats on the partitions left, until at
-most c remain, which are loaded together.
+most c remain, which are loaded together. Where the order of the loads is free, the partition
+evicted most recently is loaded first: it often left at the previous swap, and a reader that
+holds one partition beside the buffer (the iterator's read-ahead slot) then keeps it instead of
+writing it back and reading it again.
 
 Everything here works on partition *positions* 0..P-1; the caller maps them to labels through
 a random permutation, so that epochs differ.
@@ -52,25 +55,34 @@ def beta_states(P: int, c: int) -> list[tuple[int, ...]]:
     states = [tuple(buf)]
     open_ = list(range(P))  # partitions some of whose pairs have not co-resided yet
     fixed_slots, swap_slot = list(range(c - 1)), c - 1
+    left_at: dict[int, int] = {}  # partition -> the swap that evicted it last
+
+    def put(slot: int, x: int) -> None:
+        left_at[buf[slot]] = len(states)
+        buf[slot] = x
+        states.append(tuple(buf))
+
+    def waiting() -> list[int]:
+        """The open partitions not resident, the most recently evicted first: the one that
+        left at the last swap then comes back at the next, and a reader that keeps one
+        partition beside the buffer (the read-ahead slot) need not read it again."""
+        out = [p for p in open_ if p not in buf]
+        return sorted(out, key=lambda p: -left_at.get(p, -1))
+
     while True:
         fixed = {buf[s] for s in fixed_slots}
-        resident = set(buf)
-        for x in open_:  # cycle the swap slot through every open partition not resident
-            if x not in resident:
-                buf[swap_slot] = x
-                states.append(tuple(buf))
+        for x in waiting():  # cycle the swap slot through every open partition not resident
+            put(swap_slot, x)
         open_ = [p for p in open_ if p not in fixed]  # every pair with them has co-resided
-        todo = [p for p in open_ if p not in buf]     # all but the one swapped in last
+        todo = waiting()                              # all but the one swapped in last
         if len(open_) <= c:                           # the rest fits: load it, done
             for s, x in zip(fixed_slots, todo, strict=False):
-                buf[s] = x
-                states.append(tuple(buf))
+                put(s, x)
             return states
         # the last swapped-in partition stays, c - 2 more join it as the next fixed set, and
         # the remaining old fixed slot becomes the swap slot
         for s, x in zip(fixed_slots[:c - 2], todo, strict=False):
-            buf[s] = x
-            states.append(tuple(buf))
+            put(s, x)
         fixed_slots, swap_slot = [swap_slot] + fixed_slots[:c - 2], fixed_slots[c - 2]
 
 

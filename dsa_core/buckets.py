@@ -525,18 +525,24 @@ class BatchIterator:
             for k in range(k0 if e == e0 else 0, P2):
                 s = state_of[k]
                 if (e, k) == (e0, k0) or k == 0 or s != state_of[k - 1]:
-                    # a new buffer state: hand back what left, load what entered, read the
-                    # partition of the next swap ahead, and note when each partition leaving
-                    # at that swap is last needed (its edges, or every batch's negatives)
+                    # a new buffer state: hand back what left, load what entered, and read
+                    # ahead one partition of the next swap: one already held if there is
+                    # one (it left at this swap and comes back at the next: it stays)
                     here = set(states[s])
-                    nxt = _next_state(plan, e, s, states, end)
-                    for p in sorted(loaded - here):
+                    nxt, nxt2 = self._after(e, s, end)
+                    ahead = nxt - here
+                    target = min(ahead & loaded or ahead, default=None)
+                    for p in sorted(loaded - here - {target}):
                         release(p)
                     for p in sorted(here - loaded):
                         load(p)
-                    if nxt is not None and nxt - here:
-                        load(min(nxt - here))
-                    leaving = set() if nxt is None else here - nxt
+                    if target is not None and target not in loaded:
+                        load(target)
+                    # when each partition leaving at the next swap is last needed (by its
+                    # edges, or by every batch's negatives); the one the swap after brings
+                    # back is kept instead
+                    back = (here - nxt) & (nxt2 - nxt)
+                    leaving = here - nxt - {min(back, default=None)}
                     last_use = {p: -1 for p in leaving}
                     for q in range(k, P2):
                         if state_of[q] != s:
@@ -576,19 +582,26 @@ class BatchIterator:
         for p in sorted(loaded):
             release(p)
 
+    def _after(self, e: int, s: int, end: int) -> tuple[set, set]:
+        """The two buffer states after state ``s`` of epoch ``e`` (crossing into the next
+        epochs below ``end``); an empty set past the end."""
+        out: list[set] = []
+        while len(out) < 2:
+            states = self.plan._epoch_order(e)[2]
+            if s + 1 < len(states):
+                s += 1
+            elif e + 1 < end:
+                e, s = e + 1, 0
+                states = self.plan._epoch_order(e)[2]
+            else:
+                break
+            out.append(set(states[s]))
+        return (*out, set(), set())[:2]
+
     def __repr__(self) -> str:
         return (f"BatchIterator(batch_size={self.batch_size}, negatives={self.negatives}, "
                 f"epochs [{self.epoch}, {self.epoch + self.epochs}), position={self._pos}, "
                 f"stores={len(self.stores)}, loads={self.loads})")
-
-
-def _next_state(plan: Plan, e: int, s: int, states: list, end: int):
-    """The buffer state after state ``s`` of epoch ``e`` (the next epoch's first), or None."""
-    if s + 1 < len(states):
-        return set(states[s + 1])
-    if e + 1 < end:
-        return set(plan._epoch_order(e + 1)[2][0])
-    return None
 
 
 def _check_stores(stores, num_nodes: int) -> tuple:
