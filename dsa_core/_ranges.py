@@ -4,9 +4,12 @@ Partition-ordered training touches one block of rows (a partition) for a while, 
 on. Instead of paying one random page fault per row, the block can be read **sequentially**
 before it is needed and written back **sequentially** when it is done:
 
-- ``load_range``: read the records' bytes with large ``pread`` calls on a private descriptor
-  (so the page cache holds them), then ``madvise(MADV_POPULATE_READ)`` the mapped range, so
-  that the steps find the pages already mapped and take no faults.
+- ``load_range``: read the records' bytes in, in file order, and map them
+  (``madvise(MADV_POPULATE_READ)``), so that the steps take no major faults on them (a step's
+  first write to a page still takes one minor fault, which marks the page dirty). A "disk"
+  store (``MADV_RANDOM``: its faults read 4 KiB each) is read with large ``pread`` calls on a
+  private descriptor first; a "ram" store is populated through the mapping alone, whose
+  huge-page read-ahead reads and maps 2 MiB folios.
 - ``release_range``: ``sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`` writes the dirty
   pages of the range in file order; then ``madvise(MADV_PAGEOUT)`` on the mapped range and
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the byte range let the kernel drop the (now clean)
@@ -65,10 +68,11 @@ def _closed_error(st) -> ValueError:
 
 
 class _Request:
-    __slots__ = ("kind", "start", "stop", "done")
+    __slots__ = ("kind", "start", "stop", "huge", "done")
 
-    def __init__(self, kind: str, start: int, stop: int):
+    def __init__(self, kind: str, start: int, stop: int, huge: bool = False):
         self.kind, self.start, self.stop = kind, start, stop
+        self.huge = huge  # the store is mapped "ram" (huge folios): load through the mapping
         self.done = threading.Event()
 
     def __repr__(self) -> str:
@@ -126,7 +130,7 @@ class RangeWorker:
 
     # -- caller side -------------------------------------------------------------------------
     def submit(self, kind: str, start: int, stop: int, st) -> _Request:
-        req = _Request(kind, start, stop)
+        req = _Request(kind, start, stop, getattr(st, "access", "") == "ram")
         with self._cv:
             if self._stopping:
                 raise _closed_error(st)
@@ -178,7 +182,7 @@ class RangeWorker:
                     req = self._q.popleft()
                 try:
                     if req.kind == "load":
-                        self._load(req.start, req.stop)
+                        self._load(req.start, req.stop, req.huge)
                     elif req.kind == "release":
                         self._release(req.start, req.stop)
                 except BaseException as exc:  # reported by the next call on this store
@@ -213,14 +217,30 @@ class RangeWorker:
             return True
         raise OSError(err, f"madvise({advice}) failed: {os.strerror(err)}")
 
-    def _load(self, start: int, stop: int) -> None:
+    def _load(self, start: int, stop: int, huge: bool) -> None:
+        """Read [start, stop) in, in LOAD_CHUNK pieces (aligned to LOAD_CHUNK in the file).
+
+        "disk" stores: ``pread`` into a reused buffer (this descriptor's read-ahead makes the
+        I/Os large and sequential), then ``MADV_POPULATE_READ`` maps the cached pages.
+        "ram" stores: ``MADV_POPULATE_READ`` alone: its faults read through the mapping,
+        whose huge-page advice makes the read-ahead fill 2 MiB folios that are mapped whole;
+        pages read by ``pread`` would come in smaller folios and be mapped 4 KiB at a time,
+        for the rest of the mapping's life.
+        """
         lo, hi = self._span(start, stop)
         hi_file = min(hi, self._file_bytes)
-        buf = bytearray(min(LOAD_CHUNK, max(hi_file - lo, PAGE)))
-        view = memoryview(buf)
+        view = None
         off = lo
         while off < hi and not self._stopping:
-            end = min(off + LOAD_CHUNK, hi)
+            end = min((off // LOAD_CHUNK + 1) * LOAD_CHUNK, hi)
+            if huge and self._can_populate:
+                self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
+                if self._can_populate:
+                    self.loaded_bytes += end - off
+                    off = end
+                    continue
+            if view is None:
+                view = memoryview(bytearray(min(LOAD_CHUNK, max(hi_file - lo, PAGE))))
             pos = off
             while pos < min(end, hi_file):  # CPython releases the GIL around preadv
                 n = os.preadv(self._fd, [view[:min(end, hi_file) - pos]], pos)

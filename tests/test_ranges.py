@@ -354,3 +354,38 @@ def test_a_forked_child_gets_its_own_worker(tmp_path):
     assert s.store._ranges is parent_worker and parent_worker._thread.is_alive()
     dsa_core.load_range(s, 0, 1000, wait=True)  # the parent's worker goes on
     dsa_core.close(s)
+
+
+def _pmd_mapped_kib(file: Path) -> int:
+    """KiB of ``file``'s mapping(s) in this process mapped by 2 MiB page-table entries."""
+    total, inside = 0, False
+    name = os.path.realpath(file)
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                inside = line.rstrip("\n").endswith(name)
+            elif inside and head[0] == "FilePmdMapped:":
+                total += int(head[1])
+    return total
+
+
+def test_a_ram_store_loads_into_huge_page_mappings(disk_path):
+    """A "ram" store is loaded through its mapping: the rows come back in 2 MiB mappings, as
+    faults would bring them, not 4 KiB ones (kept for the rest of the mapping's life)."""
+    s = dsa_core.create(disk_path / "s", N, 64, access="ram")
+    dsa_core.flush(s)
+    file = disk_path / "s" / "rows.dsa"
+    dsa_core.release_range(s, 0, N, wait=True)
+    dsa_core.gather(s, np.arange(N))  # read faults: the kernel's own choice of mapping
+    by_faults = _pmd_mapped_kib(file)
+    if by_faults == 0:
+        dsa_core.close(s)
+        pytest.skip("this kernel/filesystem maps the file in 4 KiB pages only")
+    for _ in range(2):
+        dsa_core.release_range(s, 0, N, wait=True)
+        assert _pmd_mapped_kib(file) == 0
+        dsa_core.load_range(s, 0, N, wait=True)
+        assert dsa_core.residency(s, np.arange(N)) == 1.0
+        assert _pmd_mapped_kib(file) >= 0.9 * by_faults
+    dsa_core.close(s)
