@@ -360,8 +360,9 @@ def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None
     TypeError
         ``start``/``stop`` are not integers.
     OSError
-        An earlier background request of this store failed (each error is raised once, by
-        the next ``load_range``/``release_range``/``wait_ranges`` call on the store).
+        An earlier background request of this store failed. Each such error is raised once,
+        by the next ``load_range``/``release_range``/``wait_ranges`` call on the store:
+        before that call queues anything, or (``wait=True``) once its own request is done.
 
     Examples
     --------

@@ -167,14 +167,16 @@ def test_requests_run_in_submission_order(disk_path):
     dsa_core.close(s)
 
 
-def test_read_only_store_may_load_and_release(disk_path):
+@pytest.mark.parametrize("access", ["ram", "disk"])
+def test_read_only_store_may_load_and_release(disk_path, access):
     s = dsa_core.create(disk_path / "s", N, D, init="normal")
     s = dsa_core.step(s, np.arange(100), np.ones((100, D), np.float32))
     dsa_core.close(s)
     del s  # its mapping too: pages another mapping still maps are not dropped
     gc.collect()
     before = (disk_path / "s" / "rows.dsa").read_bytes()
-    r = dsa_core.open(disk_path / "s", mode="r")
+    r = dsa_core.open(disk_path / "s", mode="r", access=access)
+    assert r.access == access
     values = r.store.data.copy()
     dsa_core.load_range(r, 0, N, wait=True)
     assert dsa_core.residency(r, np.arange(N)) == 1.0
