@@ -103,9 +103,9 @@ class Order(NamedTuple):
 
     def __repr__(self) -> str:
         P = int(round(len(self.buckets) ** 0.5))
-        c = max((len(b) for b in self.buffers), default=0)
-        return (f"Order(P={P}, c={c}, buckets={len(self.buckets)}, loads={self.loads}, "
-                f"lower_bound={self.lower_bound})")
+        c = max((len(b) for b in self.buffers), default=0)  # all P resident: any c >= P
+        return (f"Order(P={P}, c{'>=' if c == P else '='}{c}, buckets={len(self.buckets)}, "
+                f"loads={self.loads}, lower_bound={self.lower_bound})")
 
 
 class Plan:

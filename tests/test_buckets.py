@@ -38,10 +38,6 @@ def _rows(a: np.ndarray) -> np.ndarray:
     return np.sort(a.view([(f"f{k}", "i8") for k in range(a.shape[1])]).ravel())
 
 
-def _epoch(it, epoch):
-    return [b for b in it if b.position[0] == epoch]
-
-
 # -- bucketing -------------------------------------------------------------------------
 @pytest.mark.parametrize("cols", [2, 3])
 def test_plan_sorts_edges_stably_by_bucket(cols):
@@ -156,6 +152,8 @@ def test_reprs():
                         r"largest bucket=\d+ edges, epoch loads=17 \(lower bound 16\), edges in "
                         r"memory\)", repr(p)), repr(p)
     assert repr(p.order()) == "Order(P=8, c=3, buckets=64, loads=17, lower_bound=16)"
+    small = buckets.plan(_edges(), 200, partitions=3, buffer=5).order()
+    assert repr(small) == "Order(P=3, c>=3, buckets=9, loads=3, lower_bound=3)"
 
 
 # -- batches -----------------------------------------------------------------------------
