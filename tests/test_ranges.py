@@ -153,6 +153,25 @@ def test_load_makes_resident_and_release_writes_back_and_drops(disk_path, access
     dsa_core.close(s)
 
 
+def test_a_load_stays_inside_its_range_and_a_release_spares_its_neighbours(disk_path):
+    """Partitions are contiguous ranges: loading one must not read the next one in (kernel
+    read-ahead past the range's end), and releasing one must not drop the page it shares
+    with a resident neighbour (page rounding)."""
+    s = dsa_core.create(disk_path / "s", N, D, init="normal", access="disk")
+    dsa_core.flush(s)
+    dsa_core.release_range(s, 0, N, wait=True)
+    if not s.store._ranges._can_pageout:
+        pytest.skip("this kernel has no MADV_PAGEOUT: mapped pages are not dropped")
+    dsa_core.load_range(s, 1_000, 2_000, wait=True)
+    assert dsa_core.residency(s, np.arange(1_000, 2_000)) == 1.0
+    assert dsa_core.residency(s, np.arange(3_000, 8_000)) < 0.05
+    dsa_core.load_range(s, 2_000, 3_001, wait=True)  # row 2,000 shares a page with 1,999
+    dsa_core.release_range(s, 2_000, 3_001, wait=True)
+    assert dsa_core.residency(s, np.arange(1_000, 2_000)) == 1.0
+    assert dsa_core.residency(s, np.arange(2_100, 2_900)) < 0.5
+    dsa_core.close(s)
+
+
 def test_requests_run_in_submission_order(disk_path):
     s = dsa_core.create(disk_path / "s", N, D, access="disk")
     rows = np.arange(N)
