@@ -40,6 +40,7 @@ from ._state import (
 )
 from ._step import gather, step, warmup
 from ._store import StoreLockedError
+from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
 __version__ = "0.1.0"
 
@@ -49,6 +50,7 @@ __all__ = [
     "StaleStateError",
     "State",
     "StoreLockedError",
+    "buckets",
     "check_access",
     "checkpoint",
     "close",
