@@ -20,8 +20,19 @@ the mean, standard deviation and range of that difference, next to the seed-to-s
 of each order's AUC. Also timed, seed 0 only: the bucket order with no stores given to the
 iterator (the same batches; its final table must be bit-identical to the hinted run's: the
 loads and releases only hint), so the time the hints add or save on a table that fits in
-memory is measured. Writes ``<out>/buckets_quality.{json,csv}`` (``<out>`` defaults to
-``benchmarks/results``).
+memory is measured.
+
+The knowledge-graph part (``--kg umls``, the default; ``--kg none`` skips it) trains
+``examples.kg_embedding``'s ComplEx (reciprocal relations, 1-vs-``--kg-neg`` softmax, N3)
+with an entity and a relation ``DiskEmbedding`` on a KG that ships in PyKEEN's wheel, per
+seed in three arms: ``random``, ``bucket`` (the reciprocal queries ``(h, r, t)`` bucketed
+by the partitions of ``h`` and ``t``; negatives from the buffer; the entity store given to
+the iterator) and two diagnostics: ``bucket_global_neg`` (the bucket run's batches with
+negatives redrawn over all entities) and ``bucket_all_resident`` (2 partitions and a buffer
+of 2: every entity always resident, so the negatives are global and only the bucket-by-bucket
+order of the queries differs from ``random``). It reports the filtered test MRR.
+
+Writes ``<out>/buckets_quality.{json,csv}`` (``<out>`` defaults to ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import numpy as np
 from ._common import RESULTS, machine, print_table
 
 NAME = "buckets_quality"
+KG_ARMS = ("random", "bucket", "bucket_global_neg", "bucket_all_resident")
 
 
 def _loadavg() -> list[str]:
@@ -87,6 +99,116 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+class GlobalNegatives:
+    """Diagnostic: bucket-order batches with their negatives redrawn over all nodes.
+
+    The same edges in the same order as the bucket run, only the negatives differ: uniform
+    over every node instead of the buffer's partitions (seeded by the batch's position).
+    What separates this arm from ``bucket`` is the restriction of the negatives; what
+    separates it from ``random`` is the order of the edges.
+    """
+
+    def __init__(self, it, num_nodes: int, seed: int) -> None:
+        self.it, self.num_nodes, self.seed = it, num_nodes, seed
+
+    @property
+    def loads(self) -> int:
+        return self.it.loads
+
+    def __iter__(self):
+        for b in self.it:
+            rng = np.random.default_rng([self.seed, *b.position, 7])
+            yield b._replace(negatives=rng.integers(0, self.num_nodes, b.negatives.shape))
+
+
+def kg_run(order: str, a, seed: int, kg, workdir: Path) -> dict:
+    """ComplEx on a PyKEEN KG (``examples.kg_embedding``'s model and loss), one order."""
+    import torch
+
+    from adapters.torch import DiskEmbedding, DiskSparseAdam
+    from dsa_core import buckets
+    from examples import _kg
+    from examples.graph_buckets import RandomBatches
+    from examples.kg_embedding import n3, query_vectors
+
+    rng = np.random.default_rng(seed)
+    scale = np.float32(0.1)
+    init_e = rng.standard_normal((kg.num_entities, a.kg_dim), dtype=np.float32) * scale
+    init_r = rng.standard_normal((2 * kg.num_relations, a.kg_dim), dtype=np.float32) * scale
+    queries = _kg.reciprocal(kg.train, kg.num_relations)   # (h, r, t): h asks, t answers
+    with tempfile.TemporaryDirectory(prefix="dsa-bq-kg-", dir=workdir) as tmp:
+        ent = DiskEmbedding(*init_e.shape, state_dir=Path(tmp) / "ent", init=init_e)
+        rel = DiskEmbedding(*init_r.shape, state_dir=Path(tmp) / "rel", init=init_r)
+        opt = DiskSparseAdam([*ent.parameters(), *rel.parameters()], lr=a.kg_lr)
+        if order == "random":
+            it = RandomBatches(queries, kg.num_entities, a.kg_batch, negatives=a.kg_neg,
+                               epochs=a.kg_epochs, seed=seed)
+        else:
+            # bucket_all_resident: 2 partitions, both always in the buffer: the negatives
+            # are over all entities and only the bucket-by-bucket order remains
+            p, c = (2, 2) if order == "bucket_all_resident" else (a.kg_partitions, a.kg_buffer)
+            plan = buckets.plan(queries, kg.num_entities, partitions=p, buffer=c, seed=seed)
+            it = plan.batches(a.kg_batch, negatives=a.kg_neg, epochs=a.kg_epochs,
+                              stores=[ent.store])
+            if order == "bucket_global_neg":
+                it = GlobalNegatives(it, kg.num_entities, seed)
+        steps, t0 = 0, time.perf_counter()
+        for batch in it:
+            qb, negs = torch.from_numpy(batch.edges), torch.from_numpy(batch.negatives)
+            b = len(qb)
+            cand = torch.cat([qb[:, 2:], negs], 1)                      # true answer first
+            rows = ent(torch.cat([qb[:, 0], cand.reshape(-1)]))
+            h, c = rows[:b], rows[b:].view(b, a.kg_neg + 1, -1)
+            r = rel(qb[:, 1])
+            logits = torch.einsum("bd,bkd->bk", query_vectors("complex", h, r), c)
+            hit = torch.cat([torch.zeros(b, 1, dtype=torch.bool), negs == qb[:, 2:]], 1)
+            logits = logits.masked_fill(hit, float("-inf"))
+            loss = torch.nn.functional.cross_entropy(logits, torch.zeros(b, dtype=torch.long))
+            loss = loss + a.kg_reg * n3(h, r, c[:, 0], model="complex")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+        train_s = time.perf_counter() - t0
+        loads = getattr(it, "loads", None)
+        E = ent.weight_rows(np.arange(kg.num_entities))
+        R = rel.weight_rows(np.arange(2 * kg.num_relations))
+        opt.close()
+        ent.close()
+        rel.close()
+
+    @torch.no_grad()
+    def score(e, r):
+        return (query_vectors("complex", E[torch.from_numpy(e)], R[torch.from_numpy(r)])
+                @ E.T).numpy()
+
+    m = _kg.evaluate(score, kg, "test")
+    return {"seed": seed, "order": order, "mrr": round(m["mrr"], 5),
+            "hits@1": round(m["hits@1"], 5), "hits@10": round(m["hits@10"], 5),
+            "steps": steps, "partition_loads": loads, "train_s": round(train_s, 2)}
+
+
+def summarise_kg(rows: list[dict]) -> dict:
+    by = {(r["seed"], r["order"]): r for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+    rel = np.array([(by[s, "bucket"]["mrr"] - by[s, "random"]["mrr"]) / by[s, "random"]["mrr"]
+                    for s in seeds])
+    out = {"seeds": seeds, "rel_diff": rel.tolist(), "rel_diff_mean": float(rel.mean()),
+           "rel_diff_std": float(rel.std(ddof=1)) if len(rel) > 1 else 0.0,
+           "rel_diff_min": float(rel.min()), "rel_diff_max": float(rel.max()),
+           "within_2pct": bool(np.all(np.abs(rel) <= 0.02))}
+    for o in KG_ARMS:
+        if (seeds[0], o) not in by:
+            continue
+        v = np.array([by[s, o]["mrr"] for s in seeds])
+        out[f"mrr_{o}_mean"] = float(v.mean())
+        out[f"mrr_{o}_std"] = float(v.std(ddof=1)) if len(v) > 1 else 0.0
+        out[f"mrr_{o}_rel_diff_mean"] = float(np.mean(
+            [(by[s, o]["mrr"] - by[s, "random"]["mrr"]) / by[s, "random"]["mrr"]
+             for s in seeds]))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=200_000)
@@ -100,6 +222,17 @@ def main(argv=None) -> None:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--buffer", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--kg", default="umls", help="a PyKEEN KG (umls, kinships, nations) "
+                    "for the filtered-MRR comparison, or 'none'")
+    ap.add_argument("--kg-arms", nargs="+", default=list(KG_ARMS), choices=KG_ARMS)
+    ap.add_argument("--kg-partitions", type=int, default=4)
+    ap.add_argument("--kg-buffer", type=int, default=2)
+    ap.add_argument("--kg-epochs", type=int, default=40)
+    ap.add_argument("--kg-dim", type=int, default=128)
+    ap.add_argument("--kg-batch", type=int, default=256)
+    ap.add_argument("--kg-neg", type=int, default=32)
+    ap.add_argument("--kg-lr", type=float, default=0.02)
+    ap.add_argument("--kg-reg", type=float, default=3e-3)
     ap.add_argument("--no-timing-run", action="store_true",
                     help="skip the bucket run without stores (seed 0)")
     ap.add_argument("--workdir", default=None, help="where the stores go (default: TMPDIR)")
@@ -109,6 +242,7 @@ def main(argv=None) -> None:
     name = NAME
     if a.smoke:
         a.nodes, a.holdout, a.epochs, a.partitions, a.seeds = 3000, 300, 1, 4, 2
+        a.kg_epochs, a.kg_dim = 1, 16
         name = NAME + "_smoke"
     import torch
 
@@ -152,14 +286,47 @@ def main(argv=None) -> None:
         print(f"bucket order without stores (seed 0): {s['no_hints_train_s']:.1f} s of "
               f"training; final table bit-identical to the hinted run: "
               f"{s['no_hints_identical']}")
-    meta = {"machine": machine(), "args": vars(a), "summary": s,
+    kg_rows, kg_sum = [], None
+    if a.kg != "none":
+        from examples import _kg
+
+        try:
+            kg = _kg.load(a.kg)
+        except FileNotFoundError as exc:
+            print(f"\nKG comparison skipped: {exc}")
+        else:
+            print(f"\n{a.kg}: ComplEx, filtered MRR ({kg.num_entities} entities, "
+                  f"{a.kg_partitions} partitions, a buffer of {a.kg_buffer})")
+            for seed in range(a.seeds):
+                for order in a.kg_arms:
+                    kg_rows.append({"task": a.kg, **kg_run(order, a, seed, kg, workdir)})
+                    print(f"seed {seed} {order:19s}: MRR {kg_rows[-1]['mrr']:.4f}, "
+                          f"{kg_rows[-1]['train_s']:.1f} s", flush=True)
+            print()
+            print_table(kg_rows, ["seed", "order", "mrr", "hits@1", "hits@10", "steps",
+                                  "partition_loads", "train_s"])
+            kg_sum = summarise_kg(kg_rows)
+            print(f"\nMRR random {kg_sum['mrr_random_mean']:.4f} ± "
+                  f"{kg_sum['mrr_random_std']:.4f}, bucket {kg_sum['mrr_bucket_mean']:.4f} ± "
+                  f"{kg_sum['mrr_bucket_std']:.4f}; bucket vs random, relative: mean "
+                  f"{kg_sum['rel_diff_mean']:+.2%}, sd {kg_sum['rel_diff_std']:.2%}, range "
+                  f"[{kg_sum['rel_diff_min']:+.2%}, {kg_sum['rel_diff_max']:+.2%}]; within 2% "
+                  f"on every seed: {kg_sum['within_2pct']}")
+            for arm, what in (("bucket_global_neg", "negatives over all entities"),
+                              ("bucket_all_resident", "2 partitions, both resident")):
+                if f"mrr_{arm}_mean" in kg_sum:
+                    print(f"diagnostic {arm} ({what}): MRR {kg_sum[f'mrr_{arm}_mean']:.4f} "
+                          f"± {kg_sum[f'mrr_{arm}_std']:.4f}, relative to random "
+                          f"{kg_sum[f'mrr_{arm}_rel_diff_mean']:+.2%}")
+    meta = {"machine": machine(), "args": vars(a), "summary": s, "summary_kg": kg_sum,
             "partition_loads_lower_bound_per_epoch": lb,
             "config": dataclasses.asdict(base), "dsa_core": dsa_core.__version__,
             "loadavg_start": load0, "loadavg_end": _loadavg(),
             "wall_s": time.perf_counter() - t0}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / name, rows, meta)
+    task = f"powerlaw_{a.nodes}"
+    _write(out / name, [{"task": task, **r} for r in rows] + kg_rows, meta)
     print(f"\nwrote {out / name}.json/.csv ({meta['wall_s']:.0f} s, load "
           f"{' '.join(meta['loadavg_end'])})")
 

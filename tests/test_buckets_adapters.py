@@ -414,4 +414,4 @@ def test_buckets_quality_smoke(tmp_path):
     assert (tmp_path / "buckets_quality_smoke.csv").is_file()
     lines = (tmp_path / "buckets_quality_smoke.csv").read_text().splitlines()
     orders = {line.split(",")[lines[0].split(",").index("order")] for line in lines[1:]}
-    assert orders == {"random", "bucket", "bucket_no_hints"}
+    assert {"random", "bucket", "bucket_no_hints"} <= orders   # + the KG arms, with PyKEEN
