@@ -42,3 +42,30 @@ def test_benchmark_smoke(name, tmp_path):
                        capture_output=True, text=True, timeout=600, env=env, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "rows" in r.stdout.lower() or "µs" in r.stdout or "us" in r.stdout
+
+
+def test_buckets_ooc_smoke(tmp_path):
+    """The partition-ordered benchmark end to end at tiny size: both phases train, the bucket
+    phase steps exactly the edges of the buckets it finished, the results go to the workdir
+    (never benchmarks/results) and the scratch directory is removed."""
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.glob("buckets_ooc*")}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.buckets_ooc", "--smoke",
+                        "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "bucket order / random order" in r.stdout
+    out = json.loads((tmp_path / "buckets_ooc_20000x16.json").read_text())
+    rnd, bkt = out["rows"]
+    assert (rnd["phase"], bkt["phase"]) == ("random", "bucket")
+    assert rnd["steps"] > 0 and rnd["edges_done"] > 0 and rnd["loads"] == 0
+    assert bkt["steps"] > 0 and bkt["loads"] > 0 and bkt["buckets_done"] >= 1
+    assert bkt["edges_done"] == bkt["edges_expected"]
+    assert bkt["row_updates"] == bkt["edges_done"] * (2 + bkt["negatives"])
+    assert out["meta"]["bucketing"]["edges"] == bkt["num_edges"]
+    assert not (tmp_path / "dsa_buckets_ooc_20000x16").exists()
+    after = {p.name: p.stat().st_mtime_ns for p in results.glob("buckets_ooc*")}
+    assert after == before
