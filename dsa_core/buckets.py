@@ -411,6 +411,9 @@ class Batch(NamedTuple):
     position: tuple
 
 
+_EXHAUSTED: Any = iter(())  # a closed iterator's generator
+
+
 class BatchIterator:
     """The batches of a :class:`Plan`, in bucket order (made by :meth:`Plan.batches`).
 
@@ -494,9 +497,29 @@ class BatchIterator:
         return self
 
     def __next__(self) -> Batch:
+        if self._gen is _EXHAUSTED:
+            raise StopIteration
         if self._gen is None:
             self._gen = self._batches()
         return next(self._gen)
+
+    def close(self) -> None:
+        """Stop early: release the partitions this iterator holds (in the background).
+
+        ``position`` and ``state_dict()`` stay where iteration stopped, so a later
+        ``plan.batches(..., start=it.state_dict())`` resumes there (and loads its buffer
+        again). Called at the end of a ``with`` block; safe twice. Stores closed before the
+        iterator are skipped.
+        """
+        if self._gen is not None and self._gen is not _EXHAUSTED:
+            self._gen.close()
+        self._gen = _EXHAUSTED
+
+    def __enter__(self) -> BatchIterator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _hint(self, fn, p: int) -> None:
         lo, hi = int(self.plan.bounds[p]), int(self.plan.bounds[p + 1])
@@ -519,68 +542,77 @@ class BatchIterator:
             loaded.discard(p)
             self._hint(dsa_core.release_range, p)
 
-        for e in range(e0, end):
-            buckets, state_of, states, _ = plan._epoch_order(e)
-            sizes = plan.bucket_sizes[buckets[:, 0], buckets[:, 1]]
-            for k in range(k0 if e == e0 else 0, P2):
-                s = state_of[k]
-                if (e, k) == (e0, k0) or k == 0 or s != state_of[k - 1]:
-                    # a new buffer state: hand back what left, load what entered, and read
-                    # ahead one partition of the next swap: one already held if there is
-                    # one (it left at this swap and comes back at the next: it stays)
-                    here = set(states[s])
-                    nxt, nxt2 = self._after(e, s, end)
-                    ahead = nxt - here
-                    target = min(ahead & loaded or ahead, default=None)
-                    for p in sorted(loaded - here - {target}):
-                        release(p)
-                    for p in sorted(here - loaded):
-                        load(p)
-                    if target is not None and target not in loaded:
-                        load(target)
-                    # when each partition leaving at the next swap is last needed (by its
-                    # edges, or by every batch's negatives); the one the swap after brings
-                    # back is kept instead
-                    back = (here - nxt) & (nxt2 - nxt)
-                    leaving = here - nxt - {min(back, default=None)}
-                    last_use = {p: -1 for p in leaving}
-                    for q in range(k, P2):
-                        if state_of[q] != s:
-                            break
-                        if sizes[q]:
-                            for p in leaving:
-                                if K or p in buckets[q]:
-                                    last_use[p] = q
-                    res = np.array(sorted(here), np.int64)
-                    rsz = bounds[res + 1] - bounds[res]
-                    rcum = np.concatenate([[0], np.cumsum(rsz)])
-                n = int(sizes[k])
-                if not n:
-                    continue
-                for p in [p for p, q in last_use.items() if q < k and p in loaded]:
-                    release(p)  # no batch from here to the swap needs it
-                i, j = (int(v) for v in buckets[k])
-                b = i * plan.num_partitions + j
-                # one sequential read of the bucket (a copy, also of a memmap)
-                edges = np.array(plan.edges[plan.offsets[b]:plan.offsets[b + 1]], np.int64)
-                perm = np.random.default_rng([plan.seed, e, k, _SHUFFLE]).permutation(n)
-                nb = -(-n // B)
-                for t in range(t0 if (e, k) == (e0, k0) else 0, nb):
-                    batch = edges[perm[t * B:(t + 1) * B]]
-                    if K:
-                        rng = np.random.default_rng([plan.seed, e, k, t, _NEGATIVES])
-                        u = rng.integers(0, rcum[-1], size=(len(batch), K), dtype=np.int64)
-                        at = np.searchsorted(rcum, u, side="right") - 1
-                        neg = bounds[res[at]] + (u - rcum[at])
-                    else:
-                        neg = np.empty((len(batch), 0), np.int64)
-                    self._pos = ((e, k, t + 1) if t + 1 < nb else
-                                 (e, k + 1, 0) if k + 1 < P2 else (e + 1, 0, 0))
-                    yield Batch(batch, neg, (i, j), (e, k, t))
-                del edges, perm
-            self._pos = (e + 1, 0, 0)
-        for p in sorted(loaded):
-            release(p)
+        def release_open(p):  # at close: skip stores the caller closed first
+            loaded.discard(p)
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            for st in self.stores:
+                if not st.store.closed:
+                    dsa_core.release_range(st, lo, hi)
+
+        try:
+            for e in range(e0, end):
+                buckets, state_of, states, _ = plan._epoch_order(e)
+                sizes = plan.bucket_sizes[buckets[:, 0], buckets[:, 1]]
+                for k in range(k0 if e == e0 else 0, P2):
+                    s = state_of[k]
+                    if (e, k) == (e0, k0) or k == 0 or s != state_of[k - 1]:
+                        # a new buffer state: hand back what left, load what entered, and read
+                        # ahead one partition of the next swap: one already held if there is
+                        # one (it left at this swap and comes back at the next: it stays)
+                        here = set(states[s])
+                        nxt, nxt2 = self._after(e, s, end)
+                        ahead = nxt - here
+                        target = min(ahead & loaded or ahead, default=None)
+                        for p in sorted(loaded - here - {target}):
+                            release(p)
+                        for p in sorted(here - loaded):
+                            load(p)
+                        if target is not None and target not in loaded:
+                            load(target)
+                        # when each partition leaving at the next swap is last needed (by its
+                        # edges, or by every batch's negatives); the one the swap after brings
+                        # back is kept instead
+                        back = (here - nxt) & (nxt2 - nxt)
+                        leaving = here - nxt - {min(back, default=None)}
+                        last_use = {p: -1 for p in leaving}
+                        for q in range(k, P2):
+                            if state_of[q] != s:
+                                break
+                            if sizes[q]:
+                                for p in leaving:
+                                    if K or p in buckets[q]:
+                                        last_use[p] = q
+                        res = np.array(sorted(here), np.int64)
+                        rsz = bounds[res + 1] - bounds[res]
+                        rcum = np.concatenate([[0], np.cumsum(rsz)])
+                    n = int(sizes[k])
+                    if not n:
+                        continue
+                    for p in [p for p, q in last_use.items() if q < k and p in loaded]:
+                        release(p)  # no batch from here to the swap needs it
+                    i, j = (int(v) for v in buckets[k])
+                    b = i * plan.num_partitions + j
+                    # one sequential read of the bucket (a copy, also of a memmap)
+                    edges = np.array(plan.edges[plan.offsets[b]:plan.offsets[b + 1]], np.int64)
+                    perm = np.random.default_rng([plan.seed, e, k, _SHUFFLE]).permutation(n)
+                    nb = -(-n // B)
+                    for t in range(t0 if (e, k) == (e0, k0) else 0, nb):
+                        batch = edges[perm[t * B:(t + 1) * B]]
+                        if K:
+                            rng = np.random.default_rng([plan.seed, e, k, t, _NEGATIVES])
+                            u = rng.integers(0, rcum[-1], size=(len(batch), K), dtype=np.int64)
+                            at = np.searchsorted(rcum, u, side="right") - 1
+                            neg = bounds[res[at]] + (u - rcum[at])
+                        else:
+                            neg = np.empty((len(batch), 0), np.int64)
+                        self._pos = ((e, k, t + 1) if t + 1 < nb else
+                                     (e, k + 1, 0) if k + 1 < P2 else (e + 1, 0, 0))
+                        yield Batch(batch, neg, (i, j), (e, k, t))
+                    del edges, perm
+                self._pos = (e + 1, 0, 0)
+        finally:  # the end, close() or garbage collection: hand back what is held
+            for p in sorted(loaded):
+                release_open(p)
 
     def _after(self, e: int, s: int, end: int) -> tuple[set, set]:
         """The two buffer states after state ``s`` of epoch ``e`` (crossing into the next

@@ -580,7 +580,6 @@ def _train(p, stores_of, tmp_path, name, negatives=3):
     return s, it
 
 
-@pytest.mark.skipif(not hasattr(dsa_core, "load_range"), reason="dsa_core.load_range absent")
 def test_hints_never_change_the_trained_values(tmp_path):
     p = buckets.plan(_edges(E=1500), 200, partitions=5, buffer=2)
     a, _ = _train(p, lambda s: [], tmp_path, "a")
@@ -593,7 +592,6 @@ def test_hints_never_change_the_trained_values(tmp_path):
         dsa_core.close(s)
 
 
-@pytest.mark.skipif(not hasattr(dsa_core, "load_range"), reason="dsa_core.load_range absent")
 def test_released_partitions_leave_memory_loaded_ones_are_resident(tmp_path, monkeypatch):
     """The effect of the hints: the partitions of each bucket's buffer are in the page cache
     when it trains, and each partition the iterator releases is written back and dropped
@@ -616,11 +614,43 @@ def test_released_partitions_leave_memory_loaded_ones_are_resident(tmp_path, mon
     monkeypatch.setattr(dsa_core, "release_range", release)
     for b in p.batches(10_000, stores=[s]):
         dsa_core.wait_ranges(s)
-        for q in order.buffers[b.position[1]]:  # (a page shared with a released
-            assert dsa_core.residency(s, rows[q]) > 0.97, (q, b.position)  # neighbour may go)
+        for q in order.buffers[b.position[1]]:
+            assert dsa_core.residency(s, rows[q]) == 1.0, (q, b.position)
         s = dsa_core.step(s, b.edges[:, 0], np.ones((len(b.edges), 64), np.float32))
     assert len(dropped) >= P and max(dropped) < 0.05, dropped
     dsa_core.close(s)
+
+
+def test_close_hands_back_the_buffer_and_keeps_the_position(tmp_path):
+    N, P = 4000, 4
+    p = buckets.plan(_edges(E=4000, N=N), N, partitions=P, buffer=2, seed=1)
+    s = dsa_core.create(tmp_path / "s", N, 64, access="disk")
+    dsa_core.release_range(s, 0, N, wait=True)
+    with p.batches(100, negatives=2, stores=[s]) as it:
+        seen = [next(it) for _ in range(7)]
+        dsa_core.wait_ranges(s)
+        held = dsa_core.residency(s, np.arange(N))
+        pos = it.position
+    dsa_core.wait_ranges(s)
+    assert held >= 0.5 and dsa_core.residency(s, np.arange(N)) < 0.05
+    assert it.position == pos and list(it) == []  # closed: nothing more, position kept
+    it.close()  # twice is fine
+    rest = list(p.batches(100, negatives=2, start=it.state_dict()))
+    full = list(p.batches(100, negatives=2))
+    assert len(seen) + len(rest) == len(full)
+    for a, b in zip(seen + rest, full, strict=True):
+        np.testing.assert_array_equal(a.edges, b.edges)
+        np.testing.assert_array_equal(a.negatives, b.negatives)
+    dsa_core.close(s)
+
+
+def test_closing_the_store_first_then_the_iterator(tmp_path):
+    p = buckets.plan(_edges(E=500, N=200), 200, partitions=4, buffer=2)
+    s = dsa_core.create(tmp_path / "s", 200, 8)
+    it = p.batches(50, stores=[s])
+    next(it)
+    dsa_core.close(s)
+    it.close()  # no error: the closed store is skipped
 
 
 # -- the user guide's example runs -----------------------------------------------------------
