@@ -32,7 +32,8 @@ Steps of the run:
    inside a memory cgroup (``memcap``; without one the files are only evicted from the page
    cache and the runs are labelled ``cold``), on the same store, the store and edge files
    evicted and the disk quiet before each. Each phase ends with ``dsa_core.flush`` (and, for
-   the bucket order, ``dsa_core.wait_ranges``) inside its timed window.
+   the bucket order, ``it.close()``, which writes the partitions still held back as an
+   epoch's end does, and ``dsa_core.wait_ranges``) inside its timed window.
 5. Measures the QD32 random-read rate again.
 
 Per phase: edges/s, row updates/s (ids passed to ``step`` per second, duplicates included:
@@ -460,6 +461,7 @@ def child_bucket(args) -> dict:
         if buckets_done >= limit or (it.position[2] == 0 and time.perf_counter() > stop):
             break
     t_steps = time.perf_counter() - t0
+    it.close()  # as at an epoch's end: the partitions held are written back sequentially
     dsa_core.wait_ranges(st)
     t_wait = time.perf_counter() - t0
     dsa_core.flush(st)
