@@ -48,7 +48,7 @@ Run::
 
 At 1M nodes (the table, m and v: 384 MiB) a buffer of 4 of 16 partitions keeps under a third
 of the store in memory at a time (the buffer and the partition read ahead). On a table that
-fits in memory the loads and releases cost time instead (a released partition is dropped
+fits in memory the loads and releases have nothing to save (a released partition is dropped
 from the page cache and read again when it comes back); ``--no-hints`` trains the same
 batches without them, to the same bits.
 """
