@@ -362,7 +362,8 @@ def report(r: dict) -> str:
          f"training edges), {r['holdout']:,} held out; built in {s['graph']:.1f}s"),
         f"order: {order}",
         (f"training: DiskEmbedding({c.nodes:,}, {c.dim}) + DiskSparseAdam(lr={c.lr}), batch "
-         f"{c.batch}, {c.negatives} negatives per edge, {c.epochs} epochs: {r['steps']:,} "
+         f"{c.batch}, {c.negatives} negatives per edge, {c.epochs} epoch"
+         f"{'s' if c.epochs != 1 else ''}: {r['steps']:,} "
          f"steps in this run ({r['steps_total']:,} in all), {s['train']:.1f}s"
          + (" (stopped early: --stop-after)" if r["stopped"] else "")),
         (f"loss: {np.mean(losses[:k]):.4f} (first 5% of this run's steps) -> "
