@@ -1,0 +1,404 @@
+"""On-disk format of a log-structured store: segment files, index generations, the manifest.
+
+Nothing here knows about memory budgets or eviction (that is ``_log``); this module reads,
+writes and checks the bytes. Files of a log store directory:
+
+``manifest.json``
+    ``{"format": "dsa-log", "version": 1, "layout": {...}, "count": int, "seed": int,
+    "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
+    "index": "index-<gen:08d>.bin", "index_crc32": int, "segments": [ids], "next_segment":
+    int, "space_ratio": float}``, replaced atomically (``write_json``). It is the commit
+    point of a flush: the state of a store is what its manifest references, nothing else.
+``seg-<id:08d>.dsl``
+    One immutable segment of ``n`` records. Four parts, each starting on a 4096-byte
+    boundary (zero padding between them)::
+
+        header (4096 B): b"DSALOG01" | u64 id | u64 n | u32 stride | u32 itemsize
+                         | u64 count | u32 crc32(rows) | u32 crc32(steps) | u32 crc32(records)
+                         | u32 crc32 of the header bytes before it | zeros
+        rows           : n int64, the row of each record
+        steps          : n int64, the step count at which each record was written
+        records        : (n, stride) in the store dtype, the layout's records
+
+    (little-endian; the CRCs cover the unpadded parts). A segment is written under its final
+    name with a few large ``pwrite`` calls, records in chunks, the header last; it is only
+    part of the store once a manifest lists it. At open, segment files that the manifest does
+    not list are garbage (left by a crash before the commit, or already cleaned) and removed.
+``index-<gen:08d>.bin``
+    ``num_rows`` int64: 0 for a row never written (it reads as its initial record), else
+    ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment. A flush writes
+    a new generation; the old one is removed once the manifest naming the new one is durable.
+``writer.lock``
+    The writer's exclusive ``flock`` (as for the in-place store).
+
+Crash points (:func:`crash_point`) let tests kill the process at chosen moments.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import struct
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._files import write_json
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "LOCK_FILE", "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE",
+    "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
+    "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
+    "segment_geometry", "set_crash", "write_index", "write_manifest", "write_segment",
+]
+
+FORMAT_NAME = "dsa-log"
+FORMAT_VERSION = 1
+SEG_MAGIC = b"DSALOG01"
+PAGE = 4096
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = "writer.lock"
+MAX_SEGMENT_ID = (1 << 31) - 1  # locations are int64: (id << 32 | slot) + 1
+MAX_SEGMENT_RECORDS = 1 << 32
+_HEAD = struct.Struct("<8sQQIIQIII")
+_HCRC = struct.Struct("<I")
+_IO_CHUNK = 8 << 20  # bytes per pwrite / pread when writing or checking a file
+
+
+class SegmentError(ValueError):
+    """A segment file referenced by the manifest is missing, torn or corrupt."""
+
+
+# -- crash points for tests -----------------------------------------------------------------
+_crash_at: tuple[str, int] | None = None
+_crash_hits: Counter = Counter()
+
+
+def set_crash(point: str | None, nth: int = 1) -> None:
+    """SIGKILL this process the ``nth`` time :func:`crash_point` ``point`` is reached (tests).
+
+    ``set_crash(None)`` disarms. The environment variable ``DSA_LOG_CRASH=point:nth`` arms
+    it at import (for a subprocess).
+    """
+    global _crash_at
+    _crash_at = None if point is None else (str(point), int(nth))
+    _crash_hits.clear()
+
+
+def crash_point(point: str) -> None:
+    """A place where a test may kill the process (see :func:`set_crash`); free otherwise."""
+    if _crash_at is None:
+        return
+    _crash_hits[point] += 1
+    if _crash_at[0] == point and _crash_hits[point] == _crash_at[1]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get("DSA_LOG_CRASH"):
+    _p, _, _k = os.environ["DSA_LOG_CRASH"].partition(":")
+    set_crash(_p, int(_k or 1))
+
+
+# -- names ---------------------------------------------------------------------------------
+def seg_name(seg_id: int) -> str:
+    return f"seg-{seg_id:08d}.dsl"
+
+
+def index_name(gen: int) -> str:
+    return f"index-{gen:08d}.bin"
+
+
+def parse_name(name: str) -> tuple[str, int] | None:
+    """``("seg", id)`` / ``("index", gen)`` for the store's own file names, else None."""
+    for kind, pre, suf in (("seg", "seg-", ".dsl"), ("index", "index-", ".bin")):
+        if name.startswith(pre) and name.endswith(suf):
+            mid = name[len(pre):-len(suf)]
+            if mid.isdigit():
+                return kind, int(mid)
+    return None
+
+
+def _pad(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def segment_geometry(n: int, stride: int, itemsize: int) -> tuple[int, int, int, int]:
+    """``(rows_offset, steps_offset, records_offset, file_size)`` of an ``n``-record segment."""
+    rows_off = PAGE
+    steps_off = rows_off + _pad(8 * n)
+    rec_off = steps_off + _pad(8 * n)
+    return rows_off, steps_off, rec_off, rec_off + _pad(n * stride * itemsize)
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:  # pragma: no cover - pwrite raises on a full disk
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        view, offset = view[n:], offset + n
+
+
+# -- segments --------------------------------------------------------------------------------
+def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
+                  chunks, stride: int, dtype: np.dtype, count: int) -> int:
+    """Write one segment file; returns its size in bytes.
+
+    ``rows``/``steps``: int64 ``(n,)``. ``chunks``: an iterable of C-contiguous record blocks
+    ``(k, stride)`` of the store dtype whose lengths add up to ``n``, written in that order,
+    each with one ``pwrite``. The file is created exclusively (a leftover of that name is
+    unlinked first: only our own name goes, a checkpoint's hard link keeps its inode), sized
+    with ``ftruncate``, filled, and its write-back started; the caller fsyncs it before a
+    manifest refers to it. On any error the partial file is removed.
+    """
+    n = int(rows.shape[0])
+    if not 0 < n < MAX_SEGMENT_RECORDS:
+        raise ValueError(f"a segment holds 1 .. {MAX_SEGMENT_RECORDS - 1} records, got {n}")
+    itemsize = np.dtype(dtype).itemsize
+    rows_off, steps_off, rec_off, size = segment_geometry(n, stride, itemsize)
+    rows = np.ascontiguousarray(rows, np.int64)
+    steps = np.ascontiguousarray(steps, np.int64)
+    with_pad = np.zeros((rec_off - rows_off) // 8, np.int64)
+    with_pad[:n] = rows
+    with_pad[(steps_off - rows_off) // 8:(steps_off - rows_off) // 8 + n] = steps
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        _pwrite_all(fd, with_pad, rows_off)
+        crash_point("seal-rows")
+        crc, off, done = 0, rec_off, 0
+        for blk in chunks:
+            blk = np.ascontiguousarray(blk)
+            if blk.dtype != dtype or blk.ndim != 2 or blk.shape[1] != stride:
+                raise ValueError(f"record block {blk.shape} {blk.dtype} does not match the "
+                                 f"layout ({stride} x {np.dtype(dtype).name})")
+            if not blk.shape[0]:
+                continue
+            _pwrite_all(fd, blk, off)
+            crc = zlib.crc32(blk, crc)
+            off += blk.nbytes
+            done += blk.shape[0]
+            crash_point("seal-chunk")
+        if done != n:
+            raise ValueError(f"segment {seg_id}: {done} records written, {n} announced")
+        head = _HEAD.pack(SEG_MAGIC, seg_id, n, stride, itemsize, int(count),
+                          zlib.crc32(rows), zlib.crc32(steps), crc)
+        crash_point("seal-header")
+        _pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
+        _start_writeback(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    return size
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages back without waiting (the flush's fsync then has
+    little left to do, and dirty page cache never piles up behind the seals)."""
+    try:
+        from ._prefetch import SYNC_FILE_RANGE_WRITE, _sync_file_range
+        _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - not Linux
+        pass
+
+
+def read_header(path: Path) -> dict[str, int]:
+    """Parse and check a segment header (its own CRC); :class:`SegmentError` names the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_HEAD.size + _HCRC.size)
+    except FileNotFoundError:
+        raise SegmentError(f"segment file {str(path)!r} is missing: the store's manifest "
+                           "refers to it (deleted by hand?); restore the store from a "
+                           "checkpoint") from None
+    if len(raw) < _HEAD.size + _HCRC.size:
+        raise SegmentError(f"segment file {str(path)!r} is torn: {len(raw)} bytes, shorter "
+                           "than its header; restore the store from a checkpoint")
+    head = raw[:_HEAD.size]
+    magic, seg_id, n, stride, itemsize, count, crc_r, crc_s, crc_rec = _HEAD.unpack(head)
+    if magic != SEG_MAGIC:
+        raise SegmentError(f"{str(path)!r} is not a DSA log segment: magic is {magic!r}, "
+                           f"expected {SEG_MAGIC!r}; restore the store from a checkpoint")
+    if _HCRC.unpack(raw[_HEAD.size:])[0] != zlib.crc32(head):
+        raise SegmentError(f"segment file {str(path)!r} has a corrupt header (CRC mismatch); "
+                           "restore the store from a checkpoint")
+    return {"id": seg_id, "n": n, "stride": stride, "itemsize": itemsize, "count": count,
+            "crc_rows": crc_r, "crc_steps": crc_s, "crc_records": crc_rec}
+
+
+def _crc_of_file_range(fd: int, off: int, nbytes: int) -> int:
+    crc = 0
+    while nbytes > 0:
+        blk = os.pread(fd, min(_IO_CHUNK, nbytes), off)
+        if not blk:
+            break
+        crc = zlib.crc32(blk, crc)
+        off += len(blk)
+        nbytes -= len(blk)
+    return crc
+
+
+def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows: int,
+                  full: bool = True) -> int:
+    """Check a referenced segment; returns its record count or raises :class:`SegmentError`.
+
+    Header (magic, CRC, id, stride, itemsize), file size, the CRCs of rows and steps, rows
+    inside ``[0, num_rows)``, and with ``full`` the CRC of the records (a read of the whole
+    file).
+    """
+    h = read_header(path)
+    bad = f"segment file {str(path)!r}"
+    fix = "; restore the store from a checkpoint"
+    if h["id"] != seg_id:
+        raise SegmentError(f"{bad} holds segment {h['id']}, expected {seg_id} (files mixed "
+                           f"up?){fix}")
+    if (h["stride"], h["itemsize"]) != (stride, itemsize):
+        raise SegmentError(f"{bad} has records of {h['stride']} x {h['itemsize']} B, the "
+                           f"layout needs {stride} x {itemsize} B{fix}")
+    n = h["n"]
+    rows_off, steps_off, rec_off, size = segment_geometry(n, stride, itemsize)
+    actual = os.stat(path).st_size
+    if actual != size:
+        raise SegmentError(f"{bad} is torn: {actual:,} bytes, its header announces {n} "
+                           f"records ({size:,} bytes){fix}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        rows = np.frombuffer(os.pread(fd, 8 * n, rows_off), np.int64)
+        if rows.shape[0] != n or zlib.crc32(rows) != h["crc_rows"]:
+            raise SegmentError(f"{bad} is corrupt: the CRC of its row ids does not match{fix}")
+        if _crc_of_file_range(fd, steps_off, 8 * n) != h["crc_steps"]:
+            raise SegmentError(f"{bad} is corrupt: the CRC of its step counts does not "
+                               f"match{fix}")
+        if n and (rows.min() < 0 or rows.max() >= num_rows):
+            raise SegmentError(f"{bad} holds row ids outside [0, {num_rows}){fix}")
+        if full and _crc_of_file_range(fd, rec_off, n * stride * itemsize) \
+                != h["crc_records"]:
+            raise SegmentError(f"{bad} is corrupt: the CRC of its records does not match "
+                               f"(a damaged or torn write){fix}")
+    finally:
+        os.close(fd)
+    return n
+
+
+class Segment:
+    """One mapped segment: read-only views of its rows, steps and records (page cache)."""
+
+    __slots__ = ("id", "n", "path", "rows", "steps", "records", "nbytes")
+
+    def __init__(self, seg_id: int, n: int, path: Path, rows, steps, records, nbytes: int):
+        self.id, self.n, self.path = seg_id, n, path
+        self.rows, self.steps, self.records, self.nbytes = rows, steps, records, nbytes
+
+
+def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -> Segment:
+    """Map a segment read-only (``mode="r"``: clean pages, reclaimable, never written)."""
+    rows_off, steps_off, rec_off, size = segment_geometry(n, stride, np.dtype(dtype).itemsize)
+    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    rows = mm[rows_off:rows_off + 8 * n].view(np.int64)
+    steps = mm[steps_off:steps_off + 8 * n].view(np.int64)
+    records = mm[rec_off:rec_off + n * stride * np.dtype(dtype).itemsize].view(dtype)
+    return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps),
+                   np.asarray(records).reshape(n, stride), size)
+
+
+# -- index generations ---------------------------------------------------------------------
+def write_index(path: Path, index: np.ndarray) -> int:
+    """Write an index generation sequentially and fsync it; returns its CRC32."""
+    index = np.ascontiguousarray(index, np.int64)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    crc = 0
+    try:
+        raw = memoryview(index).cast("B")
+        for off in range(0, raw.nbytes, _IO_CHUNK):
+            blk = raw[off:off + _IO_CHUNK]
+            _pwrite_all(fd, blk, off)
+            crc = zlib.crc32(blk, crc)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    return crc
+
+
+def read_index(path: Path, num_rows: int, crc: int | None) -> np.ndarray:
+    """Load an index generation (``num_rows`` int64), checking size and CRC."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise FileNotFoundError(f"index file {str(path)!r} named by the manifest is missing; "
+                                "restore the store from a checkpoint") from None
+    if size != 8 * num_rows:
+        raise ValueError(f"index file {str(path)!r} has {size:,} bytes, the store's "
+                         f"{num_rows} rows need {8 * num_rows:,}; restore the store from a "
+                         "checkpoint")
+    index = np.fromfile(path, np.int64, num_rows)
+    if crc is not None and zlib.crc32(index) != crc:
+        raise ValueError(f"index file {str(path)!r} is corrupt (CRC mismatch); restore the "
+                         "store from a checkpoint")
+    return index
+
+
+# -- manifest ----------------------------------------------------------------------------------
+_FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "index",
+           "segments", "next_segment", "space_ratio")
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Replace ``manifest.json`` atomically and durably (one writer: the lock)."""
+    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """Read and check a log store's manifest; clear errors for anything else."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no log store at {str(directory)!r}: the directory does not "
+                                "exist; create one first")
+    mpath = directory / MANIFEST_FILE
+    if not mpath.is_file():
+        raise FileNotFoundError(f"{str(directory)!r} is not a log store: it has no "
+                                f"{MANIFEST_FILE}; create one first")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(mpath)!r} is not a log store manifest (expected JSON with "
+                         f"format={FORMAT_NAME!r}): {exc}") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+    if found == "dsa-store":
+        raise ValueError(f"{str(directory)!r} is an in-place DSA store (format 'dsa-store'), "
+                         "not a log-structured one; open it with dsa_core.open")
+    if found != FORMAT_NAME:
+        raise ValueError(f"{str(mpath)!r} is not a log store manifest: format is {found!r}, "
+                         f"expected {FORMAT_NAME!r}")
+    version = manifest.get("version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"log store {str(directory)!r} has format version {version!r}; this "
+                         f"dsa_core reads version {FORMAT_VERSION}. Upgrade dsa_core to open it")
+    missing = [k for k in _FIELDS if k not in manifest]
+    if missing:
+        raise ValueError(f"manifest of {str(directory)!r} lacks {missing}; the store is "
+                         "damaged, restore it from a checkpoint")
+    return manifest

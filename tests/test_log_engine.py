@@ -1,0 +1,804 @@
+"""The log-structured store's engine (dsa_core._log): white-box tests against a numpy reference.
+
+The reference is a plain numpy table of records updated by the same deterministic function
+as the engine's region; every comparison is bit for bit. Small memory budgets make seals,
+evictions and cleaning happen many times per test. Crash tests fork a child that trains and
+is killed with SIGKILL, at chosen crash points or at random moments; the parent reopens the
+store and compares it with the reference at the child's last flush.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dsa_core import _layout, _log, _log_format, _log_init
+from dsa_core._store import StoreLockedError
+
+N = 3000
+
+
+def _layout_of(kind: str, num_rows: int = N, dim: int = 8) -> dict:
+    if kind == "f32":
+        return _layout.make_layout(num_rows, dim, np.float32, 0.0, True, 0)
+    if kind == "f64":
+        return _layout.make_layout(num_rows, dim, np.float64, 0.0, True, 0)
+    if kind == "counters":
+        return _layout.make_layout(num_rows, dim, np.float32, 0.0, True, 0, per_row_step=True,
+                                   decay_missed_steps=True)
+    if kind == "noweights":
+        return _layout.make_layout(num_rows, dim, np.float64, 0.0, False, 0)
+    raise AssertionError(kind)
+
+
+def update(rec: np.ndarray, t: int, rows: np.ndarray, lay: dict) -> np.ndarray:
+    """The deterministic 'training step' applied to engine and reference alike."""
+    T = np.dtype(lay["dtype"]).type
+    out = rec * T(0.5) + T(t) + (rows % 7).astype(rec.dtype)[:, None]
+    for key in ("row_step", "last_step"):
+        if key in lay:  # counters: integer updates on the int view, as the kernels do
+            ints = out.view(_layout.counter_dtype(rec.dtype))
+            old = rec.view(_layout.counter_dtype(rec.dtype))[:, lay[key]]
+            ints[:, lay[key]] = old + 1 if key == "row_step" else t
+    return out
+
+
+_ZIPF_P: dict[int, np.ndarray] = {}
+
+
+def batch_rows(t: int, num_rows: int, size: int, dist: str, seed: int = 0) -> np.ndarray:
+    """Unique rows of step ``t`` (shuffled): a pure function of its arguments."""
+    rng = np.random.default_rng([seed, t])
+    if dist == "uniform":
+        rows = rng.integers(0, num_rows, size)
+    else:
+        p = _ZIPF_P.get(num_rows)
+        if p is None:
+            p = 1.0 / (np.arange(num_rows) + 1.0) ** 1.1
+            p = _ZIPF_P[num_rows] = p / p.sum()
+        rows = rng.choice(num_rows, size=size, p=p)
+    rows = np.unique(rows)
+    return rows[rng.permutation(rows.shape[0])]
+
+
+def train(eng, ref, lay, t0: int, t1: int, size: int, dist: str, *, check_every: int = 0,
+          flush_every: int = 0, seed: int = 0) -> None:
+    """Steps t0..t1-1 on the engine and on the reference table."""
+    everything = np.arange(lay["num_rows"])
+    for t in range(t0, t1):
+        rows = batch_rows(t, lay["num_rows"], size, dist, seed)
+        slots = eng.acquire(rows)
+        eng.region[slots] = update(eng.region[slots], t, rows, lay)
+        if ref is not None:
+            ref[rows] = update(ref[rows], t, rows, lay)
+        eng.count = t
+        if check_every and t % check_every == 0:
+            np.testing.assert_array_equal(eng.read(everything), ref, err_msg=f"step {t}")
+        if flush_every and t % flush_every == 0:
+            eng.flush()
+
+
+def files_of(path: Path) -> set[str]:
+    return {p.name for p in path.iterdir()}
+
+
+def referenced(path: Path) -> set[str]:
+    m = _log_format.read_manifest(path)
+    return {_log_format.seg_name(s) for s in m["segments"]} | {m["index"], "manifest.json",
+                                                             "writer.lock"}
+
+
+# -- the reference ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["f32", "f64", "counters", "noweights"])
+@pytest.mark.parametrize("dist", ["uniform", "zipf"])
+def test_engine_matches_the_reference_bit_for_bit(tmp_path, kind, dist):
+    lay = _layout_of(kind)
+    init = "zeros" if kind == "noweights" else "normal"
+    mem = _log.memory_for(lay, 160)
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=mem, init=init, init_scale=0.1, seed=4,
+                      max_batch=120)
+    everything = np.arange(N)
+    ref = eng.read(everything)
+    train(eng, ref, lay, 1, 121, 120, dist, check_every=7, flush_every=40)
+    st = eng.stats()
+    assert st["seals"] > 30 and st["cleaned_segments"] > 5, st  # the machinery ran
+    assert eng.verify() == []
+    eng.close()
+    eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(lay, 130))
+    assert eng.count == 120
+    np.testing.assert_array_equal(eng.read(everything), ref)
+    assert eng.verify() == []
+    train(eng, ref, lay, 121, 161, 120, dist, check_every=5)  # go on after the reopen
+    eng.close()
+    eng = _log.open(tmp_path / "s", mode="r")
+    np.testing.assert_array_equal(eng.read(everything), ref)
+    assert files_of(tmp_path / "s") == referenced(tmp_path / "s")
+    eng.close()
+
+
+def test_batch_as_large_as_the_region_never_evicts_its_own_rows(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 64))
+    ref = eng.read(np.arange(N))
+    rows0 = None
+    for t in range(1, 60):
+        # half of each batch was in the previous one (hits to pin), the rest is new
+        rows = batch_rows(t, N, 64, "uniform")[:64]
+        if rows0 is not None:
+            rows = np.unique(np.concatenate([rows0[:32], rows]))[:64]
+        slots = eng.acquire(rows)
+        assert np.unique(slots).shape[0] == rows.shape[0]
+        assert (eng.slot_row[slots] == rows).all()
+        eng.region[slots] = update(eng.region[slots], t, rows, lay)
+        ref[rows] = update(ref[rows], t, rows, lay)
+        rows0 = rows
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    assert eng.verify() == []
+    eng.close()
+
+
+def test_read_with_duplicates_and_write_whole_records(tmp_path):
+    lay = _layout_of("f64")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 50),
+                      init="uniform", init_scale=0.5, seed=1)
+    ref = eng.read(np.arange(N))
+    rows = np.arange(0, N, 3)[::-1].copy()  # 1000 rows through a 50-slot region
+    rec = np.random.default_rng(0).standard_normal((rows.shape[0], lay["stride"]))
+    eng.write(rows, rec)
+    ref[rows] = rec
+    idx = np.array([5, 3, 3, 0, 2999, 5, 6])
+    np.testing.assert_array_equal(eng.read(idx), ref[idx])
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    assert eng.read(np.array([], np.int64)).shape == (0, lay["stride"])
+    assert eng.acquire(np.array([], np.int64)).shape == (0,)
+    eng.close()
+    eng = _log.open(tmp_path / "s", mode="r")
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+
+
+def test_region_accounting(tmp_path):
+    lay = _layout_of("f32")
+    mem = 12345
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=mem)
+    S = eng.slots
+    assert S == mem // (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
+    per_slot = sum(getattr(eng, a).nbytes for a in ("slot_row", "slot_disk", "_pin", "_mark",
+                                                   "_free", "dirty", "_ref")) / S
+    assert per_slot == _log.SLOT_OVERHEAD
+    assert eng.region.shape == (S, lay["stride"]) and eng.region.nbytes == S * lay["stride"] * 4
+    eng.close()
+
+
+def test_seals_are_large_sequential_units(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 400))
+    assert eng.seal_unit == 50
+    train(eng, None, lay, 1, 80, 40, "uniform")  # no flush: every seal is an eviction
+    sizes = [s.n for s in eng.segs.values()]
+    assert eng.stats()["seals"] > 20 and min(sizes) >= eng.seal_unit, sizes
+    eng.close()
+
+
+# -- deterministic init -------------------------------------------------------------------
+def _py_mix(z: int) -> int:
+    M = (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+    return z ^ (z >> 31)
+
+
+def _py_ln(x: float) -> float:
+    m, e = math.frexp(x)
+    if m < 0.7071067811865476:
+        m, e = m * 2.0, e - 1
+    t = (m - 1.0) / (m + 1.0)
+    t2 = t * t
+    p = 1.0 / 25.0
+    for k in range(23, 0, -2):
+        p = p * t2 + 1.0 / k
+    return float(e) * 0.6931471805599453 + 2.0 * t * p
+
+
+def _py_normal_weights(seed: int, row: int, dim: int, scale: float) -> list[float]:
+    """The documented generator in plain Python (Python floats are IEEE doubles)."""
+    M, G = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    key = _py_mix((_py_mix(seed ^ 0xD1B54A32D192ED03) + row * G) & M)
+
+    def uni(c):
+        return (_py_mix((key + c * G) & M) >> 11) * (1.0 / 9007199254740992.0)
+
+    out = []
+    for p in range((dim + 1) // 2):
+        for a in range(256):
+            c = 2 * (256 * p + a)
+            v1, v2 = 2.0 * uni(c) - 1.0, 2.0 * uni(c + 1) - 1.0
+            s = v1 * v1 + v2 * v2
+            if 0.0 < s < 1.0:
+                f = math.sqrt(-2.0 * _py_ln(s) / s)
+                out += [scale * (v1 * f), scale * (v2 * f)]
+                break
+    return out[:dim]
+
+
+def test_init_is_the_documented_function_of_seed_and_row():
+    """Compiled = plain IEEE arithmetic, so the bits cannot depend on the machine's libm."""
+    spec = _log_init.InitSpec("normal", 0.3, 12345, None, 7, 0, 7, np.dtype(np.float64))
+    rows = np.array([0, 1, 77, 2**40 + 3])
+    got = _log_init.initial_weights(rows, spec)
+    for i, r in enumerate(rows.tolist()):
+        assert got[i].tolist() == _py_normal_weights(12345, r, 7, 0.3)
+    xs = np.random.default_rng(1).uniform(1e-300, 1.0, 2000).tolist() + [1e-320, 0.5, 1.0]
+    assert max(abs(_py_ln(x) - math.log(x)) / abs(math.log(x) or 1) for x in xs) < 1e-15
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_init_same_bits_differs_by_seed_plausible_statistics(tmp_path, dtype):
+    lay = _layout.make_layout(20000, 16, dtype, 0.0, True, 0)
+    mem = _log.memory_for(lay, 10)
+    a = _log.create(tmp_path / "a", lay, memory_bytes=mem, init="normal", init_scale=0.2,
+                    seed=9)
+    b = _log.create(tmp_path / "b", lay, memory_bytes=mem, init="normal", init_scale=0.2,
+                    seed=9)
+    c = _log.create(tmp_path / "c", lay, memory_bytes=mem, init="normal", init_scale=0.2,
+                    seed=10)
+    u = _log.create(tmp_path / "u", lay, memory_bytes=mem, init="uniform", init_scale=0.2,
+                    seed=9)
+    z = _log.create(tmp_path / "z", lay, memory_bytes=mem)
+    everything = np.arange(20000)
+    ra, rb, rc, ru = (e.read(everything) for e in (a, b, c, u))
+    assert ra.tobytes() == rb.tobytes()
+    assert (ra[:, :16] != rc[:, :16]).mean() > 0.99
+    w = ra[:, :16].astype(np.float64)
+    assert abs(w.mean()) < 0.005 and abs(w.std() - 0.2) < 0.005
+    assert abs(np.mean(np.abs(w) < 0.2) - 0.6827) < 0.01  # one sigma
+    assert (ra[:, 16:] == 0).all()  # m, v zero
+    wu = ru[:, :16].astype(np.float64)
+    assert wu.min() >= -0.2 and wu.max() < 0.2 and abs(wu.std() - 0.2 / math.sqrt(3)) < 0.003
+    assert not z.read(everything).any()
+    # rows read alone, in any order, equal the whole-table read (a function of the row)
+    pick = np.array([19999, 3, 3, 12000])
+    np.testing.assert_array_equal(a.read(pick), ra[pick])
+    for e in (a, b, c, u, z):
+        e.close()
+
+
+def test_init_projects_onto_the_ball(tmp_path):
+    from dsa_core._state import maxnorm
+    lay = _layout.make_layout(5000, 6, np.float32, 1.0, True, 0)
+    mn = maxnorm(1.0, 4e-3, np.float32)
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 10),
+                      init="normal", init_scale=0.5, ball_maxnorm=float(mn))
+    w = eng.read(np.arange(5000))[:, :6]
+    nrm = np.sqrt(np.einsum("ij,ij->i", w, w, dtype=np.float64))
+    assert (nrm <= float(mn) * (1 + 1e-6)).all()
+    assert np.mean(nrm > 0.99 * float(mn)) > 0.3  # many rows were projected...
+    assert np.mean(nrm < 0.9 * float(mn)) > 0.1   # ...and the others left alone
+    raw = _log_init.initial_weights(np.arange(5000), eng.init._replace(maxnorm=None))
+    inside = np.linalg.norm(raw.astype(np.float64), axis=1) < 0.9 * float(mn)
+    np.testing.assert_array_equal(w[inside], raw[inside])
+    eng.close()
+
+
+# -- space and write amplification --------------------------------------------------------------
+def _passes(tmp_path, ratio: float, passes: int = 10):
+    num_rows, batch = 4000, 100
+    lay = _layout_of("f32", num_rows)
+    eng = _log.create(tmp_path / f"s{ratio}", lay, memory_bytes=_log.memory_for(lay, 400),
+                      space_ratio=ratio)
+    steps = passes * num_rows // batch
+    for t in range(1, steps + 1):
+        rng = np.random.default_rng([5, t])
+        rows = np.unique(rng.integers(0, num_rows, batch))
+        slots = eng.acquire(rows)
+        eng.region[slots] += 1
+        eng.count = t
+        if t % 100 == 0:
+            eng.flush()
+    eng.flush()
+    return eng
+
+
+@pytest.mark.parametrize("ratio", [1.5, 2.0, 3.0])
+def test_space_bound_after_ten_passes(tmp_path, ratio):
+    eng = _passes(tmp_path, ratio)
+    st = eng.stats()
+    rb = eng.rec_bytes
+    seg_rec_bytes = st["segment_records"] * rb
+    assert seg_rec_bytes <= ratio * st["live_bytes"] + eng.seal_unit * rb, st
+    assert st["pending_delete"] == 0 and eng.verify() == []
+    on_disk = sum(p.stat().st_size for p in eng.path.glob("seg-*.dsl"))
+    assert on_disk == st["segment_bytes"]  # no dead file left after the flush
+    print(f"\nspace_ratio {ratio}: write amplification {st['write_amplification']:.3f} "
+          f"(cleaning overhead {st['cleaning_overhead']:.3f}), segments hold "
+          f"{st['space_used']:.3f}x the live records, {st['segments']} segments, files "
+          f"{on_disk / st['live_bytes']:.2f}x the live record bytes (headers and 4 KiB "
+          f"padding of {st['seal_unit']}-record seals)")
+    assert 1.0 <= st["cleaning_overhead"] < 1.0 + 2.5 / (ratio - 1)  # plausible, finite
+    eng.close()
+
+
+# -- checkpoints and readers ---------------------------------------------------------------------
+def test_checkpoint_stays_valid_while_the_source_trains_and_is_deleted(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150),
+                      init="normal", seed=2, space_ratio=1.5)
+    ref = eng.read(np.arange(N))
+    train(eng, ref, lay, 1, 41, 100, "uniform", flush_every=15)
+    ck = eng.checkpoint(tmp_path / "ck")
+    ref_ck = ref.copy()
+    snap = _log.open(ck, mode="r")
+    assert snap.count == 40
+    cleaned0 = eng.stats()["cleaned_segments"]
+    for t0 in range(41, 161, 30):
+        train(eng, ref, lay, t0, t0 + 30, 100, "uniform", flush_every=10)
+        np.testing.assert_array_equal(snap.read(np.arange(N)), ref_ck)
+        again = _log.open(ck, mode="r")  # a fresh open verifies every CRC too
+        np.testing.assert_array_equal(again.read(np.arange(N)), ref_ck)
+        assert again.verify() == []
+        again.close()
+    assert eng.stats()["cleaned_segments"] > cleaned0 + 10
+    # the source has deleted segments the checkpoint holds: the hard links keep them
+    src_segs = set(_log_format.read_manifest(tmp_path / "s")["segments"])
+    ck_segs = set(_log_format.read_manifest(ck)["segments"])
+    assert ck_segs - src_segs
+    eng.close()
+    shutil.rmtree(tmp_path / "s")
+    np.testing.assert_array_equal(snap.read(np.arange(N)), ref_ck)
+    snap.close()
+    # the checkpoint is a working store: resume from it
+    eng = _log.open(ck, memory_bytes=_log.memory_for(lay, 150))
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref_ck)
+    train(eng, ref_ck, lay, 41, 61, 100, "uniform", check_every=10)
+    eng.close()
+
+
+def test_checkpoint_overwrite_and_refusals(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150))
+    train(eng, None, lay, 1, 11, 100, "uniform")
+    eng.checkpoint(tmp_path / "ck")
+    train(eng, None, lay, 11, 21, 100, "uniform")
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        eng.checkpoint(tmp_path / "ck")
+    with pytest.raises(ValueError, match="is the live store itself"):
+        eng.checkpoint(tmp_path / "s", overwrite=True)
+    eng.checkpoint(tmp_path / "ck", overwrite=True)
+    snap = _log.open(tmp_path / "ck", mode="r")
+    assert snap.count == 20
+    np.testing.assert_array_equal(snap.read(np.arange(N)), eng.read(np.arange(N)))
+    eng.close()
+
+
+def test_reader_keeps_its_flush_while_the_writer_moves_on(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150))
+    ref = eng.read(np.arange(N))
+    train(eng, ref, lay, 1, 31, 100, "uniform")
+    eng.flush()
+    reader = _log.open(tmp_path / "s", mode="r")
+    seen = ref.copy()
+    train(eng, ref, lay, 31, 121, 100, "uniform", flush_every=10)
+    with pytest.raises(ValueError, match="read-only"):
+        reader.acquire([1])
+    with pytest.raises(ValueError, match="read-only"):
+        reader.flush()
+    np.testing.assert_array_equal(reader.read(np.arange(N)), seen)  # mapped files live on
+    reader.close()
+    eng.close()
+
+
+# -- crashes ---------------------------------------------------------------------------------
+CRASH_ROWS, CRASH_STEPS, CRASH_FLUSH, CRASH_BATCH = 2000, 90, 10, 80
+CRASH_POINTS = ("seal-rows", "seal-chunk", "seal-header", "sealed", "clean", "flush-sealed",
+                "flush-synced", "flush-index", "flush-committed", "flush-deleted", "ckpt-link",
+                "ckpt-staged", "open-clean")
+
+
+# crash points inside a flush -> how many flushes of the run have committed when it strikes
+_FLUSHES_DONE = {"flush-sealed": 0, "flush-synced": 0, "flush-index": 0, "flush-committed": 1}
+
+
+def _pick_kill(rng, count: int) -> tuple[str, int]:
+    """A crash point that a run resuming at ``count`` reaches, and which time it strikes."""
+    flushes = (CRASH_STEPS - count) // CRASH_FLUSH
+    ckpts = len([t for t in range(count + 1, CRASH_STEPS + 1) if t % 30 == 0])
+    while True:
+        point = CRASH_POINTS[int(rng.integers(len(CRASH_POINTS)))]
+        if point.startswith("seal") or point == "clean":
+            return point, int(rng.integers(1, 30))
+        if point.startswith("flush") and flushes:
+            return point, int(rng.integers(1, (flushes + 1) // (2 if "deleted" in point
+                                                                else 1) + 1))
+        if point.startswith("ckpt") and ckpts:
+            return point, int(rng.integers(1, ckpts + 1))
+        if point == "open-clean":
+            return point, 1
+
+
+def _crash_layout():
+    return _layout.make_layout(CRASH_ROWS, 8, np.float32, 0.0, True, 0, per_row_step=True)
+
+
+def _crash_mem(lay):
+    return _log.memory_for(lay, 120)
+
+
+def _run_child(path: Path, ck: Path, point, nth: int) -> int:
+    """Fork a child running :func:`_crash_child`; returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        _crash_child(path, ck, point, nth)
+    return pid
+
+
+def _crash_child(path: Path, ck: Path, point, nth: int) -> None:
+    """Runs in the forked child: open (recovering), train to CRASH_STEPS, flush every
+    CRASH_FLUSH steps, checkpoint every 30. Never returns."""
+    code = 1
+    try:
+        lay = _crash_layout()
+        if point is not None:
+            _log_format.set_crash(point, nth)
+        eng = _log.open(path, memory_bytes=_crash_mem(lay))
+        for t in range(eng.count + 1, CRASH_STEPS + 1):
+            rows = batch_rows(t, CRASH_ROWS, CRASH_BATCH, "uniform" if t % 3 else "zipf")
+            slots = eng.acquire(rows)
+            eng.region[slots] = update(eng.region[slots], t, rows, lay)
+            eng.count = t
+            if t % CRASH_FLUSH == 0:
+                if t % 30 == 0:
+                    eng.checkpoint(ck, overwrite=True)
+                else:
+                    eng.flush()
+        eng.close()
+        code = 0
+    except BaseException:  # noqa: BLE001 - report and leave; never return into pytest
+        import traceback
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _reference_at_flushes(lay) -> dict[int, np.ndarray]:
+    """The reference table after every flush count (0 = fresh)."""
+    with_init = _log_init.InitSpec("normal", 0.1, 11, None, lay["dim"], lay["w"], lay["stride"],
+                                   np.dtype(lay["dtype"]))
+    ref = _log_init.initial_records(np.arange(CRASH_ROWS), with_init)
+    out = {0: ref.copy()}
+    for t in range(1, CRASH_STEPS + 1):
+        rows = batch_rows(t, CRASH_ROWS, CRASH_BATCH, "uniform" if t % 3 else "zipf")
+        ref[rows] = update(ref[rows], t, rows, lay)
+        if t % CRASH_FLUSH == 0:
+            out[t] = ref.copy()
+    return out
+
+
+def _crash_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    lay = _crash_layout()
+    refs = _reference_at_flushes(lay)
+    path, ck = tmp_path / "s", tmp_path / "ck"
+    rng = np.random.default_rng(seed)
+    counts = {"kills": 0, "point-kills": 0, "timed-kills": 0, "completed": 0}
+
+    def fresh():
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(ck, ignore_errors=True)
+        _log.create(path, lay, memory_bytes=_crash_mem(lay), init="normal", init_scale=0.1,
+                    seed=11).close()
+
+    # calibrate the random kill times: one uninterrupted run on a scratch store
+    cal = tmp_path / "cal"
+    _log.create(cal, lay, memory_bytes=_crash_mem(lay), init="normal", init_scale=0.1,
+                seed=11).close()
+    t0 = time.perf_counter()
+    _, status = os.waitpid(_run_child(cal, tmp_path / "cal-ck", None, 0), 0)
+    per_step = (time.perf_counter() - t0) / CRASH_STEPS
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    fresh()
+    count = 0
+    for trial in range(trials):
+        timed = trial % 3 == 2
+        point, nth = (None, 0) if timed else _pick_kill(rng, count)
+        if point == "open-clean":  # plant garbage for the opening child to remove
+            (path / _log_format.seg_name(10**7)).write_bytes(b"junk")
+            (path / _log_format.index_name(10**7)).write_bytes(b"junk")
+        pid = _run_child(path, ck, point, nth)
+        if timed:  # anywhere in the rest of the run: seals, cleaning, flushes, checkpoints
+            time.sleep(float(rng.uniform(0.0, 0.8)) * per_step * (CRASH_STEPS - count))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status):
+            assert os.WTERMSIG(status) == signal.SIGKILL
+            counts["kills"] += 1
+            counts["timed-kills" if timed else "point-kills"] += 1
+        else:
+            assert os.WEXITSTATUS(status) == 0, f"child failed (trial {trial}, {point}:{nth})"
+            counts["completed"] += 1
+        # reopen: exactly the state of the last completed flush, nothing else on disk
+        eng = _log.open(path, memory_bytes=_crash_mem(lay))
+        assert eng.count in refs, (trial, point, nth, eng.count)
+        if os.WIFSIGNALED(status) and point in _FLUSHES_DONE:  # before or after the commit
+            assert eng.count == count + CRASH_FLUSH * (nth - 1 + _FLUSHES_DONE[point]), \
+                (point, nth, count, eng.count)
+        if os.WIFSIGNALED(status) and point in ("ckpt-link", "ckpt-staged"):
+            # the checkpoint's flush committed; its snapshot is not in place. ckpt-staged
+            # strikes once per checkpoint, ckpt-link once per segment linked
+            ts = [t for t in range(count + 1, CRASH_STEPS + 1) if t % 30 == 0]
+            assert eng.count == ts[nth - 1] if point == "ckpt-staged" else eng.count in ts
+            assert not ck.exists() or _log_format.read_manifest(ck)["count"] < eng.count
+        np.testing.assert_array_equal(eng.read(np.arange(CRASH_ROWS)), refs[eng.count],
+                                      err_msg=f"trial {trial}: {point}:{nth}")
+        assert eng.verify() == []
+        assert files_of(path) == referenced(path), (trial, point, nth)
+        count = eng.count
+        eng.close()
+        if ck.exists():  # a checkpoint is complete or absent
+            snap = _log.open(ck, mode="r")
+            np.testing.assert_array_equal(snap.read(np.arange(CRASH_ROWS)), refs[snap.count])
+            assert snap.verify() == []
+            snap.close()
+        if count == CRASH_STEPS:
+            fresh()
+            count = 0
+    return counts
+
+
+def test_kill_at_crash_points_and_random_moments_reopens_the_last_flush(tmp_path):
+    counts = _crash_trials(tmp_path, 36, seed=1)
+    print(f"\ncrash trials: {counts}")
+    assert counts["kills"] >= 20 and counts["timed-kills"] >= 3
+
+
+@pytest.mark.slow
+def test_many_kills(tmp_path):
+    counts = _crash_trials(tmp_path, 130, seed=2)
+    print(f"\ncrash trials: {counts}")
+    assert counts["kills"] >= 100
+
+
+# -- bad inputs ---------------------------------------------------------------------------------
+def test_memory_too_small_for_a_batch(tmp_path):
+    lay = _layout_of("f32")
+    need = _log.memory_for(lay, 11)
+    assert need == 11 * (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
+    with pytest.raises(ValueError, match=r"memory budget holds 10 records, a batch needs 11: "
+                                         f"raise memory_bytes to at least {need} bytes"):
+        _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 10), max_batch=11)
+    assert not (tmp_path / "s").exists()  # refused before anything was written
+    with pytest.raises(ValueError, match="must pay for at least one record slot"):
+        _log.create(tmp_path / "s", lay, memory_bytes=10)
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 10))
+    before = eng.read(np.arange(N))
+    with pytest.raises(ValueError, match="memory budget holds 10 records, a batch needs 12"):
+        eng.acquire(np.arange(12))
+    eng.close()
+    with pytest.raises(ValueError, match="a batch needs 50"):
+        _log.open(tmp_path / "s", memory_bytes=_log.memory_for(lay, 10), max_batch=50)
+    eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(lay, 10))
+    np.testing.assert_array_equal(eng.read(np.arange(N)), before)
+    eng.close()
+
+
+def test_bad_rows_change_nothing(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 100))
+    train(eng, None, lay, 1, 10, 60, "uniform")
+    before, st = eng.read(np.arange(N)), eng.stats()
+    with pytest.raises(IndexError, match=r"rows must lie in \[0, num_rows\) = \[0, 3000\); "
+                                         r"got 3000"):
+        eng.acquire([1, 3000])
+    with pytest.raises(IndexError, match="got -1"):
+        eng.read([-1])
+    with pytest.raises(ValueError, match=r"rows must be unique in acquire .* \[7\] repeat"):
+        eng.acquire([7, 1, 7])
+    with pytest.raises(TypeError, match="integer row ids"):
+        eng.acquire(np.array([1.0]))
+    with pytest.raises(ValueError, match="must be 1-D"):
+        eng.acquire(np.zeros((2, 2), np.int64))
+    with pytest.raises(ValueError, match=r"records must be a \(2, 24\) float32 array"):
+        eng.write([1, 2], np.zeros((2, 5), np.float32))
+    with pytest.raises(ValueError, match="must not repeat"):
+        eng.write([1, 1], np.zeros((2, 24), np.float32))
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        eng.flush(-1)
+    np.testing.assert_array_equal(eng.read(np.arange(N)), before)
+    assert eng.stats() == st
+    eng.close()
+    with pytest.raises(ValueError, match="is closed"):
+        eng.read([1])
+
+
+def test_bad_create_arguments(tmp_path):
+    lay = _layout_of("f32")
+    mem = _log.memory_for(lay, 10)
+    for kw, pat in [({"init": "ones"}, "init must be one of"),
+                    ({"space_ratio": 1.0}, "space_ratio must be a finite float > 1"),
+                    ({"init_scale": -1.0}, "init_scale must be finite and >= 0"),
+                    ({"seed": -3}, r"seed must be an int in \[0, 2\*\*64\)"),
+                    ({"ball_maxnorm": 0.0}, "ball_maxnorm must be a finite float > 0"),
+                    ({"count": 1.5}, "count must be an int >= 0")]:
+        with pytest.raises(ValueError, match=pat):
+            _log.create(tmp_path / "s", lay, memory_bytes=mem, **kw)
+    with pytest.raises(ValueError, match="this layout has none"):
+        _log.create(tmp_path / "s", _layout_of("noweights"), memory_bytes=mem, init="normal")
+    with pytest.raises(TypeError, match="memory_bytes must be an int"):
+        _log.create(tmp_path / "s", lay, memory_bytes=1e6)
+    with pytest.raises(ValueError, match="layout must be a record layout dict"):
+        _log.create(tmp_path / "s", {"num_rows": 3}, memory_bytes=mem)
+    assert not (tmp_path / "s").exists()
+    _log.create(tmp_path / "s", lay, memory_bytes=mem).close()
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        _log.create(tmp_path / "s", lay, memory_bytes=mem)
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=mem, overwrite=True)
+    with pytest.raises(StoreLockedError):
+        _log.create(tmp_path / "s", lay, memory_bytes=mem, overwrite=True)
+    eng.close()
+
+
+def test_opening_missing_or_foreign_stores(tmp_path):
+    with pytest.raises(FileNotFoundError, match="the directory does not exist"):
+        _log.open(tmp_path / "nope", memory_bytes=10**6)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no manifest.json"):
+        _log.open(tmp_path / "empty", memory_bytes=10**6)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a log store manifest"):
+        _log.open(tmp_path / "junk", memory_bytes=10**6)
+    import dsa_core
+    dsa_core.close(dsa_core.create(tmp_path / "inplace", 10, 4))
+    with pytest.raises(ValueError, match="is an in-place DSA store"):
+        _log.open(tmp_path / "inplace", memory_bytes=10**6)
+    lay = _layout_of("f32")
+    _log.create(tmp_path / "s", lay, memory_bytes=10**5).close()
+    with pytest.raises(ValueError, match="memory_bytes is required"):
+        _log.open(tmp_path / "s")
+    with pytest.raises(ValueError, match="mode must be 'r'"):
+        _log.open(tmp_path / "s", mode="w")
+
+
+def _trained_store(tmp_path, flushes: int = 2):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150))
+    ref = eng.read(np.arange(N))
+    train(eng, ref, lay, 1, 1 + 20 * flushes, 100, "uniform", flush_every=20)
+    eng.close()
+    segs = _log_format.read_manifest(tmp_path / "s")["segments"]
+    return lay, ref, [tmp_path / "s" / _log_format.seg_name(s) for s in segs]
+
+
+def test_torn_or_corrupt_referenced_segment_is_a_clear_error(tmp_path):
+    lay, ref, segs = _trained_store(tmp_path)
+    victim = segs[len(segs) // 2]
+    raw = bytearray(victim.read_bytes())
+    n = _log_format.read_header(victim)["n"]
+    rec_off = _log_format.segment_geometry(n, lay["stride"], 4)[2]
+    bit = rec_off + (n * lay["stride"] * 4) // 2
+    raw[bit] ^= 0x01  # one bit in the records
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(_log_format.SegmentError,
+                       match=f"segment file .*{victim.name}.* is corrupt: the CRC of its records"):
+        _log.open(tmp_path / "s", memory_bytes=10**6)
+    with pytest.raises(_log_format.SegmentError, match=victim.name):
+        _log.open(tmp_path / "s", mode="r")
+    raw[bit] ^= 0x01
+    raw[40] ^= 0x01  # the header
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(_log_format.SegmentError, match=f"{victim.name}.* corrupt header"):
+        _log.open(tmp_path / "s", memory_bytes=10**6, check="headers")
+    raw[40] ^= 0x01
+    victim.write_bytes(bytes(raw[:len(raw) - 4096]))  # torn
+    with pytest.raises(_log_format.SegmentError, match=f"{victim.name}.* is torn"):
+        _log.open(tmp_path / "s", memory_bytes=10**6, check="headers")
+    victim.unlink()
+    with pytest.raises(_log_format.SegmentError, match=f"{victim.name}.* is missing"):
+        _log.open(tmp_path / "s", memory_bytes=10**6)
+    victim.write_bytes(bytes(raw))  # repaired: opens again, nothing was lost
+    eng = _log.open(tmp_path / "s", memory_bytes=10**6)
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    eng.close()
+
+
+def test_corrupt_index_is_a_clear_error(tmp_path):
+    lay, ref, segs = _trained_store(tmp_path)
+    m = _log_format.read_manifest(tmp_path / "s")
+    idx = tmp_path / "s" / m["index"]
+    raw = bytearray(idx.read_bytes())
+    raw[8 * 17] ^= 0x10
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"index file .*{m['index']}.* is corrupt"):
+        _log.open(tmp_path / "s", memory_bytes=10**6)
+    idx.write_bytes(bytes(raw[:-8]))
+    with pytest.raises(ValueError, match="the store's 3000 rows need 24,000"):
+        _log.open(tmp_path / "s", memory_bytes=10**6)
+
+
+def test_second_writer_is_locked_out(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=10**5)
+    with pytest.raises(StoreLockedError, match="already open for writing"):
+        _log.open(tmp_path / "s", memory_bytes=10**5)
+    reader = _log.open(tmp_path / "s", mode="r")  # readers take no lock
+    eng.close()
+    _log.open(tmp_path / "s", memory_bytes=10**5).close()  # free again after close
+    reader.close()
+
+
+def test_garbage_is_removed_by_the_writer_and_ignored_by_readers(tmp_path):
+    lay, ref, segs = _trained_store(tmp_path)
+    s = tmp_path / "s"
+    junk = {_log_format.seg_name(99999), _log_format.index_name(99999), "manifest.json.tmp"}
+    for name in junk:
+        (s / name).write_bytes(b"left by a crash")
+    r = _log.open(s, mode="r")
+    np.testing.assert_array_equal(r.read(np.arange(N)), ref)
+    assert junk <= files_of(s)
+    eng = _log.open(s, memory_bytes=10**6)
+    assert not junk & files_of(s)
+    assert files_of(s) == referenced(s)
+    eng.close()
+    r.close()
+
+
+def test_verify_finds_planted_inconsistencies(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150))
+    train(eng, None, lay, 1, 40, 100, "uniform", flush_every=13)
+    assert eng.verify() == []
+    on_disk = np.flatnonzero(eng.loc > 0)
+    a, b = int(on_disk[0]), int(on_disk[1])
+    saved = eng.loc[a]
+    eng.loc[a] = eng.loc[b]  # row a now points at row b's record
+    problems = eng.verify()
+    assert any(f"row {a} points at record" in p and f"holds row {b}" in p for p in problems)
+    assert any("live records counted" in p for p in problems), problems
+    eng.loc[a] = saved
+    assert eng.verify() == []
+    sid = next(iter(eng.segs))
+    eng._live[sid] += 1
+    assert any(f"segment {sid}:" in p for p in eng.verify())
+    eng._live[sid] -= 1
+    used = int(np.flatnonzero(eng.slot_row >= 0)[0])
+    eng.slot_row[used], saved = -1, eng.slot_row[used]
+    assert any("resident in slots that hold other rows" in p for p in eng.verify())
+    eng.slot_row[used] = saved
+    assert eng.verify() == []
+    eng.close()
+
+
+def test_crc_of_records_is_the_header_crc(tmp_path):
+    """The segment format as documented: parts on 4 KiB boundaries, CRCs of the parts."""
+    lay, ref, segs = _trained_store(tmp_path, flushes=1)
+    seg = segs[0]
+    h = _log_format.read_header(seg)
+    rows_off, steps_off, rec_off, size = _log_format.segment_geometry(h["n"], lay["stride"], 4)
+    raw = seg.read_bytes()
+    assert len(raw) == size and raw[:8] == b"DSALOG01"
+    assert rows_off % 4096 == steps_off % 4096 == rec_off % 4096 == 0
+    rows = np.frombuffer(raw[rows_off:rows_off + 8 * h["n"]], np.int64)
+    recs = np.frombuffer(raw[rec_off:rec_off + h["n"] * lay["stride"] * 4], np.float32)
+    assert zlib.crc32(rows) == h["crc_rows"] and zlib.crc32(recs) == h["crc_records"]
+    m = _log_format.read_manifest(tmp_path / "s")
+    index = np.fromfile(tmp_path / "s" / m["index"], np.int64)
+    mine = np.flatnonzero((index > 0) & ((index - 1) >> 32 == h["id"]))
+    k = (index[mine] - 1) & 0xFFFFFFFF
+    assert (rows[k] == mine).all()
+    np.testing.assert_array_equal(recs.reshape(-1, lay["stride"])[k], ref[mine])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q", "-s"]))
