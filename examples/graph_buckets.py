@@ -189,6 +189,9 @@ class RandomBatches:
                 "num_edges": len(self.edges), "batch_size": self.batch_size,
                 "negatives": self.negatives}
 
+    def close(self) -> None:
+        """Stop early (as ``BatchIterator.close``; nothing to release here)."""
+
     def __len__(self) -> int:
         """Batches per epoch."""
         return -(-len(self.edges) // self.batch_size)
@@ -321,6 +324,8 @@ def train(cfg: Config, graph: dict, work: Path) -> dict:
         store_bytes = dir_bytes(work / "nodes")
         steps_total = emb.store.count
     finally:
+        if it is not None:
+            it.close()   # stopped early: the bucket iterator releases the partitions it holds
         opt.close()
         emb.close()
     return {"auc": auc_emb, "losses": losses, "steps": len(losses),

@@ -198,6 +198,7 @@ def test_resume_mid_epoch_is_bit_for_bit(tmp_path):
     assert it.position[0] == 0 and it.position[2] >= 1         # mid-bucket, mid-epoch
     opt.checkpoint(tmp_path / "ck", extra={"order": it.state_dict()})
     train_step(emb, opt, next(it))                             # a step the checkpoint lacks
+    it.close()                                                 # stop: release the buffer
     opt.close()
     emb.close()
 
@@ -262,6 +263,7 @@ def test_ram_embedding_moments_store_and_resume(tmp_path):
         if n == stop:
             break
     opt.checkpoint(tmp_path / "ck", extra={"model": emb.state_dict(), "order": it.state_dict()})
+    it.close()
     opt.close()
 
     emb, opt = build(tmp_path / "run", overwrite=True)
