@@ -32,10 +32,10 @@ Memory budget
     ``S = memory_bytes // (stride * itemsize + SLOT_OVERHEAD)`` with ``SLOT_OVERHEAD = 42``
     bytes (five int64 and two uint8 arrays per slot). On top of the budget: ``loc`` (8 bytes
     per row of the table), per segment a few counters and its read-only mapping (page cache,
-    reclaimable), and during a seal the records of one write chunk (at most 8 MiB) plus the
-    seal's row ids. A batch of ``M`` rows needs ``S >= M``: :func:`check_memory` (called by
-    :func:`create` and :func:`open` with ``max_batch``, and by every :meth:`acquire`) says by
-    how much to raise the budget.
+    reclaimable), and during a seal the records of one write chunk (at most 8 MiB) plus a
+    few int64 per sealed record (row ids, steps, locations). A batch of ``M`` rows needs
+    ``S >= M``: :func:`check_memory` (called by :func:`create` and :func:`open` with
+    ``max_batch``, and by every :meth:`acquire`) says by how much to raise the budget.
 Eviction and seals
     :meth:`acquire` makes the rows of a batch resident. When the free slots do not cover its
     misses, CLOCK (second chance) picks victims among the slots not used by this call until
@@ -48,13 +48,16 @@ Cleaning
     row) points at it. Every seal first checks the space bound: when the records of all
     segments would exceed ``space_ratio`` times the rows that have a location, the segments
     with the lowest live fraction are cleaned: their live records join the seal unchanged
-    (a resident row's newest record comes from its slot), up to ``8 * seal_unit`` records per
-    seal (so that no single seal stalls for long; the next seal continues). A segment whose
+    (a resident row's newest record comes from its slot) until the bound holds or
+    ``8 * max(seal_unit, records sealed)`` records have moved (the last segment is taken
+    whole), so that no single seal stalls for long; the next seal continues. A segment whose
     records are all dead is dropped at once; its *file* goes at once if no manifest lists it,
     else right after the next manifest that no longer lists it is committed, so a crash
     before that reopens the previous flush intact.
 Durability
-    Only :meth:`flush` (and :meth:`checkpoint`, :meth:`close`) make anything durable; after
+    Only :meth:`flush` (and :meth:`checkpoint`, :meth:`close`) make anything durable: unlike
+    the in-place store, whose mapped pages reach the file even without a flush, updates since
+    the last flush live in the region only and are gone if the process ends without one. After
     ``kill -9`` at any moment :func:`open` returns exactly the state of the last completed
     flush: segments and index generations that no manifest lists are removed, and the files
     of the last manifest are never modified nor deleted before a newer manifest is durable.
@@ -73,6 +76,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import math
 import os
 import shutil
@@ -273,6 +277,19 @@ def _check_rows(rows: Any, num_rows: int, name: str = "rows") -> np.ndarray:
     return arr
 
 
+def _check_meta(meta: Any) -> dict[str, Any]:
+    """A JSON round-trip copy of ``meta`` (a dict), or a clear error before anything is
+    written."""
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict (stored in the manifest), got "
+                        f"{type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"meta must be JSON-serialisable (it is stored in the manifest): "
+                        f"{exc}") from None
+
+
 def _check_count(count: Any) -> int:
     if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) \
             or count < 0:
@@ -315,7 +332,8 @@ class LogEngine:
 
     Obtain one with :func:`create` or :func:`open`. Attributes used by callers: ``region``
     (S, stride) records that :meth:`acquire`'s slots index, ``count`` (the step count that
-    seals record and :meth:`flush` commits; set it after each step), ``layout``,
+    seals record and :meth:`flush` commits; set it after each step), ``meta`` (a JSON-able
+    dict committed with every flush: the caller's hyperparameters), ``layout``,
     ``num_rows``, ``stride``, ``dtype``, ``slots`` (S), ``seal_unit``, ``mode``, ``closed``.
     """
 
@@ -331,6 +349,7 @@ class LogEngine:
         self.dtype = np.dtype(lay["dtype"])
         self.rec_bytes = self.stride * self.dtype.itemsize
         self.count = int(manifest["count"])
+        self.meta = dict(manifest.get("meta", {}))
         self.space_ratio = float(manifest["space_ratio"])
         mn = manifest["ball_maxnorm"]
         self.init = InitSpec(str(manifest["init"]), float(manifest["init_scale"]),
@@ -400,6 +419,9 @@ class LogEngine:
         used = index[index > 0] - 1
         sids, ks = used >> 32, used & _LOW32
         problems = []
+        if (index < 0).any():
+            problems.append(f"rows {np.flatnonzero(index < 0)[:5].tolist()} have negative "
+                            "locations")
         known = np.zeros(self._live.shape[0], bool)
         known[list(ns)] = True
         outside = (sids >= known.shape[0]) | ~known[np.minimum(sids, known.shape[0] - 1)]
@@ -777,13 +799,15 @@ class LogEngine:
         more. After a flush every slot is clean (and still resident).
         """
         self._require_writable()
-        if count is not None:
-            self.count = _check_count(count)
+        count = self.count if count is None else _check_count(count)
+        meta = _check_meta(self.meta)
+        self.count = count
         dirty = np.flatnonzero(self.dirty)
         if dirty.shape[0]:
             self._seal(dirty, evict=False)
         crash_point("flush-sealed")
-        if not self._index_dirty and self.count == self._manifest["count"]:
+        if not self._index_dirty and self.count == self._manifest["count"] \
+                and meta == self._manifest.get("meta", {}):
             return
         for sid in sorted(self._unsynced):
             fd = os.open(self.path / seg_name(sid), os.O_RDONLY)
@@ -803,7 +827,7 @@ class LogEngine:
             crash_point("flush-index")
         fsync_dir(self.path)  # the new files' names are durable before the manifest is
         manifest.update(count=int(self.count), segments=sorted(self.segs),
-                        next_segment=int(self.next_segment))
+                        next_segment=int(self.next_segment), meta=meta)
         write_manifest(self.path, manifest)
         crash_point("flush-committed")
         old_gen, self._gen = self._gen, gen
@@ -988,7 +1012,7 @@ def _remove_garbage(directory: Path, manifest: dict[str, Any]) -> None:
 def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zeros",
            init_scale: float = 1e-2, seed: int = 0, ball_maxnorm: float | None = None,
            space_ratio: float = 2.0, count: int = 0, max_batch: int | None = None,
-           overwrite: bool = False) -> LogEngine:
+           meta: dict[str, Any] | None = None, overwrite: bool = False) -> LogEngine:
     """Create an empty log store at ``path`` (every row at its initial record); returns it
     open for writing.
 
@@ -1009,6 +1033,8 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
         The initial step count.
     max_batch : int, optional
         Check now that the region holds batches of this many rows.
+    meta : dict, optional
+        JSON-able caller data committed with every flush (``LogEngine.meta``).
     overwrite : bool
         Replace an existing log store (refused while a writer holds it).
 
@@ -1040,6 +1066,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
         raise ValueError(f"space_ratio must be a finite float > 1 (segment records as a "
                          f"multiple of the live ones; 2.0 by default), got {space_ratio}")
     count = _check_count(count)
+    meta = _check_meta({} if meta is None else meta)
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
@@ -1063,7 +1090,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
             "seed": int(seed), "init": init, "init_scale": init_scale,
             "ball_maxnorm": ball_maxnorm, "index": index_name(0),
             "index_crc32": write_index(directory / index_name(0), index), "segments": [],
-            "next_segment": 1, "space_ratio": space_ratio,
+            "next_segment": 1, "space_ratio": space_ratio, "meta": meta,
         }
         write_manifest(directory, manifest)
         eng = LogEngine(directory, manifest, "r+", memory_bytes, lockfd)

@@ -7,7 +7,8 @@ writes and checks the bytes. Files of a log store directory:
     ``{"format": "dsa-log", "version": 1, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
     "index": "index-<gen:08d>.bin", "index_crc32": int, "segments": [ids], "next_segment":
-    int, "space_ratio": float}``, replaced atomically (``write_json``). It is the commit
+    int, "space_ratio": float, "meta": {...}}`` (``meta``: the caller's JSON data, e.g. the
+    optimizer's hyperparameters), replaced atomically (``write_json``). It is the commit
     point of a flush: the state of a store is what its manifest references, nothing else.
 ``seg-<id:08d>.dsl``
     One immutable segment of ``n`` records. Four parts, each starting on a 4096-byte

@@ -156,7 +156,11 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
     eng.write(rows, rec)
     ref[rows] = rec
     idx = np.array([5, 3, 3, 0, 2999, 5, 6])
+    where = (eng.loc.copy(), eng.slot_row.copy(), eng.dirty.copy(), eng.stats())
     np.testing.assert_array_equal(eng.read(idx), ref[idx])
+    after = (eng.loc, eng.slot_row, eng.dirty, eng.stats())
+    assert all(np.array_equal(a, b) for a, b in zip(where[:3], after[:3], strict=True))
+    assert where[3] == after[3]  # read never changes residency
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
     assert eng.read(np.array([], np.int64)).shape == (0, lay["stride"])
     assert eng.acquire(np.array([], np.int64)).shape == (0,)
@@ -283,9 +287,39 @@ def test_init_projects_onto_the_ball(tmp_path):
     assert np.mean(nrm > 0.99 * float(mn)) > 0.3  # many rows were projected...
     assert np.mean(nrm < 0.9 * float(mn)) > 0.1   # ...and the others left alone
     raw = _log_init.initial_weights(np.arange(5000), eng.init._replace(maxnorm=None))
-    inside = np.linalg.norm(raw.astype(np.float64), axis=1) < 0.9 * float(mn)
-    np.testing.assert_array_equal(w[inside], raw[inside])
+    # the documented projection: norm summed in float64 in column order, rounded to float32,
+    # rows beyond the radius scaled in float32 as (w / norm) * maxnorm
+    sq = np.zeros(5000)
+    for j in range(6):
+        sq += raw[:, j].astype(np.float64) ** 2
+    nrm32 = np.sqrt(sq).astype(np.float32)
+    over = nrm32 > mn
+    want = raw.copy()
+    want[over] = (raw[over] / nrm32[over, None]) * mn
+    np.testing.assert_array_equal(w, want)
+    assert 0.3 < over.mean() < 0.9
     eng.close()
+
+
+def test_meta_is_committed_with_each_flush(tmp_path):
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=10**5, meta={"lr": 0.1})
+    eng.meta["lr"] = 0.05  # only the meta changed: the flush still commits it
+    eng.flush()
+    assert _log_format.read_manifest(tmp_path / "s")["meta"] == {"lr": 0.05}
+    eng.meta["bad"] = object()
+    before = files_of(tmp_path / "s")
+    with pytest.raises(TypeError, match="meta must be JSON-serialisable"):
+        eng.flush()
+    assert files_of(tmp_path / "s") == before
+    del eng.meta["bad"]
+    ck = eng.checkpoint(tmp_path / "ck")
+    eng.close()
+    for p in (tmp_path / "s", ck):
+        with _log.open(p, mode="r") as r:
+            assert r.meta == {"lr": 0.05}
+    with pytest.raises(TypeError, match="meta must be a dict"):
+        _log.create(tmp_path / "t", lay, memory_bytes=10**5, meta=[1])
 
 
 # -- space and write amplification --------------------------------------------------------------
@@ -375,6 +409,27 @@ def test_checkpoint_overwrite_and_refusals(tmp_path):
     snap = _log.open(tmp_path / "ck", mode="r")
     assert snap.count == 20
     np.testing.assert_array_equal(snap.read(np.arange(N)), eng.read(np.arange(N)))
+    snap.close()
+    eng.close()
+
+
+def test_checkpoint_copies_where_links_are_refused(tmp_path, monkeypatch):
+    import errno
+
+    lay = _layout_of("f32")
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150),
+                      init="uniform")
+    train(eng, None, lay, 1, 11, 100, "uniform")
+
+    def no_link(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_link)
+    ck = eng.checkpoint(tmp_path / "ck")
+    seg = next(ck.glob("seg-*.dsl"))
+    assert os.stat(seg).st_nlink == 1  # a copy, not a link
+    with _log.open(ck, mode="r") as snap:
+        np.testing.assert_array_equal(snap.read(np.arange(N)), eng.read(np.arange(N)))
     eng.close()
 
 
@@ -563,6 +618,31 @@ def test_kill_at_crash_points_and_random_moments_reopens_the_last_flush(tmp_path
     assert counts["kills"] >= 20 and counts["timed-kills"] >= 3
 
 
+def test_crash_point_armed_by_the_environment(tmp_path):
+    """``DSA_LOG_CRASH=point:nth`` arms a crash point in a subprocess (no fork needed)."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from dsa_core import _layout, _log
+        lay = _layout.make_layout(500, 4, np.float32, 0.0, True, 0)
+        eng = _log.create({str(tmp_path / "s")!r}, lay, memory_bytes=_log.memory_for(lay, 20))
+        for t in range(1, 30):
+            eng.acquire(np.arange(10 * t, 10 * t + 10) % 500)
+            print(t, flush=True)
+    """)
+    env = dict(os.environ, DSA_LOG_CRASH="seal-header:2")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert 2 <= len(p.stdout.split()) < 29  # killed inside the second seal
+    eng = _log.open(tmp_path / "s", memory_bytes=10**5)  # the torn segment is garbage
+    assert eng.count == 0 and not eng.segs and eng.verify() == []
+    assert not list((tmp_path / "s").glob("seg-*"))
+    eng.close()
+
+
 @pytest.mark.slow
 def test_many_kills(tmp_path):
     counts = _crash_trials(tmp_path, 130, seed=2)
@@ -725,6 +805,27 @@ def test_corrupt_index_is_a_clear_error(tmp_path):
     idx.write_bytes(bytes(raw[:-8]))
     with pytest.raises(ValueError, match="the store's 3000 rows need 24,000"):
         _log.open(tmp_path / "s", memory_bytes=10**6)
+    # an index with a valid CRC whose locations do not fit the segments
+    good = np.frombuffer(bytes(raw), np.int64).copy()
+    good[17] ^= 0x10  # undo the flipped bit
+    sid = m["segments"][0]
+    n = _log_format.read_header(tmp_path / "s" / _log_format.seg_name(sid))["n"]
+    for bad, pat in [((sid << 32) + n + 1, "point past the end of their segments"),
+                     ((10**6 << 32) + 1, "point at segments the manifest does not list"),
+                     (-5, "have negative locations")]:
+        planted = good.copy()
+        planted[3] = bad
+        idx.write_bytes(planted.tobytes())
+        _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=zlib.crc32(planted)))
+        with pytest.raises(ValueError, match=f"does not match its segments: rows \\[3\\] {pat}"):
+            _log.open(tmp_path / "s", mode="r")
+    a, b = np.flatnonzero(good > 0)[:2].tolist()
+    planted = good.copy()
+    planted[b] = good[a]  # two rows, one record
+    idx.write_bytes(planted.tobytes())
+    _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=zlib.crc32(planted)))
+    with pytest.raises(ValueError, match=f"row {b} points at record .* which holds row {a}"):
+        _log.open(tmp_path / "s", mode="r")
 
 
 def test_second_writer_is_locked_out(tmp_path):
