@@ -199,17 +199,19 @@ class Plan:
                      _bucket_order.lower_bound(self.num_partitions, self.buffer))
 
     def batches(self, batch_size: int, *, negatives: int = 0, epoch: int = 0,
-                epochs: int = 1, stores: Sequence = (), start=None) -> BatchIterator:
-        """Iterate over the edges bucket by bucket, ``epochs`` epochs from ``epoch``.
+                epochs: int = 1, stores: Sequence = (), start=None, mix: str = "bucket",
+                pad: bool = False) -> BatchIterator:
+        """Iterate over the edges buffer state by buffer state, ``epochs`` epochs from
+        ``epoch``.
 
         Parameters
         ----------
         batch_size : int
-            Edges per batch (>= 1); a bucket's last batch may be shorter, and no batch mixes
-            buckets.
+            Edges per batch (>= 1); the last batch of a bucket (``mix="bucket"``) or of a
+            buffer state (``mix="buffer"``) may be shorter, unless ``pad``.
         negatives : int
             Negative node ids drawn per edge (>= 0), i.i.d. uniform over the rows of the
-            partitions resident for the bucket.
+            partitions resident in the buffer.
         epoch, epochs : int
             The first epoch (its number seeds the order and the shuffles) and how many.
         stores : sequence of dsa_core.State
@@ -222,14 +224,43 @@ class Plan:
         start : dict or tuple, optional
             Resume from ``it.state_dict()`` (checked against this plan and these
             parameters) or from a position ``(epoch, bucket_index, batch_index)``.
+        mix : {"bucket", "buffer"}
+            ``"bucket"``: bucket by bucket, each bucket's edges shuffled, no batch mixes
+            buckets. ``"buffer"``: the edges of all the buckets that train during one buffer
+            state (consecutive buckets of the order with the same resident partitions) are
+            shuffled together, so a batch mixes those buckets; it still touches only
+            resident partitions. Memory: one state's edges (``c*c`` buckets for the first
+            state of an epoch, at most ``2c - 1`` for each later one) instead of one
+            bucket's, and a leaving partition is released at the swap, not earlier.
+        pad : bool
+            Pad every short batch to exactly ``batch_size`` rows (fixed shapes for a jitted
+            loss) by repeating its own edges with their negatives; ``Batch.weight`` is 0 on
+            those rows. A weighted loss then has the gradients of the unpadded batch, and
+            no id outside the real rows is touched.
 
         Returns
         -------
         BatchIterator
-            Yields :class:`Batch` ``(edges, negatives, bucket, position)``.
+            Yields :class:`Batch` ``(edges, negatives, bucket, position, partitions,
+            weight)``.
+
+        Examples
+        --------
+        >>> edges = np.random.default_rng(0).integers(0, 100, size=(1000, 2))
+        >>> p = plan(edges, 100, partitions=4, buffer=2)
+        >>> b = next(p.batches(128, negatives=3, mix="buffer"))
+        >>> b.bucket, b.position, b.partitions    # the first state: partitions 1 and 3
+        (None, (0, 0, 0), (1, 3))
+        >>> sorted({tuple(q) for q in p.partition_of(b.edges).tolist()})  # its 4 buckets mixed
+        [(1, 1), (1, 3), (3, 1), (3, 3)]
+        >>> len(p.batches(128)), len(p.batches(128, mix="buffer"))  # fewer short batches
+        (16, 10)
+        >>> padded = list(p.batches(128, mix="buffer", pad=True))
+        >>> {len(b.edges) for b in padded}, int(sum(b.weight.sum() for b in padded))
+        ({128}, 1000)
         """
         return BatchIterator(self, batch_size, negatives=negatives, epoch=epoch,
-                             epochs=epochs, stores=stores, start=start)
+                             epochs=epochs, stores=stores, start=start, mix=mix, pad=pad)
 
 
 def _bounds(num_nodes: int, P: int) -> np.ndarray:
@@ -390,25 +421,42 @@ def open_plan(path, *, buffer: int | None = None, seed: int | None = None) -> Pl
 
 
 # -- iteration ---------------------------------------------------------------------------
+MIXES = ("bucket", "buffer")
+
+
 class Batch(NamedTuple):
     """One batch of :meth:`Plan.batches`.
 
     Attributes
     ----------
     edges : ndarray
-        ``(b, 2|3)`` int64 global ids (and relations), all from ``bucket``.
+        ``(b, 2|3)`` int64 global ids (and relations): with ``mix="bucket"`` all from
+        ``bucket``; with ``mix="buffer"`` from any bucket of the buffer state. With
+        ``pad=True``, ``b == batch_size`` always: the rows after the real ones repeat real
+        rows (``weight`` 0).
     negatives : ndarray
-        ``(b, negatives)`` int64 node ids, uniform over the resident partitions' rows.
-    bucket : tuple of int
-        ``(i, j)``.
+        ``(b, negatives)`` int64 node ids, uniform over the resident partitions' rows (a
+        padding row repeats the negatives of the row it copies).
+    bucket : tuple of int or None
+        ``(i, j)`` with ``mix="bucket"``; None with ``mix="buffer"`` (the batch mixes the
+        buckets of its buffer state).
     position : tuple of int
-        ``(epoch, bucket_index, batch_index)`` of this batch.
+        ``(epoch, bucket_index, batch_index)`` of this batch; with ``mix="buffer"``,
+        ``bucket_index`` is the state's first bucket and ``batch_index`` counts within the
+        state.
+    partitions : tuple of int
+        The partitions resident in the buffer for this batch (sorted); every id of
+        ``edges`` and ``negatives`` lies in them.
+    weight : ndarray
+        ``(b,)`` float32: 1 for a real edge, 0 for a padding row (all ones without padding).
     """
 
     edges: np.ndarray
     negatives: np.ndarray
-    bucket: tuple
+    bucket: tuple | None
     position: tuple
+    partitions: tuple
+    weight: np.ndarray
 
 
 _EXHAUSTED: Any = iter(())  # a closed iterator's generator
@@ -418,21 +466,31 @@ class BatchIterator:
     """The batches of a :class:`Plan`, in bucket order (made by :meth:`Plan.batches`).
 
     ``position`` is ``(epoch, bucket_index, batch_index)`` of the next batch,
-    ``state_dict()`` that position with the parameters a resume must match, and ``loads``
-    the partition loads issued so far (counted with or without stores). Every batch is a
+    ``state_dict()`` that position with the parameters a resume must match, ``loads`` the
+    partition loads issued so far (counted with or without stores), and ``len(it)`` the
+    number of batches it yields from its start position to its end. Every batch is a
     deterministic function of (seed, epoch, bucket index, batch index), so a resumed
     iterator yields exactly the batches the uninterrupted one would have.
     """
 
     def __init__(self, plan: Plan, batch_size, *, negatives=0, epoch=0, epochs=1,
-                 stores=(), start=None):
+                 stores=(), start=None, mix="bucket", pad=False):
         self.plan = plan
         self.batch_size = _int(batch_size, "batch_size", 1)
         self.negatives = _int(negatives, "negatives", 0)
         self.epoch = _int(epoch, "epoch", 0)
         self.epochs = _int(epochs, "epochs", 0)
+        if not isinstance(mix, str) or mix not in MIXES:
+            raise ValueError(f"mix must be 'bucket' (each batch from one bucket) or 'buffer' "
+                             f"(the edges of one buffer state shuffled together), got {mix!r}")
+        self.mix = mix
+        if not isinstance(pad, bool | np.bool_):
+            raise TypeError(f"pad must be True or False, got {pad!r} ({type(pad).__name__})")
+        self.pad = bool(pad)
         self.stores = _check_stores(stores, plan.num_nodes)
+        self._groups_of: dict[int, tuple] = {}
         self._pos = self._start(start)
+        self._len = self._count_from(self._pos)
         self.loads = 0
         self._gen: Iterator[Batch] | None = None
 
@@ -442,22 +500,64 @@ class BatchIterator:
         """``(epoch, bucket_index, batch_index)`` of the next batch."""
         return self._pos
 
+    def __len__(self) -> int:
+        """Batches this iterator yields from its start position (``start=``, or the first
+        epoch's beginning) to its end; fixed at construction."""
+        return self._len
+
     def _params(self) -> dict:
         p = self.plan
         return {"kind": _ITER_KIND, "version": 1, "num_nodes": p.num_nodes,
                 "num_partitions": p.num_partitions, "buffer": p.buffer, "seed": p.seed,
                 "num_edges": p.num_edges, "columns": int(p.edges.shape[1]),
                 "buckets_crc32": zlib.crc32(p.offsets.astype("<i8").tobytes()),
-                "batch_size": self.batch_size, "negatives": self.negatives}
+                "batch_size": self.batch_size, "negatives": self.negatives, "mix": self.mix}
 
     def state_dict(self) -> dict:
         """JSON-able: the next batch's position and the parameters a resume must match."""
         e, k, t = self._pos
         return {**self._params(), "epoch": e, "bucket_index": k, "batch_index": t}
 
-    def _num_batches(self, epoch: int, k: int) -> int:
-        i, j = self.plan._epoch_order(epoch)[0][k]
-        return -(-int(self.plan.bucket_sizes[i, j]) // self.batch_size)
+    def _groups(self, epoch: int) -> tuple:
+        """``(first, stop, edges)`` of the epoch's groups of buckets batched together, in
+        order: one bucket each with ``mix="bucket"``, one buffer state each with
+        ``mix="buffer"``; ``edges`` is the number of edges of each group."""
+        got = self._groups_of.get(epoch)
+        if got is None:
+            buckets, state_of = self.plan._epoch_order(epoch)[:2]
+            sizes = self.plan.bucket_sizes[buckets[:, 0], buckets[:, 1]]
+            P2 = len(buckets)
+            if self.mix == "bucket":
+                first = np.arange(P2, dtype=np.int64)
+            else:
+                first = np.flatnonzero(np.diff(state_of, prepend=-1)).astype(np.int64)
+            stop = np.append(first[1:], P2).astype(np.int64)
+            n = np.add.reduceat(sizes, first) if P2 else np.zeros(0, np.int64)
+            if len(self._groups_of) >= 4:
+                self._groups_of.pop(next(iter(self._groups_of)))
+            got = self._groups_of[epoch] = (first, stop, n.astype(np.int64))
+        return got
+
+    def _num_batches(self, epoch: int, k: int) -> int | None:
+        """Batches of the group starting at bucket ``k`` (None: no group starts there)."""
+        first, _, n = self._groups(epoch)
+        g = int(np.searchsorted(first, k))
+        if g == len(first) or first[g] != k:
+            return None
+        return -(-int(n[g]) // self.batch_size)
+
+    def _count_from(self, pos: tuple) -> int:
+        e0, k0, t0 = pos
+        total = 0
+        for e in range(e0, self.epoch + self.epochs):
+            first, _, n = self._groups(e)
+            nb = -(-n // self.batch_size)
+            if e == e0:
+                g = int(np.searchsorted(first, k0))
+                total += int(nb[g:].sum()) - t0
+            else:
+                total += int(nb.sum())
+        return total
 
     def _start(self, start) -> tuple:
         P2 = self.plan.num_partitions ** 2
@@ -470,12 +570,14 @@ class BatchIterator:
                 raise ValueError("start must be a BatchIterator.state_dict() or a position "
                                  f"(epoch, bucket_index, batch_index), got a dict with keys "
                                  f"{sorted(start)}")
+            # a state dict saved before mix= existed was saved by the bucket-by-bucket order
+            start = {"mix": "bucket", **start}
             diff = [f"{key} {start.get(key)!r} != {val!r}" for key, val in mine.items()
                     if start.get(key) != val]
             if diff:
                 raise ValueError("start was saved by another plan or with other batch "
                                  f"parameters (saved != now): {'; '.join(diff)}; resume with "
-                                 "the plan, batch_size and negatives it was saved with")
+                                 "the plan, batch_size, negatives and mix it was saved with")
             start = (start["epoch"], start["bucket_index"], start["batch_index"])
         try:
             e, k, t = (_int(v, "start position", 0) for v in start)
@@ -483,13 +585,18 @@ class BatchIterator:
             raise ValueError("start must be a state_dict or a position (epoch, "
                              f"bucket_index, batch_index) of ints >= 0, got {start!r}"
                              ) from exc
-        ok = (e == end and k == 0 and t == 0) or (
-            self.epoch <= e < end and k < P2 and t < max(1, self._num_batches(e, k)))
+        ok = (e == end and k == 0 and t == 0)
+        if not ok and self.epoch <= e < end and k < P2:
+            nb = self._num_batches(e, k)
+            ok = nb is not None and t < max(1, nb)
         if not ok:
+            where = ("bucket_index < " + str(P2) if self.mix == "bucket" else
+                     "bucket_index the first bucket of a buffer state (mix='buffer')")
             raise ValueError(f"start position {(e, k, t)} is not in this iteration: epochs "
-                             f"[{self.epoch}, {end}), bucket_index < {P2}, batch_index "
-                             "below that bucket's batch count (or the end, "
-                             f"{(end, 0, 0)}); pass the epoch/epochs it was saved under")
+                             f"[{self.epoch}, {end}), {where}, batch_index below that "
+                             f"{'bucket' if self.mix == 'bucket' else 'state'}'s batch count "
+                             f"(or the end, {(end, 0, 0)}); pass the epoch/epochs and mix it "
+                             "was saved under")
         return (e, k, t)
 
     # -- iteration -------------------------------------------------------------------
@@ -526,10 +633,11 @@ class BatchIterator:
         for s in self.stores:
             fn(s, lo, hi)
 
-    def _batches(self) -> Iterator[Batch]:
+    def _batches(self) -> Iterator[Batch]:  # noqa: C901 - one walk over states and groups
         plan, B, K = self.plan, self.batch_size, self.negatives
-        P2 = plan.num_partitions ** 2
+        P, P2 = plan.num_partitions, plan.num_partitions ** 2
         bounds, end = plan.bounds, self.epoch + self.epochs
+        by_bucket = self.mix == "bucket"
         e0, k0, t0 = self._pos
         loaded: set[int] = set()  # partitions loaded (or being) and not released since
 
@@ -549,11 +657,26 @@ class BatchIterator:
                 if not st.store.closed:
                     dsa_core.release_range(st, lo, hi)
 
+        def read(k_lo, k_hi):
+            """The edges of buckets [k_lo, k_hi) of the order as one int64 copy: one
+            sequential read of each bucket's slice (also of a memmap)."""
+            parts = []
+            for q in range(k_lo, k_hi):
+                b = int(buckets[q, 0]) * P + int(buckets[q, 1])
+                if sizes[q]:
+                    parts.append(plan.edges[plan.offsets[b]:plan.offsets[b + 1]])
+            if len(parts) == 1:
+                return np.array(parts[0], np.int64)
+            return np.concatenate(parts).astype(np.int64, copy=False)
+
         try:
             for e in range(e0, end):
                 buckets, state_of, states, _ = plan._epoch_order(e)
                 sizes = plan.bucket_sizes[buckets[:, 0], buckets[:, 1]]
-                for k in range(k0 if e == e0 else 0, P2):
+                first, stop, group_n = self._groups(e)
+                g0 = int(np.searchsorted(first, k0)) if e == e0 else 0
+                for g in range(g0, len(first)):
+                    k, k_hi = int(first[g]), int(stop[g])
                     s = state_of[k]
                     if (e, k) == (e0, k0) or k == 0 or s != state_of[k - 1]:
                         # a new buffer state: hand back what left, load what entered, and read
@@ -569,45 +692,54 @@ class BatchIterator:
                             load(p)
                         if target is not None and target not in loaded:
                             load(target)
-                        # when each partition leaving at the next swap is last needed (by its
-                        # edges, or by every batch's negatives); the one the swap after brings
-                        # back is kept instead
-                        back = (here - nxt) & (nxt2 - nxt)
-                        leaving = here - nxt - {min(back, default=None)}
-                        last_use = {p: -1 for p in leaving}
-                        for q in range(k, P2):
-                            if state_of[q] != s:
-                                break
-                            if sizes[q]:
-                                for p in leaving:
-                                    if K or p in buckets[q]:
-                                        last_use[p] = q
-                        res = np.array(sorted(here), np.int64)
+                        # bucket by bucket, when each partition leaving at the next swap is
+                        # last needed (by its edges, or by every batch's negatives); the one
+                        # the swap after brings back is kept instead. Mixed over the state,
+                        # every batch may need any of them: they leave at the swap.
+                        last_use: dict[int, int] = {}
+                        if by_bucket:
+                            back = (here - nxt) & (nxt2 - nxt)
+                            leaving = here - nxt - {min(back, default=None)}
+                            last_use = {p: -1 for p in leaving}
+                            for q in range(k, P2):
+                                if state_of[q] != s:
+                                    break
+                                if sizes[q]:
+                                    for p in leaving:
+                                        if K or p in buckets[q]:
+                                            last_use[p] = q
+                        resident = tuple(states[s])
+                        res = np.array(resident, np.int64)
                         rsz = bounds[res + 1] - bounds[res]
                         rcum = np.concatenate([[0], np.cumsum(rsz)])
-                    n = int(sizes[k])
+                    n = int(group_n[g])
                     if not n:
                         continue
                     for p in [p for p, q in last_use.items() if q < k and p in loaded]:
                         release(p)  # no batch from here to the swap needs it
-                    i, j = (int(v) for v in buckets[k])
-                    b = i * plan.num_partitions + j
-                    # one sequential read of the bucket (a copy, also of a memmap)
-                    edges = np.array(plan.edges[plan.offsets[b]:plan.offsets[b + 1]], np.int64)
+                    bucket = (int(buckets[k, 0]), int(buckets[k, 1])) if by_bucket else None
+                    edges = read(k, k_hi)
                     perm = np.random.default_rng([plan.seed, e, k, _SHUFFLE]).permutation(n)
                     nb = -(-n // B)
                     for t in range(t0 if (e, k) == (e0, k0) else 0, nb):
                         batch = edges[perm[t * B:(t + 1) * B]]
+                        b = len(batch)
                         if K:
                             rng = np.random.default_rng([plan.seed, e, k, t, _NEGATIVES])
-                            u = rng.integers(0, rcum[-1], size=(len(batch), K), dtype=np.int64)
+                            u = rng.integers(0, rcum[-1], size=(b, K), dtype=np.int64)
                             at = np.searchsorted(rcum, u, side="right") - 1
                             neg = bounds[res[at]] + (u - rcum[at])
                         else:
-                            neg = np.empty((len(batch), 0), np.int64)
+                            neg = np.empty((b, 0), np.int64)
+                        weight = np.ones(b, np.float32)
+                        if self.pad and b < B:  # repeat real rows: no id that is not there
+                            rep = np.arange(B - b) % b
+                            batch = np.concatenate([batch, batch[rep]])
+                            neg = np.concatenate([neg, neg[rep]])
+                            weight = np.concatenate([weight, np.zeros(B - b, np.float32)])
                         self._pos = ((e, k, t + 1) if t + 1 < nb else
-                                     (e, k + 1, 0) if k + 1 < P2 else (e + 1, 0, 0))
-                        yield Batch(batch, neg, (i, j), (e, k, t))
+                                     (e, k_hi, 0) if k_hi < P2 else (e + 1, 0, 0))
+                        yield Batch(batch, neg, bucket, (e, k, t), resident, weight)
                     del edges, perm
                 self._pos = (e + 1, 0, 0)
         finally:  # the end, close() or garbage collection: hand back what is held
@@ -632,6 +764,7 @@ class BatchIterator:
 
     def __repr__(self) -> str:
         return (f"BatchIterator(batch_size={self.batch_size}, negatives={self.negatives}, "
+                f"mix={self.mix!r}, pad={self.pad}, "
                 f"epochs [{self.epoch}, {self.epoch + self.epochs}), position={self._pos}, "
                 f"stores={len(self.stores)}, loads={self.loads})")
 

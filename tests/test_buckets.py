@@ -162,7 +162,7 @@ def test_every_edge_once_per_epoch_each_batch_in_one_bucket(P, c, cols):
     e = _edges(cols=cols, seed=P)
     p = buckets.plan(e, 200, partitions=P, buffer=c, seed=1)
     B = 64
-    got = list(p.batches(B, epoch=2, epochs=2))
+    got = list(p.batches(B, epoch=2, epochs=2, mix="bucket"))
     for epoch in (2, 3):
         bs = [b for b in got if b.position[0] == epoch]
         np.testing.assert_array_equal(_rows(np.concatenate([b.edges for b in bs])), _rows(e))
@@ -173,7 +173,10 @@ def test_every_edge_once_per_epoch_each_batch_in_one_bucket(P, c, cols):
             assert (p.partition_of(b.edges[:, 0]) == i).all()
             assert (p.partition_of(b.edges[:, -1]) == j).all()
             assert tuple(order.buckets[b.position[1]]) == (i, j)
+            assert b.partitions == order.buffers[b.position[1]]
             assert b.negatives.shape == (len(b.edges), 0)
+            assert b.weight.dtype == np.float32 and (b.weight == 1).all()
+            assert b.weight.shape == (len(b.edges),)
         # positions increase; only a bucket's last batch is short
         pos = [b.position for b in bs]
         assert pos == sorted(pos) and len(set(pos)) == len(pos)
@@ -191,8 +194,8 @@ def test_every_edge_once_per_epoch_each_batch_in_one_bucket(P, c, cols):
 
 def test_edges_are_shuffled_within_buckets_and_epochs_differ():
     p = buckets.plan(_edges(E=5000), 200, partitions=2, buffer=2)
-    a = list(p.batches(10_000, epoch=0))
-    b = list(p.batches(10_000, epoch=1))
+    a = list(p.batches(10_000, epoch=0, mix="bucket"))
+    b = list(p.batches(10_000, epoch=1, mix="bucket"))
     bucket = {x.bucket: x.edges for x in a}
     for x in b:  # same bucket, same multiset, another order
         np.testing.assert_array_equal(_rows(x.edges), _rows(bucket[x.bucket]))
@@ -207,7 +210,7 @@ def test_negatives_come_from_the_resident_partitions_and_cover_them():
     order = p.order(0)
     k = 16
     seen: dict[int, set] = {}
-    for b in p.batches(200, negatives=k):
+    for b in p.batches(200, negatives=k, mix="bucket"):
         assert b.negatives.shape == (len(b.edges), k) and b.negatives.dtype == np.int64
         resident = order.buffers[b.position[1]]
         part = p.partition_of(b.negatives)
@@ -217,7 +220,7 @@ def test_negatives_come_from_the_resident_partitions_and_cover_them():
         assert parts == set(order.buffers[pos]), (pos, parts)
     # uniform over the union of rows: within a bucket's resident rows, no row is favoured
     q = buckets.plan(_edges(E=4000, N=N), N, partitions=P, buffer=c)
-    big = max(q.batches(4000, negatives=200), key=lambda b: len(b.edges))
+    big = max(q.batches(4000, negatives=200, mix="bucket"), key=lambda b: len(b.edges))
     rows = np.concatenate([np.arange(q.bounds[r], q.bounds[r + 1])
                            for r in q.order(0).buffers[big.position[1]]])
     counts = np.bincount(big.negatives.ravel(), minlength=N)[rows]
@@ -225,10 +228,79 @@ def test_negatives_come_from_the_resident_partitions_and_cover_them():
     assert abs(counts.mean() - mean) < 1e-9 and counts.std() < 3 * np.sqrt(mean)
 
 
+def _state_of(order) -> list[int]:
+    """For each bucket of the order, the first bucket of its buffer state."""
+    out = []
+    for q, buf in enumerate(order.buffers):
+        out.append(q if q == 0 or order.buffers[q - 1] != buf else out[-1])
+    return out
+
+
+@pytest.mark.parametrize(("P", "c", "cols"), [(1, 2, 2), (4, 2, 3), (5, 3, 2), (6, 8, 2),
+                                              (7, 3, 2)])
+def test_mix_buffer_shuffles_the_buckets_of_each_buffer_state_together(P, c, cols):
+    e = _edges(cols=cols, seed=P)
+    p = buckets.plan(e, 200, partitions=P, buffer=c, seed=1)
+    B, K = 64, 3
+    it = p.batches(B, negatives=K, epoch=2, epochs=2, mix="buffer")
+    n_batches = len(it)
+    got = list(it)
+    assert len(got) == n_batches
+    part = p.partition_of(e[:, [0, -1]])
+    mixed = 0
+    for epoch in (2, 3):
+        bs = [b for b in got if b.position[0] == epoch]
+        np.testing.assert_array_equal(_rows(np.concatenate([b.edges for b in bs])), _rows(e))
+        order = p.order(epoch)
+        first = _state_of(order)
+        states = sorted({b.position[1] for b in bs})
+        for k in states:
+            assert first[k] == k  # positions name a state's first bucket
+            sb = [b for b in bs if b.position[1] == k]
+            assert [b.position[2] for b in sb] == list(range(len(sb)))
+            # the state's edges: those of every bucket that trains in it, recounted
+            mine = [tuple(order.buckets[q]) for q in range(len(first)) if first[q] == k]
+            want = e[np.isin(part[:, 0] * P + part[:, 1], [i * P + j for i, j in mine])]
+            np.testing.assert_array_equal(_rows(np.concatenate([b.edges for b in sb])),
+                                          _rows(want))
+            assert len(sb) == -(-len(want) // B)
+            assert all(len(b.edges) == B for b in sb[:-1]) and 1 <= len(sb[-1].edges) <= B
+            for b in sb:
+                assert b.bucket is None and b.partitions == order.buffers[k]
+                assert np.isin(p.partition_of(b.edges[:, [0, -1]]), b.partitions).all()
+                assert b.negatives.shape == (len(b.edges), K)
+                assert np.isin(p.partition_of(b.negatives), b.partitions).all()
+                assert b.weight.shape == (len(b.edges),) and (b.weight == 1).all()
+                seen = p.partition_of(b.edges[:, [0, -1]])
+                mixed += len({(x, y) for x, y in seen.tolist()}) > 1
+            # every resident partition is drawn from as a negative
+            negs = np.concatenate([b.negatives.ravel() for b in sb])
+            if len(negs) >= 50 * len(order.buffers[k]):
+                assert set(p.partition_of(negs).tolist()) == set(order.buffers[k])
+        pos = [b.position for b in bs]
+        assert pos == sorted(pos) and len(set(pos)) == len(pos)
+    if P > 1:
+        assert mixed > len(got) // 2  # most batches hold edges of several buckets
+
+
+def test_mix_buffer_equals_random_order_when_everything_is_resident():
+    """P <= c: one buffer state per epoch, so the epoch is one shuffle of all the edges and
+    the negatives are uniform over all nodes."""
+    e = _edges(E=2000, N=200)
+    p = buckets.plan(e, 200, partitions=3, buffer=4, seed=2)
+    got = list(p.batches(500, negatives=50, mix="buffer"))
+    assert [b.position for b in got] == [(0, 0, t) for t in range(4)]
+    assert all(b.partitions == (0, 1, 2) for b in got)
+    assert len({(x, y) for x, y in p.partition_of(got[0].edges).tolist()}) == 9
+    counts = np.bincount(np.concatenate([b.negatives.ravel() for b in got]), minlength=200)
+    assert counts.min() > 0 and abs(counts.mean() - 500) < 1e-9
+
+
+@pytest.mark.parametrize("mix", ["bucket", "buffer"])
 @pytest.mark.parametrize(("P", "c"), [(7, 3), (4, 2), (9, 4), (3, 5)])
-def test_loads_count_the_partitions_entering_the_buffer(P, c):
+def test_loads_count_the_partitions_entering_the_buffer(P, c, mix):
     p = buckets.plan(_edges(), 200, partitions=P, buffer=c)
-    it = p.batches(100)
+    it = p.batches(100, mix=mix)
     list(it)
     order = p.order(0)
     assert order.loads == _entering(_states(p, 1))
@@ -236,7 +308,7 @@ def test_loads_count_the_partitions_entering_the_buffer(P, c):
     if P > c:  # the order loads the partition that left last first: some come straight back
         assert it.loads < order.loads
     # several epochs: each epoch's swaps, and at each boundary the partitions that enter
-    it = p.batches(100, epochs=3)
+    it = p.batches(100, epochs=3, mix=mix)
     list(it)
     assert it.loads == _issued(_states(p, 3))
 
@@ -294,6 +366,10 @@ def test_bad_edges(edges, exc, msg):
     ({"batch_size": 8, "stores": 3}, TypeError, r"stores must be a sequence of dsa_core.State"),
     ({"batch_size": 8, "stores": [object()]}, TypeError, r"stores\[0\] must be a "
      r"dsa_core.State, got object"),
+    ({"batch_size": 8, "mix": "state"}, ValueError, r"mix must be 'bucket' \(each batch from "
+     r"one bucket\) or 'buffer' .*got 'state'"),
+    ({"batch_size": 8, "mix": None}, ValueError, r"mix must be 'bucket' .*got None"),
+    ({"batch_size": 8, "pad": 1}, TypeError, r"pad must be True or False, got 1 \(int\)"),
 ])
 def test_bad_batch_parameters(kwargs, exc, msg):
     p = buckets.plan(_edges(), 200, partitions=4)
@@ -375,34 +451,52 @@ def test_bucketing_and_iteration_stream_a_memmap(tmp_path):
         _, peak = tracemalloc.get_traced_memory()
         assert peak < whole / 10, (peak, whole)
         tracemalloc.reset_peak()
-        n = sum(len(b.edges) for b in p.batches(256, negatives=4))
+        n = sum(len(b.edges) for b in p.batches(256, negatives=4, mix="bucket"))
         _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        m = sum(len(b.edges) for b in p.batches(256, negatives=4, mix="buffer"))
+        _, peak_mixed = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert n == E
+    assert n == m == E
     bucket = int(p.bucket_sizes.max()) * (2 * 8 + 8)  # its int64 edges and its permutation
     assert peak < 2 * bucket + (1 << 16) and peak < whole / 10, (peak, bucket, whole)
+    # mixed over a buffer state: the edges of the state's buckets (c*c of them in the first
+    # state, at most 2c - 1 in a later one), recounted from the order's resident sets
+    order = p.order(0)
+    sizes = p.bucket_sizes[order.buckets[:, 0], order.buckets[:, 1]]
+    per_state: dict = {}
+    for q, buf in enumerate(order.buffers):
+        key = (buf, next(r for r in range(q, -1, -1) if r == 0 or order.buffers[r - 1] != buf))
+        per_state[key] = per_state.get(key, 0) + int(sizes[q])
+    state = max(per_state.values()) * (2 * 8 + 8)
+    assert state < whole / 5, (state, whole)
+    assert peak_mixed < 2 * state + (1 << 16), (peak_mixed, state, whole)
 
 
 # -- resume ------------------------------------------------------------------------------
 def _same(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        assert (x.bucket, x.position) == (y.bucket, y.position)
+        assert (x.bucket, x.position, x.partitions) == (y.bucket, y.position, y.partitions)
         np.testing.assert_array_equal(x.edges, y.edges)
         np.testing.assert_array_equal(x.negatives, y.negatives)
+        np.testing.assert_array_equal(x.weight, y.weight)
 
 
-def test_resume_anywhere_reproduces_the_rest():
+@pytest.mark.parametrize(("mix", "pad"), [("bucket", False), ("buffer", False),
+                                          ("buffer", True)])
+def test_resume_anywhere_reproduces_the_rest(mix, pad):
     p = buckets.plan(_edges(E=2500, cols=3), 200, partitions=5, buffer=3, seed=9)
-    kw = dict(negatives=4, epoch=1, epochs=3)
+    kw = dict(negatives=4, epoch=1, epochs=3, mix=mix, pad=pad)
     full = list(p.batches(64, **kw))
+    assert len(full) == len(p.batches(64, **kw))
     pos = [b.position for b in full]
     assert (p.bucket_sizes > 0).all()
-    kinds = {
-        "bucket start": [n for n, q in enumerate(pos) if q[2] == 0 and q[1] > 0],
-        "mid-bucket": [n for n, q in enumerate(pos) if q[2] == 1],
-        "last batch of a bucket": [n for n in range(len(pos) - 1)
+    kinds = {  # a group: a bucket (mix="bucket") or a buffer state (mix="buffer")
+        "group start": [n for n, q in enumerate(pos) if q[2] == 0 and q[1] > 0],
+        "mid-group": [n for n, q in enumerate(pos) if q[2] == 1],
+        "last batch of a group": [n for n in range(len(pos) - 1)
                                    if pos[n + 1][:2] != pos[n][:2] and pos[n][2] > 0],
         "epoch start": [n for n in range(1, len(pos)) if pos[n][0] != pos[n - 1][0]],
         "first and last": [0, len(pos) - 1],
@@ -415,7 +509,10 @@ def test_resume_anywhere_reproduces_the_rest():
         sd = json.loads(json.dumps(it.state_dict()))  # JSON-able, ints and strs only
         assert all(isinstance(v, int | str) for v in sd.values())
         assert (sd["epoch"], sd["bucket_index"], sd["batch_index"]) == it.position == pos[n]
-        _same(list(p.batches(64, **kw, start=sd)), full[n:])
+        assert sd["mix"] == mix
+        resumed = p.batches(64, **kw, start=sd)
+        assert len(resumed) == len(full) - n
+        _same(list(resumed), full[n:])
         _same(list(p.batches(64, **kw, start=it.position)), full[n:])
         _same(list(it), full[n:])  # and the interrupted one goes on the same
     it = p.batches(64, **kw)
@@ -424,15 +521,22 @@ def test_resume_anywhere_reproduces_the_rest():
     assert list(p.batches(64, **kw, start=it.state_dict())) == []
     # an iterator per epoch resumes the same way: epoch 2 from its middle
     per_epoch = [b for b in full if b.position[0] == 2]
-    it = p.batches(64, negatives=4, epoch=2)
+    one = dict(negatives=4, epoch=2, mix=mix, pad=pad)
+    it = p.batches(64, **one)
     for _ in range(7):
         next(it)
-    _same(list(p.batches(64, negatives=4, epoch=2, start=it.state_dict())), per_epoch[7:])
+    _same(list(p.batches(64, **one, start=it.state_dict())), per_epoch[7:])
+    if mix == "buffer":  # a position inside a state, between its buckets, is no position
+        bufs = p.order(1).buffers
+        k = next(k for k in range(1, 25) if bufs[k] == bufs[k - 1])
+        with pytest.raises(ValueError, match=r"bucket_index the first bucket of a buffer "
+                           r"state \(mix='buffer'\)"):
+            p.batches(64, **kw, start=(1, k, 0))
 
 
 def test_a_state_dict_of_another_plan_or_parameters_is_refused():
     p = buckets.plan(_edges(), 200, partitions=5, buffer=3)
-    it = p.batches(64, negatives=2)
+    it = p.batches(64, negatives=2, mix="bucket")
     next(it)
     sd = it.state_dict()
     others = {
@@ -444,12 +548,20 @@ def test_a_state_dict_of_another_plan_or_parameters_is_refused():
         "buckets_crc32": (buckets.plan(_edges(seed=1), 200, partitions=5, buffer=3), {}),
         "batch_size 64 != 65": (p, {"batch_size": 65}),
         "negatives 2 != 0": (p, {"negatives": 0}),
+        "mix 'bucket' != 'buffer'": (p, {"mix": "buffer"}),
     }
     for text, (q, kw) in others.items():
-        args = {"batch_size": 64, "negatives": 2, **kw}
+        args = {"batch_size": 64, "negatives": 2, "mix": "bucket", **kw}
         with pytest.raises(ValueError, match=r"start was saved by another plan or with other "
                            rf"batch parameters \(saved != now\): .*{re.escape(text)}"):
             q.batches(args.pop("batch_size"), **args, start=sd)
+    # a state dict saved before mix= existed came from the bucket-by-bucket order
+    old = {k: v for k, v in sd.items() if k != "mix"}
+    _same(list(p.batches(64, negatives=2, mix="bucket", start=old)),
+          list(p.batches(64, negatives=2, mix="bucket", start=sd)))
+    with pytest.raises(ValueError, match=r"mix 'bucket' != 'buffer'; resume with the plan, "
+                       r"batch_size, negatives and mix it was saved with"):
+        p.batches(64, negatives=2, mix="buffer", start=old)
     with pytest.raises(ValueError, match=r"start must be a BatchIterator.state_dict\(\)"):
         p.batches(64, start={"epoch": 0})
     with pytest.raises(ValueError, match=r"start position \(3, 0, 0\) is not in this "
@@ -461,6 +573,82 @@ def test_a_state_dict_of_another_plan_or_parameters_is_refused():
         p.batches(64, start=(0, 0, 99))
     with pytest.raises(ValueError, match=r"start must be a state_dict or a position"):
         p.batches(64, start=(0, -1, 0))
+
+
+# -- padding to fixed shapes ---------------------------------------------------------------
+def _softplus_grads(W, edges, neg, weight):
+    """The gradient with respect to the table ``W`` of the weighted LINE-style loss
+    ``sum_i w_i (softplus(-<u_i, v_i>) + sum_k softplus(<u_i, n_ik>)) / sum_i w_i``, and the
+    ids it touches (every id of the batch)."""
+    src, dst = edges[:, 0], edges[:, -1]
+    u, v, w = W[src], W[dst], W[neg]
+    a = 1 / (1 + np.exp((u * v).sum(1)))                     # sigmoid(-<u, v>)
+    sn = 1 / (1 + np.exp(-(u[:, None] * w).sum(2)))          # sigmoid(<u, n>)
+    scale = (weight / weight.sum()).astype(np.float64)
+    G = np.zeros_like(W)
+    np.add.at(G, src, scale[:, None] * (-a[:, None] * v + (sn[..., None] * w).sum(1)))
+    np.add.at(G, dst, scale[:, None] * (-a[:, None] * u))
+    np.add.at(G, neg.ravel(), (scale[:, None, None] * sn[..., None] * u[:, None])
+              .reshape(-1, W.shape[1]))
+    return G, np.unique(np.concatenate([src, dst, neg.ravel()]))
+
+
+@pytest.mark.parametrize(("mix", "B"), [("bucket", 64), ("buffer", 64), ("buffer", 700),
+                                        ("bucket", 300)])
+def test_pad_repeats_a_short_batch_own_rows_with_weight_zero(mix, B):
+    e = _edges(E=2500, cols=3, seed=4)
+    p = buckets.plan(e, 200, partitions=5, buffer=3, seed=3)
+    kw = dict(negatives=4, epochs=2, mix=mix)
+    plain = list(p.batches(B, **kw))
+    padded = list(p.batches(B, **kw, pad=True))
+    assert len(plain) == len(padded) == len(p.batches(B, **kw, pad=True))
+    short = 0
+    for x, y in zip(plain, padded, strict=True):
+        n = len(x.edges)
+        short += n < B
+        assert (x.bucket, x.position, x.partitions) == (y.bucket, y.position, y.partitions)
+        assert y.edges.shape == (B, 3) and y.negatives.shape == (B, 4)
+        assert y.weight.dtype == np.float32 and y.weight.shape == (B,)
+        assert (y.weight[:n] == 1).all() and (y.weight[n:] == 0).all()
+        # the real rows are the unpadded batch, unchanged (edges and their negatives)
+        np.testing.assert_array_equal(y.edges[:n], x.edges)
+        np.testing.assert_array_equal(y.negatives[:n], x.negatives)
+        # each padding row is a real edge together with that edge's negatives
+        real = {tuple(r) for r in np.hstack([x.edges, x.negatives]).tolist()}
+        assert {tuple(r) for r in np.hstack([y.edges[n:], y.negatives[n:]]).tolist()} <= real
+        # so a padded batch touches exactly the ids of the unpadded one
+        ids = (lambda b: set(np.concatenate([b.edges[:, [0, -1]].ravel(),
+                                             b.negatives.ravel()]).tolist()))
+        assert ids(y) == ids(x)
+        assert set(y.edges[:, 1].tolist()) == set(x.edges[:, 1].tolist())  # relations too
+    assert short >= 5  # the last batch of a group (B=700: most batches) is padded
+    for epoch in (0, 1):  # every edge exactly once per epoch with weight 1
+        real = [b.edges[b.weight == 1] for b in padded if b.position[0] == epoch]
+        np.testing.assert_array_equal(_rows(np.concatenate(real)), _rows(e))
+
+
+@pytest.mark.parametrize("mix", ["bucket", "buffer"])
+def test_a_weighted_loss_of_a_padded_batch_has_the_unpadded_gradients(mix):
+    N, D = 200, 8
+    p = buckets.plan(_edges(E=1500, N=N), N, partitions=4, buffer=2, seed=5)
+    W = np.random.default_rng(0).standard_normal((N, D)) * 0.3
+    plain = list(p.batches(64, negatives=3, mix=mix))
+    padded = list(p.batches(64, negatives=3, mix=mix, pad=True))
+    checked = 0
+    for x, y in zip(plain, padded, strict=True):
+        if len(x.edges) == 64:
+            continue
+        g_plain, ids_plain = _softplus_grads(W, x.edges, x.negatives, x.weight)
+        g_pad, ids_pad = _softplus_grads(W, y.edges, y.negatives, y.weight)
+        np.testing.assert_allclose(g_pad, g_plain, rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(ids_pad, ids_plain)
+        # without the weights the repeated rows would count twice (the mean of the padded
+        # batch differs unless the short batch's length divides 64): the check can tell
+        if 64 % len(x.edges):
+            g_bad, _ = _softplus_grads(W, y.edges, y.negatives, np.ones(64))
+            assert not np.allclose(g_bad, g_plain, rtol=1e-6, atol=0)
+            checked += 1
+    assert checked >= 4
 
 
 # -- the buffer protocol with stores -------------------------------------------------------
@@ -488,13 +676,16 @@ def _check_protocol(events, c, stores):  # noqa: C901 - one replay, read top to 
     for ev in events:
         if ev[0] == "batch":
             b, resident, nxt = ev[1], ev[2], ev[3]
-            i, j = b.bucket
-            # the bucket's partitions are requested before it, and with negatives every
-            # resident one (they are drawn from all; without, one that no later bucket of
-            # the state needs may be handed back early)
-            assert {i, j} <= held, (b.position, held, resident)
-            if b.negatives.shape[1]:
+            assert b.partitions == tuple(resident)
+            if b.bucket is None:  # mixed over the state: every resident partition, always
                 assert set(resident) <= held, (b.position, held, resident)
+            else:
+                # the bucket's partitions are requested before it, and with negatives every
+                # resident one (they are drawn from all; without, one that no later bucket
+                # of the state needs may be handed back early)
+                assert set(b.bucket) <= held, (b.position, held, resident)
+                if b.negatives.shape[1]:
+                    assert set(resident) <= held, (b.position, held, resident)
             entering = set(nxt) - set(resident)
             if entering:  # the next swap's partition is read ahead while this one trains
                 assert entering & held, (b.position, held, nxt)
@@ -517,17 +708,18 @@ def _check_protocol(events, c, stores):  # noqa: C901 - one replay, read top to 
     return per_store[paths[0]]
 
 
+@pytest.mark.parametrize("mix", ["bucket", "buffer"])
 @pytest.mark.parametrize(("P", "c", "negatives", "epochs"),
                          [(6, 2, 3, 1), (7, 3, 0, 2), (8, 4, 5, 2), (3, 4, 2, 2), (1, 2, 0, 1)])
 def test_the_iterator_loads_before_use_reads_ahead_and_releases(tmp_path, monkeypatch, P, c,
-                                                                negatives, epochs):
+                                                                negatives, epochs, mix):
     p = buckets.plan(_edges(E=2000), 200, partitions=P, buffer=c, seed=P)
     stores = [dsa_core.create(tmp_path / f"s{n}", 200, 4) for n in range(2)]
     events: list = []
     rec = _Recorder(p, events)
     monkeypatch.setattr(dsa_core, "load_range", rec.make("load"), raising=False)
     monkeypatch.setattr(dsa_core, "release_range", rec.make("release"), raising=False)
-    it = p.batches(50, negatives=negatives, epochs=epochs, stores=stores)
+    it = p.batches(50, negatives=negatives, epochs=epochs, stores=stores, mix=mix)
     orders = [p.order(e) for e in range(epochs)]
     flat = [(e, k, orders[e].buffers[k]) for e in range(epochs) for k in range(P * P)]
 
@@ -538,6 +730,7 @@ def test_the_iterator_loads_before_use_reads_ahead_and_releases(tmp_path, monkey
 
     for b in it:
         e, k, _ = b.position
+        assert np.isin(p.partition_of(b.edges[:, [0, -1]]), b.partitions).all()
         events.append(("batch", b, orders[e].buffers[k], next_state(e, k)))
     calls = _check_protocol(events, c, stores)
     assert it.loads == sum(1 for kind, _ in calls if kind == "load")
@@ -556,7 +749,7 @@ def test_resume_re_establishes_the_buffer(tmp_path, monkeypatch):
     order = p.order(0)
     k = next(k for k in range(1, 36) if order.buffers[k] == order.buffers[k - 1]
              and order.buffers[k] != order.buffers[0] and p.bucket_sizes[tuple(order.buckets[k])])
-    it = p.batches(40, start=(0, k, 0), stores=[s])
+    it = p.batches(40, start=(0, k, 0), stores=[s], mix="bucket")
     first = next(it)
     assert first.position == (0, k, 0)
     loads = [part for kind, part, _ in events if kind == "load"]
@@ -565,10 +758,10 @@ def test_resume_re_establishes_the_buffer(tmp_path, monkeypatch):
     dsa_core.close(s)
 
 
-def _train(p, stores_of, tmp_path, name, negatives=3):
+def _train(p, stores_of, tmp_path, name, negatives=3, mix="bucket"):
     """A tiny skip-gram-like run: pull the endpoints together, push negatives away."""
     s = dsa_core.create(tmp_path / name, p.num_nodes, 8, lr=0.05, init="normal", seed=3)
-    it = p.batches(64, negatives=negatives, epochs=2, stores=stores_of(s))
+    it = p.batches(64, negatives=negatives, epochs=2, stores=stores_of(s), mix=mix)
     for b in it:
         src, dst, neg = b.edges[:, 0], b.edges[:, -1], b.negatives
         u, v, w = (dsa_core.gather(s, x.ravel()) for x in (src, dst, neg))
@@ -580,10 +773,11 @@ def _train(p, stores_of, tmp_path, name, negatives=3):
     return s, it
 
 
-def test_hints_never_change_the_trained_values(tmp_path):
+@pytest.mark.parametrize("mix", ["bucket", "buffer"])
+def test_hints_never_change_the_trained_values(tmp_path, mix):
     p = buckets.plan(_edges(E=1500), 200, partitions=5, buffer=2)
-    a, _ = _train(p, lambda s: [], tmp_path, "a")
-    b, it = _train(p, lambda s: [s], tmp_path, "b")
+    a, _ = _train(p, lambda s: [], tmp_path, "a", mix=mix)
+    b, it = _train(p, lambda s: [s], tmp_path, "b", mix=mix)
     dsa_core.wait_ranges(b)
     assert it.loads == _issued(_states(p, 2))
     np.testing.assert_array_equal(dsa_core.read_records(a, np.arange(200)),
