@@ -1,39 +1,53 @@
 """Partition-ordered (bucket) training against random order: held-out link-prediction quality.
 
-    python -m benchmarks.buckets_quality              # 200k nodes + UMLS, 3 seeds, ~9 min
-    python -m benchmarks.buckets_quality --smoke      # seconds; the tests run this
+    python -m benchmarks.buckets_quality --no-timing-run --kg-diagnostics   # ~10 min
+    python -m benchmarks.buckets_quality --mix bucket   # the first comparison, ~8 min
+    python -m benchmarks.buckets_quality --smoke        # seconds; the tests run this
 
 Trains the node embeddings of :mod:`examples.graph_buckets` (first-order LINE-style loss,
-``DiskEmbedding`` + ``DiskSparseAdam``) on the example's power-law graph twice per seed,
-with the same epochs, batch size, negatives per edge, lr and initial table:
+``DiskEmbedding`` + ``DiskSparseAdam``) on the example's power-law graph once per order and
+seed, with the same epochs, batch size, negatives per edge, lr and initial table:
 
 * ``random``: the edges shuffled every epoch, negatives uniform over all nodes;
-* ``bucket``: ``dsa_core.buckets.plan(...).batches(..., stores=[emb.store])``: bucket by
-  bucket in BETA order with a buffer of ``--buffer`` of ``--partitions`` partitions,
-  negatives uniform over the partitions in the buffer, each entering partition loaded and
-  each leaving one released in the background.
+* ``bucket``: ``dsa_core.buckets.plan(...).batches(..., mix="bucket",
+  stores=[emb.store])``: bucket by bucket in BETA order with a buffer of ``--buffer`` of
+  ``--partitions`` partitions, each bucket's edges shuffled, negatives uniform over the
+  partitions in the buffer, each entering partition loaded and each leaving one released
+  in the background;
+* ``bucket_mixed``: the same order of buffer states with ``mix="buffer"``: the edges of all
+  the buckets of one buffer state shuffled together, so consecutive batches are no longer
+  drawn from one bucket (same loads, same negatives' partitions).
+
+``--mix bucket buffer`` (the default) runs both bucket arms; ``--mix bucket`` runs the
+first comparison only (``random`` and ``bucket``), whose figures do not depend on the other
+arms (every run is seeded on its own).
 
 A seed fixes the graph, the held-out edges and non-edges and the initial table, so each seed
 is a paired comparison. Reported per seed: the AUC of the held-out edges against as many
 random non-edges, and the relative difference ``(bucket - random) / random``; over seeds,
 the mean, standard deviation and range of that difference, next to the seed-to-seed spread
-of each order's AUC. Also timed, seed 0 only: the bucket order with no stores given to the
-iterator (the same batches; its final table must be bit-identical to the hinted run's: the
-loads and releases only hint), so the time the hints add or save on a table that fits in
-memory is measured.
+of each order's AUC (``bucket_mixed`` likewise). Also timed, seed 0 only (skipped with
+``--no-timing-run``): the first bucket arm with no stores given to the iterator (the same
+batches; its final table must be bit-identical to the hinted run's: the loads and releases
+only hint), so the time the hints add or save on a table that fits in memory is measured.
 
 The knowledge-graph part (``--kg umls``, the default; ``--kg none`` skips it) trains
 ``examples.kg_embedding``'s ComplEx (reciprocal relations, 1-vs-``--kg-neg`` softmax, N3)
 with an entity and a relation ``DiskEmbedding`` on a KG that ships in PyKEEN's wheel, per
-seed in three arms: ``random``, ``bucket`` (the reciprocal queries ``(h, r, t)`` bucketed
-by the partitions of ``h`` and ``t``; negatives from the buffer; the entity store given to
-the iterator) and two diagnostics: ``bucket_global_neg`` (the bucket run's batches with
-negatives redrawn over all entities) and ``bucket_all_resident`` (2 partitions and a buffer
-of 2: every entity always resident, so the negatives are global and only the bucket-by-bucket
-order of the queries differs from ``random``). ``random`` and ``bucket`` run at each lr of
+seed in the arms ``random``, ``bucket`` (the reciprocal queries ``(h, r, t)`` bucketed by
+the partitions of ``h`` and ``t``; negatives from the buffer; the entity store given to the
+iterator), ``bucket_mixed`` (the same with ``mix="buffer"``) and two diagnostics, both
+bucket by bucket: ``bucket_global_neg`` (the bucket run's batches with negatives redrawn
+over all entities) and ``bucket_all_resident`` (2 partitions and a buffer of 2: every
+entity always resident, so the negatives are global and only the bucket-by-bucket order of
+the queries differs from ``random``). ``random`` and the bucket arms run at each lr of
 ``--kg-lrs`` (the first, 0.02, is the demo's, tuned for random order; the diagnostics run
 there), and each order's lr is also chosen by its mean validation MRR over the seeds. It
 reports the filtered test MRR.
+
+The verdict printed last: is ``bucket_mixed`` within 2% of ``random`` on every seed, at the
+random order's lr, on both tasks (the graph's one lr; the KG's lr that random order's
+validation MRR chooses)?
 
 Writes ``<out>/buckets_quality.{json,csv}`` (``<out>`` defaults to ``benchmarks/results``).
 """
@@ -41,6 +55,7 @@ Writes ``<out>/buckets_quality.{json,csv}`` (``<out>`` defaults to ``benchmarks/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import tempfile
 import time
@@ -51,7 +66,11 @@ import numpy as np
 from ._common import RESULTS, machine, print_table
 
 NAME = "buckets_quality"
-KG_ARMS = ("random", "bucket", "bucket_global_neg", "bucket_all_resident")
+KG_ARMS = ("random", "bucket", "bucket_mixed", "bucket_global_neg", "bucket_all_resident")
+DIAGNOSTICS = KG_ARMS[3:]
+ARM_OF_MIX = {"bucket": "bucket", "buffer": "bucket_mixed"}   # --mix -> the arm's name
+MIX_OF_ARM = {"bucket": "bucket", "bucket_mixed": "buffer", "bucket_no_hints": "bucket",
+              "bucket_global_neg": "bucket", "bucket_all_resident": "bucket"}
 
 
 def _loadavg() -> list[str]:
@@ -61,36 +80,77 @@ def _loadavg() -> list[str]:
         return []
 
 
-def one_run(cfg, workdir: Path) -> dict:
+class _MixedPlan:
+    """A ``dsa_core.buckets.Plan`` whose ``batches`` always pass ``mix=``: how the example's
+    training loop (which calls ``plan.batches(...)`` with the library's default) is run
+    with a given mix."""
+
+    def __init__(self, plan, mix: str) -> None:
+        self._plan, self._mix = plan, mix
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+    def batches(self, *args, **kwargs):
+        return self._plan.batches(*args, mix=self._mix, **kwargs)
+
+
+@contextlib.contextmanager
+def _example_mix(gb, mix: str):
+    """``examples.graph_buckets`` making its plans with ``mix`` while the block runs."""
+    make = gb.make_plan
+
+    def make_plan(cfg, train):
+        plan = make(cfg, train)
+        return None if plan is None else _MixedPlan(plan, mix)
+
+    gb.make_plan = make_plan
+    try:
+        yield
+    finally:
+        gb.make_plan = make
+
+
+def one_run(cfg, workdir: Path, mix: str = "bucket") -> dict:
     from examples import graph_buckets as gb
 
-    with tempfile.TemporaryDirectory(prefix="dsa-bq-", dir=workdir) as tmp:
+    with tempfile.TemporaryDirectory(prefix="dsa-bq-", dir=workdir) as tmp, \
+            _example_mix(gb, mix):
         r = gb.run(cfg, Path(tmp))
     k = max(1, len(r["losses"]) // 20)
-    order = "bucket" if cfg.order == "bucket" else "random"
-    row = {"seed": cfg.seed, "order": order if cfg.hints or order == "random"
-           else "bucket_no_hints", "auc": round(float(r["auc"]), 5),
+    if cfg.order != "bucket":
+        order = "random"
+    elif not cfg.hints:
+        order = "bucket_no_hints"
+    else:
+        order = ARM_OF_MIX[mix]
+    row = {"seed": cfg.seed, "order": order, "mix": None if order == "random" else mix,
+           "auc": round(float(r["auc"]), 5),
            "auc_degree": round(float(r["auc_degree"]), 5),
            "loss_last": round(float(np.mean(r["losses"][-k:])), 5), "steps": r["steps"],
-           "partition_loads": r["loads"] if order == "bucket" else None,
+           "partition_loads": r["loads"] if order != "random" else None,
            "train_s": round(r["seconds"]["train"], 2),
            "plan_s": round(r["seconds"]["plan"], 2), "digest": r["digest"][:16]}
     return row
 
 
 def summarise(rows: list[dict]) -> dict:
+    """The bucket arms against random order (``rel_diff*``: ``bucket``, as in the first
+    comparison; ``bucket_mixed``: the same statistics under its own key)."""
     by = {(r["seed"], r["order"]): r for r in rows}
     seeds = sorted({r["seed"] for r in rows})
-    rel = np.array([(by[s, "bucket"]["auc"] - by[s, "random"]["auc"]) / by[s, "random"]["auc"]
-                    for s in seeds])
-    above = np.array([(by[s, "bucket"]["auc"] - by[s, "random"]["auc"])
-                      / (by[s, "random"]["auc"] - 0.5) for s in seeds])
-    out = {"seeds": seeds, "rel_diff": rel.tolist(), "rel_diff_mean": float(rel.mean()),
-           "rel_diff_std": float(rel.std(ddof=1)) if len(rel) > 1 else 0.0,
-           "rel_diff_min": float(rel.min()), "rel_diff_max": float(rel.max()),
-           "rel_diff_above_chance_mean": float(above.mean()),
-           "within_2pct": bool(np.all(np.abs(rel) <= 0.02))}
-    for o in ("random", "bucket"):
+    arms = [o for o in ("bucket", "bucket_mixed") if (seeds[0], o) in by]
+    out: dict = {"seeds": seeds}
+    for o in arms:
+        rel = _rel([by[s, o]["auc"] for s in seeds], [by[s, "random"]["auc"] for s in seeds])
+        above = np.array([(by[s, o]["auc"] - by[s, "random"]["auc"])
+                          / (by[s, "random"]["auc"] - 0.5) for s in seeds])
+        st = {**_stats(rel), "rel_diff_above_chance_mean": float(above.mean())}
+        if o == "bucket":
+            out.update(st)
+        else:
+            out[f"{o}_vs_random"] = st
+    for o in ("random", *arms):
         a = np.array([by[s, o]["auc"] for s in seeds])
         out[f"auc_{o}_mean"] = float(a.mean())
         out[f"auc_{o}_std"] = float(a.std(ddof=1)) if len(a) > 1 else 0.0
@@ -98,7 +158,8 @@ def summarise(rows: list[dict]) -> dict:
     nh = by.get((seeds[0], "bucket_no_hints"))
     if nh is not None:
         out["no_hints_train_s"] = nh["train_s"]
-        out["no_hints_identical"] = nh["digest"] == by[seeds[0], "bucket"]["digest"]
+        out["no_hints_identical"] = (nh["digest"]
+                                     == by[seeds[0], ARM_OF_MIX[nh["mix"]]]["digest"])
     return out
 
 
@@ -152,7 +213,7 @@ def kg_run(order: str, a, seed: int, kg, workdir: Path, lr: float) -> dict:
             p, c = (2, 2) if order == "bucket_all_resident" else (a.kg_partitions, a.kg_buffer)
             plan = buckets.plan(queries, kg.num_entities, partitions=p, buffer=c, seed=seed)
             it = plan.batches(a.kg_batch, negatives=a.kg_neg, epochs=a.kg_epochs,
-                              stores=[ent.store])
+                              stores=[ent.store], mix=MIX_OF_ARM[order])
             if order == "bucket_global_neg":
                 it = GlobalNegatives(it, kg.num_entities, seed)
         steps, t0 = 0, time.perf_counter()
@@ -187,7 +248,8 @@ def kg_run(order: str, a, seed: int, kg, workdir: Path, lr: float) -> dict:
 
     m = _kg.evaluate(score, kg, "test")
     v = _kg.evaluate(score, kg, "valid")
-    return {"seed": seed, "order": order, "lr": lr, "mrr": round(m["mrr"], 5),
+    return {"seed": seed, "order": order, "mix": MIX_OF_ARM.get(order), "lr": lr,
+            "mrr": round(m["mrr"], 5),
             "valid_mrr": round(v["mrr"], 5),
             "hits@1": round(m["hits@1"], 5), "hits@10": round(m["hits@10"], 5),
             "steps": steps, "partition_loads": loads, "train_s": round(train_s, 2)}
@@ -224,12 +286,16 @@ def summarise_kg(rows: list[dict], lrs: list[float]) -> dict:
                 d[o].update(_stats(_rel(v, [by[s, "random", lr]["mrr"] for s in seeds])))
         out["per_lr"][str(lr)] = d
     best = {}
-    for o in ("random", "bucket"):
+    arms = [o for o in ("random", "bucket", "bucket_mixed") if (seeds[0], o, lrs[0]) in by]
+    for o in arms:
         best[o] = max(lrs, key=lambda lr, o=o: out["per_lr"][str(lr)][o]["valid_mrr_mean"])
     out["best_lr"] = best
-    out["best_lr_bucket_vs_random"] = _stats(_rel(
-        [by[s, "bucket", best["bucket"]]["mrr"] for s in seeds],
-        [by[s, "random", best["random"]]["mrr"] for s in seeds]))
+    for o in arms[1:]:
+        out[f"best_lr_{o}_vs_random"] = _stats(_rel(
+            [by[s, o, best[o]]["mrr"] for s in seeds],
+            [by[s, "random", best["random"]]["mrr"] for s in seeds]))
+        # at the random order's (validation-chosen) lr: the comparison the default rests on
+        out[f"random_lr_{o}_vs_random"] = out["per_lr"][str(best["random"])][o]
     return out
 
 
@@ -246,13 +312,17 @@ def main(argv=None) -> None:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--buffer", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--mix", nargs="+", default=["bucket", "buffer"], choices=["bucket",
+                    "buffer"], help="the bucket arms: mix='bucket' (arm 'bucket') and/or "
+                    "mix='buffer' (arm 'bucket_mixed')")
     ap.add_argument("--kg", default="umls", help="a PyKEEN KG (umls, kinships, nations) "
                     "for the filtered-MRR comparison, or 'none'")
     ap.add_argument("--kg-lrs", nargs="+", type=float, default=[0.02, 0.01, 0.005],
                     help="lrs of the KG runs; the first is the shared one (the demo's, "
                          "tuned for random order), where the diagnostics run too")
-    ap.add_argument("--kg-diagnostics", nargs="*", default=list(KG_ARMS[2:]),
-                    choices=KG_ARMS[2:])
+    ap.add_argument("--kg-diagnostics", nargs="*", default=list(DIAGNOSTICS),
+                    choices=DIAGNOSTICS, help="diagnostic arms at the first lr (none: "
+                    "pass the flag alone)")
     ap.add_argument("--kg-partitions", type=int, default=4)
     ap.add_argument("--kg-buffer", type=int, default=2)
     ap.add_argument("--kg-epochs", type=int, default=40)
@@ -285,17 +355,20 @@ def main(argv=None) -> None:
                      partitions=a.partitions, buffer=a.buffer, progress=False)
     load0, t0 = _loadavg(), time.perf_counter()
     rows = []
+    mixes = list(dict.fromkeys(a.mix))
     for seed in range(a.seeds):
-        for order in ("random", "bucket"):
-            rows.append(one_run(dataclasses.replace(base, seed=seed, order=order), workdir))
-            print(f"seed {seed} {order:6s}: AUC {rows[-1]['auc']:.4f}, "
-                  f"{rows[-1]['train_s']:.1f} s", flush=True)
+        for order, mix in [("random", "bucket")] + [("bucket", m) for m in mixes]:
+            rows.append(one_run(dataclasses.replace(base, seed=seed, order=order), workdir,
+                                mix))
+            print(f"seed {seed} {rows[-1]['order']:12s}: AUC {rows[-1]['auc']:.4f}, "
+                  f"{rows[-1]['steps']} steps, {rows[-1]['train_s']:.1f} s", flush=True)
     if not a.no_timing_run:
         rows.append(one_run(dataclasses.replace(base, seed=0, order="bucket", hints=False),
-                            workdir))
-        print(f"seed 0 bucket, no stores given: {rows[-1]['train_s']:.1f} s", flush=True)
+                            workdir, mixes[0]))
+        print(f"seed 0 {ARM_OF_MIX[mixes[0]]}, no stores given: {rows[-1]['train_s']:.1f} s",
+              flush=True)
     print()
-    print_table(rows, ["seed", "order", "auc", "auc_degree", "loss_last", "steps",
+    print_table(rows, ["seed", "order", "mix", "auc", "auc_degree", "loss_last", "steps",
                        "partition_loads", "train_s"])
     s = summarise(rows)
     from dsa_core import buckets
@@ -303,14 +376,16 @@ def main(argv=None) -> None:
     # the fewest partition loads of one epoch with this buffer (independent of the edges)
     lb = buckets.plan(np.zeros((1, 2), np.int64), a.nodes, partitions=a.partitions,
                       buffer=a.buffer).order(0).lower_bound
-    print(f"\nAUC random {s['auc_random_mean']:.4f} ± {s['auc_random_std']:.4f}, bucket "
-          f"{s['auc_bucket_mean']:.4f} ± {s['auc_bucket_std']:.4f} (mean ± sd over "
-          f"{len(s['seeds'])} seeds)")
-    print(f"bucket vs random, relative: mean {s['rel_diff_mean']:+.2%}, sd "
-          f"{s['rel_diff_std']:.2%}, range [{s['rel_diff_min']:+.2%}, "
-          f"{s['rel_diff_max']:+.2%}]; within 2% on every seed: {s['within_2pct']}")
+    arms = [ARM_OF_MIX[m] for m in mixes]
+    print(f"\nAUC (mean ± sd over {len(s['seeds'])} seeds): " + ", ".join(
+        f"{o} {s[f'auc_{o}_mean']:.4f} ± {s[f'auc_{o}_std']:.4f}" for o in ["random", *arms]))
+    for o in arms:
+        x = s if o == "bucket" else s[f"{o}_vs_random"]
+        print(f"{o} vs random, relative: mean {x['rel_diff_mean']:+.2%}, sd "
+              f"{x['rel_diff_std']:.2%}, range [{x['rel_diff_min']:+.2%}, "
+              f"{x['rel_diff_max']:+.2%}]; within 2% on every seed: {x['within_2pct']}")
     if "no_hints_train_s" in s:
-        print(f"bucket order without stores (seed 0): {s['no_hints_train_s']:.1f} s of "
+        print(f"{arms[0]} without stores (seed 0): {s['no_hints_train_s']:.1f} s of "
               f"training; final table bit-identical to the hinted run: "
               f"{s['no_hints_identical']}")
     kg_rows, kg_sum = [], None
@@ -324,7 +399,7 @@ def main(argv=None) -> None:
         else:
             print(f"\n{a.kg}: ComplEx, filtered MRR ({kg.num_entities} entities, "
                   f"{a.kg_partitions} partitions, a buffer of {a.kg_buffer})")
-            runs = [(lr, o) for lr in a.kg_lrs for o in ("random", "bucket")]
+            runs = [(lr, o) for lr in a.kg_lrs for o in ("random", *arms)]
             runs += [(a.kg_lrs[0], o) for o in a.kg_diagnostics]
             for seed in range(a.seeds):
                 for lr, order in runs:
@@ -334,7 +409,7 @@ def main(argv=None) -> None:
                           f"{kg_rows[-1]['mrr']:.4f} (valid {kg_rows[-1]['valid_mrr']:.4f}), "
                           f"{kg_rows[-1]['train_s']:.1f} s", flush=True)
             print()
-            print_table(kg_rows, ["seed", "lr", "order", "mrr", "valid_mrr", "hits@1",
+            print_table(kg_rows, ["seed", "lr", "order", "mix", "mrr", "valid_mrr", "hits@1",
                                   "hits@10", "steps", "partition_loads", "train_s"])
             kg_sum = summarise_kg(kg_rows, a.kg_lrs)
             print()
@@ -347,12 +422,26 @@ def main(argv=None) -> None:
                                  f"{x['rel_diff_std']:.2%}, range [{x['rel_diff_min']:+.2%}, "
                                  f"{x['rel_diff_max']:+.2%}]")
                     print(line)
-            b, x = kg_sum["best_lr"], kg_sum["best_lr_bucket_vs_random"]
-            print(f"each order at its lr chosen on validation (random {b['random']:g}, bucket "
-                  f"{b['bucket']:g}): bucket vs random {x['rel_diff_mean']:+.2%}, sd "
-                  f"{x['rel_diff_std']:.2%}, range [{x['rel_diff_min']:+.2%}, "
-                  f"{x['rel_diff_max']:+.2%}]")
+            b = kg_sum["best_lr"]
+            for o in arms:
+                x = kg_sum[f"best_lr_{o}_vs_random"]
+                print(f"each order at its lr chosen on validation (random {b['random']:g}, "
+                      f"{o} {b[o]:g}): {o} vs random {x['rel_diff_mean']:+.2%}, sd "
+                      f"{x['rel_diff_std']:.2%}, range [{x['rel_diff_min']:+.2%}, "
+                      f"{x['rel_diff_max']:+.2%}]")
+    verdict = None
+    if "bucket_mixed_vs_random" in s:
+        graph_ok = s["bucket_mixed_vs_random"]["within_2pct"]
+        kg_ok = None
+        if kg_sum is not None:
+            kg_ok = kg_sum["random_lr_bucket_mixed_vs_random"]["within_2pct"]
+        verdict = {"graph_within_2pct": graph_ok, "kg_within_2pct_at_random_lr": kg_ok,
+                   "both": bool(graph_ok and kg_ok) if kg_ok is not None else None}
+        print(f"\nbucket_mixed within 2% of random on every seed at random order's lr: "
+              f"graph {graph_ok}, KG {kg_ok}"
+              + (f" (lr {kg_sum['best_lr']['random']:g})" if kg_sum is not None else ""))
     meta = {"machine": machine(), "args": vars(a), "summary": s, "summary_kg": kg_sum,
+            "verdict_mixed": verdict,
             "partition_loads_lower_bound_per_epoch": lb,
             "config": dataclasses.asdict(base), "dsa_core": dsa_core.__version__,
             "loadavg_start": load0, "loadavg_end": _loadavg(),
