@@ -32,6 +32,7 @@ CHUNK_BYTES = 1 << 26
 # On-disk names (the store format, see docs/storage.md). The CLI reads them directly rather
 # than through the core's private modules, so it does not depend on how those are split.
 FORMAT_NAME = "dsa-store"
+LOG_FORMAT_NAME = "dsa-log"          # a log-structured store (storage="log", experimental)
 MANIFEST_FILE = "manifest.json"
 DATA_FILE = "rows.dsa"
 WRITER_LOCK = "writer.lock"          # the writer holds LOCK_EX on it while the store is open
@@ -108,7 +109,8 @@ def _manifest(directory: Path) -> dict | None:
         m = json.loads((directory / MANIFEST_FILE).read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    return m if isinstance(m, dict) and m.get("format") == FORMAT_NAME else None
+    return m if isinstance(m, dict) and m.get("format") in (FORMAT_NAME, LOG_FORMAT_NAME) \
+        else None
 
 
 def _damage(directory: Path) -> str | None:
@@ -238,6 +240,29 @@ def _info(st) -> dict:
                                        "decay_missed_steps")},
         "record_bytes": st.store.stride * st.dtype.itemsize,
         "size_on_disk_bytes": size, "format_version": manifest.get("version"),
+        "storage": st.storage,
+        **(_log_info(st) if st.storage == "log" else {}),
+    }
+
+
+def _log_info(st) -> dict:
+    """A log store's region, segments, live/dead bytes and write figures (engine stats)."""
+    from dsa_core import _log_store
+
+    eng = st.store.engine
+    s = eng.stats()
+    budget = eng.memory_bytes
+    return {
+        "region_budget_bytes": budget if budget is not None
+        else _log_store.default_memory(st.layout),
+        "region_budget_note": "this open's budget" if budget is not None else
+        "read-only open, no region: the default budget a writer opening it would get",
+        "region_slots": s["slots"], "region_slots_used": s["slots_used"],
+        "segments": s["segments"], "segment_bytes": s["segment_bytes"],
+        "live_bytes": s["live_bytes"], "dead_bytes": s["dead_bytes"],
+        "space_used": round(s["space_used"], 4), "space_ratio": s["space_ratio"],
+        "write_amplification": round(s["write_amplification"], 4),
+        "write_amplification_note": "since this open (the counters are not stored)",
     }
 
 
@@ -326,6 +351,11 @@ def cmd_info(a) -> int:
 
 def cmd_export(a) -> int:
     st = _open(a.store)
+    if st.storage == "log":
+        raise SystemExit(f"dsa: {a.store!r} is a log-structured store (storage='log'); "
+                         "`dsa export` does not read those yet. Convert it first: "
+                         "dsa_core.convert(dsa_core.open(path, mode='r'), dest, "
+                         "storage='inplace'), then export dest")
     if not st.has_weights:
         raise SystemExit(f"dsa: store {a.store!r} holds no weights (created with weights=False)")
     out = Path(a.out)
@@ -344,16 +374,39 @@ def cmd_export(a) -> int:
     return 0
 
 
+def _log_check(path) -> list[str]:
+    """A log store's own checks: every referenced file's CRCs, then the index (verify())."""
+    from dsa_core import _log
+
+    try:
+        eng = _log.open(path, "r", check="full")
+    except (OSError, ValueError) as exc:
+        return [f"the log store does not check out: {exc}"]
+    try:
+        return [f"index: {p}" for p in eng.verify()]
+    finally:
+        eng.close()
+
+
 def cmd_verify(a) -> int:
+    import dsa_core
+
     st = _open(a.store)
-    problems = []
+    problems = _log_check(st.path) if st.storage == "log" else []
     bad_rows = 0
     outside = 0
     c = st.curvature
-    data = st.store.data
+    if st.storage == "log":
+        def read(lo, hi):
+            return dsa_core.read_records(st, np.arange(lo, hi))
+    else:
+        data = st.store.data
+
+        def read(lo, hi):
+            return data[lo:hi]
     with _bar(st.num_rows, "verify", not a.quiet) as bar:
         for lo, hi in _chunks(st.num_rows, st.store.stride * st.dtype.itemsize):
-            blk = np.asarray(data[lo:hi])
+            blk = np.asarray(read(lo, hi))
             fin = np.isfinite(blk).all(axis=1)
             bad_rows += int((~fin).sum())
             if c > 0 and st.has_weights:
@@ -368,7 +421,11 @@ def cmd_verify(a) -> int:
         problems.append(f"{outside} rows lie on or outside the Poincaré ball "
                         f"(norm >= 1/sqrt(c) = {1 / math.sqrt(c):.6g})")
     version = (_manifest(Path(st.path)) or {}).get("version")
-    print(f"{st.path}: header and size ok, format v{version}, count {st.count}")
+    if st.storage == "log":
+        print(f"{st.path}: log store, format v{version}, segment and index CRCs checked, "
+              f"count {st.count}")
+    else:
+        print(f"{st.path}: header and size ok, format v{version}, count {st.count}")
     if lock_held(Path(st.path) / WRITER_LOCK):
         print("  note: a writer holds this store; rows it is changing now may read half-done")
     for p in problems:

@@ -167,6 +167,9 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     Call it with the *next* batch's ids right before ``step`` on the current one. Cheap
     (the ids are checked, de-duplicated and queued) and always safe: it only warms the
     cache. ``wait=True`` returns once the hints have been issued (for tests and benchmarks).
+
+    On a log-structured store (``storage="log"``) it checks the ids and does nothing else:
+    its region is filled by ``step`` itself (read-ahead for log stores is not there yet).
     """
     from ._step import as_index  # late import: _step imports the kernels
 
@@ -174,6 +177,8 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     if st.closed:
         raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
     rows = as_index(idx, st.num_rows)
+    if getattr(st, "storage", "inplace") == "log":
+        return
     if rows.size:
         pf = _prefetcher(state)
         pf.submit(rows)
@@ -194,7 +199,7 @@ def writeback(state, idx: Any) -> None:
     from ._step import as_index
 
     st = state.store
-    if st.closed or st.mode != "r+":
+    if st.closed or st.mode != "r+" or getattr(st, "storage", "inplace") == "log":
         return
     rows = as_index(idx, st.num_rows)
     if rows.size:
@@ -229,14 +234,19 @@ def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, key=None) -> It
 def residency(state, idx: Any) -> float:
     """Fraction of the pages holding rows ``idx`` that are in the page cache now (mincore).
 
-    A page-cache hit rate for benchmarks; 1.0 for an empty batch.
+    A page-cache hit rate for benchmarks; 1.0 for an empty batch. On a log-structured store
+    (``storage="log"``): the fraction of the rows that are resident in its memory region.
     """
     from ._step import as_index
 
     st = state.store
+    if getattr(st, "storage", "inplace") == "log" and st.closed:
+        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
     rows = np.unique(as_index(idx, st.num_rows))
     if rows.size == 0:
         return 1.0
+    if getattr(st, "storage", "inplace") == "log":
+        return float((st.engine.loc[rows] < 0).mean())
     pages = _row_pages(rows, st.stride * st.dtype.itemsize)
     base = st.data.__array_interface__["data"][0] - HEADER_BYTES
     npages = -(-st.nbytes // PAGE)

@@ -336,6 +336,8 @@ def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
     if st.closed:
         raise _closed_error(st)
     start, stop = _check_range(st, start, stop)
+    if getattr(st, "storage", "inplace") == "log":
+        return  # a hint: no range loading on log stores yet (their region fills by step)
     w = _worker(st, create=stop > start)
     if w is not None:
         w.raise_error()
@@ -356,7 +358,9 @@ def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None
     in-place store "memory" is the page cache: a loaded range occupies about
     ``(stop - start) * record bytes`` of it until :func:`release_range` gives it back (or
     the kernel reclaims it under pressure). On the log-structured store (a later store kind)
-    the same call will load the rows into its memory region.
+    the same call will load the rows into its memory region; for now, on a log store
+    (``storage="log"``) it checks its arguments and does nothing else (no value changes
+    either way).
 
     A hint: no value changes, and steps may touch any row at any time — before, during or
     after the load — and always read and write the current data.
@@ -401,8 +405,8 @@ def release_range(state: Any, start: int, stop: int, *, wait: bool = False) -> N
     In the background, on this store's range thread (after every earlier request): the
     dirty pages of the range are written **sequentially**, in file order, and waited for;
     then the kernel is asked to drop the range's (now clean) pages, giving that memory back.
-    On the log-structured store (a later store kind) the same call will seal the rows out of
-    its memory region.
+    On the log-structured store (``storage="log"``) it checks its arguments and does nothing
+    else for now (a later stage will seal the rows out of its memory region).
 
     A hint: no value changes and no update is lost. A step may write these rows while the
     release runs, or after it: the kernel never drops a page without writing its changes, so
@@ -455,7 +459,7 @@ def wait_ranges(state: Any) -> None:
     >>> dsa_core.close(state)
     """
     st = _store_of(state)
-    w = _worker(st, create=False)
+    w = None if getattr(st, "storage", "inplace") == "log" else _worker(st, create=False)
     if w is None:
         if st.closed:
             raise _closed_error(st)

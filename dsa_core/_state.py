@@ -21,6 +21,9 @@ import numpy as np
 from . import _layout
 from ._files import copy_file, staged_dir
 from ._paging import check_access
+from . import _log, _log_store
+from ._log_format import parse_name
+from ._log_store import LogStore
 from ._store import Store
 from .validation import (
     DURABILITY_MODES,
@@ -29,8 +32,10 @@ from .validation import (
     check_dtype,
     check_first_moment,
     check_hparams,
+    check_memory_arg,
     check_positive_int,
     check_second_moment,
+    check_storage,
     check_weight_decay_options,
 )
 
@@ -97,8 +102,19 @@ class State(NamedTuple):
 
     @property
     def access(self) -> str:
-        """How the mapping is paged: ``"ram"`` or ``"disk"`` (``"auto"`` resolved at open)."""
+        """How the mapping is paged: ``"ram"`` or ``"disk"`` (``"auto"`` resolved at open);
+        ``"log"`` for a log-structured store (no mapping: its region is its memory)."""
         return self.store.access
+
+    @property
+    def storage(self) -> str:
+        """The store kind: ``"inplace"`` (one mapped file of records, updated in place) or
+        ``"log"`` (the log-structured store, experimental; ``create(storage="log")``)."""
+        return getattr(self.store, "storage", "inplace")
+
+    def _require_view(self, name: str) -> None:
+        if self.storage == "log":
+            self.store._no_view(f"State.{name}")
 
     @property
     def num_rows(self) -> int:
@@ -154,6 +170,7 @@ class State(NamedTuple):
         return self._counter(self.store.ls_off, "last_steps", "decay_missed_steps")
 
     def _counter(self, off: int, name: str, option: str) -> np.ndarray:
+        self._require_view(name)
         if off < 0:
             raise ValueError(f"store {str(self.path)!r} was created without {option}=True "
                              f"and keeps no {name}; create the store with "
@@ -162,7 +179,10 @@ class State(NamedTuple):
 
     @property
     def weights(self) -> np.ndarray:
-        """A (num_rows, dim) view of the stored weights (no copy; writes reach the file)."""
+        """A (num_rows, dim) view of the stored weights (no copy; writes reach the file).
+
+        Log stores have no whole-table view: ``ValueError`` (use :func:`dsa_core.gather`)."""
+        self._require_view("weights")
         if self.store.w_off is None:
             raise ValueError(
                 f"store {str(self.path)!r} was created with weights=False and holds no "
@@ -181,8 +201,9 @@ class State(NamedTuple):
         """A (num_rows, dim) view of the first moments m.
 
         For ``first_moment="bfloat16"`` stores: a decoded float32 **copy** (read-only; it is
-        num_rows x dim x 4 bytes), since the file holds bfloat16.
+        num_rows x dim x 4 bytes), since the file holds bfloat16. Not on log stores.
         """
+        self._require_view("exp_avg")
         st = self.store
         o = st.m_off
         if st.m_bf16:
@@ -199,7 +220,9 @@ class State(NamedTuple):
         store takes each value rounded to the nearest bfloat16 (ties to even, as
         ``torch.Tensor.to(torch.bfloat16)``; NaN stays NaN): a one-time conversion wants the
         smallest error, not the step's stochastic rounding. Checked before anything is written.
+        Not on log stores (use :func:`dsa_core.write_records`).
         """
+        self._require_view("set_exp_avg")
         st = self.store
         m = np.asarray(m)
         if m.shape != (self.num_rows, self.dim) or not (
@@ -222,7 +245,8 @@ class State(NamedTuple):
     @property
     def exp_avg_sq(self) -> np.ndarray:
         """A view of the second moments v: (num_rows, dim) for elementwise stores, (num_rows, 1)
-        for ``second_moment="rowwise"`` and for c > 0."""
+        for ``second_moment="rowwise"`` and for c > 0. Not on log stores."""
+        self._require_view("exp_avg_sq")
         o = self.store.v_off
         return self.store.data[:, o:o + self.store.v_width]
 
@@ -373,7 +397,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            second_moment: str = "elementwise", first_moment: str = "full",
            weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
            decay_missed_steps: bool = False, per_row_step: bool = False,
-           progress: bool | None = None) -> State:
+           progress: bool | None = None, storage: str = "inplace",
+           memory: int | str | None = None) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
     Parameters
@@ -462,6 +487,26 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         value is ``state.store.access``.
     progress : bool, optional
         Show a tqdm bar while writing a named/array init (default: for large tables).
+    storage : "inplace" or "log", default "inplace"
+        ``"inplace"``: one mapped file of records, updated in place (everything above).
+        ``"log"`` (experimental): the log-structured store -- updates go to an in-memory
+        region of ``memory`` bytes, leaving records are appended to immutable segment files
+        in large sequential writes, ``flush`` commits a manifest (docs/storage.md, "The
+        log-structured store"). It takes every option above except ``durability="step"``
+        and ``access`` other than ``"auto"`` (refused: not yet); ``align`` pads its records
+        the same way (it changes nothing else there); ``first_moment="bfloat16"`` is
+        refused for now. Its named inits (``"normal"``,
+        ``"uniform"``) are a deterministic function of ``(seed, row)``, computed when a row
+        is first read -- **not** the numbers of the in-place store's
+        ``default_rng(seed)`` fill; ``None``/``"zeros"`` and init arrays give the same
+        records as an in-place store (an array is written at create, in chunks).
+    memory : int or str, optional
+        ``storage="log"`` only: the budget of the in-memory region, bytes or a string such
+        as ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` (SI k/M/G/T, IEC Ki/Mi/Gi/Ti). Default: 25%
+        of the memory this process may use (cgroup-aware), at most what the whole table
+        needs, at least what a batch of 4096 rows needs. A step's unique rows must fit in
+        the region (a clear error says by how much to raise it). Not stored: pass it again
+        to :func:`open`.
 
     Returns
     -------
@@ -509,9 +554,28 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             or align < 0 or (align and align % dt.itemsize):
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
                          f"got {align!r}")
+    storage = check_storage(storage)
+    memory = check_memory_arg(memory, storage)
+    if storage == "log":
+        if durability != "flush":
+            raise ValueError("durability='step' is not available for storage='log' yet (a log "
+                             "store makes its steps durable at flush/checkpoint); use "
+                             "durability='flush' or storage='inplace'")
+        if access != "auto":
+            raise ValueError(f"access={access!r} is for in-place stores (how their mapping is "
+                             "paged); a log store (storage='log') has no mapping and takes "
+                             "memory= instead: leave access='auto'")
+        if first_moment == "bfloat16":
+            raise ValueError("first_moment='bfloat16' is not available for storage='log' yet "
+                             "(its stochastic rounding is keyed by the row's position in the "
+                             "record array, which in a log store is a region slot, not the "
+                             "row id); use first_moment='full' or storage='inplace'")
     layout = _layout.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
                                  second_moment, first_moment, per_row_step=per_row_step,
                                  decay_missed_steps=decay_missed_steps)
+    if storage == "log":
+        mem = _log_store.default_memory(layout) if memory is None else memory
+        _log.check_memory(layout, mem, 1)  # at least one slot: a clear error otherwise
     if isinstance(init, str) and init == "zeros":
         init = None  # the records start as zeros (fallocate)
     if init is not None:
@@ -532,6 +596,20 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
+    kind = _log_store.store_kind(directory)
+    if kind is not None and not overwrite:
+        raise FileExistsError(
+            f"a store already exists at {str(directory)!r} ({_layout.MANIFEST_FILE}, "
+            f"storage={kind!r}); open it with dsa_core.open(path) or pass overwrite=True to "
+            "replace it")
+    if kind is not None and kind != storage:
+        remove(directory)  # the other kind's files (refused while a writer holds it)
+    if storage == "log":
+        hp = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
+              "ball_eps": ball_eps, "nonfinite": nonfinite, "weight_decay": weight_decay,
+              "decoupled_weight_decay": decoupled_weight_decay}
+        return _create_log(directory, layout, mem, init, init_scale, seed, hp, overwrite,
+                           progress)
     existing = [p for p in (_layout.MANIFEST_FILE, _layout.DATA_FILE)
                 if (directory / p).exists()]
     if existing and not overwrite:
@@ -570,6 +648,67 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     return state
 
 
+def _log_meta(state: State) -> dict[str, Any]:
+    """The hyperparameters a log store commits with every flush (its engine's ``meta``)."""
+    m = _manifest(state)
+    return {"hparams": m["hparams"], "durability": m["durability"]}
+
+
+def _state_of_log(store: LogStore, count: int, hp: dict[str, Any]) -> State:
+    return State(store, int(count), float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
+                 float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
+                 str(hp.get("nonfinite", "propagate")), "flush",
+                 float(hp.get("weight_decay", 0.0)),
+                 bool(hp.get("decoupled_weight_decay", False)))
+
+
+def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
+                init_scale: float, seed: int, hp: dict[str, Any], overwrite: bool,
+                progress: bool | None) -> State:
+    """``create(storage="log")`` once every argument has been checked."""
+    named = init if isinstance(init, str) else "zeros"
+    c = float(layout["curvature"])
+    dt = np.dtype(layout["dtype"])
+    ball = float(maxnorm(c, hp["ball_eps"], dt)) if c > 0 else None
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64) for a log store (its named "
+                         f"inits are a function of (seed, row)), got {seed!r}")
+    eng = _log.create(directory, layout, memory_bytes=memory, init=named,
+                      init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball,
+                      overwrite=overwrite)
+    store = LogStore(eng)
+    state = _state_of_log(store, 0, hp)
+    eng.meta = _log_meta(state)
+    try:
+        if init is not None and not isinstance(init, str):
+            o, d = store.w_off, store.dim
+            rows = max(1, _INIT_CHUNK_BYTES // (store.stride * dt.itemsize))
+            chunks = list(_chunks(store.num_rows, rows))
+            bar = _progress(len(chunks), progress, f"init {directory.name}")
+            try:
+                for lo, hi in chunks:
+                    rec = np.zeros((hi - lo, store.stride), dt)
+                    rec[:, o:o + d] = np.asarray(init[lo:hi], dtype=dt)
+                    eng.write(np.arange(lo, hi, dtype=np.int64), rec)
+                    if bar is not None:
+                        bar.update(1)
+            finally:
+                if bar is not None:
+                    bar.close()
+        eng.flush(0)
+    except BaseException:
+        eng.closed = True  # nothing of this create is worth keeping: drop it unflushed
+        if eng._lockfd >= 0:
+            os.close(eng._lockfd)
+            eng._lockfd = -1
+        for entry in os.listdir(directory):  # only the log store's own files
+            if parse_name(entry) is not None or entry.startswith(_layout.MANIFEST_FILE):
+                (directory / entry).unlink(missing_ok=True)
+        raise
+    return state
+
+
 class _Terminated(BaseException):
     """SIGTERM arrived while ``create`` wrote a new store (see :func:`_cleanup_on_sigterm`)."""
 
@@ -604,17 +743,31 @@ def _cleanup_on_sigterm() -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def open(path, mode: str = "r+", *, access: str = "auto") -> State:
+def open(path, mode: str = "r+", *, access: str = "auto",
+         memory: int | str | None = None) -> State:
     """Open an existing store; the state resumes with the stored hyperparameters and count.
 
     ``mode="r+"`` (default) takes the store's writer lock (a second writer gets a clear
     error); ``mode="r"`` maps it read-only, without a lock, for inspection and export while
     a training process writes. ``access`` is the paging hint, as for :func:`create`.
+
+    The store kind (in-place or log-structured) is read from the directory. A log store
+    (``create(storage="log")``) reopens at its last flush; ``memory`` is the budget of its
+    region (as for :func:`create`; default 25% of this process's memory, see there). It
+    takes only ``access="auto"``; ``memory=`` for an in-place store is an error.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
     check_access(access)
     directory = Path(path)
+    if _log_store.store_kind(directory) == "log":
+        memory = check_memory_arg(memory, "log")
+        if access != "auto":
+            raise ValueError(f"access={access!r} is for in-place stores; {str(directory)!r} is "
+                             "a log store (storage='log'): leave access='auto' and size its "
+                             "region with memory=")
+        return _open_log(directory, mode, memory)
+    check_memory_arg(memory, "inplace")
     manifest = _layout.read_manifest(directory)
     try:
         layout = manifest["layout"]
@@ -634,6 +787,25 @@ def open(path, mode: str = "r+", *, access: str = "auto") -> State:
                  bool(hp.get("decoupled_weight_decay", False)))
 
 
+def _open_log(directory: Path, mode: str, memory: int | None) -> State:
+    if mode == "r+" and memory is None:
+        memory = _log_store.default_memory(_log.read_manifest(directory)["layout"])
+    eng = _log.open(directory, mode, memory_bytes=memory, check="headers")
+    try:
+        hp = eng.meta.get("hparams")
+        if not isinstance(hp, dict):
+            raise ValueError(f"log store {str(directory)!r} has no hyperparameters in its "
+                             "manifest's meta (it was not written by dsa_core.create); the "
+                             "store is damaged or foreign")
+        return _state_of_log(LogStore(eng), eng.count, hp)
+    except BaseException:
+        eng.closed = True
+        if eng._lockfd >= 0:
+            os.close(eng._lockfd)
+            eng._lockfd = -1
+        raise
+
+
 def flush(state: State) -> None:
     """Make every step so far durable: msync the rows, then replace the manifest (count).
 
@@ -642,6 +814,11 @@ def flush(state: State) -> None:
     :class:`StaleStateError` instead.
     """
     require_current(state)
+    if state.storage == "log":  # seal the dirty slots, commit a manifest with count and meta
+        eng = state.store.engine
+        eng.meta = _log_meta(state)
+        eng.flush(int(state.count))
+        return
     state.store.sync()
     state.store.journal_void()  # a stale undo record must never roll back flushed rows
     _layout.write_manifest(state.store.path, _manifest(state))
@@ -677,6 +854,10 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     if dest.exists() and not overwrite:
         raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
                               "overwrite=True to replace it")
+    if state.storage == "log":  # flush, then hard links to the immutable segments
+        eng = state.store.engine
+        eng.meta = _log_meta(state)
+        return eng.checkpoint(dest, int(state.count), overwrite=overwrite)
     flush(state)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with staged_dir(dest, overwrite) as tmp:
@@ -726,12 +907,83 @@ def restore(live: State, snapshot: State) -> State:
     """
     require_current(live)
     check_same_layout(live, snapshot)
+    if snapshot.store.closed:
+        raise ValueError(f"store {str(snapshot.path)!r} (the snapshot) is closed; reopen it "
+                         "with dsa_core.open(path, mode='r')")
     live.store.journal_void()
-    dst, src = live.store.data, snapshot.store.data
-    rows = max(1, _RESTORE_CHUNK_BYTES // (dst.shape[1] * dst.itemsize))
-    for lo in range(0, dst.shape[0], rows):
-        dst[lo:lo + rows] = src[lo:lo + rows]
+    _copy_records(snapshot, live)
     return set_count(live, snapshot.count)
+
+
+def _read_block(state: State, lo: int, hi: int) -> np.ndarray:
+    if state.storage == "log":
+        return state.store.engine.read(np.arange(lo, hi, dtype=np.int64))
+    return state.store.data[lo:hi]
+
+
+def _copy_records(src: State, dst: State) -> None:
+    """Every record of ``src`` into ``dst`` (equal layouts), in chunks of ~16 MiB."""
+    st = dst.store
+    rows = max(1, _RESTORE_CHUNK_BYTES // (st.stride * st.dtype.itemsize))
+    for lo in range(0, st.num_rows, rows):
+        hi = min(st.num_rows, lo + rows)
+        blk = _read_block(src, lo, hi)
+        if dst.storage == "log":
+            st.engine.write(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(blk))
+        else:
+            st.data[lo:hi] = blk
+
+
+def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
+            overwrite: bool = False) -> State:
+    """Copy a store into a new one of another kind; returns the new store's open State.
+
+    ``dest`` gets ``src``'s layout (shape, dtype, options), hyperparameters and count, and
+    every record of ``src``, copied in chunks of ~16 MiB: the two stores then hold the same
+    bits and train identically. Either direction: ``storage="log"`` (``memory`` as for
+    :func:`create`) or ``storage="inplace"``. ``src`` may be read-only or outdated (it is
+    only read: the records on disk and in memory now, at the count of ``src``'s store); it
+    stays open. A failed copy leaves a ``dest`` that must not be used (create it again with
+    ``overwrite=True``).
+
+    >>> import tempfile, pathlib, numpy as np, dsa_core
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> s = dsa_core.create(tmp / "a", num_rows=10, dim=4, init="normal")
+    >>> s = dsa_core.step(s, [3], np.ones((1, 4), np.float32))
+    >>> t = dsa_core._state.convert(s, tmp / "b", storage="log", memory="1MiB")
+    >>> t.storage, t.count, bool((dsa_core.gather(t, range(10)) == dsa_core.gather(s, range(10))).all())
+    ('log', 1, True)
+    >>> dsa_core.close(t); dsa_core.close(s)
+    """
+    storage = check_storage(storage)
+    memory = check_memory_arg(memory, storage)
+    st = src.store
+    if st.closed:
+        raise ValueError(f"store {str(st.path)!r} (the source) is closed; reopen it with "
+                         "dsa_core.open(path, mode='r')")
+    if Path(dest).resolve() == Path(st.path).resolve():
+        raise ValueError(f"convert destination {str(dest)!r} is the source store itself; "
+                         "choose another directory")
+    lay = st.layout
+    out = create(dest, lay["num_rows"], lay["dim"], curvature=lay["curvature"], lr=src.lr,
+                 betas=src.betas, eps=src.eps, maximize=src.maximize,
+                 weights=lay["w"] is not None, dtype=lay["dtype"],
+                 ball_eps=src.ball_eps if lay["curvature"] > 0 else None,
+                 nonfinite=src.nonfinite, align=int(lay.get("align", 0)),
+                 durability="flush", overwrite=overwrite,
+                 second_moment=lay.get("second_moment", "elementwise"),
+                 first_moment=lay.get("first_moment", "full"),
+                 weight_decay=src.weight_decay,
+                 decoupled_weight_decay=src.decoupled_weight_decay,
+                 decay_missed_steps="last_step" in lay, per_row_step="row_step" in lay,
+                 storage=storage, memory=memory, progress=False)
+    try:
+        check_same_layout(out, src, "convert")
+        _copy_records(src, out)
+        return set_count(out, int(st.count))
+    except BaseException:
+        close(out)
+        raise
 
 
 def set_count(state: State, count: int) -> State:
@@ -764,6 +1016,8 @@ def read_records(state: State, idx: Any) -> np.ndarray:
     st = state.store
     if st.closed:
         raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+    if state.storage == "log":
+        return st.engine.read(as_index(idx, st.num_rows))
     return st.data[as_index(idx, st.num_rows)]
 
 
@@ -786,6 +1040,9 @@ def write_records(state: State, idx: Any, records: Any) -> None:
     if idx.shape[0] > 1 and np.unique(idx).shape[0] != idx.shape[0]:
         raise ValueError("idx must not repeat a row in write_records (which record would win "
                          "is undefined); pass unique row ids")
+    if state.storage == "log":
+        st.engine.write(idx, np.ascontiguousarray(rec))
+        return
     st.data[idx] = rec
 
 
@@ -827,6 +1084,9 @@ def require_current(state: State) -> None:
 def remove(path) -> None:
     """Delete a store directory (refused while a writer holds it)."""
     directory = Path(path)
+    if _log_store.store_kind(directory) == "log":
+        _log.remove(directory)
+        return
     manifest = _layout.read_manifest(directory)
     st = Store.open_file(directory, manifest["layout"], "r+")
     st.close()

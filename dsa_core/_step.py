@@ -190,6 +190,16 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         else:
             srows, G, inv = coalesce(idx, grad, want_inverse=st.w_off is None,
                                      out=_scratch(st, "coalesced", b * st.dim))
+    if getattr(st, "storage", "inplace") == "log":
+        # the log store: the batch's unique rows get region slots (checked to fit before
+        # anything changes); the kernels update the slots' records as they would the rows
+        if b:
+            eng = st.engine
+            eng.check_batch(srows.shape[0])
+            slots = eng.acquire(srows, check=False)
+            _apply(state, t, lr, srows, G, inv, params, table, data=eng.region, drows=slots)
+        st.count = t
+        return new
     if state.durability != "step":
         if b:
             _apply(state, t, lr, srows, G, inv, params, table)
@@ -240,10 +250,15 @@ def _min_chunk(dim: int) -> int:
     return max(16, 16384 // dim)
 
 
-def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -> None:
+def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None, *,
+           data=None, drows=None) -> None:
+    """Run the kernel on the records ``data[drows]`` (default: the mapped rows ``srows``)
+    of the unique rows ``srows``; the caller's ``params``/``table`` are indexed as rows."""
     st = state.store
+    if data is None:
+        data, drows = st.data, srows
     if st.w_off is not None:
-        W, wrows, woff = st.data, srows, st.w_off
+        W, wrows, woff = data, drows, st.w_off
     elif table is not None:  # the caller's whole table: its rows srows, in place
         W, wrows, woff = table, srows, 0
     else:
@@ -275,21 +290,21 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
         hp = euclid_hparams(st.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
                             eps=state.eps, maximize=state.maximize, weight_decay=wd)
         if st.m_bf16:  # first_moment="bfloat16" (docs/algorithms.md §6), either second moment
-            m16 = st.data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
+            m16 = data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
             if spec:
                 _pool.run_chunked(euclid_bf16m_options_kernel(*spec),
-                                  (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off,
+                                  (W, wrows, woff, data, m16, drows, 2 * st.m_off, st.v_off,
                                    G, hp, st.rowwise, skip, *opts), n, chunk)
             else:
                 _pool.run_chunked(adam_rows_euclid_bf16m,
-                                  (W, wrows, woff, st.data, m16, srows, 2 * st.m_off, st.v_off,
+                                  (W, wrows, woff, data, m16, drows, 2 * st.m_off, st.v_off,
                                    G, hp, st.rowwise, t, skip), n, chunk)
         else:  # second_moment="rowwise" (docs/algorithms.md §7.3), or SparseAdam's
             if st.rowwise:
                 kernel = euclid_rowwise_options_kernel(*spec) if spec else adam_rows_euclid_rowwise
             else:
                 kernel = euclid_options_kernel(*spec) if spec else adam_rows_euclid
-            _pool.run_chunked(kernel, (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, hp,
+            _pool.run_chunked(kernel, (W, wrows, woff, data, drows, st.m_off, st.v_off, G, hp,
                                        skip, *opts), n, chunk)
     else:  # the ball (create refuses rowwise and bfloat16 m here)
         hp = poincare_hparams(st.dtype, curvature=st.curvature, lr=lr, betas=state.betas,
@@ -298,7 +313,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None) -
                               maximize=state.maximize, weight_decay=wd)
         Y = _scratch(st, "poincare_y", G.size).reshape(G.shape)
         _pool.run_chunked(poincare_options_kernel(*spec) if spec else adam_rows_poincare,
-                          (W, wrows, woff, st.data, srows, st.m_off, st.v_off, G, Y, hp, skip,
+                          (W, wrows, woff, data, drows, st.m_off, st.v_off, G, Y, hp, skip,
                            *opts), n, chunk)
     if st.w_off is None and table is None:
         if inv is None:
@@ -324,6 +339,9 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
         raise ValueError(f"out must be a C-contiguous ({idx.shape[0]}, {st.dim}) "
                          f"{st.dtype.name} array, got {out.shape} {out.dtype}")
     if idx.shape[0]:
+        if getattr(st, "storage", "inplace") == "log":  # never changes the region's residency
+            out[...] = st.engine.read(idx, cols=slice(st.w_off, st.w_off + st.dim))
+            return out
         _pool.run_chunked(gather_rows, (st.data, idx, st.w_off, out), idx.shape[0],
                           _min_chunk(st.dim))
     return out

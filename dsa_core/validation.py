@@ -37,8 +37,10 @@ __all__ = [
     "check_first_moment",
     "check_hparams",
     "check_lr",
+    "check_memory_arg",
     "check_positive_int",
     "check_second_moment",
+    "check_storage",
     "check_weight_decay",
     "check_weight_decay_options",
 ]
@@ -46,6 +48,7 @@ __all__ = [
 NONFINITE_MODES = ("propagate", "skip_row", "raise")
 DURABILITY_MODES = ("flush", "step")
 INIT_NAMES = ("zeros", "normal", "uniform")
+STORAGE_KINDS = ("inplace", "log")
 
 
 def _p(what: str) -> str:
@@ -209,3 +212,77 @@ def check_positive_int(name: str, value: Any, *, what: str = "") -> int:
     if value <= 0:
         raise ValueError(f"{_p(what)}{name} must be a positive int, got {value}")
     return int(value)
+
+
+def check_storage(storage: Any, *, what: str = "") -> str:
+    """``"inplace"`` (one mapped file of records) or ``"log"`` (log-structured, experimental).
+
+    >>> check_storage("log")
+    'log'
+    >>> check_storage("lsm")
+    Traceback (most recent call last):
+        ...
+    ValueError: storage must be one of ('inplace', 'log') ...
+    """
+    if storage not in STORAGE_KINDS:
+        raise ValueError(f"{_p(what)}storage must be one of {STORAGE_KINDS} ('inplace': one "
+                         "mapped file updated in place, the default; 'log': the "
+                         f"log-structured store with a memory budget), got {storage!r}")
+    return str(storage)
+
+
+_SUFFIXES = {"": 1, "b": 1,
+             "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+             "t": 10**12, "tb": 10**12,
+             "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+             "ti": 2**40, "tib": 2**40}
+
+
+def check_memory_arg(memory: Any, storage: str = "log", *, what: str = "") -> int | None:
+    """The memory budget of a log store in bytes, or None (the default budget).
+
+    ``memory`` is an int (bytes) or a string: a number followed by an SI suffix (``k``,
+    ``M``, ``G``, ``T``, optionally with ``B``: powers of 1000) or an IEC one (``Ki``,
+    ``Mi``, ``Gi``, ``Ti``, optionally with ``B``: powers of 1024); case does not matter.
+    Only log stores take one (``storage="log"``).
+
+    >>> check_memory_arg("512MiB"), check_memory_arg("1.5G"), check_memory_arg(4096)
+    (536870912, 1500000000, 4096)
+    >>> check_memory_arg("lots")
+    Traceback (most recent call last):
+        ...
+    ValueError: memory must be a number of bytes: ... got 'lots'
+    >>> check_memory_arg("1GiB", "inplace")
+    Traceback (most recent call last):
+        ...
+    ValueError: memory= is for storage='log' ...
+    """
+    if memory is None:
+        return None
+    if storage != "log":
+        raise ValueError(f"{_p(what)}memory= is for storage='log' (the budget of the log "
+                         f"store's in-memory region); an in-place store (storage={storage!r}) "
+                         "uses the page cache and takes no budget: drop memory= or pass "
+                         "storage='log'")
+    hint = ("a number of bytes: an int, or a string such as '4GiB', '512MiB', '1.5G' "
+            "(SI suffixes k/M/G/T are powers of 1000, IEC Ki/Mi/Gi/Ti powers of 1024)")
+    if isinstance(memory, (bool, np.bool_)):
+        raise TypeError(f"{_p(what)}memory must be {hint}, got {memory!r}")
+    if isinstance(memory, (int, np.integer)):
+        value = int(memory)
+    elif isinstance(memory, str):
+        text = memory.strip().replace("_", "")
+        num = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+        suffix = text[len(num):].strip().lower()
+        try:
+            number = float(num)
+        except ValueError:
+            number = math.nan
+        if suffix not in _SUFFIXES or not math.isfinite(number):
+            raise ValueError(f"{_p(what)}memory must be {hint}, got {memory!r}")
+        value = int(number * _SUFFIXES[suffix])
+    else:
+        raise TypeError(f"{_p(what)}memory must be {hint}, got {type(memory).__name__}")
+    if value <= 0:
+        raise ValueError(f"{_p(what)}memory must be > 0 bytes, got {memory!r}")
+    return value

@@ -1,0 +1,157 @@
+"""A log-structured store seen through the attributes that ``State`` and ``step`` use.
+
+``_store.Store`` (the in-place store) exposes the layout as attributes (``w_off``,
+``m_off``, ``stride``...), the mapped records as ``data`` and the live step count as
+``count``. :class:`LogStore` gives a ``_log.LogEngine`` the same surface, except for
+``data``: a log store has no whole-table array (its records live in an in-memory region of
+slots and in immutable segments), so ``data`` and ``counters`` raise a clear error, and
+``step`` and ``gather`` use :attr:`LogStore.engine` instead (``acquire``, ``region``,
+``read``).
+
+Experimental: adapters, ``durability="step"``, read-ahead and range hints are not wired
+to log stores yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _log
+from ._log_format import FORMAT_NAME as LOG_FORMAT
+from ._log_format import MANIFEST_FILE
+from ._paging import memory_limit
+
+__all__ = ["DEFAULT_MEMORY_SHARE", "LOG_FORMAT", "MIN_BATCH_ROWS", "LogStore",
+           "default_memory", "store_kind"]
+
+DEFAULT_MEMORY_SHARE = 0.25  # of _paging.memory_limit(): the default region budget
+MIN_BATCH_ROWS = 4096        # the default budget always holds a batch of this many rows
+
+
+def store_kind(directory: Path) -> str | None:
+    """``"log"`` or ``"inplace"`` from the manifest's format field; None without a manifest.
+
+    Both kinds keep a ``manifest.json``; its ``"format"`` tells them apart (``"dsa-log"``
+    for log stores, anything else is left to the in-place reader and its checks).
+    """
+    try:
+        manifest = json.loads((Path(directory) / MANIFEST_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return "inplace"  # let the in-place reader report what is wrong with it
+    if isinstance(manifest, dict) and manifest.get("format") == LOG_FORMAT:
+        return "log"
+    return "inplace"
+
+
+def default_memory(layout: dict[str, Any]) -> int:
+    """The default region budget of a log store, in bytes.
+
+    ``DEFAULT_MEMORY_SHARE`` (25%) of the memory this process may use
+    (``_paging.memory_limit()``: physical memory, capped by its cgroup), but never more than
+    the whole table needs (one slot per row) and never less than a batch of
+    ``MIN_BATCH_ROWS`` (4096) rows needs (or the whole table, if smaller).
+    """
+    n = int(layout["num_rows"])
+    share = int(DEFAULT_MEMORY_SHARE * memory_limit())
+    whole = _log.memory_for(layout, n)
+    floor = _log.memory_for(layout, min(MIN_BATCH_ROWS, n))
+    return max(floor, min(share, whole))
+
+
+class LogStore:
+    """The open engine of a log store with the attribute surface of ``_store.Store``.
+
+    Shared by every ``State`` derived from one ``create``/``open``, like a ``Store``.
+    ``count`` is the engine's count (the live step count: that of the newest State, and the
+    one the next seal and flush record).
+    """
+
+    storage = "log"
+    access = "log"  # no mapping to page: the region is the memory (``State.access``)
+
+    def __init__(self, engine: _log.LogEngine):
+        self.engine = engine
+        lay = self.layout = dict(engine.layout)
+        self.path = Path(engine.path)
+        self.mode = engine.mode
+        self.num_rows = int(lay["num_rows"])
+        self.dim = int(lay["dim"])
+        self.dtype = np.dtype(lay["dtype"])
+        self.curvature = float(lay["curvature"])
+        self.stride = int(lay["stride"])
+        self.w_off = lay["w"]
+        self.m_off = lay["m"]
+        self.v_off = lay["v"]
+        self.v_width = lay["v_width"]
+        self.rowwise = lay.get("second_moment") == "rowwise"
+        self.m_bf16 = lay.get("first_moment") == "bfloat16"
+        self.m_width = lay.get("m_width", self.dim)
+        self.rs_off = lay.get("row_step", -1)
+        self.ls_off = lay.get("last_step", -1)
+        self.scratch: dict[str, np.ndarray] = {}
+        self.access_request = "auto"
+        self._fd = -1
+        self._prefetcher = None
+        self._ranges = None
+
+    # -- the engine's state ----------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.engine.closed
+
+    @property
+    def count(self) -> int:
+        return self.engine.count
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.engine.count = int(value)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The region's budget in bytes (None for a read-only open)."""
+        return self.engine.memory_bytes
+
+    @property
+    def slots(self) -> int:
+        return self.engine.slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.stride * self.dtype.itemsize
+
+    def _no_view(self, what: str):
+        raise ValueError(
+            f"store {str(self.path)!r} is a log-structured store (storage='log'), which has "
+            f"no whole-table view ({what}): its records live in a memory region and in "
+            "immutable segments. Read rows with dsa_core.gather(state, idx) or "
+            "dsa_core.read_records(state, idx) in chunks, or convert it to an in-place store "
+            "with dsa_core.convert(state, dest, storage='inplace')")
+
+    @property
+    def data(self):
+        self._no_view("state.store.data")
+
+    @property
+    def counters(self):
+        self._no_view("state.store.counters")
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Everything so far durable (the engine's flush at its count and meta)."""
+        self.engine.flush()
+
+    def journal_void(self) -> None:
+        """No journal: log stores refuse durability='step'."""
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __repr__(self) -> str:
+        return f"LogStore({self.engine!r})"
