@@ -93,7 +93,9 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     -------
     State
         ``state._replace(count=state.count + 1)``. The rows have already been written to the
-        mapped file (durable after :func:`flush`). The ``state`` passed in is now outdated:
+        mapped file (durable after :func:`flush`); in a log store (``storage="log"``) into
+        its memory region, sealed to segments as rows leave it and at :func:`flush`. The
+        ``state`` passed in is now outdated:
         stepping, flushing or closing through it raises :class:`dsa_core.StaleStateError`.
 
     Notes
@@ -142,6 +144,10 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     """
     require_current(state)
     st = state.store
+    if state.durability != "flush" and getattr(st, "storage", "inplace") == "log":
+        raise ValueError(f"State.durability={state.durability!r} is not available for log "
+                         f"stores (storage='log') yet; keep durability='flush' (steps are "
+                         "durable at flush/checkpoint)")
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
     if state.weight_decay:  # set by _replace: checked as create checks it
         check_weight_decay(state.weight_decay, what="State.weight_decay")

@@ -385,6 +385,16 @@ def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
     dsa_core.close(s)
 
 
+def test_durability_step_through_replace_is_refused(tmp_path):
+    _, b = _pair(tmp_path)
+    before = _records(b)
+    with pytest.raises(ValueError, match="durability='step' is not available for log"):
+        dsa_core.step(b._replace(durability="step"), [1], np.ones((1, D), np.float32))
+    np.testing.assert_array_equal(_records(b), before)
+    assert b.count == 0 and b.current
+    dsa_core.close(b)
+
+
 def test_open_refuses_inplace_options_and_memory_mismatch(tmp_path):
     _, b = _pair(tmp_path)
     dsa_core.close(b)
