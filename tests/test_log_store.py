@@ -485,3 +485,47 @@ def test_cli_info_and_verify(tmp_path, capsys):
     seg.write_bytes(bytes(raw))
     assert cli(["verify", "--quiet", str(tmp_path / "log")]) == 1
     assert "PROBLEM" in capsys.readouterr().out
+
+
+def test_restore_between_kinds(tmp_path):
+    a, b = _pair(tmp_path)
+    for idx, g in _batches(np.float32, steps=10):
+        a = dsa_core.step(a, idx, g)
+    b = dsa_core.restore(b, a)  # in-place snapshot -> live log store
+    _assert_same(a, b)
+    for idx, g in _batches(np.float32, steps=10, seed=5):
+        b = dsa_core.step(b, idx, g)
+    a = dsa_core.restore(a, b)  # log store -> live in-place store
+    _assert_same(a, b)
+    dsa_core.close(a)
+    dsa_core.close(b)
+
+
+def test_kill_9_reopens_at_the_last_flush(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    mem = _log.memory_for({"stride": 3 * D, "dtype": "float32"}, 3 * B)
+    code = textwrap.dedent(f"""
+        import os, signal, numpy as np, dsa_core
+        rng = np.random.default_rng(0)
+        s = dsa_core.create({str(tmp_path / 'log')!r}, {N}, {D}, storage="log",
+                            memory={mem},
+                            init=rng.standard_normal(({N}, {D})).astype(np.float32))
+        for k in range(40):
+            s = dsa_core.step(s, rng.integers(0, {N}, {B}),
+                              rng.standard_normal(({B}, {D})).astype(np.float32))
+            if k == 19:
+                dsa_core.flush(s)
+                np.save({str(tmp_path / 'flushed.npy')!r},
+                        dsa_core.read_records(s, np.arange({N})))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    s = dsa_core.open(tmp_path / "log", memory="1MiB")  # the dead writer's lock is gone
+    assert s.count == 20
+    np.testing.assert_array_equal(_records(s), np.load(tmp_path / "flushed.npy"))
+    assert s.store.engine.verify() == []
+    dsa_core.close(s)
