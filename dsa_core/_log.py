@@ -503,9 +503,10 @@ class LogEngine:
         check_memory(self.layout, self.memory_bytes or 0, int(batch))
 
     # -- reading ----------------------------------------------------------------------------
-    def _read_disk(self, locs: np.ndarray, out: np.ndarray, out_idx: np.ndarray) -> None:
-        """``out[out_idx[i]] = record at locs[i]`` (locations > 0), one pass per segment in
-        record order."""
+    def _read_disk(self, locs: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
+                   cols: slice = slice(None)) -> None:
+        """``out[out_idx[i]] = record at locs[i]`` (locations > 0; columns ``cols``), one pass
+        per segment in record order."""
         if not locs.shape[0]:
             return
         order = np.argsort(locs, kind="stable")
@@ -519,35 +520,43 @@ class LogEngine:
             if seg is None:  # pragma: no cover - an engine bug: verify() would report it
                 raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
                                    f"segment {sid}, which is not live; run verify()")
-            out[out_idx[order[a:b]]] = seg.records[ks[a:b]]
+            out[out_idx[order[a:b]]] = seg.records[ks[a:b], cols]
 
-    def _initial_into(self, rows: np.ndarray, out: np.ndarray, out_idx: np.ndarray) -> None:
+    def _initial_into(self, rows: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
+                      cols: slice = slice(None)) -> None:
         if not rows.shape[0]:
             return
         if self.init.kind == "zeros" or self.init.w_off is None:
             out[out_idx] = 0
         else:
-            out[out_idx] = initial_records(rows, self.init)
+            out[out_idx] = initial_records(rows, self.init)[:, cols]
 
-    def read(self, rows: Any) -> np.ndarray:
+    def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
         """A copy of the records of ``rows``: shape ``(len(rows), stride)``, store dtype.
 
         Any rows, duplicates allowed. Resident rows come from the region, others from their
         segment's mapping or, never written, as their initial record. Residency is not
-        changed (for gather and export).
+        changed (for gather and export). ``cols``: a ``slice`` of record columns to copy
+        (e.g. the weights ``slice(w, w + dim)`` for gather); the result then has that many
+        columns.
         """
         self._require_open()
         rows = _check_rows(rows, self.num_rows)
+        if cols is None:
+            cols = slice(None)
+        if not isinstance(cols, slice) or cols.step not in (None, 1):
+            raise ValueError(f"cols must be a slice of record columns with step 1, got {cols!r}")
+        width = len(range(*cols.indices(self.stride)))
         n = rows.shape[0]
-        out = np.empty((n, self.stride), self.dtype)
+        out = np.empty((n, width), self.dtype)
         lr = self.loc[rows]
         res = lr < 0
         if res.any():
-            out[res] = self.region[-lr[res] - 1]
+            out[res] = self.region[-lr[res] - 1, cols]
         disk = np.flatnonzero(lr > 0)
-        self._read_disk(lr[disk], out, disk)
+        self._read_disk(lr[disk], out, disk, cols)
         never = np.flatnonzero(lr == 0)
-        self._initial_into(rows[never], out, never)
+        self._initial_into(rows[never], out, never, cols)
         return out
 
     # -- acquiring ----------------------------------------------------------------------------

@@ -161,6 +161,11 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
     after = (eng.loc, eng.slot_row, eng.dirty, eng.stats())
     assert all(np.array_equal(a, b) for a, b in zip(where[:3], after[:3], strict=True))
     assert where[3] == after[3]  # read never changes residency
+    w = slice(lay["w"], lay["w"] + lay["dim"])
+    np.testing.assert_array_equal(eng.read(idx, cols=w), ref[idx][:, w])  # gather's columns
+    np.testing.assert_array_equal(eng.read(idx, cols=slice(20, None)), ref[idx][:, 20:])
+    with pytest.raises(ValueError, match="cols must be a slice"):
+        eng.read(idx, cols=[1, 2])
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
     assert eng.read(np.array([], np.int64)).shape == (0, lay["stride"])
     assert eng.acquire(np.array([], np.int64)).shape == (0,)
