@@ -20,6 +20,7 @@ from dsa_core.__main__ import main as cli
 N, D = 240, 6
 B = 24          # ids per batch (with duplicates)
 STEPS = 60
+LAYOUT = {"stride": 3 * D, "dtype": "float32"}  # a float32 record [w | m | v]: for memory_for
 
 
 def _init(dtype="float32", scale=0.1, seed=0, n=N, d=D):
@@ -78,6 +79,7 @@ PARITY = {
     "rowstep_poincare": {"curvature": 1.0, "per_row_step": True},
     "skip_row": {"nonfinite": "skip_row"},
     "maximize": {"maximize": True, "lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6},
+    "align": {"align": 64, "second_moment": "rowwise"},
 }
 
 
@@ -369,9 +371,7 @@ def test_memory_strings():
 
 
 def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
-    s = dsa_core.create(tmp_path / "s", N, D, storage="log",
-                        memory=_log.memory_for(dsa_core.create(
-                            tmp_path / "probe", 1, D).layout, 10))
+    s = dsa_core.create(tmp_path / "s", N, D, storage="log", memory=_log.memory_for(LAYOUT, 10))
     s = dsa_core.step(s, np.arange(8), np.ones((8, D), np.float32))
     before, stats = _records(s), s.store.engine.stats()
     idx = np.concatenate([np.arange(11), np.arange(11)])  # 11 unique rows > 10 slots
@@ -442,7 +442,7 @@ def test_buckets_with_a_log_store(tmp_path):
     rng = np.random.default_rng(0)
     edges = rng.integers(0, N, (600, 2))
     plan = buckets.plan(edges, N, partitions=4, buffer=2, seed=1)
-    mem = _log.memory_for(dsa_core.create(tmp_path / "probe", 1, D).layout, 120)
+    mem = _log.memory_for(LAYOUT, 120)
     runs = []
     for name, use in (("with", True), ("without", False)):
         s = dsa_core.create(tmp_path / name, N, D, init=_init(), storage="log", memory=mem)
@@ -505,7 +505,7 @@ def test_kill_9_reopens_at_the_last_flush(tmp_path):
     import subprocess
     import sys
     import textwrap
-    mem = _log.memory_for({"stride": 3 * D, "dtype": "float32"}, 3 * B)
+    mem = _log.memory_for(LAYOUT, 3 * B)
     code = textwrap.dedent(f"""
         import os, signal, numpy as np, dsa_core
         rng = np.random.default_rng(0)
