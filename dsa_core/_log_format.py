@@ -37,8 +37,11 @@ Crash points (:func:`crash_point`) let tests kill the process at chosen moments.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import json
+import mmap
 import os
 import signal
 import struct
@@ -295,6 +298,46 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
     return n
 
 
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munmap.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _ReadOnlyMap:
+    """A read-only shared mapping of a whole file that holds no file descriptor.
+
+    Python's ``mmap`` (and so ``np.memmap``) keeps a duplicate descriptor per mapping: a store
+    of thousands of segments would exhaust the process's descriptors (often 1024). This maps
+    with libc and closes the file at once. ``np.asarray(self)`` is a read-only uint8 view whose
+    base is this object, so the mapping lives exactly as long as some array uses it and is
+    unmapped when the last one goes.
+    """
+
+    def __init__(self, path: Path, size: int):
+        self._addr, self._size = 0, size
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map {str(path)!r} ({os.strerror(err)}); with very "
+                          "many segments, raise vm.max_map_count")
+        self._addr = addr
+        self.__array_interface__ = {"data": (addr, True), "shape": (size,), "typestr": "|u1",
+                                    "version": 3}
+
+    def __del__(self):
+        if self._addr:
+            _libc.munmap(self._addr, self._size)
+            self._addr = 0
+
+
 class Segment:
     """One mapped segment: read-only views of its rows, steps and records (page cache)."""
 
@@ -306,9 +349,10 @@ class Segment:
 
 
 def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -> Segment:
-    """Map a segment read-only (``mode="r"``: clean pages, reclaimable, never written)."""
+    """Map a segment read-only (clean page-cache pages, reclaimable, never written back); no
+    file descriptor stays open."""
     rows_off, steps_off, rec_off, size = segment_geometry(n, stride, np.dtype(dtype).itemsize)
-    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    mm = np.asarray(_ReadOnlyMap(path, size))
     rows = mm[rows_off:rows_off + 8 * n].view(np.int64)
     steps = mm[steps_off:steps_off + 8 * n].view(np.int64)
     records = mm[rec_off:rec_off + n * stride * np.dtype(dtype).itemsize].view(dtype)

@@ -187,6 +187,25 @@ def test_region_accounting(tmp_path):
     eng.close()
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_mapped_segments_hold_no_file_descriptors(tmp_path):
+    """Python's mmap keeps a descriptor per mapping: thousands of segments would hit the
+    process's descriptor limit (often 1024)."""
+    lay = _layout_of("f32", 20000, dim=4)
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 16),
+                      space_ratio=50.0)
+    fds = len(os.listdir("/proc/self/fd"))
+    train(eng, None, lay, 1, 400, 8, "uniform")
+    assert len(eng.segs) > 150
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    rec = next(iter(eng.segs.values())).records
+    assert not rec.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        rec[0, 0] = 1
+    eng.close()
+    del rec
+
+
 def test_seals_are_large_sequential_units(tmp_path):
     lay = _layout_of("f32")
     eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 400))
