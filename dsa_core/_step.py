@@ -346,7 +346,7 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
                          f"{st.dtype.name} array, got {out.shape} {out.dtype}")
     if idx.shape[0]:
         if getattr(st, "storage", "inplace") == "log":  # never changes the region's residency
-            out[...] = st.engine.read(idx)[:, st.w_off:st.w_off + st.dim]
+            out[...] = st.engine.read(idx, cols=slice(st.w_off, st.w_off + st.dim))
             return out
         _pool.run_chunked(gather_rows, (st.data, idx, st.w_off, out), idx.shape[0],
                           _min_chunk(st.dim))
