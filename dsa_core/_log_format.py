@@ -319,6 +319,7 @@ class _ReadOnlyMap:
 
     def __init__(self, path: Path, size: int):
         self._addr, self._size = 0, size
+        self._munmap = _libc.munmap  # kept: module globals may be gone when __del__ runs
         fd = os.open(path, os.O_RDONLY)
         try:
             addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
@@ -334,7 +335,7 @@ class _ReadOnlyMap:
 
     def __del__(self):
         if self._addr:
-            _libc.munmap(self._addr, self._size)
+            self._munmap(self._addr, self._size)
             self._addr = 0
 
 
