@@ -597,7 +597,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
     kind = _log_store.store_kind(directory)
-    if kind is not None and not overwrite:
+    if kind is not None and not overwrite and "log" in (kind, storage):
         raise FileExistsError(
             f"a store already exists at {str(directory)!r} ({_layout.MANIFEST_FILE}, "
             f"storage={kind!r}); open it with dsa_core.open(path) or pass overwrite=True to "
