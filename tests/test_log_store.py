@@ -14,7 +14,6 @@ import pytest
 
 import dsa_core
 from dsa_core import _log
-from dsa_core._state import convert
 from dsa_core.__main__ import main as cli
 
 N, D = 240, 6
@@ -231,7 +230,7 @@ def test_convert_gives_identical_records_and_training(tmp_path, direction):
         b = dsa_core.step(b, idx, g)
     src, kind = (a, "log") if direction == "inplace->log" else (b, "inplace")
     mem = _small_memory(a) if kind == "log" else None
-    c = convert(src, tmp_path / "conv", storage=kind, memory=mem)
+    c = dsa_core.convert(src, tmp_path / "conv", storage=kind, memory=mem)
     assert c.storage == kind and c.count == 15 and c.layout == a.layout
     assert (c.lr, c.betas, c.weight_decay) == (a.lr, a.betas, a.weight_decay)
     _assert_same(a, c)
@@ -240,7 +239,7 @@ def test_convert_gives_identical_records_and_training(tmp_path, direction):
         c = dsa_core.step(c, idx, g)
     _assert_same(a, c)
     with pytest.raises(FileExistsError):
-        convert(src, tmp_path / "conv", storage=kind, memory=mem)
+        dsa_core.convert(src, tmp_path / "conv", storage=kind, memory=mem)
     for s in (a, b, c):
         dsa_core.close(s)
 
