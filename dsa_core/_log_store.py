@@ -14,7 +14,10 @@ to log stores yet.
 
 from __future__ import annotations
 
+import atexit
 import json
+import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,31 @@ def default_memory(layout: dict[str, Any]) -> int:
     return max(floor, min(share, whole))
 
 
+# Open writable log stores, flushed at normal interpreter exit (see _flush_at_exit).
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _flush_at_exit() -> None:
+    """Flush every log store still open for writing when the interpreter exits normally.
+
+    An in-place store's rows reach its file through the shared mapping even when the
+    program never calls ``close``; a log store's steps since the last flush live only in
+    its memory region. Python flushes open files at exit; so does this, so that forgetting
+    ``close`` does not silently lose training. (After ``kill -9`` or ``os._exit`` nothing
+    runs: the store reopens at its last flush, as documented.)
+    """
+    for st in list(_OPEN):
+        try:
+            if not st.closed:
+                st.engine.flush()
+        except Exception as exc:  # report, and go on with the other stores
+            print(f"dsa_core: flushing log store {str(st.path)!r} at exit failed: {exc!r}",
+                  file=sys.stderr)
+
+
+atexit.register(_flush_at_exit)
+
+
 class LogStore:
     """The open engine of a log store with the attribute surface of ``_store.Store``.
 
@@ -99,6 +127,8 @@ class LogStore:
         self._fd = -1
         self._prefetcher = None
         self._ranges = None
+        if self.mode == "r+":
+            _OPEN.add(self)
 
     # -- the engine's state ----------------------------------------------------------------
     @property

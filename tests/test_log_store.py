@@ -528,3 +528,30 @@ def test_kill_9_reopens_at_the_last_flush(tmp_path):
     np.testing.assert_array_equal(_records(s), np.load(tmp_path / "flushed.npy"))
     assert s.store.engine.verify() == []
     dsa_core.close(s)
+
+
+def test_a_store_left_open_is_flushed_at_normal_exit(tmp_path):
+    """Forgetting close() must not silently lose the steps since the last flush: an in-place
+    store's rows reach its file through the mapping, a log store's live in its region, so
+    the interpreter's exit flushes it (as Python flushes open files)."""
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent(f"""
+        import numpy as np, dsa_core
+        rng = np.random.default_rng(0)
+        s = dsa_core.create({str(tmp_path / 'log')!r}, {N}, {D}, storage="log",
+                            memory="1MiB", init="normal")
+        for k in range(7):
+            s = dsa_core.step(s, rng.integers(0, {N}, {B}),
+                              rng.standard_normal(({B}, {D})).astype(np.float32))
+        np.save({str(tmp_path / 'live.npy')!r}, dsa_core.read_records(s, np.arange({N})))
+        # no flush, no close: the program just ends
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    s = dsa_core.open(tmp_path / "log", memory="1MiB")
+    assert s.count == 7
+    np.testing.assert_array_equal(_records(s), np.load(tmp_path / "live.npy"))
+    dsa_core.close(s)
