@@ -25,6 +25,7 @@ SMOKES = {
     "folio_check": ["--smoke"],
     "distributed": ["--smoke"],  # writes distributed_smoke.*, never the committed results
     "decay_quality": ["--smoke"],  # its stores go to TMPDIR (tmp_path)
+    "log_warm": ["--smoke"],  # writes no result files in smoke mode
 }
 
 
