@@ -16,12 +16,14 @@ import numpy as np
 import torch
 
 import dsa_core
+from dsa_core import validation
 
 __all__ = [
     "DirLock",
     "SharedState",
     "check_existing",
     "check_reopen",
+    "check_storage_args",
     "check_table_args",
     "check_torch_hparams",
     "close_quietly",
@@ -31,6 +33,7 @@ __all__ = [
     "peek_existing",
     "reopen",
     "row_options",
+    "set_columns",
     "store_second_moment",
     "to_device",
     "to_host",
@@ -219,14 +222,23 @@ def check_reopen(resume: Any, overwrite: Any, what: str) -> tuple[bool, bool]:
 def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.dtype,
                    curvature: float, weights: bool, what: str,
                    second_moment: str = "elementwise", first_moment: str = "full",
-                   per_row_step: bool = False, decay_missed_steps: bool = False) -> None:
+                   per_row_step: bool = False, decay_missed_steps: bool = False,
+                   storage: str | None = None) -> None:
     """``ValueError`` unless the open store ``state`` is what a resumed run needs.
 
     Shape, dtype, curvature, weight layout, second and first moment, per-row step counts and
     the catch-up of missed weight decay are fixed when a store is created; a store that
-    differs cannot be resumed, only replaced (``overwrite=True``).
+    differs cannot be resumed, only replaced (``overwrite=True``). ``storage`` (when given)
+    is the store kind asked for (``"inplace"`` or ``"log"``); a store of the other kind is
+    refused too (``dsa_core.convert`` copies a store into the other kind).
     """
     path = str(state.path)
+    if storage is not None and state.storage != storage:
+        raise ValueError(
+            f"{what}: the existing store at {path!r} is a storage={state.storage!r} store, "
+            f"but storage={storage!r} was asked for. Pass storage={state.storage!r} to "
+            "resume it, copy it into the other kind with dsa_core.convert(state, dest, "
+            f"storage={storage!r}) and resume that, or overwrite=True to replace it")
     have = (state.num_rows, state.dim, state.dtype.name, state.curvature, state.has_weights)
     want = (num_rows, dim, dtype.name, curvature, weights)
     if have != want:
@@ -288,19 +300,78 @@ def peek_existing(path: Path, **expect: Any) -> int | None:
         dsa_core.close(snap)
 
 
-def reopen(path: Path, *, access: str = "auto", **expect: Any) -> dsa_core.State:
+def reopen(path: Path, *, access: str = "auto", memory: int | None = None,
+           **expect: Any) -> dsa_core.State:
     """Open the store at ``path`` for writing (resume) and check it again once locked.
 
-    A store held by another writer raises ``dsa_core.StoreLockedError``; a mismatch closes
-    it again and raises ``ValueError`` (see :func:`check_existing`).
+    ``memory`` is the region budget of a log store (``dsa_core.open``'s ``memory``; only
+    given for ``storage="log"``). A store held by another writer raises
+    ``dsa_core.StoreLockedError``; a mismatch closes it again and raises ``ValueError``
+    (see :func:`check_existing`).
     """
-    state = dsa_core.open(path, access=access)
+    state = dsa_core.open(path, access=access) if memory is None else \
+        dsa_core.open(path, access=access, memory=memory)
     try:
         check_existing(state, **expect)
     except BaseException:
         dsa_core.close(state)
         raise
     return state
+
+
+def check_storage_args(storage: Any, memory: Any, access: str, first_moment: str | None,
+                       what: str) -> tuple[str, int | None]:
+    """``storage`` and ``memory`` checked against each other and the other store options.
+
+    Returns ``(storage, memory in bytes or None)``. ``memory`` is for ``storage="log"`` only;
+    a log store has no mapping, so it takes ``access="auto"`` only, and it cannot keep m as
+    bfloat16 yet. All of this is refused here, before anything is opened or written.
+    """
+    storage = validation.check_storage(storage, what=what)
+    memory = validation.check_memory_arg(memory, storage, what=what)
+    if storage == "log":
+        if access != "auto":
+            raise ValueError(
+                f"{what}: access={access!r} is for in-place stores; a log store "
+                "(storage='log') has no mapping to page and sizes its in-memory region with "
+                "memory= instead. Leave access='auto', or use storage='inplace'")
+        if first_moment == "bfloat16":
+            raise ValueError(
+                f"{what}: first_moment='bfloat16' is not available with storage='log' yet; "
+                "use first_moment='full' with storage='log', or keep storage='inplace' for "
+                "a bfloat16 first moment")
+    return storage, memory
+
+
+_CHUNK_BYTES = 1 << 24  # ~16 MiB of records per read/modify/write chunk of a log store
+
+
+def set_columns(state: dsa_core.State, off: int, width: int, source, *,
+                as_int: bool = False) -> None:
+    """Overwrite columns ``[off, off + width)`` of every record of ``state``, in chunks.
+
+    The row-wise way to write a whole column block (weights, m, v, a per-row counter) of
+    a store that has no whole-table view (a log store): each chunk of records is read with
+    ``dsa_core.read_records``, its columns replaced, and written back with
+    ``dsa_core.write_records``; the other columns keep their bits. ``source(lo, hi)`` gives
+    the values of rows ``[lo, hi)``: an array broadcastable to ``(hi - lo, width)``, cast to
+    the store dtype, or with ``as_int`` to the store's counter integers (int32 in float32
+    records, int64 in float64 ones), stored bit for bit. Durable at the next flush.
+    """
+    dt = state.dtype
+    ints = np.dtype(np.int32) if dt.itemsize == 4 else np.dtype(np.int64)
+    stride = int(state.layout["stride"])
+    rows = max(1, _CHUNK_BYTES // (stride * dt.itemsize))
+    for lo in range(0, state.num_rows, rows):
+        hi = min(state.num_rows, lo + rows)
+        idx = np.arange(lo, hi, dtype=np.int64)
+        rec = dsa_core.read_records(state, idx)
+        val = np.asarray(source(lo, hi))
+        if as_int:
+            rec.view(ints)[:, off:off + width] = val.astype(ints, copy=False)
+        else:
+            rec[:, off:off + width] = val.astype(dt, copy=False)
+        dsa_core.write_records(state, idx, rec)
 
 
 def move_disk_weight(module, fn, what: str):

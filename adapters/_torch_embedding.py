@@ -18,6 +18,7 @@ from dsa_core import validation
 from ._torch_common import (
     SharedState,
     check_reopen,
+    check_storage_args,
     check_table_args,
     close_quietly,
     move_disk_weight,
@@ -25,6 +26,7 @@ from ._torch_common import (
     peek_existing,
     reopen,
     row_options,
+    set_columns,
 )
 
 __all__ = ["DiskEmbedding", "DiskWeight"]
@@ -222,6 +224,16 @@ class DiskEmbedding(nn.Module):
         every step it missed (docs/algorithms.md §7.1; a per-row last step in the record),
         so decay acts as if every row were decayed at every step. Fixed at creation; the
         optimizer that steps the table must use ``decoupled_weight_decay=True``.
+    storage : "inplace" or "log", default "inplace"
+        The kind of store (``dsa_core.create``'s ``storage``). ``"inplace"``: one mapped
+        file of records updated in place. ``"log"`` (experimental): the log-structured
+        store, whose in-memory region of at most ``memory`` bytes takes the steps and
+        writes evicted rows to disk in large sequential writes; training is bit-identical.
+        A log store has no mapping (``access`` must stay "auto") and no bfloat16 first
+        moment yet. A resumed store must be of the kind asked for.
+    memory : int or str, optional
+        ``storage="log"`` only: the budget of the log store's region, bytes or a string
+        such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
 
     The weight decay itself is not a module argument: as for ``nn.Embedding``, it is the
     optimizer's hyperparameter (``DiskSparseAdam(emb.parameters(), weight_decay=...,
@@ -234,8 +246,9 @@ class DiskEmbedding(nn.Module):
         The data-less stand-in parameter that receives the sparse gradient (see
         :class:`DiskWeight`); give it (``emb.parameters()``) to :class:`DiskSparseAdam`.
     store : dsa_core.State
-        The store's current State (``store.weights``, ``store.exp_avg``,
-        ``store.exp_avg_sq`` are views of the rows on disk).
+        The store's current State (for an in-place store, ``store.weights``,
+        ``store.exp_avg``, ``store.exp_avg_sq`` are views of the rows on disk; a log store
+        has no such views: read rows with ``dsa_core.gather`` / ``dsa_core.read_records``).
 
     Raises
     ------
@@ -298,12 +311,14 @@ class DiskEmbedding(nn.Module):
                  progress: bool | None = None, access: str = "auto",
                  second_moment: str = "elementwise", first_moment: str = "full",
                  nonfinite: str | None = None, per_row_step: bool = False,
-                 decay_missed_steps: bool = False):
+                 decay_missed_steps: bool = False, storage: str = "inplace",
+                 memory: int | str | None = None):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
+        storage, memory = check_storage_args(storage, memory, access, first_moment, what)
         dt = np_dtype(dtype, "DiskEmbedding")
         c = validation.check_curvature(curvature, what=what)
         validation.check_second_moment(second_moment, c, what=what)
@@ -320,7 +335,8 @@ class DiskEmbedding(nn.Module):
         path = Path(state_dir)
         expect = {"num_rows": num_embeddings, "dim": embedding_dim, "dtype": dt,
                   "curvature": c, "weights": True, "what": what,
-                  "second_moment": second_moment, "first_moment": first_moment, **rows}
+                  "second_moment": second_moment, "first_moment": first_moment,
+                  "storage": storage, **rows}
         count = None if overwrite else peek_existing(path, **expect)
         if count is not None and not resume:
             raise FileExistsError(
@@ -330,11 +346,12 @@ class DiskEmbedding(nn.Module):
                 "weights, m, v and step count; init is then unused), or overwrite=True to "
                 "replace it with a new table")
         if count is not None:
-            state = reopen(path, access=access, **expect)
+            state = reopen(path, access=access, memory=memory, **expect)
         else:
             state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
                                  init_scale, seed, padding_idx, overwrite, progress, access,
-                                 second_moment, first_moment, nonfinite or "propagate", rows)
+                                 second_moment, first_moment, nonfinite or "propagate", rows,
+                                 storage, memory)
         if nonfinite is not None and state.nonfinite != nonfinite:
             state = state._replace(nonfinite=nonfinite)  # recorded at the next flush
         self._handle = SharedState(state)
@@ -349,23 +366,31 @@ class DiskEmbedding(nn.Module):
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
-                access, second_moment, first_moment, nonfinite, rows):
+                access, second_moment, first_moment, nonfinite, rows, storage="inplace",
+                memory=None):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         if isinstance(init, torch.Tensor):
             init = init.detach().cpu().numpy()
+        kind = {} if storage == "inplace" else {"storage": storage, "memory": memory}
         state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
                                 init=init, init_scale=init_scale, seed=seed,
                                 overwrite=overwrite, progress=progress, access=access,
                                 second_moment=second_moment, first_moment=first_moment,
-                                nonfinite=nonfinite, **rows,
+                                nonfinite=nonfinite, **rows, **kind,
                                 # the optimizer sets the decay at each step; a store that
                                 # catches up decay is created with the decoupled kind
                                 decoupled_weight_decay=rows["decay_missed_steps"])
         if padding_idx is not None:
-            state.weights[padding_idx] = 0
+            if state.storage == "log":  # no whole-table view: rewrite that one record
+                rec = dsa_core.read_records(state, [padding_idx])
+                o = state.layout["w"]
+                rec[:, o:o + d] = 0
+                dsa_core.write_records(state, [padding_idx], rec)
+            else:
+                state.weights[padding_idx] = 0
         return state
 
     # -- access ---------------------------------------------------------------------------
@@ -608,6 +633,9 @@ class DiskEmbedding(nn.Module):
             if bool((sq >= 1.0 / st.curvature).any()):
                 raise ValueError("weight rows must lie inside the Poincaré ball "
                                  f"(norm < {1 / math.sqrt(st.curvature):.6g})")
+        if st.storage == "log":  # no whole-table view: record chunks, the other columns kept
+            set_columns(st, st.layout["w"], st.dim, lambda lo, hi: w[lo:hi].numpy())
+            return
         target = st.weights
         for lo in range(0, st.num_rows, _IMPORT_CHUNK_ROWS):
             hi = min(st.num_rows, lo + _IMPORT_CHUNK_ROWS)

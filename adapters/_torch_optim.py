@@ -18,6 +18,7 @@ from ._torch_common import (
     DirLock,
     SharedState,
     check_reopen,
+    check_storage_args,
     check_torch_hparams,
     close_quietly,
     manifold_curvature,
@@ -25,6 +26,7 @@ from ._torch_common import (
     peek_existing,
     reopen,
     row_options,
+    set_columns,
     store_second_moment,
     to_device,
     to_host,
@@ -226,6 +228,16 @@ class DiskSparseAdam(torch.optim.Optimizer):
         (exact for a constant lr; docs/algorithms.md §7.1). Needs
         ``decoupled_weight_decay=True`` in every group that steps such a store. A layout
         option (a per-row last step), with the same rules as ``per_row_step``.
+    storage : "inplace" or "log", default "inplace"
+        The kind of this optimizer's own stores (those of in-RAM parameters such as an
+        ``nn.Embedding`` weight; ``dsa_core.create``'s ``storage``). ``"log"``
+        (experimental): log-structured stores whose in-memory region of at most ``memory``
+        bytes takes the steps; training is bit-identical. They take ``access="auto"`` only
+        and no bfloat16 first moment yet; resumed stores must be of the kind asked for. A
+        DiskEmbedding's parameter keeps its module's store, whatever its kind.
+    memory : int or str, optional
+        ``storage="log"`` only: the region budget of **each** own store, bytes or a string
+        such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
 
     Raises
     ------
@@ -333,7 +345,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                  overwrite: bool = False, curvature: float = 0.0, access: str = "auto",
                  second_moment: str | None = None, first_moment: str | None = None,
                  nonfinite: str | None = None, per_row_step: bool | None = None,
-                 decay_missed_steps: bool | None = None):
+                 decay_missed_steps: bool | None = None, storage: str = "inplace",
+                 memory: int | str | None = None):
         check_torch_hparams(lr, betas, eps, weight_decay, decoupled_weight_decay)
         what = "DiskSparseAdam"
         validation.check_weight_decay(weight_decay, what=what)
@@ -350,6 +363,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if nonfinite is not None:
             validation.check_nonfinite(nonfinite, what=what)
         self._resume, self._overwrite = check_reopen(resume, overwrite, what)
+        self._storage, self._memory = check_storage_args(storage, memory, access,
+                                                         first_moment, what)
         self._access = access
         self._second_moment = second_moment
         self._first_moment = first_moment
@@ -385,6 +400,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def _sm(self, c: float) -> str:
         """``dsa_core.create``'s second_moment for an own store of curvature ``c``."""
         return "elementwise" if c > 0 else (self._second_moment or "elementwise")
+
+    def _kind(self) -> dict[str, Any]:
+        """``dsa_core.create``'s ``storage`` / ``memory`` for an own store (none: in-place)."""
+        if self._storage == "inplace":
+            return {}
+        return {"storage": self._storage, "memory": self._memory}
 
     def _row_options(self) -> dict[str, bool]:
         """``per_row_step`` and ``decay_missed_steps`` of this optimizer's own stores."""
@@ -503,7 +524,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 kw = {"num_rows": p.shape[0], "dim": p.shape[1], "dtype": dt, "curvature": c,
                       "weights": False, "what": f"DiskSparseAdam parameter [{gi}, {pj}]",
                       "second_moment": self._sm(c),
-                      "first_moment": self._first_moment or "full", **self._row_options()}
+                      "first_moment": self._first_moment or "full",
+                      "storage": self._storage, **self._row_options()}
                 expect.append(kw)
                 found.append(None if self._overwrite else peek_existing(path, **kw))
             old = [(e[3].name, n) for e, n in zip(own, found) if n is not None]
@@ -519,7 +541,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             states = []
             for k, (gi, pj, p, path, dt, c) in enumerate(own):  # pass 2: open or create
                 if found[k] is not None:
-                    st = reopen(path, access=self._access, **expect[k])
+                    st = reopen(path, access=self._access, memory=self._memory, **expect[k])
                 else:
                     lr, betas, eps, maximize, wd, decoupled = _group_hparams(
                         self.param_groups[gi])
@@ -530,7 +552,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                                          second_moment=self._sm(c),
                                          first_moment=self._first_moment or "full",
                                          nonfinite=self._nonfinite or "propagate",
-                                         overwrite=self._overwrite, **self._row_options())
+                                         overwrite=self._overwrite, **self._row_options(),
+                                         **self._kind())
                     created.append(path)
                 opened.append(st)
                 if self._nonfinite is not None and st.nonfinite != self._nonfinite:
@@ -668,7 +691,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
     # -- inspection, durability, life cycle -----------------------------------------------
     def store_for(self, p: torch.Tensor) -> dsa_core.State:
         """The current ``dsa_core.State`` of parameter ``p`` (``.exp_avg``, ``.exp_avg_sq``,
-        ``.count``).
+        ``.count``; a log store has no whole-table views: ``dsa_core.read_records``).
 
         A value, not a live handle: the next :meth:`step` makes a new State and this one
         outdated. Its rows stay readable (the same mapped views), but ``dsa_core.step``,
@@ -1096,6 +1119,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 v = v.double().mean(dim=1, keepdim=True)
             todo.append((st, int(torch.as_tensor(s.get("step", 0))), m, v))
         for st, t, m, v in todo:
+            if st.storage == "log":  # no whole-table views: whole records, in chunks
+                lay = st.layout
+                if m is not None:
+                    mn, vn = m.numpy(), v.numpy()
+                    set_columns(st, lay["m"], st.dim, lambda lo, hi: mn[lo:hi])
+                    set_columns(st, lay["v"], lay["v_width"], lambda lo, hi: vn[lo:hi])
+                if st.decay_missed_steps:
+                    set_columns(st, lay["last_step"], 1, lambda lo, hi: t, as_int=True)
+                continue
             if m is not None:
                 st.set_exp_avg(m.numpy())  # cast to the store (bfloat16 m: to nearest)
                 st.exp_avg_sq[...] = v.numpy().astype(st.dtype, copy=False)
