@@ -56,7 +56,7 @@ def assert_same_store(a, b):
     wa, ra = all_rows(a)
     wb, rb = all_rows(b)
     np.testing.assert_array_equal(wa, wb)
-    np.testing.assert_array_equal(ra.view(np.uint32), rb.view(np.uint32))  # bit for bit
+    np.testing.assert_array_equal(ra.view(np.uint8), rb.view(np.uint8))  # bit for bit
 
 
 def evicted(state) -> bool:
@@ -75,11 +75,18 @@ def train(emb, opt, xs):
     {},
     {"decay_missed_steps": True, "wd": 0.1},
     {"per_row_step": True, "mode": "sum"},
+    {"curvature": 1.0},
+    {"dtype": torch.float64, "decay_missed_steps": True, "wd": 0.1},
 ])
 def test_disk_embedding_log_matches_inplace(tmp_path, mem, opts):
     opts = dict(opts)
     wd = opts.pop("wd", 0.0)
     init = torch.randn(N, D, generator=torch.Generator().manual_seed(1)) * 0.1
+    if opts.get("dtype") == torch.float64:
+        init = init.double()
+        mem = small_memory(_path=tmp_path / "probe64", dtype="float64", **{
+            k: v for k, v in opts.items() if k == "decay_missed_steps"},
+            decoupled_weight_decay=True)
     embs, opts_ = [], []
     for kind, kw in (("inplace", {}), ("log", {"storage": "log", "memory": mem})):
         e = DiskEmbedding(N, D, state_dir=tmp_path / kind, init=init, padding_idx=5,
