@@ -395,14 +395,19 @@ def f32_from_bf16(h):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, rowwise, t,
-                             skip_nonfinite, lo, hi):
+def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, hrows, m16off, voff, G, hp, rowwise,
+                             t, skip_nonfinite, lo, hi):
     """Euclidean lazy Adam with m stored as bfloat16 (``M16`` = the records as uint16).
 
     Per coordinate, in float32: ``m = f32(m16)``, then exactly :func:`adam_rows_euclid`
     (``rowwise=False``: SparseAdam's v and update) or :func:`adam_rows_euclid_rowwise`
     (``rowwise=True``) with that m, the weight updated with the unrounded new m, and the new m
     stored as ``bf16_from_f32(m', sr_bits(t, row, d, j))``.
+
+    ``srows[i]`` is the record of batch row ``i`` in ``S``/``M16``; ``hrows[i]`` is its row id,
+    which keys the rounding hash. An in-place store passes its rows as both; a log store passes
+    the region slots as ``srows`` and the row ids as ``hrows``, so the rounding (and every bit
+    of the result) does not depend on where a record happens to sit.
     """
     a1, a2, bc1, bc2, eps, neg_lr, sgn, neg_s, _, _ = unpack_euclid(hp)
     T = hp.dtype.type
@@ -415,6 +420,7 @@ def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, r
         if skip_nonfinite and not row_is_finite(g_):
             continue
         r = srows[i]
+        h = hrows[i]  # the row id: the rounding hash's key
         rec = S[r]
         m_ = M16[r][m16off:m16off + d]
         w_ = W[wrows[i]][woff:woff + d]
@@ -427,7 +433,7 @@ def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, r
             for j in range(d):
                 m = f32_from_bf16(m_[j])
                 m2 = m + ((g_[j] * sgn) - m) * a1
-                m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                 w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
         else:
             v_ = rec[voff:voff + d]
@@ -439,7 +445,7 @@ def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, m16off, voff, G, hp, r
                 dv = (g * g - v) * a2
                 m2 = m + dm
                 v2 = v + dv
-                m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                 v_[j] = v2
                 w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
 
@@ -456,11 +462,12 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
     row has little work besides). Cached by numba per combination.
     """
     @njit(cache=True, nogil=True, error_model="numpy")
-    def adam_rows_euclid_bf16m_options(W, wrows, woff, S, M16, srows, m16off, voff, G, hp,
-                                       rowwise, skip_nonfinite, op, lo, hi):
+    def adam_rows_euclid_bf16m_options(W, wrows, woff, S, M16, srows, hrows, m16off, voff, G,
+                                       hp, rowwise, skip_nonfinite, op, lo, hi):
         """:func:`adam_rows_euclid_bf16m` with the options (arguments as for
         :func:`adam_rows_euclid_rowwise_options`; ``t`` also seeds the stochastic rounding, as
-        before). The decoupled decay is a pass of its own here: this kernel is compute-bound.
+        before, and ``hrows`` are the row ids that key it, as there). The decoupled decay is a
+        pass of its own here: this kernel is compute-bound.
         """
         a1, a2, bc1_0, bc2_0, eps, neg_lr, sgn, neg_s0, wd, keep = unpack_euclid(hp)
         T = hp.dtype.type
@@ -481,6 +488,7 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
             if skip_nonfinite and not row_is_finite(g_):
                 continue
             r = srows[i]
+            h = hrows[i]  # the row id: the rounding hash's key
             rec = S[r]
             m_ = M16[r][m16off:m16off + d]
             w_ = W[wrows[i]][woff:woff + d]
@@ -503,13 +511,13 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
                     for j in range(d):
                         m = f32_from_bf16(m_[j])
                         m2 = m + (y_[j] - m) * a1
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                         w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
                 else:
                     for j in range(d):
                         m = f32_from_bf16(m_[j])
                         m2 = m + ((g_[j] * sgn) - m) * a1
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                         w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
             else:
                 neg_s = row_step_size(T, op, tr, neg_s0)
@@ -523,7 +531,7 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
                         dv = (g * g - v) * a2
                         m2 = m + dm
                         v2 = v + dv
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                         v_[j] = v2
                         w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
                 else:
@@ -535,7 +543,7 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
                         dv = (g * g - v) * a2
                         m2 = m + dm
                         v2 = v + dv
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, r, d, j))
+                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                         v_[j] = v2
                         w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
             write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops

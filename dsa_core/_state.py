@@ -494,8 +494,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         in large sequential writes, ``flush`` commits a manifest (docs/storage.md, "The
         log-structured store"). It takes every option above except ``durability="step"``
         and ``access`` other than ``"auto"`` (refused: not yet); ``align`` pads its records
-        the same way (it changes nothing else there); ``first_moment="bfloat16"`` is
-        refused for now. Its named inits (``"normal"``,
+        the same way (it changes nothing else there); ``first_moment="bfloat16"`` rounds
+        exactly as in place (keyed by the row id). Its named inits (``"normal"``,
         ``"uniform"``) are a deterministic function of ``(seed, row)``, computed when a row
         is first read -- **not** the numbers of the in-place store's
         ``default_rng(seed)`` fill; ``None``/``"zeros"`` and init arrays give the same
@@ -565,11 +565,6 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             raise ValueError(f"access={access!r} is for in-place stores (how their mapping is "
                              "paged); a log store (storage='log') has no mapping and takes "
                              "memory= instead: leave access='auto'")
-        if first_moment == "bfloat16":
-            raise ValueError("first_moment='bfloat16' is not available for storage='log' yet "
-                             "(its stochastic rounding is keyed by the row's position in the "
-                             "record array, which in a log store is a region slot, not the "
-                             "row id); use first_moment='full' or storage='inplace'")
     layout = _layout.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
                                  second_moment, first_moment, per_row_step=per_row_step,
                                  decay_missed_steps=decay_missed_steps)

@@ -297,14 +297,16 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None, *
                             eps=state.eps, maximize=state.maximize, weight_decay=wd)
         if st.m_bf16:  # first_moment="bfloat16" (docs/algorithms.md §6), either second moment
             m16 = data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
+            # records drows, rounding keyed by the row ids srows (a log store's records are
+            # region slots: the same bits as in place; in place drows is srows)
             if spec:
                 _pool.run_chunked(euclid_bf16m_options_kernel(*spec),
-                                  (W, wrows, woff, data, m16, drows, 2 * st.m_off, st.v_off,
-                                   G, hp, st.rowwise, skip, *opts), n, chunk)
+                                  (W, wrows, woff, data, m16, drows, srows, 2 * st.m_off,
+                                   st.v_off, G, hp, st.rowwise, skip, *opts), n, chunk)
             else:
                 _pool.run_chunked(adam_rows_euclid_bf16m,
-                                  (W, wrows, woff, data, m16, drows, 2 * st.m_off, st.v_off,
-                                   G, hp, st.rowwise, t, skip), n, chunk)
+                                  (W, wrows, woff, data, m16, drows, srows, 2 * st.m_off,
+                                   st.v_off, G, hp, st.rowwise, t, skip), n, chunk)
         else:  # second_moment="rowwise" (docs/algorithms.md §7.3), or SparseAdam's
             if st.rowwise:
                 kernel = euclid_rowwise_options_kernel(*spec) if spec else adam_rows_euclid_rowwise
@@ -384,8 +386,8 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
             adam_rows_euclid_rowwise(data, rows, 0, data, rows, 2, 4, G, hp, False, 0, 2)
             if dt == np.float32:
                 for rw in (False, True):
-                    adam_rows_euclid_bf16m(data, rows, 0, data, data.view(np.uint16), rows, 4,
-                                           4, G, hp, rw, 1, False, 0, 2)
+                    adam_rows_euclid_bf16m(data, rows, 0, data, data.view(np.uint16), rows,
+                                           rows, 4, 4, G, hp, rw, 1, False, 0, 2)
             adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, Y, php, False, 0, 2)
             for spec in specs:  # docs/algorithms.md §7.1-§7.2 (else compiled on first use)
                 euclid_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp, False, op,
@@ -395,8 +397,8 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
                 if dt == np.float32:
                     for rw in (False, True):
                         euclid_bf16m_options_kernel(*spec)(data, rows, 0, data,
-                                                           data.view(np.uint16), rows, 4, 4, G,
-                                                           hp, rw, False, op, 0, 2)
+                                                           data.view(np.uint16), rows, rows, 4,
+                                                           4, G, hp, rw, False, op, 0, 2)
                 poincare_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, Y, php,
                                                False, op, 0, 2)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
