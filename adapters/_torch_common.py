@@ -319,13 +319,13 @@ def reopen(path: Path, *, access: str = "auto", memory: int | None = None,
     return state
 
 
-def check_storage_args(storage: Any, memory: Any, access: str, first_moment: str | None,
+def check_storage_args(storage: Any, memory: Any, access: str,
                        what: str) -> tuple[str, int | None]:
     """``storage`` and ``memory`` checked against each other and the other store options.
 
     Returns ``(storage, memory in bytes or None)``. ``memory`` is for ``storage="log"`` only;
-    a log store has no mapping, so it takes ``access="auto"`` only, and it cannot keep m as
-    bfloat16 yet. All of this is refused here, before anything is opened or written.
+    a log store has no mapping, so it takes ``access="auto"`` only. Both are refused here,
+    before anything is opened or written.
     """
     storage = validation.check_storage(storage, what=what)
     memory = validation.check_memory_arg(memory, storage, what=what)
@@ -335,11 +335,6 @@ def check_storage_args(storage: Any, memory: Any, access: str, first_moment: str
                 f"{what}: access={access!r} is for in-place stores; a log store "
                 "(storage='log') has no mapping to page and sizes its in-memory region with "
                 "memory= instead. Leave access='auto', or use storage='inplace'")
-        if first_moment == "bfloat16":
-            raise ValueError(
-                f"{what}: first_moment='bfloat16' is not available with storage='log' yet; "
-                "use first_moment='full' with storage='log', or keep storage='inplace' for "
-                "a bfloat16 first moment")
     return storage, memory
 
 

@@ -229,8 +229,8 @@ class DiskEmbedding(nn.Module):
         file of records updated in place. ``"log"`` (experimental): the log-structured
         store, whose in-memory region of at most ``memory`` bytes takes the steps and
         writes evicted rows to disk in large sequential writes; training is bit-identical.
-        A log store has no mapping (``access`` must stay "auto") and no bfloat16 first
-        moment yet. A resumed store must be of the kind asked for.
+        A log store has no mapping (``access`` must stay "auto"). A resumed store must be
+        of the kind asked for.
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string
         such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
@@ -318,7 +318,7 @@ class DiskEmbedding(nn.Module):
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
-        storage, memory = check_storage_args(storage, memory, access, first_moment, what)
+        storage, memory = check_storage_args(storage, memory, access, what)
         dt = np_dtype(dtype, "DiskEmbedding")
         c = validation.check_curvature(curvature, what=what)
         validation.check_second_moment(second_moment, c, what=what)

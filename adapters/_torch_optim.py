@@ -363,8 +363,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if nonfinite is not None:
             validation.check_nonfinite(nonfinite, what=what)
         self._resume, self._overwrite = check_reopen(resume, overwrite, what)
-        self._storage, self._memory = check_storage_args(storage, memory, access,
-                                                         first_moment, what)
+        self._storage, self._memory = check_storage_args(storage, memory, access, what)
         self._access = access
         self._second_moment = second_moment
         self._first_moment = first_moment

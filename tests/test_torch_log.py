@@ -76,6 +76,8 @@ def train(emb, opt, xs):
     {"decay_missed_steps": True, "wd": 0.1},
     {"per_row_step": True, "mode": "sum"},
     {"curvature": 1.0},
+    {"first_moment": "bfloat16"},
+    {"first_moment": "bfloat16", "second_moment": "rowwise", "per_row_step": True},
     {"dtype": torch.float64, "decay_missed_steps": True, "wd": 0.1},
 ])
 def test_disk_embedding_log_matches_inplace(tmp_path, mem, opts):
@@ -270,8 +272,6 @@ def test_resume_of_the_other_kind_is_refused(tmp_path, mem):
 @pytest.mark.parametrize("kw, match", [
     ({"memory": "1MiB"}, "memory= is for storage='log'"),
     ({"storage": "lsm"}, "storage must be one of"),
-    ({"storage": "log", "first_moment": "bfloat16"},
-     "first_moment='bfloat16' is not available with storage='log'"),
     ({"storage": "log", "access": "ram"}, "access='ram' is for in-place stores"),
     ({"storage": "log", "memory": "lots"}, "memory must be a number of bytes"),
 ])
