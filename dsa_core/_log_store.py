@@ -14,8 +14,8 @@ to log stores yet.
 
 from __future__ import annotations
 
-import atexit
 import json
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -67,29 +67,27 @@ def default_memory(layout: dict[str, Any]) -> int:
     return max(floor, min(share, whole))
 
 
-# Open writable log stores, flushed at normal interpreter exit (see _flush_at_exit).
-_OPEN: weakref.WeakSet = weakref.WeakSet()
-
-
-def _flush_at_exit() -> None:
-    """Flush every log store still open for writing when the interpreter exits normally.
+def _flush_unclosed(engine: _log.LogEngine, pid: int) -> None:
+    """Flush a log store that was never closed: when its last ``State`` is garbage-collected,
+    or when the interpreter exits normally (``weakref.finalize`` runs at exit too).
 
     An in-place store's rows reach its file through the shared mapping even when the
     program never calls ``close``; a log store's steps since the last flush live only in
-    its memory region. Python flushes open files at exit; so does this, so that forgetting
-    ``close`` does not silently lose training. (After ``kill -9`` or ``os._exit`` nothing
-    runs: the store reopens at its last flush, as documented.)
+    its memory region. Python flushes open files that are dropped or left open at exit; so
+    does this, so that forgetting ``close`` does not silently lose training. (After
+    ``kill -9`` or ``os._exit`` nothing runs: the store reopens at its last flush.)
+
+    Only in the process that opened the store: a forked child (a data-loader worker, say)
+    holds a copy of the region and must never write the parent's store.
     """
-    for st in list(_OPEN):
-        try:
-            if not st.closed:
-                st.engine.flush()
-        except Exception as exc:  # report, and go on with the other stores
-            print(f"dsa_core: flushing log store {str(st.path)!r} at exit failed: {exc!r}",
-                  file=sys.stderr)
-
-
-atexit.register(_flush_at_exit)
+    if os.getpid() != pid:
+        return
+    try:
+        if not engine.closed:
+            engine.close()  # flushes, then releases the writer lock
+    except Exception as exc:  # nowhere to raise to: say so
+        print(f"dsa_core: flushing unclosed log store {str(engine.path)!r} failed: {exc!r}",
+              file=sys.stderr)
 
 
 class LogStore:
@@ -128,7 +126,7 @@ class LogStore:
         self._prefetcher = None
         self._ranges = None
         if self.mode == "r+":
-            _OPEN.add(self)
+            weakref.finalize(self, _flush_unclosed, engine, os.getpid())
 
     # -- the engine's state ----------------------------------------------------------------
     @property

@@ -591,3 +591,54 @@ def test_a_store_left_open_is_flushed_at_normal_exit(tmp_path):
     assert s.count == 7
     np.testing.assert_array_equal(_records(s), np.load(tmp_path / "live.npy"))
     dsa_core.close(s)
+
+
+def test_a_store_dropped_unclosed_is_flushed_when_collected(tmp_path):
+    import gc
+
+    def train():
+        s = dsa_core.create(tmp_path / "log", N, D, storage="log", memory="1MiB")
+        rng = np.random.default_rng(0)
+        for _ in range(5):
+            s = dsa_core.step(s, rng.integers(0, N, B),
+                              rng.standard_normal((B, D)).astype(np.float32))
+        return dsa_core.read_records(s, np.arange(N))  # s goes out of scope unclosed
+
+    live = train()
+    gc.collect()
+    s = dsa_core.open(tmp_path / "log", memory="1MiB")  # the lock was released too
+    assert s.count == 5
+    np.testing.assert_array_equal(_records(s), live)
+    dsa_core.close(s)
+
+
+def test_a_forked_child_never_flushes_the_parents_store(tmp_path):
+    """A forked child (a data-loader worker) holds a copy of the region: when it exits
+    normally, its copy must not be flushed into the parent's store."""
+    import os
+    import sys
+    s = dsa_core.create(tmp_path / "log", N, D, storage="log", memory="1MiB")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        s = dsa_core.step(s, rng.integers(0, N, B),
+                          rng.standard_normal((B, D)).astype(np.float32))
+    dsa_core.flush(s)
+    before = sorted(p.name for p in (tmp_path / "log").iterdir())
+    manifest = (tmp_path / "log" / "manifest.json").read_bytes()
+    pid = os.fork()
+    if pid == 0:  # the child steps its copy, then runs what a normal exit runs
+        code = 1
+        try:
+            dsa_core.step(s, rng.integers(0, N, B),
+                          rng.standard_normal((B, D)).astype(np.float32))
+            import atexit
+            atexit._run_exitfuncs()  # weakref.finalize's exit hook among them
+            code = 0
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert sorted(p.name for p in (tmp_path / "log").iterdir()) == before
+    assert (tmp_path / "log" / "manifest.json").read_bytes() == manifest
+    dsa_core.close(s)
