@@ -37,6 +37,7 @@ Crash points (:func:`crash_point`) let tests kill the process at chosen moments.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -170,12 +171,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
     with_pad = np.zeros((rec_off - rows_off) // 8, np.int64)
     with_pad[:n] = rows
     with_pad[(steps_off - rows_off) // 8:(steps_off - rows_off) // 8 + n] = steps
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
+    with _new_file(path) as fd:
         os.ftruncate(fd, size)
         _pwrite_all(fd, with_pad, rows_off)
         crash_point("seal-rows")
@@ -199,6 +195,20 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
         crash_point("seal-header")
         _pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
         _start_writeback(fd)
+    return size
+
+
+@contextlib.contextmanager
+def _new_file(path: Path):
+    """A descriptor of a fresh ``path`` (a leftover of that name is replaced), opened for
+    writing; closed at the end, and the partial file removed if the block raises."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        yield fd
     except BaseException:
         os.close(fd)
         try:
@@ -207,7 +217,6 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
             pass
         raise
     os.close(fd)
-    return size
 
 
 def _start_writeback(fd: int) -> None:
@@ -365,27 +374,14 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -
 def write_index(path: Path, index: np.ndarray) -> int:
     """Write an index generation sequentially and fsync it; returns its CRC32."""
     index = np.ascontiguousarray(index, np.int64)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     crc = 0
-    try:
+    with _new_file(path) as fd:
         raw = memoryview(index).cast("B")
         for off in range(0, raw.nbytes, _IO_CHUNK):
             blk = raw[off:off + _IO_CHUNK]
             _pwrite_all(fd, blk, off)
             crc = zlib.crc32(blk, crc)
         os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        raise
-    os.close(fd)
     return crc
 
 

@@ -628,10 +628,11 @@ class BatchIterator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _hint(self, fn, p: int) -> None:
+    def _hint(self, fn, p: int, skip_closed: bool = False) -> None:
         lo, hi = int(self.plan.bounds[p]), int(self.plan.bounds[p + 1])
         for s in self.stores:
-            fn(s, lo, hi)
+            if not (skip_closed and s.store.closed):
+                fn(s, lo, hi)
 
     def _batches(self) -> Iterator[Batch]:  # noqa: C901 - one walk over states and groups
         plan, B, K = self.plan, self.batch_size, self.negatives
@@ -646,16 +647,9 @@ class BatchIterator:
             self.loads += 1
             self._hint(dsa_core.load_range, p)
 
-        def release(p):
+        def release(p, skip_closed=False):  # at close: skip stores the caller closed first
             loaded.discard(p)
-            self._hint(dsa_core.release_range, p)
-
-        def release_open(p):  # at close: skip stores the caller closed first
-            loaded.discard(p)
-            lo, hi = int(bounds[p]), int(bounds[p + 1])
-            for st in self.stores:
-                if not st.store.closed:
-                    dsa_core.release_range(st, lo, hi)
+            self._hint(dsa_core.release_range, p, skip_closed)
 
         def read(k_lo, k_hi):
             """The edges of buckets [k_lo, k_hi) of the order as one int64 copy: one
@@ -744,7 +738,7 @@ class BatchIterator:
                 self._pos = (e + 1, 0, 0)
         finally:  # the end, close() or garbage collection: hand back what is held
             for p in sorted(loaded):
-                release_open(p)
+                release(p, skip_closed=True)
 
     def _after(self, e: int, s: int, end: int) -> tuple[set, set]:
         """The two buffer states after state ``s`` of epoch ``e`` (crossing into the next
