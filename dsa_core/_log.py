@@ -110,6 +110,7 @@ from ._log_format import (
     write_segment,
 )
 from ._log_init import INIT_KINDS, InitSpec, initial_records
+from ._log_read import advise_whole, hint_uncached
 from ._store import StoreLockedError
 
 __all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "memory_for", "open",
@@ -375,6 +376,7 @@ class LogEngine:
         self.segs: dict[int, Segment] = {}          # live segments (>= 1 live record), mapped
         self._live = np.zeros(16, np.int64)         # live records per segment id
         self._seg_n = np.zeros(16, np.int64)        # records per segment id
+        self._seg_addr = np.zeros(16, np.int64)     # address of its mapped records, 0: none
         self.total_records = 0                      # records of the live segments
         self.live_total = 0                         # rows with an on-disk location
         self._committed: set[int] = set()           # segments the last manifest lists
@@ -397,11 +399,16 @@ class LogEngine:
     def _ensure_id(self, seg_id: int) -> None:
         if seg_id >= self._live.shape[0]:
             size = max(2 * self._live.shape[0], seg_id + 1)
-            for name in ("_live", "_seg_n"):
+            for name in ("_live", "_seg_n", "_seg_addr"):
                 old = getattr(self, name)
                 new = np.zeros(size, np.int64)
                 new[:old.shape[0]] = old
                 setattr(self, name, new)
+
+    def _map(self, path: Path, sid: int, n: int) -> None:
+        """Map segment ``sid`` (``n`` records) and note where its records start."""
+        seg = self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype)
+        self._seg_addr[sid] = seg.records.__array_interface__["data"][0]
 
     def _load(self, manifest: dict[str, Any], full_check: bool) -> None:
         """Check and map the manifest's segments, load its index, count live records."""
@@ -445,8 +452,7 @@ class LogEngine:
         self._committed = set(ns)
         for sid, n in ns.items():
             if self._live[sid] > 0:
-                self.segs[sid] = map_segment(self.path / seg_name(sid), sid, n, self.stride,
-                                             self.dtype)
+                self._map(self.path / seg_name(sid), sid, n)
                 self.total_records += n
             else:  # listed but dead (an older writer's choice): goes at the next flush
                 self._doomed.add(sid)
@@ -513,6 +519,9 @@ class LogEngine:
         used = locs[order] - 1
         sids = used >> 32
         ks = used & _LOW32
+        # queue the reads of records not in the page cache all at once (queue depth), then
+        # copy: the copy waits only for reads already in flight (_log_read)
+        hint_uncached(self._seg_addr[sids] + ks * self.rec_bytes, self.rec_bytes)
         cuts = np.flatnonzero(sids[1:] != sids[:-1]) + 1
         for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), sids.shape[0]], strict=True):
             sid = int(sids[a])
@@ -521,6 +530,22 @@ class LogEngine:
                 raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
                                    f"segment {sid}, which is not live; run verify()")
             out[out_idx[order[a:b]]] = seg.records[ks[a:b], cols]
+
+    def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
+        """Where the on-disk records of ``rows`` (checked ids) lie, for read-ahead.
+
+        Returns ``(addresses, segments)``: the mapped address of the newest record of each
+        row that is neither resident nor never written, and the segments they lie in (hold
+        them while the hint runs: their mappings stay valid). A hint only (``_log_read``):
+        a row that moves or becomes resident afterwards is still read correctly.
+        """
+        self._require_open()
+        lr = self.loc[rows]
+        used = lr[lr > 0] - 1
+        sids = used >> 32
+        addrs = self._seg_addr[sids] + (used & _LOW32) * self.rec_bytes
+        keep = [self.segs[int(s)] for s in np.unique(sids)]
+        return addrs, keep
 
     def _initial_into(self, rows: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
                       cols: slice = slice(None)) -> None:
@@ -721,6 +746,9 @@ class LogEngine:
                                 *[seg.steps[ks] for seg, ks in copies]])
         chunk = max(1, _CHUNK_BYTES // self.rec_bytes)
 
+        for seg, _ in copies:  # one sequential read each, ahead of the copies below
+            advise_whole(seg.records)
+
         def blocks():
             for lo in range(0, m, chunk):
                 yield self.region[rslots[lo:lo + chunk]]
@@ -733,7 +761,7 @@ class LogEngine:
                              self.count)
         self.next_segment = sid + 1
         self._ensure_id(sid + 1)
-        self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype)
+        self._map(path, sid, n)
         self._unsynced.add(sid)
         self._seg_n[sid] = n
         self._live[sid] = n
@@ -765,12 +793,7 @@ class LogEngine:
                 raise RuntimeError(f"log store {str(self.path)!r}: cleaned segment {seg.id} "
                                    f"still has {self._live[seg.id]} live records")
         if evict:
-            self.loc[self.slot_row[slots]] = self.slot_disk[slots]
-            self.slot_row[slots] = -1
-            self._ref[slots] = 0
-            k = slots.shape[0]
-            self._free[self._nfree:self._nfree + k] = slots
-            self._nfree += k
+            self._free_slots(slots)
         st = self._stats
         st["seals"] += 1
         st["cleaned_segments"] += len(copies)
@@ -778,11 +801,41 @@ class LogEngine:
         st["cleaned_records"] += n - n_user
         st["file_bytes_written"] += size
 
+    def _free_slots(self, slots: np.ndarray) -> None:
+        """Make clean resident ``slots`` free: their rows point at their on-disk records."""
+        self.loc[self.slot_row[slots]] = self.slot_disk[slots]
+        self.slot_row[slots] = -1
+        self._ref[slots] = 0
+        k = slots.shape[0]
+        self._free[self._nfree:self._nfree + k] = slots
+        self._nfree += k
+
+    def release(self, rows: Any) -> int:
+        """Write the resident records of ``rows`` out and make their slots free.
+
+        The dirty ones are sealed together, in row order, as one new segment (so that a
+        later read of the same rows is one sequential read), the clean ones just leave the
+        region. For a caller that is done with a range of rows for a while (the bucket
+        order's partitions): nothing changes but residency. Returns the rows released.
+        """
+        self._require_writable()
+        rows = np.unique(_check_rows(rows, self.num_rows))
+        lr = self.loc[rows]
+        slots = -lr[lr < 0] - 1  # in row order
+        if not slots.shape[0]:
+            return 0
+        dirty = self.dirty[slots] != 0
+        if dirty.any():
+            self._seal(slots[dirty], evict=True)
+        self._free_slots(slots[~dirty])  # after the seal: cleaning may have moved them
+        return int(slots.shape[0])
+
     def _drop_segments(self, ids: list[int]) -> None:
         """Segments without a live record: unmap; delete the file now if no manifest lists
         it, else after the next commit."""
         for sid in ids:
             seg = self.segs.pop(sid)
+            self._seg_addr[sid] = 0
             self.total_records -= seg.n
             if sid in self._committed:
                 self._doomed.add(sid)

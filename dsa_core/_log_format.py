@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from ._files import write_json
+from ._log_read import MADV_RANDOM, advise_whole
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "LOCK_FILE", "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE",
@@ -360,12 +361,14 @@ class Segment:
 
 def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -> Segment:
     """Map a segment read-only (clean page-cache pages, reclaimable, never written back); no
-    file descriptor stays open."""
+    file descriptor stays open. The records are mapped ``MADV_RANDOM``: a fault reads its own
+    page only (records are read one by one, with explicit read-ahead: ``_log_read``)."""
     rows_off, steps_off, rec_off, size = segment_geometry(n, stride, np.dtype(dtype).itemsize)
     mm = np.asarray(_ReadOnlyMap(path, size))
     rows = mm[rows_off:rows_off + 8 * n].view(np.int64)
     steps = mm[steps_off:steps_off + 8 * n].view(np.int64)
     records = mm[rec_off:rec_off + n * stride * np.dtype(dtype).itemsize].view(dtype)
+    advise_whole(records, MADV_RANDOM)
     return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps),
                    np.asarray(records).reshape(n, stride), size)
 

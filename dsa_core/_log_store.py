@@ -8,8 +8,9 @@ slots and in immutable segments), so ``data`` and ``counters`` raise a clear err
 ``step`` and ``gather`` use :attr:`LogStore.engine` instead (``acquire``, ``region``,
 ``read``).
 
-Experimental: adapters, ``durability="step"``, read-ahead and range hints are not wired
-to log stores yet.
+Read-ahead (``dsa_core.prefetch``) runs on a :class:`_log_read.ReadAhead` thread of the
+store: it only hints the kernel to read the next batch's on-disk records, so it can never
+change a value.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import _log
+from ._log_read import ReadAhead
 from ._log_format import FORMAT_NAME as LOG_FORMAT
 from ._log_format import MANIFEST_FILE
 from ._paging import memory_limit
@@ -125,6 +127,7 @@ class LogStore:
         self._fd = -1
         self._prefetcher = None
         self._ranges = None
+        self._readahead: ReadAhead | None = None
         if self.mode == "r+":
             weakref.finalize(self, _flush_unclosed, engine, os.getpid())
 
@@ -170,6 +173,16 @@ class LogStore:
     def counters(self):
         self._no_view("state.store.counters")
 
+    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None:
+        """Read the on-disk records of ``rows`` (checked ids) ahead, in the background."""
+        ra = self._readahead
+        if ra is None or ra.pid != os.getpid():  # none yet, or the parent's (fork)
+            ra = self._readahead = ReadAhead(self.engine.rec_bytes)
+        addrs, keep = self.engine.readahead(rows)
+        ra.submit(addrs, keep)
+        if wait:
+            ra.join()
+
     # -- life cycle ----------------------------------------------------------------------------
     def sync(self) -> None:
         """Everything so far durable (the engine's flush at its count and meta)."""
@@ -179,6 +192,9 @@ class LogStore:
         """No journal: log stores refuse durability='step'."""
 
     def close(self) -> None:
+        ra, self._readahead = self._readahead, None
+        if ra is not None and ra.pid == os.getpid():
+            ra.close()
         self.engine.close()
 
     def __repr__(self) -> str:

@@ -168,8 +168,9 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     (the ids are checked, de-duplicated and queued) and always safe: it only warms the
     cache. ``wait=True`` returns once the hints have been issued (for tests and benchmarks).
 
-    On a log-structured store (``storage="log"``) it checks the ids and does nothing else:
-    its region is filled by ``step`` itself (read-ahead for log stores is not there yet).
+    On a log-structured store (``storage="log"``) the rows that are neither in its memory
+    region nor never written are read ahead from their segments into the page cache (the
+    ``step`` that needs them copies them into the region without waiting on the disk).
     """
     from ._step import as_index  # late import: _step imports the kernels
 
@@ -178,6 +179,8 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
         raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
     rows = as_index(idx, st.num_rows)
     if getattr(st, "storage", "inplace") == "log":
+        if rows.size:
+            st.prefetch(np.unique(rows), wait)
         return
     if rows.size:
         pf = _prefetcher(state)

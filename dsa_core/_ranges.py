@@ -337,7 +337,8 @@ def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
         raise _closed_error(st)
     start, stop = _check_range(st, start, stop)
     if getattr(st, "storage", "inplace") == "log":
-        return  # a hint: no range loading on log stores yet (their region fills by step)
+        _submit_log(kind, st, start, stop, wait)
+        return
     w = _worker(st, create=stop > start)
     if w is not None:
         w.raise_error()
@@ -349,6 +350,20 @@ def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
         w.raise_error()
 
 
+def _submit_log(kind: str, st: Any, start: int, stop: int, wait: bool) -> None:
+    """The range calls on a log store: a load reads the range's on-disk records ahead (its
+    read-ahead thread; ``step`` then copies them into the region without waiting), a
+    release seals the range's dirty records as one segment and frees its region slots, at
+    once (the engine has one thread: the caller's)."""
+    if stop == start:
+        return
+    rows = np.arange(start, stop, dtype=np.int64)
+    if kind == "load":
+        st.prefetch(rows, wait)
+    elif st.mode == "r+":
+        st.engine.release(rows)
+
+
 def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None:
     """Start bringing the records of rows ``[start, stop)`` into memory, in the background.
 
@@ -357,10 +372,10 @@ def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None
     these rows find them in memory instead of faulting them in one at a time. On this
     in-place store "memory" is the page cache: a loaded range occupies about
     ``(stop - start) * record bytes`` of it until :func:`release_range` gives it back (or
-    the kernel reclaims it under pressure). On the log-structured store (a later store kind)
-    the same call will load the rows into its memory region; for now, on a log store
-    (``storage="log"``) it checks its arguments and does nothing else (no value changes
-    either way).
+    the kernel reclaims it under pressure). On the log-structured store
+    (``storage="log"``) the range's on-disk records are read ahead into the page cache on
+    the store's read-ahead thread (rows released together were sealed together, so this
+    is a sequential read); the steps copy them into the region as they touch them.
 
     A hint: no value changes, and steps may touch any row at any time — before, during or
     after the load — and always read and write the current data.
@@ -405,8 +420,10 @@ def release_range(state: Any, start: int, stop: int, *, wait: bool = False) -> N
     In the background, on this store's range thread (after every earlier request): the
     dirty pages of the range are written **sequentially**, in file order, and waited for;
     then the kernel is asked to drop the range's (now clean) pages, giving that memory back.
-    On the log-structured store (``storage="log"``) it checks its arguments and does nothing
-    else for now (a later stage will seal the rows out of its memory region).
+    On the log-structured store (``storage="log"``) the release runs at once, in the
+    calling thread: the range's dirty rows in the region are sealed together (one
+    sequential write, in row order) and the range's region slots are freed for other
+    rows; ``wait`` changes nothing there. A read-only log store has nothing to release.
 
     A hint: no value changes and no update is lost. A step may write these rows while the
     release runs, or after it: the kernel never drops a page without writing its changes, so
@@ -459,7 +476,14 @@ def wait_ranges(state: Any) -> None:
     >>> dsa_core.close(state)
     """
     st = _store_of(state)
-    w = None if getattr(st, "storage", "inplace") == "log" else _worker(st, create=False)
+    if getattr(st, "storage", "inplace") == "log":
+        if st.closed:
+            raise _closed_error(st)
+        ra = st._readahead
+        if ra is not None and ra.pid == os.getpid():
+            ra.join()
+        return
+    w = _worker(st, create=False)
     if w is None:
         if st.closed:
             raise _closed_error(st)

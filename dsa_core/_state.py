@@ -398,7 +398,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
            decay_missed_steps: bool = False, per_row_step: bool = False,
            progress: bool | None = None, storage: str = "inplace",
-           memory: int | str | None = None) -> State:
+           memory: int | str | None = None, space_ratio: float | None = None) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
     Parameters
@@ -507,6 +507,11 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         needs, at least what a batch of 4096 rows needs. A step's unique rows must fit in
         the region (a clear error says by how much to raise it). Not stored: pass it again
         to :func:`open`.
+    space_ratio : float > 1, optional
+        ``storage="log"`` only: the bound on its segment files' records as a multiple of
+        the live records (default 2.0): the cleaner copies the live records out of the
+        emptiest segments to keep disk use under it. Lower saves disk and costs more
+        cleaning writes (``dsa info`` shows the write amplification). Stored with the store.
 
     Returns
     -------
@@ -556,6 +561,18 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
                          f"got {align!r}")
     storage = check_storage(storage)
     memory = check_memory_arg(memory, storage)
+    if space_ratio is not None and storage != "log":
+        raise ValueError(f"space_ratio= bounds the segment files of a log store "
+                         f"(storage='log'); an in-place store (storage={storage!r}) has "
+                         "one file of fixed size: drop space_ratio= or pass storage='log'")
+    if space_ratio is not None:
+        if isinstance(space_ratio, (bool, np.bool_)) or not isinstance(
+                space_ratio, (int, float, np.integer, np.floating)) \
+                or not (math.isfinite(space_ratio) and space_ratio > 1.0):
+            raise ValueError(f"space_ratio must be a finite number > 1 (segment records as a "
+                             f"multiple of the live ones; 2.0 by default), got "
+                             f"{space_ratio!r}")
+        space_ratio = float(space_ratio)
     if storage == "log":
         if durability != "flush":
             raise ValueError("durability='step' is not available for storage='log' yet (a log "
@@ -604,7 +621,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
               "ball_eps": ball_eps, "nonfinite": nonfinite, "weight_decay": weight_decay,
               "decoupled_weight_decay": decoupled_weight_decay}
         return _create_log(directory, layout, mem, init, init_scale, seed, hp, overwrite,
-                           progress)
+                           progress, 2.0 if space_ratio is None else space_ratio)
     existing = [p for p in (_layout.MANIFEST_FILE, _layout.DATA_FILE)
                 if (directory / p).exists()]
     if existing and not overwrite:
@@ -659,7 +676,7 @@ def _state_of_log(store: LogStore, count: int, hp: dict[str, Any]) -> State:
 
 def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                 init_scale: float, seed: int, hp: dict[str, Any], overwrite: bool,
-                progress: bool | None) -> State:
+                progress: bool | None, space_ratio: float) -> State:
     """``create(storage="log")`` once every argument has been checked."""
     named = init if isinstance(init, str) else "zeros"
     c = float(layout["curvature"])
@@ -671,7 +688,7 @@ def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                          f"inits are a function of (seed, row)), got {seed!r}")
     eng = _log.create(directory, layout, memory_bytes=memory, init=named,
                       init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball,
-                      overwrite=overwrite)
+                      space_ratio=space_ratio, overwrite=overwrite)
     store = LogStore(eng)
     state = _state_of_log(store, 0, hp)
     eng.meta = _log_meta(state)

@@ -445,16 +445,18 @@ def test_open_refuses_inplace_options_and_memory_mismatch(tmp_path):
 
 
 # -- hints: prefetch, residency, ranges, buckets ------------------------------------------------------
-def test_hints_are_noops_and_residency_counts_region_rows(tmp_path):
+def test_hints_change_no_value_and_residency_counts_region_rows(tmp_path):
     _, b = _pair(tmp_path)
     before = _records(b)
     res = dsa_core.residency(b, np.arange(N))
     assert res < 1.0  # the region is smaller than the table
     dsa_core.prefetch(b, np.arange(N), wait=True)
     dsa_core.load_range(b, 0, N, wait=True)
-    dsa_core.release_range(b, 0, N, wait=True)
     dsa_core.wait_ranges(b)
-    assert dsa_core.residency(b, np.arange(N)) == res  # no-ops: the region is unchanged
+    assert dsa_core.residency(b, np.arange(N)) == res  # read-ahead: the region is unchanged
+    dsa_core.release_range(b, 0, N, wait=True)
+    assert dsa_core.residency(b, np.arange(N)) == 0.0  # a release empties the region
+    np.testing.assert_array_equal(_records(b), before)
     with pytest.raises(ValueError, match="0 <= start <= stop"):
         dsa_core.load_range(b, 5, N + 1)
     b = dsa_core.step(b, [1, 2, 3], np.ones((3, D), np.float32))

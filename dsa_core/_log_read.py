@@ -1,0 +1,176 @@
+"""Reading a log store's on-disk records at queue depth (read-ahead for ``_log``).
+
+A record that is not resident in the region lies in a read-only mapping of its segment
+(``_log_format.map_segment``, ``MADV_RANDOM``: a page fault reads that one 4 KiB page and
+nothing around it). Copying a batch's misses out of those mappings one after another would
+read them at queue depth 1: each fault waits for the disk before the next is issued, and a
+record that straddles two pages costs two such waits.
+
+Instead, the page spans of the records are first handed to the kernel with
+``madvise(MADV_WILLNEED)``: for a file mapping that is ``posix_fadvise(WILLNEED)`` on the
+file range, which queues the reads (one request per record span, two pages for a straddling
+record) and returns without waiting. The copy that follows then waits only for reads that
+are already in flight, all at once: the device sees the whole batch (up to its own queue
+limit) instead of one read at a time.
+
+* :func:`hint_uncached` does that for ``acquire``'s misses, synchronously, but only when a
+  small sample of them is not in the page cache (:func:`sample_uncached`, ``mincore``): a
+  store whose segments are cached (a table that fits in memory) pays a few syscalls per
+  batch, not one per record.
+* :class:`ReadAhead` does it in a background thread for the rows of a *future* batch
+  (``dsa_core.prefetch`` / ``prefetched`` on a log store), so that the reads overlap the
+  current step.
+* :func:`advise_whole` reads a whole segment's records ahead before cleaning copies its live
+  records (one large sequential read instead of a page fault per record).
+
+Hints never change a value: the records are still copied from the mappings, under the
+engine's own control, so a hint that is late, early or wrong (a location that moved since)
+costs at most a wasted read. A task holds references to the segments it hints, so their
+mappings stay valid until it has run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import queue
+import threading
+
+import numpy as np
+from numba import njit
+
+__all__ = ["MADV_RANDOM", "MADV_WILLNEED", "PAGE", "ReadAhead", "advise", "advise_whole",
+           "hint_uncached", "record_spans", "sample_uncached"]
+
+PAGE = 4096
+MADV_RANDOM = 1
+MADV_WILLNEED = 3
+SAMPLE = 16         # misses probed with mincore before deciding to issue read-ahead
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# addresses as size_t: numba passes them as plain integers (same ABI as a pointer on Linux)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+_mincore = _libc.mincore
+_mincore.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+_mincore.restype = ctypes.c_int
+
+
+# Not cache=True: the ctypes function addresses are baked into the machine code and change from
+# process to process (ASLR), so a cached build would call a stale address.
+@njit(nogil=True)
+def _advise_spans(lo, hi, advice):
+    """``madvise(advice)`` each span ``[lo[i], hi[i])`` of the sorted, page-aligned spans,
+    merging those that touch; returns the number of calls."""
+    calls = 0
+    n = lo.shape[0]
+    i = 0
+    while i < n:
+        a = lo[i]
+        b = hi[i]
+        i += 1
+        while i < n and lo[i] <= b:
+            if hi[i] > b:
+                b = hi[i]
+            i += 1
+        _madvise(a, b - a, advice)
+        calls += 1
+    return calls
+
+
+def record_spans(addrs: np.ndarray, rec_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted page-aligned spans ``(lo, hi)`` covering the records that start at ``addrs``."""
+    a = np.sort(np.asarray(addrs, np.int64))
+    lo = a & ~np.int64(PAGE - 1)
+    hi = (a + (rec_bytes + PAGE - 1)) & ~np.int64(PAGE - 1)
+    return lo, hi
+
+
+def advise(addrs: np.ndarray, rec_bytes: int, advice: int = MADV_WILLNEED) -> int:
+    """Issue ``advice`` for the pages of the records at ``addrs``; returns the syscalls made."""
+    if not addrs.shape[0]:
+        return 0
+    lo, hi = record_spans(addrs, rec_bytes)
+    return int(_advise_spans(lo, hi, advice))
+
+
+def advise_whole(records: np.ndarray, advice: int = MADV_WILLNEED) -> None:
+    """Issue ``advice`` for every page of a mapped records array (e.g. before cleaning it)."""
+    if records.nbytes:
+        base = records.__array_interface__["data"][0]
+        lo = base & ~(PAGE - 1)
+        _madvise(lo, base + records.nbytes - lo, advice)
+
+
+def sample_uncached(addrs: np.ndarray, rec_bytes: int, k: int = SAMPLE) -> bool:
+    """Whether any of ``k`` records spread over ``addrs`` has a page not in the page cache."""
+    n = addrs.shape[0]
+    if not n:
+        return False
+    pick = addrs[np.linspace(0, n - 1, min(k, n)).astype(np.int64)]
+    lo, hi = record_spans(pick, rec_bytes)
+    vec = np.zeros((int((hi - lo).max()) // PAGE,), np.uint8)
+    ptr = vec.ctypes.data
+    for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
+        if _mincore(a, b - a, ptr) != 0:
+            return True  # cannot tell (unmapped meanwhile?): read ahead, it is only a hint
+        if not (vec[:(b - a) // PAGE] & 1).all():
+            return True
+    return False
+
+
+def hint_uncached(addrs: np.ndarray, rec_bytes: int) -> int:
+    """Read ahead the records at ``addrs`` if a sample of them is not cached; returns the
+    syscalls made (0: the sample was cached, nothing issued)."""
+    if addrs.shape[0] < 2 or not sample_uncached(addrs, rec_bytes):
+        return 0
+    return advise(addrs, rec_bytes)
+
+
+class ReadAhead:
+    """One background thread that issues read-ahead for queued record addresses.
+
+    ``submit(addrs, keep)`` queues the addresses (``keep``: the segments they lie in, held
+    until the hint has run) and returns at once, unless ``depth`` tasks are already queued
+    (back-pressure). ``join`` waits until every queued task has been issued (not until the
+    reads finish). Created per process: a forked child gets a new one (see ``LogStore``).
+    """
+
+    def __init__(self, rec_bytes: int, depth: int = 4):
+        self.rec_bytes = int(rec_bytes)
+        self.pid = os.getpid()
+        self.tasks = 0
+        self.calls = 0
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
+        self._thread = threading.Thread(target=self._run, name="dsa-log-readahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            task = self._q.get()
+            try:
+                if task is None:
+                    return
+                addrs, _keep = task
+                self.calls += hint_uncached(addrs, self.rec_bytes)
+                self.tasks += 1
+            except OSError:  # pragma: no cover - a hint that fails changes nothing
+                pass
+            finally:
+                task = None
+                self._q.task_done()
+
+    def submit(self, addrs: np.ndarray, keep) -> None:
+        if addrs.shape[0]:
+            self._q.put((addrs, keep))
+
+    def join(self) -> None:
+        self._q.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
