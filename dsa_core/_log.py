@@ -383,7 +383,9 @@ class LogEngine:
         self._doomed: set[int] = set()              # of those, dead: delete after next commit
         self._unsynced: set[int] = set()            # written since the last flush
         self.next_segment = int(manifest["next_segment"])
-        kind = parse_name(str(manifest["index"]))
+        # no index file (None): no row has been written yet, every row reads as its initial
+        # record (create writes nothing of size num_rows: O(1))
+        kind = ("index", 0) if manifest["index"] is None else parse_name(str(manifest["index"]))
         if kind is None or kind[0] != "index":
             raise ValueError(f"manifest of {str(directory)!r} names the index "
                              f"{manifest['index']!r}, not an index-<gen>.bin file; the store "
@@ -420,8 +422,8 @@ class LogEngine:
                                  f"[1, next_segment={self.next_segment}); the store is damaged")
             ns[sid] = check_segment(self.path / seg_name(sid), sid, self.stride,
                                     self.dtype.itemsize, self.num_rows, full_check)
-        index = read_index(self.path / manifest["index"], self.num_rows,
-                           manifest.get("index_crc32"))
+        index = np.zeros(self.num_rows, np.int64) if manifest["index"] is None else \
+            read_index(self.path / manifest["index"], self.num_rows, manifest.get("index_crc32"))
         self._ensure_id(self.next_segment)
         used = index[index > 0] - 1
         sids, ks = used >> 32, used & _LOW32
@@ -927,7 +929,8 @@ class LogEngine:
             for sid in manifest["segments"]:
                 _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid))
                 crash_point("ckpt-link")
-            copy_file(self.path / manifest["index"], tmp / manifest["index"])
+            if manifest["index"] is not None:
+                copy_file(self.path / manifest["index"], tmp / manifest["index"])
             write_manifest(tmp, manifest)
             crash_point("ckpt-staged")
         return dest
@@ -1146,12 +1149,10 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
     directory.mkdir(parents=True, exist_ok=True)
     lockfd = _lock(directory)
     try:
-        index = np.zeros(int(lay["num_rows"]), np.int64)
         manifest = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION, "layout": lay, "count": count,
             "seed": int(seed), "init": init, "init_scale": init_scale,
-            "ball_maxnorm": ball_maxnorm, "index": index_name(0),
-            "index_crc32": write_index(directory / index_name(0), index), "segments": [],
+            "ball_maxnorm": ball_maxnorm, "index": None, "index_crc32": None, "segments": [],
             "next_segment": 1, "space_ratio": space_ratio, "meta": meta,
         }
         write_manifest(directory, manifest)

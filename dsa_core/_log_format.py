@@ -6,7 +6,7 @@ writes and checks the bytes. Files of a log store directory:
 ``manifest.json``
     ``{"format": "dsa-log", "version": 1, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
-    "index": "index-<gen:08d>.bin", "index_crc32": int, "segments": [ids], "next_segment":
+    "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "segments": [ids], "next_segment":
     int, "space_ratio": float, "meta": {...}}`` (``meta``: the caller's JSON data, e.g. the
     optimizer's hyperparameters), replaced atomically (``write_json``). It is the commit
     point of a flush: the state of a store is what its manifest references, nothing else.
@@ -26,6 +26,8 @@ writes and checks the bytes. Files of a log store directory:
     part of the store once a manifest lists it. At open, segment files that the manifest does
     not list are garbage (left by a crash before the commit, or already cleaned) and removed.
 ``index-<gen:08d>.bin``
+    Absent (``"index": null``) until the first flush that writes a row: every row then reads
+    as its initial record, so creating a store writes nothing of the table's size. Else
     ``num_rows`` int64: 0 for a row never written (it reads as its initial record), else
     ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment. A flush writes
     a new generation; the old one is removed once the manifest naming the new one is durable.

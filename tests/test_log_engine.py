@@ -93,8 +93,9 @@ def files_of(path: Path) -> set[str]:
 
 def referenced(path: Path) -> set[str]:
     m = _log_format.read_manifest(path)
-    return {_log_format.seg_name(s) for s in m["segments"]} | {m["index"], "manifest.json",
-                                                             "writer.lock"}
+    index = set() if m["index"] is None else {m["index"]}  # none until a row is written
+    return {_log_format.seg_name(s) for s in m["segments"]} | index | {"manifest.json",
+                                                                      "writer.lock"}
 
 
 # -- the reference ---------------------------------------------------------------------------

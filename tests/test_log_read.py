@@ -180,3 +180,26 @@ def test_space_ratio_is_stored_and_bounds_the_segments(tmp_path):
     r = dsa_core.open(tmp_path / "log", mode="r")
     assert r.store.engine.space_ratio == 1.5
     dsa_core.close(r)
+
+
+def test_create_writes_nothing_of_the_table_size(tmp_path):
+    """create is O(1): no index file until a row is written; rows read as their init."""
+    n = 5_000_000
+    s = dsa_core.create(tmp_path / "big", n, D, init="normal", seed=3, storage="log",
+                        memory="4MiB")
+    assert sorted(os.listdir(tmp_path / "big")) == ["manifest.json", "writer.lock"]
+    rows = np.array([0, 17, n - 1])
+    first = dsa_core.gather(s, rows)
+    assert first.std() > 0
+    dsa_core.close(s)
+    s = dsa_core.open(tmp_path / "big", memory="4MiB")
+    np.testing.assert_array_equal(dsa_core.gather(s, rows), first)  # deterministic
+    s = dsa_core.step(s, [17], np.ones((1, D), np.float32))
+    dsa_core.close(s)
+    names = os.listdir(tmp_path / "big")
+    assert sum(x.startswith("index-") for x in names) == 1  # the first flush that wrote a row
+    r = dsa_core.open(tmp_path / "big", mode="r")
+    got = dsa_core.gather(r, rows)
+    np.testing.assert_array_equal(got[[0, 2]], first[[0, 2]])
+    assert not np.array_equal(got[1], first[1])
+    dsa_core.close(r)
