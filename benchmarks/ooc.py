@@ -24,11 +24,15 @@ run shows reads in flight (``filemap_read_folio``) and a full device queue (``bl
 
 Modes: ``plain`` (mapping with the OS default read-around), ``random`` (``MADV_RANDOM``, the
 dsa_core default), ``prefetch`` (``MADV_RANDOM`` + ``dsa_core.prefetch`` of the next batch while
-this step runs), ``pipeline`` (read-ahead plus write-back hints, ``sync_file_range``, for
+this step runs), ``log`` and ``logprefetch`` (the log-structured store, ``storage="log"``,
+converted from the in-place store once, with a region of ``--log-memory``; without and with
+``dsa_core.prefetch`` of the batches ahead), ``pipeline`` (read-ahead plus write-back hints, ``sync_file_range``, for
 each finished batch; an experiment that measured slower, kept to show it), ``logprobe`` (an
 experiment, not a design: the ceiling of a log-structured write path -- see ``LogProbe``).
 Hit rate = share of the batch's pages that were resident before its read-ahead was issued
-(mincore), i.e. what the page cache alone gave.
+(mincore), i.e. what the page cache alone gave; on a log store, the share of the batch's rows
+in its region. ``with_flush`` figures count the final ``close`` (flush) in the time and the
+I/Os: the in-place store's dirty pages, the log store's region sealed out.
 Writes ``benchmarks/results/ooc.{json,csv,png}``.
 """
 
@@ -84,13 +88,43 @@ def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0,
     print(f"created {path}: {gb:.1f} GB in {dt:.0f} s ({gb / dt:.2f} GB/s)")
 
 
+def ensure_log_store(src: Path, path: Path, keep: bool) -> None:
+    """A log store holding every record of the in-place store ``src`` (each row written)."""
+    import dsa_core
+
+    if keep and (path / "manifest.json").exists():
+        st = dsa_core.open(path, mode="r")
+        same = st.num_rows == dsa_core.open(src, mode="r").num_rows
+        dsa_core.close(st)
+        if same:
+            print(f"reusing log store {path}")
+            return
+    t0 = time.perf_counter()
+    s = dsa_core.open(src, mode="r")
+    dsa_core.close(dsa_core.convert(s, path, storage="log", memory="1GiB", overwrite=True))
+    dsa_core.close(s)
+    print(f"converted to a log store {path} in {time.perf_counter() - t0:.0f} s")
+
+
 def evict(path: Path) -> None:
-    fd = os.open(path / "rows.dsa", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """Write back and drop from the page cache every file of a store (either kind)."""
+    for name in os.listdir(path):
+        if not (name == "rows.dsa" or name.startswith(("seg-", "index-"))):
+            continue
+        fd = os.open(path / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def rss_anon_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 # -- the disk ----------------------------------------------------------------------------------
@@ -154,7 +188,7 @@ def measure_disk(file: Path, seconds: int, qds=(1, 32)) -> dict:
 # -- one run (child process) ---------------------------------------------------------------------
 def read_ahead(mode: str, ahead: int) -> int:
     """Batches read ahead in ``mode``: none for the bare mappings, ``--ahead`` otherwise."""
-    return 0 if mode in ("plain", "random") else ahead
+    return 0 if mode in ("plain", "random", "log") else ahead
 
 
 class StackSampler:
@@ -252,16 +286,17 @@ def child(args) -> None:
     if args.mode == "logprobe":
         st = dsa_core.open(args.store, mode="r")  # never written: the log takes the updates
         probe = LogProbe(st, Path(args.store).parent / f"logprobe_{os.getpid()}.log")
+    elif args.mode in ("log", "logprefetch"):
+        st = dsa_core.open(args.store, memory=args.log_memory)
     else:
         st = dsa_core.open(args.store)
-    mm = st.store._mm
     if args.mode == "plain":
-        mm.madvise(mmap.MADV_NORMAL)  # the OS default: read-around on every fault
-    ids = batches(st.num_rows, args.batch, args.steps + args.warmup, args.dist, seed=7)
+        st.store._mm.madvise(mmap.MADV_NORMAL)  # the OS default: read-around on every fault
+    ids = batches(st.num_rows, args.batch, args.steps + args.warmup, args.dist, seed=args.seed)
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal((args.batch, st.dim), dtype=np.float32) for _ in range(4)]
     dsa_core.warmup(("float32",))
-    times, hits, all_times = [], [], []
+    times, hits, all_times, rss = [], [], [], [rss_anon_mb()]
     deadline = time.perf_counter() + args.max_seconds
     ahead = read_ahead(args.mode, args.ahead)
     write_behind = args.mode == "pipeline"
@@ -290,6 +325,8 @@ def child(args) -> None:
         all_times.append(dt)
         if k >= args.warmup:
             times.append(dt)
+        if k % args.hit_every == 0:
+            rss.append(rss_anon_mb())
         if time.perf_counter() > deadline:
             break
     wall = time.perf_counter() - (t_start or time.perf_counter())
@@ -297,7 +334,11 @@ def child(args) -> None:
     stacks = sampler.stop() if sampler is not None else None
     if probe is not None:
         probe.close()
-    dsa_core.close(st)
+    log_stats = st.store.engine.stats() if st.storage == "log" else None
+    t_close = time.perf_counter()
+    dsa_core.close(st)  # the final flush: the in-place store's dirty pages, the log's region
+    wall_flush = wall + time.perf_counter() - t_close
+    io2 = disk_ios()
     warm_only = not times  # too slow to finish the warm-up in time: report what it did
     if warm_only:
         times, wall = all_times, float(np.sum(all_times))
@@ -312,6 +353,15 @@ def child(args) -> None:
         # disk I/Os completed during the timed steps, per updated row (batch rows)
         "reads_per_row": (io1[0] - io0[0]) / (len(times) * args.batch) if times else 0.0,
         "writes_per_row": (io1[1] - io0[1]) / (len(times) * args.batch) if times else 0.0,
+        # the same with the final flush (close) counted in time and I/Os
+        "rows_per_s_with_flush": len(times) * args.batch / wall_flush if times else 0.0,
+        "flush_s": wall_flush - wall,
+        "reads_per_row_with_flush": (io2[0] - io0[0]) / (len(times) * args.batch)
+        if times else 0.0,
+        "writes_per_row_with_flush": (io2[1] - io0[1]) / (len(times) * args.batch)
+        if times else 0.0,
+        "rss_anon_max_mb": float(np.nanmax(rss)),
+        "log_stats": log_stats,
         "kernel_stacks": stacks,
     }))
 
@@ -340,7 +390,10 @@ def main(argv=None):
     ap.add_argument("--cap", default="2G")
     ap.add_argument("--dist", nargs="+", default=["uniform", "zipf"])
     ap.add_argument("--modes", nargs="+", default=["plain", "random", "prefetch"],
-                    choices=["plain", "random", "prefetch", "pipeline", "logprobe"])
+                    choices=["plain", "random", "prefetch", "log", "logprefetch", "pipeline",
+                             "logprobe"])
+    ap.add_argument("--log-memory", default="1GiB",
+                    help="region budget of the log store (modes log, logprefetch)")
     ap.add_argument("--ahead", type=int, default=2, help="read-ahead depth (prefetch/pipeline)")
     ap.add_argument("--align", type=int, default=0,
                     help="record alignment in bytes (dsa_core.create(align=...)); 0 packs")
@@ -365,6 +418,7 @@ def main(argv=None):
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=7, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         a.dist = a.dist[0]
@@ -373,11 +427,15 @@ def main(argv=None):
         a.rows, a.dim, a.batch, a.steps, a.warmup = 20_000, 16, 64, 20, 2
         a.cap, a.disk_seconds, a.max_seconds, a.name = "256M", 1, 20, "ooc_smoke"
         a.quiet_seconds = 5.0
+        a.log_memory = "2MiB"  # a region of a tenth of the table
     workdir = Path(a.workdir or tempfile.gettempdir())
     store = workdir / (f"dsa_ooc_{a.rows}x{a.dim}" + (f"_a{a.align}" if a.align else "")
                        + ("_rowwise" if a.second_moment == "rowwise" else "")
                        + ("_bf16m" if a.first_moment == "bfloat16" else ""))
     ensure_store(store, a.rows, a.dim, a.keep, a.align, a.second_moment, a.first_moment)
+    log_store = store.with_name(store.name + "_log")
+    if any(m in ("log", "logprefetch") for m in a.modes):
+        ensure_log_store(store, log_store, a.keep)
     waited = wait_disk_quiet(a.quiet_seconds)
     print(f"disk quiet after {waited:.0f} s")
     disk = measure_disk(store / "rows.dsa", a.disk_seconds)
@@ -387,53 +445,70 @@ def main(argv=None):
     size_gb = os.path.getsize(store / "rows.dsa") / 1e9
     print(f"store {size_gb:.1f} GB, {label}")
     results = []
-    for dist in a.dist:
-        for mode in a.modes:
-            evict(store)
-            wait_disk_quiet(a.quiet_seconds)
-            cmd = [sys.executable, "-m", "benchmarks.ooc", "--child", "--store", str(store),
-                   "--mode", mode, "--dist", dist, "--steps", str(a.steps), "--warmup",
-                   str(a.warmup), "--batch", str(a.batch), "--max-seconds", str(a.max_seconds),
-                   "--hit-every", str(a.hit_every), "--ahead", str(a.ahead)]
-            if a.kernel_stacks:
-                cmd.append("--kernel-stacks")
-            if capped:
-                cmd = ["bash", str(memcap), a.cap, *cmd]
-            env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-            r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
-            if r.returncode != 0:
-                print(r.stdout, r.stderr)
-                raise SystemExit(f"child failed for {mode}/{dist}")
-            res = json.loads(r.stdout.strip().splitlines()[-1])
-            peak = [ln for ln in r.stderr.splitlines() if ln.startswith("memcap:")]
-            res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
-                        "align": a.align, "second_moment": a.second_moment,
-                        "first_moment": a.first_moment,
-                        "ahead": read_ahead(mode, a.ahead),
-                        "memcap": peak[-1] if peak else ""})
-            results.append(res)
-            print(f"  {dist:<7} {mode:<8} {res['rows_per_s']:>10,.0f} rows/s  p50 "
-                  f"{res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  hit "
-                  f"{res['hit_rate']:.3f}  steps {res['steps']}  I/O per row "
-                  f"{res['reads_per_row']:.2f} r + {res['writes_per_row']:.2f} w", flush=True)
-            if res.get("kernel_stacks"):
-                ks = res["kernel_stacks"]
-                print(f"    where the threads were ({ks['samples']} samples; idle threads left out):")
-                for fn, c in ks["top"][:8]:
-                    print(f"      {c:5d}  {fn}")
+    for run, (dist, mode) in enumerate((d, m) for d in a.dist for m in a.modes):
+        path = log_store if mode in ("log", "logprefetch") else store
+        evict(path)
+        wait_disk_quiet(a.quiet_seconds)
+        cmd = [sys.executable, "-m", "benchmarks.ooc", "--child", "--store", str(path),
+               "--mode", mode, "--dist", dist, "--steps", str(a.steps), "--warmup",
+               str(a.warmup), "--batch", str(a.batch), "--max-seconds", str(a.max_seconds),
+               "--hit-every", str(a.hit_every), "--ahead", str(a.ahead),
+               "--log-memory", str(a.log_memory),
+               # fresh ids for every run: a log store lays records out in the order they
+               # leave its region, so replaying an earlier run's batches would read them
+               # sequentially and flatter it
+               "--seed", str(7 + run)]
+        if a.kernel_stacks:
+            cmd.append("--kernel-stacks")
+        if capped:
+            cmd = ["bash", str(memcap), a.cap, *cmd]
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            print(r.stdout, r.stderr)
+            raise SystemExit(f"child failed for {mode}/{dist}")
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        peak = [ln for ln in r.stderr.splitlines() if ln.startswith("memcap:")]
+        res.update({"rows": a.rows, "dist": dist, "mode": mode, "memory": label,
+                    "align": a.align, "second_moment": a.second_moment,
+                    "first_moment": a.first_moment,
+                    "ahead": read_ahead(mode, a.ahead),
+                    "log_memory": a.log_memory if mode.startswith("log") else "",
+                    "memcap": peak[-1] if peak else ""})
+        results.append(res)
+        print(f"  {dist:<7} {mode:<8} {res['rows_per_s']:>10,.0f} rows/s  p50 "
+              f"{res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms  hit "
+              f"{res['hit_rate']:.3f}  steps {res['steps']}  I/O per row "
+              f"{res['reads_per_row']:.2f} r + {res['writes_per_row']:.2f} w; with the "
+              f"final flush ({res['flush_s']:.1f} s) {res['rows_per_s_with_flush']:,.0f} "
+              f"rows/s, {res['reads_per_row_with_flush']:.2f} r + "
+              f"{res['writes_per_row_with_flush']:.3f} w; RssAnon max "
+              f"{res['rss_anon_max_mb']:.0f} MiB", flush=True)
+        if res.get("log_stats"):
+            ls = res["log_stats"]
+            print(f"    log: write amplification {ls['write_amplification']:.2f}, "
+                  f"{ls['seals']} seals, {ls['cleaned_segments']} segments cleaned, "
+                  f"space used {ls['space_used']:.2f}x live", flush=True)
+        if res.get("kernel_stacks"):
+            ks = res["kernel_stacks"]
+            print(f"    where the threads were ({ks['samples']} samples; idle threads left out):")
+            for fn, c in ks["top"][:8]:
+                print(f"      {c:5d}  {fn}")
     wait_disk_quiet(a.quiet_seconds)
     after = measure_disk(store / "rows.dsa", a.disk_seconds, qds=(32,))
     disk["qd32_iops_after"] = after["qd32_iops"]
     qd32 = max(disk["qd32_iops"], disk["qd32_iops_after"])
     for res in results:
         res["vs_qd32_reads"] = res["rows_per_s"] / qd32
+        res["vs_qd32_reads_with_flush"] = res["rows_per_s_with_flush"] / qd32
         # the disk I/Os per second the run caused, reads and writes together
         res["disk_ios_per_s"] = res["rows_per_s"] * (res["reads_per_row"] + res["writes_per_row"])
     print()
     print_table(results, ["rows", "dist", "mode", "second_moment", "first_moment", "align",
                           "ahead", "rows_per_s", "vs_qd32_reads", "reads_per_row",
-                          "writes_per_row", "disk_ios_per_s", "p50_ms", "p99_ms",
-                          "hit_rate", "steps", "memory"])
+                          "writes_per_row", "rows_per_s_with_flush", "vs_qd32_reads_with_flush",
+                          "writes_per_row_with_flush", "rss_anon_max_mb", "disk_ios_per_s",
+                          "p50_ms", "p99_ms", "hit_rate", "steps", "memory"])
     meta = {"machine": machine(), "args": vars(a), "disk": disk, "store_gb": size_gb,
             "memory": label}
 
@@ -456,6 +531,7 @@ def main(argv=None):
     print(f"wrote {base}.json/.csv/.png")
     if not a.keep:
         shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(log_store, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ same batches of ids (seeded) and the same loss, ``mean((emb(ids) - target)**2)``
 - ``dsa``: the same ``nn.Embedding`` + ``adapters.torch.DiskSparseAdam`` (m and v on disk).
 - ``diskemb``: ``adapters.torch.DiskEmbedding`` (weights, m and v on disk) +
   ``DiskSparseAdam``.
+- ``dsalog`` / ``diskemblog``: ``dsa`` / ``diskemb`` on log-structured stores
+  (``storage="log"``), once per ``--log-shares`` value: the region's budget ``memory`` is that
+  share of the state's bytes (rows x record bytes; the region's slots also pay ~42 bytes of
+  bookkeeping each, so a share of 1.0 holds ~96% of the rows). Labelled ``dsalog@100%``...
+  ``close_s`` is the final ``close`` (the flush that seals the region out), not in rows/s.
 
 Rows/s counts the batch's ids (duplicates included) per second of a whole training step
 (forward, backward, optimizer step, zero_grad). Memory: RssAnon / RssFile of the child
@@ -45,7 +50,7 @@ import numpy as np
 
 from ._common import batches, machine, mem, pages_written, predirty, print_table, write_results
 
-IMPLS = ("torch", "dsa", "diskemb")
+IMPLS = ("torch", "dsa", "diskemb", "dsalog", "diskemblog")
 LR = 1e-3
 MB = 2**20
 
@@ -64,12 +69,17 @@ def _worker(args) -> dict:
     root = tempfile.mkdtemp(prefix="torch_e2e_", dir=args.dir)
     base = mem()
     t0 = time.perf_counter()
+    log = args.worker.endswith("log")
+    # the state's bytes: w, m, v (DiskEmbedding) or m, v (DiskSparseAdam), float32
+    rec = (3 if args.worker.startswith("diskemb") else 2) * args.dim * 4
+    store_kw = {"storage": "log", "memory": int(args.log_share * args.rows * rec)} if log \
+        else {}
     try:
-        if args.worker == "diskemb":
+        if args.worker.startswith("diskemb"):
             emb = DiskEmbedding(args.rows, args.dim, state_dir=f"{root}/emb", init="uniform",
                                 init_scale=1e-3, seed=0,
                                 second_moment=args.second_moment,
-                                first_moment=args.first_moment).to(dev)
+                                first_moment=args.first_moment, **store_kw).to(dev)
             opt = DiskSparseAdam(emb.parameters(), lr=LR)
         else:
             emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
@@ -81,9 +91,9 @@ def _worker(args) -> dict:
             else:
                 opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=f"{root}/opt",
                                      second_moment=args.second_moment,
-                                     first_moment=args.first_moment)
+                                     first_moment=args.first_moment, **store_kw)
         build_s = time.perf_counter() - t0
-        if args.predirty and args.worker != "torch":  # the steady state of a long run
+        if args.predirty and args.worker in ("dsa", "diskemb"):  # the steady state of a long run
             for st in opt.stores.values():
                 predirty(st)
 
@@ -123,10 +133,12 @@ def _worker(args) -> dict:
             peak = {key: max(peak[key], now[key]) for key in peak}
         end = mem()
         written = pages_written() - written0
+        t_close = time.perf_counter()
         if args.worker != "torch":
             opt.close()
-        if args.worker == "diskemb":
+        if args.worker.startswith("diskemb"):
             emb.close()
+        close_s = time.perf_counter() - t_close
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ts = np.asarray(times)
@@ -139,7 +151,8 @@ def _worker(args) -> dict:
         extra["gpu"] = torch.cuda.get_device_name(dev)
         extra["gpu_peak_mb"] = torch.cuda.max_memory_allocated(dev) / MB
     return {
-        "impl": args.worker, "rows": args.rows, "dim": args.dim, "batch": args.batch,
+        "impl": f"{args.worker}@{args.log_share:.0%}" if log else args.worker,
+        "rows": args.rows, "dim": args.dim, "batch": args.batch, "close_s": close_s,
         "steps": args.steps, "dist": args.dist,
         "rows_per_s": args.batch * len(ts) / ts.sum(),
         "p50_ms": 1e3 * float(np.percentile(ts, 50)),
@@ -174,8 +187,9 @@ def _transfer_ms(torch, dev, batch: int, dim: int, reps: int = 50) -> float:
     return 1e3 * float(np.median(ts))
 
 
-def _child(impl: str, args) -> dict:
+def _child(impl: str, args, share: float = 1.0) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.torch_e2e", "--worker", impl,
+           "--log-share", str(share),
            "--rows", str(args.rows), "--dim", str(args.dim), "--batch", str(args.batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dist", args.dist,
            "--device", args.device]
@@ -211,14 +225,19 @@ def main(argv=None) -> None:
     ap.add_argument("--first-moment", choices=("full", "bfloat16"), default="full",
                     help="of the DSA stores (bfloat16: docs/algorithms.md §6)")
     ap.add_argument("--name", default=None, help="results file name (default: torch_e2e...)")
+    ap.add_argument("--log-shares", default="1.0,0.25",
+                    help="region budgets of the log impls, as shares of the state's bytes")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    ap.add_argument("--log-share", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.steps, args.warmup = 20_000, 5, 2
     if args.worker:
         print(json.dumps(_worker(args)))
         return
-    rows = [_child(impl, args) for impl in args.impls.split(",")]
+    shares = [float(x) for x in args.log_shares.split(",")]
+    rows = [_child(impl, args, share) for impl in args.impls.split(",")
+            for share in (shares if impl.endswith("log") else [1.0])]
     ref = next((r["rows_per_s"] for r in rows if r["impl"] == "torch"), None)
     for r in rows:
         r["ratio_vs_torch"] = r["rows_per_s"] / ref if ref else float("nan")
@@ -226,7 +245,7 @@ def main(argv=None) -> None:
           f"{args.steps} steps ({args.dist} ids), {args.device}")
     cols = ["impl", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms", "opt_p50_ms",
             "written_pages_per_step", "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb",
-            "build_s"]
+            "build_s", "close_s"]
     if args.device != "cpu":
         cols[7:7] = ["xfer_ms", "gpu_peak_mb"]
     print_table(rows, cols)

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKES = {
     "warm": ["--smoke"],
     "breakdown": ["--smoke"],
-    "ooc": ["--smoke", "--modes", "random", "prefetch", "logprobe", "--kernel-stacks"],
+    "ooc": ["--smoke", "--modes", "random", "prefetch", "logprobe", "logprefetch",
+            "--kernel-stacks"],
     "torch_e2e": ["--smoke"],
     "jax_overhead": ["--ks", "8", "--rows", "2000", "--dim", "8", "--steps", "20",
                      "--warmup", "5"],
