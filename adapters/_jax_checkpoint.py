@@ -123,7 +123,8 @@ def restore(state: DiskAdamState, src) -> DiskAdamState:
     """Copy the checkpoint at ``src`` (from :func:`checkpoint`) into the stores of ``state``.
 
     Tables are matched by their key in the stores pytree and must have the same layout
-    (shape, dtype, curvature, weights); everything is checked before anything is written.
+    (shape, dtype, curvature, weights), of either store kind (an in-place snapshot restores
+    into a log store and the reverse); everything is checked before anything is written.
     Then every table's records (weights, m, v) are copied in (``dsa_core.restore``), its
     count set to the checkpoint's and the store flushed. Returns the optimizer state to
     continue with (the given one becomes stale). The checkpoint is never modified. Not

@@ -226,8 +226,9 @@ class Batch(NamedTuple):
 def core_states(state: DiskAdamState) -> Any:
     """The current ``dsa_core.State`` of every table, in the structure of the stores.
 
-    For reading the tables (``.weights``, ``.exp_avg``) or handing them to another
-    transform: ``tx2.init(core_states(opt_state))``.
+    For reading the tables (``dsa_core.gather`` / ``read_records`` on any store; the
+    whole-table views ``.weights``, ``.exp_avg`` on in-place stores only) or handing them
+    to another transform: ``tx2.init(core_states(opt_state))``.
 
     Examples
     --------

@@ -18,6 +18,8 @@ import numpy as np
 import dsa_core
 from dsa_core import validation
 
+from ._storage import STORAGE_DEFAULT, check_kind, check_storage_args
+
 __all__ = ["create_store"]
 
 _WHAT = "create_store"
@@ -29,12 +31,12 @@ _LAYOUT_ARGS = ("curvature", "dtype", "weights", "second_moment", "first_moment"
 # the optimizer's settings: given ones replace a reopened store's, as if it was made with them
 _HPARAM_ARGS = ("lr", "betas", "eps", "maximize", "nonfinite", "durability", "weight_decay",
                 "decoupled_weight_decay")
-_OWN_ARGS = ("overwrite", "access")  # create_store's own handling
+_OWN_ARGS = ("overwrite", "access", "storage", "memory")  # create_store's own handling
 
 
 def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
-                 overwrite: bool = False, access: str = "auto",
-                 **create_args: Any) -> dsa_core.State:
+                 overwrite: bool = False, access: str = "auto", storage: str = STORAGE_DEFAULT,
+                 memory: int | str | None = None, **create_args: Any) -> dsa_core.State:
     """Create the store of one table at ``path``; with ``resume=True``, reopen the one there.
 
     The first call of a training script and every later one can be the same line: without
@@ -56,7 +58,22 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
     overwrite : bool, default False
         Replace an existing store with a fresh one (refused while another writer holds it).
     access : "auto", "ram" or "disk"
-        How the store is paged (``dsa_core.create``/``open``).
+        How the store is paged (``dsa_core.create``/``open``); ``"auto"`` only for a log
+        store.
+    storage : "inplace" or "log", default "inplace"
+        The kind of store (``dsa_core.create``'s ``storage``). ``"log"`` (experimental):
+        the log-structured store, whose in-memory region of at most ``memory`` bytes takes
+        the steps and writes evicted rows to disk in large sequential appends; training is
+        bit-identical to an in-place store created with the same initial records (its named
+        inits ``"normal"``/``"uniform"`` are a function of (seed, row), so they differ from
+        an in-place store's; an init array or zeros give the same records). Log stores take
+        ``durability="flush"`` only. A store reopened with ``resume=True`` must be of the
+        kind asked for.
+    memory : int or str, optional
+        ``storage="log"`` only: the budget of the log store's region, bytes or a string such
+        as ``"4GiB"`` (default: the core's), for a new store and a reopened one alike (the
+        budget is not stored). The unique rows of one ``update`` must fit in it. Refused
+        with ``storage="inplace"``.
     **create_args
         The keyword arguments of ``dsa_core.create``: ``curvature``, ``dtype``, ``weights``,
         ``init``, ``lr``, ``durability``, ``weight_decay``, ``per_row_step``, ... When a
@@ -82,7 +99,8 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
         message says what to do).
     ValueError
         ``resume=True`` and ``overwrite=True`` together; a reopened store that does not
-        match the call.
+        match the call (its kind included); ``memory`` without ``storage="log"``, or a log
+        store with ``access`` or ``durability`` other than their defaults.
     dsa_core.StoreLockedError
         Another process is writing the store.
 
@@ -121,8 +139,11 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
     unknown = sorted(set(create_args) - set(_CREATE_ARGS) | set(create_args) & set(_OWN_ARGS))
     if unknown:
         raise TypeError(f"{_WHAT}: unexpected keyword argument(s) {unknown}; it takes "
-                        f"resume, overwrite, access and the keyword arguments of "
-                        f"dsa_core.create {sorted(set(_CREATE_ARGS) - set(_OWN_ARGS))}")
+                        f"resume, overwrite, {', '.join(_OWN_ARGS[1:])} and the keyword "
+                        "arguments of dsa_core.create "
+                        f"{sorted(set(_CREATE_ARGS) - set(_OWN_ARGS))}")
+    storage, memory = check_storage_args(
+        storage, memory, access, _WHAT, durability=create_args.get("durability", "flush"))
     if resume:
         try:
             probe = dsa_core.open(path, mode="r")  # read-only: a mismatch leaves it untouched
@@ -130,14 +151,15 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
             probe = None  # nothing to resume: a fresh store (a damaged one: create says so)
         if probe is not None:
             try:
+                check_kind(probe, storage, _WHAT)
                 _check_match(probe, num_rows, dim, create_args)
                 hparams = _hparams(probe, create_args)
             finally:
                 dsa_core.close(probe)
-            return dsa_core.open(path, access=access)._replace(**hparams)
+            return dsa_core.open(path, access=access, memory=memory)._replace(**hparams)
     try:
         return dsa_core.create(path, num_rows, dim, overwrite=overwrite, access=access,
-                               **create_args)
+                               storage=storage, memory=memory, **create_args)
     except FileExistsError as exc:
         try:
             found = dsa_core.open(path, mode="r")  # a real store (not a damaged one)?

@@ -15,8 +15,11 @@ import torch
 import dsa_core
 from dsa_core import validation
 
+from ._row_view import RowView
+from ._storage import STORAGE_DEFAULT
 from ._torch_common import (
     SharedState,
+    check_storage_args,
     close_quietly,
     np_dtype,
     peek_existing,
@@ -110,15 +113,28 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         ever dropped and a read right after a step sees the new rows.
     dtype : "float32" or "float64", optional
         Storage dtype; default float64 for float64 tables, else float32 (the article's).
+    storage : "inplace" or "log", default "inplace"
+        The kind of every table's store (``dsa_core.create``'s ``storage``). ``"log"``
+        (experimental): log-structured stores, whose in-memory region of at most ``memory``
+        bytes takes the steps; training is bit-identical. Their :attr:`state_files` read
+        rows on indexing instead of being numpy views (below). A store reopened from
+        ``disk_dir`` must be of the kind asked for.
+    memory : int or str, optional
+        ``storage="log"`` only: the region budget of **each** table's store, bytes or a
+        string such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
 
     Attributes
     ----------
-    state_files : dict[str, dict[str, ndarray]]
-        ``state_files[name]["w"]``, ``["m"]``, ``["v"]``: read-only numpy views
-        ``(num_rows, dim)`` of the stored weights, first and second moments, always
-        current (``state_files[name]["w"][idx].copy()`` returns the rows as of the last
-        step). For ``k > 0`` the second moment is one scalar per row, shown broadcast over
-        the ``dim`` columns. Update rows through :meth:`step` only.
+    state_files : dict[str, dict[str, ndarray or RowView]]
+        ``state_files[name]["w"]``, ``["m"]``, ``["v"]``: the stored weights, first and
+        second moments ``(num_rows, dim)``, read-only and always current
+        (``state_files[name]["w"][idx].copy()`` returns the rows as of the last step).
+        For ``k > 0`` the second moment is one scalar per row, shown broadcast over the
+        ``dim`` columns. Update rows through :meth:`step` only. In-place stores give numpy
+        views of the mapped file. Log stores give array-likes (``RowView``: ``shape``,
+        ``dtype``, ``len``) whose indexing (ids, slices, masks, then columns, with numpy's
+        semantics) reads just those rows and returns a new array; they refuse writes and
+        ``np.asarray(view)`` of the whole table, and raise after :meth:`shutdown`.
 
     Notes
     -----
@@ -151,7 +167,8 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
     def __init__(self, params: dict | list, lr: float = 1e-3, beta1: float = 0.9,
                  beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                  k: float = 0.0, disk_dir="./opt_cache", max_queue_size: int = 300, *,
-                 dtype: Any = None):
+                 dtype: Any = None, storage: str = STORAGE_DEFAULT,
+                 memory: int | str | None = None):
         if isinstance(params, dict):
             tables = dict(params)
         else:
@@ -171,6 +188,8 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         weight_decay = validation.check_weight_decay(weight_decay,
                                                      what="DiskSparseRiemannianAdam")
         c = validation.check_curvature(k, what="DiskSparseRiemannianAdam k")
+        storage, memory = check_storage_args(storage, memory, "auto",
+                                             "DiskSparseRiemannianAdam")
         arrays = {}
         for name, value in tables.items():
             if not isinstance(name, str) or not name or name in (".", "..") \
@@ -192,12 +211,13 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         defaults = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
                     "weight_decay": weight_decay, "k": c}
         super().__init__([{"params": list(self._placeholders.values())}], defaults)
-        self._open_all(arrays, c, dtype)
+        self._open_all(arrays, c, dtype, storage, memory)
         self._finalizer = weakref.finalize(self, close_quietly,
                                            list(self._handles.values()))
-        self.state_files = {name: self._views(h.state) for name, h in self._handles.items()}
+        self.state_files = {name: self._views(h) for name, h in self._handles.items()}
 
-    def _open_all(self, arrays: dict, c: float, dtype: Any) -> None:
+    def _open_all(self, arrays: dict, c: float, dtype: Any, storage: str,
+                  memory: int | None) -> None:
         group = self.param_groups[0]
         opened, created = [], []
         if isinstance(dtype, torch.dtype):
@@ -211,10 +231,10 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                 n, d = (int(s) for s in arr.shape)
                 what = f"DiskSparseRiemannianAdam[{name!r}]"
                 expect = {"num_rows": n, "dim": d, "dtype": dt, "curvature": c,
-                          "weights": True, "what": what}
+                          "weights": True, "what": what, "storage": storage}
                 count = peek_existing(path, **expect)
                 if count is not None:
-                    st = reopen(path, **expect)
+                    st = reopen(path, memory=memory, **expect)
                     warnings.warn(
                         f"{what}: {str(path)!r} already holds this table ({n} x {d} "
                         f"{dt.name}, trained {count} steps); it is reopened and training "
@@ -226,7 +246,8 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                                          weights=True, init=arr, lr=group["lr"],
                                          betas=(group["beta1"], group["beta2"]),
                                          eps=group["eps"],
-                                         weight_decay=group["weight_decay"])
+                                         weight_decay=group["weight_decay"],
+                                         storage=storage, memory=memory)
                     created.append(path)
                 opened.append(st)
                 self._handles[name] = SharedState(st)
@@ -238,7 +259,13 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
             raise
 
     @staticmethod
-    def _views(st: dsa_core.State) -> dict[str, np.ndarray]:
+    def _views(h: SharedState) -> dict[str, Any]:
+        """Read-only numpy views of an in-place store; for a log store (no whole-table
+        view), ``RowView`` objects that read the handle's current State on indexing."""
+        st = h.state
+        if st.storage == "log":
+            return {part: RowView(lambda: h.state, part) for part in ("w", "m", "v")}
+
         def ro(a):
             a = a.view()
             a.flags.writeable = False
@@ -314,7 +341,9 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
 
         ``timeout`` is accepted for compatibility and unused (writes are synchronous; there
         is no writer thread to wait for). Afterwards :meth:`step` and the other methods
-        raise; :attr:`state_files` stays readable (read-only) for inspection and export.
+        raise; the :attr:`state_files` of in-place stores stay readable (read-only) for
+        inspection and export (those of log stores raise: read them before, or
+        ``dsa_core.open(path, mode="r")`` the store).
         """
         del timeout
         if self._closed:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 import dsa_core
-from dsa_core import validation
+
+from ._storage import check_kind, check_storage_args
 
 __all__ = [
     "DirLock",
@@ -233,12 +234,8 @@ def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.
     refused too (``dsa_core.convert`` copies a store into the other kind).
     """
     path = str(state.path)
-    if storage is not None and state.storage != storage:
-        raise ValueError(
-            f"{what}: the existing store at {path!r} is a storage={state.storage!r} store, "
-            f"but storage={storage!r} was asked for. Pass storage={state.storage!r} to "
-            "resume it, copy it into the other kind with dsa_core.convert(state, dest, "
-            f"storage={storage!r}) and resume that, or overwrite=True to replace it")
+    if storage is not None:
+        check_kind(state, storage, what)
     have = (state.num_rows, state.dim, state.dtype.name, state.curvature, state.has_weights)
     want = (num_rows, dim, dtype.name, curvature, weights)
     if have != want:
@@ -304,38 +301,18 @@ def reopen(path: Path, *, access: str = "auto", memory: int | None = None,
            **expect: Any) -> dsa_core.State:
     """Open the store at ``path`` for writing (resume) and check it again once locked.
 
-    ``memory`` is the region budget of a log store (``dsa_core.open``'s ``memory``; only
-    given for ``storage="log"``). A store held by another writer raises
+    ``memory`` is the region budget of a log store (``dsa_core.open``'s ``memory``; None
+    for an in-place store). A store held by another writer raises
     ``dsa_core.StoreLockedError``; a mismatch closes it again and raises ``ValueError``
     (see :func:`check_existing`).
     """
-    state = dsa_core.open(path, access=access) if memory is None else \
-        dsa_core.open(path, access=access, memory=memory)
+    state = dsa_core.open(path, access=access, memory=memory)
     try:
         check_existing(state, **expect)
     except BaseException:
         dsa_core.close(state)
         raise
     return state
-
-
-def check_storage_args(storage: Any, memory: Any, access: str,
-                       what: str) -> tuple[str, int | None]:
-    """``storage`` and ``memory`` checked against each other and the other store options.
-
-    Returns ``(storage, memory in bytes or None)``. ``memory`` is for ``storage="log"`` only;
-    a log store has no mapping, so it takes ``access="auto"`` only. Both are refused here,
-    before anything is opened or written.
-    """
-    storage = validation.check_storage(storage, what=what)
-    memory = validation.check_memory_arg(memory, storage, what=what)
-    if storage == "log":
-        if access != "auto":
-            raise ValueError(
-                f"{what}: access={access!r} is for in-place stores; a log store "
-                "(storage='log') has no mapping to page and sizes its in-memory region with "
-                "memory= instead. Leave access='auto', or use storage='inplace'")
-    return storage, memory
 
 
 _CHUNK_BYTES = 1 << 24  # ~16 MiB of records per read/modify/write chunk of a log store

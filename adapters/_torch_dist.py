@@ -37,6 +37,7 @@ from torch import nn
 import dsa_core
 from dsa_core import validation
 
+from ._storage import STORAGE_DEFAULT, check_storage_args, zero_weight_row
 from ._torch_common import (
     SharedState,
     check_table_args,
@@ -461,6 +462,22 @@ class ShardedDiskEmbedding(nn.Module):
         The weight decay itself is the optimizer's (``DiskSparseAdam(...,
         weight_decay=..., decoupled_weight_decay=...)``); give every rank's optimizer the
         same.
+    storage : "inplace" or "log", default "inplace"
+        The kind of every shard store (``dsa_core.create``'s ``storage``; every rank must
+        pass the same). ``"log"`` (experimental): log-structured shards, whose in-memory
+        region of at most ``memory`` bytes takes the steps and writes evicted rows to disk
+        in large sequential appends; training, checkpoints and reshards are bit-identical
+        to in-place shards. Log shards take ``durability="flush"`` only, and their named
+        inits (``"normal"``, ``"uniform"``) are a function of (seed, row), not the rows an
+        in-place shard draws (an array or callable ``init`` gives the same rows in both).
+        A shard or checkpoint resumed (``resume=True``, ``resume_from=``) must be of the
+        kind asked for; ``python -m adapters.torch_reshard ... --storage KIND`` rewrites a
+        checkpoint as the other kind.
+    memory : int or str, optional
+        ``storage="log"`` only: the region budget of **this rank's shard store**, bytes or
+        a string such as ``"4GiB"`` (default: the core's, 25% of this process's memory at
+        most). Each rank passes its own (it is not compared across ranks); the unique rows
+        a shard receives in one step must fit in it. Refused with ``storage="inplace"``.
 
     Attributes
     ----------
@@ -488,9 +505,12 @@ class ShardedDiskEmbedding(nn.Module):
                  resume_from=None, overwrite: bool = False, exchange: str = "all_to_all",
                  timeout: float | timedelta | None = None, durability: str = "flush",
                  second_moment: str = "elementwise", first_moment: str = "full",
-                 per_row_step: bool = False, decay_missed_steps: bool = False):
+                 per_row_step: bool = False, decay_missed_steps: bool = False,
+                 storage: str = STORAGE_DEFAULT, memory: int | str | None = None):
         super().__init__()
         n, d, padding_idx = check_table_args(num_embeddings, embedding_dim, mode, padding_idx)
+        storage, memory = check_storage_args(storage, memory, "auto", _WHO,
+                                             durability=durability)
         if grad_reduce not in ("sum", "mean"):
             raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
         if exchange not in _EXCHANGES:
@@ -533,11 +553,12 @@ class ShardedDiskEmbedding(nn.Module):
         # phase 1: look (no writes), agree on what every rank found
         args = (n, d, dt.name, c, plan, padding_idx, grad_reduce, exchange, bool(resume),
                 None if resume_from is None else os.fspath(resume_from), bool(overwrite),
-                second_moment, first_moment, rows["per_row_step"], rows["decay_missed_steps"])
+                second_moment, first_moment, rows["per_row_step"], rows["decay_missed_steps"],
+                storage)
         my_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
             else int(seed)
         try:
-            found = _inspect(path, meta, resume, resume_from, overwrite, rank)
+            found = _inspect(path, meta, resume, resume_from, overwrite, rank, storage)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by _decide
             found = {"error": f"{type(exc).__name__}: {exc}"}
         infos = comm.gather_objects({"args": args, "seed": my_seed, "found": found,
@@ -550,14 +571,14 @@ class ShardedDiskEmbedding(nn.Module):
         state, err, created = None, None, False
         try:
             if action == "resume_from":
-                _copy_shard(shard_path(resume_from, rank, world), path)
-                state = _open_checked(path, meta)
+                _copy_shard(shard_path(resume_from, rank, world), path, memory)
+                state = _open_checked(path, meta, storage, memory)
             elif action == "open":
-                state = _open_checked(path, meta)
+                state = _open_checked(path, meta, storage, memory)
             else:
                 state = _create_shard(path, sp, rank, d, dt, c, init, init_scale, shard_seed,
                                       padding_idx, overwrite, durability, second_moment,
-                                      first_moment, rows)
+                                      first_moment, rows, storage, memory)
                 created = True
                 write_shard_meta(path, meta)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -845,8 +866,12 @@ def _join(errors: list[tuple[int, str]]) -> str:
 
 
 def _inspect(path: Path, meta: dict, resume: bool, resume_from, overwrite: bool,
-             rank: int) -> dict:
-    """What this rank finds on disk; reads only (nothing when it will not use the shard)."""
+             rank: int, storage: str) -> dict:
+    """What this rank finds on disk; reads only (nothing when it will not use the shard).
+
+    A shard or checkpoint shard to be continued must match this run's table settings and
+    be of the store kind asked for (``storage``).
+    """
     out: dict[str, Any] = {}
     if resume_from is not None:
         man = read_manifest(resume_from)
@@ -865,6 +890,7 @@ def _inspect(path: Path, meta: dict, resume: bool, resume_from, overwrite: bool,
         check_shard_meta(f"checkpoint shard {str(src)!r}", read_shard_meta(src), meta)
         snap = dsa_core.open(src, mode="r")
         try:
+            _check_kind(snap, storage, f"checkpoint shard {str(src)!r}")
             if snap.count != man["count"] or snap.num_rows != meta["local_rows"]:
                 raise ValueError(
                     f"checkpoint shard {str(src)!r} is at step {snap.count} with "
@@ -878,7 +904,23 @@ def _inspect(path: Path, meta: dict, resume: bool, resume_from, overwrite: bool,
     out["exists"] = (path / "manifest.json").exists()
     if out["exists"] and resume:  # only a shard to be continued needs to match this run
         check_shard_meta(f"shard {str(path)!r}", read_shard_meta(path), meta)
+        snap = dsa_core.open(path, mode="r")
+        try:
+            _check_kind(snap, storage, f"shard {str(path)!r}")
+        finally:
+            dsa_core.close(snap)
     return out
+
+
+def _check_kind(state: dsa_core.State, storage: str, where: str) -> None:
+    """``ValueError`` unless a shard (or checkpoint shard) is of the kind ``storage``."""
+    if state.storage != storage:
+        raise ValueError(
+            f"{where} is a storage={state.storage!r} store, but this run asked for "
+            f"storage={storage!r}. Pass storage={state.storage!r} to continue it, or rewrite "
+            f"a checkpoint as the other kind: python -m adapters.torch_reshard SRC DEST "
+            f"--world-size W --storage {storage} (W: the same or another world size), then "
+            "resume_from=DEST; or overwrite=True to start new shards")
 
 
 def _decide(infos: list[dict], resume: bool, resume_from, overwrite: bool,
@@ -917,8 +959,15 @@ def _decide(infos: list[dict], resume: bool, resume_from, overwrite: bool,
         "to start afresh. Nothing was written")
 
 
-def _open_checked(path: Path, meta: dict) -> dsa_core.State:
-    st = dsa_core.open(path)
+def _open_checked(path: Path, meta: dict, storage: str,
+                  memory: int | None) -> dsa_core.State:
+    """Open a shard for writing (``memory``: a log store's region budget) and check it."""
+    st = dsa_core.open(path, memory=memory)  # memory is None unless storage == "log"
+    try:
+        _check_kind(st, storage, f"shard {str(path)!r}")
+    except BaseException:
+        dsa_core.close(st)
+        raise
     have = (st.num_rows, st.dim, st.dtype.name, st.curvature, st.has_weights,
             *store_settings(st).values())
     want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True,
@@ -933,24 +982,36 @@ def _open_checked(path: Path, meta: dict) -> dsa_core.State:
     return st
 
 
-def _copy_shard(src: Path, dest: Path) -> None:
+def _kind_of(path: Path) -> str:
+    """The kind of the store at ``path`` (``"inplace"`` or ``"log"``), read-only."""
+    snap = dsa_core.open(path, mode="r")
+    try:
+        return snap.storage
+    finally:
+        dsa_core.close(snap)
+
+
+def _copy_shard(src: Path, dest: Path, memory: int | None) -> None:
     """Copy a checkpoint shard over the live one; the source is untouched.
 
     Built beside ``dest`` and swapped in as one directory (``dsa_core.staged_dir``), so
     ``dest`` is the old shard or the checkpoint's, never a mix. A live shard that another
-    writer holds is refused (``StoreLockedError``) before the swap.
+    writer holds is refused (``StoreLockedError``) before the swap (a live log shard is
+    opened for that with ``memory``, its region budget).
     """
     with dsa_core.staged_dir(dest, overwrite=True) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("writer.lock", "*.tmp*"))
-        if (dest / "manifest.json").exists():
-            dsa_core.close(dsa_core.open(dest))  # raises while another writer holds it
+        if (dest / "manifest.json").exists():  # raises while another writer holds it
+            live_mem = memory if _kind_of(dest) == "log" else None
+            dsa_core.close(dsa_core.open(dest, memory=live_mem))
 
 
 def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, c: float,
                   init: Any, init_scale: float, seed: int, padding_idx: int | None,
                   overwrite: bool, durability: str, second_moment: str = "elementwise",
-                  first_moment: str = "full", rows: dict | None = None) -> dsa_core.State:
+                  first_moment: str = "full", rows: dict | None = None,
+                  storage: str = STORAGE_DEFAULT, memory: int | None = None) -> dsa_core.State:
     n = plan.local_rows(rank)
     rows = rows or {"per_row_step": False, "decay_missed_steps": False}
     if isinstance(init, str):
@@ -965,10 +1026,10 @@ def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, 
     st = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True, init=src,
                          init_scale=init_scale, seed=seed, overwrite=overwrite,
                          durability=durability, progress=False, second_moment=second_moment,
-                         first_moment=first_moment, **rows,
+                         first_moment=first_moment, **rows, storage=storage, memory=memory,
                          # the optimizer sets the decay at each step; a store that catches
                          # up decay is created with the decoupled kind
                          decoupled_weight_decay=rows["decay_missed_steps"])
     if padding_idx is not None and int(plan.owner(padding_idx)) == rank:
-        st.weights[int(plan.local(padding_idx))] = 0
+        zero_weight_row(st, int(plan.local(padding_idx)))
     return st

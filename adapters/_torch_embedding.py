@@ -15,6 +15,7 @@ from torch import nn
 import dsa_core
 from dsa_core import validation
 
+from ._storage import STORAGE_DEFAULT, zero_weight_row
 from ._torch_common import (
     SharedState,
     check_reopen,
@@ -311,7 +312,7 @@ class DiskEmbedding(nn.Module):
                  progress: bool | None = None, access: str = "auto",
                  second_moment: str = "elementwise", first_moment: str = "full",
                  nonfinite: str | None = None, per_row_step: bool = False,
-                 decay_missed_steps: bool = False, storage: str = "inplace",
+                 decay_missed_steps: bool = False, storage: str = STORAGE_DEFAULT,
                  memory: int | str | None = None):
         super().__init__()
         dsa_core.check_access(access)
@@ -366,31 +367,24 @@ class DiskEmbedding(nn.Module):
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
-                access, second_moment, first_moment, nonfinite, rows, storage="inplace",
-                memory=None):
+                access, second_moment, first_moment, nonfinite, rows, storage, memory):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         if isinstance(init, torch.Tensor):
             init = init.detach().cpu().numpy()
-        kind = {} if storage == "inplace" else {"storage": storage, "memory": memory}
         state = dsa_core.create(path, n, d, curvature=c, dtype=dt.name, weights=True,
                                 init=init, init_scale=init_scale, seed=seed,
                                 overwrite=overwrite, progress=progress, access=access,
                                 second_moment=second_moment, first_moment=first_moment,
-                                nonfinite=nonfinite, **rows, **kind,
+                                nonfinite=nonfinite, **rows, storage=storage,
+                                memory=memory,
                                 # the optimizer sets the decay at each step; a store that
                                 # catches up decay is created with the decoupled kind
                                 decoupled_weight_decay=rows["decay_missed_steps"])
         if padding_idx is not None:
-            if state.storage == "log":  # no whole-table view: rewrite that one record
-                rec = dsa_core.read_records(state, [padding_idx])
-                o = state.layout["w"]
-                rec[:, o:o + d] = 0
-                dsa_core.write_records(state, [padding_idx], rec)
-            else:
-                state.weights[padding_idx] = 0
+            zero_weight_row(state, padding_idx)
         return state
 
     # -- access ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import dsa_core
 from dsa_core import validation
 
+from ._storage import STORAGE_DEFAULT
 from ._torch_common import (
     DirLock,
     SharedState,
@@ -232,8 +233,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         The kind of this optimizer's own stores (those of in-RAM parameters such as an
         ``nn.Embedding`` weight; ``dsa_core.create``'s ``storage``). ``"log"``
         (experimental): log-structured stores whose in-memory region of at most ``memory``
-        bytes takes the steps; training is bit-identical. They take ``access="auto"`` only
-        and no bfloat16 first moment yet; resumed stores must be of the kind asked for. A
+        bytes takes the steps; training is bit-identical. They take ``access="auto"``
+        only; resumed stores must be of the kind asked for. A
         DiskEmbedding's parameter keeps its module's store, whatever its kind.
     memory : int or str, optional
         ``storage="log"`` only: the region budget of **each** own store, bytes or a string
@@ -345,7 +346,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                  overwrite: bool = False, curvature: float = 0.0, access: str = "auto",
                  second_moment: str | None = None, first_moment: str | None = None,
                  nonfinite: str | None = None, per_row_step: bool | None = None,
-                 decay_missed_steps: bool | None = None, storage: str = "inplace",
+                 decay_missed_steps: bool | None = None, storage: str = STORAGE_DEFAULT,
                  memory: int | str | None = None):
         check_torch_hparams(lr, betas, eps, weight_decay, decoupled_weight_decay)
         what = "DiskSparseAdam"
@@ -401,9 +402,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         return "elementwise" if c > 0 else (self._second_moment or "elementwise")
 
     def _kind(self) -> dict[str, Any]:
-        """``dsa_core.create``'s ``storage`` / ``memory`` for an own store (none: in-place)."""
-        if self._storage == "inplace":
-            return {}
+        """``dsa_core.create``'s ``storage`` / ``memory`` for an own store."""
         return {"storage": self._storage, "memory": self._memory}
 
     def _row_options(self) -> dict[str, bool]:

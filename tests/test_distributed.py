@@ -100,6 +100,15 @@ def world_of(scenario: str, step: int) -> int:
 
 
 # -- the worker -----------------------------------------------------------------------------------
+def join_group(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    """Join the workers' process group through the test's TCPStore (bounded waits)."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=GROUP_TIMEOUT))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+
+
 def _worker(scenario: str, rank: int, world: int, port: int, tmp: Path) -> None:
     from adapters.torch_dist import (
         DiskSparseAdam,
@@ -108,11 +117,7 @@ def _worker(scenario: str, rank: int, world: int, port: int, tmp: Path) -> None:
         ddp_ignore,
     )
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                          timeout=timedelta(seconds=GROUP_TIMEOUT))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+    join_group(rank, world, port)
     out: dict = {"losses": {}}
 
     def save():
@@ -240,11 +245,7 @@ def _reduced_worker(rank: int, world: int, port: int, tmp: Path) -> None:
 
     from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
 
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                          timeout=timedelta(seconds=GROUP_TIMEOUT))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+    join_group(rank, world, port)
     out: dict = {"refused": []}
     for name, (sm, fm) in REDUCED.items():
         emb = ShardedDiskEmbedding(N, D, state_dir=tmp / name, padding_idx=PAD,
@@ -288,9 +289,13 @@ def _reduced_worker(rank: int, world: int, port: int, tmp: Path) -> None:
 
 # -- process management ---------------------------------------------------------------------------
 class Launch:
-    """``world`` workers of one scenario around a TCPStore of this process."""
+    """``world`` workers of one scenario around a TCPStore of this process.
 
-    def __init__(self, scenario: str, world: int, tmp: Path):
+    The workers run ``script`` (this file by default) as
+    ``python SCRIPT worker SCENARIO RANK WORLD PORT TMP``.
+    """
+
+    def __init__(self, scenario: str, world: int, tmp: Path, script: Path = HERE):
         self.scenario, self.world = scenario, world
         self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
                                    wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -303,7 +308,7 @@ class Launch:
             log = (tmp / f"{scenario}_rank{r}.log").open("w+")
             self.logs.append(log)
             self.procs.append(subprocess.Popen(
-                [sys.executable, str(HERE), "worker", scenario, str(r), str(world),
+                [sys.executable, str(script), "worker", scenario, str(r), str(world),
                  str(self.store.port), str(tmp)],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
 
@@ -892,10 +897,7 @@ def _nccl_worker(rank: int, world: int, port: int, tmp: Path) -> None:
     from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
 
     torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                          timeout=timedelta(seconds=GROUP_TIMEOUT))
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT))
+    join_group(rank, world, port, "nccl")
     emb = ShardedDiskEmbedding(N, D, state_dir=tmp / "N", padding_idx=PAD, init=init_table(),
                                device="cuda")
     opt = DiskSparseAdam(emb.parameters(), lr=LR_EMB)

@@ -1,0 +1,78 @@
+"""The kind of the adapters' stores (``storage=``, ``memory=``): one default, shared checks.
+
+Private, and free of torch and JAX: the torch adapters (:mod:`adapters._torch_common`), the
+sharded embedding and the JAX adapter share it.
+
+Every adapter that creates stores takes ``storage`` (``"inplace"`` or ``"log"``, passed on to
+``dsa_core.create``) and ``memory`` (the region budget of a log store, passed on to
+``dsa_core.create`` and ``dsa_core.open``). Their default is :data:`STORAGE_DEFAULT`, here
+only; the adapters pass whatever they were given through to the core, without special
+cases for one kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import dsa_core
+from dsa_core import validation
+
+__all__ = ["STORAGE_DEFAULT", "check_kind", "check_storage_args", "zero_weight_row"]
+
+STORAGE_DEFAULT = "inplace"
+"""The store kind an adapter creates when none is asked for (``dsa_core.create``'s kinds)."""
+
+
+def check_storage_args(storage: Any, memory: Any, access: str, what: str, *,
+                       durability: str = "flush") -> tuple[str, int | None]:
+    """``storage`` and ``memory`` checked against each other and the other store options.
+
+    Returns ``(storage, memory in bytes or None)``. ``memory`` is for ``storage="log"`` only;
+    a log store has no mapping, so it takes ``access="auto"`` only, and it makes its steps
+    durable at flush (``durability="flush"`` only). All of this is refused here, before
+    anything is opened or written; ``what`` names the caller in the messages.
+    """
+    storage = validation.check_storage(storage, what=what)
+    memory = validation.check_memory_arg(memory, storage, what=what)
+    if storage == "log":
+        if access != "auto":
+            raise ValueError(
+                f"{what}: access={access!r} is for in-place stores; a log store "
+                "(storage='log') has no mapping to page and sizes its in-memory region with "
+                "memory= instead. Leave access='auto', or use storage='inplace'")
+        if durability != "flush":
+            raise ValueError(
+                f"{what}: durability={durability!r} is not available with storage='log' yet "
+                "(a log store makes its steps durable at flush, checkpoint and close). Use "
+                "durability='flush' with storage='log', or storage='inplace'")
+    return storage, memory
+
+
+def check_kind(state: dsa_core.State, storage: str, what: str) -> None:
+    """``ValueError`` unless the existing store ``state`` is of the kind ``storage``.
+
+    A resumed store must be of the kind asked for: resuming an in-place store as a log one
+    (or the reverse) would silently give the run another memory behaviour than it asked for.
+    """
+    if state.storage != storage:
+        raise ValueError(
+            f"{what}: the existing store at {str(state.path)!r} is a "
+            f"storage={state.storage!r} store, but storage={storage!r} was asked for. Pass "
+            f"storage={state.storage!r} to resume it, copy it into the other kind with "
+            f"dsa_core.convert(state, dest, storage={storage!r}) and resume that, or "
+            "overwrite=True to replace it")
+
+
+def zero_weight_row(state: dsa_core.State, row: int) -> None:
+    """Set the weights of row ``row`` to zero (a padding row), its m and v kept.
+
+    Through its whole record (``dsa_core.read_records`` / ``write_records``), so it works on
+    every kind of store, including those without a whole-table view (log stores). Durable
+    at the next flush.
+    """
+    rec = dsa_core.read_records(state, np.array([row], np.int64))
+    o = state.layout["w"]
+    rec[:, o:o + state.dim] = 0
+    dsa_core.write_records(state, np.array([row], np.int64), rec)
