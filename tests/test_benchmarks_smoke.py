@@ -27,6 +27,7 @@ SMOKES = {
     "distributed": ["--smoke"],  # writes distributed_smoke.*, never the committed results
     "decay_quality": ["--smoke"],  # its stores go to TMPDIR (tmp_path)
     "log_warm": ["--smoke"],  # writes no result files in smoke mode
+    "log_store": ["--smoke"],
 }
 
 
@@ -35,7 +36,7 @@ def test_benchmark_smoke(name, tmp_path):
     if name == "jax_overhead":
         pytest.importorskip("jax")
     args = list(SMOKES[name])
-    if name in ("warm", "ooc", "breakdown", "reduced_state", "folio_check"):
+    if name in ("warm", "ooc", "breakdown", "reduced_state", "folio_check", "log_store"):
         args += ["--workdir", str(tmp_path)]
     if name == "distributed":
         args += ["--dir", str(tmp_path)]
