@@ -591,8 +591,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
         Every gradient is checked (and coalesced and copied to the host) before any store
         is written, so a bad gradient raises with nothing changed. Raises ``RuntimeError``
         for a dense gradient (torch's message), ``ValueError`` for a gradient whose
-        ``sparse_dim`` is not 1, and ``FloatingPointError`` for a NaN or Inf in the gradient
-        of a store with ``nonfinite="raise"``.
+        ``sparse_dim`` is not 1 or whose rows do not fit a log store's memory region, and
+        ``FloatingPointError`` for a NaN or Inf in the gradient of a store with
+        ``nonfinite="raise"``.
         """
         self._check_open()
         loss = None
@@ -614,7 +615,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 jobs.append(job)
         for dev in devices:  # the non_blocking copies to pinned memory must have landed
             torch.cuda.current_stream(dev).synchronize()
-        for job in jobs:  # nonfinite="raise": refuse before *any* store is written
+        for job in jobs:  # refuse before *any* store is written
+            # a log store's region must hold the batch's rows (the core would refuse it only
+            # when its turn comes, after the stores before it had been stepped)
+            dsa_core.check_batch(job.slot.handle.state, job.host[0].numpy())
             if job.slot.handle.state.nonfinite == "raise":
                 vals = job.host[1].numpy()
                 if not np.isfinite(vals).all():
