@@ -96,6 +96,7 @@ def env(request, tmp_path_factory):
     e.opt = DiskSparseAdam(e.emb.parameters(), lr=0.01, state_dir=root / "opt", **kind)
     e.de = DiskEmbedding(30, 4, state_dir=root / "de", init="normal", seed=1, **kind)
     e.opt_de = DiskSparseAdam(e.de.parameters(), lr=0.01)
+    e.sd0, e.msd0 = e.opt.state_dict(), e.de.state_dict()  # at step 0: outdated after this
     for m, o in ((e.emb, e.opt), (e.de, e.opt_de)):
         m(torch.tensor([1, 2, 2, 5])).sum().backward()
         o.step()
@@ -103,6 +104,8 @@ def env(request, tmp_path_factory):
     e.opt.checkpoint(root / "torch-ckpt")
     e.opt.flush()
     e.de.flush()
+    if storage == "log":  # the step-0 state dicts name snapshots: delete them
+        assert e.opt.release_snapshots() == 1 and e.de.release_snapshots() == 1
     closed_opt = DiskSparseAdam([torch.nn.Parameter(torch.zeros(20, 4))],
                                 state_dir=root / "opt-closed", **kind)
     closed_opt.close()
@@ -401,6 +404,8 @@ CASES = [
      r"would replace or contain the live store directory"),
     ("torch-load-checkpoint-not-one", lambda e: e.opt.load_checkpoint(e.root / "jax-ckpt"),
      FileNotFoundError, r"is not a DiskSparseAdam checkpoint: it has no optimizer\.pt"),
+    ("torch-load-outdated-state-dict", lambda e: e.opt.load_state_dict(e.sd0), ValueError,
+     r"this state dict was taken at step 0 of parameter \[0, 0\] .* is at step 1"),
     ("torch-log-batch-over-region-of-second-table", _tight_torch_step, ValueError,
      r"memory budget holds 4 records, a batch needs 6"),
     ("emb-init-shape", _embedding(init=np.zeros((30, 5))), ValueError,
@@ -430,6 +435,8 @@ CASES = [
     ("emb-offsets-without-bag-mode",
      lambda e: e.de(torch.tensor([1, 2]), torch.tensor([0])), ValueError,
      r"offsets and per_sample_weights are for bag modes"),
+    ("emb-load-outdated-state-dict", lambda e: e.de.load_state_dict(e.msd0), RuntimeError,
+     r"the saved DiskEmbedding state was taken at step 0, but its store .* is at step 1"),
     ("emb-checkpoint-exists", lambda e: e.de.checkpoint(e.root / "torch-ckpt"),
      FileExistsError, r"exists; pass overwrite=True"),
     # -- adapters.jax -----------------------------------------------------------------------
@@ -502,6 +509,12 @@ INPLACE_ANSWERS = {
 LOG_ANSWERS = {
     "core-memory-for-inplace": "memory= is what a log store takes: nothing to refuse",
     # a log store over an in-place one names both kinds
+    # a log store's state dict is a snapshot: refused only once the snapshot is gone
+    "torch-load-outdated-state-dict": (ValueError, r"parameter \[0, 0\]: this state dict "
+                                       r"was taken at step 0 and names the snapshot .* which "
+                                       r"is gone"),
+    "emb-load-outdated-state-dict": (RuntimeError, r"this state dict was taken at step 0 and "
+                                     r"names the snapshot .* which is gone"),
     "core-convert-existing": (FileExistsError,
                               r"a store already exists at .*core64.*storage='log'.*"
                               r"overwrite=True"),
