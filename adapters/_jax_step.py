@@ -181,6 +181,8 @@ def host_step(tables: list[DiskTable], count: int, lr: float | None, idxs: list,
                 raise IndexError(f"{lab}idx must lie in [0, num_rows) = [0, {t.num_rows}); "
                                  f"got {lo if lo < 0 else hi} (min {lo}, max {hi}); padding "
                                  f"ids ({PAD_ID}) are allowed only as a trailing block")
+            if multi:  # a log store's region must hold the rows: every table first
+                dsa_core.check_batch(t._core, idx_t)
             if multi and t._core.nonfinite == "raise" and not np.isfinite(g_t).all():
                 raise FloatingPointError(f"{lab}grad_rows hold NaN or Inf; nothing was "
                                          "written (nonfinite='raise')")

@@ -29,40 +29,12 @@ from ._torch_common import (
     row_options,
     set_columns,
 )
+from ._torch_snapshots import DEFAULT_KEEP, check_keep, open_saved, open_snapshot, release, take
 
 __all__ = ["DiskEmbedding", "DiskWeight"]
 
 _EXTRA_FORMAT = "dsa-torch-embedding"
 _IMPORT_CHUNK_ROWS = 1 << 16
-
-
-def open_snapshot(src, live: dsa_core.State, what: str,
-                  count: int | None = None) -> dsa_core.State:
-    """Open the checkpoint store ``src`` read-only and check that it fits the store ``live``.
-
-    The layouts (shape, dtype, curvature, weights, record stride) must be identical, and, when
-    ``count`` is given, the snapshot must hold exactly that many steps. Nothing is written.
-    """
-    snap = dsa_core.open(src, mode="r")
-    try:
-        have, want = live.layout, snap.layout
-        if have != want:
-            raise ValueError(
-                f"{what}: the checkpoint store {str(src)!r} holds a {want['num_rows']} x "
-                f"{want['dim']} {want['dtype']} table with curvature {want['curvature']} "
-                f"(layout {want}), but the live store {str(live.path)!r} is "
-                f"{have['num_rows']} x {have['dim']} {have['dtype']} with curvature "
-                f"{have['curvature']} (layout {have}); restore into a store created the "
-                "same way")
-        if count is not None and snap.count != count:
-            raise ValueError(
-                f"{what}: the checkpoint store {str(src)!r} is at step {snap.count}, but its "
-                f"checkpoint manifest says {count}; the checkpoint directory was modified "
-                "after it was written (did training continue in it?)")
-    except BaseException:
-        dsa_core.close(snap)
-        raise
-    return snap
 
 
 class DiskWeight(nn.Parameter):
@@ -235,6 +207,11 @@ class DiskEmbedding(nn.Module):
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string
         such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
+    keep_snapshots : int, default 3
+        Log stores: how many snapshots of the table its module ``state_dict()`` keeps (in
+        ``.dsa-snapshots/`` beside ``state_dir``; older ones are deleted when a new one is
+        taken). ``0``: no snapshots, the state dict is then a description as for in-place
+        stores. See Notes.
 
     The weight decay itself is not a module argument: as for ``nn.Embedding``, it is the
     optimizer's hyperparameter (``DiskSparseAdam(emb.parameters(), weight_decay=...,
@@ -271,8 +248,13 @@ class DiskEmbedding(nn.Module):
 
     The store's step count is the optimizer's ``t`` (bias correction). The module's
     ``state_dict()`` flushes the store and saves a small manifest (``_extra_state``),
-    never the rows, so it is no snapshot: loading one whose step count differs from the
-    store's is refused (it would claim rows the store no longer holds). For a point to go
+    never the rows. On a **log store** (``storage="log"``) it also snapshots the table
+    (hard links to its immutable segments: cheap) and names the snapshot, so
+    ``torch.save(model.state_dict(), f)`` and ``model.load_state_dict(torch.load(f))``
+    bring the table (weights, m, v, step count) back to exactly that point, while the
+    snapshot is kept (the newest ``keep_snapshots``; :meth:`release_snapshots`). On an
+    **in-place store** it is no snapshot: loading one whose step count differs from the
+    store's is refused (it would claim rows the store no longer holds); for a point to go
     back to, use :meth:`checkpoint` / :meth:`load_checkpoint`, or the optimizer's
     ``checkpoint``, which includes this table. Loading an ``nn.Embedding`` state dict (a
     ``weight`` tensor) copies those weights into the store.
@@ -313,12 +295,13 @@ class DiskEmbedding(nn.Module):
                  second_moment: str = "elementwise", first_moment: str = "full",
                  nonfinite: str | None = None, per_row_step: bool = False,
                  decay_missed_steps: bool = False, storage: str = STORAGE_DEFAULT,
-                 memory: int | str | None = None):
+                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
+        keep_snapshots = check_keep(keep_snapshots, what)
         storage, memory = check_storage_args(storage, memory, access, what)
         dt = np_dtype(dtype, "DiskEmbedding")
         c = validation.check_curvature(curvature, what=what)
@@ -356,6 +339,7 @@ class DiskEmbedding(nn.Module):
         if nonfinite is not None and state.nonfinite != nonfinite:
             state = state._replace(nonfinite=nonfinite)  # recorded at the next flush
         self._handle = SharedState(state)
+        self._keep_snapshots = keep_snapshots
         self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -536,22 +520,42 @@ class DiskEmbedding(nn.Module):
         return move_disk_weight(self, fn, "DiskEmbedding")
 
     def get_extra_state(self) -> dict:
-        """A small manifest of the store (flushed first); the rows never enter a state dict."""
+        """A small manifest of the store (flushed first); the rows never enter a state dict.
+
+        A log store is snapshotted too (``"state_snapshot"`` names it), so the state dict
+        can bring the table back to this point (:meth:`set_extra_state`).
+        """
         st = self._handle.state
         self._handle.flush()
-        return {"format": _EXTRA_FORMAT, "version": 1, "path": str(st.path),
-                "num_embeddings": st.num_rows, "embedding_dim": st.dim,
-                "dtype": st.dtype.name, "curvature": st.curvature, "count": st.count,
-                "padding_idx": self.padding_idx, "mode": self.mode,
-                "second_moment": st.second_moment, "first_moment": st.first_moment,
-                **row_options(st)}
+        out = {"format": _EXTRA_FORMAT, "version": 1, "path": str(st.path),
+               "num_embeddings": st.num_rows, "embedding_dim": st.dim,
+               "dtype": st.dtype.name, "curvature": st.curvature, "count": st.count,
+               "padding_idx": self.padding_idx, "mode": self.mode,
+               "second_moment": st.second_moment, "first_moment": st.first_moment,
+               **row_options(st)}
+        if st.storage == "log" and self._keep_snapshots:
+            out["state_snapshot"] = take(st, "emb", self._keep_snapshots)
+        return out
+
+    def release_snapshots(self, keep: int = 0) -> int:
+        """Delete the snapshots this table's module state dicts took, but the newest
+        ``keep``; returns how many were deleted (a log store; 0 for an in-place one).
+
+        State dicts that name a deleted snapshot can no longer be loaded (a clear error
+        says so). :meth:`checkpoint` directories and the optimizer's own state-dict
+        snapshots of this table are not touched.
+        """
+        keep = check_keep(keep, "DiskEmbedding.release_snapshots")
+        st = self._handle.state
+        return release(st.path, "emb", keep) if st.storage == "log" else 0
 
     def set_extra_state(self, state: Any) -> None:
-        """Check that a saved manifest describes this table as it is (the rows stay put).
+        """Check that a saved manifest describes this table; restore a log store's snapshot.
 
-        Shape, dtype, curvature, moment layout and per-row options must match, and so must
-        the step count:
-        a manifest of another step describes rows the store no longer holds.
+        Shape, dtype, curvature, moment layout and per-row options must match. A manifest
+        that names a snapshot (a log store's state dict) brings the table back to it
+        (weights, m, v, step count; the whole table is copied). Otherwise the step count
+        must match: a manifest of another step describes rows the store no longer holds.
         """
         st = self._handle.state
         if not isinstance(state, dict) or state.get("format") != _EXTRA_FORMAT:
@@ -584,6 +588,17 @@ class DiskEmbedding(nn.Module):
                 + ", ".join(f"{k}={have_ro[k]}" for k in bad) + "; build it with the saved "
                 + " and ".join(bad))
         saved = state.get("count")
+        if state.get("state_snapshot") is not None:
+            if st.closed:
+                raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed")
+            what = f"DiskEmbedding({self.num_embeddings}, {self.embedding_dim})"
+            snap = open_saved(state["state_snapshot"], st, what, int(saved),
+                              f"keep_snapshots={self._keep_snapshots} here")
+            try:
+                self._handle.state = dsa_core.restore(st, snap)
+            finally:
+                dsa_core.close(snap)
+            return
         if saved is not None and int(saved) != st.count:
             raise ValueError(
                 f"the saved DiskEmbedding state was taken at step {saved}, but its store "

@@ -32,7 +32,8 @@ from ._torch_common import (
     to_device,
     to_host,
 )
-from ._torch_embedding import DiskWeight, open_snapshot
+from ._torch_embedding import DiskWeight
+from ._torch_snapshots import DEFAULT_KEEP, check_keep, open_saved, open_snapshot, release, take
 
 __all__ = ["CHECKPOINT_FILE", "EXTRA_FILE", "MANIFEST_KEY", "DiskSparseAdam"]
 
@@ -108,6 +109,19 @@ def _check_catch_up(st: dsa_core.State, decoupled: bool, where: str) -> None:
             "its param group has decoupled_weight_decay=False (L2 decay has no closed form "
             "for missed steps). Set decoupled_weight_decay=True for that group, or use a "
             "store created without decay_missed_steps")
+
+
+def _live(h: SharedState, gp: int) -> dsa_core.State:
+    """The open store of parameter ``gp``, or ``RuntimeError`` (a load would write it)."""
+    if h.closed:
+        raise RuntimeError(f"the store of parameter {gp} ({str(h.state.path)!r}) is closed")
+    return h.state
+
+
+def _close_all(snaps: list) -> None:
+    for snap in snaps:
+        if snap is not None:
+            dsa_core.close(snap)
 
 
 def _save_durably(obj: Any, path: Path) -> None:
@@ -239,6 +253,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
     memory : int or str, optional
         ``storage="log"`` only: the region budget of **each** own store, bytes or a string
         such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
+    keep_snapshots : int, default 3
+        How many :meth:`state_dict` snapshots of each log store this optimizer keeps (in
+        ``.dsa-snapshots/`` beside the store; older ones are deleted when a new one is
+        taken). ``0``: no snapshots, a state dict of log stores is then a description as on
+        in-place stores. No effect on in-place stores.
 
     Raises
     ------
@@ -285,9 +304,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
     checkpoint or a complete one. :meth:`load_checkpoint` resumes from it (rows, counts,
     param groups) and returns ``extra``.
 
-    :meth:`state_dict` is **not** a checkpoint: it flushes every store and adds a small
-    manifest under the top-level key ``"dsa_manifest"`` (store names and paths, counts,
-    hyperparameters), but m and v stay in the stores and keep moving with training. So
+    :meth:`state_dict` flushes every store and adds a small manifest under the top-level
+    key ``"dsa_manifest"`` (store names and paths, counts, hyperparameters); m and v stay
+    in the stores. On **log stores** (``storage="log"``) it is a checkpoint in torch's
+    sense: each log store is snapshotted (hard links to its immutable segments, cheap) and
+    the manifest names the snapshot, so ``torch.save(opt.state_dict(), f)`` and, later or
+    in a new process, ``opt.load_state_dict(torch.load(f))`` restore exactly that point.
+    ``keep_snapshots`` (default 3) snapshots per store are kept, older ones deleted when a
+    new state dict is taken; :meth:`release_snapshots` deletes them on request. On
+    **in-place stores** it is not a checkpoint: m and v keep moving with training, so
     :meth:`load_state_dict` refuses a DSA state dict whose step counts differ from the
     stores' (it would pair an old count with newer moments); one that matches (saved and
     loaded with no step in between, e.g. across a restart with ``resume=True``) loads.
@@ -347,9 +372,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
                  second_moment: str | None = None, first_moment: str | None = None,
                  nonfinite: str | None = None, per_row_step: bool | None = None,
                  decay_missed_steps: bool | None = None, storage: str = STORAGE_DEFAULT,
-                 memory: int | str | None = None):
+                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP):
         check_torch_hparams(lr, betas, eps, weight_decay, decoupled_weight_decay)
         what = "DiskSparseAdam"
+        self._keep_snapshots = check_keep(keep_snapshots, what)
         validation.check_weight_decay(weight_decay, what=what)
         for name, flag in (("per_row_step", per_row_step),
                            ("decay_missed_steps", decay_missed_steps)):
@@ -590,8 +616,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
         Every gradient is checked (and coalesced and copied to the host) before any store
         is written, so a bad gradient raises with nothing changed. Raises ``RuntimeError``
         for a dense gradient (torch's message), ``ValueError`` for a gradient whose
-        ``sparse_dim`` is not 1, and ``FloatingPointError`` for a NaN or Inf in the gradient
-        of a store with ``nonfinite="raise"``.
+        ``sparse_dim`` is not 1 or whose rows do not fit a log store's memory region, and
+        ``FloatingPointError`` for a NaN or Inf in the gradient of a store with
+        ``nonfinite="raise"``.
         """
         self._check_open()
         loss = None
@@ -613,7 +640,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 jobs.append(job)
         for dev in devices:  # the non_blocking copies to pinned memory must have landed
             torch.cuda.current_stream(dev).synchronize()
-        for job in jobs:  # nonfinite="raise": refuse before *any* store is written
+        for job in jobs:  # refuse before *any* store is written
+            # a log store's region must hold the batch's rows (the core would refuse it only
+            # when its turn comes, after the stores before it had been stepped)
+            dsa_core.check_batch(job.slot.handle.state, job.host[0].numpy())
             if job.slot.handle.state.nonfinite == "raise":
                 vals = job.host[1].numpy()
                 if not np.isfinite(vals).all():
@@ -826,7 +856,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if dest.exists() and not overwrite:
             raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
                                   "overwrite=True to replace it")
-        sd = self.state_dict()  # flushes every store
+        sd = self._describe()  # flushes every store; the checkpoint holds the snapshots
         man = sd[MANIFEST_KEY]
         man["checkpoint"] = str(dest_r)
         man["extra"] = EXTRA_FILE if extra is not None else None
@@ -884,11 +914,40 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict plus ``"dsa_manifest"``; flushes every store first.
 
-        Per-parameter state holds only ``{"step": t}``; m and v stay in the stores, so this
-        is a description of the stores *now*, not a snapshot: after further steps,
-        :meth:`load_state_dict` refuses it. For a point to come back to, use
-        :meth:`checkpoint`.
+        Per-parameter state holds only ``{"step": t}``; m and v stay in the stores, and the
+        manifest says which. **Log stores** (``storage="log"``): each is snapshotted as it
+        is now (``dsa_core.checkpoint`` into ``.dsa-snapshots/`` beside the store: a flush,
+        hard links to its immutable segments, a copy of its index) and the manifest names
+        the snapshot, so ``torch.save(opt.state_dict(), f)`` is a checkpoint in torch's
+        sense: :meth:`load_state_dict` of it, later or in a new process, restores exactly
+        this point (rows, m, v, counts, param groups) while the snapshot is kept (the
+        newest ``keep_snapshots`` per store, see :meth:`release_snapshots`). **In-place
+        stores**: a description of the stores *now*, not a snapshot: after further steps,
+        :meth:`load_state_dict` refuses it; use :meth:`checkpoint` for a point to come back
+        to.
         """
+        sd = self._describe()
+        if self._keep_snapshots:
+            for e, s in zip(sd[MANIFEST_KEY]["params"], self._ordered_slots()):
+                if s.handle.state.storage == "log":
+                    e["state_snapshot"] = take(s.handle.state, "opt", self._keep_snapshots)
+        return sd
+
+    def release_snapshots(self, keep: int = 0) -> int:
+        """Delete the state-dict snapshots this optimizer's kind of taker made of its log
+        stores, but the newest ``keep`` per store; returns how many were deleted.
+
+        State dicts that name a deleted snapshot can no longer be loaded (a clear error
+        says so). Checkpoints written by :meth:`checkpoint` are not touched. A snapshot
+        that a writer holds (someone resumed training in it) is kept.
+        """
+        self._check_open()
+        keep = check_keep(keep, "DiskSparseAdam.release_snapshots")
+        return sum(release(s.handle.state.path, "opt", keep) for s in self._ordered_slots()
+                   if s.handle.state.storage == "log")
+
+    def _describe(self) -> dict[str, Any]:
+        """:meth:`state_dict` without snapshots: the manifest of the live stores (flushed)."""
         self.flush()
         sd = super().state_dict()
         entries = []
@@ -916,14 +975,19 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         A DSA state dict (with ``"dsa_manifest"``) holds no rows: m and v stay in the
         stores. Each entry is matched to the parameter in the same position (same shape,
-        dtype, curvature, moment layout and per-row options), and its step count must equal
-        the store's: a state dict taken at step 5 of stores now at step 25 is **refused**
-        with a ``ValueError`` (loading it would pair count 5 with the moments of step 25),
-        nothing changed. One that matches (no step since it was taken, e.g. across a restart
-        with ``resume=True``) restores the param groups (lr, betas, weight_decay, ... as
-        schedulers left them). To go back to an earlier point, use :meth:`checkpoint` and
-        :meth:`load_checkpoint`. Stores are found by this optimizer's ``state_dir`` (a
-        moved directory is fine).
+        dtype, curvature, moment layout and per-row options). A log store's entry names the
+        snapshot :meth:`state_dict` took: its records (m, v, and a DiskEmbedding's weights)
+        and step count are copied back into the store, so the optimizer is exactly where it
+        was when the state dict was taken, whatever happened since (``dsa_core.restore``: it
+        reads and writes the whole table). A snapshot that is gone (deleted by newer state
+        dicts beyond ``keep_snapshots``, or by :meth:`release_snapshots`) is refused with a
+        ``ValueError`` that says so. An in-place store's entry is a description: its step
+        count must equal the store's, and a state dict taken at step 5 of stores now at step
+        25 is **refused** with a ``ValueError`` (loading it would pair count 5 with the
+        moments of step 25), nothing changed; one that matches (no step since it was
+        taken, e.g. across a restart with ``resume=True``) loads. Either way the param
+        groups (lr, betas, weight_decay, ... as schedulers left them) are restored. Stores
+        and snapshots are found by this optimizer's stores (a moved directory is fine).
 
         The state dict of a checkpoint (``optimizer.pt`` from :meth:`checkpoint`) brings
         the rows too: each snapshot store is copied into this optimizer's store.
@@ -1004,12 +1068,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 counts.append(int(e["count"]))
             if manifest.get("checkpoint") is not None:
                 snaps = self._open_snapshots(Path(manifest["checkpoint"]), entries, params)
+            else:  # a state dict of log stores names their snapshots
+                snaps = self._open_state_snapshots(entries, params)
             try:
                 self._check_counts(entries, params, counts, snaps)
             except BaseException:
-                for snap in snaps:
-                    if snap is not None:
-                        dsa_core.close(snap)
+                _close_all(snaps)
                 raise
         else:
             counts = self._import_torch_state(params, ids, saved_state)
@@ -1030,9 +1094,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     h = self._slots[p].handle
                     h.state = dsa_core.restore(h.state, snap)
         finally:
-            for snap in snaps:
-                if snap is not None:
-                    dsa_core.close(snap)
+            _close_all(snaps)
         for g, c, k in zip(self.param_groups, curvatures, kept):
             g["curvature"] = c  # fixed by the stores (a SparseAdam checkpoint has none)
             g.update(k)
@@ -1053,10 +1115,24 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 f"{where} (store {e.get('name')!r}), but that store {str(st.path)!r} is at "
                 f"step {st.count}. A state dict holds no rows (m and v stay in the stores and "
                 f"kept moving), so loading it would pair step {cnt} with the moments of step "
-                f"{st.count}; nothing was changed. torch.save(opt.state_dict()) is not a "
-                "checkpoint: to go back to an earlier point, write one with "
-                "opt.checkpoint(dest) (extra={'model': model.state_dict(), ...} carries the "
-                "rest) and resume with opt.load_checkpoint(dest)")
+                f"{st.count}; nothing was changed. On an in-place store "
+                "torch.save(opt.state_dict()) is not a checkpoint: to go back to an earlier "
+                "point, write one with opt.checkpoint(dest) (extra={'model': "
+                "model.state_dict(), ...} carries the rest) and resume with "
+                "opt.load_checkpoint(dest); a log store's state dict (storage='log') "
+                "snapshots the store and loads as one")
+
+    def _open_state_snapshots(self, entries: list, params: list) -> list:
+        """The snapshots a :meth:`state_dict` of log stores names, opened read-only and
+        checked (None where an entry names none). All or nothing."""
+        def one(gp, e, h):
+            saved = e.get("state_snapshot")
+            if saved is None:
+                return None
+            return open_saved(saved, _live(h, gp), f"DiskSparseAdam.load_state_dict: "
+                              f"parameter [{e.get('group', '?')}, {e.get('index', gp)}]",
+                              int(e["count"]), f"keep_snapshots={self._keep_snapshots} here")
+        return self._open_each(entries, params, one)
 
     def _open_snapshots(self, root: Path, entries: list, params: list) -> list:
         """Open and check every snapshot store of a checkpoint manifest (read-only).
@@ -1064,27 +1140,27 @@ class DiskSparseAdam(torch.optim.Optimizer):
         Returns one ``dsa_core.State`` per parameter, or None where the optimizer already
         trains in that very store (``state_dir=`` the checkpoint). All or nothing.
         """
+        def one(gp, e, h):
+            live = _live(h, gp)
+            name = e.get("snapshot")
+            if not name:
+                raise ValueError(f"the checkpoint manifest entry {gp} names no snapshot store")
+            src = root / str(name)
+            if src.resolve() == live.path.resolve():
+                return None
+            return open_snapshot(src, live, f"checkpoint store {name!r}",
+                                 count=int(e["count"]))
+        return self._open_each(entries, params, one)
+
+    def _open_each(self, entries: list, params: list, one) -> list:
+        """``one(position, entry, handle)`` for each parameter: a snapshot opened read-only,
+        or None. All or nothing: on an error the snapshots opened so far are closed."""
         snaps: list = []
         try:
             for gp, (e, p) in enumerate(zip(entries, params)):
-                h = self._slots[p].handle
-                if h.closed:
-                    raise RuntimeError(f"the store of parameter {gp} "
-                                       f"({str(h.state.path)!r}) is closed")
-                name = e.get("snapshot")
-                if not name:
-                    raise ValueError(f"the checkpoint manifest entry {gp} names no snapshot "
-                                     "store")
-                src = root / str(name)
-                if src.resolve() == h.state.path.resolve():
-                    snaps.append(None)
-                    continue
-                snaps.append(open_snapshot(src, h.state, f"checkpoint store {name!r}",
-                                           count=int(e["count"])))
+                snaps.append(one(gp, e, self._slots[p].handle))
         except BaseException:
-            for snap in snaps:
-                if snap is not None:
-                    dsa_core.close(snap)
+            _close_all(snaps)
             raise
         return snaps
 

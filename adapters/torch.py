@@ -38,9 +38,11 @@ Checkpoints: ``opt.checkpoint(dest_dir, extra={...})`` writes a consistent snaps
 every store the optimizer steps (``DiskEmbedding`` tables included), its state dict and the
 ``extra`` state dicts (model, scheduler), committed by one atomic rename;
 ``extra = opt.load_checkpoint(dest_dir)`` resumes from it. ``opt.state_dict()`` is a small
-manifest, not a checkpoint: ``load_state_dict`` refuses one whose step counts the stores
-have moved past. ``DiskEmbedding`` has ``checkpoint(dest)`` / ``load_checkpoint(src)`` for
-its table alone.
+manifest: on log stores (``storage="log"``) it names a snapshot of each store, so
+``torch.save(opt.state_dict())`` and ``load_state_dict`` bring back exactly that point (the
+newest ``keep_snapshots`` are kept); on in-place stores it is not a checkpoint, and
+``load_state_dict`` refuses one whose step counts the stores have moved past.
+``DiskEmbedding`` has ``checkpoint(dest)`` / ``load_checkpoint(src)`` for its table alone.
 
 ``StoreLockedError`` (from dsa_core) is raised when a second optimizer or module opens a
 store that another one is writing; ``StaleStateError`` when a ``dsa_core.State`` obtained

@@ -39,7 +39,7 @@ from ._state import (
     set_count,
     write_records,
 )
-from ._step import gather, step, warmup
+from ._step import check_batch, gather, step, warmup
 from ._store import StoreLockedError
 from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
@@ -53,6 +53,7 @@ __all__ = [
     "StoreLockedError",
     "buckets",
     "check_access",
+    "check_batch",
     "checkpoint",
     "close",
     "convert",

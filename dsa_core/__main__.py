@@ -1,15 +1,20 @@
 """Command line: ``python -m dsa_core`` or ``dsa``.
 
-    dsa info   PATH               a store: shape, dtype, curvature, count, hyperparameters, size,
-                                  format, whether a writer holds it; a directory of stores (an
-                                  optimizer's state_dir, a checkpoint): one line per store
-    dsa export STORE OUT.npy      the weights as a .npy file, written in chunks
-    dsa verify STORE              header, finite values, rows inside the ball (c > 0)
-    dsa bench  [--rows N]         a quick warm benchmark of this machine
+    dsa info    PATH              a store: shape, dtype, curvature, count, hyperparameters, size,
+                                  format, whether a writer holds it; a log store's segments,
+                                  live and dead bytes; a directory of stores (an optimizer's
+                                  state_dir, a checkpoint): one line per store
+    dsa export  STORE OUT.npy     the weights as a .npy file, written in chunks
+    dsa verify  STORE             header, finite values, rows inside the ball (c > 0); a log
+                                  store's checksums and its index against its segments
+    dsa convert SRC DEST --storage log|inplace [--memory 4GiB] [--overwrite]
+                                  copy a store into a new one of the other kind
+    dsa bench   [--rows N]        a quick warm benchmark of this machine
 
-``info``, ``export`` and ``verify`` open the store read-only (no lock), so they can run while
-a training process writes to it. The count they show is the one in ``manifest.json``: with
-``durability="flush"`` (the default) that is the count at the writer's last flush.
+``info``, ``export``, ``verify`` and ``convert`` open the store read-only (no lock), so they
+can run while a training process writes to it. The count they show is the one in
+``manifest.json``: with ``durability="flush"`` (the default) that is the count at the writer's
+last flush. Every command works on both kinds of store (in-place and ``storage="log"``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ DIR_MARKERS = {
     "checkpoint.json": "a JAX optimizer checkpoint (adapters.jax.checkpoint)",
 }
 SHARD_FILE = "shard.json"            # rank{k}/shard.json: a ShardedDiskEmbedding shard
-SCAN_DEPTH = 2                       # how deep `dsa info DIR` looks for stores
+SCAN_DEPTH = 2                       # how deep `dsa info DIR` looks for stores (hidden
+                                     # directories, e.g. the adapters' .dsa-snapshots, skipped)
 
 
 # -- argument types ---------------------------------------------------------------------------
@@ -67,6 +73,16 @@ def nonnegative_float(text: str) -> float:
     if not (math.isfinite(v) and v >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return v
+
+
+def memory_size(text: str) -> int:
+    """argparse type: a memory budget, ``4GiB``, ``512MiB``, ``1.5G`` or bytes."""
+    from dsa_core.validation import check_memory_arg
+
+    try:
+        return check_memory_arg(text, "log")
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def existing_dir(text: str) -> str:
@@ -146,7 +162,7 @@ def _find_stores(root: Path, depth: int = SCAN_DEPTH) -> list[tuple[Path, str | 
     if depth < 1:
         return found
     try:
-        children = sorted(p for p in root.iterdir() if p.is_dir())
+        children = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     except OSError:
         return found
     for child in children:
@@ -229,7 +245,7 @@ def _info(st) -> dict:
     return {
         "path": str(st.path), "num_rows": st.num_rows, "dim": st.dim, "dtype": st.dtype.name,
         "curvature": st.curvature, "geometry": _geometry(st),
-        "second_moment": st.second_moment,
+        "second_moment": st.second_moment, "first_moment": st.first_moment,
         "weights": st.has_weights, "count": st.count,
         "count_as_of": _count_as_of(st.durability),
         "writer_active": lock_held(path / WRITER_LOCK),
@@ -246,23 +262,27 @@ def _info(st) -> dict:
 
 
 def _log_info(st) -> dict:
-    """A log store's region, segments, live/dead bytes and write figures (engine stats)."""
+    """A log store's region budget, segments, live and dead bytes (from its files).
+
+    The CLI opens a store read-only: it has no region of its own, and the writer's budget
+    and write counters live only in the writing process (they are not stored), so the
+    budget shown is the default a writer gets without ``memory=`` and the write
+    amplification is not known here.
+    """
     from dsa_core import _log_store
 
-    eng = st.store.engine
-    s = eng.stats()
-    budget = eng.memory_bytes
+    s = st.store.engine.stats()
     return {
-        "region_budget_bytes": budget if budget is not None
-        else _log_store.default_memory(st.layout),
-        "region_budget_note": "this open's budget" if budget is not None else
-        "read-only open, no region: the default budget a writer opening it would get",
-        "region_slots": s["slots"], "region_slots_used": s["slots_used"],
+        "region_budget_bytes": _log_store.default_memory(st.layout),
+        "region_budget_note": "the default a writer opening it without memory= gets (the "
+        "budget is not stored: each open passes its own)",
         "segments": s["segments"], "segment_bytes": s["segment_bytes"],
-        "live_bytes": s["live_bytes"], "dead_bytes": s["dead_bytes"],
+        "live_records": s["live_records"], "live_bytes": s["live_bytes"],
+        "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],
         "space_used": round(s["space_used"], 4), "space_ratio": s["space_ratio"],
-        "write_amplification": round(s["write_amplification"], 4),
-        "write_amplification_note": "since this open (the counters are not stored)",
+        "write_amplification": None,
+        "write_amplification_note": "counted only inside the writing process, since its "
+        "open; not stored in the files, so not known here",
     }
 
 
@@ -274,6 +294,8 @@ def _summary(st, info: dict) -> str:
         s += ", a writer holds it now"
     if not st.has_weights:
         s += ", moments only"
+    if st.storage == "log":
+        s += f", log store ({_plural(info['segments'], 'segment')})"
     return s
 
 
@@ -336,42 +358,66 @@ def cmd_info(a) -> int:
     if a.json:
         print(json.dumps(info, indent=1))
         return 0
+    width = max(len(k) for k in info if not k.endswith("_note"))
     for k, v in info.items():
-        if k == "count_as_of":
+        if k == "count_as_of" or k.endswith("_note"):
             continue
-        if k == "size_on_disk_bytes":
-            v = f"{v:,} ({v / 2**30:.2f} GiB)"
+        if k.endswith("_bytes"):
+            v = f"{v:,}" + (f" ({_human(v)})" if v >= 1024 else "")
         elif k == "count":
             v = f"{v} (at {info['count_as_of']})"
         elif k == "writer_active":
             k, v = "writer", _writer_note(st, v)
-        print(f"{k:>18}: {v}")
+        elif k == "storage":
+            v = "log (log-structured, storage='log')" if v == "log" else \
+                "inplace (one mapped file of records)"
+        if v is None:
+            v = "n/a"
+        note = info.get(k + "_note") or info.get(k.removesuffix("_bytes") + "_note")
+        print(f"{k:>{width}}: {v}" + (f" -- {note}" if note else ""))
     return 0
 
 
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 def cmd_export(a) -> int:
+    import dsa_core
+
     st = _open(a.store)
-    if st.storage == "log":
-        raise SystemExit(f"dsa: {a.store!r} is a log-structured store (storage='log'); "
-                         "`dsa export` does not read those yet. Convert it first: "
-                         "dsa_core.convert(dsa_core.open(path, mode='r'), dest, "
-                         "storage='inplace'), then export dest")
     if not st.has_weights:
         raise SystemExit(f"dsa: store {a.store!r} holds no weights (created with weights=False)")
     out = Path(a.out)
     if out.exists() and not a.force:
         raise SystemExit(f"dsa: {str(out)!r} exists; pass --force to overwrite it")
-    dst = np.lib.format.open_memmap(out, mode="w+", dtype=st.dtype, shape=(st.num_rows, st.dim))
-    w = st.weights
-    with _bar(st.num_rows, "export", not a.quiet) as bar:
-        for lo, hi in _chunks(st.num_rows, st.dim * st.dtype.itemsize):
-            dst[lo:hi] = w[lo:hi]
-            bar.update(hi - lo)
-    dst.flush()
-    del dst
+    if st.storage == "inplace" and lock_held(Path(st.path) / WRITER_LOCK):
+        print("note: a writer holds this store; rows it changed since its last flush may "
+              "already be in the export", file=sys.stderr)
+    # written beside OUT and renamed when complete: an interrupted export leaves no .npy
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        dst = np.lib.format.open_memmap(tmp, mode="w+", dtype=st.dtype,
+                                        shape=(st.num_rows, st.dim))
+        # public chunked reads: the same bytes from an in-place store and a log store
+        with _bar(st.num_rows, "export", not a.quiet) as bar:
+            for lo, hi in _chunks(st.num_rows, st.store.stride * st.dtype.itemsize):
+                dsa_core.gather(st, np.arange(lo, hi, dtype=np.int64), out=dst[lo:hi])
+                bar.update(hi - lo)
+        dst.flush()
+        del dst
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"wrote {out} ({st.num_rows} x {st.dim} {st.dtype.name}, "
           f"count {st.count} at {_count_as_of(st.durability)})")
     return 0
+
+
+_LOG_UNOPENABLE = "the log store does not check out"
 
 
 def _log_check(path) -> list[str]:
@@ -381,7 +427,7 @@ def _log_check(path) -> list[str]:
     try:
         eng = _log.open(path, "r", check="full")
     except (OSError, ValueError) as exc:
-        return [f"the log store does not check out: {exc}"]
+        return [f"{_LOG_UNOPENABLE}: {exc}"]
     try:
         return [f"index: {p}" for p in eng.verify()]
     finally:
@@ -391,8 +437,16 @@ def _log_check(path) -> list[str]:
 def cmd_verify(a) -> int:
     import dsa_core
 
+    _not_a_store(a.store)
+    problems = []
+    if (_manifest(Path(a.store)) or {}).get("format") == LOG_FORMAT_NAME:
+        problems = _log_check(a.store)  # before _open: a store whose files do not check
+        if problems and problems[0].startswith(_LOG_UNOPENABLE):  # out cannot be read
+            print(f"{a.store}: log store")
+            for p in problems:
+                print(f"  PROBLEM: {p}")
+            return 1
     st = _open(a.store)
-    problems = _log_check(st.path) if st.storage == "log" else []
     bad_rows = 0
     outside = 0
     c = st.curvature
@@ -427,12 +481,63 @@ def cmd_verify(a) -> int:
     else:
         print(f"{st.path}: header and size ok, format v{version}, count {st.count}")
     if lock_held(Path(st.path) / WRITER_LOCK):
-        print("  note: a writer holds this store; rows it is changing now may read half-done")
+        print("  note: a writer holds this store; " + (
+            "this checked the files of its last flush" if st.storage == "log"
+            else "rows it is changing now may read half-done"))
     for p in problems:
         print(f"  PROBLEM: {p}")
     if not problems:
         print("  ok: all values finite" + (", all rows inside the ball" if c > 0 else ""))
     return 1 if problems else 0
+
+
+def cmd_convert(a) -> int:
+    import dsa_core
+
+    if a.memory is not None and a.storage != "log":
+        raise SystemExit("dsa: --memory is the region budget of a log store; it goes with "
+                         "--storage log (an in-place store takes none)")
+    src_path, dest = Path(a.src), Path(a.dest)
+    st = _open(a.src)
+    if dest.resolve() == src_path.resolve() or src_path.resolve() in dest.resolve().parents:
+        raise SystemExit(f"dsa: DEST {a.dest!r} is SRC or lies inside it; choose a path "
+                         "outside the source store")
+    if dest.exists():
+        if not dest.is_dir():
+            raise SystemExit(f"dsa: DEST {a.dest!r} exists and is not a directory")
+        is_store = _manifest(dest) is not None
+        if not is_store and any(dest.iterdir()):
+            raise SystemExit(f"dsa: DEST {a.dest!r} exists and is not a DSA store (it holds "
+                             "other files, which --overwrite would delete); choose a new path")
+        if is_store and not a.overwrite:
+            raise SystemExit(f"dsa: DEST {a.dest!r} is an existing store; pass --overwrite "
+                             "to replace it (or choose a new path)")
+        if is_store and lock_held(dest / WRITER_LOCK):
+            raise SystemExit(f"dsa: DEST {a.dest!r} is open for writing by a training "
+                             "process; close it there first")
+    if st.storage == "inplace" and lock_held(src_path / WRITER_LOCK):
+        raise SystemExit(
+            f"dsa: a writer holds SRC {a.src!r}: an in-place store's rows change on disk "
+            "during training, ahead of the count in its manifest, so a copy now could pair "
+            "rows and count of different steps. Close the training process (or write a "
+            "checkpoint with dsa_core.checkpoint and convert that)")
+    what = f"{st.num_rows:,} x {st.dim} {st.dtype.name}, count {st.count}"
+    if not a.quiet:
+        print(f"converting {a.src} ({st.storage}, {what}) to {a.dest} ({a.storage}) ...",
+              file=sys.stderr)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # built beside DEST and renamed into place: a failure leaves DEST as it was
+        with dsa_core.staged_dir(dest, a.overwrite) as tmp:
+            new = dsa_core.convert(st, tmp, storage=a.storage, memory=a.memory)
+            dsa_core.close(new)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"dsa: converting {a.src!r} failed, {a.dest!r} was not changed: "
+                         f"{exc}") from None
+    note = (" (a log store read at its writer's last flush)" if st.storage == "log"
+            and lock_held(src_path / WRITER_LOCK) else "")
+    print(f"wrote {dest} (storage={a.storage}, {what}){note}")
+    return 0
 
 
 def cmd_bench(a) -> int:
@@ -479,8 +584,9 @@ def cmd_bench(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="dsa", description="Inspect and benchmark DSA stores (out-of-core sparse Adam). "
-        "info, export and verify open a store read-only, so they can run during training.")
+        prog="dsa", description="Inspect, convert and benchmark DSA stores (out-of-core sparse "
+        "Adam), in-place or log-structured. info, export, verify and convert open a store "
+        "read-only, so they can run during training.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     quiet = "no progress bar"
 
@@ -498,8 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_info)
 
     p = sub.add_parser("export", help="write the weights to a .npy file (chunked)",
-                       description="Write a store's weights to a .npy file, in chunks of "
-                       f"{CHUNK_BYTES >> 20} MiB, without loading the table into memory.")
+                       description="Write a store's weights (in-place or log store, the same "
+                       f"bytes) to a .npy file, in chunks of {CHUNK_BYTES >> 20} MiB of "
+                       "records, without loading the table into memory.")
     p.add_argument("store", metavar="STORE", help="the store directory")
     p.add_argument("out", metavar="OUT.npy", help="the .npy file to write")
     p.add_argument("--force", action="store_true", help="overwrite OUT.npy if it exists")
@@ -509,10 +616,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check finiteness and (c > 0) that rows are in the ball",
                        description="Check a store's header and size, that every value is "
                        "finite and, for the Poincaré ball (c > 0), that every row lies inside "
-                       "the ball. Exit status 1 if a problem is found.")
+                       "the ball; for a log store also every segment's and the index's "
+                       "checksums and the index against the segments. Exit status 1 if a "
+                       "problem is found.")
     p.add_argument("store", metavar="STORE", help="the store directory")
     p.add_argument("--quiet", action="store_true", help=quiet)
     p.set_defaults(fn=cmd_verify)
+
+    p = sub.add_parser(
+        "convert", help="copy a store into a new one of the other kind (in-place <-> log)",
+        description="Copy every record, the hyperparameters and the count of SRC into a new "
+        "store DEST of the kind --storage names (dsa_core.convert): training continues from "
+        "DEST exactly as from SRC. SRC is opened read-only; DEST is built beside its path and "
+        "renamed into place when complete, so a failure leaves DEST as it was. An in-place "
+        "SRC must not be open for writing; a log SRC is read at its writer's last flush.")
+    p.add_argument("src", metavar="SRC", help="the store to copy")
+    p.add_argument("dest", metavar="DEST", help="the new store's directory")
+    p.add_argument("--storage", required=True, choices=("log", "inplace"),
+                   help="the kind of the new store: log (log-structured) or inplace")
+    p.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
+                   help="with --storage log: the region budget used while copying, e.g. 4GiB "
+                   "or 512MiB (default: the core's; not stored, each open passes its own)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DEST if it is an existing store")
+    p.add_argument("--quiet", action="store_true", help="no progress message")
+    p.set_defaults(fn=cmd_convert)
 
     p = sub.add_parser("bench", help="a quick warm benchmark of this machine",
                        description="Step a temporary store with random batches and report "

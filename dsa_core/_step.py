@@ -233,6 +233,25 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     return new
 
 
+def check_batch(state: State, idx: Any) -> None:
+    """Raise ``ValueError`` unless one :func:`step` of the ids ``idx`` fits the store.
+
+    A log store (``storage="log"``) steps a batch in its memory region: the distinct rows of
+    ``idx`` must fit in it (:func:`step` refuses a batch that does not, before writing
+    anything). An in-place store takes any batch. For callers that step several stores in
+    one update (the adapters' optimizers): check every store first, so that a batch refused
+    by the second store does not leave the first one stepped. Writes nothing.
+    """
+    st = state.store
+    if getattr(st, "storage", "inplace") != "log":
+        return
+    idx = as_index(idx, st.num_rows)
+    n = idx.shape[0]
+    if n > st.engine.slots:  # only a batch longer than the region can fail: count its rows
+        n = np.unique(idx).shape[0]
+    st.engine.check_batch(n)
+
+
 _SCRATCH_MAX_BYTES = 16 << 20
 
 

@@ -217,7 +217,8 @@ def test_every_subcommand_and_option_has_help(capsys):
     import argparse
 
     ap, sub = _subparsers()
-    assert {c.dest for c in sub._choices_actions} == {"info", "export", "verify", "bench"}
+    assert {c.dest for c in sub._choices_actions} == {"info", "export", "verify", "convert",
+                                                      "bench"}
     assert all(c.help for c in sub._choices_actions)
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
@@ -255,14 +256,15 @@ def test_bad_numeric_options_are_one_line_usage_errors(opt, bad, capsys):
 
 
 def test_every_numeric_option_has_a_checking_type():
-    from dsa_core.__main__ import nonnegative_float, positive_int
+    from dsa_core.__main__ import memory_size, nonnegative_float, positive_int
 
     _, sub = _subparsers()
     for name, parser in sub.choices.items():
         for action in parser._actions:
             assert action.type not in (int, float), (name, action.dest)  # a bare int allows -5
             if action.type is not None and action.dest != "workdir":
-                assert action.type in (positive_int, nonnegative_float), (name, action.dest)
+                assert action.type in (positive_int, nonnegative_float, memory_size), (
+                    name, action.dest)
 
 
 def test_bad_rows_from_the_command_line_is_not_a_traceback(tmp_path):
@@ -273,3 +275,167 @@ def test_bad_rows_from_the_command_line_is_not_a_traceback(tmp_path):
         "dsa bench: error: argument --rows: must be a positive integer, got '-5'"
     r = _run_cli("bench", "--workdir", tmp_path / "missing")
     assert r.returncode == 2 and "is not an existing directory" in r.stderr
+
+
+# -- log-structured stores: convert, export, info, verify ------------------------------------------
+def _records(path):
+    st = dsa_core.open(path, mode="r")
+    try:
+        return st.storage, st.count, dsa_core.read_records(st, np.arange(st.num_rows))
+    finally:
+        dsa_core.close(st)
+
+
+def _trained(path, steps=6, **kw):
+    """An in-place (or log, with kw) store of 40 x 4 rows, trained and closed."""
+    st = dsa_core.create(path, 40, 4, init="uniform", init_scale=0.1, seed=2, **kw)
+    rng = np.random.default_rng(1)
+    for _ in range(steps):
+        st = dsa_core.step(st, rng.integers(0, 40, 12), rng.standard_normal((12, 4), np.float32))
+    dsa_core.close(st)
+
+
+def _files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_convert_both_ways_and_export_gives_the_same_bytes(tmp_path, capsys):
+    _trained(tmp_path / "a")
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--storage", "log",
+                 "--memory", "64KiB", "--quiet"]) == 0
+    assert "(storage=log, 40 x 4 float32, count 6)" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "b"), str(tmp_path / "c"), "--storage", "inplace",
+                 "--quiet"]) == 0
+    kinds = {}
+    for name in "abc":
+        kind, count, rec = _records(tmp_path / name)
+        kinds[name] = kind
+        assert count == 6
+        np.testing.assert_array_equal(rec.view(np.uint32), _records(tmp_path / "a")[2].view(
+            np.uint32))  # every record, bit for bit
+    assert kinds == {"a": "inplace", "b": "log", "c": "inplace"}
+    # export: the same .npy, byte for byte, from either kind
+    for name in "abc":
+        assert main(["export", str(tmp_path / name), str(tmp_path / f"{name}.npy"),
+                     "--quiet"]) == 0
+    raw = {name: (tmp_path / f"{name}.npy").read_bytes() for name in "abc"}
+    assert raw["a"] == raw["b"] == raw["c"]
+    st = dsa_core.open(tmp_path / "a", mode="r")
+    np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), st.weights)
+    dsa_core.close(st)
+    assert not list(tmp_path.glob(".*.tmp-*"))  # no temporary left by export
+    # training goes on identically from the converted store
+    runs = []
+    for name in "ab":
+        st = dsa_core.open(tmp_path / name, **({"memory": "64KiB"} if name == "b" else {}))
+        st = dsa_core.step(st, [3, 5, 3], np.ones((3, 4), np.float32))
+        runs.append(dsa_core.read_records(st, np.arange(40)))
+        dsa_core.close(st)
+    np.testing.assert_array_equal(runs[0].view(np.uint32), runs[1].view(np.uint32))
+
+
+def test_convert_refusals_leave_everything_as_it_was(tmp_path, capsys):
+    _trained(tmp_path / "a")
+    _trained(tmp_path / "logged", storage="log", memory="64KiB")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    before = _files(tmp_path)
+    cases = [
+        (["convert", "a", "logged", "--storage", "log"], "is an existing store; pass --overwrite"),
+        (["convert", "a", "other", "--storage", "log", "--overwrite"],
+         "exists and is not a DSA store .* choose a new path"),
+        (["convert", "a", "new", "--storage", "inplace", "--memory", "1MiB"],
+         "--memory is the region budget of a log store; it goes with --storage log"),
+        (["convert", "a", "a", "--storage", "log"], "is SRC or lies inside it"),
+        (["convert", "a", "a/inner", "--storage", "log"], "is SRC or lies inside it"),
+        (["convert", "missing", "new", "--storage", "log"], "does not exist"),
+        (["convert", ".", "new", "--storage", "log"], "not a DSA store itself but holds"),
+        # a budget too small for one record: the copy fails, DEST keeps the old store
+        (["convert", "a", "logged", "--storage", "log", "--memory", "16", "--overwrite"],
+         "converting .* failed, .*logged.* was not changed: memory budget holds 0 records"),
+    ]
+    for args, match in cases:
+        args = [str(tmp_path / x) if i in (1, 2) else x for i, x in enumerate(args)]
+        with pytest.raises(SystemExit, match=match):
+            main(args)
+        assert _files(tmp_path) == before, args
+    assert not (tmp_path / "new").exists()
+    for bad in ("lots", "-1", "0"):  # the budget is checked by argparse: a usage error
+        with pytest.raises(SystemExit) as exc:
+            main(["convert", str(tmp_path / "a"), str(tmp_path / "new"), "--storage", "log",
+                  "--memory", bad])
+        assert exc.value.code == 2
+        assert "argument --memory: memory must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(tmp_path / "a"), str(tmp_path / "new"), "--storage", "lsm"])
+    assert exc.value.code == 2 and "invalid choice: 'lsm'" in capsys.readouterr().err
+    assert _files(tmp_path) == before
+
+
+def test_convert_overwrite_and_live_writers(tmp_path, capsys):
+    _trained(tmp_path / "a")
+    _trained(tmp_path / "b", storage="log", memory="64KiB")
+    # --overwrite replaces a store of the other kind
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--storage", "inplace",
+                 "--overwrite", "--quiet"]) == 0
+    assert _records(tmp_path / "b")[0] == "inplace"
+    np.testing.assert_array_equal(_records(tmp_path / "b")[2], _records(tmp_path / "a")[2])
+    # an in-place source held by a writer: its rows run ahead of its count, refused
+    w = dsa_core.open(tmp_path / "a")
+    with pytest.raises(SystemExit, match="a writer holds SRC .* could pair rows and count"):
+        main(["convert", str(tmp_path / "a"), str(tmp_path / "c"), "--storage", "log"])
+    # ... and a destination held by a writer is never replaced
+    with pytest.raises(SystemExit, match="is open for writing by a training process"):
+        main(["convert", str(tmp_path / "b"), str(tmp_path / "a"), "--storage", "inplace",
+              "--overwrite"])
+    dsa_core.close(w)
+    # a log source held by a writer is read at its last flush: later steps are not copied
+    _trained(tmp_path / "log", storage="log", memory="64KiB")
+    flushed = _records(tmp_path / "log")[2]
+    w = dsa_core.open(tmp_path / "log", memory="64KiB")
+    w = dsa_core.step(w, np.arange(40), np.ones((40, 4), np.float32))  # not flushed
+    assert main(["convert", str(tmp_path / "log"), str(tmp_path / "c"), "--storage",
+                 "inplace", "--quiet"]) == 0
+    assert "read at its writer's last flush" in capsys.readouterr().out
+    kind, count, rec = _records(tmp_path / "c")
+    assert (kind, count) == ("inplace", 6)
+    np.testing.assert_array_equal(rec, flushed)
+    dsa_core.close(w)
+
+
+def test_info_and_verify_on_a_log_store(tmp_path, capsys):
+    _trained(tmp_path / "s", steps=30, storage="log", memory=2600)  # 30 slots: seals, cleaning
+    assert main(["info", str(tmp_path / "s"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["storage"] == "log" and info["count"] == 30
+    assert info["segments"] >= 2 and info["segment_bytes"] > 0
+    assert info["live_bytes"] == info["live_records"] * info["record_bytes"] > 0
+    assert info["dead_bytes"] >= 0 and info["space_used"] >= 1.0
+    assert info["region_budget_bytes"] > 0 and "not stored" in info["region_budget_note"]
+    assert info["write_amplification"] is None and "not stored" in info[
+        "write_amplification_note"]
+    assert main(["info", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "storage: log (log-structured" in out and "write_amplification: n/a" in out
+    assert f"segments: {info['segments']}" in out
+    assert main(["info", str(tmp_path)]) == 0
+    assert f"log store ({info['segments']} segments)" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "s"), "--quiet"]) == 0
+    assert "segment and index CRCs checked" in capsys.readouterr().out
+    # a damaged index: verify says so (exit 1) instead of failing to open
+    idx = sorted((tmp_path / "s").glob("index-*"))[-1]
+    raw = bytearray(idx.read_bytes())
+    raw[-1] ^= 0xFF
+    idx.write_bytes(bytes(raw))
+    assert main(["verify", str(tmp_path / "s"), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: the log store does not check out" in out and idx.name in out
+
+
+def test_info_skips_hidden_directories(tmp_path, capsys):
+    _trained(tmp_path / "s")
+    _trained(tmp_path / ".dsa-snapshots" / "snap", steps=1)  # two levels down, but hidden
+    assert main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "holds 1 store:" in out and ".dsa-snapshots" not in out

@@ -417,7 +417,20 @@ def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
     assert s.store.engine.stats()["seals"] == stats["seals"]
     s = dsa_core.step(s, np.repeat(np.arange(10), 2), np.ones((20, D), np.float32))  # fits
     assert s.count == 2
+    # check_batch: the same answer without a step (for callers that step several stores)
+    before, stats = _records(s), s.store.engine.stats()
+    with pytest.raises(ValueError, match="a batch needs 11: raise memory_bytes"):
+        dsa_core.check_batch(s, idx)
+    dsa_core.check_batch(s, np.repeat(np.arange(10), 2))  # 20 ids, 10 distinct rows: fits
+    dsa_core.check_batch(s, np.array([], np.int64))
+    with pytest.raises(IndexError, match=rf"\[0, {N}\); got {N}"):
+        dsa_core.check_batch(s, [N])
+    np.testing.assert_array_equal(_records(s), before)
+    assert s.store.engine.stats()["acquires"] == stats["acquires"] and s.count == 2
     dsa_core.close(s)
+    t = dsa_core.create(tmp_path / "t", N, D)  # an in-place store takes any batch
+    dsa_core.check_batch(t, np.arange(N))
+    dsa_core.close(t)
 
 
 def test_durability_step_through_replace_is_refused(tmp_path):
@@ -509,8 +522,9 @@ def test_cli_info_and_verify(tmp_path, capsys):
         assert k in info
     assert cli(["verify", "--quiet", str(tmp_path / "log")]) == 0
     assert "CRCs checked" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="log-structured store"):
-        cli(["export", str(tmp_path / "log"), str(tmp_path / "w.npy")])
+    assert cli(["export", "--quiet", str(tmp_path / "log"), str(tmp_path / "w.npy")]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "w.npy"),
+                                  dsa_core.gather(b, np.arange(N)))  # flushed: the same rows
     dsa_core.close(b)
     # a damaged segment is reported by verify
     from dsa_core._log_format import read_header, segment_geometry

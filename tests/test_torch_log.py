@@ -132,17 +132,35 @@ def test_optimizer_own_log_stores_match_inplace(tmp_path):
 
 
 def test_state_dicts_on_log_stores(tmp_path, mem):
+    # keep_snapshots=0: a state dict is a description, as on an in-place store
+    e0 = DiskEmbedding(N, D, state_dir=tmp_path / "e0", seed=0, storage="log", memory=mem,
+                       keep_snapshots=0)
+    o0 = DiskSparseAdam(e0.parameters(), lr=0.05, keep_snapshots=0)
+    train(e0, o0, batches(4))
+    sd0 = {"model": e0.state_dict(), "opt": o0.state_dict()}
+    assert "state_snapshot" not in sd0["model"]["_extra_state"]
+    assert not (tmp_path / ".dsa-snapshots").exists()
+    e0.load_state_dict(sd0["model"])  # same step: accepted, nothing changes
+    o0.load_state_dict(sd0["opt"])
+    train(e0, o0, batches(1, seed=9))
+    with pytest.raises(RuntimeError, match="taken at step 4"):
+        e0.load_state_dict(sd0["model"])  # a description of step 4 is no snapshot
+    with pytest.raises(ValueError, match="taken at step 4"):
+        o0.load_state_dict(sd0["opt"])
+    o0.close()
+    e0.close()
+    # by default a log store's state dict is a snapshot (tests/test_torch_snapshots.py)
     emb = DiskEmbedding(N, D, state_dir=tmp_path / "emb", seed=0, storage="log", memory=mem)
     opt = DiskSparseAdam(emb.parameters(), lr=0.05)
     train(emb, opt, batches(4))
     f = tmp_path / "sd.pt"
     torch.save({"model": emb.state_dict(), "opt": opt.state_dict()}, f)
     sd = torch.load(f, weights_only=True)
-    emb.load_state_dict(sd["model"])  # same step: accepted, nothing changes
-    opt.load_state_dict(sd["opt"])
+    at4 = dsa_core.read_records(emb.store, np.arange(N))
     train(emb, opt, batches(1, seed=9))
-    with pytest.raises(RuntimeError, match="taken at step 4"):
-        emb.load_state_dict(sd["model"])  # a state dict is no snapshot
+    emb.load_state_dict(sd["model"])  # back to step 4
+    assert emb.store.count == 4
+    np.testing.assert_array_equal(dsa_core.read_records(emb.store, np.arange(N)), at4)
     # An nn.Embedding state dict: its weights are copied into the log store, m and v kept
     before = dsa_core.read_records(emb.store, np.arange(N))
     w = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
