@@ -147,15 +147,15 @@ def check_memory(layout: dict[str, Any], memory_bytes: int, batch: int) -> None:
     >>> check_memory(lay, 100, 10)
     Traceback (most recent call last):
     ...
-    ValueError: memory budget holds 1 records, a batch needs 10: raise memory_bytes to
-    at least 900 bytes (0.00 MiB; 90 bytes per record slot)
+    ValueError: memory budget holds 1 records, a batch needs 10: raise the budget (memory=)
+    to at least 900 bytes (0.00 MiB; 90 bytes per record slot)
     """
     have, per = slots_for(layout, memory_bytes), _rec_bytes(layout) + SLOT_OVERHEAD
     if batch > have:
         need = memory_for(layout, batch)
         raise ValueError(f"memory budget holds {have} records, a batch needs {batch}: raise "
-                         f"memory_bytes to at least {need} bytes ({need / 2**20:.2f} MiB; "
-                         f"{per} bytes per record slot)")
+                         f"the budget (memory=) to at least {need} bytes ({need / 2**20:.2f} "
+                         f"MiB; {per} bytes per record slot)")
 
 
 def _check_memory_bytes(memory_bytes: Any, layout: dict[str, Any]) -> int:

@@ -681,7 +681,7 @@ def test_memory_too_small_for_a_batch(tmp_path):
     need = _log.memory_for(lay, 11)
     assert need == 11 * (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
     with pytest.raises(ValueError, match=r"memory budget holds 10 records, a batch needs 11: "
-                                         f"raise memory_bytes to at least {need} bytes"):
+                                         f"raise the budget \\(memory=\\) to at least {need} bytes"):
         _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 10), max_batch=11)
     assert not (tmp_path / "s").exists()  # refused before anything was written
     with pytest.raises(ValueError, match="must pay for at least one record slot"):

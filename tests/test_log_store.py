@@ -384,7 +384,7 @@ def test_properties_and_views(tmp_path):
     ({"memory": "1GiB"}, ValueError, "memory= is for storage='log'"),
     ({"storage": "log", "durability": "step"}, ValueError, "durability='step' is not"),
     ({"storage": "log", "access": "ram"}, ValueError, "access='ram' is for in-place"),
-    ({"storage": "log", "memory": 10}, ValueError, "raise memory_bytes"),
+    ({"storage": "log", "memory": 10}, ValueError, "raise the budget"),
     ({"storage": "log", "init": np.zeros((N, D + 1))}, ValueError, "init must have shape"),
     ({"storage": "log", "weights": False, "init": "normal"}, ValueError, "weights=False"),
 ])
@@ -410,7 +410,7 @@ def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
     s = dsa_core.step(s, np.arange(8), np.ones((8, D), np.float32))
     before, stats = _records(s), s.store.engine.stats()
     idx = np.concatenate([np.arange(11), np.arange(11)])  # 11 unique rows > 10 slots
-    with pytest.raises(ValueError, match="a batch needs 11: raise memory_bytes"):
+    with pytest.raises(ValueError, match="a batch needs 11: raise the budget"):
         dsa_core.step(s, idx, np.ones((22, D), np.float32))
     assert s.current and s.count == 1
     np.testing.assert_array_equal(_records(s), before)
@@ -419,7 +419,7 @@ def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
     assert s.count == 2
     # check_batch: the same answer without a step (for callers that step several stores)
     before, stats = _records(s), s.store.engine.stats()
-    with pytest.raises(ValueError, match="a batch needs 11: raise memory_bytes"):
+    with pytest.raises(ValueError, match="a batch needs 11: raise the budget"):
         dsa_core.check_batch(s, idx)
     dsa_core.check_batch(s, np.repeat(np.arange(10), 2))  # 20 ids, 10 distinct rows: fits
     dsa_core.check_batch(s, np.array([], np.int64))
