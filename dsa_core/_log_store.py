@@ -8,8 +8,8 @@ slots and in immutable segments), so ``data`` and ``counters`` raise a clear err
 ``step`` and ``gather`` use :attr:`LogStore.engine` instead (``acquire``, ``region``,
 ``read``).
 
-Experimental: adapters, ``durability="step"``, read-ahead and range hints are not wired
-to log stores yet.
+Experimental: adapters, read-ahead and range hints are not wired to log stores yet.
+``durability="step"`` is the engine's commit log (``_log_wal``; ``_step`` drives it).
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ class LogStore:
         self.engine.flush()
 
     def journal_void(self) -> None:
-        """No journal: log stores refuse durability='step'."""
+        """No undo journal to void: a log store's commit log (durability='step') holds only
+        steps after its manifest's count, and every flush starts a new one."""
 
     def close(self) -> None:
         self.engine.close()
