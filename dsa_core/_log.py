@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import math
 import os
@@ -92,6 +93,7 @@ from ._files import copy_file, fsync_dir, staged_dir
 from ._log_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    FORMAT_VERSION_WAL,
     LOCK_FILE,
     MANIFEST_FILE,
     MAX_SEGMENT_ID,
@@ -111,6 +113,7 @@ from ._log_format import (
 )
 from ._log_init import INIT_KINDS, InitSpec, initial_records
 from ._log_read import advise_whole, hint_uncached
+from ._log_wal import WalWriter, read_entries, wal_bound, wal_name
 from ._store import StoreLockedError
 
 __all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "memory_for", "open",
@@ -396,6 +399,21 @@ class LogEngine:
         self._stats = dict.fromkeys(("seals", "cleaned_segments", "user_records",
                                      "sealed_records", "cleaned_records", "file_bytes_written",
                                      "acquires", "misses", "evicted_clean"), 0)
+        # the commit log (durability="step"; _log_wal, and step_ready & co. below)
+        wal = manifest.get("wal")
+        wkind = None if wal is None else parse_name(str(wal))
+        if wal is not None and (wkind is None or wkind[0] != "wal"
+                                or not isinstance(manifest.get("wal_salt"), int)):
+            raise ValueError(f"manifest of {str(directory)!r} names the commit log {wal!r} "
+                             f"(salt {manifest.get('wal_salt')!r}), not a wal-<gen>.log file "
+                             "with an int salt; the store is damaged")
+        self.wal_on = wal is not None            # flushes start a new commit-log generation
+        self.wal_bound = wal_bound(self.num_rows)  # log bytes that make the next step flush
+        self._wal: WalWriter | None = None       # the writer's open generation
+        self._wal_gen = 0 if wkind is None else wkind[1]
+        self._wal_count = self.count             # the count that manifest + log hold
+        self._wal_acquires = 0                   # acquire calls that they reflect
+        self._wal_spare: Path | None = None      # a retired log file, reused next
 
     # -- opening helpers ------------------------------------------------------------------
     def _ensure_id(self, seg_id: int) -> None:
@@ -858,9 +876,11 @@ class LogEngine:
         """Make everything so far durable, at step ``count`` (default: ``self.count``).
 
         Seals every dirty slot (one segment, with cleaning as any seal), fsyncs the new
-        segments, writes the next index generation (fsync'd), commits the manifest, then
-        deletes the previous index generation and the segments that no manifest lists any
-        more. After a flush every slot is clean (and still resident).
+        segments, writes the next index generation (fsync'd), starts the next commit-log
+        generation when ``wal_on``, commits the manifest, then deletes the previous index
+        generation and the segments that no manifest lists any more, and retires the
+        previous commit log (kept for reuse while ``wal_on``, else deleted). After a flush
+        every slot is clean (and still resident).
         """
         self._require_writable()
         count = self.count if count is None else _check_count(count)
@@ -871,7 +891,7 @@ class LogEngine:
             self._seal(dirty, evict=False)
         crash_point("flush-sealed")
         if not self._index_dirty and self.count == self._manifest["count"] \
-                and meta == self._manifest.get("meta", {}):
+                and meta == self._manifest.get("meta", {}) and not self._wal_rotation_due():
             return
         for sid in sorted(self._unsynced):
             fd = os.open(self.path / seg_name(sid), os.O_RDONLY)
@@ -889,12 +909,21 @@ class LogEngine:
             manifest["index_crc32"] = write_index(self.path / index_name(gen),
                                                   self._disk_locations())
             crash_point("flush-index")
+        new_wal = self._start_wal() if self.wal_on else None
         fsync_dir(self.path)  # the new files' names are durable before the manifest is
         manifest.update(count=int(self.count), segments=sorted(self.segs),
                         next_segment=int(self.next_segment), meta=meta)
-        write_manifest(self.path, manifest)
+        _name_wal(manifest, new_wal)
+        try:
+            write_manifest(self.path, manifest)
+        except BaseException:
+            if new_wal is not None:  # not named by any manifest: the next generation's file
+                new_wal.close()
+                self._wal_spare = new_wal.path
+            raise
         crash_point("flush-committed")
         old_gen, self._gen = self._gen, gen
+        old_wal = self._manifest.get("wal")
         self._manifest = manifest
         self._committed = set(self.segs)
         self._index_dirty = False
@@ -904,6 +933,7 @@ class LogEngine:
             (self.path / seg_name(sid)).unlink(missing_ok=True)
             crash_point("flush-deleted")
         self._doomed.clear()
+        self._retire_wal(old_wal, new_wal)
 
     def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``.
@@ -912,7 +942,9 @@ class LogEngine:
         segments, which are immutable, or copies where links are refused; a copy of the
         index generation and of the manifest) and renamed into place: ``dest`` is complete
         or absent. It opens as a log store with exactly the flushed state and stays valid
-        while this store trains, cleans and deletes (those only unlink its own names).
+        while this store trains, cleans and deletes (those only unlink its own names). It
+        names no commit log (everything is in its segments); a writer that opens it starts
+        one at its first logged step.
         """
         self._require_writable()
         dest = Path(dest)
@@ -924,6 +956,7 @@ class LogEngine:
                                   "overwrite=True to replace it")
         self.flush(count)
         manifest = dict(self._manifest)
+        _name_wal(manifest, None)  # flushed: the snapshot needs no commit log
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
             for sid in manifest["segments"]:
@@ -934,6 +967,163 @@ class LogEngine:
             write_manifest(tmp, manifest)
             crash_point("ckpt-staged")
         return dest
+
+    # -- the commit log (durability="step") -----------------------------------------------
+    # A store that commits every step logs it: begin_step (a flush first, unless the log can
+    # take the step), acquire the rows, compute their new records outside the region,
+    # commit_step (one append + fdatasync to the commit log, then the region), so the region
+    # only ever holds committed steps. Each flush starts a new log generation that its
+    # manifest names; open replays the named log's valid entries (_log_wal). After kill -9
+    # at any moment, open returns the state after the last step whose entry is in the file:
+    # the last step that returned, or the one in flight if its entry was written in full.
+    def step_ready(self, count: int, meta: dict[str, Any] | None = None) -> bool:
+        """True when step ``count + 1`` may be logged now (:meth:`commit_step`).
+
+        That is: a commit-log generation is open and healthy, ``count`` is the engine's
+        count and the last one the manifest plus the log hold, no :meth:`acquire` (hence
+        no :meth:`write`, no unlogged step) changed the region since, the log is under
+        ``wal_bound`` bytes, and ``meta`` (when given) is the committed one. Then the
+        state that a replay rebuilds is exactly the current one, and an entry appended now
+        replays onto it.
+        """
+        w = self._wal
+        return (w is not None and not w.broken and self.wal_on
+                and self.count == int(count) == self._wal_count
+                and self._stats["acquires"] == self._wal_acquires
+                and w.offset < self.wal_bound
+                and (meta is None or _check_meta(meta) == self._manifest.get("meta", {})))
+
+    def begin_step(self, count: int, meta: dict[str, Any]) -> None:
+        """Prepare to log step ``count + 1``: unless :meth:`step_ready`, turn ``wal_on``
+        on and flush at ``count`` with ``meta`` (which starts a fresh commit-log
+        generation). Nothing of the step has changed yet, so an error here (a failed flush)
+        leaves the caller at ``count``.
+        """
+        self._require_writable()
+        if self.step_ready(count, meta):
+            return
+        self.wal_on = True
+        self.meta = meta
+        self.flush(count)
+
+    def commit_step(self, t: int, rows: np.ndarray, slots: np.ndarray,
+                    records: np.ndarray) -> None:
+        """Commit step ``t``: append ``(rows, records)`` to the commit log (one write, one
+        fdatasync), then copy ``records`` into ``region[slots]`` and set ``count = t``.
+
+        ``rows``: the step's unique rows, ``slots`` their slots from the :meth:`acquire`
+        made after :meth:`begin_step` (the only acquire since), ``records``: their
+        C-contiguous new records. On any error (the log's write or sync) the region is left
+        as it was and the log marked broken: the next :meth:`begin_step` flushes (a new
+        generation), so the failed step is never replayed.
+        """
+        self._require_writable()
+        if self._wal is None or int(t) != self._wal_count + 1 or self.count != self._wal_count:
+            raise RuntimeError(f"log store {str(self.path)!r}: commit_step({t}) without "
+                               f"begin_step({int(t) - 1}) (the log holds step "
+                               f"{self._wal_count}, the engine is at {self.count})")
+        self._wal.append(int(t), rows, records)
+        if slots.shape[0]:
+            self.region[slots] = records
+        self.count = self._wal_count = int(t)
+        self._wal_acquires = self._stats["acquires"]
+
+    def wal_bytes(self) -> int:
+        """Bytes of the open commit-log generation holding entries (0 without one)."""
+        return 0 if self._wal is None else self._wal.offset
+
+    def _wal_rotation_due(self) -> bool:
+        """A flush must start a new commit-log generation even if nothing else changed."""
+        if self.wal_on != (self._manifest.get("wal") is not None):
+            return True
+        w = self._wal
+        return self.wal_on and (w is None or w.broken or w.offset > 0)
+
+    def _start_wal(self) -> WalWriter:
+        """The next generation's file, empty for readers (a fresh salt); not yet named."""
+        path = self.path / wal_name(self._wal_gen + 1)
+        spare, self._wal_spare = self._wal_spare, None
+        w = WalWriter.start(path, int.from_bytes(os.urandom(8), "little"), self.stride,
+                            self.dtype, recycle=spare)
+        crash_point("wal-started")
+        return w
+
+    def _retire_wal(self, old_name: str | None, new: WalWriter | None) -> None:
+        """After a commit: the previous generation's log is no longer named. Kept under the
+        name of the generation after ``new`` for reuse (:meth:`_start_wal`), or deleted
+        when no log is kept (``wal_on`` off)."""
+        if self._wal is not None:
+            self._wal.close()
+        self._wal = new
+        self._wal_count = self.count
+        self._wal_acquires = self._stats["acquires"]
+        if new is not None:
+            self._wal_gen = parse_name(new.path.name)[1]
+        if old_name is None:
+            return
+        old = self.path / old_name
+        if new is not None:
+            spare = self.path / wal_name(self._wal_gen + 1)
+            try:
+                os.replace(old, spare)
+                self._wal_spare = spare
+            except FileNotFoundError:  # pragma: no cover - removed by hand
+                pass
+        else:
+            old.unlink(missing_ok=True)
+            if self._wal_spare is not None:
+                self._wal_spare.unlink(missing_ok=True)
+                self._wal_spare = None
+        crash_point("wal-retired")
+
+    def _recover_wal(self) -> int:
+        """Writer at open: replay the commit log's valid entries through :meth:`write`, then
+        flush once (a new generation: the replayed log and its torn tail are never read
+        again); with none to replay, append to the named log from its start. Returns the
+        number of steps replayed."""
+        name = self._manifest.get("wal")
+        if name is None:
+            return 0
+        spare = self.path / wal_name(self._wal_gen + 1)
+        self._wal_spare = spare if spare.exists() else None
+        done = 0
+        for e in _log_entries(self.path, self._manifest):
+            self.write(e.rows, e.records)
+            self.count = e.t
+            done += 1
+            crash_point("wal-replayed")
+        if done:
+            self.flush()
+        else:
+            self._wal = WalWriter.resume(self.path / name, int(self._manifest["wal_salt"]), 0,
+                                         self.stride, self.dtype)
+            self._wal_count, self._wal_acquires = self.count, self._stats["acquires"]
+        return done
+
+    def _install_log(self, limit: int) -> None:
+        """Read-only open: put the commit log's first ``limit`` entries into the region
+        (sized by :func:`open` to hold all their rows), so that reads see the state after
+        the last logged step. Nothing is written."""
+        for e in itertools.islice(_log_entries(self.path, self._manifest), limit):
+            n = e.rows.shape[0]
+            if n:
+                lr = self.loc[e.rows]
+                new = lr >= 0
+                k = int(np.count_nonzero(new))
+                if k > self._nfree:  # the writer reused the file meanwhile: read again
+                    raise SegmentError(f"commit log of {str(self.path)!r} changed while it "
+                                       "was read")
+                slots = np.empty(n, np.int64)
+                slots[~new] = -lr[~new] - 1
+                fresh = self._free[self._nfree - k:self._nfree][::-1].copy()
+                self._nfree -= k
+                slots[new] = fresh
+                self.slot_row[fresh] = e.rows[new]
+                self.slot_disk[fresh] = lr[new]
+                self.loc[e.rows[new]] = -fresh - 1
+                self.region[slots] = e.records
+                self.dirty[slots] = 1
+            self.count = e.t
 
     # -- inspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -1039,8 +1229,24 @@ class LogEngine:
             return
         if self.mode == "r+":
             self.flush()  # a failed flush leaves the engine open: fix the cause, close again
+        if self._wal is not None:
+            self._wal.close()
         self.closed = True
         self.segs.clear()
+        if self._lockfd >= 0:
+            os.close(self._lockfd)
+            self._lockfd = -1
+
+    def abandon(self) -> None:
+        """Close without flushing: the descriptors and the lock released, nothing written
+        (what a crash leaves; for cleaning up after a failed create or open, and tests).
+        Safe twice."""
+        if self.closed:
+            return
+        self.closed = True
+        self.segs.clear()
+        if self._wal is not None:
+            self._wal.close()
         if self._lockfd >= 0:
             os.close(self._lockfd)
             self._lockfd = -1
@@ -1058,14 +1264,42 @@ class LogEngine:
 
 
 # -- create / open ------------------------------------------------------------------------------
+def _name_wal(manifest: dict[str, Any], wal: WalWriter | None) -> None:
+    """Name the commit log ``wal`` (or none) in ``manifest``, with the format version that
+    says whether it has one (an older reader must refuse a store whose log it would ignore)."""
+    manifest.update(wal=None if wal is None else wal.path.name,
+                    wal_salt=None if wal is None else wal.salt,
+                    version=FORMAT_VERSION if wal is None else FORMAT_VERSION_WAL)
+
+
+def _log_entries(directory: Path, manifest: dict[str, Any]):
+    """The valid commit-log entries of ``manifest`` (steps ``count + 1``, ...); none if it
+    names no log."""
+    name = manifest.get("wal")
+    if name is None:
+        return iter(())
+    lay = manifest["layout"]
+    return read_entries(Path(directory) / name, int(manifest["wal_salt"]),
+                        int(manifest["count"]) + 1, int(lay["stride"]),
+                        np.dtype(lay["dtype"]), int(lay["num_rows"]))
+
+
 def _remove_garbage(directory: Path, manifest: dict[str, Any]) -> None:
-    """Delete the store's own files that the manifest does not reference (writer only)."""
+    """Delete the store's own files that the manifest does not reference (writer only).
+
+    The commit log the manifest names stays, and so does a retired one kept under the next
+    generation's name (reused by the next flush)."""
     keep_segs = {int(s) for s in manifest["segments"]}
+    keep_wal = set()
+    if manifest.get("wal") is not None:
+        gen = parse_name(manifest["wal"])[1]
+        keep_wal = {manifest["wal"], wal_name(gen + 1)}
     removed = False
     for entry in sorted(os.listdir(directory)):
         kind = parse_name(entry)
         stale = (kind is not None and ((kind[0] == "seg" and kind[1] not in keep_segs)
-                                       or (kind[0] == "index" and entry != manifest["index"])))
+                                       or (kind[0] == "index" and entry != manifest["index"])
+                                       or (kind[0] == "wal" and entry not in keep_wal)))
         if stale or entry == MANIFEST_FILE + ".tmp":  # write_json's, from a torn commit
             os.unlink(directory / entry)
             removed = True
@@ -1165,11 +1399,15 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
 
 def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
          max_batch: int | None = None, check: str = "full") -> LogEngine:  # noqa: A001
-    """Open a log store: the state of its last completed flush.
+    """Open a log store: the state of its last completed flush, plus the steps of its
+    commit log (``durability="step"``), if the manifest names one.
 
-    ``mode="r+"`` takes the writer lock and removes files no manifest references (left by a
-    crash); ``memory_bytes`` is then required. ``mode="r"`` maps the files read-only without
-    a lock (``memory_bytes`` optional: only :meth:`LogEngine.read` is available).
+    ``mode="r+"`` takes the writer lock, removes files no manifest references (left by a
+    crash), replays the commit log's valid entries through :meth:`LogEngine.write` and, if
+    there were any, flushes once; ``memory_bytes`` is then required. ``mode="r"`` maps the
+    files read-only without a lock and writes nothing (``memory_bytes`` optional: only
+    :meth:`LogEngine.read` is available); the commit log's rows are read into a region of
+    their own, as large as they need (at most the log's size).
     ``check="full"`` verifies the CRC of every referenced segment's records (a sequential
     read of the whole store); ``"headers"`` checks headers, sizes, row ids and their CRCs
     only. A missing, torn or corrupt referenced file is a clear error naming it.
@@ -1193,9 +1431,19 @@ def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
         for attempt in range(5):
             if mode == "r+" or attempt:
                 manifest = read_manifest(directory)  # under the lock: the newest commit
-            eng = LogEngine(directory, manifest, mode, memory_bytes, lockfd)
             try:
+                logged, mem = 0, memory_bytes
+                if mode == "r":  # the region must hold every row of the commit log
+                    rows = [e.rows for e in _log_entries(directory, manifest)]
+                    logged = len(rows)
+                    if logged:
+                        need = np.unique(np.concatenate(rows)).shape[0]
+                        mem = max(memory_bytes or 0, memory_for(lay, max(need, 1)))
+                eng = LogEngine(directory, manifest, mode, mem, lockfd)
+                eng.memory_bytes = memory_bytes
                 eng._load(manifest, check == "full")
+                if logged:
+                    eng._install_log(logged)
                 break
             except (FileNotFoundError, SegmentError):
                 # a reader can lose a race with the writer deleting files after a newer
@@ -1205,6 +1453,7 @@ def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
                 time.sleep(0.01)
         if mode == "r+":
             _remove_garbage(directory, manifest)
+            eng._recover_wal()
     except BaseException:
         if lockfd >= 0:
             os.close(lockfd)

@@ -6,10 +6,14 @@ writes and checks the bytes. Files of a log store directory:
 ``manifest.json``
     ``{"format": "dsa-log", "version": 1, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
-    "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "segments": [ids], "next_segment":
-    int, "space_ratio": float, "meta": {...}}`` (``meta``: the caller's JSON data, e.g. the
-    optimizer's hyperparameters), replaced atomically (``write_json``). It is the commit
-    point of a flush: the state of a store is what its manifest references, nothing else.
+    "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "segments": [ids],
+    "next_segment":
+    int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
+    int}`` (``meta``: the caller's JSON data, e.g. the optimizer's hyperparameters;
+    ``wal``/``wal_salt``: the commit log of ``durability="step"`` stores, ``_log_wal``; a
+    manifest without them has none), replaced atomically (``write_json``). It is the commit
+    point of a flush: the state of a store is what its manifest references (plus the valid
+    entries of its commit log), nothing else.
 ``seg-<id:08d>.dsl``
     One immutable segment of ``n`` records. Four parts, each starting on a 4096-byte
     boundary (zero padding between them)::
@@ -31,6 +35,9 @@ writes and checks the bytes. Files of a log store directory:
     ``num_rows`` int64: 0 for a row never written (it reads as its initial record), else
     ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment. A flush writes
     a new generation; the old one is removed once the manifest naming the new one is durable.
+``wal-<gen:08d>.log``
+    The commit log named by the manifest (``_log_wal`` describes it); the next generation's
+    name may hold a retired log kept for reuse. Others are garbage, removed at open.
 ``writer.lock``
     The writer's exclusive ``flock`` (as for the in-place store).
 
@@ -59,7 +66,8 @@ from ._files import write_json
 from ._log_read import MADV_RANDOM, advise_whole
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "LOCK_FILE", "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE",
+    "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_WAL", "LOCK_FILE", "MANIFEST_FILE",
+    "MAX_SEGMENT_ID", "PAGE",
     "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
     "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
     "segment_geometry", "set_crash", "write_index", "write_manifest", "write_segment",
@@ -67,6 +75,7 @@ __all__ = [
 
 FORMAT_NAME = "dsa-log"
 FORMAT_VERSION = 1
+FORMAT_VERSION_WAL = 2  # a manifest that names a commit log (an older reader would ignore it)
 SEG_MAGIC = b"DSALOG01"
 PAGE = 4096
 MANIFEST_FILE = "manifest.json"
@@ -122,8 +131,10 @@ def index_name(gen: int) -> str:
 
 
 def parse_name(name: str) -> tuple[str, int] | None:
-    """``("seg", id)`` / ``("index", gen)`` for the store's own file names, else None."""
-    for kind, pre, suf in (("seg", "seg-", ".dsl"), ("index", "index-", ".bin")):
+    """``("seg", id)`` / ``("index", gen)`` / ``("wal", gen)`` (a commit log,
+    ``_log_wal``) for the store's own file names, else None."""
+    for kind, pre, suf in (("seg", "seg-", ".dsl"), ("index", "index-", ".bin"),
+                           ("wal", "wal-", ".log")):
         if name.startswith(pre) and name.endswith(suf):
             mid = name[len(pre):-len(suf)]
             if mid.isdigit():
@@ -222,12 +233,13 @@ def _new_file(path: Path):
     os.close(fd)
 
 
-def _start_writeback(fd: int) -> None:
+def _start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     """Start writing the file's dirty pages back without waiting (the flush's fsync then has
-    little left to do, and dirty page cache never piles up behind the seals)."""
+    little left to do, and dirty page cache never piles up behind the seals); ``nbytes``
+    bytes from ``offset`` (0: to the end of the file)."""
     try:
         from ._prefetch import SYNC_FILE_RANGE_WRITE, _sync_file_range
-        _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+        _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
     except (ImportError, AttributeError, OSError):  # pragma: no cover - not Linux
         pass
 
@@ -441,9 +453,10 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ValueError(f"{str(mpath)!r} is not a log store manifest: format is {found!r}, "
                          f"expected {FORMAT_NAME!r}")
     version = manifest.get("version")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, FORMAT_VERSION_WAL):
         raise ValueError(f"log store {str(directory)!r} has format version {version!r}; this "
-                         f"dsa_core reads version {FORMAT_VERSION}. Upgrade dsa_core to open it")
+                         f"dsa_core reads versions {FORMAT_VERSION} and {FORMAT_VERSION_WAL}. "
+                         "Upgrade dsa_core to open it")
     missing = [k for k in _FIELDS if k not in manifest]
     if missing:
         raise ValueError(f"manifest of {str(directory)!r} lacks {missing}; the store is "

@@ -11,6 +11,7 @@ slots and in immutable segments), so ``data`` and ``counters`` raise a clear err
 Read-ahead (``dsa_core.prefetch``) runs on a :class:`_log_read.ReadAhead` thread of the
 store: it only hints the kernel to read the next batch's on-disk records, so it can never
 change a value.
+``durability="step"`` is the engine's commit log (``_log_wal``; ``_step`` drives it).
 """
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ class LogStore:
         self.engine.flush()
 
     def journal_void(self) -> None:
-        """No journal: log stores refuse durability='step'."""
+        """No undo journal to void: a log store's commit log (durability='step') holds only
+        steps after its manifest's count, and every flush starts a new one."""
 
     def close(self) -> None:
         ra, self._readahead = self._readahead, None

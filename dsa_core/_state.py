@@ -434,9 +434,11 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         :func:`flush`, :func:`close` and :func:`checkpoint`; after a crash, steps taken since
         the last flush may be partly on disk (the OS writes dirty pages back at any time)
         while the manifest's count is the flushed one -- resume from a checkpoint then.
-        ``"step"``: every step is atomic (undo journal + fdatasync + manifest commit): after
-        a crash, ``open`` rolls back to exactly the last completed step and ``count`` says
-        which. Costs two fdatasyncs and a manifest rename per step.
+        ``"step"``: every step is atomic: after a crash, ``open`` returns exactly the state
+        after the last completed step and ``count`` says which. In place: undo journal +
+        fdatasync + manifest commit, two fdatasyncs and a manifest rename per step; on a
+        log store (``storage="log"``): the step's new records appended to a commit log, one
+        sequential write and one fdatasync per step (docs/storage.md).
     overwrite : bool, default False
         Replace an existing store at ``path`` (refused while another writer holds it).
     second_moment : "elementwise" or "rowwise", default "elementwise"
@@ -492,8 +494,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         ``"log"`` (experimental): the log-structured store -- updates go to an in-memory
         region of ``memory`` bytes, leaving records are appended to immutable segment files
         in large sequential writes, ``flush`` commits a manifest (docs/storage.md, "The
-        log-structured store"). It takes every option above except ``durability="step"``
-        and ``access`` other than ``"auto"`` (refused: not yet); ``align`` pads its records
+        log-structured store"). It takes every option above except ``access`` other than
+        ``"auto"`` (refused: it has no mapping to page); ``align`` pads its records
         the same way (it changes nothing else there); ``first_moment="bfloat16"`` rounds
         exactly as in place (keyed by the row id). Its named inits (``"normal"``,
         ``"uniform"``) are a deterministic function of ``(seed, row)``, computed when a row
@@ -574,10 +576,6 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
                              f"{space_ratio!r}")
         space_ratio = float(space_ratio)
     if storage == "log":
-        if durability != "flush":
-            raise ValueError("durability='step' is not available for storage='log' yet (a log "
-                             "store makes its steps durable at flush/checkpoint); use "
-                             "durability='flush' or storage='inplace'")
         if access != "auto":
             raise ValueError(f"access={access!r} is for in-place stores (how their mapping is "
                              "paged); a log store (storage='log') has no mapping and takes "
@@ -620,8 +618,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         hp = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
               "ball_eps": ball_eps, "nonfinite": nonfinite, "weight_decay": weight_decay,
               "decoupled_weight_decay": decoupled_weight_decay}
-        return _create_log(directory, layout, mem, init, init_scale, seed, hp, overwrite,
-                           progress, 2.0 if space_ratio is None else space_ratio)
+        return _create_log(directory, layout, mem, init, init_scale, seed, hp, durability,
+                           overwrite, progress, 2.0 if space_ratio is None else space_ratio)
     existing = [p for p in (_layout.MANIFEST_FILE, _layout.DATA_FILE)
                 if (directory / p).exists()]
     if existing and not overwrite:
@@ -666,17 +664,17 @@ def _log_meta(state: State) -> dict[str, Any]:
     return {"hparams": m["hparams"], "durability": m["durability"]}
 
 
-def _state_of_log(store: LogStore, count: int, hp: dict[str, Any]) -> State:
+def _state_of_log(store: LogStore, count: int, hp: dict[str, Any], durability: str) -> State:
     return State(store, int(count), float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
                  float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
-                 str(hp.get("nonfinite", "propagate")), "flush",
+                 str(hp.get("nonfinite", "propagate")), durability,
                  float(hp.get("weight_decay", 0.0)),
                  bool(hp.get("decoupled_weight_decay", False)))
 
 
 def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
-                init_scale: float, seed: int, hp: dict[str, Any], overwrite: bool,
-                progress: bool | None, space_ratio: float) -> State:
+                init_scale: float, seed: int, hp: dict[str, Any], durability: str,
+                overwrite: bool, progress: bool | None, space_ratio: float) -> State:
     """``create(storage="log")`` once every argument has been checked."""
     named = init if isinstance(init, str) else "zeros"
     c = float(layout["curvature"])
@@ -690,8 +688,9 @@ def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                       init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball,
                       space_ratio=space_ratio, overwrite=overwrite)
     store = LogStore(eng)
-    state = _state_of_log(store, 0, hp)
+    state = _state_of_log(store, 0, hp, durability)
     eng.meta = _log_meta(state)
+    eng.wal_on = durability == "step"  # the first flush names a commit log
     try:
         if init is not None and not isinstance(init, str):
             o, d = store.w_off, store.dim
@@ -710,10 +709,7 @@ def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                     bar.close()
         eng.flush(0)
     except BaseException:
-        eng.closed = True  # nothing of this create is worth keeping: drop it unflushed
-        if eng._lockfd >= 0:
-            os.close(eng._lockfd)
-            eng._lockfd = -1
+        eng.abandon()  # nothing of this create is worth keeping: drop it unflushed
         for entry in os.listdir(directory):  # only the log store's own files
             if parse_name(entry) is not None or entry.startswith(_layout.MANIFEST_FILE):
                 (directory / entry).unlink(missing_ok=True)
@@ -809,12 +805,14 @@ def _open_log(directory: Path, mode: str, memory: int | None) -> State:
             raise ValueError(f"log store {str(directory)!r} has no hyperparameters in its "
                              "manifest's meta (it was not written by dsa_core.create); the "
                              "store is damaged or foreign")
-        return _state_of_log(LogStore(eng), eng.count, hp)
+        durability = eng.meta.get("durability", "flush")
+        if durability not in DURABILITY_MODES:
+            raise ValueError(f"log store {str(directory)!r} records durability "
+                             f"{durability!r} in its manifest's meta, not one of "
+                             f"{DURABILITY_MODES}; the store is damaged")
+        return _state_of_log(LogStore(eng), eng.count, hp, durability)
     except BaseException:
-        eng.closed = True
-        if eng._lockfd >= 0:
-            os.close(eng._lockfd)
-            eng._lockfd = -1
+        eng.abandon()
         raise
 
 
@@ -829,6 +827,7 @@ def flush(state: State) -> None:
     if state.storage == "log":  # seal the dirty slots, commit a manifest with count and meta
         eng = state.store.engine
         eng.meta = _log_meta(state)
+        eng.wal_on = state.durability == "step"  # a new commit log, or none
         eng.flush(int(state.count))
         return
     state.store.sync()
@@ -869,6 +868,7 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     if state.storage == "log":  # flush, then hard links to the immutable segments
         eng = state.store.engine
         eng.meta = _log_meta(state)
+        eng.wal_on = state.durability == "step"
         return eng.checkpoint(dest, int(state.count), overwrite=overwrite)
     flush(state)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -950,13 +950,13 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
             overwrite: bool = False) -> State:
     """Copy a store into a new one of another kind; returns the new store's open State.
 
-    ``dest`` gets ``src``'s layout (shape, dtype, options), hyperparameters and count, and
-    every record of ``src``, copied in chunks of ~16 MiB: the two stores then hold the same
-    bits and train identically. Either direction: ``storage="log"`` (``memory`` as for
-    :func:`create`) or ``storage="inplace"``. ``src`` may be read-only or outdated (it is
-    only read: the records on disk and in memory now, at the count of ``src``'s store); it
-    stays open. A failed copy leaves a ``dest`` that must not be used (create it again with
-    ``overwrite=True``).
+    ``dest`` gets ``src``'s layout (shape, dtype, options), hyperparameters, durability and
+    count, and every record of ``src``, copied in chunks of ~16 MiB: the two stores then
+    hold the same bits and train identically. Either direction: ``storage="log"``
+    (``memory`` as for :func:`create`) or ``storage="inplace"``. ``src`` may be read-only or
+    outdated (it is only read: the records on disk and in memory now, at the count of
+    ``src``'s store); it stays open. A failed copy leaves a ``dest`` that must not be used
+    (create it again with ``overwrite=True``).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -982,7 +982,8 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
                  weights=lay["w"] is not None, dtype=lay["dtype"],
                  ball_eps=src.ball_eps if lay["curvature"] > 0 else None,
                  nonfinite=src.nonfinite, align=int(lay.get("align", 0)),
-                 durability="flush", overwrite=overwrite,
+                 durability=src.durability if src.durability in DURABILITY_MODES
+                 else "flush", overwrite=overwrite,
                  second_moment=lay.get("second_moment", "elementwise"),
                  first_moment=lay.get("first_moment", "full"),
                  weight_decay=src.weight_decay,

@@ -25,7 +25,7 @@ from ._kernels_euclid import (
     euclid_rowwise_options_kernel,
 )
 from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_options_kernel
-from ._state import State, _manifest, maxnorm, require_current
+from ._state import State, _log_meta, _manifest, maxnorm, require_current
 from .validation import check_lr, check_weight_decay
 
 __all__ = ["as_index", "gather", "step", "warmup"]
@@ -94,7 +94,8 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     State
         ``state._replace(count=state.count + 1)``. The rows have already been written to the
         mapped file (durable after :func:`flush`); in a log store (``storage="log"``) into
-        its memory region, sealed to segments as rows leave it and at :func:`flush`. The
+        its memory region, sealed to segments as rows leave it and at :func:`flush` (with
+        ``durability="step"``, appended to its commit log first: durable on return). The
         ``state`` passed in is now outdated:
         stepping, flushing or closing through it raises :class:`dsa_core.StaleStateError`.
 
@@ -144,10 +145,6 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     """
     require_current(state)
     st = state.store
-    if state.durability != "flush" and getattr(st, "storage", "inplace") == "log":
-        raise ValueError(f"State.durability={state.durability!r} is not available for log "
-                         f"stores (storage='log') yet; keep durability='flush' (steps are "
-                         "durable at flush/checkpoint)")
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
     if state.weight_decay:  # set by _replace: checked as create checks it
         check_weight_decay(state.weight_decay, what="State.weight_decay")
@@ -197,6 +194,10 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             srows, G, inv = coalesce(idx, grad, want_inverse=st.w_off is None,
                                      out=_scratch(st, "coalesced", b * st.dim))
     if getattr(st, "storage", "inplace") == "log":
+        if state.durability == "step":
+            _step_logged(state, t, lr, srows if b else None, G if b else None,
+                         inv if b else None, params, table)
+            return new
         # the log store: the batch's unique rows get region slots (checked to fit before
         # anything changes); the kernels update the slots' records as they would the rows
         if b:
@@ -250,6 +251,42 @@ def check_batch(state: State, idx: Any) -> None:
     if n > st.engine.slots:  # only a batch longer than the region can fail: count its rows
         n = np.unique(idx).shape[0]
     st.engine.check_batch(n)
+
+
+def _step_logged(state: State, t: int, lr: float, srows, G, inv, params, table) -> None:
+    """Step ``t`` of a log store with ``durability="step"``: committed by one append +
+    fdatasync to its commit log (``LogEngine.begin_step`` / ``commit_step``).
+
+    The kernels update a copy of the batch's records, never the region: the region gets the
+    new records only once the log entry is durable, so an error anywhere (the kernels, the
+    write, the sync) leaves the region, and the caller's ``params``/``table`` (restored
+    from a copy), exactly as before the step.
+    """
+    st = state.store
+    eng = st.engine
+    n = 0 if srows is None else srows.shape[0]
+    if n:
+        eng.check_batch(n)  # before anything changes, the flush below included
+    eng.begin_step(state.count, _log_meta(state))
+    if not n:
+        empty = np.empty(0, np.int64)
+        eng.commit_step(t, empty, empty, np.empty((0, st.stride), st.dtype))
+        return
+    slots = eng.acquire(srows, check=False)
+    rec = _scratch(st, "logged_records", n * st.stride).reshape(n, st.stride)
+    np.take(eng.region, slots, axis=0, out=rec)
+    kept = None if params is None else params.copy()
+    kept_rows = table[srows] if table is not None else None
+    try:
+        _apply(state, t, lr, srows, G, inv, params, table, data=rec,
+               drows=np.arange(n, dtype=np.int64))
+        eng.commit_step(t, srows, slots, rec)
+    except BaseException:
+        if kept is not None:
+            params[...] = kept
+        if kept_rows is not None:
+            table[srows] = kept_rows
+        raise
 
 
 _SCRATCH_MAX_BYTES = 16 << 20

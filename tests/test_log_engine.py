@@ -4,7 +4,8 @@ The reference is a plain numpy table of records updated by the same deterministi
 as the engine's region; every comparison is bit for bit. Small memory budgets make seals,
 evictions and cleaning happen many times per test. Crash tests fork a child that trains and
 is killed with SIGKILL, at chosen crash points or at random moments; the parent reopens the
-store and compares it with the reference at the child's last flush.
+store and compares it with the reference at the child's last flush, or, for steps committed
+to the commit log (durability="step"), at the child's last completed step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import shutil
 import signal
+import struct
 import sys
 import time
 import zlib
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsa_core import _layout, _log, _log_format, _log_init
+from dsa_core import _layout, _log, _log_format, _log_init, _log_wal
 from dsa_core._store import StoreLockedError
 
 N = 3000
@@ -70,14 +72,25 @@ def batch_rows(t: int, num_rows: int, size: int, dist: str, seed: int = 0) -> np
     return rows[rng.permutation(rows.shape[0])]
 
 
+def logged_step(eng, t: int, rows: np.ndarray, lay: dict) -> None:
+    """Step t committed to the commit log, as dsa_core.step does with durability="step"."""
+    eng.begin_step(t - 1, eng.meta)
+    slots = eng.acquire(rows)
+    eng.commit_step(t, rows, slots, update(eng.region[slots], t, rows, lay))
+
+
 def train(eng, ref, lay, t0: int, t1: int, size: int, dist: str, *, check_every: int = 0,
-          flush_every: int = 0, seed: int = 0) -> None:
-    """Steps t0..t1-1 on the engine and on the reference table."""
+          flush_every: int = 0, seed: int = 0, logged: bool = False) -> None:
+    """Steps t0..t1-1 on the engine and on the reference table (``logged``: each committed
+    to the commit log)."""
     everything = np.arange(lay["num_rows"])
     for t in range(t0, t1):
         rows = batch_rows(t, lay["num_rows"], size, dist, seed)
-        slots = eng.acquire(rows)
-        eng.region[slots] = update(eng.region[slots], t, rows, lay)
+        if logged:
+            logged_step(eng, t, rows, lay)
+        else:
+            slots = eng.acquire(rows)
+            eng.region[slots] = update(eng.region[slots], t, rows, lay)
         if ref is not None:
             ref[rows] = update(ref[rows], t, rows, lay)
         eng.count = t
@@ -92,10 +105,16 @@ def files_of(path: Path) -> set[str]:
 
 
 def referenced(path: Path) -> set[str]:
+    """The files a store may hold after a writer's open or flush: the manifest's, plus its
+    commit log and the retired log kept for reuse under the next generation's name."""
     m = _log_format.read_manifest(path)
     index = set() if m["index"] is None else {m["index"]}  # none until a row is written
+    wal = set()
+    if m.get("wal") is not None:
+        spare = _log_wal.wal_name(_log_format.parse_name(m["wal"])[1] + 1)
+        wal = {m["wal"]} | ({spare} if (path / spare).exists() else set())
     return {_log_format.seg_name(s) for s in m["segments"]} | index | {"manifest.json",
-                                                                      "writer.lock"}
+                                                                      "writer.lock"} | wal
 
 
 # -- the reference ---------------------------------------------------------------------------
@@ -124,6 +143,39 @@ def test_engine_matches_the_reference_bit_for_bit(tmp_path, kind, dist):
     np.testing.assert_array_equal(eng.read(everything), ref)
     assert files_of(tmp_path / "s") == referenced(tmp_path / "s")
     eng.close()
+
+
+@pytest.mark.parametrize("kind", ["f32", "f64", "counters", "noweights"])
+def test_logged_steps_replay_bit_for_bit(tmp_path, kind):
+    """Steps committed to the commit log (small region, a small log bound: seals, cleaning and
+    the log's own flushes all happen) read back exactly after a crash, read-only and by a
+    writer, and training goes on from there."""
+    lay = _layout_of(kind)
+    mem = _log.memory_for(lay, 160)
+    eng = _log.create(tmp_path / "s", lay, memory_bytes=mem, init="zeros" if kind ==
+                      "noweights" else "normal", init_scale=0.1, seed=4)
+    eng.wal_bound = 8 * 8192
+    everything = np.arange(N)
+    ref = eng.read(everything)
+    train(eng, ref, lay, 1, 81, 120, "zipf", check_every=9, logged=True)
+    st = eng.stats()
+    assert st["seals"] > 10 and st["cleaned_segments"] > 0, st
+    assert 0 < _log_format.read_manifest(tmp_path / "s")["count"] < 80  # flushed by itself
+    eng.abandon()  # a crash: no flush
+    r = _log.open(tmp_path / "s", mode="r")
+    assert r.count == 80 and r.verify() == []
+    np.testing.assert_array_equal(r.read(everything), ref)
+    eng = _log.open(tmp_path / "s", memory_bytes=mem)
+    assert eng.count == 80 and _log_format.read_manifest(tmp_path / "s")["count"] == 80
+    np.testing.assert_array_equal(eng.read(everything), ref)
+    assert eng.verify() == [] and files_of(tmp_path / "s") == referenced(tmp_path / "s")
+    eng.wal_bound = 8 * 8192
+    train(eng, ref, lay, 81, 121, 120, "uniform", logged=True)
+    eng.abandon()
+    eng = _log.open(tmp_path / "s", memory_bytes=mem)
+    np.testing.assert_array_equal(eng.read(everything), ref)
+    eng.close()
+    r.close()
 
 
 def test_batch_as_large_as_the_region_never_evicts_its_own_rows(tmp_path):
@@ -481,18 +533,37 @@ CRASH_ROWS, CRASH_STEPS, CRASH_FLUSH, CRASH_BATCH = 2000, 90, 10, 80
 CRASH_POINTS = ("seal-rows", "seal-chunk", "seal-header", "sealed", "clean", "flush-sealed",
                 "flush-synced", "flush-index", "flush-committed", "flush-deleted", "ckpt-link",
                 "ckpt-staged", "open-clean")
+# inside a logged step's append, at the flushes' log rotation, during the replay at open
+WAL_POINTS = ("wal-append", "wal-payload", "wal-written", "wal-synced", "wal-started",
+              "wal-retired", "wal-replayed")
+# a logged step's entry: up to 80 rows x (8 + 25 x 4 bytes) + header, page-aligned 8 or 12
+# KiB: the log flushes itself every 6 to 9 logged steps unless an explicit flush came first
+CRASH_WAL_BOUND = 6 * 12288
 
 
 # crash points inside a flush -> how many flushes of the run have committed when it strikes
 _FLUSHES_DONE = {"flush-sealed": 0, "flush-synced": 0, "flush-index": 0, "flush-committed": 1}
 
 
-def _pick_kill(rng, count: int) -> tuple[str, int]:
-    """A crash point that a run resuming at ``count`` reaches, and which time it strikes."""
+def _pick_kill(rng, count: int, logged: bool, pending: int) -> tuple[str, int]:
+    """A crash point that a run resuming at ``count`` reaches, and which time it strikes
+    (``pending``: commit-log entries its open will replay)."""
     flushes = (CRASH_STEPS - count) // CRASH_FLUSH
     ckpts = len([t for t in range(count + 1, CRASH_STEPS + 1) if t % 30 == 0])
+    points = CRASH_POINTS + (WAL_POINTS if logged else ())
+    if pending and rng.random() < 0.5:  # the open will replay: kill it in the middle
+        return "wal-replayed", int(rng.integers(1, pending + 1))
     while True:
-        point = CRASH_POINTS[int(rng.integers(len(CRASH_POINTS)))]
+        point = points[int(rng.integers(len(points)))]
+        if point == "wal-replayed":
+            if pending:
+                return point, int(rng.integers(1, pending + 1))
+            continue
+        if point in ("wal-append", "wal-payload", "wal-written", "wal-synced") \
+                and count < CRASH_STEPS:
+            return point, int(rng.integers(1, CRASH_STEPS - count + 1))
+        if point in ("wal-started", "wal-retired") and flushes:
+            return point, int(rng.integers(1, flushes + 1))
         if point.startswith("seal") or point == "clean":
             return point, int(rng.integers(1, 30))
         if point.startswith("flush") and flushes:
@@ -512,28 +583,36 @@ def _crash_mem(lay):
     return _log.memory_for(lay, 120)
 
 
-def _run_child(path: Path, ck: Path, point, nth: int) -> int:
+def _run_child(path: Path, ck: Path, point, nth: int, logged: bool = False,
+               report: int = -1) -> int:
     """Fork a child running :func:`_crash_child`; returns its pid."""
     pid = os.fork()
     if pid == 0:
-        _crash_child(path, ck, point, nth)
+        _crash_child(path, ck, point, nth, logged, report)
     return pid
 
 
-def _crash_child(path: Path, ck: Path, point, nth: int) -> None:
+def _crash_child(path: Path, ck: Path, point, nth: int, logged: bool, report: int) -> None:
     """Runs in the forked child: open (recovering), train to CRASH_STEPS, flush every
-    CRASH_FLUSH steps, checkpoint every 30. Never returns."""
+    CRASH_FLUSH steps, checkpoint every 30. ``logged``: every step is committed to the
+    commit log and its count then written to the pipe ``report`` (the parent learns the
+    last completed step). Never returns."""
     code = 1
     try:
         lay = _crash_layout()
         if point is not None:
             _log_format.set_crash(point, nth)
         eng = _log.open(path, memory_bytes=_crash_mem(lay))
+        eng.wal_bound = CRASH_WAL_BOUND
         for t in range(eng.count + 1, CRASH_STEPS + 1):
             rows = batch_rows(t, CRASH_ROWS, CRASH_BATCH, "uniform" if t % 3 else "zipf")
-            slots = eng.acquire(rows)
-            eng.region[slots] = update(eng.region[slots], t, rows, lay)
-            eng.count = t
+            if logged:
+                logged_step(eng, t, rows, lay)
+                os.write(report, struct.pack("<q", t))
+            else:
+                slots = eng.acquire(rows)
+                eng.region[slots] = update(eng.region[slots], t, rows, lay)
+                eng.count = t
             if t % CRASH_FLUSH == 0:
                 if t % 30 == 0:
                     eng.checkpoint(ck, overwrite=True)
@@ -548,8 +627,8 @@ def _crash_child(path: Path, ck: Path, point, nth: int) -> None:
         os._exit(code)
 
 
-def _reference_at_flushes(lay) -> dict[int, np.ndarray]:
-    """The reference table after every flush count (0 = fresh)."""
+def _reference_at(lay, every: int) -> dict[int, np.ndarray]:
+    """The reference table after every ``every``-th step (0 = fresh)."""
     with_init = _log_init.InitSpec("normal", 0.1, 11, None, lay["dim"], lay["w"], lay["stride"],
                                    np.dtype(lay["dtype"]))
     ref = _log_init.initial_records(np.arange(CRASH_ROWS), with_init)
@@ -557,19 +636,31 @@ def _reference_at_flushes(lay) -> dict[int, np.ndarray]:
     for t in range(1, CRASH_STEPS + 1):
         rows = batch_rows(t, CRASH_ROWS, CRASH_BATCH, "uniform" if t % 3 else "zipf")
         ref[rows] = update(ref[rows], t, rows, lay)
-        if t % CRASH_FLUSH == 0:
+        if t % every == 0:
             out[t] = ref.copy()
     return out
 
 
-def _crash_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
+def _read_reports(fd: int) -> list[int]:
+    raw = b""
+    while chunk := os.read(fd, 4096):
+        raw += chunk
+    os.close(fd)
+    return list(struct.unpack(f"<{len(raw) // 8}q", raw))
+
+
+def _crash_trials(tmp_path: Path, trials: int, seed: int, logged: bool = False) -> dict:
+    """Kill a training child again and again; after every kill the store must reopen at
+    the reference state: the last completed flush, or with ``logged`` steps the last
+    completed step (or the one in flight, if its log entry was written in full)."""
     if not hasattr(os, "fork"):
         pytest.skip("needs os.fork")
     lay = _crash_layout()
-    refs = _reference_at_flushes(lay)
+    refs = _reference_at(lay, 1 if logged else CRASH_FLUSH)
     path, ck = tmp_path / "s", tmp_path / "ck"
     rng = np.random.default_rng(seed)
-    counts = {"kills": 0, "point-kills": 0, "timed-kills": 0, "completed": 0}
+    counts = {"kills": 0, "point-kills": 0, "timed-kills": 0, "completed": 0, "in-flight": 0,
+              "replays-killed": 0, "writer-checks": 0}
 
     def fresh():
         shutil.rmtree(path, ignore_errors=True)
@@ -581,19 +672,25 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
     cal = tmp_path / "cal"
     _log.create(cal, lay, memory_bytes=_crash_mem(lay), init="normal", init_scale=0.1,
                 seed=11).close()
+    r, w = os.pipe()
     t0 = time.perf_counter()
-    _, status = os.waitpid(_run_child(cal, tmp_path / "cal-ck", None, 0), 0)
+    _, status = os.waitpid(_run_child(cal, tmp_path / "cal-ck", None, 0, logged, w), 0)
     per_step = (time.perf_counter() - t0) / CRASH_STEPS
+    os.close(w)
+    assert _read_reports(r) == (list(range(1, CRASH_STEPS + 1)) if logged else [])
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     fresh()
-    count = 0
+    count, pending = 0, 0
     for trial in range(trials):
         timed = trial % 3 == 2
-        point, nth = (None, 0) if timed else _pick_kill(rng, count)
+        point, nth = (None, 0) if timed else _pick_kill(rng, count, logged, pending)
         if point == "open-clean":  # plant garbage for the opening child to remove
-            (path / _log_format.seg_name(10**7)).write_bytes(b"junk")
-            (path / _log_format.index_name(10**7)).write_bytes(b"junk")
-        pid = _run_child(path, ck, point, nth)
+            for junk in (_log_format.seg_name(10**7), _log_format.index_name(10**7),
+                         _log_wal.wal_name(10**7)):
+                (path / junk).write_bytes(b"junk")
+        r, w = os.pipe()
+        pid = _run_child(path, ck, point, nth, logged, w)
+        os.close(w)
         if timed:  # anywhere in the rest of the run: seals, cleaning, flushes, checkpoints
             time.sleep(float(rng.uniform(0.0, 0.8)) * per_step * (CRASH_STEPS - count))
             try:
@@ -601,31 +698,66 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
             except ProcessLookupError:
                 pass
         _, status = os.waitpid(pid, 0)
-        if os.WIFSIGNALED(status):
+        reports = _read_reports(r)
+        killed = os.WIFSIGNALED(status)
+        if killed:
             assert os.WTERMSIG(status) == signal.SIGKILL
             counts["kills"] += 1
             counts["timed-kills" if timed else "point-kills"] += 1
+            counts["replays-killed"] += point == "wal-replayed"
         else:
             assert os.WEXITSTATUS(status) == 0, f"child failed (trial {trial}, {point}:{nth})"
             counts["completed"] += 1
-        # reopen: exactly the state of the last completed flush, nothing else on disk
-        eng = _log.open(path, memory_bytes=_crash_mem(lay))
-        assert eng.count in refs, (trial, point, nth, eng.count)
-        if os.WIFSIGNALED(status) and point in _FLUSHES_DONE:  # before or after the commit
-            assert eng.count == count + CRASH_FLUSH * (nth - 1 + _FLUSHES_DONE[point]), \
-                (point, nth, count, eng.count)
-        if os.WIFSIGNALED(status) and point in ("ckpt-link", "ckpt-staged"):
-            # the checkpoint's flush committed; its snapshot is not in place. ckpt-staged
-            # strikes once per checkpoint, ckpt-link once per segment linked
-            ts = [t for t in range(count + 1, CRASH_STEPS + 1) if t % 30 == 0]
-            assert eng.count == ts[nth - 1] if point == "ckpt-staged" else eng.count in ts
-            assert not ck.exists() or _log_format.read_manifest(ck)["count"] < eng.count
-        np.testing.assert_array_equal(eng.read(np.arange(CRASH_ROWS)), refs[eng.count],
-                                      err_msg=f"trial {trial}: {point}:{nth}")
-        assert eng.verify() == []
-        assert files_of(path) == referenced(path), (trial, point, nth)
-        count = eng.count
-        eng.close()
+        what = f"trial {trial}: {point}:{nth}, from {count}, reports {reports[-3:]}"
+        if logged:
+            # the last step that returned; a kill can only add the step in flight
+            done = reports[-1] if reports else count
+            assert reports == list(range(count + 1, done + 1)), what
+            reader = _log.open(path, mode="r")  # replays the log in memory, writes nothing
+            got = reader.count
+            if not killed:
+                assert got == done == CRASH_STEPS, what
+            elif point in ("wal-written", "wal-synced"):  # the entry is in the file
+                assert got == done + 1 == count + nth, what
+            elif point is not None:
+                assert got == done, what
+            else:
+                assert got in (done, done + 1), what
+            counts["in-flight"] += got == done + 1
+            np.testing.assert_array_equal(reader.read(np.arange(CRASH_ROWS)), refs[got],
+                                          err_msg=what)
+            assert reader.verify() == []
+            reader.close()
+            pending = got - _log_format.read_manifest(path)["count"]
+            check_writer = pending == 0 or rng.random() < 0.6 or got == CRASH_STEPS
+        else:
+            check_writer = True
+        if check_writer:
+            # reopen: exactly the reference state, nothing else on disk
+            eng = _log.open(path, memory_bytes=_crash_mem(lay))
+            counts["writer-checks"] += 1
+            assert eng.count in refs, (what, eng.count)
+            if logged:
+                assert eng.count == got, what
+                assert _log_format.read_manifest(path)["count"] == got  # replayed, flushed
+                pending = 0
+            if not logged and killed and point in _FLUSHES_DONE:  # before or after commit
+                assert eng.count == count + CRASH_FLUSH * (nth - 1 + _FLUSHES_DONE[point]), \
+                    (point, nth, count, eng.count)
+            if not logged and killed and point in ("ckpt-link", "ckpt-staged"):
+                # the checkpoint's flush committed; its snapshot is not in place. ckpt-staged
+                # strikes once per checkpoint, ckpt-link once per segment linked
+                ts = [t for t in range(count + 1, CRASH_STEPS + 1) if t % 30 == 0]
+                assert eng.count == ts[nth - 1] if point == "ckpt-staged" else eng.count in ts
+                assert not ck.exists() or _log_format.read_manifest(ck)["count"] < eng.count
+            np.testing.assert_array_equal(eng.read(np.arange(CRASH_ROWS)), refs[eng.count],
+                                          err_msg=what)
+            assert eng.verify() == []
+            assert files_of(path) == referenced(path), what
+            count = eng.count
+            eng.close()
+        else:
+            count = got
         if ck.exists():  # a checkpoint is complete or absent
             snap = _log.open(ck, mode="r")
             np.testing.assert_array_equal(snap.read(np.arange(CRASH_ROWS)), refs[snap.count])
@@ -633,7 +765,7 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int) -> dict[str, int]:
             snap.close()
         if count == CRASH_STEPS:
             fresh()
-            count = 0
+            count, pending = 0, 0
     return counts
 
 
@@ -641,6 +773,16 @@ def test_kill_at_crash_points_and_random_moments_reopens_the_last_flush(tmp_path
     counts = _crash_trials(tmp_path, 36, seed=1)
     print(f"\ncrash trials: {counts}")
     assert counts["kills"] >= 20 and counts["timed-kills"] >= 3
+
+
+def test_logged_steps_kill_anywhere_reopens_the_last_completed_step(tmp_path):
+    """durability="step": after every kill, open (read-only and writer) returns exactly the
+    state after the last step that returned, or after the one in flight when its log
+    entry was already written in full; kills inside the append, the log rotation of a
+    flush and the replay at open included."""
+    counts = _crash_trials(tmp_path, 40, seed=3, logged=True)
+    print(f"\ncrash trials (logged steps): {counts}")
+    assert counts["kills"] >= 24 and counts["timed-kills"] >= 5 and counts["in-flight"] >= 1
 
 
 def test_crash_point_armed_by_the_environment(tmp_path):
@@ -673,6 +815,13 @@ def test_many_kills(tmp_path):
     counts = _crash_trials(tmp_path, 130, seed=2)
     print(f"\ncrash trials: {counts}")
     assert counts["kills"] >= 100
+
+
+@pytest.mark.slow
+def test_many_kills_of_logged_steps(tmp_path):
+    counts = _crash_trials(tmp_path, 160, seed=4, logged=True)
+    print(f"\ncrash trials (logged steps): {counts}")
+    assert counts["kills"] >= 100 and counts["in-flight"] >= 5 and counts["replays-killed"] >= 3
 
 
 # -- bad inputs ---------------------------------------------------------------------------------
