@@ -66,8 +66,7 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
         the steps and writes evicted rows to disk in large sequential appends; training is
         bit-identical to an in-place store created with the same initial records (its named
         inits ``"normal"``/``"uniform"`` are a function of (seed, row), so they differ from
-        an in-place store's; an init array or zeros give the same records). Log stores take
-        ``durability="flush"`` only. A store reopened with ``resume=True`` must be of the
+        an in-place store's; an init array or zeros give the same records). A store reopened with ``resume=True`` must be of the
         kind asked for.
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string such
@@ -142,8 +141,7 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
                         f"resume, overwrite, {', '.join(_OWN_ARGS[1:])} and the keyword "
                         "arguments of dsa_core.create "
                         f"{sorted(set(_CREATE_ARGS) - set(_OWN_ARGS))}")
-    storage, memory = check_storage_args(
-        storage, memory, access, _WHAT, durability=create_args.get("durability", "flush"))
+    storage, memory = check_storage_args(storage, memory, access, _WHAT)
     if resume:
         try:
             probe = dsa_core.open(path, mode="r")  # read-only: a mismatch leaves it untouched

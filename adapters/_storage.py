@@ -25,14 +25,13 @@ STORAGE_DEFAULT = "inplace"
 """The store kind an adapter creates when none is asked for (``dsa_core.create``'s kinds)."""
 
 
-def check_storage_args(storage: Any, memory: Any, access: str, what: str, *,
-                       durability: str = "flush") -> tuple[str, int | None]:
+def check_storage_args(storage: Any, memory: Any, access: str,
+                       what: str) -> tuple[str, int | None]:
     """``storage`` and ``memory`` checked against each other and the other store options.
 
     Returns ``(storage, memory in bytes or None)``. ``memory`` is for ``storage="log"`` only;
-    a log store has no mapping, so it takes ``access="auto"`` only, and it makes its steps
-    durable at flush (``durability="flush"`` only). All of this is refused here, before
-    anything is opened or written; ``what`` names the caller in the messages.
+    a log store has no mapping, so it takes ``access="auto"`` only. Both are refused here,
+    before anything is opened or written; ``what`` names the caller in the messages.
     """
     storage = validation.check_storage(storage, what=what)
     memory = validation.check_memory_arg(memory, storage, what=what)
@@ -42,11 +41,6 @@ def check_storage_args(storage: Any, memory: Any, access: str, what: str, *,
                 f"{what}: access={access!r} is for in-place stores; a log store "
                 "(storage='log') has no mapping to page and sizes its in-memory region with "
                 "memory= instead. Leave access='auto', or use storage='inplace'")
-        if durability != "flush":
-            raise ValueError(
-                f"{what}: durability={durability!r} is not available with storage='log' yet "
-                "(a log store makes its steps durable at flush, checkpoint and close). Use "
-                "durability='flush' with storage='log', or storage='inplace'")
     return storage, memory
 
 

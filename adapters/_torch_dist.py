@@ -467,7 +467,8 @@ class ShardedDiskEmbedding(nn.Module):
         pass the same). ``"log"`` (experimental): log-structured shards, whose in-memory
         region of at most ``memory`` bytes takes the steps and writes evicted rows to disk
         in large sequential appends; training, checkpoints and reshards are bit-identical
-        to in-place shards. Log shards take ``durability="flush"`` only, and their named
+        to in-place shards (``durability="step"`` too: each step committed by one append
+        to the shard's commit log). Their named
         inits (``"normal"``, ``"uniform"``) are a function of (seed, row), not the rows an
         in-place shard draws (an array or callable ``init`` gives the same rows in both).
         A shard or checkpoint resumed (``resume=True``, ``resume_from=``) must be of the
@@ -509,8 +510,7 @@ class ShardedDiskEmbedding(nn.Module):
                  storage: str = STORAGE_DEFAULT, memory: int | str | None = None):
         super().__init__()
         n, d, padding_idx = check_table_args(num_embeddings, embedding_dim, mode, padding_idx)
-        storage, memory = check_storage_args(storage, memory, "auto", _WHO,
-                                             durability=durability)
+        storage, memory = check_storage_args(storage, memory, "auto", _WHO)
         if grad_reduce not in ("sum", "mean"):
             raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
         if exchange not in _EXCHANGES:

@@ -148,8 +148,7 @@ def _write_shards(olds: list[dsa_core.State], old: ShardPlan, new: ShardPlan, ta
                              weights=True, init=None, dtype=lay["dtype"],
                              ball_eps=s0.ball_eps if lay["curvature"] > 0 else None,
                              nonfinite=s0.nonfinite, align=lay["align"],
-                             # a log store has durability "flush" only (as convert)
-                             durability="flush" if storage == "log" else s0.durability,
+                             durability=s0.durability,
                              progress=False,
                              weight_decay=s0.weight_decay,
                              decoupled_weight_decay=s0.decoupled_weight_decay,

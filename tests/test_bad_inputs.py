@@ -343,8 +343,6 @@ CASES = [
      r"\[0, 10\); got 10"),
     ("core-memory-for-inplace", _create_inplace(memory="1MiB"), ValueError,
      r"memory= is for storage='log'"),
-    ("core-log-durability-step", _create(durability="step"), ValueError,
-     r"durability='step' is not available for storage='log'"),
     ("core-log-access-ram", _create(access="ram"), ValueError,
      r"access='ram' is for in-place stores"),
     ("core-log-memory-string", _create(memory="lots"), ValueError,
@@ -496,7 +494,6 @@ _LOG_OPTION = "a log-store option; valid (or not refused) on in-place stores"
 # How a case answers on each kind where it is not the row's answer: (exception, regex) or
 # a reason to skip it there.
 INPLACE_ANSWERS = {
-    "core-log-durability-step": _LOG_OPTION,
     "core-log-access-ram": _LOG_OPTION,
     "core-log-memory-string": "memory= on an in-place store has its own row "
                               "(core-memory-for-inplace)",

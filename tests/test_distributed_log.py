@@ -232,8 +232,6 @@ def test_one_rank_log_shard_resume_and_state_dict(tmp_path, one_rank):
 @pytest.mark.parametrize("kw, exc, match", [
     ({"memory": "1MiB"}, ValueError, "memory= is for storage='log'"),
     ({"storage": "lsm"}, ValueError, "storage must be one of"),
-    ({"storage": "log", "durability": "step"}, ValueError,
-     "durability='step' is not available with storage='log'"),
     ({"storage": "log", "memory": "lots"}, ValueError, "memory must be a number of bytes"),
 ])
 def test_bad_storage_options_write_nothing(tmp_path, one_rank, kw, exc, match):

@@ -248,8 +248,6 @@ def test_create_store_resume_and_refusals_on_log(tmp_path):
         dj.create_store(tmp_path / "ip", N, D, resume=True, storage="log", memory=mem)
     for kw, match in (({"memory": mem}, "^create_store: memory= is for storage='log'"),
                       ({"storage": "log", "access": "ram"}, "access='ram' is for in-place"),
-                      ({"storage": "log", "durability": "step"},
-                       "durability='step' is not available with storage='log'"),
                       ({"storage": "lsm"}, "storage must be one of")):
         for p in (path, tmp_path / "new"):
             with pytest.raises(ValueError, match=match):
@@ -259,3 +257,25 @@ def test_create_store_resume_and_refusals_on_log(tmp_path):
     s = dj.create_store(path, N, D, overwrite=True)  # overwrite replaces the other kind
     assert (s.storage, s.count) == ("inplace", 0)
     dsa_core.close(s)
+
+
+def test_durability_step_on_log_stores_matches_inplace_and_survives_reopen(tmp_path):
+    """durability='step' on a log store (its commit log): the same bits as in place, and a
+    store abandoned without close reopens at its last step."""
+    stores = twins(tmp_path, "dur", durability="step")
+    runs = {}
+    for kind, store in stores.items():
+        tx = dj.sparse_adam(3e-2)
+        rows, st = run(tx, tx.init(store), 12)
+        runs[kind] = dj.core_states(st)
+    a, b = runs["inplace"], runs["log"]
+    assert (a.durability, b.durability, b.storage) == ("step", "step", "log") and evicted(b)
+    want = records(a)
+    assert_same(want, records(b))
+    path = b.path
+    b.store.engine.abandon()  # as if the process died: nothing flushed since create
+    again = dsa_core.open(path, mode="r")
+    assert again.count == 12
+    assert_same(want, records(again))
+    dsa_core.close(again)
+    dsa_core.close(a)
