@@ -25,7 +25,7 @@ SLOTS = 80  # region slots of each log store: a batch has at most 64 distinct ro
 
 
 def memory(dtype=np.float32, curvature: float = 0.0) -> int:
-    lay = _layout.make_layout(1, D, np.dtype(dtype), curvature, True, 0)
+    lay = _layout.make_layout(N, D, np.dtype(dtype), curvature, True, 0)
     return _log.memory_for(lay, SLOTS)
 
 

@@ -61,11 +61,12 @@ def _sparse(ids, rows, size):
                                    check_invariants=False)
 
 
-def _tight_memory(root: Path, **kw) -> int:
-    """A log-store budget of TIGHT_ROWS record slots for a 4-dim float32 store like ``kw``."""
+def _tight_memory(root: Path, rows: int, **kw) -> int:
+    """A log-store budget of TIGHT_ROWS record slots for a ``rows`` x 4 float32 store like
+    ``kw`` (the budget pays for the store's index too)."""
     from dsa_core import _log
 
-    probe = dsa_core.create(root / "probe", 10, 4, storage="log", memory=LOG_MEMORY, **kw)
+    probe = dsa_core.create(root / "probe", rows, 4, storage="log", memory=LOG_MEMORY, **kw)
     try:
         return _log.memory_for(probe.layout, TIGHT_ROWS)
     finally:
@@ -122,7 +123,7 @@ def env(request, tmp_path_factory):
     e.tight = []  # log stores only: regions of TIGHT_ROWS records, two tables per optimizer
     if storage == "log":
         tight = {"storage": "log", "memory": _tight_memory(root.parent / f"{root.name}-p",
-                                                           weights=False)}
+                                                           20, weights=False)}
         e.tight_params = [torch.nn.Parameter(torch.zeros(20, 4)) for _ in range(2)]
         e.opt2 = DiskSparseAdam(e.tight_params, lr=0.01, state_dir=root / "opt2", **tight)
         for p in e.tight_params:
@@ -130,7 +131,7 @@ def env(request, tmp_path_factory):
         e.opt2.step()
         e.opt2.zero_grad(set_to_none=True)
         e.opt2.flush()
-        wmem = _tight_memory(root.parent / f"{root.name}-p")
+        wmem = _tight_memory(root.parent / f"{root.name}-p", 25)
         e.tx2 = dj.sparse_adam(1e-2)
         _, e.js2 = e.tx2.update(
             {k: (np.array([1, 2]), G2) for k in "ab"},

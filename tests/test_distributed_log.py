@@ -39,7 +39,7 @@ SLOTS = 48  # region slots of each log shard: a step brings a shard at most 48 d
 
 def memory(slots: int = SLOTS, **opts) -> int:
     """A region budget of ``slots`` records of a weights-and-moments float32 store."""
-    lay = _layout.make_layout(1, D, np.dtype(np.float32), 0.0, True, 0, **opts)
+    lay = _layout.make_layout(N, D, np.dtype(np.float32), 0.0, True, 0, **opts)
     return _log.memory_for(lay, slots)
 
 

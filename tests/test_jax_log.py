@@ -29,7 +29,7 @@ SLOTS = 64  # region slots of each log store; a step has at most 40 distinct row
 def memory(dim: int = D, dtype: str = "float32", curvature: float = 0.0, weights: bool = True,
            second_moment: str = "elementwise", first_moment: str = "full", **opts) -> int:
     """A region budget of SLOTS records of a store with these options."""
-    lay = _layout.make_layout(1, dim, np.dtype(dtype), curvature, weights, 0, second_moment,
+    lay = _layout.make_layout(N, dim, np.dtype(dtype), curvature, weights, 0, second_moment,
                               first_moment, per_row_step=opts.get("per_row_step", False),
                               decay_missed_steps=opts.get("decay_missed_steps", False))
     return _log.memory_for(lay, SLOTS)

@@ -229,13 +229,16 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
 
 def test_region_accounting(tmp_path):
     lay = _layout_of("f32")
-    mem = 12345
+    mem = 8 * lay["num_rows"] + 12345  # the index (8 B per row) is paid first
     eng = _log.create(tmp_path / "s", lay, memory_bytes=mem)
     S = eng.slots
-    assert S == mem // (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
+    assert S == 12345 // (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
     per_slot = sum(getattr(eng, a).nbytes for a in ("slot_row", "slot_disk", "_pin", "_mark",
                                                    "_free", "dirty", "_ref")) / S
     assert per_slot == _log.SLOT_OVERHEAD
+    assert eng.loc.nbytes == 8 * lay["num_rows"]
+    with pytest.raises(ValueError, match="must pay for the index and at least one record"):
+        _log.create(tmp_path / "t", lay, memory_bytes=8 * lay["num_rows"] + 100)
     assert eng.region.shape == (S, lay["stride"]) and eng.region.nbytes == S * lay["stride"] * 4
     eng.close()
 
@@ -828,12 +831,13 @@ def test_many_kills_of_logged_steps(tmp_path):
 def test_memory_too_small_for_a_batch(tmp_path):
     lay = _layout_of("f32")
     need = _log.memory_for(lay, 11)
-    assert need == 11 * (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
+    assert need == 11 * (lay["stride"] * 4 + _log.SLOT_OVERHEAD) + 8 * lay["num_rows"]
     with pytest.raises(ValueError, match=r"memory budget holds 10 records, a batch needs 11: "
-                                         f"raise the budget \\(memory=\\) to at least {need} bytes"):
+                                         f"raise the budget \\(memory=\\) to at least {need} bytes "
+                                         r".*plus \d+ for the index"):
         _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 10), max_batch=11)
     assert not (tmp_path / "s").exists()  # refused before anything was written
-    with pytest.raises(ValueError, match="must pay for at least one record slot"):
+    with pytest.raises(ValueError, match="must pay for the index and at least one record slot"):
         _log.create(tmp_path / "s", lay, memory_bytes=10)
     eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 10))
     before = eng.read(np.arange(N))

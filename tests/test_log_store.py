@@ -19,7 +19,7 @@ from dsa_core.__main__ import main as cli
 N, D = 240, 6
 B = 24          # ids per batch (with duplicates)
 STEPS = 60
-LAYOUT = {"stride": 3 * D, "dtype": "float32"}  # a float32 record [w | m | v]: for memory_for
+LAYOUT = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}  # float32 [w | m | v]: memory_for
 
 
 def _init(dtype="float32", scale=0.1, seed=0, n=N, d=D):

@@ -36,7 +36,7 @@ def region(weights=True) -> int:
     """A region of SLOTS records for an N x D float32 store (weights and moments, or
     moments only)."""
     stride = (3 if weights else 2) * D
-    return _log.memory_for({"stride": stride, "dtype": "float32"}, SLOTS)
+    return _log.memory_for({"num_rows": N, "stride": stride, "dtype": "float32"}, SLOTS)
 
 
 def build(root: Path, resume=False, **kw):
