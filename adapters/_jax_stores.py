@@ -60,13 +60,16 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
     access : "auto", "ram" or "disk"
         How the store is paged (``dsa_core.create``/``open``); ``"auto"`` only for a log
         store.
-    storage : "inplace" or "log", default "inplace"
-        The kind of store (``dsa_core.create``'s ``storage``). ``"log"`` (experimental):
+    storage : "auto", "inplace" or "log", default "auto"
+        The kind of store (``dsa_core.create``'s ``storage``). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        table is larger than the kernel's background-writeback threshold or ``memory`` is
+        given, else in place; a resumed store keeps whatever kind it has. ``"log"``:
         the log-structured store, whose in-memory region of at most ``memory`` bytes takes
         the steps and writes evicted rows to disk in large sequential appends; training is
         bit-identical to an in-place store created with the same initial records (its named
         inits ``"normal"``/``"uniform"`` are a function of (seed, row), so they differ from
-        an in-place store's; an init array or zeros give the same records). A store reopened with ``resume=True`` must be of the
+        an in-place store's; an init array or zeros give the same records). A store
+        reopened with ``resume=True`` must be of the
         kind asked for.
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string such

@@ -3,8 +3,8 @@
 Private, and free of torch and JAX: the torch adapters (:mod:`adapters._torch_common`), the
 sharded embedding and the JAX adapter share it.
 
-Every adapter that creates stores takes ``storage`` (``"inplace"`` or ``"log"``, passed on to
-``dsa_core.create``) and ``memory`` (the region budget of a log store, passed on to
+Every adapter that creates stores takes ``storage`` (``"auto"``, ``"inplace"`` or ``"log"``,
+passed on to ``dsa_core.create``) and ``memory`` (the region budget of a log store, passed on to
 ``dsa_core.create`` and ``dsa_core.open``). Their default is :data:`STORAGE_DEFAULT`, here
 only; the adapters pass whatever they were given through to the core, without special
 cases for one kind.
@@ -21,7 +21,7 @@ from dsa_core import validation
 
 __all__ = ["STORAGE_DEFAULT", "check_kind", "check_storage_args", "zero_weight_row"]
 
-STORAGE_DEFAULT = "inplace"
+STORAGE_DEFAULT = "auto"
 """The store kind an adapter creates when none is asked for (``dsa_core.create``'s kinds)."""
 
 
@@ -49,8 +49,9 @@ def check_kind(state: dsa_core.State, storage: str, what: str) -> None:
 
     A resumed store must be of the kind asked for: resuming an in-place store as a log one
     (or the reverse) would silently give the run another memory behaviour than it asked for.
+    ``"auto"`` takes the kind the store has (it was chosen when the store was created).
     """
-    if state.storage != storage:
+    if storage != "auto" and state.storage != storage:
         raise ValueError(
             f"{what}: the existing store at {str(state.path)!r} is a "
             f"storage={state.storage!r} store, but storage={storage!r} was asked for. Pass "

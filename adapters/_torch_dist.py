@@ -462,9 +462,11 @@ class ShardedDiskEmbedding(nn.Module):
         The weight decay itself is the optimizer's (``DiskSparseAdam(...,
         weight_decay=..., decoupled_weight_decay=...)``); give every rank's optimizer the
         same.
-    storage : "inplace" or "log", default "inplace"
+    storage : "auto", "inplace" or "log", default "auto"
         The kind of every shard store (``dsa_core.create``'s ``storage``; every rank must
-        pass the same). ``"log"`` (experimental): log-structured shards, whose in-memory
+        pass the same). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        table is larger than the kernel's background-writeback threshold or ``memory`` is
+        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured shards, whose in-memory
         region of at most ``memory`` bytes takes the steps and writes evicted rows to disk
         in large sequential appends; training, checkpoints and reshards are bit-identical
         to in-place shards (``durability="step"`` too: each step committed by one append
@@ -913,8 +915,9 @@ def _inspect(path: Path, meta: dict, resume: bool, resume_from, overwrite: bool,
 
 
 def _check_kind(state: dsa_core.State, storage: str, where: str) -> None:
-    """``ValueError`` unless a shard (or checkpoint shard) is of the kind ``storage``."""
-    if state.storage != storage:
+    """``ValueError`` unless a shard (or checkpoint shard) is of the kind ``storage``
+    (``"auto"``: any kind, the one chosen when the shard was created)."""
+    if storage != "auto" and state.storage != storage:
         raise ValueError(
             f"{where} is a storage={state.storage!r} store, but this run asked for "
             f"storage={storage!r}. Pass storage={state.storage!r} to continue it, or rewrite "

@@ -197,9 +197,11 @@ class DiskEmbedding(nn.Module):
         every step it missed (docs/algorithms.md §7.1; a per-row last step in the record),
         so decay acts as if every row were decayed at every step. Fixed at creation; the
         optimizer that steps the table must use ``decoupled_weight_decay=True``.
-    storage : "inplace" or "log", default "inplace"
-        The kind of store (``dsa_core.create``'s ``storage``). ``"inplace"``: one mapped
-        file of records updated in place. ``"log"`` (experimental): the log-structured
+    storage : "auto", "inplace" or "log", default "auto"
+        The kind of store (``dsa_core.create``'s ``storage``). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        table is larger than the kernel's background-writeback threshold or ``memory`` is
+        given, else in place; a resumed store keeps whatever kind it has. ``"inplace"``: one
+        mapped file of records updated in place. ``"log"``: the log-structured
         store, whose in-memory region of at most ``memory`` bytes takes the steps and
         writes evicted rows to disk in large sequential writes; training is bit-identical.
         A log store has no mapping (``access`` must stay "auto"). A resumed store must be

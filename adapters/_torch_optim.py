@@ -243,10 +243,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
         (exact for a constant lr; docs/algorithms.md §7.1). Needs
         ``decoupled_weight_decay=True`` in every group that steps such a store. A layout
         option (a per-row last step), with the same rules as ``per_row_step``.
-    storage : "inplace" or "log", default "inplace"
+    storage : "auto", "inplace" or "log", default "auto"
         The kind of this optimizer's own stores (those of in-RAM parameters such as an
-        ``nn.Embedding`` weight; ``dsa_core.create``'s ``storage``). ``"log"``
-        (experimental): log-structured stores whose in-memory region of at most ``memory``
+        ``nn.Embedding`` weight; ``dsa_core.create``'s ``storage``). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        table is larger than the kernel's background-writeback threshold or ``memory`` is
+        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured stores whose in-memory region of at most ``memory``
         bytes takes the steps; training is bit-identical. They take ``access="auto"``
         only; resumed stores must be of the kind asked for. A
         DiskEmbedding's parameter keeps its module's store, whatever its kind.

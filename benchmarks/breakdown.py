@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     root = Path(tempfile.mkdtemp(prefix="breakdown_", dir=a.workdir))
     try:
         st = dsa_core.create(root / "s", a.rows, a.dim, init="uniform", init_scale=1e-3,
-                             progress=False)
+                             progress=False, storage="inplace")
         predirty(st)
         S = st.store
         hp = euclid_hparams(np.float32, lr=1e-3, betas=(0.9, 0.999), bc1=1.0, bc2=1.0,

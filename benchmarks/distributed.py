@@ -62,7 +62,7 @@ def _worker(a) -> dict:
                             timeout=timedelta(seconds=60))
     t0 = time.perf_counter()
     emb = ShardedDiskEmbedding(a.rows, a.dim, state_dir=a.dir, init=a.init, init_scale=0.01,
-                               overwrite=True)
+                               overwrite=True, storage="inplace")
     opt = DiskSparseAdam(emb.parameters(), lr=1e-3)
     build = time.perf_counter() - t0
     ids = batches(a.rows, a.batch, a.warmup + a.steps, a.dist, seed=1000 + a.rank)

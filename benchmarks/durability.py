@@ -56,7 +56,8 @@ def run_mode(mode: str, root: Path, n: int, d: int, ids: list[np.ndarray],
     log = mode.startswith("log:")
     state = dsa_core.create(root / _dir_name(mode), n, d, lr=1e-3, init="uniform",
                             init_scale=1e-2, durability=durability, progress=False,
-                            **({"storage": "log", "memory": memory} if log else {}))
+                            **({"storage": "log", "memory": memory} if log
+                               else {"storage": "inplace"}))
     if log:  # every row resident in the region (as the in-place store's pages are cached)
         for lo in range(0, n, 1 << 14):
             rows = np.arange(lo, min(n, lo + (1 << 14)))

@@ -82,7 +82,7 @@ def bench_create(a, root: Path) -> list[dict]:
     dsa_core.remove(root / "create_log")
     t0 = time.perf_counter()
     s = dsa_core.create(root / "create_inplace", a.inplace_rows, a.dim, init="normal",
-                        progress=False)
+                        progress=False, storage="inplace")
     dsa_core.flush(s)
     t_in = time.perf_counter() - t0
     dsa_core.close(s)
@@ -97,7 +97,8 @@ def bench_create(a, root: Path) -> list[dict]:
 
 def bench_checkpoint(a, root: Path) -> list[dict]:
     src = root / "ck_inplace"
-    s = dsa_core.create(src, a.rows, a.dim, init="uniform", init_scale=1e-3, progress=True)
+    s = dsa_core.create(src, a.rows, a.dim, init="uniform", init_scale=1e-3, progress=True,
+                        storage="inplace")
     dsa_core.flush(s)
     t0 = time.perf_counter()
     shutil.copyfile(src / "rows.dsa", root / "copy.dsa")

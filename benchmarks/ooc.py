@@ -80,7 +80,7 @@ def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0,
         dsa_core.close(st)
     t0 = time.perf_counter()
     st = dsa_core.create(path, rows, dim, init="uniform", init_scale=1e-3, lr=1e-3,
-                         align=align, overwrite=True, progress=True,
+                         align=align, overwrite=True, progress=True, storage="inplace",
                          second_moment=second_moment, first_moment=first_moment)
     dsa_core.close(st)  # msync: every page written to disk, no sparse holes
     dt = time.perf_counter() - t0

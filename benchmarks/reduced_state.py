@@ -102,7 +102,8 @@ class Dsa:
         self.name = f"dsa_core {key}"
         self.state = dsa_core.create(Path(root) / key, E0.shape[0], E0.shape[1], init=E0,
                                      lr=lr, second_moment=second_moment,
-                                     first_moment=first_moment, progress=False)
+                                     first_moment=first_moment, progress=False,
+                                     storage="inplace")
         st = self.state.store
         self.state_bytes_per_row = (st.stride - E0.shape[1]) * st.dtype.itemsize
 

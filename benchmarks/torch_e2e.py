@@ -14,6 +14,8 @@ same batches of ids (seeded) and the same loss, ``mean((emb(ids) - target)**2)``
 - ``dsa``: the same ``nn.Embedding`` + ``adapters.torch.DiskSparseAdam`` (m and v on disk).
 - ``diskemb``: ``adapters.torch.DiskEmbedding`` (weights, m and v on disk) +
   ``DiskSparseAdam``.
+- ``dsaauto``: ``dsa`` with the adapter's default ``storage="auto"`` and default budget
+  (what a user gets without choosing; ``store`` says which kind that was).
 - ``dsalog`` / ``diskemblog``: ``dsa`` / ``diskemb`` on log-structured stores
   (``storage="log"``), once per ``--log-shares`` value: the region's budget ``memory`` is that
   share of the state's bytes (rows x record bytes; the region's slots also pay ~42 bytes of
@@ -50,7 +52,7 @@ import numpy as np
 
 from ._common import batches, machine, mem, pages_written, predirty, print_table, write_results
 
-IMPLS = ("torch", "dsa", "diskemb", "dsalog", "diskemblog")
+IMPLS = ("torch", "dsa", "diskemb", "dsalog", "diskemblog", "dsaauto")
 LR = 1e-3
 MB = 2**20
 
@@ -73,7 +75,7 @@ def _worker(args) -> dict:
     # the state's bytes: w, m, v (DiskEmbedding) or m, v (DiskSparseAdam), float32
     rec = (3 if args.worker.startswith("diskemb") else 2) * args.dim * 4
     store_kw = {"storage": "log", "memory": int(args.log_share * args.rows * rec)} if log \
-        else {}
+        else {} if args.worker == "dsaauto" else {"storage": "inplace"}
     try:
         if args.worker.startswith("diskemb"):
             emb = DiskEmbedding(args.rows, args.dim, state_dir=f"{root}/emb", init="uniform",
@@ -133,6 +135,8 @@ def _worker(args) -> dict:
             peak = {key: max(peak[key], now[key]) for key in peak}
         end = mem()
         written = pages_written() - written0
+        kind = "" if args.worker == "torch" else \
+            next(iter(opt.stores.values())).storage
         t_close = time.perf_counter()
         if args.worker != "torch":
             opt.close()
@@ -152,7 +156,8 @@ def _worker(args) -> dict:
         extra["gpu_peak_mb"] = torch.cuda.max_memory_allocated(dev) / MB
     return {
         "impl": f"{args.worker}@{args.log_share:.0%}" if log else args.worker,
-        "rows": args.rows, "dim": args.dim, "batch": args.batch, "close_s": close_s,
+        "store": kind, "rows": args.rows, "dim": args.dim, "batch": args.batch,
+        "close_s": close_s,
         "steps": args.steps, "dist": args.dist,
         "rows_per_s": args.batch * len(ts) / ts.sum(),
         "p50_ms": 1e3 * float(np.percentile(ts, 50)),
@@ -243,7 +248,7 @@ def main(argv=None) -> None:
         r["ratio_vs_torch"] = r["rows_per_s"] / ref if ref else float("nan")
     print(f"forward+backward+step, {args.rows:,} x {args.dim} float32, batch {args.batch}, "
           f"{args.steps} steps ({args.dist} ids), {args.device}")
-    cols = ["impl", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms", "opt_p50_ms",
+    cols = ["impl", "store", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms", "opt_p50_ms",
             "written_pages_per_step", "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb",
             "build_s", "close_s"]
     if args.device != "cpu":

@@ -60,7 +60,8 @@ class DsaCore:
         self.dsa = dsa_core
         self.state = dsa_core.create(Path(root) / "dsa", n, d, curvature=curvature, lr=LR,
                                      init="uniform", init_scale=1e-3, progress=False,
-                                     second_moment=second_moment, first_moment=first_moment)
+                                     second_moment=second_moment, first_moment=first_moment,
+                                     storage="inplace")
         dirty = dirty and predirty(self.state)
         self.name = ("dsa_core poincare" if curvature else "dsa_core euclid") + \
             (" rowwise" if second_moment == "rowwise" else "") + \

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _layout
 from ._files import copy_file, staged_dir
-from ._paging import check_access
+from ._paging import auto_storage, check_access
 from . import _log, _log_store
 from ._log_format import parse_name
 from ._log_store import LogStore
@@ -397,7 +397,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            second_moment: str = "elementwise", first_moment: str = "full",
            weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
            decay_missed_steps: bool = False, per_row_step: bool = False,
-           progress: bool | None = None, storage: str = "inplace",
+           progress: bool | None = None, storage: str = "auto",
            memory: int | str | None = None, space_ratio: float | None = None) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
@@ -489,9 +489,15 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         value is ``state.store.access``.
     progress : bool, optional
         Show a tqdm bar while writing a named/array init (default: for large tables).
-    storage : "inplace" or "log", default "inplace"
+    storage : "auto", "inplace" or "log", default "auto"
+        ``"auto"``: ``"log"`` when the table's records are larger than the kernel's
+        background-writeback threshold (about 10% of available memory: the in-place store's
+        random write-back makes it disk-bound past that), or when ``memory=`` or
+        ``space_ratio=`` is given; else ``"inplace"`` (the faster kind for a table that
+        stays in memory; ``access=`` other than "auto" keeps it). The environment variable
+        ``DSA_STORAGE`` replaces the size rule; ``state.storage`` says what was chosen.
         ``"inplace"``: one mapped file of records, updated in place (everything above).
-        ``"log"`` (experimental): the log-structured store -- updates go to an in-memory
+        ``"log"``: the log-structured store -- updates go to an in-memory
         region of ``memory`` bytes, leaving records are appended to immutable segment files
         in large sequential writes, ``flush`` commits a manifest (docs/storage.md, "The
         log-structured store"). It takes every option above except ``access`` other than
@@ -563,6 +569,12 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
                          f"got {align!r}")
     storage = check_storage(storage)
     memory = check_memory_arg(memory, storage)
+    layout = _layout.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
+                                 second_moment, first_moment, per_row_step=per_row_step,
+                                 decay_missed_steps=decay_missed_steps)
+    if storage == "auto":
+        storage = auto_storage(num_rows * layout["stride"] * dt.itemsize,
+                               memory is not None or space_ratio is not None, access)
     if space_ratio is not None and storage != "log":
         raise ValueError(f"space_ratio= bounds the segment files of a log store "
                          f"(storage='log'); an in-place store (storage={storage!r}) has "
@@ -580,9 +592,6 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             raise ValueError(f"access={access!r} is for in-place stores (how their mapping is "
                              "paged); a log store (storage='log') has no mapping and takes "
                              "memory= instead: leave access='auto'")
-    layout = _layout.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
-                                 second_moment, first_moment, per_row_step=per_row_step,
-                                 decay_missed_steps=decay_missed_steps)
     if storage == "log":
         mem = _log_store.default_memory(layout) if memory is None else memory
         _log.check_memory(layout, mem, 1)  # at least one slot: a clear error otherwise
@@ -967,7 +976,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     ('log', 1, True)
     >>> dsa_core.close(t); dsa_core.close(s)
     """
-    storage = check_storage(storage)
+    storage = check_storage(storage, auto=False)
     memory = check_memory_arg(memory, storage)
     st = src.store
     if st.closed:

@@ -49,6 +49,7 @@ NONFINITE_MODES = ("propagate", "skip_row", "raise")
 DURABILITY_MODES = ("flush", "step")
 INIT_NAMES = ("zeros", "normal", "uniform")
 STORAGE_KINDS = ("inplace", "log")
+STORAGE_CHOICES = ("auto", *STORAGE_KINDS)
 
 
 def _p(what: str) -> str:
@@ -214,19 +215,22 @@ def check_positive_int(name: str, value: Any, *, what: str = "") -> int:
     return int(value)
 
 
-def check_storage(storage: Any, *, what: str = "") -> str:
-    """``"inplace"`` (one mapped file of records) or ``"log"`` (log-structured, experimental).
+def check_storage(storage: Any, *, what: str = "", auto: bool = True) -> str:
+    """``"auto"`` (chosen by size at create), ``"inplace"`` (one mapped file of records) or
+    ``"log"`` (log-structured, with a memory budget); ``auto=False``: a kind, not "auto".
 
-    >>> check_storage("log")
-    'log'
+    >>> check_storage("log"), check_storage("auto")
+    ('log', 'auto')
     >>> check_storage("lsm")
     Traceback (most recent call last):
         ...
-    ValueError: storage must be one of ('inplace', 'log') ...
+    ValueError: storage must be one of ('auto', 'inplace', 'log') ...
     """
-    if storage not in STORAGE_KINDS:
-        raise ValueError(f"{_p(what)}storage must be one of {STORAGE_KINDS} ('inplace': one "
-                         "mapped file updated in place, the default; 'log': the "
+    kinds = STORAGE_CHOICES if auto else STORAGE_KINDS
+    if storage not in kinds:
+        raise ValueError(f"{_p(what)}storage must be one of {kinds} ("
+                         + ("'auto': chosen by the table's size, the default; " if auto else "")
+                         + "'inplace': one mapped file updated in place; 'log': the "
                          f"log-structured store with a memory budget), got {storage!r}")
     return str(storage)
 
@@ -259,7 +263,7 @@ def check_memory_arg(memory: Any, storage: str = "log", *, what: str = "") -> in
     """
     if memory is None:
         return None
-    if storage != "log":
+    if storage == "inplace":
         raise ValueError(f"{_p(what)}memory= is for storage='log' (the budget of the log "
                          f"store's in-memory region); an in-place store (storage={storage!r}) "
                          "uses the page cache and takes no budget: drop memory= or pass "

@@ -173,12 +173,12 @@ def test_resume_state_dict_and_refusals_on_log(tmp_path):
                                              r"store .* is a storage='log' store, but "
                                              r"storage='inplace'"):
             DiskSparseRiemannianAdam(params={"emb": table}, k=1.0,
-                                     disk_dir=str(tmp_path / "log"))
+                                     disk_dir=str(tmp_path / "log"), storage="inplace")
         with pytest.raises(ValueError, match="storage='inplace' store, but storage='log'"):
             DiskSparseRiemannianAdam(params={"emb": table}, k=1.0,
                                      disk_dir=str(tmp_path / "inplace"), storage="log")
-        for kw, match in (({"memory": mem}, "^DiskSparseRiemannianAdam: memory= is for "
-                                            "storage='log'"),
+        for kw, match in (({"storage": "inplace", "memory": mem},
+                           "^DiskSparseRiemannianAdam: memory= is for storage='log'"),
                           ({"storage": "lsm"}, "storage must be one of")):
             with pytest.raises(ValueError, match=match):
                 DiskSparseRiemannianAdam(params={"emb": table}, disk_dir=str(tmp_path / "new"),

@@ -342,7 +342,7 @@ CASES = [
     ("core-write-records-out-of-range", lambda e: dsa_core.write_records(
         e.core, [10], np.zeros((1, e.core.layout["stride"]), np.float32)), IndexError,
      r"\[0, 10\); got 10"),
-    ("core-memory-for-inplace", _create_inplace(memory="1MiB"), ValueError,
+    ("core-memory-for-inplace", _create_inplace(storage="inplace", memory="1MiB"), ValueError,
      r"memory= is for storage='log'"),
     ("core-log-access-ram", _create(access="ram"), ValueError,
      r"access='ram' is for in-place stores"),

@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, port: int, tmp: Path) -> None:
     opt.close()
     er.close()
     # a store of the other kind: refused on every rank, nothing written
-    for kw in ({"state_dir": tmp / "Ll", "resume": True},
+    for kw in ({"state_dir": tmp / "Ll", "resume": True, "storage": "inplace"},
                {"state_dir": tmp / "Lx", "resume_from": tmp / "ckLi", **log}):
         try:
             ShardedDiskEmbedding(N, D, padding_idx=PAD, **kw).close()
@@ -230,7 +230,7 @@ def test_one_rank_log_shard_resume_and_state_dict(tmp_path, one_rank):
 
 
 @pytest.mark.parametrize("kw, exc, match", [
-    ({"memory": "1MiB"}, ValueError, "memory= is for storage='log'"),
+    ({"storage": "inplace", "memory": "1MiB"}, ValueError, "memory= is for storage='log'"),
     ({"storage": "lsm"}, ValueError, "storage must be one of"),
     ({"storage": "log", "memory": "lots"}, ValueError, "memory must be a number of bytes"),
 ])
@@ -255,13 +255,19 @@ def test_other_kind_is_refused_and_nothing_written(tmp_path, one_rank):
         emb.close()
     before = tree(tmp_path)
     for have, want in (("inplace", "log"), ("log", "inplace")):
-        log = {"storage": "log", "memory": memory()} if want == "log" else {}
+        log = {"storage": "log", "memory": memory()} if want == "log" else {"storage": "inplace"}
         for kw in ({"state_dir": tmp_path / have, "resume": True},
                    {"state_dir": tmp_path / want, "resume_from": tmp_path / f"ck-{have}"}):
             with pytest.raises(ValueError, match=rf"storage='{have}' store, but this run "
                                                  rf"asked for storage='{want}'"):
                 ShardedDiskEmbedding(N, D, padding_idx=PAD, **log, **kw)
     assert tree(tmp_path) == before
+    for have in ("inplace", "log"):  # storage="auto" (the default) resumes either kind
+        mem = {"memory": memory()} if have == "log" else {}
+        emb = ShardedDiskEmbedding(N, D, state_dir=tmp_path / have, padding_idx=PAD,
+                                   resume=True, **mem)
+        assert emb.store.storage == have and emb.store.count == 2
+        emb.close()
     # overwrite=True replaces a shard of the other kind
     emb = ShardedDiskEmbedding(N, D, state_dir=tmp_path / "inplace", padding_idx=PAD,
                                overwrite=True, storage="log", memory=memory(), init="zeros")

@@ -242,11 +242,12 @@ def test_create_store_resume_and_refusals_on_log(tmp_path):
     before = {p: digest(p) for p in (path, tmp_path / "ip")}
     with pytest.raises(ValueError, match="^create_store: the existing store at .* is a "
                                          "storage='log' store, but storage='inplace'"):
-        dj.create_store(path, N, D, resume=True)
+        dj.create_store(path, N, D, resume=True, storage="inplace")
     with pytest.raises(ValueError, match="storage='inplace' store, but storage='log' was "
                                          "asked for.* dsa_core.convert"):
         dj.create_store(tmp_path / "ip", N, D, resume=True, storage="log", memory=mem)
-    for kw, match in (({"memory": mem}, "^create_store: memory= is for storage='log'"),
+    for kw, match in (({"storage": "inplace", "memory": mem},
+                       "^create_store: memory= is for storage='log'"),
                       ({"storage": "log", "access": "ram"}, "access='ram' is for in-place"),
                       ({"storage": "lsm"}, "storage must be one of")):
         for p in (path, tmp_path / "new"):
@@ -254,6 +255,9 @@ def test_create_store_resume_and_refusals_on_log(tmp_path):
                 dj.create_store(p, N, D, resume=True, **kw)
     assert {p: digest(p) for p in (path, tmp_path / "ip")} == before
     assert not (tmp_path / "new").exists()
+    s = dj.create_store(path, N, D, resume=True, memory=mem)  # "auto": the kind it has
+    assert (s.storage, s.count) == ("log", 3)
+    dsa_core.close(s)
     s = dj.create_store(path, N, D, overwrite=True)  # overwrite replaces the other kind
     assert (s.storage, s.count) == ("inplace", 0)
     dsa_core.close(s)

@@ -166,7 +166,7 @@ def test_space_ratio_is_checked_before_anything_is_written(tmp_path, bad):
         dsa_core.create(tmp_path / "s", N, D, storage="log", space_ratio=bad, overwrite=True)
     assert sorted(os.listdir(tmp_path / "s")) == before
     with pytest.raises(ValueError, match="space_ratio= bounds the segment files"):
-        dsa_core.create(tmp_path / "t", N, D, space_ratio=2.0)
+        dsa_core.create(tmp_path / "t", N, D, storage="inplace", space_ratio=2.0)
 
 
 def test_space_ratio_is_stored_and_bounds_the_segments(tmp_path):

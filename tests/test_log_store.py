@@ -381,7 +381,7 @@ def test_properties_and_views(tmp_path):
     ({"storage": "log", "memory": "12 parsecs"}, ValueError, "memory must be a number"),
     ({"storage": "log", "memory": -5}, ValueError, "memory must be > 0"),
     ({"storage": "log", "memory": 1.5}, TypeError, "memory must be"),
-    ({"memory": "1GiB"}, ValueError, "memory= is for storage='log'"),
+    ({"storage": "inplace", "memory": "1GiB"}, ValueError, "memory= is for storage='log'"),
     ({"storage": "log", "durability": "always"}, ValueError, "durability must be one of"),
     ({"storage": "log", "access": "ram"}, ValueError, "access='ram' is for in-place"),
     ({"storage": "log", "memory": 10}, ValueError, "raise the budget"),

@@ -276,10 +276,14 @@ def test_resume_of_the_other_kind_is_refused(tmp_path, mem):
         DiskEmbedding(N, D, state_dir=tmp_path / "a", resume=True, storage="log")
     DiskEmbedding(N, D, state_dir=tmp_path / "b", seed=0, storage="log", memory=mem).close()
     with pytest.raises(ValueError, match="storage='log' store, but storage='inplace'"):
-        DiskEmbedding(N, D, state_dir=tmp_path / "b", resume=True)
+        DiskEmbedding(N, D, state_dir=tmp_path / "b", resume=True, storage="inplace")
     e = DiskEmbedding(N, D, state_dir=tmp_path / "b", resume=True, storage="log", memory=mem)
     assert e.store.storage == "log"
     e.close()
+    for name, kind in (("a", "inplace"), ("b", "log")):  # "auto" (the default): either kind
+        e = DiskEmbedding(N, D, state_dir=tmp_path / name, resume=True)
+        assert e.store.storage == kind
+        e.close()
     lin = nn.Embedding(N, D, sparse=True)
     DiskSparseAdam(lin.parameters(), state_dir=tmp_path / "o").close()
     with pytest.raises(ValueError, match="storage='inplace' store, but storage='log'"):
@@ -288,7 +292,7 @@ def test_resume_of_the_other_kind_is_refused(tmp_path, mem):
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"memory": "1MiB"}, "memory= is for storage='log'"),
+    ({"storage": "inplace", "memory": "1MiB"}, "memory= is for storage='log'"),
     ({"storage": "lsm"}, "storage must be one of"),
     ({"storage": "log", "access": "ram"}, "access='ram' is for in-place stores"),
     ({"storage": "log", "memory": "lots"}, "memory must be a number of bytes"),
