@@ -37,7 +37,7 @@ CHUNK_BYTES = 1 << 26
 # On-disk names (the store format, see docs/storage.md). The CLI reads them directly rather
 # than through the core's private modules, so it does not depend on how those are split.
 FORMAT_NAME = "dsa-store"
-LOG_FORMAT_NAME = "dsa-log"          # a log-structured store (storage="log", experimental)
+LOG_FORMAT_NAME = "dsa-log"          # a log-structured store (storage="log")
 MANIFEST_FILE = "manifest.json"
 DATA_FILE = "rows.dsa"
 WRITER_LOCK = "writer.lock"          # the writer holds LOCK_EX on it while the store is open
@@ -264,10 +264,9 @@ def _info(st) -> dict:
 def _log_info(st) -> dict:
     """A log store's region budget, segments, live and dead bytes (from its files).
 
-    The CLI opens a store read-only: it has no region of its own, and the writer's budget
-    and write counters live only in the writing process (they are not stored), so the
-    budget shown is the default a writer gets without ``memory=`` and the write
-    amplification is not known here.
+    The CLI opens a store read-only: it has no region of its own and the writer's budget is
+    not stored, so the budget shown is the default a writer gets without ``memory=``. The
+    write counters are those every writer committed with its flushes (the store's life).
     """
     from dsa_core import _log_store
 
@@ -280,9 +279,15 @@ def _log_info(st) -> dict:
         "live_records": s["live_records"], "live_bytes": s["live_bytes"],
         "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],
         "space_used": round(s["space_used"], 4), "space_ratio": s["space_ratio"],
-        "write_amplification": None,
-        "write_amplification_note": "counted only inside the writing process, since its "
-        "open; not stored in the files, so not known here",
+        "written_bytes": s["total_written_bytes"],
+        "written_note": "records the seals and the cleaner wrote, over the store's life "
+        "(as of each writer's last flush)",
+        "updated_bytes": s["total_user_bytes"],
+        "updated_note": "records the steps and writes updated, over the store's life",
+        "write_amplification": round(s["total_write_amplification"], 4)
+        if s["total_user_bytes"] else None,
+        "write_amplification_note": "written / updated (below 1: the region absorbed "
+        "repeated updates of the same rows)",
     }
 
 

@@ -126,6 +126,9 @@ CLEAN_UNITS = 8          # a seal copies at most this many seal units of records
 _CHUNK_BYTES = 8 << 20   # records per pwrite of a seal
 _LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01
 _LOW32 = np.int64(0xFFFFFFFF)
+# write counters kept over the store's life (committed with every flush, "totals")
+_TOTALS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
+           "file_bytes_written")
 
 
 # -- the memory budget ----------------------------------------------------------------------
@@ -409,6 +412,8 @@ class LogEngine:
         self._stats = dict.fromkeys(("seals", "cleaned_segments", "user_records",
                                      "sealed_records", "cleaned_records", "file_bytes_written",
                                      "acquires", "misses", "evicted_clean"), 0)
+        # the write counters of earlier writers, committed by their flushes (see stats())
+        self._totals_base = {k: int(manifest.get("totals", {}).get(k, 0)) for k in _TOTALS}
         # the commit log (durability="step"; _log_wal, and step_ready & co. below)
         wal = manifest.get("wal")
         wkind = None if wal is None else parse_name(str(wal))
@@ -921,7 +926,7 @@ class LogEngine:
             crash_point("flush-index")
         new_wal = self._start_wal() if self.wal_on else None
         fsync_dir(self.path)  # the new files' names are durable before the manifest is
-        manifest.update(count=int(self.count), segments=sorted(self.segs),
+        manifest.update(totals=self._totals(), count=int(self.count), segments=sorted(self.segs),
                         next_segment=int(self.next_segment), meta=meta)
         _name_wal(manifest, new_wal)
         try:
@@ -1136,6 +1141,10 @@ class LogEngine:
             self.count = e.t
 
     # -- inspection ------------------------------------------------------------------------
+    def _totals(self) -> dict[str, int]:
+        """The write counters over the store's life: earlier writers' plus this open's."""
+        return {k: self._totals_base[k] + int(self._stats[k]) for k in _TOTALS}
+
     def stats(self) -> dict[str, Any]:
         """Space, memory and write figures (the write counters since this open).
 
@@ -1149,12 +1158,18 @@ class LogEngine:
         (everything appended, headers and padding included), ``user_bytes`` (records handed
         out by acquire: ``len(rows) * record bytes`` per call); ``write_amplification`` =
         ``(sealed_bytes + cleaned_bytes) / user_bytes`` and ``cleaning_overhead`` =
-        ``(sealed_bytes + cleaned_bytes) / sealed_bytes``.
+        ``(sealed_bytes + cleaned_bytes) / sealed_bytes``. ``total_*``: the same over the
+        store's life (every writer's counters as of its last flush, plus this open's):
+        ``total_user_bytes``, ``total_written_bytes`` (seals and cleaning),
+        ``total_file_bytes_written``, ``total_write_amplification``.
         """
         self._require_open()
         st, rb = self._stats, self.rec_bytes
         written = (st["sealed_records"] + st["cleaned_records"]) * rb
         user = st["user_records"] * rb
+        tot = self._totals()
+        t_written = (tot["sealed_records"] + tot["cleaned_records"]) * rb
+        t_user = tot["user_records"] * rb
         return {
             "segments": len(self.segs),
             "segment_records": int(self.total_records),
@@ -1180,6 +1195,10 @@ class LogEngine:
             if st["sealed_records"] else 0.0,
             "misses": st["misses"],
             "acquires": st["acquires"],
+            "total_user_bytes": t_user,
+            "total_written_bytes": t_written,
+            "total_file_bytes_written": tot["file_bytes_written"],
+            "total_write_amplification": t_written / t_user if t_user else 0.0,
         }
 
     def verify(self) -> list[str]:

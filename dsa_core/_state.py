@@ -109,7 +109,7 @@ class State(NamedTuple):
     @property
     def storage(self) -> str:
         """The store kind: ``"inplace"`` (one mapped file of records, updated in place) or
-        ``"log"`` (the log-structured store, experimental; ``create(storage="log")``)."""
+        ``"log"`` (the log-structured store; ``create(storage="log")``)."""
         return getattr(self.store, "storage", "inplace")
 
     def _require_view(self, name: str) -> None:

@@ -413,11 +413,21 @@ def test_info_and_verify_on_a_log_store(tmp_path, capsys):
     assert info["live_bytes"] == info["live_records"] * info["record_bytes"] > 0
     assert info["dead_bytes"] >= 0 and info["space_used"] >= 1.0
     assert info["region_budget_bytes"] > 0 and "not stored" in info["region_budget_note"]
-    assert info["write_amplification"] is None and "not stored" in info[
-        "write_amplification_note"]
+    assert info["written_bytes"] > 0 and info["updated_bytes"] > 0
+    assert info["write_amplification"] == round(info["written_bytes"] / info["updated_bytes"], 4)
+    # the counters are the store's life: a second writer's steps add to them
+    w = dsa_core.open(tmp_path / "s", memory=2600)
+    w = dsa_core.step(w, np.arange(6), np.ones((6, 4), np.float32))
+    dsa_core.close(w)
+    assert main(["info", str(tmp_path / "s"), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["updated_bytes"] == info["updated_bytes"] + 6 * info["record_bytes"]
+    assert again["written_bytes"] > info["written_bytes"]
+    info = again
     assert main(["info", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out
-    assert "storage: log (log-structured" in out and "write_amplification: n/a" in out
+    assert "storage: log (log-structured" in out
+    assert f"write_amplification: {info['write_amplification']}" in out
     assert f"segments: {info['segments']}" in out
     assert main(["info", str(tmp_path)]) == 0
     assert f"log store ({info['segments']} segments)" in capsys.readouterr().out
