@@ -376,6 +376,8 @@ class LogEngine:
         self.memory_bytes = memory_bytes
         self.slots = S
         self.seal_unit = max(1, min(S // 8, SEAL_BYTES // self.rec_bytes))
+        # anonymous memory; numpy advises large allocations MADV_HUGEPAGE (2 MiB pages where
+        # the kernel allows: a first touch fills 2 MiB, and fewer TLB misses)
         self.region = np.zeros((S, self.stride), self.dtype)
         self.slot_row = np.full(S, -1, np.int64)
         self.slot_disk = np.zeros(S, np.int64)
