@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _layout, _pool
+from . import _layout, _log, _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._intrinsics import WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_euclid import (
@@ -274,7 +274,7 @@ def _step_logged(state: State, t: int, lr: float, srows, G, inv, params, table) 
         return
     slots = eng.acquire(srows, check=False)
     rec = _scratch(st, "logged_records", n * st.stride).reshape(n, st.stride)
-    np.take(eng.region, slots, axis=0, out=rec)
+    _log.gather_records(eng.region, slots, rec)
     kept = None if params is None else params.copy()
     kept_rows = table[srows] if table is not None else None
     try:

@@ -252,6 +252,7 @@ def test_mapped_segments_hold_no_file_descriptors(tmp_path):
                       space_ratio=50.0)
     fds = len(os.listdir("/proc/self/fd"))
     train(eng, None, lay, 1, 400, 8, "uniform")
+    eng.flush()  # background writes done: a segment being written holds its descriptor
     assert len(eng.segs) > 150
     assert len(os.listdir("/proc/self/fd")) <= fds
     rec = next(iter(eng.segs.values())).records
@@ -722,9 +723,10 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int, logged: bool = False) 
                 assert got == done == CRASH_STEPS, what
             elif point in ("wal-written", "wal-synced"):  # the entry is in the file
                 assert got == done + 1 == count + nth, what
-            elif point is not None:
+            elif point is not None and not point.startswith("seal-"):
                 assert got == done, what
-            else:
+            else:  # a timed kill, or a seal's point hit by the background writer thread:
+                # at any moment of the main thread, also between a step's return and its report
                 assert got in (done, done + 1), what
             counts["in-flight"] += got == done + 1
             np.testing.assert_array_equal(reader.read(np.arange(CRASH_ROWS)), refs[got],

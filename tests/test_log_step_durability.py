@@ -432,9 +432,10 @@ def test_kill_9_during_logged_steps_reopens_the_last_completed_step(tmp_path):
         got = rd.count
         if point in ("wal-written", "wal-synced") and killed:
             assert got == last + 1, what  # its entry was in the file: committed
-        elif point is not None or not killed:
+        elif not killed or (point is not None and not point.startswith("seal-")):
             assert got == last, what
-        else:
+        else:  # a timed kill, or a seal's point hit by the background writer thread: at
+            # any moment of the main thread, so also between a step's return and its report
             assert got in (last, last + 1), what
         in_flight += got == last + 1
         np.testing.assert_array_equal(_records(rd).view(np.uint8), refs[got].view(np.uint8),

@@ -1,0 +1,101 @@
+"""Writing sealed segments in the background (write-behind for ``_log``).
+
+A seal used to write its segment in the step that needed room: gather the records, CRC them,
+``pwrite`` them into the page cache -- about 3 us per 1 KiB record, most of it the write and
+the checksum, so out of core every ~16th step stalled for ~100 ms. Now the engine only
+gathers the seal's records into a buffer of its own (the region's slots are then free at
+once) and hands the buffer to this module's thread, which computes the CRCs and writes the
+file (``_log_format.write_segment``; both release the GIL) while the next steps run.
+
+Until its write is done a segment is *pending*: the engine keeps it in ``segs`` with its
+records in that buffer, so every read of it -- a miss, ``read``, cleaning, ``verify`` --
+sees exactly the bytes being written. Once written the engine maps the file in place of the
+buffer (same bytes) and drops the buffer. Nothing in the manifest refers to a pending
+segment: ``flush`` waits for every pending write, then fsyncs, then commits, so a crash
+during a background write leaves a file that the next ``open`` removes as garbage, and the
+store reopens at its last flush as before.
+
+A write that fails is retried once, synchronously, by the next seal or flush of the engine
+(the records are still in the buffer); if the retry fails too, that seal or flush raises
+before it changes anything, and the segment stays pending, readable, for a later retry.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ._log_format import write_segment
+
+__all__ = ["DEPTH", "SegmentWriter", "WriteJob"]
+
+DEPTH = 2  # writes queued or running at once; a seal beyond that waits for the oldest
+
+
+class WriteJob:
+    """One segment to write: its file, rows, steps and records (an in-memory buffer)."""
+
+    __slots__ = ("count", "done", "dtype", "error", "path", "records", "rows", "sid",
+                 "size", "steps", "stride")
+
+    def __init__(self, path: Path, sid: int, rows: np.ndarray, steps: np.ndarray,
+                 records: np.ndarray, count: int):
+        self.path, self.sid, self.rows, self.steps = path, sid, rows, steps
+        self.records, self.count = records, int(count)
+        self.stride, self.dtype = records.shape[1], records.dtype
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.size = 0
+
+    def run(self) -> None:
+        """Write the file now (in the calling thread); records the error instead of raising."""
+        self.error = None
+        try:
+            self.size = write_segment(self.path, self.sid, self.rows, self.steps,
+                                      [self.records], self.stride, self.dtype, self.count)
+        except BaseException as exc:  # handed to the engine: its next seal or flush raises
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class SegmentWriter:
+    """One daemon thread running :class:`WriteJob` s in submission order.
+
+    ``submit`` waits while ``DEPTH`` jobs are queued or running (back-pressure: at most that
+    many buffers beyond the region). Created per process (``pid``): a forked child gets none
+    and writes synchronously.
+    """
+
+    def __init__(self, depth: int | None = None):
+        self.pid = os.getpid()
+        self._slots = threading.Semaphore(DEPTH if depth is None else depth)
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="dsa-log-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job.run()
+            finally:
+                job = None
+                self._slots.release()
+
+    def submit(self, job: WriteJob) -> WriteJob:
+        self._slots.acquire()
+        self._q.put(job)
+        return job
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
