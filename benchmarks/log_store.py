@@ -18,9 +18,11 @@ Three measurements, each printed with the baseline it is compared with in the sa
     other file (hard-linked segments are shared with the live store), against the index's
     size; the flush's new segment belongs to the live store and is reported apart.
 ``passes``
-    ``--passes`` passes over a ``--pass-rows`` table (every row once per pass, in a fresh
-    random order, batches of ``--batch``) with a region of ``--pass-memory-share`` of the
-    state: after each pass, the disk the store's files use (``du``) against the live
+    ``--passes`` passes over a ``--pass-rows`` table (``--pass-order permutation``: every
+    row once per pass, in a fresh random order; ``uniform``: as many ids drawn uniformly with
+    replacement, so some rows are updated twice and some not at all, which leaves segments
+    partly live and makes the cleaner work), batches of ``--batch``, with a region of
+    ``--pass-memory-share`` of the state: after each pass, the disk the store's files use (``du``) against the live
     records, and the write amplification (bytes the seals and the cleaner wrote per byte
     of updated records).
 
@@ -75,7 +77,7 @@ def own_bytes(path: Path) -> int:
 def bench_create(a, root: Path) -> list[dict]:
     t0 = time.perf_counter()
     s = dsa_core.create(root / "create_log", a.create_rows, a.dim, init="normal",
-                        storage="log", memory="64MiB")
+                        storage="log", memory="1GiB")  # the index: 8 B per row
     t_log = time.perf_counter() - t0
     dsa_core.close(s)
     log_du = du(root / "create_log")
@@ -156,14 +158,14 @@ def bench_passes(a, root: Path) -> list[dict]:
     out = []
     for p in range(1, a.passes + 1):
         t0 = time.perf_counter()
-        order = rng.permutation(n)
+        order = rng.permutation(n) if a.pass_order == "permutation" else rng.integers(0, n, n)
         for lo in range(0, n, b):
             idx = order[lo:lo + b]
             s = dsa_core.step(s, idx, g[:idx.shape[0]])
         dsa_core.flush(s)
         st = s.store.engine.stats()
         disk = du(root / "passes")
-        out.append({"what": "passes", "pass": p, "rows": n,
+        out.append({"what": "passes", "order": a.pass_order, "pass": p, "rows": n,
                     "region_share": a.pass_memory_share, "space_ratio": a.space_ratio,
                     "seconds": time.perf_counter() - t0, "disk_bytes": disk,
                     "live_bytes": st["live_bytes"], "disk_vs_live": disk / st["live_bytes"],
@@ -192,8 +194,10 @@ def main(argv=None) -> None:
     ap.add_argument("--pass-memory-share", type=float, default=0.25)
     ap.add_argument("--space-ratio", type=float, default=2.0)
     ap.add_argument("--passes", type=int, default=10)
+    ap.add_argument("--pass-order", choices=("permutation", "uniform"), default="permutation")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--name", default=None, help="results file name (default: log_store)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.dim, a.batch, a.create_rows, a.inplace_rows = 16, 256, 1_000_000, 20_000
@@ -210,7 +214,7 @@ def main(argv=None) -> None:
     for what in parts:
         sel = [r for r in rows if r["what"] == what]
         print_table(sel, [k for k in sel[0] if k != "what"])
-    name = "log_store_smoke" if a.smoke else "log_store"
+    name = "log_store_smoke" if a.smoke else (a.name or "log_store")
     base = write_results(name, rows, {"machine": machine(), "args": vars(a)})
     print(f"wrote {base}.json / .csv")
 

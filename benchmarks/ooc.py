@@ -419,7 +419,12 @@ def main(argv=None):
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=7, help=argparse.SUPPRESS)
+    ap.add_argument("--seed-base", type=int, default=None,
+                    help="ids of run k are drawn with seed SEED_BASE + k (default: random, "
+                         "recorded in the results)")
     a = ap.parse_args(argv)
+    if a.seed_base is None:
+        a.seed_base = int.from_bytes(os.urandom(3), "little")
     if a.child:
         a.dist = a.dist[0]
         return child(a)
@@ -454,10 +459,10 @@ def main(argv=None):
                str(a.warmup), "--batch", str(a.batch), "--max-seconds", str(a.max_seconds),
                "--hit-every", str(a.hit_every), "--ahead", str(a.ahead),
                "--log-memory", str(a.log_memory),
-               # fresh ids for every run: a log store lays records out in the order they
-               # leave its region, so replaying an earlier run's batches would read them
-               # sequentially and flatter it
-               "--seed", str(7 + run)]
+               # fresh ids for every run, also across invocations (--keep reuses the stores):
+               # a log store lays records out in the order they leave its region, so
+               # replaying an earlier run's batches would read them sequentially and flatter it
+               "--seed", str(a.seed_base + run)]
         if a.kernel_stacks:
             cmd.append("--kernel-stacks")
         if capped:

@@ -21,6 +21,9 @@ same batches of ids (seeded) and the same loss, ``mean((emb(ids) - target)**2)``
   share of the state's bytes (rows x record bytes; the region's slots also pay ~42 bytes of
   bookkeeping each, so a share of 1.0 holds ~96% of the rows). Labelled ``dsalog@100%``...
   ``close_s`` is the final ``close`` (the flush that seals the region out), not in rows/s.
+  Their regions are pre-touched before the timed steps, as torch's moments are (a long run
+  touches them all: a region fills one slot after another, and each first touch of its
+  memory is a page fault); ``--fill`` leaves them untouched, to measure the filling phase.
 
 Rows/s counts the batch's ids (duplicates included) per second of a whole training step
 (forward, backward, optimizer step, zero_grad). Memory: RssAnon / RssFile of the child
@@ -95,6 +98,10 @@ def _worker(args) -> dict:
                                      second_moment=args.second_moment,
                                      first_moment=args.first_moment, **store_kw)
         build_s = time.perf_counter() - t0
+        if args.worker != "torch" and not args.fill:  # a long run's steady state: every
+            for st in opt.stores.values():                 # log region page touched
+                if st.storage == "log":
+                    _populate(st.store.engine.region)
         if args.predirty and args.worker in ("dsa", "diskemb"):  # the steady state of a long run
             for st in opt.stores.values():
                 predirty(st)
@@ -172,6 +179,18 @@ def _worker(args) -> dict:
     }
 
 
+def _populate(arr) -> None:
+    """Fault every page of an anonymous array in without changing it (MADV_POPULATE_WRITE,
+    Linux 5.14+; elsewhere a write of its own zeros to one element per page)."""
+    import ctypes
+
+    addr, n = arr.__array_interface__["data"][0], arr.nbytes
+    a = addr & ~4095
+    if ctypes.CDLL(None).madvise(ctypes.c_void_p(a), ctypes.c_size_t(addr + n - a), 23) != 0:
+        flat = arr.reshape(-1)
+        flat[::4096 // arr.itemsize] = 0  # a fresh region is all zeros: nothing changes
+
+
 def _transfer_ms(torch, dev, batch: int, dim: int, reps: int = 50) -> float:
     """Median time of one step's bare transfers: ids + rows to pinned host, rows back."""
     ids = torch.randint(0, 1 << 20, (batch,), device=dev)
@@ -200,6 +219,8 @@ def _child(impl: str, args, share: float = 1.0) -> dict:
            "--device", args.device]
     if args.predirty:
         cmd.append("--predirty")
+    if args.fill:
+        cmd.append("--fill")
     cmd += ["--second-moment", args.second_moment, "--first-moment", args.first_moment]
     if args.dir:
         cmd += ["--dir", args.dir]
@@ -230,6 +251,9 @@ def main(argv=None) -> None:
     ap.add_argument("--first-moment", choices=("full", "bfloat16"), default="full",
                     help="of the DSA stores (bfloat16: docs/algorithms.md §6)")
     ap.add_argument("--name", default=None, help="results file name (default: torch_e2e...)")
+    ap.add_argument("--fill", action="store_true",
+                    help="leave the log regions untouched before the timed steps (the filling "
+                         "phase: each first touch of region memory is a page fault)")
     ap.add_argument("--log-shares", default="1.0,0.25",
                     help="region budgets of the log impls, as shares of the state's bytes")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)

@@ -1367,7 +1367,7 @@ class LogEngine:
         Safe twice."""
         if self.closed:
             return
-        self._stop_writer()  # its files are garbage for the next open: no manifest names them
+        self._stop_writer()  # its segment files are garbage for the next open
         self.closed = True
         self.segs.clear()
         if self._wal is not None:
