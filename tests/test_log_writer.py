@@ -99,15 +99,15 @@ def test_a_failed_background_write_is_retried_and_a_second_failure_changes_nothi
         tmp_path, monkeypatch):
     want = _reference(tmp_path, monkeypatch)
     real_write = _log_writer.write_segment
-    fail = {"left": 0}
+    fail = {"sid": None, "left": 0}  # the next segment's writes fail this many times
     lock = threading.Lock()
 
-    def flaky_write(*a, **kw):
+    def flaky_write(path, sid, *a, **kw):
         with lock:
-            if fail["left"]:
+            if sid == fail["sid"] and fail["left"]:
                 fail["left"] -= 1
                 raise OSError(28, "No space left on device")
-        return real_write(*a, **kw)
+        return real_write(path, sid, *a, **kw)
 
     monkeypatch.setattr(_log_writer, "write_segment", flaky_write)
     s = _create(tmp_path / "flaky", space_ratio=1.05)
@@ -116,8 +116,8 @@ def test_a_failed_background_write_is_retried_and_a_second_failure_changes_nothi
                for _ in range(150)]
     k, failures = 0, 0
     while k < len(batches):
-        if k in (40, 90):
-            fail["left"] = 1 if k == 40 else 2  # once: the retry succeeds; twice: it raises
+        if k in (40, 90):  # once: the retry succeeds; twice (background, retry): it raises
+            fail.update(sid=s.store.engine.next_segment, left=1 if k == 40 else 2)
         before = s.count
         try:
             s = dsa_core.step(s, *batches[k])
