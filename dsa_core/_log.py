@@ -50,7 +50,7 @@ Cleaning
     segments would exceed ``space_ratio`` times the rows that have a location, the segments
     with the lowest live fraction are cleaned: their live records join the seal unchanged
     (a resident row's newest record comes from its slot) until the bound holds or
-    ``8 * max(seal_unit, records sealed)`` records have moved (the last segment is taken
+    ``2 * max(seal_unit, records sealed)`` records have moved (the last segment is taken
     whole), so that no single seal stalls for long; the next seal continues. A segment whose
     records are all dead is dropped at once; its *file* goes at once if no manifest lists it,
     else right after the next manifest that no longer lists it is committed, so a crash
@@ -125,8 +125,10 @@ __all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "memory_for",
 
 SLOT_OVERHEAD = 42       # bytes per slot besides its record: see the module docstring
 SEAL_BYTES = 32 << 20    # a seal unit holds at most this many bytes of records
-BEHIND_BYTES = 2 * SEAL_BYTES  # seals up to this size are written in the background
-CLEAN_UNITS = 8          # a seal copies at most this many seal units of records for cleaning
+CLEAN_UNITS = 2          # a seal copies at most this many seal units of records for cleaning
+# seals up to this size (its records, the cleaning copies, the last cleaned segment taken
+# whole) are written in the background; larger ones (a flush, a range release) at once
+BEHIND_BYTES = (2 + CLEAN_UNITS) * SEAL_BYTES
 _CHUNK_BYTES = 8 << 20   # records per pwrite of a seal
 _LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01
 _LOW32 = np.int64(0xFFFFFFFF)
@@ -747,18 +749,23 @@ class LogEngine:
         excess = self.total_records + n_seal - self.space_ratio * live_after
         res: list[np.ndarray] = []
         copies: list[tuple[Segment, np.ndarray]] = []
-        if excess <= 0 or not self.segs:
+        if excess <= -2 * self.seal_unit or not self.segs:
             return res, copies
         ids = np.fromiter(self.segs, np.int64, len(self.segs))
         frac = self._live[ids] / self._seg_n[ids]
+        order = ids[np.argsort(frac, kind="stable")].tolist()
         cap = CLEAN_UNITS * max(self.seal_unit, n_seal)
         moved = 0
-        for sid in ids[np.argsort(frac, kind="stable")].tolist():
-            if excess <= 0 or moved >= cap:
-                break
+        for i, sid in enumerate(order):
             seg = self.segs[sid]
-            if self._live[sid] >= seg.n:
-                break  # fully live: cleaning it frees nothing (nor any after it)
+            if excess <= 0 or moved >= cap or self._live[sid] >= seg.n:
+                # done (a fully live segment frees nothing, nor any after it). The next
+                # seal's candidates are read ahead now, so that its copies find them in
+                # memory instead of waiting for the disk (within two seals of the bound)
+                for nxt in order[i:i + max(1, len(copies))]:
+                    if self._live[nxt] < self._seg_n[nxt]:
+                        advise_whole(self.segs[nxt].records)
+                break
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
             nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), self.loc,
@@ -867,6 +874,13 @@ class LogEngine:
         st["cleaned_records"] += n - n_user
         st["file_bytes_written"] += size
 
+    def _seal_all(self, slots: np.ndarray, evict: bool) -> None:
+        """Seal many dirty slots (a flush, a range release) as segments of at most a seal
+        unit each, in order: a segment as large as the region would later have to be
+        cleaned in one piece, its live records copied in one seal (seconds)."""
+        for lo in range(0, slots.shape[0], self.seal_unit):
+            self._seal(slots[lo:lo + self.seal_unit], evict=evict)
+
     def _write_behind(self, job: WriteJob) -> None:
         """Hand ``job`` to this process's writer thread (a forked child writes at once)."""
         w = self._writer
@@ -937,7 +951,7 @@ class LogEngine:
     def release(self, rows: Any) -> int:
         """Write the resident records of ``rows`` out and make their slots free.
 
-        The dirty ones are sealed together, in row order, as one new segment (so that a
+        The dirty ones are sealed together, in row order, in segments of a seal unit (so that a
         later read of the same rows is one sequential read), the clean ones just leave the
         region. For a caller that is done with a range of rows for a while (the bucket
         order's partitions): nothing changes but residency. Returns the rows released.
@@ -950,7 +964,7 @@ class LogEngine:
             return 0
         dirty = self.dirty[slots] != 0
         if dirty.any():
-            self._seal(slots[dirty], evict=True)
+            self._seal_all(slots[dirty], evict=True)
         self._free_slots(slots[~dirty])  # after the seal: cleaning may have moved them
         return int(slots.shape[0])
 
@@ -983,7 +997,7 @@ class LogEngine:
     def flush(self, count: int | None = None) -> None:
         """Make everything so far durable, at step ``count`` (default: ``self.count``).
 
-        Seals every dirty slot (one segment, with cleaning as any seal), fsyncs the new
+        Seals every dirty slot (segments of a seal unit, with cleaning as any seal), fsyncs the new
         segments, writes the next index generation (fsync'd), starts the next commit-log
         generation when ``wal_on``, commits the manifest, then deletes the previous index
         generation and the segments that no manifest lists any more, and retires the
@@ -996,7 +1010,7 @@ class LogEngine:
         self.count = count
         dirty = np.flatnonzero(self.dirty)
         if dirty.shape[0]:
-            self._seal(dirty, evict=False)
+            self._seal_all(dirty, evict=False)
         self._settle_writes(block=True)  # every background write done (or retried) first
         crash_point("flush-sealed")
         if not self._index_dirty and self.count == self._manifest["count"] \

@@ -353,7 +353,7 @@ def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
 def _submit_log(kind: str, st: Any, start: int, stop: int, wait: bool) -> None:
     """The range calls on a log store: a load reads the range's on-disk records ahead (its
     read-ahead thread; ``step`` then copies them into the region without waiting), a
-    release seals the range's dirty records as one segment and frees its region slots, at
+    release seals the range's dirty records in row order and frees its region slots, at
     once (the engine has one thread: the caller's)."""
     if stop == start:
         return
