@@ -114,9 +114,10 @@ from ._log_format import (
     write_segment,
 )
 from ._log_init import INIT_KINDS, InitSpec, initial_records
-from ._log_read import advise_whole, hint_uncached
+from ._log_read import WHOLE_MAX, CleaningReads, advise_whole, hint_uncached
 from ._log_writer import DEPTH, SegmentWriter, WriteJob
 from ._log_wal import WalWriter, read_entries, wal_bound, wal_name
+from ._paging import memory_limit
 from ._pool import run_chunked
 from ._store import StoreLockedError
 
@@ -129,6 +130,10 @@ CLEAN_UNITS = 2          # a seal copies at most this many seal units of records
 # seals up to this size (its records, the cleaning copies, the last cleaned segment taken
 # whole) are written in the background; larger ones (a flush, a range release) at once
 BEHIND_BYTES = (2 + CLEAN_UNITS) * SEAL_BYTES
+# written segments whose pages stay in the page cache (the newest, as one window): this share
+# of the memory the process may use (_paging.memory_limit, cgroup-aware); older ones are
+# dropped (_log_writer)
+CACHE_SHARE = 0.125
 _CHUNK_BYTES = 8 << 20   # records per pwrite of a seal
 _LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01
 _LOW32 = np.int64(0xFFFFFFFF)
@@ -415,6 +420,8 @@ class LogEngine:
         self._unsynced: set[int] = set()            # written since the last flush
         self._pending: dict[int, WriteJob] = {}     # segments still being written (_log_writer)
         self._writer: SegmentWriter | None = None
+        self._clean_reads: CleaningReads | None = None  # segments read whole for cleaning
+        self._next_clean: list[int] = []  # the next seal's cleaning candidates, read ahead
         self._spare: list[np.ndarray] = []          # seal buffers to reuse (no page faults)
         self.next_segment = int(manifest["next_segment"])
         # no index file (None): no row has been written yet, every row reads as its initial
@@ -745,6 +752,7 @@ class LogEngine:
 
     def _choose_cleaning(self, n_seal: int, n_new_loc: int, ep: int):
         """The segments to clean in this seal: ``(resident slots, [(seg, ks), ...])``."""
+        self._next_clean = []
         live_after = self.live_total + n_new_loc
         excess = self.total_records + n_seal - self.space_ratio * live_after
         res: list[np.ndarray] = []
@@ -760,11 +768,10 @@ class LogEngine:
             seg = self.segs[sid]
             if excess <= 0 or moved >= cap or self._live[sid] >= seg.n:
                 # done (a fully live segment frees nothing, nor any after it). The next
-                # seal's candidates are read ahead now, so that its copies find them in
-                # memory instead of waiting for the disk (within two seals of the bound)
-                for nxt in order[i:i + max(1, len(copies))]:
-                    if self._live[nxt] < self._seg_n[nxt]:
-                        advise_whole(self.segs[nxt].records)
+                # seal's candidates are read ahead once this seal is done (_seal), so that
+                # its copies find them in memory instead of waiting for the disk
+                self._next_clean = [nxt for nxt in order[i:i + max(1, len(copies))]
+                                    if self._live[nxt] < self._seg_n[nxt]]
                 break
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
@@ -803,8 +810,8 @@ class LogEngine:
         rows = np.concatenate([self.slot_row[rslots], *crow]) if crow else self.slot_row[rslots]
         steps = np.concatenate([np.full(m, self.count, np.int64),
                                 *[seg.steps[ks] for seg, ks in copies]])
-        for seg, _ in copies:  # one sequential read each, ahead of the copies below
-            advise_whole(seg.records)
+        # each cleaned segment read whole, sequentially (read ahead by the previous seal)
+        src = [self._read_for_cleaning(seg, now=True) for seg, _ in copies]
         path = self.path / seg_name(sid)
         if n * self.rec_bytes <= BEHIND_BYTES:
             # write-behind (_log_writer): gather the records into a buffer of the segment's
@@ -812,8 +819,8 @@ class LogEngine:
             recs = self._seal_buffer(n)
             gather_records(self.region, rslots, recs)
             off = m
-            for seg, ks in copies:
-                recs[off:off + ks.shape[0]] = seg.records[ks]
+            for rec, (_, ks) in zip(src, copies, strict=True):
+                recs[off:off + ks.shape[0]] = rec[ks]
                 off += ks.shape[0]
             recs.flags.writeable = False  # as the mapping that replaces it
             self._write_behind(WriteJob(path, sid, rows, steps, recs, self.count))
@@ -826,13 +833,16 @@ class LogEngine:
             def blocks():
                 for lo in range(0, m, chunk):
                     yield self.region[rslots[lo:lo + chunk]]
-                for seg, ks in copies:
+                for rec, (_, ks) in zip(src, copies, strict=True):
                     for lo in range(0, ks.shape[0], chunk):
-                        yield seg.records[ks[lo:lo + chunk]]
+                        yield rec[ks[lo:lo + chunk]]
 
             size = write_segment(path, sid, rows, steps, blocks(), self.stride, self.dtype,
                                  self.count)
             self._map(path, sid, n)
+        for rec, (seg, _) in zip(src, copies, strict=True):
+            if rec is not seg.records:
+                self._clean_reads.release(rec)
         self.next_segment = sid + 1
         self._ensure_id(sid + 1)
         self._unsynced.add(sid)
@@ -867,12 +877,34 @@ class LogEngine:
                                    f"still has {self._live[seg.id]} live records")
         if evict:
             self._free_slots(slots)
+        for nxt in self._next_clean:  # into the buffers just released
+            if nxt in self.segs:
+                self._read_for_cleaning(self.segs[nxt], now=False)
         st = self._stats
         st["seals"] += 1
         st["cleaned_segments"] += len(copies)
         st["sealed_records"] += n_user
         st["cleaned_records"] += n - n_user
         st["file_bytes_written"] += size
+
+    def _read_for_cleaning(self, seg: Segment, now: bool) -> np.ndarray | None:
+        """The records of ``seg``, which cleaning copies from: read whole into a buffer with
+        sequential reads (``now=False``: start that read in the background, for the next
+        seal). A pending segment's records are in memory already; one too large for a buffer
+        is read through its mapping, with read-ahead (_log_read)."""
+        if seg.id in self._pending or seg.records.nbytes > WHOLE_MAX:
+            if seg.id not in self._pending:
+                advise_whole(seg.records)
+            return seg.records
+        r = self._clean_reads
+        if r is None or r.pid != os.getpid():
+            r = self._clean_reads = CleaningReads()
+        off = segment_geometry(seg.n, self.stride, self.dtype.itemsize)[2]
+        shape = (seg.n, self.stride)
+        if now:
+            return r.records(seg.id, seg.path, off, shape, self.dtype)
+        r.ahead(seg.id, seg.path, off, shape, self.dtype)
+        return None
 
     def _seal_all(self, slots: np.ndarray, evict: bool) -> None:
         """Seal many dirty slots (a flush, a range release) as segments of at most a seal
@@ -886,7 +918,8 @@ class LogEngine:
         w = self._writer
         if w is None or w.pid != os.getpid():
             if w is None:
-                w = self._writer = SegmentWriter()
+                w = self._writer = SegmentWriter(
+                    cache_bytes=int(CACHE_SHARE * memory_limit()))
             else:  # inherited through fork: its thread is the parent's
                 job.run()
                 if job.error is not None:
@@ -914,6 +947,9 @@ class LogEngine:
         if w is not None and w.pid == os.getpid():
             w.close()
         self._pending.clear()
+        r, self._clean_reads = self._clean_reads, None
+        if r is not None and r.pid == os.getpid():
+            r.close()
 
     def _settle_writes(self, block: bool) -> None:
         """Map the segments whose background writes are done (all of them with ``block``).
@@ -974,6 +1010,8 @@ class LogEngine:
         for sid in ids:
             seg = self.segs.pop(sid)
             self._seg_addr[sid] = 0
+            if self._clean_reads is not None and self._clean_reads.pid == os.getpid():
+                self._clean_reads.forget(sid)
             job = self._pending.pop(sid, None)
             if job is not None:  # let its write end before the file goes
                 job.done.wait()

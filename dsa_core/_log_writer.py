@@ -15,11 +15,17 @@ segment: ``flush`` waits for every pending write, then fsyncs, then commits, so 
 during a background write leaves a file that the next ``open`` removes as garbage, and the
 store reopens at its last flush as before.
 
-Once written, the thread waits for the file's pages to reach the disk and drops them from the
-page cache (``sync_file_range`` + ``POSIX_FADV_DONTNEED``): a sealed segment holds rows that
-just left the region, cold by definition, and dirty page cache left behind is what a memory
-cgroup's reclaim must wait for -- out of core under a 2 GiB cap, steps that allocated
-anything stalled for ~0.4 s behind the segments' write-back. (``flush`` still fsyncs.)
+Once written, the thread waits for the file's pages to reach the disk (``sync_file_range``),
+so that no dirty page cache is left behind: a memory cgroup's reclaim must wait for dirty
+pages -- out of core under a 2 GiB cap, steps that allocated anything stalled for ~0.4 s behind
+the segments' write-back. The clean pages of the most recent segments stay in the page cache,
+up to ``cache_bytes`` (the engine's window: a share of the memory the process may use); past
+it the oldest written segment's pages are dropped (``POSIX_FADV_DONTNEED``). Rows that just
+left the region are then read back from memory when a step wants them again soon, and the
+pages a new segment needs are the ones just freed, which costs little: on a virtual machine
+memory that has been free a while is backed again by the host on its first touch (writing a
+32 MiB segment into such pages took ~100 ms of CPU, into recycled ones ~10 ms). (``flush``
+still fsyncs.)
 
 A write that fails is retried once, synchronously, by the next seal or flush of the engine
 (the records are still in the buffer); if the retry fails too, that seal or flush raises
@@ -32,6 +38,7 @@ import ctypes
 import os
 import queue
 import threading
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -61,26 +68,45 @@ class WriteJob:
         self.error: BaseException | None = None
         self.size = 0
 
-    def run(self) -> None:
-        """Write the file now (in the calling thread); records the error instead of raising."""
+    def run(self, drop: bool = True) -> None:
+        """Write the file now (in the calling thread); records the error instead of raising.
+
+        ``drop``: drop its pages from the page cache once on the disk (the writer thread keeps
+        a window of recent segments cached instead, and drops them later).
+        """
         self.error = None
         try:
             self.size = write_segment(self.path, self.sid, self.rows, self.steps,
                                       [self.records], self.stride, self.dtype, self.count)
-            _written_and_dropped(self.path)
+            _written_back(self.path, drop)
         except BaseException as exc:  # handed to the engine: its next seal or flush raises
             self.error = exc
         finally:
             self.done.set()
 
 
-def _written_and_dropped(path: Path) -> None:
-    """Wait until the file's pages are on the disk, then drop them from the page cache."""
+def _written_back(path: Path, drop: bool) -> None:
+    """Wait until the file's pages are on the disk; with ``drop``, then drop them from the
+    page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if _sync_file_range(fd, 0, 0, _WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | _WAIT_AFTER) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"writing {str(path)!r} back failed: {os.strerror(err)}")
+        if drop:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _drop_cached(path: Path) -> None:
+    """Drop a written segment's clean pages from the page cache (gone already: nothing to do;
+    pages mapped by a reader stay, the kernel reclaims those)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # cleaned and deleted since
+        return
+    try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -91,11 +117,15 @@ class SegmentWriter:
 
     ``submit`` waits while ``DEPTH`` jobs are queued or running (back-pressure: at most that
     many buffers beyond the region). Created per process (``pid``): a forked child gets none
-    and writes synchronously.
+    and writes synchronously. ``cache_bytes``: the written segments whose pages stay in the
+    page cache, newest first (the module docstring).
     """
 
-    def __init__(self, depth: int | None = None):
+    def __init__(self, depth: int | None = None, cache_bytes: int = 0):
         self.pid = os.getpid()
+        self.cache_bytes = int(cache_bytes)
+        self._cached: deque[tuple[Path, int]] = deque()  # written, pages kept: oldest first
+        self._held = 0
         self._slots = threading.Semaphore(DEPTH if depth is None else depth)
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="dsa-log-writer", daemon=True)
@@ -107,10 +137,23 @@ class SegmentWriter:
             if job is None:
                 return
             try:
-                job.run()
+                job.run(drop=False)
+                if job.error is None:
+                    self._keep(job.path, job.size)
+                else:  # a retry by the engine writes it again, and drops it
+                    _drop_cached(job.path)
             finally:
                 job = None
                 self._slots.release()
+
+    def _keep(self, path: Path, size: int) -> None:
+        """Keep ``path``'s pages cached; drop the oldest kept segments past ``cache_bytes``."""
+        self._cached.append((path, size))
+        self._held += size
+        while self._held > self.cache_bytes:
+            old, n = self._cached.popleft()
+            self._held -= n
+            _drop_cached(old)
 
     def submit(self, job: WriteJob) -> WriteJob:
         self._slots.acquire()

@@ -206,3 +206,73 @@ def test_create_writes_nothing_of_the_table_size(tmp_path):
     np.testing.assert_array_equal(got[[0, 2]], first[[0, 2]])
     assert not np.array_equal(got[1], first[1])
     dsa_core.close(r)
+
+
+def test_cleaning_reads_segments_whole_ahead_with_the_records_of_a_mapped_run(tmp_path,
+                                                                              monkeypatch):
+    """Cleaning copies from whole-segment reads (read ahead one seal earlier by a thread);
+    the records are bit-identical to a run that copies through the mappings."""
+    batches = _batches(150)
+    served = {"ahead": 0, "now": 0}
+    real = _log_read.CleaningReads.records
+
+    def counted(self, sid, *a):
+        served["ahead" if sid in self._ahead else "now"] += 1
+        return real(self, sid, *a)
+
+    runs = []
+    for name, whole in (("mapped", 0), ("whole", _log_read.WHOLE_MAX)):
+        with monkeypatch.context() as m:
+            m.setattr(_log, "WHOLE_MAX", whole)
+            m.setattr(_log_read.CleaningReads, "records", counted)
+            s = _create(tmp_path / name, slots=2 * B, space_ratio=1.3)
+            for idx, g in batches:
+                s = dsa_core.step(s, idx, g)
+            assert s.store.engine.stats()["cleaned_segments"] > 0
+            assert s.store.engine.verify() == []
+            runs.append((s, _records(s)))
+        if name == "mapped":
+            assert served == {"ahead": 0, "now": 0}  # never read whole
+    assert served["ahead"] > 0  # most cleaned segments were read a seal ahead
+    np.testing.assert_array_equal(runs[0][1].view(np.uint8), runs[1][1].view(np.uint8))
+    for s, _ in runs:
+        dsa_core.close(s)
+    a = dsa_core.open(tmp_path / "mapped", mode="r")
+    b = dsa_core.open(tmp_path / "whole", mode="r")
+    np.testing.assert_array_equal(_records(a), _records(b))
+    dsa_core.close(a)
+    dsa_core.close(b)
+
+
+def test_cleaning_reads_buffers_failures_and_bounds(tmp_path):
+    data = np.arange(4096 * 3, dtype=np.uint8).reshape(3, 4096) % 251
+    f = tmp_path / "seg"
+    f.write_bytes(b"h" * 100 + data.tobytes())
+    out = np.empty_like(data)
+    np.testing.assert_array_equal(_log_read.read_file_into(f, 100, out), data)
+    with pytest.raises(OSError, match="bytes short"):  # a truncated file is an error
+        _log_read.read_file_into(f, 101, np.empty_like(data))
+    r = _log_read.CleaningReads(keep=2)
+    try:
+        r.ahead(1, f, 100, data.shape, np.uint8)
+        got = r.records(1, f, 100, data.shape, np.uint8)  # from the read ahead
+        np.testing.assert_array_equal(got, data)
+        r.release(got)
+        again = r.records(1, f, 100, data.shape, np.uint8)  # none ahead: read now
+        np.testing.assert_array_equal(again, data)
+        assert again.__array_interface__["data"][0] == got.__array_interface__["data"][0]
+        for sid in (2, 3, 4):
+            r.ahead(sid, f, 100, data.shape, np.uint8)
+        assert list(r._ahead) == [3, 4]  # at most `keep` held, the oldest dropped
+        r.forget(3)
+        assert list(r._ahead) == [4]
+        gone = tmp_path / "gone"
+        gone.write_bytes(f.read_bytes())
+        r.ahead(5, gone, 100, data.shape, np.uint8)
+        r._ahead[5].result()  # read before the file went: still its records
+        os.unlink(gone)
+        np.testing.assert_array_equal(r.records(5, gone, 100, data.shape, np.uint8), data)
+        with pytest.raises(FileNotFoundError):  # a failed read is not hidden
+            r.records(6, gone, 100, data.shape, np.uint8)
+    finally:
+        r.close()

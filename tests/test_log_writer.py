@@ -159,3 +159,25 @@ def test_kill_during_a_background_write_reopens_at_the_last_flush(tmp_path):
     np.testing.assert_array_equal(_records(r), want)
     assert r.store.engine.verify() == []
     dsa_core.close(r)
+
+
+def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypatch):
+    """Written segments stay in the page cache up to ``cache_bytes``, newest first; the
+    oldest beyond it are dropped (an engine's window: ``CACHE_SHARE`` of its memory)."""
+    dropped = []
+    monkeypatch.setattr(_log_writer, "_drop_cached", dropped.append)
+    rec = np.ones((64, 3 * D), np.float32)
+    size = _log_format.segment_geometry(64, 3 * D, 4)[3]
+    w = _log_writer.SegmentWriter(cache_bytes=int(2.5 * size))
+    paths = [tmp_path / _log_format.seg_name(i) for i in range(1, 6)]
+    jobs = [w.submit(_log_writer.WriteJob(p, i, np.arange(64), np.zeros(64, np.int64), rec, 1))
+            for i, p in enumerate(paths, 1)]
+    w.close()
+    assert all(j.error is None and j.size == size for j in jobs)
+    assert dropped == paths[:3]  # the newest two (2 x size <= 2.5 x size) stay cached
+    s = _create(tmp_path / "eng")
+    s = _train(s, steps=20)
+    eng = s.store.engine
+    assert eng._writer is not None
+    assert eng._writer.cache_bytes == int(_log.CACHE_SHARE * _log.memory_limit())
+    dsa_core.close(s)
