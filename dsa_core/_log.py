@@ -927,6 +927,17 @@ class LogEngine:
                 return
         self._pending[job.sid] = w.submit(job)
 
+    def _wait_job(self, job: WriteJob) -> None:
+        """Wait for a background write; a writer thread that ended without finishing it (it
+        cannot, short of an interpreter bug) is an error, not a hang."""
+        while not job.done.wait(1.0):
+            w = self._writer
+            if w is None or not w.alive:  # pragma: no cover - see the docstring
+                raise RuntimeError(
+                    f"log store {str(self.path)!r}: the segment writer thread ended before "
+                    f"writing segment {job.sid}; abandon this state and open the store again "
+                    "(it reopens at its last flush)")
+
     def _seal_buffer(self, n: int) -> np.ndarray:
         """An ``(n, stride)`` buffer for a background seal: a spare one when it is large
         enough (fresh memory costs a page fault per page, as much as the copy itself)."""
@@ -962,7 +973,7 @@ class LogEngine:
             if not job.done.is_set():
                 if not block:
                     continue
-                job.done.wait()
+                self._wait_job(job)
             if job.error is not None:
                 job.run()
                 if job.error is not None:
@@ -1014,7 +1025,7 @@ class LogEngine:
                 self._clean_reads.forget(sid)
             job = self._pending.pop(sid, None)
             if job is not None:  # let its write end before the file goes
-                job.done.wait()
+                self._wait_job(job)
                 self._reuse(job.records)
             self.total_records -= seg.n
             if sid in self._committed:

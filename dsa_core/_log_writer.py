@@ -157,6 +157,10 @@ class SegmentWriter:
             self._held -= n
             _drop_cached(old)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, job: WriteJob) -> WriteJob:
         self._slots.acquire()
         self._q.put(job)
