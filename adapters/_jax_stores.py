@@ -152,7 +152,8 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
             probe = None  # nothing to resume: a fresh store (a damaged one: create says so)
         if probe is not None:
             try:
-                check_kind(probe, storage, _WHAT)
+                check_kind(probe, storage,
+                           f"{_WHAT}: the existing store at {str(probe.path)!r}")
                 _check_match(probe, num_rows, dim, create_args)
                 hparams = _hparams(probe, create_args)
             finally:

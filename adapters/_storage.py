@@ -44,20 +44,22 @@ def check_storage_args(storage: Any, memory: Any, access: str,
     return storage, memory
 
 
-def check_kind(state: dsa_core.State, storage: str, what: str) -> None:
+def check_kind(state: dsa_core.State, storage: str, what: str,
+               fix: str | None = None) -> None:
     """``ValueError`` unless the existing store ``state`` is of the kind ``storage``.
 
     A resumed store must be of the kind asked for: resuming an in-place store as a log one
     (or the reverse) would silently give the run another memory behaviour than it asked for.
     ``"auto"`` takes the kind the store has (it was chosen when the store was created).
+    ``what`` names the store; ``fix`` replaces the default remedy (convert it, or overwrite).
     """
     if storage != "auto" and state.storage != storage:
+        if fix is None:
+            fix = (f"copy it into the other kind with dsa_core.convert(state, dest, "
+                   f"storage={storage!r}) and resume that, or overwrite=True to replace it")
         raise ValueError(
-            f"{what}: the existing store at {str(state.path)!r} is a "
-            f"storage={state.storage!r} store, but storage={storage!r} was asked for. Pass "
-            f"storage={state.storage!r} to resume it, copy it into the other kind with "
-            f"dsa_core.convert(state, dest, storage={storage!r}) and resume that, or "
-            "overwrite=True to replace it")
+            f"{what} is a storage={state.storage!r} store, but storage={storage!r} was asked "
+            f"for. Pass storage={state.storage!r} to resume it, {fix}")
 
 
 def zero_weight_row(state: dsa_core.State, row: int) -> None:

@@ -37,7 +37,7 @@ from torch import nn
 import dsa_core
 from dsa_core import validation
 
-from ._storage import STORAGE_DEFAULT, check_storage_args, zero_weight_row
+from ._storage import STORAGE_DEFAULT, check_kind, check_storage_args, zero_weight_row
 from ._torch_common import (
     SharedState,
     check_table_args,
@@ -917,13 +917,10 @@ def _inspect(path: Path, meta: dict, resume: bool, resume_from, overwrite: bool,
 def _check_kind(state: dsa_core.State, storage: str, where: str) -> None:
     """``ValueError`` unless a shard (or checkpoint shard) is of the kind ``storage``
     (``"auto"``: any kind, the one chosen when the shard was created)."""
-    if storage != "auto" and state.storage != storage:
-        raise ValueError(
-            f"{where} is a storage={state.storage!r} store, but this run asked for "
-            f"storage={storage!r}. Pass storage={state.storage!r} to continue it, or rewrite "
-            f"a checkpoint as the other kind: python -m adapters.torch_reshard SRC DEST "
-            f"--world-size W --storage {storage} (W: the same or another world size), then "
-            "resume_from=DEST; or overwrite=True to start new shards")
+    check_kind(state, storage, where, fix=(
+        f"or rewrite a checkpoint as the other kind: python -m adapters.torch_reshard SRC "
+        f"DEST --world-size W --storage {storage} (W: the same or another world size), then "
+        "resume_from=DEST; or overwrite=True to start new shards"))
 
 
 def _decide(infos: list[dict], resume: bool, resume_from, overwrite: bool,

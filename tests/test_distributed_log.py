@@ -159,8 +159,8 @@ def test_two_processes_log_shards_match_inplace(tmp_path):
         assert res[r]["resumed_at"] == K1 and res[r]["resumed_storage"] == "log"
         assert res[r]["count"] == K
         live, ckpt = res[r]["refused"]
-        assert "storage='log' store, but this run asked for storage='inplace'" in live
-        assert "storage='inplace' store, but this run asked for storage='log'" in ckpt
+        assert "storage='log' store, but storage='inplace' was asked for" in live
+        assert "storage='inplace' store, but storage='log' was asked for" in ckpt
         assert "torch_reshard" in ckpt and "nothing was written" in ckpt
     assert not (tmp_path / "Lx").exists()
     ref, counts, kinds = records(tmp_path / "Li", 2)
@@ -258,8 +258,8 @@ def test_other_kind_is_refused_and_nothing_written(tmp_path, one_rank):
         log = {"storage": "log", "memory": memory()} if want == "log" else {"storage": "inplace"}
         for kw in ({"state_dir": tmp_path / have, "resume": True},
                    {"state_dir": tmp_path / want, "resume_from": tmp_path / f"ck-{have}"}):
-            with pytest.raises(ValueError, match=rf"storage='{have}' store, but this run "
-                                                 rf"asked for storage='{want}'"):
+            with pytest.raises(ValueError, match=rf"storage='{have}' store, but "
+                                                 rf"storage='{want}' was asked for"):
                 ShardedDiskEmbedding(N, D, padding_idx=PAD, **log, **kw)
     assert tree(tmp_path) == before
     for have in ("inplace", "log"):  # storage="auto" (the default) resumes either kind
