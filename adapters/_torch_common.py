@@ -235,8 +235,7 @@ def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.
     """
     path = str(state.path)
     if storage is not None:
-        check_kind(state, storage,
-                   f"{what}: the existing store at {str(state.path)!r}")
+        check_kind(state, storage, f"{what}: the existing store at {path!r}")
     have = (state.num_rows, state.dim, state.dtype.name, state.curvature, state.has_weights)
     want = (num_rows, dim, dtype.name, curvature, weights)
     if have != want:

@@ -953,7 +953,9 @@ class LogEngine:
         if len(self._spare) <= DEPTH and isinstance(base, np.ndarray) and base.ndim == 2:
             self._spare.append(base)
 
-    def _stop_writer(self) -> None:
+    def _stop_threads(self) -> None:
+        """Stop this process's writer and cleaning-read threads (a forked child's are its
+        parent's: left alone)."""
         w, self._writer = self._writer, None
         if w is not None and w.pid == os.getpid():
             w.close()
@@ -1417,7 +1419,7 @@ class LogEngine:
             self.flush()  # a failed flush leaves the engine open: fix the cause, close again
         if self._wal is not None:
             self._wal.close()
-        self._stop_writer()
+        self._stop_threads()
         self.closed = True
         self.segs.clear()
         if self._lockfd >= 0:
@@ -1430,7 +1432,7 @@ class LogEngine:
         Safe twice."""
         if self.closed:
             return
-        self._stop_writer()  # its segment files are garbage for the next open
+        self._stop_threads()  # its segment files are garbage for the next open
         self.closed = True
         self.segs.clear()
         if self._wal is not None:

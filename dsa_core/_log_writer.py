@@ -78,23 +78,22 @@ class WriteJob:
         try:
             self.size = write_segment(self.path, self.sid, self.rows, self.steps,
                                       [self.records], self.stride, self.dtype, self.count)
-            _written_back(self.path, drop)
+            _written_back(self.path)
+            if drop:
+                _drop_cached(self.path)
         except BaseException as exc:  # handed to the engine: its next seal or flush raises
             self.error = exc
         finally:
             self.done.set()
 
 
-def _written_back(path: Path, drop: bool) -> None:
-    """Wait until the file's pages are on the disk; with ``drop``, then drop them from the
-    page cache."""
+def _written_back(path: Path) -> None:
+    """Wait until the file's pages are on the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if _sync_file_range(fd, 0, 0, _WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | _WAIT_AFTER) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"writing {str(path)!r} back failed: {os.strerror(err)}")
-        if drop:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
