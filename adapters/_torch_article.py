@@ -264,7 +264,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         """Read-only numpy views of an in-place store; for a log store (no whole-table
         view), ``RowView`` objects that read the handle's current State on indexing."""
         st = h.state
-        if st.storage == "log":
+        if not st.has_table_view:
             return {part: RowView(lambda: h.state, part) for part in ("w", "m", "v")}
 
         def ro(a):

@@ -644,7 +644,7 @@ class DiskEmbedding(nn.Module):
             if bool((sq >= 1.0 / st.curvature).any()):
                 raise ValueError("weight rows must lie inside the Poincaré ball "
                                  f"(norm < {1 / math.sqrt(st.curvature):.6g})")
-        if st.storage == "log":  # no whole-table view: record chunks, the other columns kept
+        if not st.has_table_view:  # record chunks, the other columns kept
             set_columns(st, st.layout["w"], st.dim, lambda lo, hi: w[lo:hi].numpy())
             return
         target = st.weights

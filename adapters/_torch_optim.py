@@ -1194,7 +1194,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 v = v.double().mean(dim=1, keepdim=True)
             todo.append((st, int(torch.as_tensor(s.get("step", 0))), m, v))
         for st, t, m, v in todo:
-            if st.storage == "log":  # no whole-table views: whole records, in chunks
+            if not st.has_table_view:  # whole records, in chunks
                 lay = st.layout
                 if m is not None:
                     mn, vn = m.numpy(), v.numpy()

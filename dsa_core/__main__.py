@@ -257,37 +257,7 @@ def _info(st) -> dict:
         "record_bytes": st.store.stride * st.dtype.itemsize,
         "size_on_disk_bytes": size, "format_version": manifest.get("version"),
         "storage": st.storage,
-        **(_log_info(st) if st.storage == "log" else {}),
-    }
-
-
-def _log_info(st) -> dict:
-    """A log store's region budget, segments, live and dead bytes (from its files).
-
-    The CLI opens a store read-only: it has no region of its own and the writer's budget is
-    not stored, so the budget shown is the default a writer gets without ``memory=``. The
-    write counters are those every writer committed with its flushes (the store's life).
-    """
-    from dsa_core import _log_store
-
-    s = st.store.engine.stats()
-    return {
-        "region_budget_bytes": _log_store.default_memory(st.layout),
-        "region_budget_note": "the default a writer opening it without memory= gets (the "
-        "budget is not stored: each open passes its own)",
-        "segments": s["segments"], "segment_bytes": s["segment_bytes"],
-        "live_records": s["live_records"], "live_bytes": s["live_bytes"],
-        "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],
-        "space_used": round(s["space_used"], 4), "space_ratio": s["space_ratio"],
-        "written_bytes": s["total_written_bytes"],
-        "written_note": "records the seals and the cleaner wrote, over the store's life "
-        "(as of each writer's last flush)",
-        "updated_bytes": s["total_user_bytes"],
-        "updated_note": "records the steps and writes updated, over the store's life",
-        "write_amplification": round(s["total_write_amplification"], 4)
-        if s["total_user_bytes"] else None,
-        "write_amplification_note": "written / updated (below 1: the region absorbed "
-        "repeated updates of the same rows)",
+        **st.store.stats(),  # the engine's own figures (dsa_core._engine)
     }
 
 
@@ -299,8 +269,8 @@ def _summary(st, info: dict) -> str:
         s += ", a writer holds it now"
     if not st.has_weights:
         s += ", moments only"
-    if st.storage == "log":
-        s += f", log store ({_plural(info['segments'], 'segment')})"
+    if info.get("summary"):
+        s += f", {info['summary']}"
     return s
 
 
@@ -374,8 +344,9 @@ def cmd_info(a) -> int:
         elif k == "writer_active":
             k, v = "writer", _writer_note(st, v)
         elif k == "storage":
-            v = "log (log-structured, storage='log')" if v == "log" else \
-                "inplace (one mapped file of records)"
+            v = f"{v} ({st.store.description})"
+        elif k == "summary":
+            continue
         if v is None:
             v = "n/a"
         note = info.get(k + "_note") or info.get(k.removesuffix("_bytes") + "_note")
@@ -399,7 +370,7 @@ def cmd_export(a) -> int:
     out = Path(a.out)
     if out.exists() and not a.force:
         raise SystemExit(f"dsa: {str(out)!r} exists; pass --force to overwrite it")
-    if st.storage == "inplace" and lock_held(Path(st.path) / WRITER_LOCK):
+    if not st.store.reads_last_flush and lock_held(Path(st.path) / WRITER_LOCK):
         print("note: a writer holds this store; rows it changed since its last flush may "
               "already be in the export", file=sys.stderr)
     # written beside OUT and renamed when complete: an interrupted export leaves no .npy
@@ -422,47 +393,24 @@ def cmd_export(a) -> int:
     return 0
 
 
-_LOG_UNOPENABLE = "the log store does not check out"
-
-
-def _log_check(path) -> list[str]:
-    """A log store's own checks: every referenced file's CRCs, then the index (verify())."""
-    from dsa_core import _log
-
-    try:
-        eng = _log.open(path, "r", check="full")
-    except (OSError, ValueError) as exc:
-        return [f"{_LOG_UNOPENABLE}: {exc}"]
-    try:
-        return [f"index: {p}" for p in eng.verify()]
-    finally:
-        eng.close()
-
-
 def cmd_verify(a) -> int:
     import dsa_core
 
     _not_a_store(a.store)
-    problems = []
-    if (_manifest(Path(a.store)) or {}).get("format") == LOG_FORMAT_NAME:
-        problems = _log_check(a.store)  # before _open: a store whose files do not check
-        if problems and problems[0].startswith(_LOG_UNOPENABLE):  # out cannot be read
-            print(f"{a.store}: log store")
-            for p in problems:
-                print(f"  PROBLEM: {p}")
-            return 1
-    st = _open(a.store)
+    try:
+        st = dsa_core.open(a.store, mode="r")
+        problems = st.store.verify()  # the engine's own checks of its files
+    except FileNotFoundError as exc:  # not a store (or not one any more)
+        raise SystemExit(f"dsa: {exc}") from None
+    except (OSError, ValueError) as exc:  # a store whose files do not check out
+        print(f"{a.store}: {(_manifest(Path(a.store)) or {}).get('format', 'store')}")
+        print(f"  PROBLEM: the store does not check out: {exc}")
+        return 1
     bad_rows = 0
     outside = 0
     c = st.curvature
-    if st.storage == "log":
-        def read(lo, hi):
-            return dsa_core.read_records(st, np.arange(lo, hi))
-    else:
-        data = st.store.data
-
-        def read(lo, hi):
-            return data[lo:hi]
+    def read(lo, hi):  # public chunked reads: the same records from either kind
+        return dsa_core.read_records(st, np.arange(lo, hi))
     with _bar(st.num_rows, "verify", not a.quiet) as bar:
         for lo, hi in _chunks(st.num_rows, st.store.stride * st.dtype.itemsize):
             blk = np.asarray(read(lo, hi))
@@ -480,14 +428,11 @@ def cmd_verify(a) -> int:
         problems.append(f"{outside} rows lie on or outside the Poincaré ball "
                         f"(norm >= 1/sqrt(c) = {1 / math.sqrt(c):.6g})")
     version = (_manifest(Path(st.path)) or {}).get("version")
-    if st.storage == "log":
-        print(f"{st.path}: log store, format v{version}, segment and index CRCs checked, "
-              f"count {st.count}")
-    else:
-        print(f"{st.path}: header and size ok, format v{version}, count {st.count}")
+    print(f"{st.path}: {st.storage} store, format v{version}, {st.store.checks}, "
+          f"count {st.count}")
     if lock_held(Path(st.path) / WRITER_LOCK):
         print("  note: a writer holds this store; " + (
-            "this checked the files of its last flush" if st.storage == "log"
+            "this checked the files of its last flush" if st.store.reads_last_flush
             else "rows it is changing now may read half-done"))
     for p in problems:
         print(f"  PROBLEM: {p}")
@@ -520,7 +465,7 @@ def cmd_convert(a) -> int:
         if is_store and lock_held(dest / WRITER_LOCK):
             raise SystemExit(f"dsa: DEST {a.dest!r} is open for writing by a training "
                              "process; close it there first")
-    if st.storage == "inplace" and lock_held(src_path / WRITER_LOCK):
+    if not st.store.reads_last_flush and lock_held(src_path / WRITER_LOCK):
         raise SystemExit(
             f"dsa: a writer holds SRC {a.src!r}: an in-place store's rows change on disk "
             "during training, ahead of the count in its manifest, so a copy now could pair "
@@ -539,7 +484,7 @@ def cmd_convert(a) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"dsa: converting {a.src!r} failed, {a.dest!r} was not changed: "
                          f"{exc}") from None
-    note = (" (a log store read at its writer's last flush)" if st.storage == "log"
+    note = (" (read at its writer's last flush)" if st.store.reads_last_flush
             and lock_held(src_path / WRITER_LOCK) else "")
     print(f"wrote {dest} (storage={a.storage}, {what}){note}")
     return 0

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import _log
+from ._engine import closed_error, scratch
 from ._log_read import ReadAhead
 from ._log_format import FORMAT_NAME as LOG_FORMAT
 from ._log_format import MANIFEST_FILE
@@ -94,15 +95,19 @@ def _flush_unclosed(engine: _log.LogEngine, pid: int) -> None:
 
 
 class LogStore:
-    """The open engine of a log store with the attribute surface of ``_store.Store``.
+    """The log-structured engine (``_engine.Engine``) over a ``_log.LogEngine``.
 
     Shared by every ``State`` derived from one ``create``/``open``, like a ``Store``.
     ``count`` is the engine's count (the live step count: that of the newest State, and the
     one the next seal and flush record).
     """
 
-    storage = "log"
+    kind = "log"
     access = "log"  # no mapping to page: the region is the memory (``State.access``)
+    table_view = False       # records live in a region and in segments: no whole table
+    description = "log-structured, storage='log'"
+    checks = "segment and index CRCs checked"
+    reads_last_flush = True  # a reader opens the files of the writer's last flush
 
     def __init__(self, engine: _log.LogEngine):
         self.engine = engine
@@ -124,7 +129,9 @@ class LogStore:
         self.rs_off = lay.get("row_step", -1)
         self.ls_off = lay.get("last_step", -1)
         self.scratch: dict[str, np.ndarray] = {}
+        self.settings: dict[str, Any] = {}  # open-time settings (dsa_core._state)
         self.access_request = "auto"
+        self._step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logged step
         self._fd = -1
         self._prefetcher = None
         self._ranges = None
@@ -158,7 +165,7 @@ class LogStore:
     def nbytes(self) -> int:
         return self.num_rows * self.stride * self.dtype.itemsize
 
-    def _no_view(self, what: str):
+    def no_view(self, what: str):
         raise ValueError(
             f"store {str(self.path)!r} is a log-structured store (storage='log'), which has "
             f"no whole-table view ({what}): its records live in a memory region and in "
@@ -168,14 +175,18 @@ class LogStore:
 
     @property
     def data(self):
-        self._no_view("state.store.data")
+        self.no_view("state.store.data")
 
     @property
     def counters(self):
-        self._no_view("state.store.counters")
+        self.no_view("state.store.counters")
 
     def prefetch(self, rows: np.ndarray, wait: bool = False) -> None:
         """Read the on-disk records of ``rows`` (checked ids) ahead, in the background."""
+        self._read_ahead(np.unique(rows), wait)
+
+    def _read_ahead(self, rows: np.ndarray, wait: bool) -> None:
+        """:meth:`prefetch` of unique ``rows``."""
         ra = self._readahead
         if ra is None or ra.pid != os.getpid():  # none yet, or the parent's (fork)
             ra = self._readahead = ReadAhead(self.engine.rec_bytes)
@@ -184,15 +195,135 @@ class LogStore:
         if wait:
             ra.join()
 
+    # -- the engine interface (dsa_core._engine) -----------------------------------------
+    def check_batch(self, n: int) -> None:
+        """The ``n`` distinct rows of one step must fit in the region."""
+        self.engine.check_batch(n)
+
+    def max_batch(self) -> int:
+        return self.engine.slots
+
+    def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Region slots for ``rows``. With ``durability="step"`` (the commit log) a copy of
+        the slots' records instead: the region takes the new records only once the step's
+        log entry is durable (:meth:`commit_step`), so a failed step changes nothing."""
+        eng = self.engine
+        self._step = None
+        if meta.get("durability") == "step":
+            eng.begin_step(count, meta)  # flushes first unless the log can take the step
+            n = rows.shape[0]
+            slots = eng.acquire(rows, check=False) if n else np.empty(0, np.int64)
+            rec = scratch(self, "logged_records", n * self.stride).reshape(n, self.stride)
+            if n:
+                _log.gather_records(eng.region, slots, rec)
+            self._step = (rows, slots, rec)
+            return rec, np.arange(n, dtype=np.int64)
+        if rows.shape[0]:
+            return eng.region, eng.acquire(rows, check=False)
+        return eng.region, rows
+
+    def commit_step(self, t: int, meta: dict[str, Any]) -> None:
+        step, self._step = self._step, None
+        if step is not None:  # one append + fdatasync, then the region, then the count
+            self.engine.commit_step(t, *step)
+        else:
+            self.engine.count = int(t)
+
+    def abort_step(self) -> None:
+        """Nothing to undo: a logged step changed only its copy, an unlogged one the
+        region (durable at the next flush, as in place)."""
+        self._step = None
+
+    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
+        return self.engine.read(rows, cols=cols)
+
+    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
+        self.engine.write(rows, np.ascontiguousarray(records))
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Never changes the region's residency."""
+        out[...] = self.engine.read(rows, cols=slice(self.w_off, self.w_off + self.dim))
+
+    def _commit_meta(self, meta: dict[str, Any]) -> None:
+        self.engine.meta = meta
+        self.engine.wal_on = meta.get("durability") == "step"  # a new commit log, or none
+
+    def flush(self, count: int, meta: dict[str, Any]) -> None:
+        """Seal the dirty slots, commit a manifest with ``count`` and ``meta``."""
+        self._commit_meta(meta)
+        self.engine.flush(int(count))
+
+    def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
+                   overwrite: bool) -> Path:
+        """Flush, then hard links to the immutable segments (and a copy of the index)."""
+        self._commit_meta(meta)
+        return self.engine.checkpoint(dest, int(count), overwrite=overwrite)
+
+    def before_restore(self) -> None:
+        """No undo journal: a commit log holds only steps after its manifest's count, and
+        every flush starts a new one."""
+
+    def residency(self, rows: np.ndarray) -> float:
+        """The fraction of ``rows`` resident in the region."""
+        return float((self.engine.loc[rows] < 0).mean())
+
+    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
+        """A load reads the range's on-disk records ahead (the read-ahead thread; ``step``
+        then copies them into the region without waiting), a release seals the range's
+        dirty records in row order and frees its slots, at once (the caller's thread)."""
+        if stop == start:
+            return
+        rows = np.arange(start, stop, dtype=np.int64)
+        if kind == "load":
+            self._read_ahead(rows, wait)
+        elif self.mode == "r+":
+            self.engine.release(rows)
+
+    def wait_ranges(self) -> None:
+        if self.closed:
+            raise closed_error(self)
+        ra = self._readahead
+        if ra is not None and ra.pid == os.getpid():
+            ra.join()
+
+    def stats(self) -> dict[str, Any]:
+        """The region budget, segments, live and dead bytes, and the write counters over
+        the store's life (those every writer committed with its flushes), for ``dsa info``.
+        A read-only open has no region: the budget shown is the default a writer gets."""
+        s = self.engine.stats()
+        nseg = s["segments"]
+        return {
+            "region_budget_bytes": self.memory_bytes or default_memory(self.layout),
+            "region_budget_note": "the default a writer opening it without memory= gets (the "
+            "budget is not stored: each open passes its own)" if self.memory_bytes is None
+            else "this open's budget",
+            "segments": nseg, "segment_bytes": s["segment_bytes"],
+            "live_records": s["live_records"], "live_bytes": s["live_bytes"],
+            "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],
+            "space_used": round(s["space_used"], 4), "space_ratio": s["space_ratio"],
+            "written_bytes": s["total_written_bytes"],
+            "written_note": "records the seals and the cleaner wrote, over the store's life "
+            "(as of each writer's last flush)",
+            "updated_bytes": s["total_user_bytes"],
+            "updated_note": "records the steps and writes updated, over the store's life",
+            "write_amplification": round(s["total_write_amplification"], 4)
+            if s["total_user_bytes"] else None,
+            "write_amplification_note": "written / updated (below 1: the region absorbed "
+            "repeated updates of the same rows)",
+            "summary": f"log store ({nseg} segment{'' if nseg == 1 else 's'})",
+        }
+
+    def verify(self) -> list[str]:
+        """Every file of the last flush read whole and CRC-checked (a read-only open with
+        ``check="full"``), then the index checked against the segments."""
+        eng = _log.open(self.path, "r", check="full")
+        try:
+            return [f"index: {p}" for p in eng.verify()]
+        finally:
+            eng.close()
+
     # -- life cycle ----------------------------------------------------------------------------
-    def sync(self) -> None:
-        """Everything so far durable (the engine's flush at its count and meta)."""
-        self.engine.flush()
-
-    def journal_void(self) -> None:
-        """No undo journal to void: a log store's commit log (durability='step') holds only
-        steps after its manifest's count, and every flush starts a new one."""
-
     def close(self) -> None:
         ra, self._readahead = self._readahead, None
         if ra is not None and ra.pid == os.getpid():
@@ -201,3 +332,4 @@ class LogStore:
 
     def __repr__(self) -> str:
         return f"LogStore({self.engine!r})"
+

@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit
 
 from ._layout import HEADER_BYTES
+from .validation import as_index
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)
@@ -172,21 +173,12 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     region nor never written are read ahead from their segments into the page cache (the
     ``step`` that needs them copies them into the region without waiting on the disk).
     """
-    from ._step import as_index  # late import: _step imports the kernels
-
     st = state.store
     if st.closed:
         raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
     rows = as_index(idx, st.num_rows)
-    if getattr(st, "storage", "inplace") == "log":
-        if rows.size:
-            st.prefetch(np.unique(rows), wait)
-        return
     if rows.size:
-        pf = _prefetcher(state)
-        pf.submit(rows)
-        if wait:
-            pf.join()
+        st.prefetch(rows, wait)
 
 
 def writeback(state, idx: Any) -> None:
@@ -199,10 +191,8 @@ def writeback(state, idx: Any) -> None:
     docs/benchmarks.md, design measurements), so it is kept only for
     ``benchmarks.ooc --modes pipeline``.
     """
-    from ._step import as_index
-
     st = state.store
-    if st.closed or st.mode != "r+" or getattr(st, "storage", "inplace") == "log":
+    if st.closed or st.mode != "r+" or not st.table_view:  # a mapping's pages only
         return
     rows = as_index(idx, st.num_rows)
     if rows.size:
@@ -240,16 +230,17 @@ def residency(state, idx: Any) -> float:
     A page-cache hit rate for benchmarks; 1.0 for an empty batch. On a log-structured store
     (``storage="log"``): the fraction of the rows that are resident in its memory region.
     """
-    from ._step import as_index
-
     st = state.store
-    if getattr(st, "storage", "inplace") == "log" and st.closed:
+    if st.closed:
         raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
     rows = np.unique(as_index(idx, st.num_rows))
     if rows.size == 0:
         return 1.0
-    if getattr(st, "storage", "inplace") == "log":
-        return float((st.engine.loc[rows] < 0).mean())
+    return st.residency(rows)
+
+
+def mapped_residency(st, rows: np.ndarray) -> float:
+    """``residency`` of an in-place store: mincore over the mapped pages of ``rows``."""
     pages = _row_pages(rows, st.stride * st.dtype.itemsize)
     base = st.data.__array_interface__["data"][0] - HEADER_BYTES
     npages = -(-st.nbytes // PAGE)

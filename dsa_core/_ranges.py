@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from ._engine import closed_error
 from ._layout import HEADER_BYTES
 from ._prefetch import PAGE, _libc, _sync_file_range
 
@@ -63,8 +64,7 @@ _madvise.restype = ctypes.c_int
 _CREATE_LOCK = threading.Lock()
 
 
-def _closed_error(st) -> ValueError:
-    return ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+_closed_error = closed_error
 
 
 class _Request:
@@ -336,9 +336,12 @@ def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
     if st.closed:
         raise _closed_error(st)
     start, stop = _check_range(st, start, stop)
-    if getattr(st, "storage", "inplace") == "log":
-        _submit_log(kind, st, start, stop, wait)
-        return
+    st.submit_range(kind, start, stop, wait)
+
+
+def submit_mapped(st: Any, kind: str, start: int, stop: int, wait: bool) -> None:
+    """The range calls of an in-place store (its ``submit_range``): queued on its range
+    thread."""
     w = _worker(st, create=stop > start)
     if w is not None:
         w.raise_error()
@@ -348,20 +351,6 @@ def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
     if wait:
         req.done.wait()
         w.raise_error()
-
-
-def _submit_log(kind: str, st: Any, start: int, stop: int, wait: bool) -> None:
-    """The range calls on a log store: a load reads the range's on-disk records ahead (its
-    read-ahead thread; ``step`` then copies them into the region without waiting), a
-    release seals the range's dirty records in row order and frees its region slots, at
-    once (the engine has one thread: the caller's)."""
-    if stop == start:
-        return
-    rows = np.arange(start, stop, dtype=np.int64)
-    if kind == "load":
-        st.prefetch(rows, wait)
-    elif st.mode == "r+":
-        st.engine.release(rows)
 
 
 def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None:
@@ -475,14 +464,11 @@ def wait_ranges(state: Any) -> None:
     >>> dsa_core.wait_ranges(state)
     >>> dsa_core.close(state)
     """
-    st = _store_of(state)
-    if getattr(st, "storage", "inplace") == "log":
-        if st.closed:
-            raise _closed_error(st)
-        ra = st._readahead
-        if ra is not None and ra.pid == os.getpid():
-            ra.join()
-        return
+    _store_of(state).wait_ranges()
+
+
+def wait_mapped(st: Any) -> None:
+    """``wait_ranges`` of an in-place store: a barrier through its range thread."""
     w = _worker(st, create=False)
     if w is None:
         if st.closed:

@@ -38,6 +38,7 @@ from .validation import (
     check_storage,
     check_weight_decay_options,
 )
+from .validation import as_index
 
 _INIT_CHUNK_BYTES = 1 << 24  # 16 MiB of records per initialisation chunk
 
@@ -110,11 +111,21 @@ class State(NamedTuple):
     def storage(self) -> str:
         """The store kind: ``"inplace"`` (one mapped file of records, updated in place) or
         ``"log"`` (the log-structured store; ``create(storage="log")``)."""
-        return getattr(self.store, "storage", "inplace")
+        return self.store.kind
+
+    @property
+    def has_table_view(self) -> bool:
+        """True when the store has whole-table numpy views (:attr:`weights`,
+        :attr:`exp_avg`, :attr:`exp_avg_sq`, :attr:`row_steps`...): an in-place store's
+        mapped file. A log store has none (its records live in a memory region and in
+        segments): read and write rows with :func:`dsa_core.gather`,
+        :func:`dsa_core.read_records` and :func:`dsa_core.write_records`, which work on
+        every store."""
+        return self.store.table_view
 
     def _require_view(self, name: str) -> None:
-        if self.storage == "log":
-            self.store._no_view(f"State.{name}")
+        if not self.store.table_view:
+            self.store.no_view(f"State.{name}")
 
     @property
     def num_rows(self) -> int:
@@ -368,12 +379,10 @@ def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_eps: float
 
 
 # -- life cycle ----------------------------------------------------------------------------------
-def _manifest(state: State) -> dict[str, Any]:
+def state_meta(state: State) -> dict[str, Any]:
+    """What every commit point of the store records beside the count: the hyperparameters
+    and the durability of ``state`` (an engine's ``flush``/``commit_step`` ``meta``)."""
     return {
-        "format": _layout.FORMAT_NAME,
-        "version": _layout.layout_version(state.store.layout),
-        "layout": state.store.layout,
-        "count": int(state.count),
         "hparams": {
             "lr": state.lr,
             "betas": list(state.betas),
@@ -658,19 +667,13 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             store.commit_new_file()
             state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability,
                           weight_decay, decoupled_weight_decay)
-            _layout.write_manifest(directory, _manifest(state))
+            _layout.write_manifest(directory, store.manifest(0, state_meta(state)))
         except BaseException:
             store.close()
             (directory / (_layout.DATA_FILE + ".tmp")).unlink(missing_ok=True)
             (directory / _layout.DATA_FILE).unlink(missing_ok=True)
             raise
     return state
-
-
-def _log_meta(state: State) -> dict[str, Any]:
-    """The hyperparameters a log store commits with every flush (its engine's ``meta``)."""
-    m = _manifest(state)
-    return {"hparams": m["hparams"], "durability": m["durability"]}
 
 
 def _state_of_log(store: LogStore, count: int, hp: dict[str, Any], durability: str) -> State:
@@ -698,7 +701,7 @@ def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                       space_ratio=space_ratio, overwrite=overwrite)
     store = LogStore(eng)
     state = _state_of_log(store, 0, hp, durability)
-    eng.meta = _log_meta(state)
+    eng.meta = state_meta(state)
     eng.wal_on = durability == "step"  # the first flush names a commit log
     try:
         if init is not None and not isinstance(init, str):
@@ -833,15 +836,7 @@ def flush(state: State) -> None:
     :class:`StaleStateError` instead.
     """
     require_current(state)
-    if state.storage == "log":  # seal the dirty slots, commit a manifest with count and meta
-        eng = state.store.engine
-        eng.meta = _log_meta(state)
-        eng.wal_on = state.durability == "step"  # a new commit log, or none
-        eng.flush(int(state.count))
-        return
-    state.store.sync()
-    state.store.journal_void()  # a stale undo record must never roll back flushed rows
-    _layout.write_manifest(state.store.path, _manifest(state))
+    state.store.flush(int(state.count), state_meta(state))
 
 
 def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
@@ -874,17 +869,8 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     if dest.exists() and not overwrite:
         raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
                               "overwrite=True to replace it")
-    if state.storage == "log":  # flush, then hard links to the immutable segments
-        eng = state.store.engine
-        eng.meta = _log_meta(state)
-        eng.wal_on = state.durability == "step"
-        return eng.checkpoint(dest, int(state.count), overwrite=overwrite)
-    flush(state)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with staged_dir(dest, overwrite) as tmp:
-        copy_file(state.store.file, tmp / _layout.DATA_FILE)
-        _layout.write_manifest(tmp, _manifest(state))
-    return dest
+    return state.store.checkpoint(dest, int(state.count), state_meta(state),
+                                  overwrite=overwrite)
 
 
 _RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk
@@ -931,15 +917,9 @@ def restore(live: State, snapshot: State) -> State:
     if snapshot.store.closed:
         raise ValueError(f"store {str(snapshot.path)!r} (the snapshot) is closed; reopen it "
                          "with dsa_core.open(path, mode='r')")
-    live.store.journal_void()
+    live.store.before_restore()
     _copy_records(snapshot, live)
     return set_count(live, snapshot.count)
-
-
-def _read_block(state: State, lo: int, hi: int) -> np.ndarray:
-    if state.storage == "log":
-        return state.store.engine.read(np.arange(lo, hi, dtype=np.int64))
-    return state.store.data[lo:hi]
 
 
 def _copy_records(src: State, dst: State) -> None:
@@ -948,11 +928,8 @@ def _copy_records(src: State, dst: State) -> None:
     rows = max(1, _RESTORE_CHUNK_BYTES // (st.stride * st.dtype.itemsize))
     for lo in range(0, st.num_rows, rows):
         hi = min(st.num_rows, lo + rows)
-        blk = _read_block(src, lo, hi)
-        if dst.storage == "log":
-            st.engine.write(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(blk))
-        else:
-            st.data[lo:hi] = blk
+        rows = np.arange(lo, hi, dtype=np.int64)
+        st.write(rows, src.store.read(rows))
 
 
 def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
@@ -1034,13 +1011,10 @@ def read_records(state: State, idx: Any) -> np.ndarray:
     ``state.layout``. With :func:`write_records`, this moves rows between stores of equal
     layout entries (resharding, merging) without knowing what a record holds.
     """
-    from ._step import as_index
     st = state.store
     if st.closed:
         raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
-    if state.storage == "log":
-        return st.engine.read(as_index(idx, st.num_rows))
-    return st.data[as_index(idx, st.num_rows)]
+    return st.read(as_index(idx, st.num_rows))
 
 
 def write_records(state: State, idx: Any, records: Any) -> None:
@@ -1050,7 +1024,6 @@ def write_records(state: State, idx: Any, records: Any) -> None:
     :func:`read_records` returns them for a store of the same layout. Checked before
     anything is written; ``state`` must be current. Durable at the next flush.
     """
-    from ._step import as_index
     require_current(state)
     st = state.store
     idx = as_index(idx, st.num_rows)
@@ -1062,10 +1035,7 @@ def write_records(state: State, idx: Any, records: Any) -> None:
     if idx.shape[0] > 1 and np.unique(idx).shape[0] != idx.shape[0]:
         raise ValueError("idx must not repeat a row in write_records (which record would win "
                          "is undefined); pass unique row ids")
-    if state.storage == "log":
-        st.engine.write(idx, np.ascontiguousarray(rec))
-        return
-    st.data[idx] = rec
+    st.write(idx, rec)
 
 
 def close(state: State) -> None:

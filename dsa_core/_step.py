@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _layout, _log, _pool
+from . import _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
+from ._engine import scratch
 from ._intrinsics import WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_euclid import (
     adam_rows_euclid,
@@ -25,32 +26,10 @@ from ._kernels_euclid import (
     euclid_rowwise_options_kernel,
 )
 from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_options_kernel
-from ._state import State, _log_meta, _manifest, maxnorm, require_current
-from .validation import check_lr, check_weight_decay
+from ._state import State, maxnorm, require_current, state_meta
+from .validation import as_index, check_lr, check_weight_decay
 
 __all__ = ["as_index", "gather", "step", "warmup"]
-
-
-def as_index(idx: Any, num_rows: int, name: str = "idx") -> np.ndarray:
-    """Check and convert row ids to a 1-D C-contiguous int64 array in ``[0, num_rows)``."""
-    arr = np.asarray(idx)
-    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integer row ids, got dtype {arr.dtype}; "
-                        f"convert with {name}.astype(np.int64) (floats are not rounded for you)")
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D (one row id per gradient row), got shape "
-                         f"{arr.shape}; flatten it with {name}.reshape(-1) and reshape the "
-                         "gradient to (len(idx), dim) to match")
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    if not arr.flags.writeable:  # e.g. np.asarray(jax.Array): keep one numba specialisation
-        arr = arr.copy()
-    if arr.shape[0]:
-        lo, hi = bounds(arr)
-        if lo < 0 or hi >= num_rows:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"{name} must lie in [0, num_rows) = [0, {num_rows}); got "
-                             f"{bad} (min {lo}, max {hi})")
-    return arr
 
 
 def _as_rows(a: Any, n: int, dim: int, dtype: np.dtype, name: str) -> np.ndarray:
@@ -186,52 +165,35 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             "(nonfinite='raise'). Use nonfinite='skip_row' to skip such rows")
 
     t = state.count + 1
-    new = state._replace(count=t)
     if b:
         if is_strictly_increasing(idx):
             srows, G, inv = idx, grad, None
         else:
             srows, G, inv = coalesce(idx, grad, want_inverse=st.w_off is None,
-                                     out=_scratch(st, "coalesced", b * st.dim))
-    if getattr(st, "storage", "inplace") == "log":
-        if state.durability == "step":
-            _step_logged(state, t, lr, srows if b else None, G if b else None,
-                         inv if b else None, params, table)
-            return new
-        # the log store: the batch's unique rows get region slots (checked to fit before
-        # anything changes); the kernels update the slots' records as they would the rows
-        if b:
-            eng = st.engine
-            eng.check_batch(srows.shape[0])
-            slots = eng.acquire(srows, check=False)
-            _apply(state, t, lr, srows, G, inv, params, table, data=eng.region, drows=slots)
-        st.count = t
-        return new
-    if state.durability != "step":
-        if b:
-            _apply(state, t, lr, srows, G, inv, params, table)
-        st.count = t
-        return new
-    # journaled: undo record first (nothing changes if it cannot be written in full), then
-    # the rows, fdatasync, and the manifest with the new count as the commit point
-    undo = st.journal_write(srows, state.count) if b else None
-    kept = None if params is None else params.copy()
-    kept_rows = table[srows] if table is not None and b else None
+                                     out=scratch(st, "coalesced", b * st.dim))
+        st.check_batch(srows.shape[0])  # before anything changes
+    else:
+        srows, G, inv = idx, grad, None
+    # the engine's step protocol (dsa_core._engine): where the kernels write, then the
+    # commit; on any error the engine undoes what it can and the caller's rows come back
+    meta = state_meta(state)
+    # durability="step" promises that a failed step changes nothing: the caller's rows too
+    atomic = b and state.durability == "step"
+    kept = params.copy() if atomic and params is not None else None
+    kept_rows = table[srows] if atomic and table is not None else None
+    data, drows = st.begin_step(srows, state.count, meta)
     try:
         if b:
-            _apply(state, t, lr, srows, G, inv, params, table)
-            st.data_sync()
-        _layout.write_manifest(st.path, _manifest(new))
+            _apply(state, t, lr, srows, G, inv, params, table, data=data, drows=drows)
+        st.commit_step(t, meta)
     except BaseException:
-        if b:  # roll back in place: the caller's state (the old count) is right again
-            st.data[srows] = undo
-            if kept is not None:
-                params[...] = kept
-            if kept_rows is not None:
-                table[srows] = kept_rows
+        st.abort_step()
+        if kept is not None:
+            params[...] = kept
+        if kept_rows is not None:
+            table[srows] = kept_rows
         raise
-    st.count = t
-    return new
+    return state._replace(count=t)
 
 
 def check_batch(state: State, idx: Any) -> None:
@@ -244,67 +206,11 @@ def check_batch(state: State, idx: Any) -> None:
     by the second store does not leave the first one stepped. Writes nothing.
     """
     st = state.store
-    if getattr(st, "storage", "inplace") != "log":
-        return
     idx = as_index(idx, st.num_rows)
     n = idx.shape[0]
-    if n > st.engine.slots:  # only a batch longer than the region can fail: count its rows
+    if n > st.max_batch():  # only a batch longer than the limit can fail: count its rows
         n = np.unique(idx).shape[0]
-    st.engine.check_batch(n)
-
-
-def _step_logged(state: State, t: int, lr: float, srows, G, inv, params, table) -> None:
-    """Step ``t`` of a log store with ``durability="step"``: committed by one append +
-    fdatasync to its commit log (``LogEngine.begin_step`` / ``commit_step``).
-
-    The kernels update a copy of the batch's records, never the region: the region gets the
-    new records only once the log entry is durable, so an error anywhere (the kernels, the
-    write, the sync) leaves the region, and the caller's ``params``/``table`` (restored
-    from a copy), exactly as before the step.
-    """
-    st = state.store
-    eng = st.engine
-    n = 0 if srows is None else srows.shape[0]
-    if n:
-        eng.check_batch(n)  # before anything changes, the flush below included
-    eng.begin_step(state.count, _log_meta(state))
-    if not n:
-        empty = np.empty(0, np.int64)
-        eng.commit_step(t, empty, empty, np.empty((0, st.stride), st.dtype))
-        return
-    slots = eng.acquire(srows, check=False)
-    rec = _scratch(st, "logged_records", n * st.stride).reshape(n, st.stride)
-    _log.gather_records(eng.region, slots, rec)
-    kept = None if params is None else params.copy()
-    kept_rows = table[srows] if table is not None else None
-    try:
-        _apply(state, t, lr, srows, G, inv, params, table, data=rec,
-               drows=np.arange(n, dtype=np.int64))
-        eng.commit_step(t, srows, slots, rec)
-    except BaseException:
-        if kept is not None:
-            params[...] = kept
-        if kept_rows is not None:
-            table[srows] = kept_rows
-        raise
-
-
-_SCRATCH_MAX_BYTES = 16 << 20
-
-
-def _scratch(st, key: str, n: int) -> np.ndarray:
-    """A reused 1-D buffer of at least ``n`` elements of the store dtype, kept on the store.
-
-    Fresh ``np.empty`` blocks of ~1 MB come from mmap and page-fault on every step, a visible
-    share of a small step (figures: docs/benchmarks.md, design measurements). A store has
-    one writer and its steps run one after another, so one buffer per use is safe.
-    """
-    buf = st.scratch.get(key)
-    if buf is None or buf.shape[0] < n:
-        buf = np.empty(max(n, 1), st.dtype)
-        if buf.nbytes <= _SCRATCH_MAX_BYTES:  # a one-off huge batch is not kept
-            st.scratch[key] = buf
-    return buf[:n]
+    st.check_batch(n)
 
 
 def _min_chunk(dim: int) -> int:
@@ -312,13 +218,11 @@ def _min_chunk(dim: int) -> int:
     return max(16, 16384 // dim)
 
 
-def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None, *,
-           data=None, drows=None) -> None:
-    """Run the kernel on the records ``data[drows]`` (default: the mapped rows ``srows``)
-    of the unique rows ``srows``; the caller's ``params``/``table`` are indexed as rows."""
+def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
+           data: np.ndarray, drows: np.ndarray) -> None:
+    """Run the kernel on the records ``data[drows]`` of the unique rows ``srows`` (the
+    engine's ``begin_step``); the caller's ``params``/``table`` are indexed as rows."""
     st = state.store
-    if data is None:
-        data, drows = st.data, srows
     if st.w_off is not None:
         W, wrows, woff = data, drows, st.w_off
     elif table is not None:  # the caller's whole table: its rows srows, in place
@@ -375,7 +279,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table=None, *
                               bc1=bc1, bc2=bc2, eps=state.eps,
                               maxnorm=maxnorm(st.curvature, state.ball_eps, st.dtype),
                               maximize=state.maximize, weight_decay=wd)
-        Y = _scratch(st, "poincare_y", G.size).reshape(G.shape)
+        Y = scratch(st, "poincare_y", G.size).reshape(G.shape)
         _pool.run_chunked(poincare_options_kernel(*spec) if spec else adam_rows_poincare,
                           (W, wrows, woff, data, drows, st.m_off, st.v_off, G, Y, hp, skip,
                            *opts), n, chunk)
@@ -403,11 +307,7 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
         raise ValueError(f"out must be a C-contiguous ({idx.shape[0]}, {st.dim}) "
                          f"{st.dtype.name} array, got {out.shape} {out.dtype}")
     if idx.shape[0]:
-        if getattr(st, "storage", "inplace") == "log":  # never changes the region's residency
-            out[...] = st.engine.read(idx, cols=slice(st.w_off, st.w_off + st.dim))
-            return out
-        _pool.run_chunked(gather_rows, (st.data, idx, st.w_off, out), idx.shape[0],
-                          _min_chunk(st.dim))
+        st.gather(idx, out)
     return out
 
 

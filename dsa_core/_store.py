@@ -22,9 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from ._files import fsync_dir
+from . import _layout
+from ._coalesce import gather_rows
+from ._files import copy_file, fsync_dir, staged_dir
 from ._layout import (
     DATA_FILE,
+    FORMAT_NAME,
     FORMAT_VERSION,
     HEADER_BYTES,
     JOURNAL_FILE,
@@ -32,8 +35,12 @@ from ._layout import (
     MAGIC,
     counter_dtype,
     header_bytes,
+    layout_version,
 )
 from ._paging import _RAM_STORES, auto_access, check_access
+from ._pool import run_chunked
+from ._prefetch import Prefetcher, mapped_residency
+from ._ranges import submit_mapped, wait_mapped
 
 __all__ = ["Store", "StoreLockedError"]
 
@@ -47,12 +54,18 @@ class StoreLockedError(RuntimeError):
 
 
 class Store:
-    """The open files of one store: the mapped records, the lock, the layout.
+    """The in-place engine (``_engine.Engine``): the mapped records, the lock, the layout.
 
     ``data`` is a plain ``numpy.ndarray`` of shape ``(num_rows, stride)`` over a
     shared ``mmap`` of ``rows.dsa`` (writes reach the file). The object is shared
     by every ``State`` derived from the one returned by ``create``/``open``.
     """
+
+    kind = "inplace"
+    table_view = True         # ``data`` is the whole table
+    reads_last_flush = False  # a reader beside a writer sees rows as the writer changes them
+    description = "one mapped file of records"
+    checks = "header and size ok"
 
     def __init__(self, directory: Path, layout: dict[str, Any], mode: str,
                  access: str = "auto"):
@@ -89,6 +102,8 @@ class Store:
         self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
         self._ranges = None  # dsa_core._ranges.RangeWorker, created on first load/release_range
         self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
+        self.settings: dict[str, Any] = {}  # open-time settings (dsa_core._state)
+        self._undo: tuple[np.ndarray, np.ndarray] | None = None  # the journaled step's rows
 
     # -- opening ---------------------------------------------------------------------------
     @property
@@ -306,6 +321,98 @@ class Store:
         jpath.unlink()
         fsync_dir(self.path)
         return action
+
+    # -- the engine interface (dsa_core._engine) -----------------------------------------
+    def check_batch(self, n: int) -> None:
+        """Any batch fits: the rows are stepped where they lie."""
+
+    def max_batch(self) -> int:
+        return self.num_rows
+
+    def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """The mapped rows themselves; with ``durability="step"`` their undo record first
+        (:meth:`journal_write`: nothing changes if it cannot be written in full)."""
+        self._undo = None
+        if meta.get("durability") == "step" and rows.shape[0]:
+            self._undo = (rows, self.journal_write(rows, count))
+        return self.data, rows
+
+    def commit_step(self, t: int, meta: dict[str, Any]) -> None:
+        """``durability="step"``: fdatasync the rows, then the manifest with ``t`` (the
+        commit point); ``"flush"``: the rows are in the mapping, durable at the next flush."""
+        if meta.get("durability") == "step":
+            if self._undo is not None:
+                self.data_sync()
+            _layout.write_manifest(self.path, self.manifest(t, meta))
+        self._undo = None
+        self.count = t
+
+    def abort_step(self) -> None:
+        """Roll a journaled step back in place (``"flush"``: nothing was saved to undo)."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            self.data[undo[0]] = undo[1]
+
+    def manifest(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """The manifest committing ``count`` with ``meta`` (hparams, durability, settings)."""
+        return {"format": FORMAT_NAME, "version": layout_version(self.layout),
+                "layout": self.layout, "count": int(count), **meta}
+
+    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
+        return self.data[rows] if cols is None else self.data[rows, cols]
+
+    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
+        self.data[rows] = records
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        run_chunked(gather_rows, (self.data, rows, self.w_off, out), rows.shape[0],
+                    max(16, 16384 // self.dim))
+
+    def flush(self, count: int, meta: dict[str, Any]) -> None:
+        """msync the rows, void the undo journal, then the manifest (the commit point)."""
+        self.sync()
+        self.journal_void()  # a stale undo record must never roll back flushed rows
+        _layout.write_manifest(self.path, self.manifest(count, meta))
+
+    def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
+                   overwrite: bool) -> Path:
+        """Flush, then copy the data file (reflink where the filesystem can) beside the
+        manifest into a staged directory renamed into place."""
+        self.flush(count, meta)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with staged_dir(dest, overwrite) as tmp:
+            copy_file(self.file, tmp / DATA_FILE)
+            _layout.write_manifest(tmp, self.manifest(count, meta))
+        return dest
+
+    def before_restore(self) -> None:
+        """A journal of the last step could roll restored rows back at the next open."""
+        self.journal_void()
+
+    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None:
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(self)
+        self._prefetcher.submit(rows)
+        if wait:
+            self._prefetcher.join()
+
+    def residency(self, rows: np.ndarray) -> float:
+        return mapped_residency(self, rows)
+
+    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
+        submit_mapped(self, kind, start, stop, wait)
+
+    def wait_ranges(self) -> None:
+        wait_mapped(self)
+
+    def stats(self) -> dict[str, Any]:
+        """Nothing beyond what ``dsa info`` reads from the State."""
+        return {}
+
+    def verify(self) -> list[str]:
+        """Header, layout and size are checked at open; nothing more to check here."""
+        return []
 
     # -- lifetime ----------------------------------------------------------------------------
     def sync(self) -> None:

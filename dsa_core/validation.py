@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from ._coalesce import bounds
 from ._layout import FIRST_MOMENTS, SECOND_MOMENTS
 from ._paging import ACCESS_MODES, check_access
 
 __all__ = [
     "ACCESS_MODES",
+    "as_index",
     "DURABILITY_MODES",
     "FIRST_MOMENTS",
     "INIT_NAMES",
@@ -54,6 +56,32 @@ STORAGE_CHOICES = ("auto", *STORAGE_KINDS)
 
 def _p(what: str) -> str:
     return f"{what}: " if what else ""
+
+
+def as_index(idx: Any, num_rows: int, name: str = "idx") -> np.ndarray:
+    """Check and convert row ids to a 1-D C-contiguous int64 array in ``[0, num_rows)``.
+
+    The one row-id rule of the core (``step``, ``gather``, ``read_records``, the hints and
+    the engines all take ids through it).
+    """
+    arr = np.asarray(idx)
+    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer row ids, got dtype {arr.dtype}; "
+                        f"convert with {name}.astype(np.int64) (floats are not rounded for you)")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (one row id per gradient row), got shape "
+                         f"{arr.shape}; flatten it with {name}.reshape(-1) and reshape the "
+                         "gradient to (len(idx), dim) to match")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if not arr.flags.writeable:  # e.g. np.asarray(jax.Array): keep one numba specialisation
+        arr = arr.copy()
+    if arr.shape[0]:
+        lo, hi = bounds(arr)
+        if lo < 0 or hi >= num_rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{name} must lie in [0, num_rows) = [0, {num_rows}); got "
+                             f"{bad} (min {lo}, max {hi})")
+    return arr
 
 
 def check_lr(lr: Any, *, allow_zero: bool = False, what: str = "") -> float:

@@ -111,12 +111,13 @@ def install_kill(point: str, at: int) -> None:
     elif point in ("mid-kernel", "kernel"):
         real_a = stp._apply
 
-        def _apply(state, t, lr, srows, G, inv, params, table=None):
+        def _apply(state, t, lr, srows, G, inv, params, table, *, data, drows):
             if now() and point == "mid-kernel":
                 h = max(1, srows.shape[0] // 2)
-                real_a(state, t, lr, srows[:h], G[:h], inv, params, table)
+                real_a(state, t, lr, srows[:h], G[:h], inv, params, table, data=data,
+                       drows=drows[:h])
                 _die()
-            real_a(state, t, lr, srows, G, inv, params, table)
+            real_a(state, t, lr, srows, G, inv, params, table, data=data, drows=drows)
             if now():
                 _die()
         stp._apply = _apply

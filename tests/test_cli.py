@@ -440,7 +440,7 @@ def test_info_and_verify_on_a_log_store(tmp_path, capsys):
     idx.write_bytes(bytes(raw))
     assert main(["verify", str(tmp_path / "s"), "--quiet"]) == 1
     out = capsys.readouterr().out
-    assert "PROBLEM: the log store does not check out" in out and idx.name in out
+    assert "PROBLEM: the store does not check out" in out and idx.name in out
 
 
 def test_info_skips_hidden_directories(tmp_path, capsys):

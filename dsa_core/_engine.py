@@ -1,0 +1,160 @@
+"""The seam between the functional core and its storage engines.
+
+``dsa_core``'s functions (``step``, ``gather``, ``flush``, ``checkpoint``, ``restore``,
+``convert``, ``read_records``/``write_records``, the read-ahead and range hints, the CLI) talk
+to an open store only through the :class:`Engine` protocol below. Two engines implement it:
+
+* ``_store.Store`` -- the **in-place** store: one mapped file of fixed-size records, updated
+  where they lie;
+* ``_log_store.LogStore`` -- the **log-structured** store: records in immutable segment
+  files, a memory region of slots in front of them, an index and a cleaner.
+
+Which one a store uses is a performance choice (``storage=``), never a behaviour: the same
+calls give the same numbers, the same files mean the same thing, a crash is recovered the
+same way. What an engine cannot hide is declared here as data (:attr:`Engine.table_view`,
+:attr:`Engine.reads_last_flush`) and listed with its reason in ``docs/storage.md``; code
+outside the engines never asks which kind it holds (``tests/test_seam.py`` guards that).
+
+The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
+
+1. ``check_batch(n)`` -- raise before anything changes if ``n`` distinct rows cannot be
+   stepped at once (a log store's region must hold them);
+2. ``data, where = begin_step(rows, count, meta)`` -- the records the kernels update are
+   ``data[where[k]]`` for ``rows[k]`` (the mapped rows themselves in place; region slots,
+   or a private copy of them when each step is committed on its own);
+3. the kernels run on ``data[where]``;
+4. ``commit_step(t, meta)`` -- the step takes effect (``durability="step"``: durably);
+   or ``abort_step()`` if anything in 3-4 raised: the records are as before 2.
+
+``meta`` is the dict of the store's hyperparameters and durability that a flush records
+(``{"hparams": {...}, "durability": ...}``); every commit point writes it with the count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["Engine", "closed_error", "scratch"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An open store as the functional core sees it (shared by every ``State`` of it)."""
+
+    # -- what it is (read-only after open) ---------------------------------------------------
+    kind: str                  # "inplace" | "log": for messages, stats and ``State.storage``
+    path: Path
+    mode: str                  # "r+" (the one writer) | "r"
+    layout: dict[str, Any]     # the record layout (``_layout.make_layout``)
+    num_rows: int
+    dim: int
+    dtype: np.dtype
+    curvature: float
+    stride: int                # elements per record
+    w_off: int | None          # element offsets of the record's parts (None: no weights)
+    m_off: int
+    v_off: int
+    v_width: int
+    m_width: int
+    rowwise: bool              # one v per row
+    m_bf16: bool               # m packed as bfloat16
+    rs_off: int                # per-row counters, -1 when absent
+    ls_off: int
+    table_view: bool           # ``data`` is a whole-table ndarray (else it raises)
+    reads_last_flush: bool     # a reader beside a writer sees the writer's last flush
+    scratch: dict[str, np.ndarray]  # the core's reused buffers (one writer: safe)
+
+    # -- live state ---------------------------------------------------------------------------
+    count: int                 # the live step count (that of the newest State)
+    closed: bool
+    access: str                # how its memory is paged ("ram" | "disk" | "log")
+    access_request: str
+    settings: dict[str, Any]   # open-time settings as given (remembered by the store)
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def data(self) -> np.ndarray: ...
+
+    # -- stepping -----------------------------------------------------------------------------
+    def check_batch(self, n: int) -> None:
+        """Raise ``ValueError`` if ``n`` distinct rows cannot be stepped at once."""
+
+    def max_batch(self) -> int:
+        """The most distinct rows one step may hold (``num_rows`` when unbounded)."""
+
+    def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Where the kernels update the records of ``rows`` (unique, checked ids)."""
+
+    def commit_step(self, t: int, meta: dict[str, Any]) -> None:
+        """Step ``t`` takes effect (``count`` becomes ``t``)."""
+
+    def abort_step(self) -> None:
+        """Undo a begun step whose kernels or commit raised."""
+
+    # -- records ----------------------------------------------------------------------------
+    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
+        """A copy of the records (or the columns ``cols`` of them) of checked ids."""
+
+    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
+        """Overwrite the whole records of unique checked ids (durable at the next flush)."""
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """The weight rows of checked ids into ``out`` (len(rows), dim); residency unchanged."""
+
+    # -- durability -------------------------------------------------------------------------
+    def flush(self, count: int, meta: dict[str, Any]) -> None:
+        """Every step so far durable, committed at ``count`` with ``meta``."""
+
+    def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
+                   overwrite: bool) -> Path:
+        """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing)."""
+
+    def before_restore(self) -> None:
+        """Called before every record is overwritten from a snapshot."""
+
+    # -- hints (never change a value) -------------------------------------------------------
+    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None: ...
+
+    def residency(self, rows: np.ndarray) -> float: ...
+
+    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None: ...
+
+    def wait_ranges(self) -> None: ...
+
+    # -- information and life cycle ---------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """What ``dsa info`` prints about the engine (JSON-able)."""
+
+    def verify(self) -> list[str]:
+        """The engine's own checks of its files; a list of problems (empty: ok)."""
+
+    def close(self) -> None: ...
+
+
+_SCRATCH_MAX_BYTES = 16 << 20
+
+
+def scratch(st: Engine, key: str, n: int) -> np.ndarray:
+    """A reused 1-D buffer of at least ``n`` elements of the store dtype, kept on the engine.
+
+    Fresh ``np.empty`` blocks of ~1 MB come from mmap and page-fault on every step, a visible
+    share of a small step (figures: docs/benchmarks.md, design measurements). A store has
+    one writer and its steps run one after another, so one buffer per use is safe.
+    """
+    buf = st.scratch.get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = np.empty(max(n, 1), st.dtype)
+        if buf.nbytes <= _SCRATCH_MAX_BYTES:  # a one-off huge batch is not kept
+            st.scratch[key] = buf
+    return buf[:n]
+
+
+def closed_error(st: Engine) -> ValueError:
+    """The error of any call on a closed store."""
+    return ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
