@@ -20,6 +20,7 @@ the returned value. The core never imports torch or jax; ``adapters.torch`` and
 from . import validation
 from ._files import staged_dir, write_json
 from ._layout import FORMAT_VERSION
+from ._log_store import region_memory
 from ._paging import ACCESS_MODES, check_access, paging_limits
 from ._pool import get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
@@ -67,6 +68,7 @@ __all__ = [
     "prefetch",
     "prefetched",
     "read_records",
+    "region_memory",
     "release_range",
     "remove",
     "residency",

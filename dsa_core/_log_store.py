@@ -33,7 +33,7 @@ from ._log_format import MANIFEST_FILE
 from ._paging import memory_limit
 
 __all__ = ["DEFAULT_MEMORY_SHARE", "LOG_FORMAT", "MIN_BATCH_ROWS", "LogStore",
-           "default_memory", "store_kind"]
+           "default_memory", "region_memory", "store_kind"]
 
 DEFAULT_MEMORY_SHARE = 0.25  # of _paging.memory_limit(): the default region budget
 MIN_BATCH_ROWS = 4096        # the default budget always holds a batch of this many rows
@@ -54,6 +54,28 @@ def store_kind(directory: Path) -> str | None:
     if isinstance(manifest, dict) and manifest.get("format") == LOG_FORMAT:
         return "log"
     return "inplace"
+
+
+def region_memory(layout: Any, rows: int) -> int:
+    """The smallest ``memory=`` of a log store whose region holds ``rows`` records.
+
+    ``layout`` is a ``State`` or its ``state.layout``. The budget pays for the index of the
+    table (8 bytes per row) first, then for each record slot (the record plus 42 bytes of
+    bookkeeping). One step's distinct rows must fit in the region.
+
+    >>> import tempfile, dsa_core
+    >>> s = dsa_core.create(tempfile.mkdtemp() + "/t", 1000, 8, storage="log", memory="1MiB")
+    >>> need = dsa_core.region_memory(s, 100)
+    >>> need == 1000 * 8 + 100 * (s.layout["stride"] * 4 + 42)
+    True
+    >>> dsa_core.close(s)
+    """
+    lay = layout.layout if hasattr(layout, "layout") else layout
+    if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)) \
+            or rows < 1:
+        raise ValueError(f"rows must be an int >= 1 (the records the region must hold), got "
+                         f"{rows!r}")
+    return _log.memory_for(dict(lay), int(rows))
 
 
 def default_memory(layout: dict[str, Any]) -> int:
