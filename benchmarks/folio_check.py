@@ -9,8 +9,9 @@ written back whole: a step that changes one 1.5 KB row in a large folio writes m
 Pages faulted in through a ``MADV_RANDOM`` mapping (``access="disk"``) are 4 KiB folios.
 
 For each way of filling the cache, the store is first evicted (fsync +
-``posix_fadvise(DONTNEED)``, and ``drop_caches`` when run as root), then filled that way,
-then ``--rows`` random rows are stepped (``dsa_core.step``, ``access="disk"``) and flushed;
+``posix_fadvise(DONTNEED)``, and ``drop_caches`` when run as root, unless
+``--no-drop-caches``), then filled that way, then ``--rows`` random rows are stepped
+(``dsa_core.step``, ``access="disk"``) and flushed;
 the bytes the store's block device wrote during step + flush (``/proc/diskstats``, after the
 device has been idle for a second) per changed row are reported:
 
@@ -75,16 +76,16 @@ def _settle(dev: str | None, quiet_s: float = 1.0, limit_s: float = 60.0) -> Non
         last = now
 
 
-def _evict(file: Path, drop_all: bool = True) -> None:
+def _evict(file: Path, drop_all: bool = True, pause: float = 0.5) -> None:
     """Drop ``file``'s cached pages. DONTNEED skips folios still under writeback, so it is
-    repeated after the fsync settles, and (``drop_all``) the whole clean page cache is
-    dropped when allowed."""
+    repeated after the fsync settles (``pause`` s), and (``drop_all``) the whole clean page
+    cache is dropped when allowed."""
     fd = os.open(file, os.O_RDONLY)
     try:
         os.fsync(fd)
         for _ in range(2):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            time.sleep(0.5)
+            time.sleep(pause)
     finally:
         os.close(fd)
     if not drop_all:
@@ -132,10 +133,18 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=500, help="rows changed per case")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--cases", nargs="+", default=None, help="a subset, by index (0-4)")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--waits", type=float, default=1.0,
+                    help="scales every wait for the device: the 6 s for ext4's journal, the 1 s "
+                         "of idle device (at most 60 s) before evicting and stepping, the "
+                         "pauses of an eviction (0 in --smoke)")
+    ap.add_argument("--no-drop-caches", action="store_true",
+                    help="evict the store's pages only, never the machine's whole page cache "
+                         "(which a run as root drops otherwise; set by --smoke)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a small store, few rows, no waiting: checks the code, not the figures")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.gb, a.rows = 0.05, 50
+        a.gb, a.rows, a.waits, a.no_drop_caches = 0.01, 50, 0.0, True
     import dsa_core
 
     root = Path(tempfile.mkdtemp(prefix="folio_check_", dir=a.workdir))
@@ -183,16 +192,16 @@ def main(argv=None) -> None:
         for name, fill in cases.items():
             idx = np.sort(rng.choice(n, a.rows, replace=False))
             pre_idx["idx"] = idx
-            _settle(dev)
-            time.sleep(6)  # ext4's journal commit (5 s) releases the pages it pins
-            _evict(file)
+            _settle(dev, a.waits, 60 * a.waits)
+            time.sleep(6 * a.waits)  # ext4's journal commit (5 s) releases the pages it pins
+            _evict(file, drop_all=not a.no_drop_caches, pause=0.5 * a.waits)
             evicted = _resident(path)
             fill()
             filled = _resident(path)
             for extra in (root / "copy.bin", root / "ckpt" / "rows.dsa"):
                 if extra.exists():  # its own dirty pages must not count below
-                    _evict(extra, drop_all=False)
-            _settle(dev)
+                    _evict(extra, drop_all=False, pause=0.5 * a.waits)
+            _settle(dev, a.waits, 60 * a.waits)
             st = dsa_core.open(path, access="disk")
             resident = dsa_core.residency(st, idx)  # what the fill left cached of these rows
             w0 = _written_bytes(dev)

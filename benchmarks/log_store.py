@@ -127,7 +127,7 @@ def bench_checkpoint(a, root: Path) -> list[dict]:
             dsa_core.flush(log)
             dirty = 0
         dest = root / f"ck_{len(out)}"
-        wait_disk_quiet(60)
+        wait_disk_quiet(a.quiet_seconds)
         sealed0 = log.store.engine.stats()["file_bytes_written"]
         t0 = time.perf_counter()
         dsa_core.checkpoint(log, dest)
@@ -196,12 +196,15 @@ def main(argv=None) -> None:
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--pass-order", choices=("permutation", "uniform"), default="permutation")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--quiet-seconds", type=float, default=60.0,
+                    help="longest wait for the disk to go quiet before each checkpoint")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default=None, help="results file name (default: log_store)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.dim, a.batch, a.create_rows, a.inplace_rows = 16, 256, 1_000_000, 20_000
         a.rows, a.memory, a.steps, a.pass_rows, a.passes = 20_000, "1MiB", 20, 5_000, 3
+        a.quiet_seconds = 0.0
     parts = a.only or ["create", "checkpoint", "passes"]
     root = Path(tempfile.mkdtemp(prefix="dsa_log_store_", dir=a.workdir))
     rows: list[dict] = []

@@ -86,7 +86,7 @@ class Torch:
     def apply(self, idx, g):
         t = self.torch
         self.p.grad = t.sparse_coo_tensor(t.from_numpy(idx)[None], t.from_numpy(g),
-                                          self.p.shape)
+                                          self.p.shape, check_invariants=False)
         self.opt.step()
         self.p.grad = None
 

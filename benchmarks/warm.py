@@ -268,12 +268,15 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--workdir", default=None, help="where the stores go (default: a temp dir)")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
+    ap.add_argument("--quiet-seconds", type=float, default=60.0,
+                    help="longest wait for the disk to go quiet before each timed run")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, a few steps, no waiting for the disk (CI)")
     ap.add_argument("--name", default="warm")
     a = ap.parse_args(argv)
     if a.smoke:
         a.rows, a.steps, a.geoopt_steps, a.batch, a.dim = [5000], 5, 3, 64, 16
-        a.name = "warm_smoke"
+        a.name, a.quiet_seconds = "warm_smoke", 0.0
     workdir = a.workdir or tempfile.gettempdir()
     import dsa_core
 
@@ -282,7 +285,7 @@ def main(argv=None):
     meta = {"machine": machine(), "args": vars(a), "dsa_threads": dsa_core.get_num_threads()}
     rows = run(a.rows, a.dist, a.impls, a.steps, a.batch, a.dim, workdir, a.geoopt_steps,
                a.max_seconds, on_row=lambda r: write_results(a.name, r, meta),
-               quiet_seconds=2.0 if a.smoke else 60.0)
+               quiet_seconds=a.quiet_seconds)
     print()
     print_table(rows, ["rows", "dist", "impl", "rows_per_s", "vs_anchor", "p50_ms", "p99_ms",
                        "rss_anon_mib", "rss_file_mib"])
