@@ -56,6 +56,7 @@ def main(argv=None) -> None:
     import dsa_core
     from dsa_core import _pool
     from dsa_core._coalesce import coalesce
+    from dsa_core._intrinsics import NO_OPTIONS
     from dsa_core._kernels_euclid import adam_rows_euclid, euclid_hparams
     from dsa_core._step import as_index
 
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
         S = st.store
         hp = euclid_hparams(np.float32, lr=1e-3, betas=(0.9, 0.999), bc1=1.0, bc2=1.0,
                             eps=1e-8, maximize=False)
-        consts = (hp, False)
+        consts = (hp, False, NO_OPTIONS)  # skip_nonfinite, op: no option on
         holder = [st]
 
         def full(it):

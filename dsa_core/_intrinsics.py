@@ -149,9 +149,10 @@ def _dot64_overload(a, b):
 # Weight decay modes.
 WD_NONE, WD_L2, WD_DECOUPLED = 0, 1, 2
 
-# The ``*_options`` kernels (the step calls them only when an option is on; the plain
-# kernels are unchanged) take one float64 array ``op`` for everything the options need,
-# packed by :func:`options_array`: one argument, because each argument of a kernel call
+# Every kernel is compiled per combination of options (the plain kernels are the
+# combination with none on) and takes one float64 array ``op`` for everything the options
+# need, packed by :func:`options_array` (:data:`NO_OPTIONS` when none is on): one argument,
+# because each argument of a kernel call
 # costs the dispatcher time and a step makes 16 calls. The integers (counter offsets, the
 # step, the mode) are exact in float64. The per-row values are computed in double and
 # rounded once to T, as the glue computes the global ones (a T array cannot hold them:
@@ -239,6 +240,12 @@ def options_array(*, rs_off: int = -1, ls_off: int = -1, t: int = 0, wd_mode: in
 def decay_powers(keep: float) -> list[float]:
     """``keep ** (2 ** i)`` for ``i < 64``, in double (Python's ``**``: libm pow)."""
     return [keep ** (1 << i) for i in range(N_POW)]
+
+
+NO_OPTIONS = options_array()
+"""The ``op`` of a step with no option on, shared by every store (read-only: the kernels
+compiled without options read none of it, and ``options_array`` never takes it as ``out``)."""
+NO_OPTIONS.flags.writeable = False
 
 
 @njit(inline="always")

@@ -22,6 +22,7 @@ from ._intrinsics import (
     PREFETCH_ROWS,
     WD_DECOUPLED,
     WD_L2,
+    WD_NONE,
     bits_f32,
     counter_view,
     decay_factor,
@@ -90,74 +91,49 @@ def row_step_size(T, op, tr, neg_s):
     return T(-((op[OP_LR] * sq2) / bc1))
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, lo, hi):
-    """Update rows ``srows`` of the state ``S`` and rows ``wrows`` of the weights ``W``.
-
-    Per coordinate, in storage dtype T (docs/algorithms.md §2.2)::
-
-        g  = sgn * G                       # sgn = -1 for maximize (exact)
-        dm = (g - m) * a1 ;  dv = (g*g - v) * a2
-        m' = m + dm ;  v' = v + dv
-        p' = p + neg_s * ((dm + m) / (sqrt(v') + eps))
-
-    ``W`` and ``S`` may be the same array (weights stored in the record) or not
-    (``weights=False`` stores: ``W`` holds the caller's rows). Runs rows ``lo:hi`` of the
-    batch serially with the GIL released; ``_pool.run_chunked`` spreads chunks over threads.
-    """
-    a1, a2, _, _, eps, _, sgn, neg_s, _, _ = unpack_euclid(hp)
-    n = srows.shape[0]
-    d = G.shape[1]
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        # 1-D row views: with them LLVM vectorises the loop (measured 3.3 -> 0.63 ms for
-        # 2048 x 128 on one thread); 2-D indexing of one array kept it scalar.
-        rec = S[srows[i]]
-        m_ = rec[moff:moff + d]
-        v_ = rec[voff:voff + d]
-        w_ = W[wrows[i]][woff:woff + d]
-        for j in range(d):
-            g = g_[j] * sgn
-            m = m_[j]
-            v = v_[j]
-            dm = (g - m) * a1
-            dv = (g * g - v) * a2
-            m2 = m + dm
-            v2 = v + dv
-            m_[j] = m2
-            v_[j] = v2
-            w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-
-
 @functools.cache
 def euclid_options_kernel(per_row: bool, last: bool, mode: int):
-    """:func:`adam_rows_euclid_options` for one combination of options, compiled on first use.
+    """:func:`adam_rows_euclid` for one combination of options, compiled on first use.
 
     ``per_row`` (a ``row_step`` counter), ``last`` (a ``last_step`` counter) and ``mode``
     (``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``) are closure constants, which numba freezes into
     the compiled code: each specialisation holds only the code of its options (one kernel
     with run-time switches for all of them measured 5-15% slower per warm step: a 128-wide
-    row has little work besides). Cached by numba per combination.
+    row has little work besides). ``(False, False, WD_NONE)`` is the plain kernel
+    (:data:`adam_rows_euclid`), SparseAdam exactly, as fast as a kernel written without the
+    options (within 1% on 2048 cache-hot rows) because what the options need is made only
+    under a constant: the counter view of the records (made but unused, it cost 5%) and the
+    per-row helpers' calls. numba's cache keeps one entry per combination: its key hashes the
+    closure's values, so each of the three must stay a closure variable of the kernel (read
+    in its body), or two combinations would share an entry and one would run the other's code.
     """
     @njit(cache=True, nogil=True, error_model="numpy")
-    def adam_rows_euclid_options(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, op,
-                                 lo, hi):
-        """:func:`adam_rows_euclid` with the options of docs/algorithms.md §7.1–§7.2.
+    def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, op,
+                         lo, hi):
+        """Update rows ``srows`` of the state ``S`` and rows ``wrows`` of the weights ``W``.
 
-        ``op`` is the float64 options array of ``_intrinsics.options_array`` (the same for every
-        ``*_options`` kernel): the offsets of the ``row_step`` / ``last_step`` counters in the
-        records (-1: absent; the counters are read through ``counter_view(S)``, the records as
-        ints), the global step ``t``, the decay mode -- ``WD_L2``: ``g <- sgn*g + wd*p``, then
-        the update; ``WD_DECOUPLED``: ``p <- p * f`` first, ``f = decay_factor(...)``, fused into
-        the update's pass with the same roundings as two passes -- and the float64 values the
-        per-row ones are computed from. With ``per_row_step`` the step size is the row's own
-        (:func:`row_step_size`). A skipped (non-finite) row keeps its counters and is not
-        decayed. The step takes this kernel only when an option is on: without, the plain
-        kernel runs (no change to its bits or speed).
+        Per coordinate, in storage dtype T (docs/algorithms.md §2.2)::
+
+            g  = sgn * G                       # sgn = -1 for maximize (exact)
+            dm = (g - m) * a1 ;  dv = (g*g - v) * a2
+            m' = m + dm ;  v' = v + dv
+            p' = p + neg_s * ((dm + m) / (sqrt(v') + eps))
+
+        ``W`` and ``S`` may be the same array (weights stored in the record) or not
+        (``weights=False`` stores: ``W`` holds the caller's rows). Runs rows ``lo:hi`` of the
+        batch serially with the GIL released; ``_pool.run_chunked`` spreads chunks over
+        threads.
+
+        The options of docs/algorithms.md §7.1–§7.2, as compiled in: ``op`` is the float64
+        options array of ``_intrinsics.options_array`` (the same for every kernel;
+        ``_intrinsics.NO_OPTIONS`` when none is on): the offsets of the ``row_step`` /
+        ``last_step`` counters in the records (-1: absent; the counters are read through
+        ``counter_view(S)``, the records as ints), the global step ``t``, and the float64
+        values the per-row ones are computed from. ``WD_L2``: ``g <- sgn*g + wd*p``, then the
+        update; ``WD_DECOUPLED``: ``p <- p * f`` first, ``f = decay_factor(...)``, fused into
+        the update's pass with the same roundings as two passes. With ``per_row_step`` the
+        step size is the row's own (:func:`row_step_size`). A skipped (non-finite) row keeps
+        its counters and is not decayed.
         """
         a1, a2, _, _, eps, _, sgn, neg_s0, wd, keep = unpack_euclid(hp)
         T = hp.dtype.type
@@ -167,7 +143,8 @@ def euclid_options_kernel(per_row: bool, last: bool, mode: int):
         if not last:
             ls_off = -1
         wd_mode = mode
-        C = counter_view(S)  # the records as ints: the counters
+        if per_row or last:  # compile-time constant: no view without counters (+5% unused)
+            C = counter_view(S)  # the records as ints: the counters
         n = srows.shape[0]
         d = G.shape[1]
         for i in range(lo, hi):
@@ -183,8 +160,8 @@ def euclid_options_kernel(per_row: bool, last: bool, mode: int):
             m_ = rec[moff:moff + d]
             v_ = rec[voff:voff + d]
             w_ = W[wrows[i]][woff:woff + d]
-            tr, k = read_counters(C, r, rs_off, ls_off, t)
-            neg_s = row_step_size(T, op, tr, neg_s0)
+            tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
+            neg_s = row_step_size(T, op, tr, neg_s0) if per_row else neg_s0
             if wd_mode == WD_DECOUPLED:  # AdamW: decay first, then the step on the decayed p
                 f = decay_factor(keep, op, k)
                 for j in range(d):  # the decay fused into the step's pass (one pass measured
@@ -222,9 +199,14 @@ def euclid_options_kernel(per_row: bool, last: bool, mode: int):
                     m_[j] = m2
                     v_[j] = v2
                     w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-            write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            if per_row or last:
+                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
 
-    return adam_rows_euclid_options
+    return adam_rows_euclid
+
+
+# SparseAdam without options (docs/algorithms.md §2.2), called with ``op = NO_OPTIONS``
+adam_rows_euclid = euclid_options_kernel(False, False, WD_NONE)
 
 @njit(inline="always")
 def l2_gradient(y_, g_, w_, sgn, wd):
@@ -233,68 +215,34 @@ def l2_gradient(y_, g_, w_, sgn, wd):
         y_[j] = g_[j] * sgn + wd * w_[j]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite,
-                               lo, hi):
-    """Partial row-wise Adam (docs/algorithms.md §7.3, FBGEMM ``PARTIAL_ROWWISE_ADAM``).
-
-    One v per row.
-
-    Per row, in storage dtype T::
-
-        g  = sgn * G
-        dm = (g - m) * a1 ;  m' = m + dm           # per coordinate: SparseAdam's m, bit for bit
-        q  = T(sum_j(g_j * g_j) / d)               # products in T, sum in float64, one rounding
-        v' = v + (q - v) * a2                      # one scalar per row
-        den = sqrt(v' / bc2) + eps                 # eps after the bias-corrected sqrt
-        p' = p + (-lr) * ((m' / bc1) / den)
-
-    The mean (not the sum) keeps lr meaning what it means for elementwise Adam. Same
-    preconditions as :func:`adam_rows_euclid` (unique ``srows``, ids in range).
-    """
-    a1, a2, bc1, bc2, eps, neg_lr, sgn, _, _, _ = unpack_euclid(hp)
-    T = hp.dtype.type
-    n = srows.shape[0]
-    d = G.shape[1]
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        rec = S[srows[i]]
-        m_ = rec[moff:moff + d]
-        w_ = W[wrows[i]][woff:woff + d]
-        q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
-        v = rec[voff]
-        v2 = v + (q - v) * a2
-        rec[voff] = v2
-        den = np.sqrt(v2 / bc2) + eps
-        for j in range(d):
-            m = m_[j]
-            m2 = m + ((g_[j] * sgn) - m) * a1
-            m_[j] = m2
-            w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-
-
 @functools.cache
 def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
-    """:func:`adam_rows_euclid_rowwise_options` for one combination of options (as
-    :func:`euclid_options_kernel`).
-
-    ``per_row`` (a ``row_step`` counter), ``last`` (a ``last_step`` counter) and ``mode``
-    (``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``) are closure constants, which numba freezes into
-    the compiled code: each specialisation holds only the code of its options (one kernel
-    with run-time switches for all of them measured 5-15% slower per warm step: a 128-wide
-    row has little work besides). Cached by numba per combination.
+    """:func:`adam_rows_euclid_rowwise` for one combination of options (as
+    :func:`euclid_options_kernel`, whose notes hold here too); ``(False, False, WD_NONE)`` is
+    the plain kernel (:data:`adam_rows_euclid_rowwise`).
     """
     @njit(cache=True, nogil=True, error_model="numpy")
-    def adam_rows_euclid_rowwise_options(W, wrows, woff, S, srows, moff, voff, G, hp,
-                                         skip_nonfinite, op, lo, hi):
-        """:func:`adam_rows_euclid_rowwise` with the options (arguments as for
-        :func:`adam_rows_euclid_options`). L2 needs the whole gradient row with the decay for the
-        row mean of g², so it is written to a scratch row first; with ``per_row_step`` bc1 and
-        bc2 are the row's own.
+    def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite,
+                                 op, lo, hi):
+        """Partial row-wise Adam (docs/algorithms.md §7.3, FBGEMM ``PARTIAL_ROWWISE_ADAM``).
+
+        One v per row.
+
+        Per row, in storage dtype T::
+
+            g  = sgn * G
+            dm = (g - m) * a1 ;  m' = m + dm           # per coordinate: SparseAdam's m
+            q  = T(sum_j(g_j * g_j) / d)               # products in T, sum in float64
+            v' = v + (q - v) * a2                      # one scalar per row
+            den = sqrt(v' / bc2) + eps                 # eps after the bias-corrected sqrt
+            p' = p + (-lr) * ((m' / bc1) / den)
+
+        The mean (not the sum) keeps lr meaning what it means for elementwise Adam. Same
+        preconditions as :func:`adam_rows_euclid` (unique ``srows``, ids in range).
+
+        The options as compiled in (``op`` as for :func:`adam_rows_euclid`). L2 needs the
+        whole gradient row with the decay for the row mean of g², so it is written to a
+        scratch row first; with ``per_row_step`` bc1 and bc2 are the row's own.
         """
         a1, a2, bc1_0, bc2_0, eps, neg_lr, sgn, _, wd, keep = unpack_euclid(hp)
         T = hp.dtype.type
@@ -304,10 +252,12 @@ def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
         if not last:
             ls_off = -1
         wd_mode = mode
-        C = counter_view(S)  # the records as ints: the counters
+        if per_row or last:
+            C = counter_view(S)  # the records as ints: the counters
         n = srows.shape[0]
         d = G.shape[1]
-        y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
+        if wd_mode == WD_L2:  # compile-time constant
+            y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
         for i in range(lo, hi):
             if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
                 prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
@@ -318,12 +268,12 @@ def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
             rec = S[r]
             m_ = rec[moff:moff + d]
             w_ = W[wrows[i]][woff:woff + d]
-            tr, k = read_counters(C, r, rs_off, ls_off, t)
-            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)
-            v = rec[voff]
+            tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
+            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
             if wd_mode == WD_L2:
                 l2_gradient(y_, g_, w_, sgn, wd)
                 q = T(dot64(y_, y_) / d)
+                v = rec[voff]
                 v2 = v + (q - v) * a2
                 rec[voff] = v2
                 den = np.sqrt(v2 / bc2) + eps
@@ -334,6 +284,7 @@ def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
                     w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
             else:
                 q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
+                v = rec[voff]  # after the sum: loaded before it, the step measured 9% slower
                 v2 = v + (q - v) * a2
                 rec[voff] = v2
                 den = np.sqrt(v2 / bc2) + eps
@@ -350,9 +301,14 @@ def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
                         m2 = m + ((g_[j] * sgn) - m) * a1
                         m_[j] = m2
                         w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-            write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            if per_row or last:
+                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
 
-    return adam_rows_euclid_rowwise_options
+    return adam_rows_euclid_rowwise
+
+
+# partial row-wise Adam without options (docs/algorithms.md §7.3), ``op = NO_OPTIONS``
+adam_rows_euclid_rowwise = euclid_rowwise_options_kernel(False, False, WD_NONE)
 
 # -- bfloat16 first moment (docs/algorithms.md §6: stochastically rounded m, v in float32) --
 _U16 = np.uint64(16)
@@ -394,93 +350,47 @@ def f32_from_bf16(h):
     return bits_f32(np.uint64(h) << _U16)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, hrows, m16off, voff, G, hp, rowwise,
-                             t, skip_nonfinite, lo, hi):
-    """Euclidean lazy Adam with m stored as bfloat16 (``M16`` = the records as uint16).
-
-    Per coordinate, in float32: ``m = f32(m16)``, then exactly :func:`adam_rows_euclid`
-    (``rowwise=False``: SparseAdam's v and update) or :func:`adam_rows_euclid_rowwise`
-    (``rowwise=True``) with that m, the weight updated with the unrounded new m, and the new m
-    stored as ``bf16_from_f32(m', sr_bits(t, row, d, j))``.
-
-    ``srows[i]`` is the record of batch row ``i`` in ``S``/``M16``; ``hrows[i]`` is its row id,
-    which keys the rounding hash. An in-place store passes its rows as both; a log store passes
-    the region slots as ``srows`` and the row ids as ``hrows``, so the rounding (and every bit
-    of the result) does not depend on where a record happens to sit.
-    """
-    a1, a2, bc1, bc2, eps, neg_lr, sgn, neg_s, _, _ = unpack_euclid(hp)
-    T = hp.dtype.type
-    n = srows.shape[0]
-    d = G.shape[1]
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        r = srows[i]
-        h = hrows[i]  # the row id: the rounding hash's key
-        rec = S[r]
-        m_ = M16[r][m16off:m16off + d]
-        w_ = W[wrows[i]][woff:woff + d]
-        if rowwise:
-            q = T(dot64(g_, g_) / d)
-            v = rec[voff]
-            v2 = v + (q - v) * a2
-            rec[voff] = v2
-            den = np.sqrt(v2 / bc2) + eps
-            for j in range(d):
-                m = f32_from_bf16(m_[j])
-                m2 = m + ((g_[j] * sgn) - m) * a1
-                m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
-                w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-        else:
-            v_ = rec[voff:voff + d]
-            for j in range(d):
-                g = g_[j] * sgn
-                m = f32_from_bf16(m_[j])
-                v = v_[j]
-                dm = (g - m) * a1
-                dv = (g * g - v) * a2
-                m2 = m + dm
-                v2 = v + dv
-                m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
-                v_[j] = v2
-                w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-
-
 @functools.cache
 def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
-    """:func:`adam_rows_euclid_bf16m_options` for one combination of options (as
-    :func:`euclid_options_kernel`).
-
-    ``per_row`` (a ``row_step`` counter), ``last`` (a ``last_step`` counter) and ``mode``
-    (``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``) are closure constants, which numba freezes into
-    the compiled code: each specialisation holds only the code of its options (one kernel
-    with run-time switches for all of them measured 5-15% slower per warm step: a 128-wide
-    row has little work besides). Cached by numba per combination.
+    """:func:`adam_rows_euclid_bf16m` for one combination of options (as
+    :func:`euclid_options_kernel`, whose notes hold here too); ``(False, False, WD_NONE)`` is
+    the plain kernel (:data:`adam_rows_euclid_bf16m`).
     """
     @njit(cache=True, nogil=True, error_model="numpy")
-    def adam_rows_euclid_bf16m_options(W, wrows, woff, S, M16, srows, hrows, m16off, voff, G,
-                                       hp, rowwise, skip_nonfinite, op, lo, hi):
-        """:func:`adam_rows_euclid_bf16m` with the options (arguments as for
-        :func:`adam_rows_euclid_rowwise_options`; ``t`` also seeds the stochastic rounding, as
-        before, and ``hrows`` are the row ids that key it, as there). The decoupled decay is a
-        pass of its own here: this kernel is compute-bound.
+    def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, hrows, m16off, voff, G, hp,
+                               rowwise, t, skip_nonfinite, op, lo, hi):
+        """Euclidean lazy Adam with m stored as bfloat16 (``M16`` = the records as uint16).
+
+        Per coordinate, in float32: ``m = f32(m16)``, then exactly :func:`adam_rows_euclid`
+        (``rowwise=False``: SparseAdam's v and update) or :func:`adam_rows_euclid_rowwise`
+        (``rowwise=True``) with that m, the weight updated with the unrounded new m, and the
+        new m stored as ``bf16_from_f32(m', sr_bits(t, row, d, j))``.
+
+        ``srows[i]`` is the record of batch row ``i`` in ``S``/``M16``; ``hrows[i]`` is its row
+        id, which keys the rounding hash. An in-place store passes its rows as both; a log
+        store passes the region slots as ``srows`` and the row ids as ``hrows``, so the
+        rounding (and every bit of the result) does not depend on where a record happens to
+        sit.
+
+        The options as compiled in (``op`` as for :func:`adam_rows_euclid`; the step ``t`` is
+        the argument, which also seeds the rounding). L2 writes the gradient with the decay
+        to a scratch row first; the decoupled decay is a pass of its own here: this kernel is
+        compute-bound.
         """
         a1, a2, bc1_0, bc2_0, eps, neg_lr, sgn, neg_s0, wd, keep = unpack_euclid(hp)
         T = hp.dtype.type
-        rs_off, ls_off, t, _ = unpack_options(op)
+        rs_off, ls_off, _, _ = unpack_options(op)
         if not per_row:  # compile-time constants: LLVM drops the code they switch off
             rs_off = -1
         if not last:
             ls_off = -1
         wd_mode = mode
-        C = counter_view(S)  # the records as ints: the counters
+        if per_row or last:
+            C = counter_view(S)  # the records as ints: the counters
         n = srows.shape[0]
         d = G.shape[1]
-        y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
+        l2 = wd_mode == WD_L2
+        y_ = np.empty(d if l2 else 0, hp.dtype)  # the L2 gradient of one row
         for i in range(lo, hi):
             if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
                 prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
@@ -492,16 +402,15 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
             rec = S[r]
             m_ = M16[r][m16off:m16off + d]
             w_ = W[wrows[i]][woff:woff + d]
-            tr, k = read_counters(C, r, rs_off, ls_off, t)
+            tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
             if wd_mode == WD_DECOUPLED:
                 f = decay_factor(keep, op, k)
                 for j in range(d):
                     w_[j] = w_[j] * f
-            l2 = wd_mode == WD_L2
             if l2:  # the L2 gradient sgn*g + wd*p, in the scratch row; read back with sign +1
                 l2_gradient(y_, g_, w_, sgn, wd)
             if rowwise:
-                bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)
+                bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
                 q = T(dot64(y_, y_) / d) if l2 else T(dot64(g_, g_) / d)
                 v = rec[voff]
                 v2 = v + (q - v) * a2
@@ -520,7 +429,7 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
                         m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                         w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
             else:
-                neg_s = row_step_size(T, op, tr, neg_s0)
+                neg_s = row_step_size(T, op, tr, neg_s0) if per_row else neg_s0
                 v_ = rec[voff:voff + d]
                 if l2:
                     for j in range(d):
@@ -546,6 +455,11 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
                         m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
                         v_[j] = v2
                         w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-            write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            if per_row or last:
+                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
 
-    return adam_rows_euclid_bf16m_options
+    return adam_rows_euclid_bf16m
+
+
+# the bfloat16-m kernel without options (docs/algorithms.md §6), ``op = NO_OPTIONS``
+adam_rows_euclid_bf16m = euclid_bf16m_options_kernel(False, False, WD_NONE)

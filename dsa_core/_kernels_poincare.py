@@ -27,6 +27,7 @@ from ._intrinsics import (
     PREFETCH_ROWS,
     WD_DECOUPLED,
     WD_L2,
+    WD_NONE,
     counter_view,
     decay_factor,
     dot64,
@@ -126,90 +127,36 @@ def gyration(uu, uv, uw, vv, vw, k):
     return a, b, d
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite, lo, hi):
-    """One Riemannian Adam step for each row in ``srows`` (docs/algorithms.md §3.2).
-
-    Per row x with coalesced gradient g, first moment m (vector), second moment v (scalar)::
-
-        L = lambda_x(x);  rg = g / L^2                       # egrad2rgrad
-        m = m*b1 + a1*rg;  v = v*b2 + a2*(L^2 <rg,rg>)
-        u = -lr * (m / bc1) / (sqrt(v / bc2) + eps)
-        y = project(x + u);       m <- gyr[y, -x] m * L(x) / L(y)
-
-    ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign (T values).
-    Runs rows ``lo:hi`` of the batch; ``_pool.run_chunked`` spreads chunks over threads.
-    """
-    k, a1, b1, a2, b2, bc1, bc2, eps, neg_lr, maxnorm, sgn, _, _ = unpack_poincare(hp)
-    T = hp.dtype.type
-    two = T(2.0)
-    n = srows.shape[0]
-    d = G.shape[1]
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        # 1-D row views let LLVM vectorise the elementwise loops (see _kernels_euclid)
-        rec = S[srows[i]]
-        m_ = rec[moff:moff + d]
-        x_ = W[wrows[i]][woff:woff + d]
-        y_ = Y[i]
-        xx = T(dot64(x_, x_))
-        lam_x = lambda_x(xx, k)
-        l2 = lam_x * lam_x
-        # egrad2rgrad (kept in y_ for the norm), fused with the first moment
-        for j in range(d):
-            rg = (g_[j] * sgn) / l2
-            m_[j] = m_[j] * b1 + a1 * rg
-            y_[j] = rg
-        w = l2 * T(dot64(y_, y_))
-        v = rec[voff] * b2 + a2 * w
-        rec[voff] = v
-        den = np.sqrt(v / bc2) + eps
-        # retraction (geoopt Stereographic.retr, docs/algorithms.md §3.1): y = project(x + u),
-        # a plain Euclidean step, u = -lr * m_hat / den
-        for j in range(d):
-            y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
-        acc_yy = dot64(y_, y_)
-        if project(y_, acc_yy, maxnorm):
-            acc_yy = dot64(y_, y_)  # else y, and so <y,y>, is unchanged: one pass saved
-        yy = T(acc_yy)
-        # parallel transport of the new m from x to y (geoopt transp):
-        # gyr[y, -x] m * L(x) / L(y), with u = y, v = -x, w = m
-        ga, gb, gd = gyration(yy, -T(dot64(x_, y_)), T(dot64(y_, m_)), xx,
-                              -T(dot64(x_, m_)), k)
-        lam_y = lambda_x(yy, k)
-        for j in range(d):
-            y = y_[j]
-            gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd
-            m_[j] = (gyr * lam_x) / lam_y
-            x_[j] = y
-
-
 @functools.cache
 def poincare_options_kernel(per_row: bool, last: bool, mode: int):
-    """:func:`adam_rows_poincare_options` for one combination of options, compiled on first
-    use (as ``_kernels_euclid.euclid_options_kernel``).
-
-    ``per_row`` (a ``row_step`` counter), ``last`` (a ``last_step`` counter) and ``mode``
-    (``WD_NONE``, ``WD_L2``, ``WD_DECOUPLED``) are closure constants, which numba freezes into
-    the compiled code: each specialisation holds only the code of its options (one kernel
-    with run-time switches for all of them measured 5-15% slower per warm step: a 128-wide
-    row has little work besides). Cached by numba per combination.
+    """:func:`adam_rows_poincare` for one combination of options, compiled on first use (as
+    ``_kernels_euclid.euclid_options_kernel``, whose notes hold here too: the options are
+    closure constants, one numba cache entry per combination); ``(False, False, WD_NONE)`` is
+    the plain kernel (:data:`adam_rows_poincare`), geoopt exactly.
     """
     @njit(cache=True, nogil=True, error_model="numpy")
-    def adam_rows_poincare_options(W, wrows, woff, S, srows, moff, voff, G, Y, hp,
-                                   skip_nonfinite, op, lo, hi):
-        """:func:`adam_rows_poincare` with the options of docs/algorithms.md §7.1–§7.2 (``op``
-        as for ``_kernels_euclid.adam_rows_euclid_options``).
+    def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite, op,
+                           lo, hi):
+        """One Riemannian Adam step for each row in ``srows`` (docs/algorithms.md §3.2).
 
-        ``WD_L2`` adds ``wd*x`` to the Euclidean gradient before ``egrad2rgrad`` (geoopt
-        ``RiemannianAdam``'s weight decay); ``WD_DECOUPLED`` shrinks the point first, ``x <- x *
-        decay_factor`` (a Euclidean shrink toward the origin: it stays inside the ball), and the
-        step then starts from the shrunk point; ``per_row_step`` takes ``fl(bc1)``, ``fl(bc2)``
-        from the row's own count.
+        Per row x with coalesced gradient g, first moment m (vector), second moment v
+        (scalar)::
+
+            L = lambda_x(x);  rg = g / L^2                       # egrad2rgrad
+            m = m*b1 + a1*rg;  v = v*b2 + a2*(L^2 <rg,rg>)
+            u = -lr * (m / bc1) / (sqrt(v / bc2) + eps)
+            y = project(x + u);       m <- gyr[y, -x] m * L(x) / L(y)
+
+        ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign, wd, keep (T
+        values). Runs rows ``lo:hi`` of the batch; ``_pool.run_chunked`` spreads chunks over
+        threads.
+
+        The options of docs/algorithms.md §7.1–§7.2 as compiled in (``op`` as for
+        ``_kernels_euclid.adam_rows_euclid``): ``WD_L2`` adds ``wd*x`` to the Euclidean
+        gradient before ``egrad2rgrad`` (geoopt ``RiemannianAdam``'s weight decay);
+        ``WD_DECOUPLED`` shrinks the point first, ``x <- x * decay_factor`` (a Euclidean
+        shrink toward the origin: it stays inside the ball), and the step then starts from the
+        shrunk point; ``per_row_step`` takes ``fl(bc1)``, ``fl(bc2)`` from the row's own count.
         """
         k, a1, b1, a2, b2, bc1_0, bc2_0, eps, neg_lr, maxnorm, sgn, wd, keep = unpack_poincare(hp)
         T = hp.dtype.type
@@ -219,7 +166,8 @@ def poincare_options_kernel(per_row: bool, last: bool, mode: int):
         if not last:
             ls_off = -1
         wd_mode = mode
-        C = counter_view(S)  # the records as ints: the counters
+        if per_row or last:
+            C = counter_view(S)  # the records as ints: the counters
         two = T(2.0)
         n = srows.shape[0]
         d = G.shape[1]
@@ -235,8 +183,9 @@ def poincare_options_kernel(per_row: bool, last: bool, mode: int):
             m_ = rec[moff:moff + d]
             x_ = W[wrows[i]][woff:woff + d]
             y_ = Y[i]
-            tr, steps = read_counters(C, r, rs_off, ls_off, t)
-            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0)  # per_row_step: the row's own
+            tr, steps = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
+            # per_row_step: the row's own corrections
+            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
             if wd_mode == WD_DECOUPLED:  # shrink toward the origin first, then step from there
                 f = decay_factor(keep, op, steps)
                 for j in range(d):
@@ -277,6 +226,11 @@ def poincare_options_kernel(per_row: bool, last: bool, mode: int):
                 gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd
                 m_[j] = (gyr * lam_x) / lam_y
                 x_[j] = y
-            write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            if per_row or last:
+                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
 
-    return adam_rows_poincare_options
+    return adam_rows_poincare
+
+
+# geoopt's SparseRiemannianAdam without options (docs/algorithms.md §3.2), ``op = NO_OPTIONS``
+adam_rows_poincare = poincare_options_kernel(False, False, WD_NONE)

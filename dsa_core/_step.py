@@ -15,7 +15,7 @@ import numpy as np
 from . import _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._engine import scratch
-from ._intrinsics import WD_DECOUPLED, WD_L2, WD_NONE, options_array
+from ._intrinsics import NO_OPTIONS, WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_euclid import (
     adam_rows_euclid,
     adam_rows_euclid_bf16m,
@@ -241,17 +241,17 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
     skip = state.nonfinite == "skip_row"
     n, chunk = srows.shape[0], _min_chunk(st.dim)
     wd = state.weight_decay
-    # docs/algorithms.md §7.1-§7.2: with an option on, a kernel specialised for the options
-    # (compiled on first use) and the float64 options array (kept on the store: its bias
-    # table is built once); else the plain kernels, exactly as before the options existed
-    opts, spec = (), None
+    # docs/algorithms.md §7.1-§7.2: with an option on, the kernel's specialisation for the
+    # options (compiled on first use) and the float64 options array (kept on the store: its
+    # bias table is built once); else the plain specialisation and the constant NO_OPTIONS
+    opts, spec = NO_OPTIONS, None
     if wd != 0.0 or st.rs_off >= 0 or st.ls_off >= 0:
         mode = WD_NONE if wd == 0.0 else WD_DECOUPLED if state.decoupled_weight_decay else WD_L2
         spec = (st.rs_off >= 0, st.ls_off >= 0, mode)
-        opts = (options_array(rs_off=st.rs_off, ls_off=st.ls_off, t=t, wd_mode=mode, lr=lr,
-                              betas=state.betas, weight_decay=wd, dtype=st.dtype,
-                              out=st.scratch.get("options")),)
-        st.scratch["options"] = opts[0]
+        opts = options_array(rs_off=st.rs_off, ls_off=st.ls_off, t=t, wd_mode=mode, lr=lr,
+                             betas=state.betas, weight_decay=wd, dtype=st.dtype,
+                             out=st.scratch.get("options"))
+        st.scratch["options"] = opts
     if st.curvature == 0.0:
         hp = euclid_hparams(st.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
                             eps=state.eps, maximize=state.maximize, weight_decay=wd)
@@ -259,21 +259,16 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
             m16 = data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
             # records drows, rounding keyed by the row ids srows (a log store's records are
             # region slots: the same bits as in place; in place drows is srows)
-            if spec:
-                _pool.run_chunked(euclid_bf16m_options_kernel(*spec),
-                                  (W, wrows, woff, data, m16, drows, srows, 2 * st.m_off,
-                                   st.v_off, G, hp, st.rowwise, skip, *opts), n, chunk)
-            else:
-                _pool.run_chunked(adam_rows_euclid_bf16m,
-                                  (W, wrows, woff, data, m16, drows, srows, 2 * st.m_off,
-                                   st.v_off, G, hp, st.rowwise, t, skip), n, chunk)
+            kernel = euclid_bf16m_options_kernel(*spec) if spec else adam_rows_euclid_bf16m
+            _pool.run_chunked(kernel, (W, wrows, woff, data, m16, drows, srows, 2 * st.m_off,
+                                       st.v_off, G, hp, st.rowwise, t, skip, opts), n, chunk)
         else:  # second_moment="rowwise" (docs/algorithms.md §7.3), or SparseAdam's
             if st.rowwise:
                 kernel = euclid_rowwise_options_kernel(*spec) if spec else adam_rows_euclid_rowwise
             else:
                 kernel = euclid_options_kernel(*spec) if spec else adam_rows_euclid
             _pool.run_chunked(kernel, (W, wrows, woff, data, drows, st.m_off, st.v_off, G, hp,
-                                       skip, *opts), n, chunk)
+                                       skip, opts), n, chunk)
     else:  # the ball (create refuses rowwise and bfloat16 m here)
         hp = poincare_hparams(st.dtype, curvature=st.curvature, lr=lr, betas=state.betas,
                               bc1=bc1, bc2=bc2, eps=state.eps,
@@ -282,7 +277,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
         Y = scratch(st, "poincare_y", G.size).reshape(G.shape)
         _pool.run_chunked(poincare_options_kernel(*spec) if spec else adam_rows_poincare,
                           (W, wrows, woff, data, drows, st.m_off, st.v_off, G, Y, hp, skip,
-                           *opts), n, chunk)
+                           opts), n, chunk)
     if st.w_off is None and table is None:
         if inv is None:
             if W is not params:
@@ -330,33 +325,28 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
                                bc2=1e-3, eps=1e-8, maxnorm=dt.type(0.99), maximize=False)
         op = options_array(rs_off=5, ls_off=-1, t=1, wd_mode=WD_L2, lr=1e-3,
                            betas=(0.9, 0.999), dtype=dt)
+        # the combinations of options (docs/algorithms.md §7.1-§7.2; else compiled on first
+        # use); the plain kernels are the one with none on, run with NO_OPTIONS
         specs = [(p, la, m) for p in (False, True) for la in (False, True)
-                 for m in (WD_NONE, WD_L2, WD_DECOUPLED) if p or la or m != WD_NONE] \
-            if options else []
+                 for m in (WD_NONE, WD_L2, WD_DECOUPLED) if options or not (p or la or m)]
         for writeable in (True, False) if readonly else (True,):
             G = np.zeros((2, 2), dt)
             G3 = np.zeros((3, 2), dt)  # three rows, one duplicate id: the coalescing path
             G.flags.writeable = G3.flags.writeable = writeable
             Y = np.zeros((2, 2), dt)
-            adam_rows_euclid(data, rows, 0, data, rows, 2, 4, G, hp, False, 0, 2)
-            adam_rows_euclid_rowwise(data, rows, 0, data, rows, 2, 4, G, hp, False, 0, 2)
-            if dt == np.float32:
-                for rw in (False, True):
-                    adam_rows_euclid_bf16m(data, rows, 0, data, data.view(np.uint16), rows,
-                                           rows, 4, 4, G, hp, rw, 1, False, 0, 2)
-            adam_rows_poincare(data, rows, 0, data, rows, 2, 4, G, Y, php, False, 0, 2)
-            for spec in specs:  # docs/algorithms.md §7.1-§7.2 (else compiled on first use)
-                euclid_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp, False, op,
+            for spec in specs:
+                o = op if any(spec) else NO_OPTIONS
+                euclid_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp, False, o,
                                              0, 2)
                 euclid_rowwise_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp,
-                                                     False, op, 0, 2)
+                                                     False, o, 0, 2)
                 if dt == np.float32:
                     for rw in (False, True):
                         euclid_bf16m_options_kernel(*spec)(data, rows, 0, data,
                                                            data.view(np.uint16), rows, rows, 4,
-                                                           4, G, hp, rw, False, op, 0, 2)
+                                                           4, G, hp, rw, 1, False, o, 0, 2)
                 poincare_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, Y, php,
-                                               False, op, 0, 2)
+                                               False, o, 0, 2)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
         gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
     is_strictly_increasing(rows)

@@ -12,6 +12,11 @@ the last bit; there a tight relative tolerance is used (measured: <= 4.4e-16 abs
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import uuid
 
 import numpy as np
@@ -657,3 +662,91 @@ def test_property_store_equals_reference(tmp_path, case):
     assert state.count == len(steps)
     assert_matches(store_arrays(state), (P, M, V), c, dtype, dim)
     dsa_core.close(state)
+
+
+# -- one kernel per geometry, the options as compile-time constants -----------------------------
+# Each kernel module has one body per geometry (and moment layout), built by a functools.cache
+# factory per combination of options (per_row, last, decay mode); the plain kernel is the
+# combination with none on. numba's on-disk cache keys an entry by the function's bytecode and
+# the values of its closure, not by anything else that tells two dispatchers of one Python
+# function apart: two combinations with equal closures would share one entry, and the one
+# compiled first would then run for both (docs/algorithms.md §7.1-§7.2).
+
+def _option_factories():
+    from dsa_core import _kernels_euclid as E
+    from dsa_core import _kernels_poincare as P
+    return {"euclid": E.euclid_options_kernel, "rowwise": E.euclid_rowwise_options_kernel,
+            "bf16m": E.euclid_bf16m_options_kernel, "ball": P.poincare_options_kernel}
+
+
+def _option_specs():
+    from dsa_core._intrinsics import WD_DECOUPLED, WD_L2, WD_NONE
+    return list(itertools.product((False, True), (False, True), (WD_NONE, WD_L2, WD_DECOUPLED)))
+
+
+@pytest.mark.parametrize("name", ["euclid", "rowwise", "bf16m", "ball"])
+def test_each_option_combination_has_its_own_cache_key(name):
+    """The 12 specialisations of a factory get 12 distinct numba cache keys (the same
+    signature, the key numba computes), and the plain kernel is the no-option one."""
+    from dsa_core import _kernels_euclid as E
+    from dsa_core import _kernels_poincare as P
+    from dsa_core._intrinsics import WD_NONE
+    factory = _option_factories()[name]
+    kernels = [factory(*spec) for spec in _option_specs()]
+    assert len({id(k) for k in kernels}) == 12
+    keys = {k._cache._index_key((), k.targetctx.codegen()) for k in kernels}
+    assert len(keys) == 12
+    plain = {"euclid": E.adam_rows_euclid, "rowwise": E.adam_rows_euclid_rowwise,
+             "bf16m": E.adam_rows_euclid_bf16m, "ball": P.adam_rows_poincare}[name]
+    assert plain is factory(False, False, WD_NONE)
+
+
+CACHE_SCRIPT = textwrap.dedent("""
+    import hashlib, json
+    import numpy as np
+    from dsa_core._intrinsics import WD_DECOUPLED, WD_L2, WD_NONE, NO_OPTIONS, options_array
+    from dsa_core._kernels_euclid import euclid_hparams, euclid_options_kernel
+
+    # records of 8 rows, dim 4: w, m, v, then the row_step and last_step counters (int32)
+    d, n, t = 4, 8, 10
+    rng = np.random.default_rng(3)
+    S0 = np.zeros((n, 3 * d + 2), np.float32)
+    S0[:, :3 * d] = rng.uniform(0.1, 1.0, (n, 3 * d))
+    C = S0.view(np.int32)
+    C[:, 3 * d] = 4          # row_step: this update is the row's 5th
+    C[:, 3 * d + 1] = t - 3  # last_step: the decay of 3 steps to catch up
+    G = rng.standard_normal((n, d)).astype(np.float32)
+    rows = np.arange(n, dtype=np.int64)
+    hp = euclid_hparams(np.float32, lr=0.05, betas=(0.9, 0.999), bc1=1 - 0.9**t,
+                        bc2=1 - 0.999**t, eps=1e-8, maximize=False, weight_decay=0.1)
+    out, stats = {}, {}
+    for spec in [(False, False, WD_NONE), (False, False, WD_L2), (True, False, WD_NONE),
+                 (False, False, WD_DECOUPLED), (False, True, WD_DECOUPLED)]:
+        op = NO_OPTIONS if spec == (False, False, WD_NONE) else options_array(
+            rs_off=3 * d, ls_off=3 * d + 1, t=t, wd_mode=spec[2], lr=0.05,
+            betas=(0.9, 0.999), weight_decay=0.1)
+        k = euclid_options_kernel(*spec)
+        S = S0.copy()
+        k(S, rows, 0, S, rows, d, 2 * d, G, hp, False, op, 0, n)
+        out[str(spec)] = hashlib.sha256(S.tobytes()).hexdigest()
+        stats[str(spec)] = [len(k.stats.cache_hits), len(k.stats.cache_misses)]
+    print(json.dumps({"out": out, "stats": stats}))
+""")
+
+
+def test_cached_specialisations_each_run_their_own_code(tmp_path):
+    """Five combinations compiled in one process, then loaded from numba's cache in a fresh
+    one: each loads (no compile) and gives its own bytes, the same as when compiled."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", CACHE_SCRIPT], capture_output=True, text=True,
+                           timeout=600, check=False, env=env)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.splitlines()[-1])
+
+    first, second = run(), run()
+    assert all(hits == 0 and misses == 1 for hits, misses in first["stats"].values()), first
+    assert all(hits == 1 and misses == 0 for hits, misses in second["stats"].values()), second
+    assert second["out"] == first["out"]
+    assert len(set(first["out"].values())) == len(first["out"])  # each its own code
