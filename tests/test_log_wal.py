@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from dsa_core._log_wal import (
+from dsa_core._log.wal import (
     HEADER_BYTES,
     TRAILER_BYTES,
     WalError,

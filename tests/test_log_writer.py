@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _log, _log_format, _log_writer
+from dsa_core import _log
+from dsa_core._log import format as _log_format
+from dsa_core._log import writer as _log_writer
 
 N, D, B = 2000, 8, 64
 
@@ -44,7 +46,7 @@ def _records(s):
 def _reference(tmp_path, monkeypatch):
     """The same run with every seal written at once, in the seal (no writer thread)."""
     with monkeypatch.context() as m:
-        m.setattr(_log, "BEHIND_BYTES", 0)
+        m.setattr(_log.engine, "BEHIND_BYTES", 0)
         s = _train(_create(tmp_path / "sync", space_ratio=1.05))
         assert s.store.engine._writer is None
         want = _records(s)
@@ -179,5 +181,5 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     s = _train(s, steps=20)
     eng = s.store.engine
     assert eng._writer is not None
-    assert eng._writer.cache_bytes == int(_log.CACHE_SHARE * _log.memory_limit())
+    assert eng._writer.cache_bytes == int(_log.engine.CACHE_SHARE * _log.engine.memory_limit())
     dsa_core.close(s)

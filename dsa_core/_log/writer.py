@@ -34,7 +34,6 @@ before it changes anything, and the segment stays pending, readable, for a later
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import threading
@@ -43,10 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._log_format import write_segment
-from ._prefetch import SYNC_FILE_RANGE_WRITE, _sync_file_range
-
-_WAIT_BEFORE, _WAIT_AFTER = 1, 4  # SYNC_FILE_RANGE_WAIT_BEFORE / _WAIT_AFTER
+from .._os import wait_written_back
+from .format import write_segment
 
 __all__ = ["DEPTH", "SegmentWriter", "WriteJob"]
 
@@ -78,24 +75,13 @@ class WriteJob:
         try:
             self.size = write_segment(self.path, self.sid, self.rows, self.steps,
                                       [self.records], self.stride, self.dtype, self.count)
-            _written_back(self.path)
+            wait_written_back(self.path)
             if drop:
                 _drop_cached(self.path)
         except BaseException as exc:  # handed to the engine: its next seal or flush raises
             self.error = exc
         finally:
             self.done.set()
-
-
-def _written_back(path: Path) -> None:
-    """Wait until the file's pages are on the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _sync_file_range(fd, 0, 0, _WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | _WAIT_AFTER) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"writing {str(path)!r} back failed: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 def _drop_cached(path: Path) -> None:

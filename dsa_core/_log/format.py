@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
-import errno
 import json
 import mmap
 import os
@@ -62,8 +60,9 @@ from typing import Any
 
 import numpy as np
 
-from ._files import write_json
-from ._log_read import MADV_RANDOM, advise_whole
+from .._files import write_json
+from .._os import (MADV_RANDOM, MAP_FAILED, advise_memory, mmap_fn, munmap_fn, pwrite_all,
+                   start_writeback)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_WAL", "LOCK_FILE", "MANIFEST_FILE",
@@ -77,6 +76,7 @@ FORMAT_NAME = "dsa-log"
 FORMAT_VERSION = 1
 FORMAT_VERSION_WAL = 2  # a manifest that names a commit log (an older reader would ignore it)
 SEG_MAGIC = b"DSALOG01"
+# segment parts start on multiples of this many bytes (a format constant, not the OS's page)
 PAGE = 4096
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = "writer.lock"
@@ -154,15 +154,6 @@ def segment_geometry(n: int, stride: int, itemsize: int) -> tuple[int, int, int,
     return rows_off, steps_off, rec_off, rec_off + _pad(n * stride * itemsize)
 
 
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:  # pragma: no cover - pwrite raises on a full disk
-            raise OSError(errno.EIO, "pwrite wrote nothing")
-        view, offset = view[n:], offset + n
-
-
 # -- segments --------------------------------------------------------------------------------
 def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
                   chunks, stride: int, dtype: np.dtype, count: int) -> int:
@@ -187,7 +178,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
     with_pad[(steps_off - rows_off) // 8:(steps_off - rows_off) // 8 + n] = steps
     with _new_file(path) as fd:
         os.ftruncate(fd, size)
-        _pwrite_all(fd, with_pad, rows_off)
+        pwrite_all(fd, with_pad, rows_off)
         crash_point("seal-rows")
         crc, off, done = 0, rec_off, 0
         for blk in chunks:
@@ -197,7 +188,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
                                  f"layout ({stride} x {np.dtype(dtype).name})")
             if not blk.shape[0]:
                 continue
-            _pwrite_all(fd, blk, off)
+            pwrite_all(fd, blk, off)
             crc = zlib.crc32(blk, crc)
             off += blk.nbytes
             done += blk.shape[0]
@@ -207,8 +198,8 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
         head = _HEAD.pack(SEG_MAGIC, seg_id, n, stride, itemsize, int(count),
                           zlib.crc32(rows), zlib.crc32(steps), crc)
         crash_point("seal-header")
-        _pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
-        _start_writeback(fd)
+        pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
+        start_writeback(fd)  # the flush's fsync then has little left to do
     return size
 
 
@@ -231,17 +222,6 @@ def _new_file(path: Path):
             pass
         raise
     os.close(fd)
-
-
-def _start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
-    """Start writing the file's dirty pages back without waiting (the flush's fsync then has
-    little left to do, and dirty page cache never piles up behind the seals); ``nbytes``
-    bytes from ``offset`` (0: to the end of the file)."""
-    try:
-        from ._prefetch import SYNC_FILE_RANGE_WRITE, _sync_file_range
-        _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
-    except (ImportError, AttributeError, OSError):  # pragma: no cover - not Linux
-        pass
 
 
 def read_header(path: Path) -> dict[str, int]:
@@ -322,15 +302,6 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
     return n
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munmap.restype = ctypes.c_int
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
 class _ReadOnlyMap:
     """A read-only shared mapping of a whole file that holds no file descriptor.
 
@@ -343,13 +314,13 @@ class _ReadOnlyMap:
 
     def __init__(self, path: Path, size: int):
         self._addr, self._size = 0, size
-        self._munmap = _libc.munmap  # kept: module globals may be gone when __del__ runs
+        self._munmap = munmap_fn  # kept: module globals may be gone when __del__ runs
         fd = os.open(path, os.O_RDONLY)
         try:
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            addr = mmap_fn(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         finally:
             os.close(fd)
-        if addr is None or addr == _MAP_FAILED:
+        if addr is None or addr == MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot map {str(path)!r} ({os.strerror(err)}); with very "
                           "many segments, raise vm.max_map_count")
@@ -382,7 +353,7 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -
     rows = mm[rows_off:rows_off + 8 * n].view(np.int64)
     steps = mm[steps_off:steps_off + 8 * n].view(np.int64)
     records = mm[rec_off:rec_off + n * stride * np.dtype(dtype).itemsize].view(dtype)
-    advise_whole(records, MADV_RANDOM)
+    advise_memory(records, MADV_RANDOM)
     return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps),
                    np.asarray(records).reshape(n, stride), size)
 
@@ -396,7 +367,7 @@ def write_index(path: Path, index: np.ndarray) -> int:
         raw = memoryview(index).cast("B")
         for off in range(0, raw.nbytes, _IO_CHUNK):
             blk = raw[off:off + _IO_CHUNK]
-            _pwrite_all(fd, blk, off)
+            pwrite_all(fd, blk, off)
             crc = zlib.crc32(blk, crc)
         os.fsync(fd)
     return crc

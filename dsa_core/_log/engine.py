@@ -89,9 +89,9 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from ._coalesce import _dedup, bounds, gather_rows
-from ._files import copy_file, fsync_dir, staged_dir
-from ._log_format import (
+from .._coalesce import _dedup, bounds, gather_rows
+from .._files import copy_file, fsync_dir, staged_dir
+from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     FORMAT_VERSION_WAL,
@@ -113,13 +113,13 @@ from ._log_format import (
     write_manifest,
     write_segment,
 )
-from ._log_init import INIT_KINDS, InitSpec, initial_records
-from ._log_read import WHOLE_MAX, CleaningReads, advise_whole, hint_uncached
-from ._log_writer import DEPTH, SegmentWriter, WriteJob
-from ._log_wal import WalWriter, read_entries, wal_bound, wal_name
-from ._paging import memory_limit
-from ._pool import run_chunked
-from ._store import StoreLockedError
+from .._log_init import INIT_KINDS, InitSpec, initial_records
+from .read import WHOLE_MAX, CleaningReads, advise_whole, hint_uncached
+from .writer import DEPTH, SegmentWriter, WriteJob
+from .wal import WalWriter, read_entries, wal_bound, wal_name
+from .._paging import memory_limit
+from .._pool import run_chunked
+from .._store import StoreLockedError
 
 __all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "memory_for", "open",
            "slots_for"]
