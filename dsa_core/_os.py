@@ -25,9 +25,10 @@ import os
 from pathlib import Path
 
 __all__ = ["MADV_RANDOM", "MADV_WILLNEED", "MAP_FAILED", "PAGE", "SYNC_FILE_RANGE_WAIT_AFTER",
-           "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory", "fsync_path", "libc",
-           "madvise_addr", "mincore_addr", "mmap_fn", "munmap_fn", "preadv_all", "pwrite_all",
-           "pwritev_all", "start_writeback", "sync_file_range", "wait_written_back"]
+           "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory",
+           "fsync_path", "libc", "madvise_addr", "mincore_addr", "mmap_fn", "munmap_fn",
+           "preadv_all", "pwrite_all", "pwritev_all", "start_writeback", "sync_file_range",
+           "wait_written_back"]
 
 # the memory page size: the unit of madvise/mincore spans (4096 on x86-64)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -224,7 +224,7 @@ def test_cleaning_reads_segments_whole_ahead_with_the_records_of_a_mapped_run(tm
     runs = []
     for name, whole in (("mapped", 0), ("whole", _log_read.WHOLE_MAX)):
         with monkeypatch.context() as m:
-            m.setattr(_log.engine, "WHOLE_MAX", whole)
+            m.setattr(_log.cleaner, "WHOLE_MAX", whole)
             m.setattr(_log_read.CleaningReads, "records", counted)
             s = _create(tmp_path / name, slots=2 * B, space_ratio=1.3)
             for idx, g in batches:

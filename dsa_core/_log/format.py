@@ -61,8 +61,15 @@ from typing import Any
 import numpy as np
 
 from .._files import write_json
-from .._os import (MADV_RANDOM, MAP_FAILED, advise_memory, mmap_fn, munmap_fn, pwrite_all,
-                   start_writeback)
+from .._os import (
+    MADV_RANDOM,
+    MAP_FAILED,
+    advise_memory,
+    mmap_fn,
+    munmap_fn,
+    pwrite_all,
+    start_writeback,
+)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_WAL", "LOCK_FILE", "MANIFEST_FILE",

@@ -44,8 +44,15 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from .._os import (MADV_RANDOM, MADV_WILLNEED, PAGE, advise_memory, madvise_addr, mincore_addr,
-                   preadv_all)
+from .._os import (
+    MADV_RANDOM,
+    MADV_WILLNEED,
+    PAGE,
+    advise_memory,
+    madvise_addr,
+    mincore_addr,
+    preadv_all,
+)
 
 __all__ = ["MADV_RANDOM", "MADV_WILLNEED", "PAGE", "CleaningReads", "ReadAhead", "advise",
            "advise_whole", "hint_uncached", "read_file_into", "record_spans", "sample_uncached"]
