@@ -1,4 +1,4 @@
-"""Seals written in the background (dsa_core._log_writer): never a stale read, never a loss.
+"""Seals written in the background (dsa_core._log.writer): never a stale read, never a loss.
 
 The writer is slowed down so that many segments are still being written while the steps
 read their rows back (misses), the cleaner copies them and drops them; the records must be

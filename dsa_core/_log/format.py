@@ -1,6 +1,6 @@
 """On-disk format of a log-structured store: segment files, index generations, the manifest.
 
-Nothing here knows about memory budgets or eviction (that is ``_log``); this module reads,
+Nothing here knows about memory budgets or eviction (``pool``, ``commit``); this module reads,
 writes and checks the bytes. Files of a log store directory:
 
 ``manifest.json``
@@ -10,7 +10,7 @@ writes and checks the bytes. Files of a log store directory:
     "next_segment":
     int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
     int}`` (``meta``: the caller's JSON data, e.g. the optimizer's hyperparameters;
-    ``wal``/``wal_salt``: the commit log of ``durability="step"`` stores, ``_log_wal``; a
+    ``wal``/``wal_salt``: the commit log of ``durability="step"`` stores, ``wal``; a
     manifest without them has none), replaced atomically (``write_json``). It is the commit
     point of a flush: the state of a store is what its manifest references (plus the valid
     entries of its commit log), nothing else.
@@ -36,7 +36,7 @@ writes and checks the bytes. Files of a log store directory:
     ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment. A flush writes
     a new generation; the old one is removed once the manifest naming the new one is durable.
 ``wal-<gen:08d>.log``
-    The commit log named by the manifest (``_log_wal`` describes it); the next generation's
+    The commit log named by the manifest (``wal`` describes it); the next generation's
     name may hold a retired log kept for reuse. Others are garbage, removed at open.
 ``writer.lock``
     The writer's exclusive ``flock`` (as for the in-place store).
@@ -139,7 +139,7 @@ def index_name(gen: int) -> str:
 
 def parse_name(name: str) -> tuple[str, int] | None:
     """``("seg", id)`` / ``("index", gen)`` / ``("wal", gen)`` (a commit log,
-    ``_log_wal``) for the store's own file names, else None."""
+    ``wal``) for the store's own file names, else None."""
     for kind, pre, suf in (("seg", "seg-", ".dsl"), ("index", "index-", ".bin"),
                            ("wal", "wal-", ".log")):
         if name.startswith(pre) and name.endswith(suf):
@@ -354,7 +354,7 @@ class Segment:
 def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -> Segment:
     """Map a segment read-only (clean page-cache pages, reclaimable, never written back); no
     file descriptor stays open. The records are mapped ``MADV_RANDOM``: a fault reads its own
-    page only (records are read one by one, with explicit read-ahead: ``_log_read``)."""
+    page only (records are read one by one, with explicit read-ahead: ``read``)."""
     rows_off, steps_off, rec_off, size = segment_geometry(n, stride, np.dtype(dtype).itemsize)
     mm = np.asarray(_ReadOnlyMap(path, size))
     rows = mm[rows_off:rows_off + 8 * n].view(np.int64)

@@ -1,7 +1,7 @@
-"""Reading a log store's on-disk records at queue depth (read-ahead for ``_log``).
+"""Reading a log store's on-disk records at queue depth (read-ahead, cleaning reads).
 
 A record that is not resident in the region lies in a read-only mapping of its segment
-(``_log_format.map_segment``, ``MADV_RANDOM``: a page fault reads that one 4 KiB page and
+(``format.map_segment``, ``MADV_RANDOM``: a page fault reads that one 4 KiB page and
 nothing around it). Copying a batch's misses out of those mappings one after another would
 read them at queue depth 1: each fault waits for the disk before the next is issued, and a
 record that straddles two pages costs two such waits.

@@ -5,7 +5,7 @@ store commits each step, the step's rows (their whole records after the step) ar
 here with one ``fdatasync``: one sequential append per step instead of the in-place store's
 undo journal, data fdatasync and manifest rename. The manifest names the
 current generation and its random ``salt``; every flush starts a new generation
-(``_log.LogEngine.flush``), so a log never holds a step that its manifest already counts.
+(``commit.Commit.flush``), so a log never holds a step that its manifest already counts.
 
 File layout: a sequence of entries, each starting on a 4096-byte boundary (a page that
 holds a committed entry is never written again, so a torn write of the next entry cannot

@@ -1,19 +1,19 @@
-"""Writing sealed segments in the background (write-behind for ``_log``).
+"""Writing sealed segments in the background (write-behind for ``commit``'s seals).
 
 A seal used to write its segment in the step that needed room: gather the records, CRC them,
 ``pwrite`` them into the page cache -- about 3 us per 1 KiB record, most of it the write and
 the checksum, so out of core every ~16th step stalled for ~100 ms. Now the engine only
 gathers the seal's records into a buffer of its own (the region's slots are then free at
 once) and hands the buffer to this module's thread, which computes the CRCs and writes the
-file (``_log_format.write_segment``; both release the GIL) while the next steps run.
+file (``format.write_segment``; both release the GIL) while the next steps run.
 
-Until its write is done a segment is *pending*: the engine keeps it in ``segs`` with its
-records in that buffer, so every read of it -- a miss, ``read``, cleaning, ``verify`` --
-sees exactly the bytes being written. Once written the engine maps the file in place of the
-buffer (same bytes) and drops the buffer. Nothing in the manifest refers to a pending
-segment: ``flush`` waits for every pending write, then fsyncs, then commits, so a crash
-during a background write leaves a file that the next ``open`` removes as garbage, and the
-store reopens at its last flush as before.
+Until its write is done a segment is *pending*: the segment table (``segments``) keeps it
+with its records in that buffer, so every read of it -- a miss, ``read``, cleaning,
+``verify`` -- sees exactly the bytes being written. Once written the table maps the file in
+place of the buffer (same bytes) and keeps the buffer for the next seals. Nothing in the
+manifest refers to a pending segment: ``flush`` waits for every pending write, then fsyncs,
+then commits, so a crash during a background write leaves a file that the next ``open``
+removes as garbage, and the store reopens at its last flush as before.
 
 Once written, the thread waits for the file's pages to reach the disk (``sync_file_range``),
 so that no dirty page cache is left behind: a memory cgroup's reclaim must wait for dirty
