@@ -6,7 +6,10 @@ loops that finish short ``pwrite``/``pwritev``/``preadv`` calls. Nothing here kn
 records, segments or stores.
 
 Users today: the log-structured engine (``dsa_core._log``). The in-place store's prefetch and
-range modules (``_prefetch``, ``_ranges``) still load their own copies of these calls.
+range modules (``_prefetch``, ``_ranges``) still load their own copies of these calls (the
+page size, libc, ``posix_fadvise``, ``sync_file_range``, ``mincore``, ``madvise`` and its
+``MADV_PAGEOUT``/``MADV_POPULATE_READ``): :data:`fadvise_fd` and those constants are here
+for them.
 
 Each typed C function is a separate function object (``libc["name"]``, not ``libc.name``,
 which ctypes caches and shares): setting one caller's ``argtypes`` never changes another's.
@@ -24,16 +27,20 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["MADV_RANDOM", "MADV_WILLNEED", "MAP_FAILED", "PAGE", "SYNC_FILE_RANGE_WAIT_AFTER",
+__all__ = ["MADV_PAGEOUT", "MADV_POPULATE_READ", "MADV_RANDOM", "MADV_WILLNEED", "MAP_FAILED",
+           "PAGE", "POSIX_FADV_WILLNEED", "SYNC_FILE_RANGE_WAIT_AFTER",
            "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory",
-           "fsync_path", "libc", "madvise_addr", "mincore_addr", "mmap_fn", "munmap_fn",
-           "preadv_all", "pwrite_all", "pwritev_all", "start_writeback", "sync_file_range",
-           "wait_written_back"]
+           "fadvise_fd", "fsync_path", "libc", "madvise_addr", "mincore_addr", "mmap_fn",
+           "munmap_fn", "preadv_all", "pwrite_all", "pwritev_all", "start_writeback",
+           "sync_file_range", "wait_written_back"]
 
 # the memory page size: the unit of madvise/mincore spans (4096 on x86-64)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MADV_RANDOM = 1
 MADV_WILLNEED = 3
+MADV_PAGEOUT = 21        # reclaim the range's pages (clean file pages are dropped)
+MADV_POPULATE_READ = 22  # map the range's pages now (read faults), without dirtying them
+POSIX_FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)
 SYNC_FILE_RANGE_WAIT_BEFORE = 1
 SYNC_FILE_RANGE_WRITE = 2
 SYNC_FILE_RANGE_WAIT_AFTER = 4
@@ -47,6 +54,12 @@ madvise_addr.restype = ctypes.c_int
 mincore_addr = libc["mincore"]
 mincore_addr.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
 mincore_addr.restype = ctypes.c_int
+
+# posix_fadvise(fd, offset, len, advice) -> 0 or an error number (not errno), callable from
+# numba kernels
+fadvise_fd = libc["posix_fadvise"]
+fadvise_fd.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+fadvise_fd.restype = ctypes.c_int
 
 mmap_fn = libc["mmap"]
 mmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,

@@ -40,9 +40,9 @@ Deterministic init
     ``(seed, row)``, the same bits on every machine, but not the numbers of the in-place
     store's ``default_rng(seed)`` fill (a conversion between formats copies rows explicitly).
 Concurrency
-    Calls into one engine come from one thread. Seals and cleaning decisions run inside
-    :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`; three
-    kinds of background threads only do I/O on buffers and files the engine hands them: the
+    The engine's state changes in the caller's thread only: seals and cleaning decisions run
+    inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
+    Three kinds of background threads only do I/O on buffers and files the engine hands them: the
     segment writer (``writer``: writes sealed segments; a segment is readable from its
     buffer until written), the cleaning reads (``read.CleaningReads``: read a segment to be
     cleaned whole, one seal ahead) and, for ``LogStore``, the read-ahead of future batches
