@@ -27,9 +27,9 @@ import numpy as np
 
 from . import _log
 from ._engine import closed_error, scratch
-from ._log_read import ReadAhead
-from ._log_format import FORMAT_NAME as LOG_FORMAT
-from ._log_format import MANIFEST_FILE
+from ._log.format import FORMAT_NAME as LOG_FORMAT
+from ._log.format import MANIFEST_FILE
+from ._log.read import ReadAhead
 from ._paging import memory_limit
 
 __all__ = ["DEFAULT_MEMORY_SHARE", "LOG_FORMAT", "MIN_BATCH_ROWS", "LogStore",

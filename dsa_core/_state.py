@@ -22,7 +22,7 @@ from . import _layout
 from ._files import copy_file, staged_dir
 from ._paging import auto_storage, check_access
 from . import _log, _log_store
-from ._log_format import parse_name
+from ._log.format import parse_name
 from ._log_store import LogStore
 from ._store import Store
 from .validation import (

@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsa_core import _layout, _log, _log_format, _log_init, _log_wal
+from dsa_core import _layout, _log, _log_init
+from dsa_core._log import format as _log_format
+from dsa_core._log import wal as _log_wal
 from dsa_core._store import StoreLockedError
 
 N = 3000
@@ -233,8 +235,8 @@ def test_region_accounting(tmp_path):
     eng = _log.create(tmp_path / "s", lay, memory_bytes=mem)
     S = eng.slots
     assert S == 12345 // (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
-    per_slot = sum(getattr(eng, a).nbytes for a in ("slot_row", "slot_disk", "_pin", "_mark",
-                                                   "_free", "dirty", "_ref")) / S
+    per_slot = sum(getattr(eng._pool, a).nbytes for a in ("slot_row", "slot_disk", "pin", "mark",
+                                                         "free", "dirty", "ref")) / S
     assert per_slot == _log.SLOT_OVERHEAD
     assert eng.loc.nbytes == 8 * lay["num_rows"]
     with pytest.raises(ValueError, match="must pay for the index and at least one record"):

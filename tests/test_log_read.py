@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _log, _log_read
+from dsa_core import _log
+from dsa_core._log import read as _log_read
 
 N, D = 3000, 8
 B = 64
@@ -223,7 +224,7 @@ def test_cleaning_reads_segments_whole_ahead_with_the_records_of_a_mapped_run(tm
     runs = []
     for name, whole in (("mapped", 0), ("whole", _log_read.WHOLE_MAX)):
         with monkeypatch.context() as m:
-            m.setattr(_log, "WHOLE_MAX", whole)
+            m.setattr(_log.cleaner, "WHOLE_MAX", whole)
             m.setattr(_log_read.CleaningReads, "records", counted)
             s = _create(tmp_path / name, slots=2 * B, space_ratio=1.3)
             for idx, g in batches:

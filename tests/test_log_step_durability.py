@@ -21,7 +21,9 @@ import pytest
 from test_log_store import D, LAYOUT, N, PARITY, _assert_same, _batches, _init, _records
 
 import dsa_core
-from dsa_core import _log, _log_format, _log_wal
+from dsa_core import _log
+from dsa_core._log import format as _log_format
+from dsa_core._log import wal as _log_wal
 from dsa_core.__main__ import main as cli
 
 SMALL = _log.memory_for(LAYOUT, 72)  # a region of 72 slots for the float32 layout

@@ -517,7 +517,7 @@ def test_cli_info_and_verify(tmp_path, capsys):
                                   dsa_core.gather(b, np.arange(N)))  # flushed: the same rows
     dsa_core.close(b)
     # a damaged segment is reported by verify
-    from dsa_core._log_format import read_header, segment_geometry
+    from dsa_core._log.format import read_header, segment_geometry
     seg = sorted((tmp_path / "log").glob("seg-*.dsl"))[-1]
     head = read_header(seg)
     rec_off = segment_geometry(head["n"], head["stride"], head["itemsize"])[2]

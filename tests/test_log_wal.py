@@ -1,4 +1,4 @@
-"""The commit log's file format (dsa_core._log_wal): entries written, read back, and every way
+"""The commit log's file format (dsa_core._log.wal): entries written, read back, and every way
 a log can end (torn, corrupt, another generation, out of sequence) stops the reading there."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from dsa_core._log_wal import (
+from dsa_core._log.wal import (
     HEADER_BYTES,
     TRAILER_BYTES,
     WalError,

@@ -1,4 +1,4 @@
-"""Seals written in the background (dsa_core._log_writer): never a stale read, never a loss.
+"""Seals written in the background (dsa_core._log.writer): never a stale read, never a loss.
 
 The writer is slowed down so that many segments are still being written while the steps
 read their rows back (misses), the cleaner copies them and drops them; the records must be
@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _log, _log_format, _log_writer
+from dsa_core import _log
+from dsa_core._log import format as _log_format
+from dsa_core._log import writer as _log_writer
 
 N, D, B = 2000, 8, 64
 
@@ -44,7 +46,7 @@ def _records(s):
 def _reference(tmp_path, monkeypatch):
     """The same run with every seal written at once, in the seal (no writer thread)."""
     with monkeypatch.context() as m:
-        m.setattr(_log, "BEHIND_BYTES", 0)
+        m.setattr(_log.commit, "BEHIND_BYTES", 0)
         s = _train(_create(tmp_path / "sync", space_ratio=1.05))
         assert s.store.engine._writer is None
         want = _records(s)
@@ -61,23 +63,23 @@ def test_slow_background_writes_read_clean_and_drop_pending_segments(tmp_path, m
         time.sleep(0.02)  # the writer lags behind the steps
         return real_write(*a, **kw)
 
-    real_read = _log.LogEngine._read_disk
+    real_read = _log.segments.Segments.read_into
 
     def counting_read(self, locs, *a, **kw):
         sids = set(((locs - 1) >> 32).tolist())
-        seen["pending_reads"] += len(sids & set(self._pending))
+        seen["pending_reads"] += len(sids & set(self.pending))
         return real_read(self, locs, *a, **kw)
 
-    real_drop = _log.LogEngine._drop_segments
+    real_drop = _log.segments.Segments.drop
 
     def counting_drop(self, ids):
-        seen["pending_dropped"] += len(set(ids) & set(self._pending))
+        seen["pending_dropped"] += len(set(ids) & set(self.pending))
         return real_drop(self, ids)
 
     monkeypatch.setattr(_log_writer, "write_segment", slow_write)
     monkeypatch.setattr(_log_writer, "DEPTH", 8)  # more segments pending at once
-    monkeypatch.setattr(_log.LogEngine, "_read_disk", counting_read)
-    monkeypatch.setattr(_log.LogEngine, "_drop_segments", counting_drop)
+    monkeypatch.setattr(_log.segments.Segments, "read_into", counting_read)
+    monkeypatch.setattr(_log.segments.Segments, "drop", counting_drop)
     s = _train(_create(tmp_path / "behind", space_ratio=1.05))
     eng = s.store.engine
     assert eng._writer is not None and eng.stats()["cleaned_segments"] > 0
@@ -179,5 +181,6 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     s = _train(s, steps=20)
     eng = s.store.engine
     assert eng._writer is not None
-    assert eng._writer.cache_bytes == int(_log.CACHE_SHARE * _log.memory_limit())
+    segs = _log.segments
+    assert eng._writer.cache_bytes == int(segs.CACHE_SHARE * segs.memory_limit())
     dsa_core.close(s)

@@ -1,6 +1,6 @@
 """On-disk format of a log-structured store: segment files, index generations, the manifest.
 
-Nothing here knows about memory budgets or eviction (that is ``_log``); this module reads,
+Nothing here knows about memory budgets or eviction (``pool``, ``commit``); this module reads,
 writes and checks the bytes. Files of a log store directory:
 
 ``manifest.json``
@@ -10,7 +10,7 @@ writes and checks the bytes. Files of a log store directory:
     "next_segment":
     int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
     int}`` (``meta``: the caller's JSON data, e.g. the optimizer's hyperparameters;
-    ``wal``/``wal_salt``: the commit log of ``durability="step"`` stores, ``_log_wal``; a
+    ``wal``/``wal_salt``: the commit log of ``durability="step"`` stores, ``wal``; a
     manifest without them has none), replaced atomically (``write_json``). It is the commit
     point of a flush: the state of a store is what its manifest references (plus the valid
     entries of its commit log), nothing else.
@@ -36,7 +36,7 @@ writes and checks the bytes. Files of a log store directory:
     ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment. A flush writes
     a new generation; the old one is removed once the manifest naming the new one is durable.
 ``wal-<gen:08d>.log``
-    The commit log named by the manifest (``_log_wal`` describes it); the next generation's
+    The commit log named by the manifest (``wal`` describes it); the next generation's
     name may hold a retired log kept for reuse. Others are garbage, removed at open.
 ``writer.lock``
     The writer's exclusive ``flock`` (as for the in-place store).
@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
-import errno
 import json
 import mmap
 import os
@@ -62,8 +60,16 @@ from typing import Any
 
 import numpy as np
 
-from ._files import write_json
-from ._log_read import MADV_RANDOM, advise_whole
+from .._files import write_json
+from .._os import (
+    MADV_RANDOM,
+    MAP_FAILED,
+    advise_memory,
+    mmap_fn,
+    munmap_fn,
+    pwrite_all,
+    start_writeback,
+)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_WAL", "LOCK_FILE", "MANIFEST_FILE",
@@ -77,6 +83,7 @@ FORMAT_NAME = "dsa-log"
 FORMAT_VERSION = 1
 FORMAT_VERSION_WAL = 2  # a manifest that names a commit log (an older reader would ignore it)
 SEG_MAGIC = b"DSALOG01"
+# segment parts start on multiples of this many bytes (a format constant, not the OS's page)
 PAGE = 4096
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = "writer.lock"
@@ -132,7 +139,7 @@ def index_name(gen: int) -> str:
 
 def parse_name(name: str) -> tuple[str, int] | None:
     """``("seg", id)`` / ``("index", gen)`` / ``("wal", gen)`` (a commit log,
-    ``_log_wal``) for the store's own file names, else None."""
+    ``wal``) for the store's own file names, else None."""
     for kind, pre, suf in (("seg", "seg-", ".dsl"), ("index", "index-", ".bin"),
                            ("wal", "wal-", ".log")):
         if name.startswith(pre) and name.endswith(suf):
@@ -152,15 +159,6 @@ def segment_geometry(n: int, stride: int, itemsize: int) -> tuple[int, int, int,
     steps_off = rows_off + _pad(8 * n)
     rec_off = steps_off + _pad(8 * n)
     return rows_off, steps_off, rec_off, rec_off + _pad(n * stride * itemsize)
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:  # pragma: no cover - pwrite raises on a full disk
-            raise OSError(errno.EIO, "pwrite wrote nothing")
-        view, offset = view[n:], offset + n
 
 
 # -- segments --------------------------------------------------------------------------------
@@ -187,7 +185,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
     with_pad[(steps_off - rows_off) // 8:(steps_off - rows_off) // 8 + n] = steps
     with _new_file(path) as fd:
         os.ftruncate(fd, size)
-        _pwrite_all(fd, with_pad, rows_off)
+        pwrite_all(fd, with_pad, rows_off)
         crash_point("seal-rows")
         crc, off, done = 0, rec_off, 0
         for blk in chunks:
@@ -197,7 +195,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
                                  f"layout ({stride} x {np.dtype(dtype).name})")
             if not blk.shape[0]:
                 continue
-            _pwrite_all(fd, blk, off)
+            pwrite_all(fd, blk, off)
             crc = zlib.crc32(blk, crc)
             off += blk.nbytes
             done += blk.shape[0]
@@ -207,8 +205,8 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
         head = _HEAD.pack(SEG_MAGIC, seg_id, n, stride, itemsize, int(count),
                           zlib.crc32(rows), zlib.crc32(steps), crc)
         crash_point("seal-header")
-        _pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
-        _start_writeback(fd)
+        pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
+        start_writeback(fd)  # the flush's fsync then has little left to do
     return size
 
 
@@ -231,17 +229,6 @@ def _new_file(path: Path):
             pass
         raise
     os.close(fd)
-
-
-def _start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
-    """Start writing the file's dirty pages back without waiting (the flush's fsync then has
-    little left to do, and dirty page cache never piles up behind the seals); ``nbytes``
-    bytes from ``offset`` (0: to the end of the file)."""
-    try:
-        from ._prefetch import SYNC_FILE_RANGE_WRITE, _sync_file_range
-        _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
-    except (ImportError, AttributeError, OSError):  # pragma: no cover - not Linux
-        pass
 
 
 def read_header(path: Path) -> dict[str, int]:
@@ -322,15 +309,6 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
     return n
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munmap.restype = ctypes.c_int
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
 class _ReadOnlyMap:
     """A read-only shared mapping of a whole file that holds no file descriptor.
 
@@ -343,13 +321,13 @@ class _ReadOnlyMap:
 
     def __init__(self, path: Path, size: int):
         self._addr, self._size = 0, size
-        self._munmap = _libc.munmap  # kept: module globals may be gone when __del__ runs
+        self._munmap = munmap_fn  # kept: module globals may be gone when __del__ runs
         fd = os.open(path, os.O_RDONLY)
         try:
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            addr = mmap_fn(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         finally:
             os.close(fd)
-        if addr is None or addr == _MAP_FAILED:
+        if addr is None or addr == MAP_FAILED:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot map {str(path)!r} ({os.strerror(err)}); with very "
                           "many segments, raise vm.max_map_count")
@@ -376,13 +354,13 @@ class Segment:
 def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -> Segment:
     """Map a segment read-only (clean page-cache pages, reclaimable, never written back); no
     file descriptor stays open. The records are mapped ``MADV_RANDOM``: a fault reads its own
-    page only (records are read one by one, with explicit read-ahead: ``_log_read``)."""
+    page only (records are read one by one, with explicit read-ahead: ``read``)."""
     rows_off, steps_off, rec_off, size = segment_geometry(n, stride, np.dtype(dtype).itemsize)
     mm = np.asarray(_ReadOnlyMap(path, size))
     rows = mm[rows_off:rows_off + 8 * n].view(np.int64)
     steps = mm[steps_off:steps_off + 8 * n].view(np.int64)
     records = mm[rec_off:rec_off + n * stride * np.dtype(dtype).itemsize].view(dtype)
-    advise_whole(records, MADV_RANDOM)
+    advise_memory(records, MADV_RANDOM)
     return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps),
                    np.asarray(records).reshape(n, stride), size)
 
@@ -396,7 +374,7 @@ def write_index(path: Path, index: np.ndarray) -> int:
         raw = memoryview(index).cast("B")
         for off in range(0, raw.nbytes, _IO_CHUNK):
             blk = raw[off:off + _IO_CHUNK]
-            _pwrite_all(fd, blk, off)
+            pwrite_all(fd, blk, off)
             crc = zlib.crc32(blk, crc)
         os.fsync(fd)
     return crc

@@ -1,7 +1,7 @@
-"""Reading a log store's on-disk records at queue depth (read-ahead for ``_log``).
+"""Reading a log store's on-disk records at queue depth (read-ahead, cleaning reads).
 
 A record that is not resident in the region lies in a read-only mapping of its segment
-(``_log_format.map_segment``, ``MADV_RANDOM``: a page fault reads that one 4 KiB page and
+(``format.map_segment``, ``MADV_RANDOM``: a page fault reads that one 4 KiB page and
 nothing around it). Copying a batch's misses out of those mappings one after another would
 read them at queue depth 1: each fault waits for the disk before the next is issued, and a
 record that straddles two pages costs two such waits.
@@ -35,9 +35,6 @@ mappings stay valid until it has run.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import os
 import queue
 import threading
@@ -47,23 +44,22 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from .._os import (
+    MADV_RANDOM,
+    MADV_WILLNEED,
+    PAGE,
+    advise_memory,
+    madvise_addr,
+    mincore_addr,
+    preadv_all,
+)
+
 __all__ = ["MADV_RANDOM", "MADV_WILLNEED", "PAGE", "CleaningReads", "ReadAhead", "advise",
            "advise_whole", "hint_uncached", "read_file_into", "record_spans", "sample_uncached"]
 
-PAGE = 4096
-MADV_RANDOM = 1
-MADV_WILLNEED = 3
 SAMPLE = 16         # misses probed with mincore before deciding to issue read-ahead
 WHOLE_MAX = 256 << 20  # cleaning reads a segment whole into a buffer up to this many bytes
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-# addresses as size_t: numba passes them as plain integers (same ABI as a pointer on Linux)
-_madvise = _libc.madvise
-_madvise.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
-_mincore = _libc.mincore
-_mincore.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
-_mincore.restype = ctypes.c_int
 
 
 # Not cache=True: the ctypes function addresses are baked into the machine code and change from
@@ -83,7 +79,7 @@ def _advise_spans(lo, hi, advice):
             if hi[i] > b:
                 b = hi[i]
             i += 1
-        _madvise(a, b - a, advice)
+        madvise_addr(a, b - a, advice)
         calls += 1
     return calls
 
@@ -106,10 +102,7 @@ def advise(addrs: np.ndarray, rec_bytes: int, advice: int = MADV_WILLNEED) -> in
 
 def advise_whole(records: np.ndarray, advice: int = MADV_WILLNEED) -> None:
     """Issue ``advice`` for every page of a mapped records array (e.g. before cleaning it)."""
-    if records.nbytes:
-        base = records.__array_interface__["data"][0]
-        lo = base & ~(PAGE - 1)
-        _madvise(lo, base + records.nbytes - lo, advice)
+    advise_memory(records, advice)
 
 
 def sample_uncached(addrs: np.ndarray, rec_bytes: int, k: int = SAMPLE) -> bool:
@@ -122,7 +115,7 @@ def sample_uncached(addrs: np.ndarray, rec_bytes: int, k: int = SAMPLE) -> bool:
     vec = np.zeros((int((hi - lo).max()) // PAGE,), np.uint8)
     ptr = vec.ctypes.data
     for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
-        if _mincore(a, b - a, ptr) != 0:
+        if mincore_addr(a, b - a, ptr) != 0:
             return True  # cannot tell (unmapped meanwhile?): read ahead, it is only a hint
         if not (vec[:(b - a) // PAGE] & 1).all():
             return True
@@ -187,18 +180,7 @@ class ReadAhead:
 def read_file_into(path: Path, offset: int, out: np.ndarray) -> np.ndarray:
     """Fill the C-contiguous array ``out`` with the bytes of ``path`` from ``offset`` on
     (sequential ``preadv`` s; a file shorter than that is an error). Returns ``out``."""
-    view = memoryview(out).cast("B")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done, total = 0, len(view)
-        while done < total:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"{str(path)!r} ended at byte {offset + done}, "
-                              f"{total - done} bytes short of its records")
-            done += n
-    finally:
-        os.close(fd)
+    preadv_all(path, offset, memoryview(out).cast("B"))
     return out
 
 

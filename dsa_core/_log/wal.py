@@ -5,7 +5,7 @@ store commits each step, the step's rows (their whole records after the step) ar
 here with one ``fdatasync``: one sequential append per step instead of the in-place store's
 undo journal, data fdatasync and manifest rename. The manifest names the
 current generation and its random ``salt``; every flush starts a new generation
-(``_log.LogEngine.flush``), so a log never holds a step that its manifest already counts.
+(``commit.Commit.flush``), so a log never holds a step that its manifest already counts.
 
 File layout: a sequence of entries, each starting on a 4096-byte boundary (a page that
 holds a committed entry is never written again, so a torn write of the next entry cannot
@@ -49,7 +49,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._log_format import PAGE, _pwrite_all, _start_writeback, crash_point
+from .._os import pwrite_all, pwritev_all, start_writeback
+from .format import PAGE, crash_point
 
 __all__ = ["WAL_MAGIC", "WAL_MIN_BOUND", "WalEntry", "WalError", "WalWriter", "read_entries",
            "wal_bound", "wal_name"]
@@ -93,18 +94,10 @@ def _aligned(offset: int) -> int:
 
 
 def _pwritev_all(fd: int, bufs: list, offset: int) -> None:
-    """``pwritev`` of ``bufs`` at ``offset``, finishing a short write buffer by buffer."""
-    views = [memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8))
-             if isinstance(b, np.ndarray) else memoryview(b).cast("B") for b in bufs]
-    done = os.pwritev(fd, views, offset)
-    for v in views:  # only after a short write (e.g. a nearly full disk) is anything left
-        if done >= v.nbytes:
-            done -= v.nbytes
-            offset += v.nbytes
-            continue
-        _pwrite_all(fd, v[done:], offset + done)
-        offset += v.nbytes
-        done = 0
+    """``pwritev`` of ``bufs`` (bytes or arrays) at ``offset``, all of them."""
+    pwritev_all(fd, [memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8))
+                     if isinstance(b, np.ndarray) else memoryview(b).cast("B") for b in bufs],
+                offset)
 
 
 class WalWriter:
@@ -180,10 +173,10 @@ class WalWriter:
         try:
             crash_point("wal-append")
             _pwritev_all(self.fd, [head, rows, records], self.offset)
-            _start_writeback(self.fd, self.offset, end - self.offset)
+            start_writeback(self.fd, self.offset, end - self.offset)
             crc = zlib.crc32(records, zlib.crc32(rows, hcrc))  # while the disk writes
             crash_point("wal-payload")
-            _pwrite_all(self.fd, _CRC.pack(crc), end)
+            pwrite_all(self.fd, _CRC.pack(crc), end)
             crash_point("wal-written")
             os.fdatasync(self.fd)
             crash_point("wal-synced")

@@ -1,19 +1,19 @@
-"""Writing sealed segments in the background (write-behind for ``_log``).
+"""Writing sealed segments in the background (write-behind for ``commit``'s seals).
 
 A seal used to write its segment in the step that needed room: gather the records, CRC them,
 ``pwrite`` them into the page cache -- about 3 us per 1 KiB record, most of it the write and
 the checksum, so out of core every ~16th step stalled for ~100 ms. Now the engine only
 gathers the seal's records into a buffer of its own (the region's slots are then free at
 once) and hands the buffer to this module's thread, which computes the CRCs and writes the
-file (``_log_format.write_segment``; both release the GIL) while the next steps run.
+file (``format.write_segment``; both release the GIL) while the next steps run.
 
-Until its write is done a segment is *pending*: the engine keeps it in ``segs`` with its
-records in that buffer, so every read of it -- a miss, ``read``, cleaning, ``verify`` --
-sees exactly the bytes being written. Once written the engine maps the file in place of the
-buffer (same bytes) and drops the buffer. Nothing in the manifest refers to a pending
-segment: ``flush`` waits for every pending write, then fsyncs, then commits, so a crash
-during a background write leaves a file that the next ``open`` removes as garbage, and the
-store reopens at its last flush as before.
+Until its write is done a segment is *pending*: the segment table (``segments``) keeps it
+with its records in that buffer, so every read of it -- a miss, ``read``, cleaning,
+``verify`` -- sees exactly the bytes being written. Once written the table maps the file in
+place of the buffer (same bytes) and keeps the buffer for the next seals. Nothing in the
+manifest refers to a pending segment: ``flush`` waits for every pending write, then fsyncs,
+then commits, so a crash during a background write leaves a file that the next ``open``
+removes as garbage, and the store reopens at its last flush as before.
 
 Once written, the thread waits for the file's pages to reach the disk (``sync_file_range``),
 so that no dirty page cache is left behind: a memory cgroup's reclaim must wait for dirty
@@ -34,7 +34,6 @@ before it changes anything, and the segment stays pending, readable, for a later
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import threading
@@ -43,10 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._log_format import write_segment
-from ._prefetch import SYNC_FILE_RANGE_WRITE, _sync_file_range
-
-_WAIT_BEFORE, _WAIT_AFTER = 1, 4  # SYNC_FILE_RANGE_WAIT_BEFORE / _WAIT_AFTER
+from .._os import wait_written_back
+from .format import write_segment
 
 __all__ = ["DEPTH", "SegmentWriter", "WriteJob"]
 
@@ -78,24 +75,13 @@ class WriteJob:
         try:
             self.size = write_segment(self.path, self.sid, self.rows, self.steps,
                                       [self.records], self.stride, self.dtype, self.count)
-            _written_back(self.path)
+            wait_written_back(self.path)
             if drop:
                 _drop_cached(self.path)
         except BaseException as exc:  # handed to the engine: its next seal or flush raises
             self.error = exc
         finally:
             self.done.set()
-
-
-def _written_back(path: Path) -> None:
-    """Wait until the file's pages are on the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _sync_file_range(fd, 0, 0, _WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | _WAIT_AFTER) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"writing {str(path)!r} back failed: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 def _drop_cached(path: Path) -> None:

@@ -1,0 +1,420 @@
+"""The commit protocol of a log store: seals, flushes, checkpoints and the commit log.
+
+Seals
+    :meth:`Commit.seal` appends dirty slots, with the cleaner's copies (``cleaner``), to a
+    new immutable segment in one sequential write: a seal of at most ``BEHIND_BYTES`` is
+    gathered into a buffer and written in the background (``writer``; the segment is
+    *pending* until then, ``segments``), a larger one (a flush, a range release) is
+    streamed to its file at once. Then the rows point at the new segment, the records it
+    supersedes are dead, and a segment left without a live record is dropped.
+    :meth:`Commit.make_room` is the pool's eviction: CLOCK victims (``pool``), the dirty ones
+    sealed together, so each seal is one large write of about ``seal_unit`` records.
+Durability
+    Only :meth:`Commit.flush` (and :meth:`Commit.checkpoint`, and the engine's ``close``)
+    make anything durable: updates since the last flush live in the region only and are gone
+    if the process ends without one. A flush seals every dirty slot (segments of a seal unit
+    each), waits for the background writes, fsyncs the new segments, writes the next index
+    generation (fsync'd), starts the next commit-log generation when ``wal_on``, commits the
+    manifest, and only then deletes the previous index generation and the segments no
+    manifest lists any more, and retires the previous commit log (kept for reuse while
+    ``wal_on``): after ``kill -9`` at any moment the store reopens at the last completed
+    flush (``recovery``).
+The commit log (``durability="step"``)
+    A store that commits every step logs it: :meth:`Commit.begin_step` (a flush first, unless
+    the log can take the step), the caller acquires the rows and computes their new records
+    outside the region, :meth:`Commit.commit_step` (one append + fdatasync to the commit
+    log, ``wal``, then the region), so the region only ever holds committed steps. Each flush
+    starts a new log generation that its manifest names; the open replays the named log's
+    valid entries (``recovery``). After kill -9 at any moment, open returns the state after
+    the last step whose entry is in the file: the last step that returned, or the one in
+    flight if its entry was written in full.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._files import copy_file, fsync_dir, staged_dir
+from .budget import SEAL_BYTES
+from .checks import check_count, check_meta
+from .cleaner import CLEAN_UNITS, Cleaner
+from .format import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_WAL,
+    MAX_SEGMENT_ID,
+    Segment,
+    crash_point,
+    index_name,
+    parse_name,
+    seg_name,
+    segment_geometry,
+    write_index,
+    write_manifest,
+    write_segment,
+)
+from .pool import Pool, gather_records
+from .segments import Segments
+from .wal import WalWriter, wal_bound, wal_name
+from .writer import WriteJob
+
+__all__ = ["BEHIND_BYTES", "TOTALS", "Commit", "name_wal"]
+
+# seals up to this size (its records, the cleaning copies, the last cleaned segment taken
+# whole) are written in the background; larger ones (a flush, a range release) at once
+BEHIND_BYTES = (2 + CLEAN_UNITS) * SEAL_BYTES
+_CHUNK_BYTES = 8 << 20   # records per pwrite of a seal
+# write counters kept over the store's life (committed with every flush, "totals")
+TOTALS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
+          "file_bytes_written")
+
+
+def name_wal(manifest: dict[str, Any], wal: WalWriter | None) -> None:
+    """Name the commit log ``wal`` (or none) in ``manifest``, with the format version that
+    says whether it has one (an older reader must refuse a store whose log it would ignore)."""
+    manifest.update(wal=None if wal is None else wal.path.name,
+                    wal_salt=None if wal is None else wal.salt,
+                    version=FORMAT_VERSION if wal is None else FORMAT_VERSION_WAL)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` as ``dst`` (immutable files: the link is a snapshot); copy where the
+    filesystem refuses links (another device, no link support, too many links)."""
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP,
+                             errno.EOPNOTSUPP, errno.EACCES):
+            raise
+        copy_file(src, dst)
+
+
+class Commit:
+    """Seals, flushes, checkpoints and the commit log of one open store (module docstring).
+
+    It owns what a flush commits: ``count``, ``meta``, the last committed ``manifest``, the
+    index generation and whether the disk locations changed since (``index_dirty``), the
+    commit-log generation, and the write counters of earlier writers (``totals_base``).
+    The region and slots are the ``pool``'s, the segments the ``segments``'; ``stats``: the
+    engine's counters (the seal and write ones are counted here).
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any], pool: Pool, segments: Segments,
+                 cleaner: Cleaner, stats: dict[str, int]):
+        self.path = path
+        self.pool, self.segments, self.cleaner, self.stats = pool, segments, cleaner, stats
+        self.count = int(manifest["count"])
+        self.meta = dict(manifest.get("meta", {}))
+        # no index file (None): no row has been written yet, every row reads as its initial
+        # record (create writes nothing of size num_rows: O(1))
+        kind = ("index", 0) if manifest["index"] is None else parse_name(str(manifest["index"]))
+        if kind is None or kind[0] != "index":
+            raise ValueError(f"manifest of {str(path)!r} names the index "
+                             f"{manifest['index']!r}, not an index-<gen>.bin file; the store "
+                             "is damaged")
+        self.gen = kind[1]
+        self.manifest = dict(manifest)              # the last committed manifest
+        self.index_dirty = False                    # disk locations changed since the flush
+        # the write counters of earlier writers, committed by their flushes (Engine.stats)
+        self.totals_base = {k: int(manifest.get("totals", {}).get(k, 0)) for k in TOTALS}
+        wal = manifest.get("wal")
+        wkind = None if wal is None else parse_name(str(wal))
+        if wal is not None and (wkind is None or wkind[0] != "wal"
+                                or not isinstance(manifest.get("wal_salt"), int)):
+            raise ValueError(f"manifest of {str(path)!r} names the commit log {wal!r} "
+                             f"(salt {manifest.get('wal_salt')!r}), not a wal-<gen>.log file "
+                             "with an int salt; the store is damaged")
+        self.wal_on = wal is not None            # flushes start a new commit-log generation
+        self.wal_bound = wal_bound(pool.num_rows)  # log bytes that make the next step flush
+        self.wal: WalWriter | None = None        # the writer's open generation
+        self.wal_gen = 0 if wkind is None else wkind[1]
+        self.wal_count = self.count              # the count that manifest + log hold
+        self.wal_acquires = 0                    # acquire calls that they reflect
+        self.wal_spare: Path | None = None       # a retired log file, reused next
+
+    def totals(self) -> dict[str, int]:
+        """The write counters over the store's life: earlier writers' plus this open's."""
+        return {k: self.totals_base[k] + int(self.stats[k]) for k in TOTALS}
+
+    # -- seals ----------------------------------------------------------------------------------
+    def make_room(self, need: int, pinned: int) -> None:
+        """The pool's eviction (``Pool.acquire``): CLOCK victims, the dirty ones sealed."""
+        victims, ep = self.pool.evict(need, pinned)
+        if victims.shape[0]:
+            self.seal(victims, evict=True, ep=ep)
+
+    def seal(self, slots: np.ndarray, evict: bool, ep: int | None = None) -> None:
+        """Write the records of ``slots`` (dirty) as one new segment, plus cleaning copies.
+
+        ``evict``: the slots leave the region afterwards (their rows point at the new
+        segment); else they stay resident, clean.
+        """
+        pool, segs, cleaner = self.pool, self.segments, self.cleaner
+        segs.settle(block=False)  # raises a failed background write, changing nothing
+        if ep is None:
+            ep = pool.next_seal_epoch()
+        pool.mark[slots] = ep
+        n_new_loc = int(np.count_nonzero(pool.slot_disk[slots] == 0))
+        res, copies = cleaner.choose(slots.shape[0], n_new_loc, ep)
+        if copies:
+            crash_point("clean")
+        rslots = np.concatenate([slots, *res]) if res else slots
+        m = rslots.shape[0]
+        crow = [seg.rows[ks] for seg, ks in copies]
+        n = m + sum(ks.shape[0] for _, ks in copies)
+        if n == 0:
+            return
+        sid = segs.next_segment
+        if sid > MAX_SEGMENT_ID:  # pragma: no cover - 2**31 seals
+            raise OverflowError(f"log store {str(self.path)!r} ran out of segment ids")
+        rows = np.concatenate([pool.slot_row[rslots], *crow]) if crow else pool.slot_row[rslots]
+        steps = np.concatenate([np.full(m, self.count, np.int64),
+                                *[seg.steps[ks] for seg, ks in copies]])
+        # each cleaned segment read whole, sequentially (read ahead by the previous seal)
+        src = [cleaner.source(seg, now=True) for seg, _ in copies]
+        path = self.path / seg_name(sid)
+        rec_bytes, stride, dtype = segs.rec_bytes, pool.stride, pool.dtype
+        if n * rec_bytes <= BEHIND_BYTES:
+            # write-behind (writer): gather the records into a buffer of the segment's
+            # own, which serves its reads until the file is written and mapped
+            recs = segs.seal_buffer(n)
+            gather_records(pool.region, rslots, recs)
+            off = m
+            for rec, (_, ks) in zip(src, copies, strict=True):
+                recs[off:off + ks.shape[0]] = rec[ks]
+                off += ks.shape[0]
+            recs.flags.writeable = False  # as the mapping that replaces it
+            segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count))
+            size = segment_geometry(n, stride, dtype.itemsize)[3]
+            segs.add(Segment(sid, n, path, rows, steps, recs, size))
+        else:  # a large seal (a flush, a range release): streamed in chunks, written now
+            chunk = max(1, _CHUNK_BYTES // rec_bytes)
+
+            def blocks():
+                for lo in range(0, m, chunk):
+                    yield pool.region[rslots[lo:lo + chunk]]
+                for rec, (_, ks) in zip(src, copies, strict=True):
+                    for lo in range(0, ks.shape[0], chunk):
+                        yield rec[ks[lo:lo + chunk]]
+
+            size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count)
+            segs.map(path, sid, n)
+        for rec, (seg, _) in zip(src, copies, strict=True):
+            cleaner.done_with(rec, seg)
+        segs.sealed(sid, n)
+        self.index_dirty = True
+        crash_point("sealed")
+        # the old on-disk copies of everything in the seal are dead now
+        newloc = np.int64((sid << 32) + 1) + np.arange(n, dtype=np.int64)
+        old = [pool.slot_disk[rslots]]
+        n_user = int(np.count_nonzero(pool.dirty[rslots]))
+        segs.live_total += int(np.count_nonzero(old[0] == 0))
+        pool.slot_disk[rslots] = newloc[:m]
+        pool.dirty[rslots] = 0
+        off = m
+        for (seg, ks), r in zip(copies, crow, strict=True):
+            old.append(np.int64((seg.id << 32) + 1) + ks)
+            pool.loc[r] = newloc[off:off + ks.shape[0]]
+            off += ks.shape[0]
+        dead = np.concatenate(old)
+        gone = segs.kill(dead[dead > 0] - 1)
+        if gone:
+            for sid_gone in gone:
+                cleaner.forget(sid_gone)
+            segs.drop(gone)
+        for seg, _ in copies:  # a cleaned segment has no live record left
+            if segs.live[seg.id] != 0:  # pragma: no cover - an engine bug
+                raise RuntimeError(f"log store {str(self.path)!r}: cleaned segment {seg.id} "
+                                   f"still has {segs.live[seg.id]} live records")
+        if evict:
+            pool.free_slots(slots)
+        cleaner.read_ahead_next()
+        st = self.stats
+        st["seals"] += 1
+        st["cleaned_segments"] += len(copies)
+        st["sealed_records"] += n_user
+        st["cleaned_records"] += n - n_user
+        st["file_bytes_written"] += size
+
+    def seal_all(self, slots: np.ndarray, evict: bool) -> None:
+        """Seal many dirty slots (a flush, a range release) as segments of at most a seal
+        unit each, in order: a segment as large as the region would later have to be
+        cleaned in one piece, its live records copied in one seal (seconds)."""
+        unit = self.pool.seal_unit
+        for lo in range(0, slots.shape[0], unit):
+            self.seal(slots[lo:lo + unit], evict=evict)
+
+    # -- flushing -------------------------------------------------------------------------
+    def flush(self, count: int | None = None) -> None:
+        """Make everything so far durable, at step ``count`` (default: ``self.count``); see
+        ``LogEngine.flush``."""
+        count = self.count if count is None else check_count(count)
+        meta = check_meta(self.meta)
+        self.count = count
+        dirty = np.flatnonzero(self.pool.dirty)
+        if dirty.shape[0]:
+            self.seal_all(dirty, evict=False)
+        segs = self.segments
+        segs.settle(block=True)  # every background write done (or retried) first
+        crash_point("flush-sealed")
+        if not self.index_dirty and self.count == self.manifest["count"] \
+                and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
+            return
+        segs.sync_new()
+        crash_point("flush-synced")
+        manifest = dict(self.manifest)
+        gen = self.gen
+        if self.index_dirty:
+            gen += 1
+            manifest["index"] = index_name(gen)
+            manifest["index_crc32"] = write_index(self.path / index_name(gen),
+                                                  self.pool.disk_locations())
+            crash_point("flush-index")
+        new_wal = self._start_wal() if self.wal_on else None
+        fsync_dir(self.path)  # the new files' names are durable before the manifest is
+        manifest.update(totals=self.totals(), count=int(self.count), segments=sorted(segs.segs),
+                        next_segment=int(segs.next_segment), meta=meta)
+        name_wal(manifest, new_wal)
+        try:
+            write_manifest(self.path, manifest)
+        except BaseException:
+            if new_wal is not None:  # not named by any manifest: the next generation's file
+                new_wal.close()
+                self.wal_spare = new_wal.path
+            raise
+        crash_point("flush-committed")
+        old_gen, self.gen = self.gen, gen
+        old_wal = self.manifest.get("wal")
+        self.manifest = manifest
+        segs.committed_now()
+        self.index_dirty = False
+        if old_gen != gen:
+            (self.path / index_name(old_gen)).unlink(missing_ok=True)
+        segs.delete_doomed()
+        self._retire_wal(old_wal, new_wal)
+
+    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
+        """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``
+        (see ``LogEngine.checkpoint``)."""
+        dest = Path(dest)
+        if dest.resolve() == self.path.resolve():
+            raise ValueError(f"checkpoint destination {str(dest)!r} is the live store itself; "
+                             "choose another directory")
+        if dest.exists() and not overwrite:
+            raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
+                                  "overwrite=True to replace it")
+        self.flush(count)
+        manifest = dict(self.manifest)
+        name_wal(manifest, None)  # flushed: the snapshot needs no commit log
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with staged_dir(dest, overwrite) as tmp:
+            for sid in manifest["segments"]:
+                _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid))
+                crash_point("ckpt-link")
+            if manifest["index"] is not None:
+                copy_file(self.path / manifest["index"], tmp / manifest["index"])
+            write_manifest(tmp, manifest)
+            crash_point("ckpt-staged")
+        return dest
+
+    # -- the commit log (durability="step") -----------------------------------------------
+    def step_ready(self, count: int, meta: dict[str, Any] | None = None) -> bool:
+        """True when step ``count + 1`` may be logged now (see ``LogEngine.step_ready``)."""
+        w = self.wal
+        return (w is not None and not w.broken and self.wal_on
+                and self.count == int(count) == self.wal_count
+                and self.stats["acquires"] == self.wal_acquires
+                and w.offset < self.wal_bound
+                and (meta is None or check_meta(meta) == self.manifest.get("meta", {})))
+
+    def begin_step(self, count: int, meta: dict[str, Any]) -> None:
+        """Unless :meth:`step_ready`, turn ``wal_on`` on and flush at ``count`` with
+        ``meta`` (see ``LogEngine.begin_step``)."""
+        if self.step_ready(count, meta):
+            return
+        self.wal_on = True
+        self.meta = meta
+        self.flush(count)
+
+    def commit_step(self, t: int, rows: np.ndarray, slots: np.ndarray,
+                    records: np.ndarray) -> None:
+        """Append step ``t`` to the commit log, then copy ``records`` into the region (see
+        ``LogEngine.commit_step``)."""
+        if self.wal is None or int(t) != self.wal_count + 1 or self.count != self.wal_count:
+            raise RuntimeError(f"log store {str(self.path)!r}: commit_step({t}) without "
+                               f"begin_step({int(t) - 1}) (the log holds step "
+                               f"{self.wal_count}, the engine is at {self.count})")
+        self.wal.append(int(t), rows, records)
+        if slots.shape[0]:
+            self.pool.region[slots] = records
+        self.count = self.wal_count = int(t)
+        self.wal_acquires = self.stats["acquires"]
+
+    def wal_bytes(self) -> int:
+        """Bytes of the open commit-log generation holding entries (0 without one)."""
+        return 0 if self.wal is None else self.wal.offset
+
+    def _wal_rotation_due(self) -> bool:
+        """A flush must start a new commit-log generation even if nothing else changed."""
+        if self.wal_on != (self.manifest.get("wal") is not None):
+            return True
+        w = self.wal
+        return self.wal_on and (w is None or w.broken or w.offset > 0)
+
+    def _start_wal(self) -> WalWriter:
+        """The next generation's file, empty for readers (a fresh salt); not yet named."""
+        path = self.path / wal_name(self.wal_gen + 1)
+        spare, self.wal_spare = self.wal_spare, None
+        w = WalWriter.start(path, int.from_bytes(os.urandom(8), "little"), self.pool.stride,
+                            self.pool.dtype, recycle=spare)
+        crash_point("wal-started")
+        return w
+
+    def _retire_wal(self, old_name: str | None, new: WalWriter | None) -> None:
+        """After a commit: the previous generation's log is no longer named. Kept under the
+        name of the generation after ``new`` for reuse (:meth:`_start_wal`), or deleted
+        when no log is kept (``wal_on`` off)."""
+        if self.wal is not None:
+            self.wal.close()
+        self.wal = new
+        self.wal_count = self.count
+        self.wal_acquires = self.stats["acquires"]
+        if new is not None:
+            self.wal_gen = parse_name(new.path.name)[1]
+        if old_name is None:
+            return
+        old = self.path / old_name
+        if new is not None:
+            spare = self.path / wal_name(self.wal_gen + 1)
+            try:
+                os.replace(old, spare)
+                self.wal_spare = spare
+            except FileNotFoundError:  # pragma: no cover - removed by hand
+                pass
+        else:
+            old.unlink(missing_ok=True)
+            if self.wal_spare is not None:
+                self.wal_spare.unlink(missing_ok=True)
+                self.wal_spare = None
+        crash_point("wal-retired")
+
+    def keep_spare(self) -> None:
+        """At open: a retired log kept under the next generation's name is reused next."""
+        spare = self.path / wal_name(self.wal_gen + 1)
+        self.wal_spare = spare if spare.exists() else None
+
+    def resume_wal(self) -> None:
+        """At open, with nothing to replay: append to the named log from its start."""
+        self.wal = WalWriter.resume(self.path / self.manifest["wal"],
+                                    int(self.manifest["wal_salt"]), 0, self.pool.stride,
+                                    self.pool.dtype)
+        self.wal_count, self.wal_acquires = self.count, self.stats["acquires"]
+
+    def close_wal(self) -> None:
+        """Close the open commit-log generation's file (nothing is written)."""
+        if self.wal is not None:
+            self.wal.close()

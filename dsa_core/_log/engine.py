@@ -1,0 +1,601 @@
+"""The engine of a log-structured store: records in immutable segments, a region in memory.
+
+The in-place store (``_store``) updates each row where it lies in one big mapped file: once
+the dirty rows exceed the kernel's write-back budget, or the table exceeds RAM, every
+updated row costs a random read and later a random 4 KiB write-back. This engine keeps the
+same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one on disk:
+
+* updates happen in place in an in-memory **region** of ``S`` record slots (``pool``);
+* a slot leaving the region while dirty is appended, with many others, to a new immutable
+  **segment** file in one sequential write, a *seal* (``commit``; written in the background
+  by ``writer``; the live segments are ``segments``');
+* an **index** maps each row to the newest record of it in a segment (or to nothing: the
+  row then reads as its deterministic initial record, ``_log_init``);
+* a **cleaner** (``cleaner``) copies the still-live records of the emptiest segments into
+  the next seal so that the segments hold at most ``space_ratio`` times the live records;
+* a **flush** seals every dirty slot, fsyncs the new segments, writes a new index generation
+  and commits a new manifest (``commit``; ``format`` describes the files); ``durability=
+  "step"`` stores also append every step to a commit log (``wal``);
+* an **open** returns the state of the last flush plus the commit log's steps
+  (``recovery``).
+
+:class:`LogEngine` composes those components and is the only thing callers see:
+``dsa_core.step`` (through ``_log_store.LogStore``) coalesces a batch's ids,
+``slots = eng.acquire(unique_rows)``, runs the kernels on ``eng.region`` with ``slots`` in
+place of the row ids, then sets ``eng.count``; ``gather``/export use :meth:`LogEngine.read`.
+
+Memory budget
+    ``memory_bytes`` pays for the index (8 bytes per row) and the slots (``budget``); a batch
+    of ``M`` rows needs ``S >= M``: :func:`check_memory` (called by :func:`create` and
+    :func:`open` with ``max_batch``, and by every :meth:`LogEngine.acquire`) says by how much
+    to raise the budget.
+Durability
+    Only :meth:`LogEngine.flush` (and :meth:`LogEngine.checkpoint`, :meth:`LogEngine.close`)
+    make anything durable, and every committed step of a store with a commit log: unlike the
+    in-place store, whose mapped pages reach the file even without a flush, updates since
+    the last flush live in the region only. After ``kill -9`` at any moment :func:`open`
+    returns exactly the state of the last completed flush plus the logged steps.
+Deterministic init
+    A never-written row reads as ``_log_init.initial_records``: a pure function of
+    ``(seed, row)``, the same bits on every machine, but not the numbers of the in-place
+    store's ``default_rng(seed)`` fill (a conversion between formats copies rows explicitly).
+Concurrency
+    The engine's state changes in the caller's thread only: seals and cleaning decisions run
+    inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
+    Three kinds of background threads only do I/O on buffers and files the engine hands them: the
+    segment writer (``writer``: writes sealed segments; a segment is readable from its
+    buffer until written), the cleaning reads (``read.CleaningReads``: read a segment to be
+    cleaned whole, one seal ahead) and, for ``LogStore``, the read-ahead of future batches
+    (``read.ReadAhead``: hints only). A flush waits for every pending write before it
+    commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
+    ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
+    write.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._log_init import INIT_KINDS, InitSpec
+from .budget import (
+    SLOT_OVERHEAD,
+    check_memory,
+    check_memory_bytes,
+    memory_for,
+    seal_unit_for,
+    slots_for,
+)
+from .checks import check_count, check_layout, check_meta
+from .cleaner import Cleaner
+from .commit import Commit
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    Segment,
+    SegmentError,
+    parse_name,
+    read_manifest,
+    write_manifest,
+)
+from .pool import Pool, gather_records
+from .recovery import install_log, load, lock, log_entries, remove_garbage, replay_log, verify
+from .segments import Segments
+
+__all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "gather_records",
+           "memory_for", "open", "remove", "slots_for"]
+
+_STATS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
+          "file_bytes_written", "acquires", "misses", "evicted_clean")
+
+
+def _forward(component: str, name: str, doc: str) -> property:
+    """An attribute of the engine that is the attribute ``name`` of one of its components."""
+    def get(self):
+        return getattr(getattr(self, component), name)
+
+    def put(self, value):
+        setattr(getattr(self, component), name, value)
+
+    return property(get, put, doc=doc)
+
+
+class LogEngine:
+    """An open log-structured store: the region, the index, the mapped segments.
+
+    Obtain one with :func:`create` or :func:`open`. Attributes used by callers: ``region``
+    (S, stride) records that :meth:`acquire`'s slots index, ``count`` (the step count that
+    seals record and :meth:`flush` commits; set it after each step), ``meta`` (a JSON-able
+    dict committed with every flush: the caller's hyperparameters), ``layout``,
+    ``num_rows``, ``stride``, ``dtype``, ``slots`` (S), ``seal_unit``, ``mode``, ``closed``.
+
+    The work is done by its components, each holding the state it owns and references to
+    the components it uses: ``_pool`` (``pool.Pool``: region, slots, index, CLOCK),
+    ``_segments`` (``segments.Segments``: the live segments and their background writes),
+    ``_cleaner`` (``cleaner.Cleaner``), ``_commit`` (``commit.Commit``: seals, flushes,
+    checkpoints, the commit log); opening and checking are ``recovery``'s.
+    """
+
+    # the pool's
+    region = _forward("_pool", "region", "(S, stride) records: the slots of acquire")
+    loc = _forward("_pool", "loc", "per row: < 0 resident in slot -loc - 1, else on disk")
+    slot_row = _forward("_pool", "slot_row", "per slot: its row, -1 when free")
+    slot_disk = _forward("_pool", "slot_disk", "per slot: its row's newest on-disk record")
+    dirty = _forward("_pool", "dirty", "per slot: 1 when changed since its last seal")
+    memory_bytes = _forward("_pool", "memory_bytes", "the budget batches are checked against")
+    # the segment table's
+    segs = _forward("_segments", "segs", "live segments by id")
+    next_segment = _forward("_segments", "next_segment", "the id of the next seal")
+    total_records = _forward("_segments", "total_records", "records of the live segments")
+    live_total = _forward("_segments", "live_total", "rows with an on-disk location")
+    _live = _forward("_segments", "live", "live records per segment id")
+    _pending = _forward("_segments", "pending", "segments still being written, by id")
+    _writer = _forward("_segments", "writer", "this process's segment writer, or None")
+    # the commit protocol's
+    count = _forward("_commit", "count", "the step count that seals record and flush commits")
+    meta = _forward("_commit", "meta", "JSON-able caller data committed with every flush")
+    wal_on = _forward("_commit", "wal_on", "flushes start a new commit-log generation")
+    wal_bound = _forward("_commit", "wal_bound", "log bytes that make the next step flush")
+
+    def __init__(self, directory: Path, manifest: dict[str, Any], mode: str,
+                 memory_bytes: int | None, lockfd: int):
+        self.path = Path(directory)
+        self.mode = mode
+        self.closed = False
+        self._lockfd = lockfd
+        lay = self.layout = dict(manifest["layout"])
+        self.num_rows = int(lay["num_rows"])
+        self.stride = int(lay["stride"])
+        self.dtype = np.dtype(lay["dtype"])
+        self.rec_bytes = self.stride * self.dtype.itemsize
+        self.space_ratio = float(manifest["space_ratio"])
+        mn = manifest["ball_maxnorm"]
+        self.init = InitSpec(str(manifest["init"]), float(manifest["init_scale"]),
+                             int(manifest["seed"]), None if mn is None else float(mn),
+                             int(lay["dim"]), lay["w"], self.stride, self.dtype)
+        S = self.slots = 0 if memory_bytes is None else slots_for(lay, memory_bytes)
+        self.seal_unit = seal_unit_for(S, self.rec_bytes)
+        self._stats = dict.fromkeys(_STATS, 0)
+        self._segments = Segments(self.path, self.stride, self.dtype, self.seal_unit,
+                                  int(manifest["next_segment"]))
+        self._pool = Pool(self.path, lay, S, self.seal_unit, memory_bytes, self.init,
+                          self._segments, self._stats)
+        self._cleaner = Cleaner(self._pool, self._segments, self.space_ratio)
+        self._commit = Commit(self.path, manifest, self._pool, self._segments, self._cleaner,
+                              self._stats)
+
+    # -- guards ---------------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"log store {str(self.path)!r} is closed; reopen it with "
+                             "dsa_core._log.open(path, memory_bytes=...)")
+
+    def _require_writable(self) -> None:
+        self._require_open()
+        if self.mode != "r+":
+            raise ValueError(f"log store {str(self.path)!r} was opened read-only (mode='r'); "
+                             "open it with mode='r+' to change it")
+
+    def check_batch(self, batch: int) -> None:
+        """Raise ``ValueError`` unless the region holds a batch of ``batch`` rows."""
+        self._pool.check_batch(batch)
+
+    # -- reading ----------------------------------------------------------------------------
+    def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
+        """Where the on-disk records of ``rows`` (checked ids) lie, for read-ahead.
+
+        Returns ``(addresses, segments)``: the mapped address of the newest record of each
+        row that is neither resident nor never written, and the segments they lie in (hold
+        them while the hint runs: their mappings stay valid). A hint only (``read``): a row
+        that moves or becomes resident afterwards is still read correctly.
+        """
+        self._require_open()
+        return self._pool.readahead(rows)
+
+    def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
+        """A copy of the records of ``rows``: shape ``(len(rows), stride)``, store dtype.
+
+        Any rows, duplicates allowed. Resident rows come from the region, others from their
+        segment's mapping or, never written, as their initial record. Residency is not
+        changed (for gather and export). ``cols``: a ``slice`` of record columns to copy
+        (e.g. the weights ``slice(w, w + dim)`` for gather); the result then has that many
+        columns.
+        """
+        self._require_open()
+        return self._pool.read(rows, cols)
+
+    # -- acquiring ----------------------------------------------------------------------------
+    def acquire(self, rows: Any, *, load: bool = True, check: bool = True) -> np.ndarray:
+        """Make ``rows`` resident and dirty; returns their slots (``region[slots[i]]`` is the
+        record of ``rows[i]``, to be updated in place by the caller).
+
+        Parameters
+        ----------
+        rows : 1-D int array
+            Unique row ids (any order), at most ``slots`` of them.
+        load : bool, default True
+            ``False`` leaves the records of rows that were not resident undefined: for a
+            caller that overwrites them whole (:meth:`write`).
+        check : bool, default True
+            ``False`` skips the range and uniqueness checks (the caller guarantees them,
+            e.g. ``step`` after coalescing). The batch size is always checked.
+
+        Misses are read from their segment (or initialised); making room may evict and seal
+        other rows, never one of ``rows``. The returned array is the caller's.
+        """
+        self._require_writable()
+        return self._pool.acquire(rows, self._commit.make_room, load=load, check=check)
+
+    def write(self, rows: Any, records: Any) -> None:
+        """Overwrite the whole records of ``rows`` (unique ids) with ``records``.
+
+        ``records``: shape ``(len(rows), stride)`` in the store dtype. Checked before anything
+        changes; goes through :meth:`acquire` in chunks of at most ``slots`` rows, without
+        reading the old records. Durable at the next flush.
+        """
+        self._require_writable()
+        self._pool.write(rows, records, self._commit.make_room)
+
+    def release(self, rows: Any) -> int:
+        """Write the resident records of ``rows`` out and make their slots free.
+
+        The dirty ones are sealed together, in row order, in segments of a seal unit (so that a
+        later read of the same rows is one sequential read), the clean ones just leave the
+        region. For a caller that is done with a range of rows for a while (the bucket
+        order's partitions): nothing changes but residency. Returns the rows released.
+        """
+        self._require_writable()
+        return self._pool.release(rows, self._commit.seal_all)
+
+    # -- flushing -------------------------------------------------------------------------
+    def flush(self, count: int | None = None) -> None:
+        """Make everything so far durable, at step ``count`` (default: ``self.count``).
+
+        Seals every dirty slot (segments of a seal unit, with cleaning as any seal), fsyncs the new
+        segments, writes the next index generation (fsync'd), starts the next commit-log
+        generation when ``wal_on``, commits the manifest, then deletes the previous index
+        generation and the segments that no manifest lists any more, and retires the
+        previous commit log (kept for reuse while ``wal_on``, else deleted). After a flush
+        every slot is clean (and still resident).
+        """
+        self._require_writable()
+        self._commit.flush(count)
+
+    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
+        """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``.
+
+        The snapshot is built in a temporary directory (hard links to the manifest's
+        segments, which are immutable, or copies where links are refused; a copy of the
+        index generation and of the manifest) and renamed into place: ``dest`` is complete
+        or absent. It opens as a log store with exactly the flushed state and stays valid
+        while this store trains, cleans and deletes (those only unlink its own names). It
+        names no commit log (everything is in its segments); a writer that opens it starts
+        one at its first logged step.
+        """
+        self._require_writable()
+        return self._commit.checkpoint(dest, count, overwrite=overwrite)
+
+    # -- the commit log (durability="step"; commit) ---------------------------------------
+    def step_ready(self, count: int, meta: dict[str, Any] | None = None) -> bool:
+        """True when step ``count + 1`` may be logged now (:meth:`commit_step`).
+
+        That is: a commit-log generation is open and healthy, ``count`` is the engine's
+        count and the last one the manifest plus the log hold, no :meth:`acquire` (hence
+        no :meth:`write`, no unlogged step) changed the region since, the log is under
+        ``wal_bound`` bytes, and ``meta`` (when given) is the committed one. Then the
+        state that a replay rebuilds is exactly the current one, and an entry appended now
+        replays onto it.
+        """
+        return self._commit.step_ready(count, meta)
+
+    def begin_step(self, count: int, meta: dict[str, Any]) -> None:
+        """Prepare to log step ``count + 1``: unless :meth:`step_ready`, turn ``wal_on``
+        on and flush at ``count`` with ``meta`` (which starts a fresh commit-log
+        generation). Nothing of the step has changed yet, so an error here (a failed flush)
+        leaves the caller at ``count``.
+        """
+        self._require_writable()
+        self._commit.begin_step(count, meta)
+
+    def commit_step(self, t: int, rows: np.ndarray, slots: np.ndarray,
+                    records: np.ndarray) -> None:
+        """Commit step ``t``: append ``(rows, records)`` to the commit log (one write, one
+        fdatasync), then copy ``records`` into ``region[slots]`` and set ``count = t``.
+
+        ``rows``: the step's unique rows, ``slots`` their slots from the :meth:`acquire`
+        made after :meth:`begin_step` (the only acquire since), ``records``: their
+        C-contiguous new records. On any error (the log's write or sync) the region is left
+        as it was and the log marked broken: the next :meth:`begin_step` flushes (a new
+        generation), so the failed step is never replayed.
+        """
+        self._require_writable()
+        self._commit.commit_step(t, rows, slots, records)
+
+    def wal_bytes(self) -> int:
+        """Bytes of the open commit-log generation holding entries (0 without one)."""
+        return self._commit.wal_bytes()
+
+    # -- inspection ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Space, memory and write figures (the write counters since this open).
+
+        ``segments``/``segment_records``/``segment_bytes``: the live segments (records, and
+        their files' bytes with headers and padding); ``live_records``/``live_bytes``: rows
+        with an on-disk record (record bytes); ``dead_bytes``: record bytes of superseded
+        records in live segments; ``pending_delete``: dead segments whose files wait for
+        the next commit; ``space_used``: ``segment_records / live_records``;
+        ``slots``/``slots_used``/``slots_dirty``; ``sealed_bytes`` (updated records written
+        by seals), ``cleaned_bytes`` (records copied by cleaning), ``file_bytes_written``
+        (everything appended, headers and padding included), ``user_bytes`` (records handed
+        out by acquire: ``len(rows) * record bytes`` per call); ``write_amplification`` =
+        ``(sealed_bytes + cleaned_bytes) / user_bytes`` and ``cleaning_overhead`` =
+        ``(sealed_bytes + cleaned_bytes) / sealed_bytes``. ``total_*``: the same over the
+        store's life (every writer's counters as of its last flush, plus this open's):
+        ``total_user_bytes``, ``total_written_bytes`` (seals and cleaning),
+        ``total_file_bytes_written``, ``total_write_amplification``.
+        """
+        self._require_open()
+        st, rb = self._stats, self.rec_bytes
+        segs = self._segments
+        written = (st["sealed_records"] + st["cleaned_records"]) * rb
+        user = st["user_records"] * rb
+        tot = self._commit.totals()
+        t_written = (tot["sealed_records"] + tot["cleaned_records"]) * rb
+        t_user = tot["user_records"] * rb
+        return {
+            "segments": len(segs.segs),
+            "segment_records": int(segs.total_records),
+            "segment_bytes": int(sum(s.nbytes for s in segs.segs.values())),
+            "live_records": int(segs.live_total),
+            "live_bytes": int(segs.live_total) * rb,
+            "dead_bytes": int(segs.total_records - segs.live_total) * rb,
+            "pending_delete": len(segs.doomed),
+            "space_used": segs.total_records / segs.live_total if segs.live_total else 0.0,
+            "space_ratio": self.space_ratio,
+            "slots": self.slots,
+            "slots_used": self.slots - self._pool.nfree,
+            "slots_dirty": int(np.count_nonzero(self._pool.dirty)),
+            "seal_unit": self.seal_unit,
+            "seals": st["seals"],
+            "cleaned_segments": st["cleaned_segments"],
+            "sealed_bytes": st["sealed_records"] * rb,
+            "cleaned_bytes": st["cleaned_records"] * rb,
+            "file_bytes_written": st["file_bytes_written"],
+            "user_bytes": user,
+            "write_amplification": written / user if user else 0.0,
+            "cleaning_overhead": written / (st["sealed_records"] * rb)
+            if st["sealed_records"] else 0.0,
+            "misses": st["misses"],
+            "acquires": st["acquires"],
+            "total_user_bytes": t_user,
+            "total_written_bytes": t_written,
+            "total_file_bytes_written": tot["file_bytes_written"],
+            "total_write_amplification": t_written / t_user if t_user else 0.0,
+        }
+
+    def verify(self) -> list[str]:
+        """Check the index against the segments and the region; returns the problems found.
+
+        Every location (``loc``, or a resident row's ``slot_disk``) must point inside a live
+        segment at a record that carries that row; live counts, record totals, residency
+        (``loc`` <-> ``slot_row``) and the free-slot stack must agree. An empty list: all
+        consistent.
+        """
+        self._require_open()
+        return verify(self._pool, self._segments)
+
+    # -- closing ------------------------------------------------------------------------------
+    def _stop_threads(self) -> None:
+        """Stop this process's writer and cleaning-read threads (a forked child's are its
+        parent's: left alone)."""
+        self._segments.stop_writer()
+        self._cleaner.stop()
+
+    def close(self) -> None:
+        """Flush (when writable and anything changed) and release the lock. Safe twice."""
+        if self.closed:
+            return
+        if self.mode == "r+":
+            self.flush()  # a failed flush leaves the engine open: fix the cause, close again
+        self._commit.close_wal()
+        self._stop_threads()
+        self.closed = True
+        self._segments.segs.clear()
+        if self._lockfd >= 0:
+            os.close(self._lockfd)
+            self._lockfd = -1
+
+    def abandon(self) -> None:
+        """Close without flushing: the descriptors and the lock released, nothing written
+        (what a crash leaves; for cleaning up after a failed create or open, and tests).
+        Safe twice."""
+        if self.closed:
+            return
+        self._stop_threads()  # its segment files are garbage for the next open
+        self.closed = True
+        self._segments.segs.clear()
+        self._commit.close_wal()
+        if self._lockfd >= 0:
+            os.close(self._lockfd)
+            self._lockfd = -1
+
+    def __enter__(self) -> LogEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.mode
+        return (f"LogEngine({str(self.path)!r}, rows={self.num_rows}, stride={self.stride}, "
+                f"dtype={self.dtype.name}, slots={self.slots}, count={self.count}, {state})")
+
+
+# -- create / open ------------------------------------------------------------------------------
+def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zeros",
+           init_scale: float = 1e-2, seed: int = 0, ball_maxnorm: float | None = None,
+           space_ratio: float = 2.0, count: int = 0, max_batch: int | None = None,
+           meta: dict[str, Any] | None = None, overwrite: bool = False) -> LogEngine:
+    """Create an empty log store at ``path`` (every row at its initial record); returns it
+    open for writing.
+
+    Parameters
+    ----------
+    layout : dict
+        A record layout (``dsa_core._layout.make_layout``).
+    memory_bytes : int
+        Budget of the in-memory region (see the module docstring for what it pays for).
+    init, init_scale, seed, ball_maxnorm
+        The deterministic initial weights (``_log_init``): ``"zeros"``, ``"normal"``
+        (``N(0, init_scale**2)``) or ``"uniform"`` (``U(-init_scale, init_scale)``); rows
+        beyond ``ball_maxnorm`` (Poincaré stores) are scaled onto it.
+    space_ratio : float > 1, default 2.0
+        Bound on the segments' records as a multiple of the live records (the cleaner's
+        target): lower saves disk, costs more cleaning writes.
+    count : int, default 0
+        The initial step count.
+    max_batch : int, optional
+        Check now that the region holds batches of this many rows.
+    meta : dict, optional
+        JSON-able caller data committed with every flush (``LogEngine.meta``).
+    overwrite : bool
+        Replace an existing log store (refused while a writer holds it).
+
+    All arguments are checked before anything is written.
+    """
+    lay = check_layout(layout)
+    memory_bytes = check_memory_bytes(memory_bytes, lay)
+    if max_batch is not None:
+        check_memory(lay, memory_bytes, int(max_batch))
+    if init not in INIT_KINDS:
+        raise ValueError(f"init must be one of {INIT_KINDS} (a log store computes a row's "
+                         f"initial weights from (seed, row)), got {init!r}")
+    if init != "zeros" and lay["w"] is None:
+        raise ValueError("init sets the weights, but this layout has none (weights=False); "
+                         "use init='zeros'")
+    init_scale = float(init_scale)
+    if not (math.isfinite(init_scale) and init_scale >= 0):
+        raise ValueError(f"init_scale must be finite and >= 0, got {init_scale}")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    if ball_maxnorm is not None:
+        ball_maxnorm = float(ball_maxnorm)
+        if not (math.isfinite(ball_maxnorm) and ball_maxnorm > 0):
+            raise ValueError(f"ball_maxnorm must be a finite float > 0 (the ball's projection "
+                             f"radius) or None, got {ball_maxnorm}")
+    space_ratio = float(space_ratio)
+    if not (math.isfinite(space_ratio) and space_ratio > 1.0):
+        raise ValueError(f"space_ratio must be a finite float > 1 (segment records as a "
+                         f"multiple of the live ones; 2.0 by default), got {space_ratio}")
+    count = check_count(count)
+    meta = check_meta({} if meta is None else meta)
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
+    if (directory / MANIFEST_FILE).exists():
+        if not overwrite:
+            raise FileExistsError(f"a store already exists at {str(directory)!r}; open it or "
+                                  "pass overwrite=True to replace it")
+        fd = lock(directory)
+        try:
+            for entry in os.listdir(directory):
+                if parse_name(entry) is not None or entry.startswith(MANIFEST_FILE):
+                    os.unlink(directory / entry)
+        finally:
+            os.close(fd)
+    directory.mkdir(parents=True, exist_ok=True)
+    lockfd = lock(directory)
+    try:
+        manifest = {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "layout": lay, "count": count,
+            "seed": int(seed), "init": init, "init_scale": init_scale,
+            "ball_maxnorm": ball_maxnorm, "index": None, "index_crc32": None, "segments": [],
+            "next_segment": 1, "space_ratio": space_ratio, "meta": meta,
+        }
+        write_manifest(directory, manifest)
+        eng = LogEngine(directory, manifest, "r+", memory_bytes, lockfd)
+    except BaseException:
+        os.close(lockfd)
+        raise
+    return eng
+
+
+def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
+         max_batch: int | None = None, check: str = "full") -> LogEngine:  # noqa: A001
+    """Open a log store: the state of its last completed flush, plus the steps of its
+    commit log (``durability="step"``), if the manifest names one.
+
+    ``mode="r+"`` takes the writer lock, removes files no manifest references (left by a
+    crash), replays the commit log's valid entries through :meth:`LogEngine.write` and, if
+    there were any, flushes once; ``memory_bytes`` is then required. ``mode="r"`` maps the
+    files read-only without a lock and writes nothing (``memory_bytes`` optional: only
+    :meth:`LogEngine.read` is available); the commit log's rows are read into a region of
+    their own, as large as they need (at most the log's size).
+    ``check="full"`` verifies the CRC of every referenced segment's records (a sequential
+    read of the whole store); ``"headers"`` checks headers, sizes, row ids and their CRCs
+    only. A missing, torn or corrupt referenced file is a clear error naming it.
+    """
+    if mode not in ("r", "r+"):
+        raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
+    if check not in ("full", "headers"):
+        raise ValueError(f"check must be 'full' or 'headers', got {check!r}")
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    lay = check_layout(manifest["layout"])
+    if mode == "r+" and memory_bytes is None:
+        raise ValueError("memory_bytes is required to open a log store for writing (mode="
+                         "'r+'): the budget of its in-memory region")
+    if memory_bytes is not None:
+        memory_bytes = check_memory_bytes(memory_bytes, lay)
+        if max_batch is not None:
+            check_memory(lay, memory_bytes, int(max_batch))
+    lockfd = lock(directory) if mode == "r+" else -1
+    try:
+        for attempt in range(5):
+            if mode == "r+" or attempt:
+                manifest = read_manifest(directory)  # under the lock: the newest commit
+            try:
+                logged, mem = 0, memory_bytes
+                if mode == "r":  # the region must hold every row of the commit log
+                    rows = [e.rows for e in log_entries(directory, manifest)]
+                    logged = len(rows)
+                    if logged:
+                        need = np.unique(np.concatenate(rows)).shape[0]
+                        mem = max(memory_bytes or 0, memory_for(lay, max(need, 1)))
+                eng = LogEngine(directory, manifest, mode, mem, lockfd)
+                eng.memory_bytes = memory_bytes
+                load(directory, manifest, check == "full", eng._pool, eng._segments)
+                if logged:
+                    install_log(log_entries(directory, manifest), logged, eng._commit,
+                                eng._pool)
+                break
+            except (FileNotFoundError, SegmentError):
+                # a reader can lose a race with the writer deleting files after a newer
+                # commit: read the manifest again and retry; a writer cannot
+                if mode == "r+" or attempt == 4:
+                    raise
+                time.sleep(0.01)
+        if mode == "r+":
+            remove_garbage(directory, manifest)
+            replay_log(directory, eng._commit, eng._pool)
+    except BaseException:
+        if lockfd >= 0:
+            os.close(lockfd)
+        raise
+    return eng
+
+
+def remove(path) -> None:
+    """Delete a log store directory (refused while a writer holds it)."""
+    directory = Path(path)
+    read_manifest(directory)
+    os.close(lock(directory))
+    shutil.rmtree(directory)

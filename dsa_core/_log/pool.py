@@ -1,0 +1,356 @@
+"""The buffer pool of a log store: the region of record slots, CLOCK, and who is where.
+
+In memory
+    ``region`` (S, stride) records, anonymous memory (``np.zeros``: faulted in on first use,
+    never written back behind our back). ``loc`` (num_rows,) int64: ``< 0`` means resident
+    in slot ``-loc - 1``; ``>= 0`` is the row's location on disk as in the index file
+    (0: never written, the row reads as its initial record, ``_log_init``). Per slot:
+    ``slot_row`` (-1 when free), ``slot_disk`` (the location of the row's newest on-disk
+    record, 0 if none; it may be older than the slot when the slot is dirty), ``dirty``, a
+    CLOCK reference bit, the pin mark of the current :meth:`Pool.acquire` and the mark of
+    the seal a slot is going into, and the free-slot stack.
+Acquiring
+    :meth:`Pool.acquire` makes the rows of a batch resident and dirty. When the free slots do
+    not cover its misses, the caller's ``make_room`` runs (``commit``): :meth:`Pool.evict`
+    (CLOCK, second chance) picks victims among the slots not used by this call until
+    ``misses + seal_unit`` slots are free: clean victims are dropped at once (their row's
+    location is their ``slot_disk``), dirty ones are returned to be sealed together. Misses
+    are then read from their segment (``segments``) or initialised.
+Reading
+    :meth:`Pool.read` copies records without changing residency: from the region, from the
+    segments, or the initial record of a never-written row.
+
+The pool never writes a file: sealing is ``commit``'s, with the slots and marks kept here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from .._coalesce import _dedup, gather_rows
+from .._log_init import InitSpec, initial_records
+from .._pool import run_chunked
+from .budget import check_memory
+from .checks import check_rows
+from .format import Segment, SegmentError
+from .segments import Segments
+
+__all__ = ["Pool", "gather_records"]
+
+
+@njit(cache=True, nogil=True)
+def _evict(target, hand, slot_row, slot_disk, ref, dirty, pin, epoch, mark, ep, loc, free,
+           nfree, victims):
+    """CLOCK until ``nfree + victims >= target``; returns ``(hand, nfree, n_victims)``.
+
+    Slots pinned by this call (``pin == epoch``) or already chosen (``mark == ep``) are
+    skipped; a referenced slot loses its bit and is passed over once. A clean victim is freed
+    at once (its row points at its on-disk record again); a dirty one is marked ``ep`` and
+    returned in ``victims`` for the seal. ``n_victims < 0``: the target cannot be met (the
+    caller asked for more than the unpinned slots), nothing more was chosen.
+    """
+    S = slot_row.shape[0]
+    nv = 0
+    guard = 0
+    while nfree + nv < target:
+        guard += 1
+        if guard > 3 * S + 3:
+            return hand, nfree, -1 - nv
+        s = hand
+        hand += 1
+        if hand == S:
+            hand = 0
+        r = slot_row[s]
+        if r < 0 or pin[s] == epoch or mark[s] == ep:
+            continue
+        if ref[s]:
+            ref[s] = 0
+            continue
+        if dirty[s]:
+            mark[s] = ep
+            victims[nv] = s
+            nv += 1
+        else:
+            loc[r] = slot_disk[s]
+            slot_row[s] = -1
+            free[nfree] = s
+            nfree += 1
+    return hand, nfree, nv
+
+
+@njit(cache=True, nogil=True)
+def _disk_index(loc, slot_disk, out):
+    """The on-disk location of every row: ``loc``, or the ``slot_disk`` of a resident row."""
+    for r in range(loc.shape[0]):
+        lr = loc[r]
+        out[r] = lr if lr >= 0 else slot_disk[-lr - 1]
+
+
+def gather_records(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
+    """``out[:len(idx)] = src[idx]`` for whole records, on the kernel pool: a gather of
+    random records is bound by memory latency, which the prefetching gather of
+    ``_coalesce`` hides (32k records of 1 KiB: np.take 22 ms, this 3-4 ms on 2 threads)."""
+    run_chunked(gather_rows, (src, idx, 0, out[:idx.shape[0]]), idx.shape[0], 1024)
+
+
+class Pool:
+    """The region and its slot bookkeeping (see the module docstring).
+
+    ``segments`` is the store's segment table (misses are read from it), ``init`` the
+    initial records of never-written rows, ``stats`` the engine's counters (``acquires``,
+    ``user_records``, ``misses``, ``evicted_clean`` are counted here). ``memory_bytes``: the
+    caller's budget, which every batch is checked against (a reader's region may be larger).
+    """
+
+    def __init__(self, path: Path, layout: dict[str, Any], slots: int, seal_unit: int,
+                 memory_bytes: int | None, init: InitSpec, segments: Segments,
+                 stats: dict[str, int]):
+        self.path = path
+        self.layout = layout
+        self.num_rows = int(layout["num_rows"])
+        self.stride = int(layout["stride"])
+        self.dtype = np.dtype(layout["dtype"])
+        self.memory_bytes = memory_bytes
+        self.init = init
+        self.segments = segments
+        self.stats = stats
+        S = self.slots = slots
+        self.seal_unit = seal_unit
+        # anonymous memory; numpy advises large allocations MADV_HUGEPAGE (2 MiB pages where
+        # the kernel allows: a first touch fills 2 MiB, and fewer TLB misses)
+        self.region = np.zeros((S, self.stride), self.dtype)
+        self.slot_row = np.full(S, -1, np.int64)
+        self.slot_disk = np.zeros(S, np.int64)
+        self.pin = np.zeros(S, np.int64)
+        self.mark = np.zeros(S, np.int64)
+        self.free = np.arange(S - 1, -1, -1, dtype=np.int64)  # a stack: pops take slot 0 first
+        self.nfree = S
+        self.dirty = np.zeros(S, np.uint8)
+        self.ref = np.zeros(S, np.uint8)
+        self.hand = 0
+        self.epoch = 0       # one per acquire: pins
+        self.seal_epoch = 0  # one per seal: marks the slots going into it
+        self.loc = np.zeros(self.num_rows, np.int64)
+
+    def check_batch(self, batch: int) -> None:
+        """Raise ``ValueError`` unless the region holds a batch of ``batch`` rows."""
+        check_memory(self.layout, self.memory_bytes or 0, int(batch))
+
+    # -- reading ----------------------------------------------------------------------------
+    def initial_into(self, rows: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
+                     cols: slice = slice(None)) -> None:
+        """``out[out_idx] =`` the initial records of ``rows`` (columns ``cols``)."""
+        if not rows.shape[0]:
+            return
+        if self.init.kind == "zeros" or self.init.w_off is None:
+            out[out_idx] = 0
+        else:
+            out[out_idx] = initial_records(rows, self.init)[:, cols]
+
+    def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
+        """A copy of the records of ``rows`` (see ``LogEngine.read``)."""
+        rows = check_rows(rows, self.num_rows)
+        if cols is None:
+            cols = slice(None)
+        if not isinstance(cols, slice) or cols.step not in (None, 1):
+            raise ValueError(f"cols must be a slice of record columns with step 1, got {cols!r}")
+        width = len(range(*cols.indices(self.stride)))
+        n = rows.shape[0]
+        out = np.empty((n, width), self.dtype)
+        lr = self.loc[rows]
+        res = lr < 0
+        if res.any():
+            out[res] = self.region[-lr[res] - 1, cols]
+        disk = np.flatnonzero(lr > 0)
+        self.segments.read_into(lr[disk], out, disk, cols)
+        never = np.flatnonzero(lr == 0)
+        self.initial_into(rows[never], out, never, cols)
+        return out
+
+    def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
+        """Where the on-disk records of ``rows`` (checked ids) lie (see
+        ``LogEngine.readahead``)."""
+        lr = self.loc[rows]
+        return self.segments.addresses(lr[lr > 0])
+
+    def disk_locations(self) -> np.ndarray:
+        """The on-disk location of every row (what the index file holds)."""
+        out = np.empty(self.num_rows, np.int64)
+        _disk_index(self.loc, self.slot_disk, out)
+        return out
+
+    # -- acquiring ----------------------------------------------------------------------------
+    def acquire(self, rows: Any, make_room: Callable[[int, int], None], *, load: bool = True,
+                check: bool = True) -> np.ndarray:
+        """Make ``rows`` resident and dirty; returns their slots (see ``LogEngine.acquire``).
+
+        ``make_room(need, pinned)``: called when the free slots do not cover the ``need``
+        misses; it must free at least that many slots without touching the ``pinned`` slots
+        of this call (``commit``: :meth:`evict`, then seal the dirty victims).
+        """
+        if check:
+            rows = check_rows(rows, self.num_rows)
+            if rows.shape[0] > 1 and _dedup(rows)[2] != rows.shape[0]:
+                u, c = np.unique(rows, return_counts=True)
+                raise ValueError(f"rows must be unique in acquire (each row gets one slot); "
+                                 f"{u[c > 1][:5].tolist()} repeat. Coalesce the batch first")
+        else:
+            rows = np.ascontiguousarray(rows, dtype=np.int64)
+        n = rows.shape[0]
+        self.check_batch(n)
+        slots = np.empty(n, np.int64)
+        if not n:
+            return slots
+        self.epoch += 1
+        lr = self.loc[rows]
+        hit = lr < 0
+        hslots = -lr[hit] - 1
+        slots[hit] = hslots
+        self.pin[hslots] = self.epoch
+        miss = np.flatnonzero(~hit)
+        need = miss.shape[0]
+        if need > self.nfree:
+            make_room(need, n - need)
+        mrows = rows[miss]
+        old = self.loc[mrows]  # read again: cleaning during the seal may have moved them
+        top = self.nfree
+        mslots = self.free[top - need:top][::-1].copy()
+        self.nfree = top - need
+        if load:
+            ondisk = np.flatnonzero(old > 0)
+            self.segments.read_into(old[ondisk], self.region, mslots[ondisk])
+            fresh = np.flatnonzero(old == 0)
+            self.initial_into(mrows[fresh], self.region, mslots[fresh])
+        self.slot_row[mslots] = mrows
+        self.slot_disk[mslots] = old
+        self.loc[mrows] = -mslots - 1
+        slots[miss] = mslots
+        self.ref[slots] = 1
+        self.dirty[slots] = 1  # last: a seal inside this call may have cleaned a hit
+        st = self.stats
+        st["acquires"] += 1
+        st["user_records"] += n
+        st["misses"] += need
+        return slots
+
+    def write(self, rows: Any, records: Any, make_room: Callable[[int, int], None]) -> None:
+        """Overwrite the whole records of ``rows`` (see ``LogEngine.write``)."""
+        rows = check_rows(rows, self.num_rows)
+        rec = np.asarray(records)
+        if rec.dtype != self.dtype or rec.shape != (rows.shape[0], self.stride):
+            raise ValueError(f"records must be a ({rows.shape[0]}, {self.stride}) "
+                             f"{self.dtype.name} array (whole records of this layout), got "
+                             f"{rec.shape} {rec.dtype}")
+        if rows.shape[0] > 1 and _dedup(rows)[2] != rows.shape[0]:
+            raise ValueError("rows must not repeat in write (which record would win is "
+                             "undefined); pass unique row ids")
+        if not self.slots:
+            self.check_batch(1)
+        for lo in range(0, rows.shape[0], self.slots):
+            slots = self.acquire(rows[lo:lo + self.slots], make_room, load=False, check=False)
+            self.region[slots] = rec[lo:lo + self.slots]
+
+    def release(self, rows: Any, seal_all: Callable[[np.ndarray, bool], None]) -> int:
+        """Write the resident records of ``rows`` out and make their slots free (see
+        ``LogEngine.release``); ``seal_all(slots, evict)`` seals dirty slots (``commit``)."""
+        rows = np.unique(check_rows(rows, self.num_rows))
+        lr = self.loc[rows]
+        slots = -lr[lr < 0] - 1  # in row order
+        if not slots.shape[0]:
+            return 0
+        dirty = self.dirty[slots] != 0
+        if dirty.any():
+            seal_all(slots[dirty], True)
+        self.free_slots(slots[~dirty])  # after the seal: cleaning may have moved them
+        return int(slots.shape[0])
+
+    # -- eviction ---------------------------------------------------------------------------
+    def next_seal_epoch(self) -> int:
+        """A new seal mark (slots marked with it are going into that seal)."""
+        self.seal_epoch += 1
+        return self.seal_epoch
+
+    def evict(self, need: int, pinned: int) -> tuple[np.ndarray, int]:
+        """CLOCK until ``need + seal_unit`` slots (at most all but the ``pinned`` ones) are
+        free or chosen: returns the dirty victims, marked for a new seal, and that seal's
+        mark. Clean victims are free already."""
+        target = min(need + self.seal_unit, self.slots - pinned)
+        ep = self.next_seal_epoch()
+        victims = np.empty(max(target, 1), np.int64)
+        before = self.nfree
+        self.hand, self.nfree, nv = _evict(
+            target, self.hand, self.slot_row, self.slot_disk, self.ref, self.dirty,
+            self.pin, self.epoch, self.mark, ep, self.loc, self.free, self.nfree,
+            victims)
+        if nv < 0:  # pragma: no cover - acquire checks the batch against the region first
+            raise RuntimeError(f"log store {str(self.path)!r}: eviction could not free "
+                               f"{target} slots of {self.slots} ({pinned} pinned)")
+        self.stats["evicted_clean"] += self.nfree - before
+        return victims[:nv].copy(), ep
+
+    def free_slots(self, slots: np.ndarray) -> None:
+        """Make clean resident ``slots`` free: their rows point at their on-disk records."""
+        self.loc[self.slot_row[slots]] = self.slot_disk[slots]
+        self.slot_row[slots] = -1
+        self.ref[slots] = 0
+        k = slots.shape[0]
+        self.free[self.nfree:self.nfree + k] = slots
+        self.nfree += k
+
+    # -- a reader's commit log ----------------------------------------------------------------
+    def install(self, rows: np.ndarray, records: np.ndarray) -> None:
+        """Put ``records`` of ``rows`` (unique) into the region, dirty, taking free slots for
+        the rows not resident yet (a read-only open's commit-log entries: nothing is
+        written)."""
+        n = rows.shape[0]
+        if not n:
+            return
+        lr = self.loc[rows]
+        new = lr >= 0
+        k = int(np.count_nonzero(new))
+        if k > self.nfree:  # the writer reused the file meanwhile: read again
+            raise SegmentError(f"commit log of {str(self.path)!r} changed while it was read")
+        slots = np.empty(n, np.int64)
+        slots[~new] = -lr[~new] - 1
+        fresh = self.free[self.nfree - k:self.nfree][::-1].copy()
+        self.nfree -= k
+        slots[new] = fresh
+        self.slot_row[fresh] = rows[new]
+        self.slot_disk[fresh] = lr[new]
+        self.loc[rows[new]] = -fresh - 1
+        self.region[slots] = records
+        self.dirty[slots] = 1
+
+    # -- checking -----------------------------------------------------------------------------
+    def verify(self) -> tuple[list[str], bool]:
+        """Residency (``loc`` <-> ``slot_row``) and the free-slot stack must agree: returns
+        the problems found and whether the locations can be checked further (not when a row
+        is resident past the region; the segments' part is ``recovery.verify``'s)."""
+        problems: list[str] = []
+        S = self.slots
+        resident = np.flatnonzero(self.loc < 0)
+        rslot = -self.loc[resident] - 1
+        if resident.shape[0] and (rslot >= S).any():
+            problems.append(f"rows {resident[rslot >= S][:5].tolist()} are resident in slots "
+                            f"past the region ({S})")
+            return problems, False
+        wrong = self.slot_row[rslot] != resident
+        if wrong.any():
+            problems.append(f"rows {resident[wrong][:5].tolist()} are resident in slots that "
+                            "hold other rows")
+        used = np.flatnonzero(self.slot_row >= 0)
+        back = self.loc[self.slot_row[used]] != -used - 1
+        if back.any():
+            problems.append(f"slots {used[back][:5].tolist()} hold rows whose location is "
+                            "elsewhere")
+        free = np.sort(self.free[:self.nfree])
+        if not np.array_equal(free, np.flatnonzero(self.slot_row < 0)):
+            problems.append("the free-slot stack does not list exactly the unused slots")
+        if self.dirty[self.slot_row < 0].any():
+            problems.append("free slots are marked dirty")
+        return problems, True

@@ -1,0 +1,207 @@
+"""Opening a log store: the writer lock, loading a manifest's state, garbage, replay, checks.
+
+After ``kill -9`` at any moment an open returns exactly the state of the last completed
+flush (``commit``) plus the steps of its commit log: the manifest is the commit point, so
+:func:`load` checks and maps the segments it lists and reads the index generation it names;
+a writer then deletes the store's files that no manifest references (:func:`remove_garbage`:
+segments and index generations written after the last commit, a torn manifest's temporary
+file) and replays the commit log's valid entries (:func:`replay_log`, then one flush: the
+replayed log is never read again). A reader writes nothing: it puts the log's entries into
+its own region (:func:`install_log`). The files of the last manifest are never modified
+nor deleted before a newer manifest is durable.
+
+:func:`verify` checks an open store's in-memory state against its segments.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._files import fsync_dir
+from .._store import StoreLockedError
+from .commit import Commit
+from .format import (
+    LOCK_FILE,
+    MANIFEST_FILE,
+    check_segment,
+    crash_point,
+    parse_name,
+    read_index,
+    seg_name,
+)
+from .pool import Pool
+from .segments import LOW32, Segments
+from .wal import WalEntry, read_entries, wal_name
+
+__all__ = ["install_log", "load", "lock", "log_entries", "remove_garbage", "replay_log",
+           "verify"]
+
+_LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01
+
+
+def lock(directory: Path) -> int:
+    """Take the store's writer lock (an exclusive ``flock`` on ``writer.lock``): its
+    descriptor, or :class:`StoreLockedError` after a few short waits."""
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    for attempt in range(_LOCK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if attempt + 1 < _LOCK_TRIES:
+                time.sleep(_LOCK_WAIT_S)
+    os.close(fd)
+    raise StoreLockedError(
+        f"log store {str(directory)!r} is already open for writing (by this or another "
+        "process); a store has one writer at a time. Close the other engine or open this one "
+        "read-only with mode='r'")
+
+
+def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
+         segments: Segments) -> None:
+    """Check and map the manifest's segments, load its index, count live records (into a
+    fresh ``pool`` and ``segments``)."""
+    listed = [int(s) for s in manifest["segments"]]
+    ns = {}
+    for sid in listed:
+        if not 0 < sid < segments.next_segment:
+            raise ValueError(f"manifest of {str(path)!r} lists segment {sid} outside "
+                             f"[1, next_segment={segments.next_segment}); the store is "
+                             "damaged")
+        ns[sid] = check_segment(path / seg_name(sid), sid, pool.stride, pool.dtype.itemsize,
+                                pool.num_rows, full_check)
+    index = np.zeros(pool.num_rows, np.int64) if manifest["index"] is None else \
+        read_index(path / manifest["index"], pool.num_rows, manifest.get("index_crc32"))
+    segments.ensure_id(segments.next_segment)
+    size = segments.live.shape[0]
+    used = index[index > 0] - 1
+    sids, ks = used >> 32, used & LOW32
+    problems = []
+    if (index < 0).any():
+        problems.append(f"rows {np.flatnonzero(index < 0)[:5].tolist()} have negative "
+                        "locations")
+    known = np.zeros(size, bool)
+    known[list(ns)] = True
+    outside = (sids >= known.shape[0]) | ~known[np.minimum(sids, known.shape[0] - 1)]
+    if outside.any():
+        rows = np.flatnonzero(index > 0)[outside][:5].tolist()
+        problems.append(f"rows {rows} point at segments the manifest does not list")
+    seg_n = np.zeros(size, np.int64)
+    for sid, n in ns.items():
+        seg_n[sid] = n
+    if not problems and ks.shape[0] and (ks >= seg_n[sids]).any():
+        rows = np.flatnonzero(index > 0)[ks >= seg_n[sids]][:5].tolist()
+        problems.append(f"rows {rows} point past the end of their segments")
+    if problems:
+        raise ValueError(f"index {manifest['index']!r} of log store {str(path)!r} does "
+                         f"not match its segments: {'; '.join(problems)}; restore the store "
+                         "from a checkpoint")
+    live = np.bincount(sids, minlength=size) if sids.shape[0] else np.zeros(size, np.int64)
+    pool.loc = index
+    segments.adopt(ns, live, int(used.shape[0]))
+    bad = segments.check_rows_of_records(index)
+    if bad:
+        raise ValueError(f"index {manifest['index']!r} of log store {str(path)!r} "
+                         f"does not match its segments: {bad[0]}; restore the store from a "
+                         "checkpoint")
+
+
+def log_entries(directory: Path, manifest: dict[str, Any]):
+    """The valid commit-log entries of ``manifest`` (steps ``count + 1``, ...); none if it
+    names no log."""
+    name = manifest.get("wal")
+    if name is None:
+        return iter(())
+    lay = manifest["layout"]
+    return read_entries(Path(directory) / name, int(manifest["wal_salt"]),
+                        int(manifest["count"]) + 1, int(lay["stride"]),
+                        np.dtype(lay["dtype"]), int(lay["num_rows"]))
+
+
+def remove_garbage(directory: Path, manifest: dict[str, Any]) -> None:
+    """Delete the store's own files that the manifest does not reference (writer only).
+
+    The commit log the manifest names stays, and so does a retired one kept under the next
+    generation's name (reused by the next flush)."""
+    keep_segs = {int(s) for s in manifest["segments"]}
+    keep_wal = set()
+    if manifest.get("wal") is not None:
+        gen = parse_name(manifest["wal"])[1]
+        keep_wal = {manifest["wal"], wal_name(gen + 1)}
+    removed = False
+    for entry in sorted(os.listdir(directory)):
+        kind = parse_name(entry)
+        stale = (kind is not None and ((kind[0] == "seg" and kind[1] not in keep_segs)
+                                       or (kind[0] == "index" and entry != manifest["index"])
+                                       or (kind[0] == "wal" and entry not in keep_wal)))
+        if stale or entry == MANIFEST_FILE + ".tmp":  # write_json's, from a torn commit
+            os.unlink(directory / entry)
+            removed = True
+            crash_point("open-clean")
+    if removed:
+        fsync_dir(directory)
+
+
+def replay_log(path: Path, commit: Commit, pool: Pool) -> int:
+    """Writer at open: replay the commit log's valid entries through ``Pool.write``, then
+    flush once (a new generation: the replayed log and its torn tail are never read
+    again); with none to replay, append to the named log from its start. Returns the
+    number of steps replayed."""
+    if commit.manifest.get("wal") is None:
+        return 0
+    commit.keep_spare()
+    done = 0
+    for e in log_entries(path, commit.manifest):
+        pool.write(e.rows, e.records, commit.make_room)
+        commit.count = e.t
+        done += 1
+        crash_point("wal-replayed")
+    if done:
+        commit.flush()
+    else:
+        commit.resume_wal()
+    return done
+
+
+def install_log(entries: list[WalEntry] | Any, limit: int, commit: Commit, pool: Pool) -> None:
+    """Read-only open: put the first ``limit`` commit-log ``entries`` into the region (sized
+    by the open to hold all their rows), so that reads see the state after the last logged
+    step. Nothing is written."""
+    for e in itertools.islice(entries, limit):
+        pool.install(e.rows, e.records)
+        commit.count = e.t
+
+
+def verify(pool: Pool, segments: Segments) -> list[str]:
+    """Check the index against the segments and the region; returns the problems found
+    (see ``LogEngine.verify``)."""
+    problems, go_on = pool.verify()
+    if not go_on:
+        return problems
+    disk = pool.disk_locations() if pool.slots else pool.loc.copy()
+    problems += segments.check_rows_of_records(disk)
+    located = disk[disk > 0] - 1
+    size = segments.live.shape[0]
+    live = np.bincount(located >> 32, minlength=size) \
+        if located.shape[0] else np.zeros(size, np.int64)
+    for sid in sorted(segments.segs):
+        if live[sid] != segments.live[sid]:
+            problems.append(f"segment {sid}: {segments.live[sid]} live records counted, "
+                            f"{live[sid]} located")
+    stray = [int(s) for s in np.flatnonzero(live) if int(s) not in segments.segs]
+    if stray:
+        problems.append(f"rows point at segments {stray[:5]} that are not live")
+    if segments.live_total != located.shape[0]:
+        problems.append(f"{segments.live_total} located rows counted, {located.shape[0]} "
+                        "found")
+    total = sum(s.n for s in segments.segs.values())
+    if total != segments.total_records:
+        problems.append(f"{segments.total_records} segment records counted, {total} mapped")
+    return problems

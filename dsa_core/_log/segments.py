@@ -1,0 +1,290 @@
+"""The segment table: the live segments of an open log store, mapped or still being written.
+
+A segment is *live* while at least one row's newest on-disk record lies in it. Per segment
+id the table counts its records (``seg_n``) and live records (``live``) and keeps the
+address of its records in memory (``seg_addr``: the read-only mapping of its file, or the
+buffer of a pending write, 0: none), so that a location ``((id << 32) | k) + 1`` turns into
+an address without a lookup. ``total_records`` counts the records of the live segments,
+``live_total`` the rows that have an on-disk location.
+
+The files' lifecycle: ``unsynced`` (written since the last flush: fsync'd by the next),
+``committed`` (listed by the last manifest), ``doomed`` (of those, dead: deleted right after
+the next manifest that no longer lists them is committed). A segment nobody lists is deleted
+as soon as it dies.
+
+Background writes (``writer``): a seal small enough is handed to this process's
+:class:`~.writer.SegmentWriter`. Until written it is *pending* (``pending``): its records
+are read from the seal's buffer, which :meth:`Segments.settle` replaces by the file's
+mapping (same bytes) once the write is done, and keeps for the next seals (``spare``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .._os import fsync_path
+from .._paging import memory_limit
+from .format import Segment, crash_point, map_segment, seg_name
+from .read import hint_uncached
+from .writer import DEPTH, SegmentWriter, WriteJob
+
+__all__ = ["CACHE_SHARE", "LOW32", "Segments"]
+
+# written segments whose pages stay in the page cache (the newest, as one window): this share
+# of the memory the process may use (_paging.memory_limit, cgroup-aware); older ones are
+# dropped (writer)
+CACHE_SHARE = 0.125
+LOW32 = np.int64(0xFFFFFFFF)
+
+
+class Segments:
+    """The live segments of one open store (see the module docstring)."""
+
+    def __init__(self, path: Path, stride: int, dtype: np.dtype, seal_unit: int,
+                 next_segment: int):
+        self.path = path
+        self.stride, self.dtype = stride, dtype
+        self.rec_bytes = stride * dtype.itemsize
+        self.seal_unit = seal_unit
+        self.next_segment = next_segment
+        self.segs: dict[int, Segment] = {}          # live segments (>= 1 live record), mapped
+        self.live = np.zeros(16, np.int64)          # live records per segment id
+        self.seg_n = np.zeros(16, np.int64)         # records per segment id
+        self.seg_addr = np.zeros(16, np.int64)      # address of its mapped records, 0: none
+        self.total_records = 0                      # records of the live segments
+        self.live_total = 0                         # rows with an on-disk location
+        self.committed: set[int] = set()            # segments the last manifest lists
+        self.doomed: set[int] = set()               # of those, dead: delete after next commit
+        self.unsynced: set[int] = set()             # written since the last flush
+        self.pending: dict[int, WriteJob] = {}      # segments still being written (writer)
+        self.writer: SegmentWriter | None = None
+        self.spare: list[np.ndarray] = []           # seal buffers to reuse (no page faults)
+
+    # -- the table ---------------------------------------------------------------------------
+    def ensure_id(self, seg_id: int) -> None:
+        """Grow the per-id arrays to hold ``seg_id``."""
+        if seg_id >= self.live.shape[0]:
+            size = max(2 * self.live.shape[0], seg_id + 1)
+            for name in ("live", "seg_n", "seg_addr"):
+                old = getattr(self, name)
+                new = np.zeros(size, np.int64)
+                new[:old.shape[0]] = old
+                setattr(self, name, new)
+
+    def map(self, path: Path, sid: int, n: int) -> None:
+        """Map segment ``sid`` (``n`` records) and note where its records start."""
+        seg = self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype)
+        self.seg_addr[sid] = seg.records.__array_interface__["data"][0]
+
+    def add(self, seg: Segment) -> None:
+        """A segment whose records are in memory (a pending write's buffer)."""
+        self.segs[seg.id] = seg
+        self.seg_addr[seg.id] = seg.records.__array_interface__["data"][0]
+
+    def sealed(self, sid: int, n: int) -> None:
+        """Count the new segment ``sid`` of ``n`` records, all live, not yet fsync'd."""
+        self.next_segment = sid + 1
+        self.ensure_id(sid + 1)
+        self.unsynced.add(sid)
+        self.seg_n[sid] = n
+        self.live[sid] = n
+        self.total_records += n
+
+    def kill(self, dead: np.ndarray) -> list[int]:
+        """The records at locations ``dead`` (0-based, ``(id << 32) | k``) are superseded:
+        count them; returns the segments left without a live record."""
+        if not dead.shape[0]:
+            return []
+        ids, cnt = np.unique(dead >> 32, return_counts=True)
+        self.live[ids] -= cnt
+        return ids[self.live[ids] == 0].tolist()
+
+    def drop(self, ids: list[int]) -> None:
+        """Segments without a live record: unmap; delete the file now if no manifest lists
+        it, else after the next commit."""
+        for sid in ids:
+            seg = self.segs.pop(sid)
+            self.seg_addr[sid] = 0
+            job = self.pending.pop(sid, None)
+            if job is not None:  # let its write end before the file goes
+                self.wait_job(job)
+                self.reuse(job.records)
+            self.total_records -= seg.n
+            if sid in self.committed:
+                self.doomed.add(sid)
+            else:
+                self.unsynced.discard(sid)
+                try:
+                    os.unlink(seg.path)
+                except FileNotFoundError:  # pragma: no cover
+                    pass
+
+    # -- reading -------------------------------------------------------------------------------
+    def read_into(self, locs: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
+                  cols: slice = slice(None)) -> None:
+        """``out[out_idx[i]] = record at locs[i]`` (locations > 0; columns ``cols``), one pass
+        per segment in record order."""
+        if not locs.shape[0]:
+            return
+        order = np.argsort(locs, kind="stable")
+        used = locs[order] - 1
+        sids = used >> 32
+        ks = used & LOW32
+        # queue the reads of records not in the page cache all at once (queue depth), then
+        # copy: the copy waits only for reads already in flight (read)
+        hint_uncached(self.seg_addr[sids] + ks * self.rec_bytes, self.rec_bytes)
+        cuts = np.flatnonzero(sids[1:] != sids[:-1]) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), sids.shape[0]], strict=True):
+            sid = int(sids[a])
+            seg = self.segs.get(sid)
+            if seg is None:  # pragma: no cover - an engine bug: verify() would report it
+                raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
+                                   f"segment {sid}, which is not live; run verify()")
+            out[out_idx[order[a:b]]] = seg.records[ks[a:b], cols]
+
+    def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
+        """The addresses of the records at ``locs`` (locations > 0) and their segments."""
+        used = locs - 1
+        sids = used >> 32
+        addrs = self.seg_addr[sids] + (used & LOW32) * self.rec_bytes
+        return addrs, [self.segs[int(s)] for s in np.unique(sids)]
+
+    def check_rows_of_records(self, disk: np.ndarray) -> list[str]:
+        """Each located row's record must carry that row's id (one pass per segment)."""
+        problems = []
+        rows = np.flatnonzero(disk > 0)
+        used = disk[rows] - 1
+        order = np.argsort(used, kind="stable")
+        used, rows = used[order], rows[order]
+        sids = used >> 32
+        cuts = np.flatnonzero(sids[1:] != sids[:-1]) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), sids.shape[0]], strict=True):
+            if a == b:
+                continue
+            sid = int(sids[a])
+            seg = self.segs.get(sid)
+            if seg is None:
+                problems.append(f"rows {rows[a:b][:5].tolist()} point at segment {sid}, which "
+                                "has no live mapping")
+                continue
+            ks = used[a:b] & LOW32
+            if (ks >= seg.n).any():
+                problems.append(f"rows {rows[a:b][ks >= seg.n][:5].tolist()} point past the end "
+                                f"of segment {sid} ({seg.n} records)")
+                continue
+            wrong = seg.rows[ks] != rows[a:b]
+            if wrong.any():
+                i = int(np.flatnonzero(wrong)[0])
+                problems.append(f"row {int(rows[a + i])} points at record {int(ks[i])} of "
+                                f"segment {sid}, which holds row {int(seg.rows[ks[i]])}")
+        return problems
+
+    # -- background writes -----------------------------------------------------------------
+    def write_behind(self, job: WriteJob) -> None:
+        """Hand ``job`` to this process's writer thread (a forked child writes at once)."""
+        w = self.writer
+        if w is None or w.pid != os.getpid():
+            if w is None:
+                w = self.writer = SegmentWriter(
+                    cache_bytes=int(CACHE_SHARE * memory_limit()))
+            else:  # inherited through fork: its thread is the parent's
+                job.run()
+                if job.error is not None:
+                    raise job.error
+                return
+        self.pending[job.sid] = w.submit(job)
+
+    def wait_job(self, job: WriteJob) -> None:
+        """Wait for a background write; a writer thread that ended without finishing it (it
+        cannot, short of an interpreter bug) is an error, not a hang."""
+        while not job.done.wait(1.0):
+            w = self.writer
+            if w is None or not w.alive:  # pragma: no cover - see the docstring
+                raise RuntimeError(
+                    f"log store {str(self.path)!r}: the segment writer thread ended before "
+                    f"writing segment {job.sid}; abandon this state and open the store again "
+                    "(it reopens at its last flush)")
+
+    def seal_buffer(self, n: int) -> np.ndarray:
+        """An ``(n, stride)`` buffer for a background seal: a spare one when it is large
+        enough (fresh memory costs a page fault per page, as much as the copy itself)."""
+        for i, buf in enumerate(self.spare):
+            if buf.shape[0] >= n:
+                return self.spare.pop(i)[:n]
+        cap = max(n, self.seal_unit + self.seal_unit // 2)
+        return np.empty((cap, self.stride), self.dtype)[:n]
+
+    def reuse(self, records: np.ndarray) -> None:
+        """Keep the buffer behind a written segment's records for the next seals."""
+        base = records.base if records.base is not None else records
+        if len(self.spare) <= DEPTH and isinstance(base, np.ndarray) and base.ndim == 2:
+            self.spare.append(base)
+
+    def settle(self, block: bool) -> None:
+        """Map the segments whose background writes are done (all of them with ``block``).
+
+        A write that failed is retried here, synchronously, from its buffer; if it fails
+        again its error is raised and nothing else changes (the segment stays pending and
+        readable: the next seal or flush retries it).
+        """
+        for sid, job in list(self.pending.items()):
+            if not job.done.is_set():
+                if not block:
+                    continue
+                self.wait_job(job)
+            if job.error is not None:
+                job.run()
+                if job.error is not None:
+                    raise OSError(f"log store {str(self.path)!r}: writing segment {sid} "
+                                  f"failed ({job.error!r}); its records are kept in memory "
+                                  "and the next seal or flush tries again") from job.error
+            del self.pending[sid]
+            seg = self.segs.get(sid)
+            if seg is not None and seg.records is job.records:  # still live: map the file
+                self.map(job.path, sid, seg.n)
+            self.reuse(job.records)
+
+    def stop_writer(self) -> None:
+        """Stop this process's writer thread (a forked child's is its parent's: left
+        alone)."""
+        w, self.writer = self.writer, None
+        if w is not None and w.pid == os.getpid():
+            w.close()
+        self.pending.clear()
+
+    # -- opening and commits ------------------------------------------------------------------
+    def adopt(self, ns: dict[int, int], live: np.ndarray, live_total: int) -> None:
+        """Take the segments a manifest lists (``ns``: id -> records, checked) with their live
+        counts: map the live ones; a dead one (an older writer's choice) goes at the next
+        flush."""
+        for sid, n in ns.items():
+            self.seg_n[sid] = n
+        self.live[:] = live[:self.live.shape[0]]
+        self.live_total = live_total
+        self.committed = set(ns)
+        for sid, n in ns.items():
+            if self.live[sid] > 0:
+                self.map(self.path / seg_name(sid), sid, n)
+                self.total_records += n
+            else:
+                self.doomed.add(sid)
+
+    def sync_new(self) -> None:
+        """fsync the segments written since the last flush."""
+        for sid in sorted(self.unsynced):
+            fsync_path(self.path / seg_name(sid))
+        self.unsynced.clear()
+
+    def committed_now(self) -> None:
+        """A manifest listing exactly the live segments is durable."""
+        self.committed = set(self.segs)
+
+    def delete_doomed(self) -> None:
+        """Delete the files of the dead segments that the last manifest no longer lists."""
+        for sid in sorted(self.doomed):
+            (self.path / seg_name(sid)).unlink(missing_ok=True)
+            crash_point("flush-deleted")
+        self.doomed.clear()

@@ -1,0 +1,165 @@
+"""The OS layer: the system calls the storage engines make beyond Python's ``os`` module.
+
+One place for the page size, the C library and the calls reached through it (``madvise``,
+``mincore``, ``sync_file_range``, ``mmap``/``munmap`` without a descriptor), and for the
+loops that finish short ``pwrite``/``pwritev``/``preadv`` calls. Nothing here knows about
+records, segments or stores.
+
+Users today: the log-structured engine (``dsa_core._log``). The in-place store's prefetch and
+range modules (``_prefetch``, ``_ranges``) still load their own copies of these calls (the
+page size, libc, ``posix_fadvise``, ``sync_file_range``, ``mincore``, ``madvise`` and its
+``MADV_PAGEOUT``/``MADV_POPULATE_READ``): :data:`fadvise_fd` and those constants are here
+for them.
+
+Each typed C function is a separate function object (``libc["name"]``, not ``libc.name``,
+which ctypes caches and shares): setting one caller's ``argtypes`` never changes another's.
+The ones taking addresses as ``size_t`` (:data:`madvise_addr`, :data:`mincore_addr`) can be
+called from numba kernels, which then bake their addresses into the machine code: such
+kernels must not be compiled with ``cache=True`` (the addresses change from process to
+process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from pathlib import Path
+
+__all__ = ["MADV_PAGEOUT", "MADV_POPULATE_READ", "MADV_RANDOM", "MADV_WILLNEED", "MAP_FAILED",
+           "PAGE", "POSIX_FADV_WILLNEED", "SYNC_FILE_RANGE_WAIT_AFTER",
+           "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory",
+           "fadvise_fd", "fsync_path", "libc", "madvise_addr", "mincore_addr", "mmap_fn",
+           "munmap_fn", "preadv_all", "pwrite_all", "pwritev_all", "start_writeback",
+           "sync_file_range", "wait_written_back"]
+
+# the memory page size: the unit of madvise/mincore spans (4096 on x86-64)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MADV_RANDOM = 1
+MADV_WILLNEED = 3
+MADV_PAGEOUT = 21        # reclaim the range's pages (clean file pages are dropped)
+MADV_POPULATE_READ = 22  # map the range's pages now (read faults), without dirtying them
+POSIX_FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)
+SYNC_FILE_RANGE_WAIT_BEFORE = 1
+SYNC_FILE_RANGE_WRITE = 2
+SYNC_FILE_RANGE_WAIT_AFTER = 4
+
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+# addresses as size_t: numba passes them as plain integers (same ABI as a pointer on Linux)
+madvise_addr = libc["madvise"]
+madvise_addr.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+madvise_addr.restype = ctypes.c_int
+mincore_addr = libc["mincore"]
+mincore_addr.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t]
+mincore_addr.restype = ctypes.c_int
+
+# posix_fadvise(fd, offset, len, advice) -> 0 or an error number (not errno), callable from
+# numba kernels
+fadvise_fd = libc["posix_fadvise"]
+fadvise_fd.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+fadvise_fd.restype = ctypes.c_int
+
+mmap_fn = libc["mmap"]
+mmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                    ctypes.c_long]
+mmap_fn.restype = ctypes.c_void_p
+munmap_fn = libc["munmap"]
+munmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+munmap_fn.restype = ctypes.c_int
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+try:
+    sync_file_range = libc["sync_file_range"]
+    sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    sync_file_range.restype = ctypes.c_int
+except AttributeError:  # pragma: no cover - not Linux
+    sync_file_range = None
+
+
+def advise_memory(arr, advice: int) -> None:
+    """``madvise(advice)`` every page of the memory of ``arr`` (an object with ``nbytes``
+    and ``__array_interface__``: a numpy array over a mapping, say)."""
+    if arr.nbytes:
+        base = arr.__array_interface__["data"][0]
+        lo = base & ~(PAGE - 1)
+        madvise_addr(lo, base + arr.nbytes - lo, advice)
+
+
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
+    """Start writing the file's dirty pages back without waiting (a later fsync then has
+    little left to do, and dirty page cache does not pile up); ``nbytes`` bytes from
+    ``offset`` (0: to the end of the file). A hint: does nothing where the call is missing."""
+    if sync_file_range is None:  # pragma: no cover - not Linux
+        return
+    try:
+        sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
+    except OSError:  # pragma: no cover
+        pass
+
+
+def wait_written_back(path: Path) -> None:
+    """Wait until the pages of the file ``path`` are on the disk (``sync_file_range``
+    ``WAIT_BEFORE | WRITE | WAIT_AFTER``: data only, no metadata, no disk cache flush). A
+    wait only: does nothing where the call is missing (a later fsync still makes them
+    durable)."""
+    if sync_file_range is None:  # pragma: no cover - not Linux
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE
+                           | SYNC_FILE_RANGE_WAIT_AFTER) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"writing {str(path)!r} back failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync the file ``path`` (opened read-only for it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (a buffer) at ``offset``, finishing short writes."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:  # pragma: no cover - pwrite raises on a full disk
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        view, offset = view[n:], offset + n
+
+
+def pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """``pwritev`` of the byte ``views`` at ``offset``, finishing a short write view by
+    view."""
+    done = os.pwritev(fd, views, offset)
+    for v in views:  # only after a short write (e.g. a nearly full disk) is anything left
+        if done >= v.nbytes:
+            done -= v.nbytes
+            offset += v.nbytes
+            continue
+        pwrite_all(fd, v[done:], offset + done)
+        offset += v.nbytes
+        done = 0
+
+
+def preadv_all(path: Path, offset: int, view: memoryview) -> None:
+    """Fill the byte ``view`` with the bytes of the file ``path`` from ``offset`` on
+    (sequential ``preadv`` s); a file shorter than that is an ``OSError``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done, total = 0, len(view)
+        while done < total:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"{str(path)!r} ended at byte {offset + done}, "
+                              f"{total - done} bytes short of its records")
+            done += n
+    finally:
+        os.close(fd)
