@@ -9,7 +9,7 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
 * a slot leaving the region while dirty is appended, with many others, to a new immutable
   **segment** file in one sequential write (a *seal*);
 * an **index** maps each row to the newest record of it in a segment (or to nothing: the
-  row then reads as its deterministic initial record, ``_log_init``);
+  row then reads as its deterministic initial record, ``_init``);
 * a **cleaner** copies the still-live records of the emptiest segments into the next seal so
   that the segments hold at most ``space_ratio`` times the live records;
 * a **flush** seals every dirty slot, fsyncs the new segments, writes a new index generation
@@ -63,9 +63,9 @@ Durability
     flush: segments and index generations that no manifest lists are removed, and the files
     of the last manifest are never modified nor deleted before a newer manifest is durable.
 Deterministic init
-    A never-written row reads as ``_log_init.initial_records``: a pure function of
-    ``(seed, row)``, the same bits on every machine, but not the numbers of the in-place
-    store's ``default_rng(seed)`` fill (a conversion between formats copies rows explicitly).
+    A never-written row reads as ``_init.initial_records``: a pure function of
+    ``(seed, row)``, the same bits on every machine, and the values the in-place store
+    writes at create for the same arguments.
 Concurrency
     No background threads in this stage: seals and cleaning run synchronously inside
     :meth:`acquire` and :meth:`flush`, so no read can see a half-moved record. One writer
@@ -113,7 +113,7 @@ from ._log_format import (
     write_manifest,
     write_segment,
 )
-from ._log_init import INIT_KINDS, InitSpec, initial_records
+from ._init import INIT_KINDS, InitSpec, initial_records
 from ._log_read import WHOLE_MAX, CleaningReads, advise_whole, hint_uncached
 from ._log_writer import DEPTH, SegmentWriter, WriteJob
 from ._log_wal import WalWriter, read_entries, wal_bound, wal_name
@@ -1512,7 +1512,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
     memory_bytes : int
         Budget of the in-memory region (see the module docstring for what it pays for).
     init, init_scale, seed, ball_maxnorm
-        The deterministic initial weights (``_log_init``): ``"zeros"``, ``"normal"``
+        The deterministic initial weights (``_init``): ``"zeros"``, ``"normal"``
         (``N(0, init_scale**2)``) or ``"uniform"`` (``U(-init_scale, init_scale)``); rows
         beyond ``ball_maxnorm`` (Poincaré stores) are scaled onto it.
     space_ratio : float > 1, default 2.0

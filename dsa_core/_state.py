@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _layout
 from ._files import copy_file, staged_dir
+from ._init import InitSpec, fill_weights
 from ._paging import auto_storage, check_access
 from . import _log, _log_store
 from ._log_format import parse_name
@@ -35,6 +36,7 @@ from .validation import (
     check_memory_arg,
     check_positive_int,
     check_second_moment,
+    check_seed,
     check_storage,
     check_weight_decay_options,
 )
@@ -337,29 +339,20 @@ def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_eps: float
     """Write the initial weights in chunks (m and v stay zero from fallocate)."""
     if init is None or store.w_off is None:
         return
-    T = store.dtype.type
     d, o = store.dim, store.w_off
     rows = max(1, _INIT_CHUNK_BYTES // (store.stride * store.dtype.itemsize))
     chunks = list(_chunks(store.num_rows, rows))
     bar = _progress(len(chunks), progress, f"init {store.path.name}")
     named = init if isinstance(init, str) else None
-    rng = np.random.default_rng(seed) if named else None
-    mn = maxnorm(store.curvature, ball_eps, store.dtype) if store.curvature > 0 else None
+    mn = float(maxnorm(store.curvature, ball_eps, store.dtype)) if store.curvature > 0 else None
+    spec = InitSpec(named, init_scale, seed, mn, d, o, store.stride, store.dtype) \
+        if named else None
     try:
         for lo, hi in chunks:
-            if named == "normal":
-                blk = rng.standard_normal((hi - lo, d), dtype=np.float64) * init_scale
-            elif named == "uniform":
-                blk = rng.uniform(-init_scale, init_scale, (hi - lo, d))
+            if named:  # the log store's function of (seed, row): the same bits
+                fill_weights(store.data[lo:hi, o:o + d], lo, spec)
             else:
-                blk = np.asarray(init[lo:hi])
-            blk = np.asarray(blk, dtype=store.dtype)
-            if mn is not None and named:
-                nrm = np.sqrt(np.einsum("ij,ij->i", blk, blk, dtype=np.float64)).astype(T)
-                over = nrm > mn
-                if over.any():  # named inits start inside the usable ball
-                    blk[over] = (blk[over] / nrm[over, None]) * mn
-            store.data[lo:hi, o:o + d] = blk
+                store.data[lo:hi, o:o + d] = np.asarray(init[lo:hi], dtype=store.dtype)
             if bar is not None:
                 bar.update(1)
     finally:
@@ -417,9 +410,14 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         ``step(..., params=rows)``, which updates them in place.
     init : None, array-like of shape (num_rows, dim), "normal" or "uniform"
         Initial weights. ``None`` means zeros. Named inits draw ``N(0, init_scale^2)`` or
-        ``U(-init_scale, init_scale)`` with ``numpy.random.default_rng(seed)``, in chunks;
-        for ``c > 0`` rows beyond the projection radius are projected onto it. An array is
-        checked (shape, finite, inside the ball for ``c > 0``) before anything is written.
+        ``U(-init_scale, init_scale)`` from a counter-based generator: each row's weights are
+        a pure function of ``(seed, row)`` (``seed`` an int in ``[0, 2**64)``), the same bits
+        on every machine and on both store kinds (the log store computes a row when it is
+        first read, the in-place store writes every row at create, on the kernels' threads).
+        For ``c > 0`` rows beyond the projection radius are projected onto it. (Before this
+        generator, in-place stores drew from ``numpy.random.default_rng(seed)``: the same
+        arguments now give other numbers than they did then.) An array is checked (shape,
+        finite, inside the ball for ``c > 0``) before anything is written.
     dtype : "float32" or "float64"
         Storage dtype of weights and state. float16/bfloat16 are refused (docs/algorithms.md §6).
     ball_eps : float, optional
@@ -503,11 +501,9 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         log-structured store"). It takes every option above except ``access`` other than
         ``"auto"`` (refused: it has no mapping to page); ``align`` pads its records
         the same way (it changes nothing else there); ``first_moment="bfloat16"`` rounds
-        exactly as in place (keyed by the row id). Its named inits (``"normal"``,
-        ``"uniform"``) are a deterministic function of ``(seed, row)``, computed when a row
-        is first read -- **not** the numbers of the in-place store's
-        ``default_rng(seed)`` fill; ``None``/``"zeros"`` and init arrays give the same
-        records as an in-place store (an array is written at create, in chunks).
+        exactly as in place (keyed by the row id). Every init gives the same records as
+        on an in-place store (named inits are computed when a row is first read, an array
+        is written at create, in chunks).
     memory : int or str, optional
         ``storage="log"`` only: the budget of the in-memory region, bytes or a string such
         as ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` (SI k/M/G/T, IEC Ki/Mi/Gi/Ti). Default: 25%
@@ -563,6 +559,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
                          "flush/checkpoint; 'step': every step atomic), got "
                          f"{durability!r}")
     check_access(access)
+    seed = check_seed(seed)
     if isinstance(align, (bool, np.bool_)) or not isinstance(align, (int, np.integer)) \
             or align < 0 or (align and align % dt.itemsize):
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
@@ -689,10 +686,6 @@ def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
     c = float(layout["curvature"])
     dt = np.dtype(layout["dtype"])
     ball = float(maxnorm(c, hp["ball_eps"], dt)) if c > 0 else None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
-            or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [0, 2**64) for a log store (its named "
-                         f"inits are a function of (seed, row)), got {seed!r}")
     eng = _log.create(directory, layout, memory_bytes=memory, init=named,
                       init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball,
                       space_ratio=space_ratio, overwrite=overwrite)
