@@ -264,17 +264,18 @@ def _info(st) -> dict:
 def _log_info(st) -> dict:
     """A log store's region budget, segments, live and dead bytes (from its files).
 
-    The CLI opens a store read-only: it has no region of its own and the writer's budget is
-    not stored, so the budget shown is the default a writer gets without ``memory=``. The
+    The CLI opens a store read-only: it has no region of its own; the budget shown is the one
+    a writer opening it without ``memory=`` gets (the recorded one, else the default). The
     write counters are those every writer committed with its flushes (the store's life).
     """
     from dsa_core import _log_store
 
     s = st.store.engine.stats()
     return {
-        "region_budget_bytes": _log_store.default_memory(st.layout),
-        "region_budget_note": "the default a writer opening it without memory= gets (the "
-        "budget is not stored: each open passes its own)",
+        "region_budget_bytes": st.store.settings.get("memory")
+        or _log_store.default_memory(st.layout),
+        "region_budget_note": "what a writer opening it without memory= gets: the budget "
+        "recorded at create or at the last open that passed memory=, else the default",
         "segments": s["segments"], "segment_bytes": s["segment_bytes"],
         "live_records": s["live_records"], "live_bytes": s["live_bytes"],
         "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],
@@ -641,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the kind of the new store: log (log-structured) or inplace")
     p.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                    help="with --storage log: the region budget used while copying, e.g. 4GiB "
-                   "or 512MiB (default: the core's; not stored, each open passes its own)")
+                   "or 512MiB (default: SRC's recorded one, else the core's; DEST remembers it)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DEST if it is an existing store")
     p.add_argument("--quiet", action="store_true", help="no progress message")

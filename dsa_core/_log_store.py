@@ -125,6 +125,7 @@ class LogStore:
         self.ls_off = lay.get("last_step", -1)
         self.scratch: dict[str, np.ndarray] = {}
         self.access_request = "auto"
+        self.settings: dict[str, Any] = {}  # open-time settings to remember: {"memory": bytes}
         self._fd = -1
         self._prefetcher = None
         self._ranges = None

@@ -22,6 +22,7 @@ from . import _layout
 from ._files import copy_file, staged_dir
 from ._init import InitSpec, fill_weights
 from ._paging import auto_storage, check_access
+from ._settings import remembered, settings_field
 from . import _log, _log_store
 from ._log_format import parse_name
 from ._log_store import LogStore
@@ -378,6 +379,7 @@ def _manifest(state: State) -> dict[str, Any]:
             "decoupled_weight_decay": state.decoupled_weight_decay,
         },
         "durability": state.durability,
+        **settings_field(state.store),
     }
 
 
@@ -475,21 +477,25 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         first at step 1000 takes the first step of a fresh Adam. The global count still
         counts steps (schedules). A layout option, fixed at creation (format version 3).
     access : "auto", "ram" or "disk", default "auto"
-        How the mapping is paged (not stored; pass it again to :func:`open`). ``"ram"``:
+        How the mapping is paged. ``"ram"`` or ``"disk"`` is remembered (recorded in the
+        manifest): :func:`open` uses it unless given another one. ``"ram"``:
         the table stays in the page cache -- 2 MiB huge folios mapped by PMD entries, far
         fewer TLB misses and page faults (a fault reads or zero-fills 2 MiB). ``"disk"``: the
         table is larger than memory -- ``MADV_RANDOM``, one 4 KiB page per fault, no
         read-around; pair it with :func:`prefetch`. ``"auto"``: "ram" when the data file fits
-        in 70% of the memory this process may use (physical memory, capped by its cgroup)
-        *and* under the kernel's background-writeback threshold (``vm.dirty_background_*``:
-        a dirty huge folio is written back whole, 2 MiB for one row), else "disk"; the
+        in 70% of the memory this process may still take (``MemAvailable``, capped by its
+        memory cgroup's limit less the memory it holds beyond reclaimable page cache) *and*
+        under the kernel's background-writeback threshold (``vm.dirty_background_*``, scaled
+        to the cgroup's memory inside one: a dirty huge folio is written back whole, 2 MiB
+        for one row), else "disk"; the
         environment variable ``DSA_ACCESS`` overrides "auto". The resolved
         value is ``state.store.access``.
     progress : bool, optional
         Show a tqdm bar while writing a named/array init (default: for large tables).
     storage : "auto", "inplace" or "log", default "auto"
         ``"auto"``: ``"log"`` when the table's records are larger than the kernel's
-        background-writeback threshold (about 10% of available memory: the in-place store's
+        background-writeback threshold (about 10% of available memory, or of the memory
+        cgroup's dirtyable memory inside one: the in-place store's
         random write-back makes it disk-bound past that), or when ``memory=`` or
         ``space_ratio=`` is given; else ``"inplace"`` (the faster kind for a table that
         stays in memory; ``access=`` other than "auto" keeps it). The environment variable
@@ -509,8 +515,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         as ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` (SI k/M/G/T, IEC Ki/Mi/Gi/Ti). Default: 25%
         of the memory this process may use (cgroup-aware), at most what the whole table
         needs, at least what a batch of 4096 rows needs. A step's unique rows must fit in
-        the region (a clear error says by how much to raise it). Not stored: pass it again
-        to :func:`open`.
+        the region (a clear error says by how much to raise it). Remembered in bytes
+        (recorded in the manifest): :func:`open` uses it unless given another one.
     space_ratio : float > 1, optional
         ``storage="log"`` only: the bound on its segment files' records as a multiple of
         the live records (default 2.0): the cleaner copies the live records out of the
@@ -625,7 +631,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
               "ball_eps": ball_eps, "nonfinite": nonfinite, "weight_decay": weight_decay,
               "decoupled_weight_decay": decoupled_weight_decay}
         return _create_log(directory, layout, mem, init, init_scale, seed, hp, durability,
-                           overwrite, progress, 2.0 if space_ratio is None else space_ratio)
+                           overwrite, progress, 2.0 if space_ratio is None else space_ratio,
+                           {} if memory is None else {"memory": memory})
     existing = [p for p in (_layout.MANIFEST_FILE, _layout.DATA_FILE)
                 if (directory / p).exists()]
     if existing and not overwrite:
@@ -650,6 +657,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
 
     with _cleanup_on_sigterm():
         store = Store.create_file(directory, layout, access)
+        store.settings = {"access": access} if access != "auto" else {}
         try:
             _fill(store, init, init_scale, seed, ball_eps, progress)
             store.commit_new_file()
@@ -667,7 +675,9 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
 def _log_meta(state: State) -> dict[str, Any]:
     """The hyperparameters a log store commits with every flush (its engine's ``meta``)."""
     m = _manifest(state)
-    return {"hparams": m["hparams"], "durability": m["durability"]}
+    return {"hparams": m["hparams"], "durability": m["durability"],
+            **settings_field(state.store)}
+
 
 
 def _state_of_log(store: LogStore, count: int, hp: dict[str, Any], durability: str) -> State:
@@ -680,7 +690,8 @@ def _state_of_log(store: LogStore, count: int, hp: dict[str, Any], durability: s
 
 def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                 init_scale: float, seed: int, hp: dict[str, Any], durability: str,
-                overwrite: bool, progress: bool | None, space_ratio: float) -> State:
+                overwrite: bool, progress: bool | None, space_ratio: float,
+                settings: dict[str, Any]) -> State:
     """``create(storage="log")`` once every argument has been checked."""
     named = init if isinstance(init, str) else "zeros"
     c = float(layout["curvature"])
@@ -690,6 +701,7 @@ def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                       init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball,
                       space_ratio=space_ratio, overwrite=overwrite)
     store = LogStore(eng)
+    store.settings = settings
     state = _state_of_log(store, 0, hp, durability)
     eng.meta = _log_meta(state)
     eng.wal_on = durability == "step"  # the first flush names a commit log
@@ -763,8 +775,15 @@ def open(path, mode: str = "r+", *, access: str = "auto",
 
     The store kind (in-place or log-structured) is read from the directory. A log store
     (``create(storage="log")``) reopens at its last flush; ``memory`` is the budget of its
-    region (as for :func:`create`; default 25% of this process's memory, see there). It
-    takes only ``access="auto"``; ``memory=`` for an in-place store is an error.
+    region (as for :func:`create`). It takes only ``access="auto"``; ``memory=`` for an
+    in-place store is an error.
+
+    Settings are remembered: without ``access`` (or with ``"auto"``) an in-place store is
+    paged as its manifest records (the ``access`` given to ``create`` or to an earlier
+    ``open``), else chosen by size; without ``memory`` a log store gets its recorded budget,
+    else the default (25% of this process's memory, see :func:`create`). One given here
+    replaces the recorded one and is recorded from the next flush on. Stores written
+    before settings were recorded open with the defaults.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
@@ -783,7 +802,10 @@ def open(path, mode: str = "r+", *, access: str = "auto",
         layout = manifest["layout"]
         hp = manifest["hparams"]
         count = int(manifest["count"])
-        store = Store.open_file(directory, layout, mode, access)
+        settings = remembered(directory, manifest.get("settings"), "access",
+                               None if access == "auto" else access)
+        store = Store.open_file(directory, layout, mode, settings.get("access", "auto"))
+        store.settings = settings
     except (KeyError, TypeError) as exc:
         raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
                          "the store is damaged") from None
@@ -798,8 +820,12 @@ def open(path, mode: str = "r+", *, access: str = "auto",
 
 
 def _open_log(directory: Path, mode: str, memory: int | None) -> State:
-    if mode == "r+" and memory is None:
-        memory = _log_store.default_memory(_log.read_manifest(directory)["layout"])
+    manifest = _log.read_manifest(directory)
+    meta = manifest.get("meta")
+    settings = remembered(directory, meta.get("settings") if isinstance(meta, dict) else None,
+                           "memory", memory)
+    if mode == "r+" and memory is None:  # the recorded budget, else the default
+        memory = settings.get("memory") or _log_store.default_memory(manifest["layout"])
     eng = _log.open(directory, mode, memory_bytes=memory, check="headers")
     try:
         hp = eng.meta.get("hparams")
@@ -812,7 +838,10 @@ def _open_log(directory: Path, mode: str, memory: int | None) -> State:
             raise ValueError(f"log store {str(directory)!r} records durability "
                              f"{durability!r} in its manifest's meta, not one of "
                              f"{DURABILITY_MODES}; the store is damaged")
-        return _state_of_log(LogStore(eng), eng.count, hp, durability)
+        store = LogStore(eng)
+        store.settings = settings
+        eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
+        return _state_of_log(store, eng.count, hp, durability)
     except BaseException:
         eng.abandon()
         raise
@@ -957,8 +986,10 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     hold the same bits and train identically. Either direction: ``storage="log"``
     (``memory`` as for :func:`create`) or ``storage="inplace"``. ``src`` may be read-only or
     outdated (it is only read: the records on disk and in memory now, at the count of
-    ``src``'s store); it stays open. A failed copy leaves a ``dest`` that must not be used
-    (create it again with ``overwrite=True``).
+    ``src``'s store); it stays open. ``dest`` remembers ``src``'s remembered settings that
+    its kind takes (``access`` in place, ``memory`` for a log store, unless ``memory`` is
+    given). A failed copy leaves a ``dest`` that must not be used (create it again with
+    ``overwrite=True``).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -979,6 +1010,9 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
         raise ValueError(f"convert destination {str(dest)!r} is the source store itself; "
                          "choose another directory")
     lay = st.layout
+    keep = getattr(st, "settings", None) or {}  # src's remembered settings of dest's kind
+    if memory is None and storage == "log":
+        memory = keep.get("memory")
     out = create(dest, lay["num_rows"], lay["dim"], curvature=lay["curvature"], lr=src.lr,
                  betas=src.betas, eps=src.eps, maximize=src.maximize,
                  weights=lay["w"] is not None, dtype=lay["dtype"],
@@ -991,7 +1025,8 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
                  weight_decay=src.weight_decay,
                  decoupled_weight_decay=src.decoupled_weight_decay,
                  decay_missed_steps="last_step" in lay, per_row_step="row_step" in lay,
-                 storage=storage, memory=memory, progress=False)
+                 storage=storage, memory=memory, progress=False,
+                 access=keep.get("access", "auto") if storage == "inplace" else "auto")
     try:
         check_same_layout(out, src, "convert")
         _copy_records(src, out)
