@@ -83,8 +83,8 @@ def test_the_values_are_pinned(tmp_path, storage):
     """The function is part of the format: a log store's unwritten rows read as it, so it
     may never change. Row 0 of ``create(..., init="normal", seed=0)`` (init_scale 0.01)."""
     s = dsa_core.create(tmp_path / "s", 10, 4, init="normal", seed=0, storage=storage)
-    np.testing.assert_allclose(dsa_core.gather(s, [0])[0, :2], [0.00082, -0.00526],
-                               atol=5e-6)
+    want = np.array([0.00082483387, -0.00525732, 0.0019962885, -0.0038447788], np.float32)
+    np.testing.assert_array_equal(dsa_core.gather(s, [0])[0], want)  # every bit
     dsa_core.close(s)
 
 
