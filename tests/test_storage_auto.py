@@ -93,6 +93,7 @@ def _fake_machine(monkeypatch, files, phys):
     """Let ``_paging`` read ``files`` (path -> text) instead of /proc and /sys."""
     monkeypatch.setattr(_paging, "_read_text", lambda path: files.get(str(path)))
     monkeypatch.setattr(_paging, "_physical_bytes", lambda: phys)
+    monkeypatch.setattr(_paging, "ram_bytes_held", lambda: 0)  # stores other tests left open
     monkeypatch.delenv("DSA_STORAGE", raising=False)
     monkeypatch.delenv("DSA_ACCESS", raising=False)
 
