@@ -73,8 +73,8 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
         kind asked for.
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string such
-        as ``"4GiB"`` (default: the core's), for a new store and a reopened one alike (the
-        budget is not stored). The unique rows of one ``update`` must fit in it. Refused
+        as ``"4GiB"`` (default: the core's), for a new store and a reopened one alike (a
+        store remembers the last one given: a reopen without it uses that). The unique rows of one ``update`` must fit in it. Refused
         with ``storage="inplace"``.
     **create_args
         The keyword arguments of ``dsa_core.create``: ``curvature``, ``dtype``, ``weights``,

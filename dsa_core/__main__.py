@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the kind of the new store: log (log-structured) or inplace")
     p.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                    help="with --storage log: the region budget used while copying, e.g. 4GiB "
-                   "or 512MiB (default: the core's; not stored, each open passes its own)")
+                   "or 512MiB (default: SRC's recorded one, else the core's; DEST remembers it)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DEST if it is an existing store")
     p.add_argument("--quiet", action="store_true", help="no progress message")

@@ -151,7 +151,7 @@ class LogStore:
         self.rs_off = lay.get("row_step", -1)
         self.ls_off = lay.get("last_step", -1)
         self.scratch: dict[str, np.ndarray] = {}
-        self.settings: dict[str, Any] = {}  # open-time settings (dsa_core._state)
+        self.settings: dict[str, Any] = {}  # open-time settings to remember: {"memory": bytes}
         self.access_request = "auto"
         self._step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logged step
         self._fd = -1
@@ -316,10 +316,11 @@ class LogStore:
         s = self.engine.stats()
         nseg = s["segments"]
         return {
-            "region_budget_bytes": self.memory_bytes or default_memory(self.layout),
-            "region_budget_note": "the default a writer opening it without memory= gets (the "
-            "budget is not stored: each open passes its own)" if self.memory_bytes is None
-            else "this open's budget",
+            "region_budget_bytes": self.memory_bytes or self.settings.get("memory")
+            or default_memory(self.layout),
+            "region_budget_note": "what a writer opening it without memory= gets: the budget "
+            "recorded at create or at the last open that passed memory=, else the default"
+            if self.memory_bytes is None else "this open's budget",
             "segments": nseg, "segment_bytes": s["segment_bytes"],
             "live_records": s["live_records"], "live_bytes": s["live_bytes"],
             "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],

@@ -20,7 +20,9 @@ import numpy as np
 
 from . import _layout
 from ._files import copy_file, staged_dir
+from ._init import InitSpec, fill_weights
 from ._paging import auto_storage, check_access
+from ._settings import remembered, settings_field
 from . import _log, _log_store
 from ._log.format import parse_name
 from ._log_store import LogStore
@@ -35,6 +37,7 @@ from .validation import (
     check_memory_arg,
     check_positive_int,
     check_second_moment,
+    check_seed,
     check_storage,
     check_weight_decay_options,
 )
@@ -348,29 +351,20 @@ def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_eps: float
     """Write the initial weights in chunks (m and v stay zero from fallocate)."""
     if init is None or store.w_off is None:
         return
-    T = store.dtype.type
     d, o = store.dim, store.w_off
     rows = max(1, _INIT_CHUNK_BYTES // (store.stride * store.dtype.itemsize))
     chunks = list(_chunks(store.num_rows, rows))
     bar = _progress(len(chunks), progress, f"init {store.path.name}")
     named = init if isinstance(init, str) else None
-    rng = np.random.default_rng(seed) if named else None
-    mn = maxnorm(store.curvature, ball_eps, store.dtype) if store.curvature > 0 else None
+    mn = float(maxnorm(store.curvature, ball_eps, store.dtype)) if store.curvature > 0 else None
+    spec = InitSpec(named, init_scale, seed, mn, d, o, store.stride, store.dtype) \
+        if named else None
     try:
         for lo, hi in chunks:
-            if named == "normal":
-                blk = rng.standard_normal((hi - lo, d), dtype=np.float64) * init_scale
-            elif named == "uniform":
-                blk = rng.uniform(-init_scale, init_scale, (hi - lo, d))
+            if named:  # the log store's function of (seed, row): the same bits
+                fill_weights(store.data[lo:hi, o:o + d], lo, spec)
             else:
-                blk = np.asarray(init[lo:hi])
-            blk = np.asarray(blk, dtype=store.dtype)
-            if mn is not None and named:
-                nrm = np.sqrt(np.einsum("ij,ij->i", blk, blk, dtype=np.float64)).astype(T)
-                over = nrm > mn
-                if over.any():  # named inits start inside the usable ball
-                    blk[over] = (blk[over] / nrm[over, None]) * mn
-            store.data[lo:hi, o:o + d] = blk
+                store.data[lo:hi, o:o + d] = np.asarray(init[lo:hi], dtype=store.dtype)
             if bar is not None:
                 bar.update(1)
     finally:
@@ -394,6 +388,7 @@ def state_meta(state: State) -> dict[str, Any]:
             "decoupled_weight_decay": state.decoupled_weight_decay,
         },
         "durability": state.durability,
+        **settings_field(state.store),
     }
 
 
@@ -426,9 +421,14 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         ``step(..., params=rows)``, which updates them in place.
     init : None, array-like of shape (num_rows, dim), "normal" or "uniform"
         Initial weights. ``None`` means zeros. Named inits draw ``N(0, init_scale^2)`` or
-        ``U(-init_scale, init_scale)`` with ``numpy.random.default_rng(seed)``, in chunks;
-        for ``c > 0`` rows beyond the projection radius are projected onto it. An array is
-        checked (shape, finite, inside the ball for ``c > 0``) before anything is written.
+        ``U(-init_scale, init_scale)`` from a counter-based generator: each row's weights are
+        a pure function of ``(seed, row)`` (``seed`` an int in ``[0, 2**64)``), the same bits
+        on every machine and on both store kinds (the log store computes a row when it is
+        first read, the in-place store writes every row at create, on the kernels' threads).
+        For ``c > 0`` rows beyond the projection radius are projected onto it. (Before this
+        generator, in-place stores drew from ``numpy.random.default_rng(seed)``: the same
+        arguments now give other numbers than they did then.) An array is checked (shape,
+        finite, inside the ball for ``c > 0``) before anything is written.
     dtype : "float32" or "float64"
         Storage dtype of weights and state. float16/bfloat16 are refused (docs/algorithms.md §6).
     ball_eps : float, optional
@@ -486,21 +486,25 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         first at step 1000 takes the first step of a fresh Adam. The global count still
         counts steps (schedules). A layout option, fixed at creation (format version 3).
     access : "auto", "ram" or "disk", default "auto"
-        How the mapping is paged (not stored; pass it again to :func:`open`). ``"ram"``:
+        How the mapping is paged. ``"ram"`` or ``"disk"`` is remembered (recorded in the
+        manifest): :func:`open` uses it unless given another one. ``"ram"``:
         the table stays in the page cache -- 2 MiB huge folios mapped by PMD entries, far
         fewer TLB misses and page faults (a fault reads or zero-fills 2 MiB). ``"disk"``: the
         table is larger than memory -- ``MADV_RANDOM``, one 4 KiB page per fault, no
         read-around; pair it with :func:`prefetch`. ``"auto"``: "ram" when the data file fits
-        in 70% of the memory this process may use (physical memory, capped by its cgroup)
-        *and* under the kernel's background-writeback threshold (``vm.dirty_background_*``:
-        a dirty huge folio is written back whole, 2 MiB for one row), else "disk"; the
+        in 70% of the memory this process may still take (``MemAvailable``, capped by its
+        memory cgroup's limit less the memory it holds beyond reclaimable page cache) *and*
+        under the kernel's background-writeback threshold (``vm.dirty_background_*``, scaled
+        to the cgroup's memory inside one: a dirty huge folio is written back whole, 2 MiB
+        for one row), else "disk"; the
         environment variable ``DSA_ACCESS`` overrides "auto". The resolved
         value is ``state.store.access``.
     progress : bool, optional
         Show a tqdm bar while writing a named/array init (default: for large tables).
     storage : "auto", "inplace" or "log", default "auto"
         ``"auto"``: ``"log"`` when the table's records are larger than the kernel's
-        background-writeback threshold (about 10% of available memory: the in-place store's
+        background-writeback threshold (about 10% of available memory, or of the memory
+        cgroup's dirtyable memory inside one: the in-place store's
         random write-back makes it disk-bound past that), or when ``memory=`` or
         ``space_ratio=`` is given; else ``"inplace"`` (the faster kind for a table that
         stays in memory; ``access=`` other than "auto" keeps it). The environment variable
@@ -512,18 +516,16 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         log-structured store"). It takes every option above except ``access`` other than
         ``"auto"`` (refused: it has no mapping to page); ``align`` pads its records
         the same way (it changes nothing else there); ``first_moment="bfloat16"`` rounds
-        exactly as in place (keyed by the row id). Its named inits (``"normal"``,
-        ``"uniform"``) are a deterministic function of ``(seed, row)``, computed when a row
-        is first read -- **not** the numbers of the in-place store's
-        ``default_rng(seed)`` fill; ``None``/``"zeros"`` and init arrays give the same
-        records as an in-place store (an array is written at create, in chunks).
+        exactly as in place (keyed by the row id). Every init gives the same records as
+        on an in-place store (named inits are computed when a row is first read, an array
+        is written at create, in chunks).
     memory : int or str, optional
         ``storage="log"`` only: the budget of the in-memory region, bytes or a string such
         as ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` (SI k/M/G/T, IEC Ki/Mi/Gi/Ti). Default: 25%
         of the memory this process may use (cgroup-aware), at most what the whole table
         needs, at least what a batch of 4096 rows needs. A step's unique rows must fit in
-        the region (a clear error says by how much to raise it). Not stored: pass it again
-        to :func:`open`.
+        the region (a clear error says by how much to raise it). Remembered in bytes
+        (recorded in the manifest): :func:`open` uses it unless given another one.
     space_ratio : float > 1, optional
         ``storage="log"`` only: the bound on its segment files' records as a multiple of
         the live records (default 2.0): the cleaner copies the live records out of the
@@ -572,6 +574,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
                          "flush/checkpoint; 'step': every step atomic), got "
                          f"{durability!r}")
     check_access(access)
+    seed = check_seed(seed)
     if isinstance(align, (bool, np.bool_)) or not isinstance(align, (int, np.integer)) \
             or align < 0 or (align and align % dt.itemsize):
         raise ValueError(f"align must be 0 or a positive multiple of {dt.itemsize} bytes, "
@@ -637,7 +640,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
               "ball_eps": ball_eps, "nonfinite": nonfinite, "weight_decay": weight_decay,
               "decoupled_weight_decay": decoupled_weight_decay}
         return _create_log(directory, layout, mem, init, init_scale, seed, hp, durability,
-                           overwrite, progress, 2.0 if space_ratio is None else space_ratio)
+                           overwrite, progress, 2.0 if space_ratio is None else space_ratio,
+                           {} if memory is None else {"memory": memory})
     existing = [p for p in (_layout.MANIFEST_FILE, _layout.DATA_FILE)
                 if (directory / p).exists()]
     if existing and not overwrite:
@@ -662,6 +666,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
 
     with _cleanup_on_sigterm():
         store = Store.create_file(directory, layout, access)
+        store.settings = {"access": access} if access != "auto" else {}
         try:
             _fill(store, init, init_scale, seed, ball_eps, progress)
             store.commit_new_file()
@@ -686,20 +691,18 @@ def _state_of_log(store: LogStore, count: int, hp: dict[str, Any], durability: s
 
 def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
                 init_scale: float, seed: int, hp: dict[str, Any], durability: str,
-                overwrite: bool, progress: bool | None, space_ratio: float) -> State:
+                overwrite: bool, progress: bool | None, space_ratio: float,
+                settings: dict[str, Any]) -> State:
     """``create(storage="log")`` once every argument has been checked."""
     named = init if isinstance(init, str) else "zeros"
     c = float(layout["curvature"])
     dt = np.dtype(layout["dtype"])
     ball = float(maxnorm(c, hp["ball_eps"], dt)) if c > 0 else None
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
-            or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [0, 2**64) for a log store (its named "
-                         f"inits are a function of (seed, row)), got {seed!r}")
     eng = _log.create(directory, layout, memory_bytes=memory, init=named,
                       init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball,
                       space_ratio=space_ratio, overwrite=overwrite)
     store = LogStore(eng)
+    store.settings = settings
     state = _state_of_log(store, 0, hp, durability)
     eng.meta = state_meta(state)
     eng.wal_on = durability == "step"  # the first flush names a commit log
@@ -773,8 +776,15 @@ def open(path, mode: str = "r+", *, access: str = "auto",
 
     The store kind (in-place or log-structured) is read from the directory. A log store
     (``create(storage="log")``) reopens at its last flush; ``memory`` is the budget of its
-    region (as for :func:`create`; default 25% of this process's memory, see there). It
-    takes only ``access="auto"``; ``memory=`` for an in-place store is an error.
+    region (as for :func:`create`). It takes only ``access="auto"``; ``memory=`` for an
+    in-place store is an error.
+
+    Settings are remembered: without ``access`` (or with ``"auto"``) an in-place store is
+    paged as its manifest records (the ``access`` given to ``create`` or to an earlier
+    ``open``), else chosen by size; without ``memory`` a log store gets its recorded budget,
+    else the default (25% of this process's memory, see :func:`create`). One given here
+    replaces the recorded one and is recorded from the next flush on. Stores written
+    before settings were recorded open with the defaults.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
@@ -793,7 +803,10 @@ def open(path, mode: str = "r+", *, access: str = "auto",
         layout = manifest["layout"]
         hp = manifest["hparams"]
         count = int(manifest["count"])
-        store = Store.open_file(directory, layout, mode, access)
+        settings = remembered(directory, manifest.get("settings"), "access",
+                               None if access == "auto" else access)
+        store = Store.open_file(directory, layout, mode, settings.get("access", "auto"))
+        store.settings = settings
     except (KeyError, TypeError) as exc:
         raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
                          "the store is damaged") from None
@@ -808,8 +821,12 @@ def open(path, mode: str = "r+", *, access: str = "auto",
 
 
 def _open_log(directory: Path, mode: str, memory: int | None) -> State:
-    if mode == "r+" and memory is None:
-        memory = _log_store.default_memory(_log.read_manifest(directory)["layout"])
+    manifest = _log.read_manifest(directory)
+    meta = manifest.get("meta")
+    settings = remembered(directory, meta.get("settings") if isinstance(meta, dict) else None,
+                           "memory", memory)
+    if mode == "r+" and memory is None:  # the recorded budget, else the default
+        memory = settings.get("memory") or _log_store.default_memory(manifest["layout"])
     eng = _log.open(directory, mode, memory_bytes=memory, check="headers")
     try:
         hp = eng.meta.get("hparams")
@@ -822,7 +839,10 @@ def _open_log(directory: Path, mode: str, memory: int | None) -> State:
             raise ValueError(f"log store {str(directory)!r} records durability "
                              f"{durability!r} in its manifest's meta, not one of "
                              f"{DURABILITY_MODES}; the store is damaged")
-        return _state_of_log(LogStore(eng), eng.count, hp, durability)
+        store = LogStore(eng)
+        store.settings = settings
+        eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
+        return _state_of_log(store, eng.count, hp, durability)
     except BaseException:
         eng.abandon()
         raise
@@ -941,8 +961,10 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     hold the same bits and train identically. Either direction: ``storage="log"``
     (``memory`` as for :func:`create`) or ``storage="inplace"``. ``src`` may be read-only or
     outdated (it is only read: the records on disk and in memory now, at the count of
-    ``src``'s store); it stays open. A failed copy leaves a ``dest`` that must not be used
-    (create it again with ``overwrite=True``).
+    ``src``'s store); it stays open. ``dest`` remembers ``src``'s remembered settings that
+    its kind takes (``access`` in place, ``memory`` for a log store, unless ``memory`` is
+    given). A failed copy leaves a ``dest`` that must not be used (create it again with
+    ``overwrite=True``).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -963,6 +985,9 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
         raise ValueError(f"convert destination {str(dest)!r} is the source store itself; "
                          "choose another directory")
     lay = st.layout
+    keep = getattr(st, "settings", None) or {}  # src's remembered settings of dest's kind
+    if memory is None and storage == "log":
+        memory = keep.get("memory")
     out = create(dest, lay["num_rows"], lay["dim"], curvature=lay["curvature"], lr=src.lr,
                  betas=src.betas, eps=src.eps, maximize=src.maximize,
                  weights=lay["w"] is not None, dtype=lay["dtype"],
@@ -975,7 +1000,8 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
                  weight_decay=src.weight_decay,
                  decoupled_weight_decay=src.decoupled_weight_decay,
                  decay_missed_steps="last_step" in lay, per_row_step="row_step" in lay,
-                 storage=storage, memory=memory, progress=False)
+                 storage=storage, memory=memory, progress=False,
+                 access=keep.get("access", "auto") if storage == "inplace" else "auto")
     try:
         check_same_layout(out, src, "convert")
         _copy_records(src, out)

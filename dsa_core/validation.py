@@ -42,6 +42,7 @@ __all__ = [
     "check_memory_arg",
     "check_positive_int",
     "check_second_moment",
+    "check_seed",
     "check_storage",
     "check_weight_decay",
     "check_weight_decay_options",
@@ -241,6 +242,25 @@ def check_positive_int(name: str, value: Any, *, what: str = "") -> int:
     if value <= 0:
         raise ValueError(f"{_p(what)}{name} must be a positive int, got {value}")
     return int(value)
+
+
+def check_seed(seed: Any, *, what: str = "") -> int:
+    """The seed of a named init: an int in ``[0, 2**64)`` (numpy integers too, bools not).
+
+    Both store kinds compute a row's initial weights from ``(seed, row)`` (``dsa_core._init``).
+
+    >>> check_seed(7), check_seed(2**64 - 1) == 2**64 - 1
+    (7, True)
+    >>> check_seed(-1)
+    Traceback (most recent call last):
+        ...
+    ValueError: seed must be an int in [0, 2**64) ... got -1; pass e.g. seed=0
+    """
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= seed < 2**64:
+        raise ValueError(f"{_p(what)}seed must be an int in [0, 2**64) (a store's named inits "
+                         f"are a function of (seed, row)), got {seed!r}; pass e.g. seed=0")
+    return int(seed)
 
 
 def check_storage(storage: Any, *, what: str = "", auto: bool = True) -> str:

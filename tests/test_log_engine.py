@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsa_core import _layout, _log, _log_init
+from dsa_core import _init as _log_init, _layout, _log
 from dsa_core._log import format as _log_format
 from dsa_core._log import wal as _log_wal
 from dsa_core._store import StoreLockedError

@@ -435,11 +435,17 @@ def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
 
 def test_open_refuses_inplace_options_and_memory_mismatch(tmp_path):
     _, b = _pair(tmp_path)
+    slots = b.store.engine.slots
     dsa_core.close(b)
     with pytest.raises(ValueError, match="access='disk' is for in-place"):
         dsa_core.open(tmp_path / "log", access="disk")
     with pytest.raises(ValueError, match="memory= is for storage='log'"):
         dsa_core.open(tmp_path / "inplace", memory="1GiB")
+    s = dsa_core.open(tmp_path / "log")  # the budget given to create (remembered)
+    assert s.store.engine.slots == slots < N
+    dsa_core.close(s)
+    s = dsa_core.create(tmp_path / "log", N, D, storage="log", overwrite=True)
+    dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log")  # default budget
     assert s.store.engine.slots == N  # the whole (small) table fits: capped at one slot per row
     with pytest.raises(dsa_core.StoreLockedError):

@@ -10,7 +10,7 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
   **segment** file in one sequential write, a *seal* (``commit``; written in the background
   by ``writer``; the live segments are ``segments``');
 * an **index** maps each row to the newest record of it in a segment (or to nothing: the
-  row then reads as its deterministic initial record, ``_log_init``);
+  row then reads as its deterministic initial record, ``_init``);
 * a **cleaner** (``cleaner``) copies the still-live records of the emptiest segments into
   the next seal so that the segments hold at most ``space_ratio`` times the live records;
 * a **flush** seals every dirty slot, fsyncs the new segments, writes a new index generation
@@ -36,9 +36,9 @@ Durability
     the last flush live in the region only. After ``kill -9`` at any moment :func:`open`
     returns exactly the state of the last completed flush plus the logged steps.
 Deterministic init
-    A never-written row reads as ``_log_init.initial_records``: a pure function of
-    ``(seed, row)``, the same bits on every machine, but not the numbers of the in-place
-    store's ``default_rng(seed)`` fill (a conversion between formats copies rows explicitly).
+    A never-written row reads as ``_init.initial_records``: a pure function of
+    ``(seed, row)``, the same bits on every machine, and the values the in-place store
+    writes at create for the same arguments.
 Concurrency
     The engine's state changes in the caller's thread only: seals and cleaning decisions run
     inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from .._log_init import INIT_KINDS, InitSpec
+from .._init import INIT_KINDS, InitSpec
 from .budget import (
     SLOT_OVERHEAD,
     check_memory,
@@ -453,7 +453,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
     memory_bytes : int
         Budget of the in-memory region (see the module docstring for what it pays for).
     init, init_scale, seed, ball_maxnorm
-        The deterministic initial weights (``_log_init``): ``"zeros"``, ``"normal"``
+        The deterministic initial weights (``_init``): ``"zeros"``, ``"normal"``
         (``N(0, init_scale**2)``) or ``"uniform"`` (``U(-init_scale, init_scale)``); rows
         beyond ``ball_maxnorm`` (Poincaré stores) are scaled onto it.
     space_ratio : float > 1, default 2.0

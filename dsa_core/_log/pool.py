@@ -4,7 +4,7 @@ In memory
     ``region`` (S, stride) records, anonymous memory (``np.zeros``: faulted in on first use,
     never written back behind our back). ``loc`` (num_rows,) int64: ``< 0`` means resident
     in slot ``-loc - 1``; ``>= 0`` is the row's location on disk as in the index file
-    (0: never written, the row reads as its initial record, ``_log_init``). Per slot:
+    (0: never written, the row reads as its initial record, ``_init``). Per slot:
     ``slot_row`` (-1 when free), ``slot_disk`` (the location of the row's newest on-disk
     record, 0 if none; it may be older than the slot when the slot is dirty), ``dirty``, a
     CLOCK reference bit, the pin mark of the current :meth:`Pool.acquire` and the mark of
@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit
 
 from .._coalesce import _dedup, gather_rows
-from .._log_init import InitSpec, initial_records
+from .._init import InitSpec, initial_records
 from .._pool import run_chunked
 from .budget import check_memory
 from .checks import check_rows
