@@ -24,7 +24,7 @@ from ._paging import auto_storage, check_access
 from . import _log, _log_store
 from ._log_format import parse_name
 from ._log_store import LogStore
-from ._store import Store
+from ._store import Store, check_unclean
 from .validation import (
     DURABILITY_MODES,
     INIT_NAMES,
@@ -232,6 +232,7 @@ class State(NamedTuple):
         if not st.data.flags.writeable:
             raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
                              "with dsa_core.open(path) (mode='r+', the writer) to set its moments")
+        st.mark_unclean()
         if not st.m_bf16:
             self.exp_avg[...] = m
             return
@@ -433,7 +434,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         ``"flush"`` (default): rows are written through the mapping and made durable by
         :func:`flush`, :func:`close` and :func:`checkpoint`; after a crash, steps taken since
         the last flush may be partly on disk (the OS writes dirty pages back at any time)
-        while the manifest's count is the flushed one -- resume from a checkpoint then.
+        while the manifest's count is the flushed one: :func:`open` then raises
+        :class:`dsa_core.UncleanStopError` (restore a checkpoint, or ``unclean="accept"``).
         ``"step"``: every step is atomic: after a crash, ``open`` returns exactly the state
         after the last completed step and ``count`` says which. In place: undo journal +
         fdatasync + manifest commit, two fdatasyncs and a manifest rename per step; on a
@@ -761,7 +763,7 @@ def _cleanup_on_sigterm() -> Iterator[None]:
 
 
 def open(path, mode: str = "r+", *, access: str = "auto",
-         memory: int | str | None = None) -> State:
+         memory: int | str | None = None, unclean: str = "refuse") -> State:
     """Open an existing store; the state resumes with the stored hyperparameters and count.
 
     ``mode="r+"`` (default) takes the store's writer lock (a second writer gets a clear
@@ -772,10 +774,17 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     (``create(storage="log")``) reopens at its last flush; ``memory`` is the budget of its
     region (as for :func:`create`; default 25% of this process's memory, see there). It
     takes only ``access="auto"``; ``memory=`` for an in-place store is an error.
+
+    An in-place store whose writer stopped after a step and before the next flush or close
+    (kill -9, power loss, ``os._exit``) may hold rows of later steps than its count: ``open``
+    (either mode) raises :class:`dsa_core.UncleanStopError` saying so, unless
+    ``unclean="accept"`` (open the rows as they are; the next flush clears the mark). Log
+    stores and ``durability="step"`` stores reopen exactly (docs/storage.md, crash recovery).
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
     check_access(access)
+    check_unclean(unclean)
     directory = Path(path)
     if _log_store.store_kind(directory) == "log":
         memory = check_memory_arg(memory, "log")
@@ -790,7 +799,7 @@ def open(path, mode: str = "r+", *, access: str = "auto",
         layout = manifest["layout"]
         hp = manifest["hparams"]
         count = int(manifest["count"])
-        store = Store.open_file(directory, layout, mode, access)
+        store = Store.open_file(directory, layout, mode, access, unclean=unclean, count=count)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
                          "the store is damaged") from None
@@ -842,6 +851,7 @@ def flush(state: State) -> None:
     state.store.sync()
     state.store.journal_void()  # a stale undo record must never roll back flushed rows
     _layout.write_manifest(state.store.path, _manifest(state))
+    state.store.mark_clean()  # rows synced, count written: no unclean stop from here
 
 
 def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
@@ -946,6 +956,8 @@ def _copy_records(src: State, dst: State) -> None:
     """Every record of ``src`` into ``dst`` (equal layouts), in chunks of ~16 MiB."""
     st = dst.store
     rows = max(1, _RESTORE_CHUNK_BYTES // (st.stride * st.dtype.itemsize))
+    if dst.storage != "log":
+        st.mark_unclean()  # a stop before the flush that ends the copy must not pass unseen
     for lo in range(0, st.num_rows, rows):
         hi = min(st.num_rows, lo + rows)
         blk = _read_block(src, lo, hi)
@@ -1065,6 +1077,7 @@ def write_records(state: State, idx: Any, records: Any) -> None:
     if state.storage == "log":
         st.engine.write(idx, np.ascontiguousarray(rec))
         return
+    st.mark_unclean()
     st.data[idx] = rec
 
 
@@ -1110,6 +1123,6 @@ def remove(path) -> None:
         _log.remove(directory)
         return
     manifest = _layout.read_manifest(directory)
-    st = Store.open_file(directory, manifest["layout"], "r+")
+    st = Store.open_file(directory, manifest["layout"], "r+", unclean="accept")
     st.close()
     shutil.rmtree(directory)

@@ -209,6 +209,7 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         return new
     if state.durability != "step":
         if b:
+            st.mark_unclean()  # once per flush interval: durable before any row changes
             _apply(state, t, lr, srows, G, inv, params, table)
         st.count = t
         return new
