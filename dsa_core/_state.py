@@ -921,7 +921,8 @@ def restore(live: State, snapshot: State) -> State:
     journal is voided first (a journal of the last step could otherwise roll restored rows
     back at the next ``open``), the records are copied in chunks, and ``live`` is flushed
     at the snapshot's count (its hyperparameters stay ``live``'s). Not atomic: a crash in the middle
-    leaves ``live`` mixed; run the restore again. ``live`` must be current; the State
+    leaves ``live`` mixed (its ``open`` then refuses it: UncleanStopError); open it with
+    ``unclean="accept"`` and run the restore again. ``live`` must be current; the State
     returned is, and earlier ones are outdated.
 
     >>> import tempfile, pathlib, numpy as np, dsa_core

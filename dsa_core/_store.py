@@ -127,7 +127,7 @@ class _Files:
         self.path = path
         self.fd = self.jfd = self.lockfd = -1
         self.mm: mmap.mmap | None = None
-        self.count = 0
+        self.count: int | None = None  # None until create/open know it: nothing to flush
         self.marked = False  # the unclean marker is set on disk (rows may be past the count)
 
     def clear_mark(self) -> None:
@@ -171,7 +171,7 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
     if os.getpid() != pid:
         return
     try:
-        if f.fd >= 0:
+        if f.fd >= 0 and f.count is not None:
             manifest = read_manifest(f.path)
             if f.marked or int(manifest["count"]) != f.count:
                 f.mm.flush()  # msync: every row written so far is on disk
@@ -328,6 +328,7 @@ class Store:
                 os.ftruncate(st._fd, st.nbytes)  # filesystem without fallocate
             os.pwrite(st._fd, header_bytes(layout), 0)
             st._map()
+            st.count = 0
             st._watch()
         except BaseException:
             st._release()
@@ -392,6 +393,8 @@ class Store:
                 st.unclean = True
                 st._f.marked = mode == "r+"
             st._map()
+            if count is not None:
+                st.count = int(count)
             st._watch()
         except BaseException:
             st._release()
