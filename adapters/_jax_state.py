@@ -248,7 +248,8 @@ def core_states(state: DiskAdamState) -> Any:
 def flush(state: DiskAdamState) -> None:
     """Make every step so far durable in every table (``dsa_core.flush``: rows + count).
 
-    After a crash, ``dsa_core.open`` of each store resumes from the last flush (or use
+    After a crash, ``dsa_core.open`` of each store resumes from the last flush, or, for an
+    in-place store stepped since, refuses it (``dsa_core.UncleanStopError``: restore from a
     ``checkpoint``, which also keeps a copy).
 
     Examples

@@ -984,7 +984,7 @@ def _open_checked(path: Path, meta: dict, storage: str,
 
 def _kind_of(path: Path) -> str:
     """The kind of the store at ``path`` (``"inplace"`` or ``"log"``), read-only."""
-    snap = dsa_core.open(path, mode="r")
+    snap = dsa_core.open(path, mode="r", unclean="accept")  # replaced: its rows do not matter
     try:
         return snap.storage
     finally:
@@ -1004,7 +1004,7 @@ def _copy_shard(src: Path, dest: Path, memory: int | None) -> None:
                         ignore=shutil.ignore_patterns("writer.lock", "*.tmp*"))
         if (dest / "manifest.json").exists():  # raises while another writer holds it
             live_mem = memory if _kind_of(dest) == "log" else None
-            dsa_core.close(dsa_core.open(dest, memory=live_mem))
+            dsa_core.close(dsa_core.open(dest, memory=live_mem, unclean="accept"))
 
 
 def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, c: float,

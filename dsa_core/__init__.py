@@ -41,7 +41,7 @@ from ._state import (
     write_records,
 )
 from ._step import check_batch, gather, step, warmup
-from ._store import StoreLockedError
+from ._store import StoreLockedError, UncleanStopError
 from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
 __version__ = "0.1.0"
@@ -52,6 +52,7 @@ __all__ = [
     "StaleStateError",
     "State",
     "StoreLockedError",
+    "UncleanStopError",
     "buckets",
     "check_access",
     "check_batch",

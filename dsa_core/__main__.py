@@ -5,8 +5,10 @@
                                   live and dead bytes; a directory of stores (an optimizer's
                                   state_dir, a checkpoint): one line per store
     dsa export  STORE OUT.npy     the weights as a .npy file, written in chunks
-    dsa verify  STORE             header, finite values, rows inside the ball (c > 0); a log
-                                  store's checksums and its index against its segments
+    dsa verify  STORE             header, an unclean stop (a writer that ended between a step
+                                  and the next flush), finite values, rows inside the ball
+                                  (c > 0); a log store's checksums and its index against its
+                                  segments
     dsa convert SRC DEST --storage log|inplace [--memory 4GiB] [--overwrite]
                                   copy a store into a new one of the other kind
     dsa bench   [--rows N]        a quick warm benchmark of this machine
@@ -192,14 +194,25 @@ def _not_a_store(path) -> None:
             f"(`dsa info {path}` lists them)")
 
 
-def _open(path):
+def _open(path, unclean: str = "refuse"):
     import dsa_core
 
     _not_a_store(path)
     try:
-        return dsa_core.open(path, mode="r")
-    except (FileNotFoundError, ValueError) as exc:
+        return dsa_core.open(path, mode="r", unclean=unclean)
+    except (FileNotFoundError, ValueError, dsa_core.UncleanStopError) as exc:
         raise SystemExit(f"dsa: {exc}") from None
+
+
+def _unclean(st) -> bool:
+    """Was the store stopped uncleanly (opened read-only with ``unclean="accept"``)?"""
+    return bool(st.store.unclean)
+
+
+UNCLEAN_NOTE = ("its writer stopped after a step and before the next flush or close (kill -9, "
+                "power loss, os._exit): rows may hold steps past the count; dsa_core.open "
+                "refuses it until it is restored from a checkpoint (dsa_core.restore) or "
+                "opened with unclean='accept'")
 
 
 def _chunks(n, row_bytes):
@@ -249,6 +262,8 @@ def _info(st) -> dict:
         "weights": st.has_weights, "count": st.count,
         "count_as_of": _count_as_of(st.durability),
         "writer_active": lock_held(path / WRITER_LOCK),
+        "unclean_stop": _unclean(st),
+        "unclean_stop_note": UNCLEAN_NOTE if _unclean(st) else "no",
         "lr": st.lr, "betas": list(st.betas),
         "eps": st.eps, "maximize": st.maximize, "ball_eps": st.ball_eps,
         "nonfinite": st.nonfinite, "durability": st.durability,
@@ -267,6 +282,8 @@ def _summary(st, info: dict) -> str:
          f"count {st.count} (at {_count_as_of(st.durability)})")
     if info["writer_active"]:
         s += ", a writer holds it now"
+    if info["unclean_stop"]:
+        s += ", UNCLEAN STOP (rows may be past the count: restore or accept it)"
     if not st.has_weights:
         s += ", moments only"
     if info.get("summary"):
@@ -292,7 +309,7 @@ def _info_dir(a, directory: Path, stores) -> int:
         name = str(p.relative_to(directory))
         if bad is None:
             try:
-                st = dsa_core.open(p, mode="r")
+                st = dsa_core.open(p, mode="r", unclean="accept")
             except (OSError, ValueError) as exc:
                 bad = f"cannot be opened: {exc}"
             else:
@@ -328,7 +345,7 @@ def cmd_info(a) -> int:
         stores = _find_stores(directory)
         if stores:
             return _info_dir(a, directory, stores)
-    st = _open(a.store)
+    st = _open(a.store, unclean="accept")
     info = _info(st)
     if a.json:
         print(json.dumps(info, indent=1))
@@ -343,6 +360,10 @@ def cmd_info(a) -> int:
             v = f"{v} (at {info['count_as_of']})"
         elif k == "writer_active":
             k, v = "writer", _writer_note(st, v)
+        elif k == "unclean_stop":
+            v = f"YES -- {UNCLEAN_NOTE}" if v else "no"
+            print(f"{k:>{width}}: {v}")
+            continue
         elif k == "storage":
             v = f"{v} ({st.store.description})"
         elif k == "summary":
@@ -397,8 +418,8 @@ def cmd_verify(a) -> int:
     import dsa_core
 
     _not_a_store(a.store)
-    try:
-        st = dsa_core.open(a.store, mode="r")
+    try:  # an unclean stop is reported below, after the checks of its rows
+        st = dsa_core.open(a.store, mode="r", unclean="accept")
         problems = st.store.verify()  # the engine's own checks of its files
     except FileNotFoundError as exc:  # not a store (or not one any more)
         raise SystemExit(f"dsa: {exc}") from None
@@ -427,6 +448,8 @@ def cmd_verify(a) -> int:
     if outside:
         problems.append(f"{outside} rows lie on or outside the Poincaré ball "
                         f"(norm >= 1/sqrt(c) = {1 / math.sqrt(c):.6g})")
+    if _unclean(st):
+        problems.append(f"unclean stop: the manifest says count {st.count}, but {UNCLEAN_NOTE}")
     version = (_manifest(Path(st.path)) or {}).get("version")
     print(f"{st.path}: {st.storage} store, format v{version}, {st.store.checks}, "
           f"count {st.count}")

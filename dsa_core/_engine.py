@@ -72,7 +72,8 @@ class Engine(Protocol):
     closed: bool
     access: str                # how its memory is paged ("ram" | "disk" | "log")
     access_request: str
-    settings: dict[str, Any]   # open-time settings as given (remembered by the store)
+    settings: dict[str, Any]   # open-time settings to remember (recorded in the manifest)
+    unclean: bool              # opened with unclean="accept" after an unclean stop
 
     @property
     def nbytes(self) -> int: ...

@@ -7,7 +7,16 @@ A store is a directory holding two files:
     embedding row, in the store dtype (little-endian float32 or float64)::
 
         header (4096 B): b"DSASTORE" | uint32 format version | uint32 n | JSON layout | zero padding
+                         | 8-byte unclean marker (the header's last 8 bytes)
         record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | t_r | last | padding ]
+
+    The unclean marker is ``UNCLEAN_MARK`` while rows may have changed since the last flush
+    (``durability="flush"``: set and fdatasync'd before the first row of a flush interval
+    changes, cleared once ``flush``/``close`` has synced the rows and written the manifest),
+    else zeros. A store found marked with no writer holding it was stopped uncleanly (kill -9,
+    power loss, ``os._exit``): ``open`` refuses it unless told ``unclean="accept"`` (see
+    ``_store.Store.mark_unclean``). Readers older than the marker ignore it (it lies in the
+    padding), so it does not change the format version.
 
     v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or when
     the layout says ``"second_moment": "rowwise"`` (docs/algorithms.md §7.3). With
@@ -61,6 +70,8 @@ MAGIC = b"DSASTORE"
 FORMAT_NAME = "dsa-store"
 FORMAT_VERSION = 3  # newest version this module reads and writes; see layout_version
 HEADER_BYTES = 4096
+UNCLEAN_OFFSET = HEADER_BYTES - 8  # the unclean marker: the header's last 8 bytes
+UNCLEAN_MARK = b"DSAUNCLN"         # there: rows may differ from the manifest's count
 DATA_FILE = "rows.dsa"
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = "writer.lock"
@@ -76,6 +87,8 @@ __all__ = [
     "LOCK_FILE",
     "MANIFEST_FILE",
     "SECOND_MOMENTS",
+    "UNCLEAN_MARK",
+    "UNCLEAN_OFFSET",
     "counter_dtype",
     "header_bytes",
     "layout_version",
@@ -176,7 +189,7 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
 def header_bytes(layout: dict[str, Any]) -> bytes:
     body = json.dumps(layout, sort_keys=True).encode()
     head = MAGIC + struct.pack("<II", layout_version(layout), len(body)) + body
-    if len(head) > HEADER_BYTES:  # pragma: no cover - layouts are tiny
+    if len(head) > UNCLEAN_OFFSET:  # pragma: no cover - layouts are tiny
         raise ValueError("layout does not fit in the store header")
     return head + b"\0" * (HEADER_BYTES - len(head))
 

@@ -130,6 +130,7 @@ class LogStore:
     description = "log-structured, storage='log'"
     checks = "segment and index CRCs checked"
     reads_last_flush = True  # a reader opens the files of the writer's last flush
+    unclean = False          # a log store reopens exactly at its last flush: never unclean
 
     def __init__(self, engine: _log.LogEngine):
         self.engine = engine

@@ -26,7 +26,7 @@ from ._settings import remembered, settings_field
 from . import _log, _log_store
 from ._log.format import parse_name
 from ._log_store import LogStore
-from ._store import Store
+from ._store import Store, check_unclean
 from .validation import (
     DURABILITY_MODES,
     INIT_NAMES,
@@ -246,6 +246,7 @@ class State(NamedTuple):
         if not st.data.flags.writeable:
             raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
                              "with dsa_core.open(path) (mode='r+', the writer) to set its moments")
+        st.mark_unclean()
         if not st.m_bf16:
             self.exp_avg[...] = m
             return
@@ -442,7 +443,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         ``"flush"`` (default): rows are written through the mapping and made durable by
         :func:`flush`, :func:`close` and :func:`checkpoint`; after a crash, steps taken since
         the last flush may be partly on disk (the OS writes dirty pages back at any time)
-        while the manifest's count is the flushed one -- resume from a checkpoint then.
+        while the manifest's count is the flushed one: :func:`open` then raises
+        :class:`dsa_core.UncleanStopError` (restore a checkpoint, or ``unclean="accept"``).
         ``"step"``: every step is atomic: after a crash, ``open`` returns exactly the state
         after the last completed step and ``count`` says which. In place: undo journal +
         fdatasync + manifest commit, two fdatasyncs and a manifest rename per step; on a
@@ -767,7 +769,7 @@ def _cleanup_on_sigterm() -> Iterator[None]:
 
 
 def open(path, mode: str = "r+", *, access: str = "auto",
-         memory: int | str | None = None) -> State:
+         memory: int | str | None = None, unclean: str = "refuse") -> State:
     """Open an existing store; the state resumes with the stored hyperparameters and count.
 
     ``mode="r+"`` (default) takes the store's writer lock (a second writer gets a clear
@@ -785,10 +787,17 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     else the default (25% of this process's memory, see :func:`create`). One given here
     replaces the recorded one and is recorded from the next flush on. Stores written
     before settings were recorded open with the defaults.
+
+    An in-place store whose writer stopped after a step and before the next flush or close
+    (kill -9, power loss, ``os._exit``) may hold rows of later steps than its count: ``open``
+    (either mode) raises :class:`dsa_core.UncleanStopError` saying so, unless
+    ``unclean="accept"`` (open the rows as they are; the next flush clears the mark). Log
+    stores and ``durability="step"`` stores reopen exactly (docs/storage.md, crash recovery).
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
     check_access(access)
+    check_unclean(unclean)
     directory = Path(path)
     if _log_store.store_kind(directory) == "log":
         memory = check_memory_arg(memory, "log")
@@ -805,7 +814,8 @@ def open(path, mode: str = "r+", *, access: str = "auto",
         count = int(manifest["count"])
         settings = remembered(directory, manifest.get("settings"), "access",
                                None if access == "auto" else access)
-        store = Store.open_file(directory, layout, mode, settings.get("access", "auto"))
+        store = Store.open_file(directory, layout, mode, settings.get("access", "auto"),
+                                unclean=unclean, count=count)
         store.settings = settings
     except (KeyError, TypeError) as exc:
         raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
@@ -917,7 +927,8 @@ def restore(live: State, snapshot: State) -> State:
     journal is voided first (a journal of the last step could otherwise roll restored rows
     back at the next ``open``), the records are copied in chunks, and ``live`` is flushed
     at the snapshot's count (its hyperparameters stay ``live``'s). Not atomic: a crash in the middle
-    leaves ``live`` mixed; run the restore again. ``live`` must be current; the State
+    leaves ``live`` mixed (its ``open`` then refuses it: UncleanStopError); open it with
+    ``unclean="accept"`` and run the restore again. ``live`` must be current; the State
     returned is, and earlier ones are outdated.
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
@@ -945,11 +956,10 @@ def restore(live: State, snapshot: State) -> State:
 def _copy_records(src: State, dst: State) -> None:
     """Every record of ``src`` into ``dst`` (equal layouts), in chunks of ~16 MiB."""
     st = dst.store
-    rows = max(1, _RESTORE_CHUNK_BYTES // (st.stride * st.dtype.itemsize))
-    for lo in range(0, st.num_rows, rows):
-        hi = min(st.num_rows, lo + rows)
-        rows = np.arange(lo, hi, dtype=np.int64)
-        st.write(rows, src.store.read(rows))
+    step = max(1, _RESTORE_CHUNK_BYTES // (st.stride * st.dtype.itemsize))
+    for lo in range(0, st.num_rows, step):
+        rows = np.arange(lo, min(st.num_rows, lo + step), dtype=np.int64)
+        st.write(rows, src.store.read(rows))  # (in place: marks the store unclean first)
 
 
 def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
@@ -1106,6 +1116,6 @@ def remove(path) -> None:
         _log.remove(directory)
         return
     manifest = _layout.read_manifest(directory)
-    st = Store.open_file(directory, manifest["layout"], "r+")
+    st = Store.open_file(directory, manifest["layout"], "r+", unclean="accept")
     st.close()
     shutil.rmtree(directory)

@@ -5,6 +5,17 @@ on ``writer.lock`` for as long as the store is open. (Not on ``rows.dsa`` itself
 duplicates the data file's descriptor, which would keep such a lock alive until the mapping
 is garbage-collected.) Read-only opens take no lock. The bytes are described in
 ``_layout``; the paging advice comes from ``_paging``.
+
+Crash recovery with ``durability="flush"``: the rows reach the file whenever the kernel
+writes the mapped pages back, so after ``kill -9`` the rows may mix steps after the last
+flush with the manifest's count. Exactness at the last flush would need the old bytes of
+every row changed since the flush made durable before its page may be written back, an
+fdatasync in nearly every step (what ``durability="step"`` pays, 76x the plain step,
+docs/storage.md). Instead the header's unclean marker (:meth:`Store.mark_unclean`) is made
+durable once per flush interval, before its first row changes, and cleared by the flush
+that makes the rows durable; ``open`` refuses a marked store that no writer holds
+(:class:`UncleanStopError`) unless told ``unclean="accept"``. A store never closed is
+flushed when it is garbage-collected or at interpreter exit (:func:`_flush_unclosed`).
 """
 
 from __future__ import annotations
@@ -15,7 +26,9 @@ import json
 import mmap
 import os
 import struct
+import sys
 import time
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any
@@ -33,24 +46,156 @@ from ._layout import (
     JOURNAL_FILE,
     LOCK_FILE,
     MAGIC,
+    UNCLEAN_MARK,
+    UNCLEAN_OFFSET,
     counter_dtype,
     header_bytes,
     layout_version,
+    read_manifest,
 )
 from ._paging import _RAM_STORES, auto_access, check_access
 from ._pool import run_chunked
 from ._prefetch import Prefetcher, mapped_residency
 from ._ranges import submit_mapped, wait_mapped
 
-__all__ = ["Store", "StoreLockedError"]
+__all__ = ["UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanStopError",
+           "check_unclean"]
 
 JOURNAL_MAGIC = b"DSAJRNL1"
 _LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01  # a held lock is reported after ~40 ms
 _JHEAD = struct.Struct("<8sQQI")
+UNCLEAN_CHOICES = ("refuse", "accept")  # open(..., unclean=): what to do with an unclean stop
 
 
 class StoreLockedError(RuntimeError):
     """Another writer holds the store."""
+
+
+class UncleanStopError(RuntimeError):
+    """The store was stepped after its last flush and its writer ended without a flush or
+    close (kill -9, power loss, ``os._exit``): its rows may mix later steps with its count."""
+
+
+def check_unclean(unclean: str) -> str:
+    """The ``unclean=`` argument of ``dsa_core.open``, checked."""
+    if not isinstance(unclean, str) or unclean not in UNCLEAN_CHOICES:
+        raise ValueError(f"unclean must be one of {UNCLEAN_CHOICES} (what open does with a "
+                         "store whose writer stopped without flushing: 'refuse' raises "
+                         "UncleanStopError, 'accept' opens its rows as they are), got "
+                         f"{unclean!r}")
+    return unclean
+
+
+def _unclean_message(path: Path, count: int) -> str:
+    p = str(path)
+    return (
+        f"store {p!r} was not stopped cleanly: it was stepped after its last flush (count "
+        f"{count}, the count its manifest holds) and the process ended before the next flush "
+        "or close (kill -9, an OOM kill, power loss, os._exit). Its rows may mix the steps "
+        f"after {count} with those of step {count}, so training on from count {count} would "
+        "silently continue from a mixed state. Either restore it from a checkpoint: "
+        f"`s = dsa_core.open({p!r}, unclean='accept'); "
+        "s = dsa_core.restore(s, dsa_core.open(CHECKPOINT, mode='r'))` (or replace the "
+        "directory with a copy of the checkpoint); or accept the rows as they are: "
+        f"`dsa_core.open({p!r}, unclean='accept')` (the next flush or close clears this "
+        "mark; `dsa_core.close(dsa_core.open(path, unclean='accept'))` does it once, for an "
+        "adapter's resume). Stores created with durability='step' reopen exactly at their "
+        "last step after such a stop, log stores (storage='log') at their last flush.")
+
+
+def _writer_alive(directory: Path) -> bool:
+    """Does an open file (another process's writer, or this one's) hold ``writer.lock``?"""
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # none (never opened for writing), or unreadable: no writer seen
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+class _Files:
+    """What an open store holds of the OS, and its live count, apart from the ``Store``.
+
+    The finalizer that flushes a store nobody closed (:func:`_flush_unclosed`) reaches them
+    through this object, so that it does not keep the ``Store`` itself alive.
+    """
+
+    __slots__ = ("path", "fd", "jfd", "lockfd", "mm", "count", "marked")
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = self.jfd = self.lockfd = -1
+        self.mm: mmap.mmap | None = None
+        self.count: int | None = None  # None until create/open know it: nothing to flush
+        self.marked = False  # the unclean marker is set on disk (rows may be past the count)
+
+    def clear_mark(self) -> None:
+        """Zero the unclean marker (not synced: a lost clear errs on the side of refusing)."""
+        if self.marked:
+            os.pwrite(self.fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+            self.marked = False
+
+    def void_journal(self) -> None:
+        jpath = self.path / JOURNAL_FILE
+        if self.jfd < 0 and not jpath.exists():
+            return
+        fd = self.jfd if self.jfd >= 0 else os.open(jpath, os.O_RDWR)
+        try:
+            os.ftruncate(fd, 0)
+            os.fdatasync(fd)
+        finally:
+            if fd != self.jfd:
+                os.close(fd)
+
+    def release(self) -> None:
+        for name in ("jfd", "fd", "lockfd"):  # the lock goes last
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+def _flush_unclosed(f: _Files, pid: int) -> None:
+    """Flush an in-place store that was never closed: when its ``Store`` (every ``State`` of
+    it) is garbage-collected, or when the interpreter exits normally (``weakref.finalize``
+    runs at exit too); then release its files and writer lock.
+
+    As ``dsa_core.flush`` with the live count and the hyperparameters of the last flush (the
+    manifest on disk), as a log store does (``_log_store._flush_unclosed``): a forgotten
+    ``close`` is no unclean stop. Nothing to write when no row changed and the count did not
+    move since the last flush (a ``durability="step"`` store commits every step). Only in
+    the process that opened the store (a forked child must never write the parent's store);
+    a failure is printed to stderr (there is nowhere to raise to).
+    """
+    if os.getpid() != pid:
+        return
+    try:
+        if f.fd >= 0 and f.count is not None:
+            manifest = read_manifest(f.path)
+            if f.marked or int(manifest["count"]) != f.count:
+                f.mm.flush()  # msync: every row written so far is on disk
+                f.void_journal()
+                manifest["count"] = int(f.count)
+                _layout.write_manifest(f.path, manifest)
+                f.clear_mark()
+                os.fdatasync(f.fd)
+    except Exception as exc:  # nowhere to raise to: say so
+        print(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}",
+              file=sys.stderr)
+    finally:
+        f.release()
+
+
+def _handle(name: str) -> property:
+    return property(lambda self: getattr(self._f, name),
+                    lambda self, value: setattr(self._f, name, value))
 
 
 class Store:
@@ -90,13 +235,12 @@ class Store:
         self.rs_off = layout.get("row_step", -1)   # per_row_step: the row's update count t_r
         self.ls_off = layout.get("last_step", -1)  # decay_missed_steps: step of last update
         self.closed = False
-        # The live step count: that of the newest State of this store. States carry their own
-        # count; one that differs from this is outdated and may not step (dsa_core._state).
-        self.count = 0
-        self._fd = -1
-        self._jfd = -1
-        self._lockfd = -1
-        self._mm: mmap.mmap | None = None
+        # the descriptors, mapping, live count and marker state (``_Files``); ``count`` is
+        # the live step count: that of the newest State of this store. States carry their
+        # own count; one that differs from this is outdated and may not step (dsa_core._state)
+        self._f = _Files(self.path)
+        self._finalizer: weakref.finalize | None = None  # r+: flushes it if never closed
+        self.unclean = False  # opened with unclean="accept" on an unclean stop, not flushed
         self.data: np.ndarray | None = None
         self.counters: np.ndarray | None = None  # ``data`` viewed as ints (counter_dtype)
         self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
@@ -104,6 +248,12 @@ class Store:
         self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
         self.settings: dict[str, Any] = {}  # open-time settings (dsa_core._state)
         self._undo: tuple[np.ndarray, np.ndarray] | None = None  # the journaled step's rows
+
+    count = _handle("count")
+    _fd = _handle("fd")
+    _jfd = _handle("jfd")
+    _lockfd = _handle("lockfd")
+    _mm = _handle("mm")
 
     # -- opening ---------------------------------------------------------------------------
     @property
@@ -192,6 +342,8 @@ class Store:
                 os.ftruncate(st._fd, st.nbytes)  # filesystem without fallocate
             os.pwrite(st._fd, header_bytes(layout), 0)
             st._map()
+            st.count = 0
+            st._watch()
         except BaseException:
             st._release()
             tmp.unlink(missing_ok=True)
@@ -206,8 +358,16 @@ class Store:
 
     @classmethod
     def open_file(cls, directory: Path, layout: dict[str, Any], mode: str,
-                  access: str = "auto") -> Store:
-        """Open an existing ``rows.dsa``, check its header and size, lock (r+) and map it."""
+                  access: str = "auto", *, unclean: str = "refuse",
+                  count: int | None = None) -> Store:
+        """Open an existing ``rows.dsa``, check its header and size, lock (r+) and map it.
+
+        A store whose unclean marker is set while no writer holds it (its writer stopped
+        between a step and the next flush) raises :class:`UncleanStopError` (``count``: the
+        manifest's, for the message) unless ``unclean="accept"``: then it opens with
+        ``unclean`` True, and, for ``r+``, the marker stays until the next flush clears it.
+        """
+        unclean = check_unclean(unclean)
         st = cls(directory, layout, mode, access)
         if not st.file.is_file():
             raise FileNotFoundError(
@@ -238,11 +398,52 @@ class Store:
                     f"{str(st.file)!r} is truncated or padded: it has {size:,} bytes, the "
                     f"layout needs {st.nbytes:,} ({st.num_rows} rows x {st.stride} x "
                     f"{st.dtype.itemsize} B + {HEADER_BYTES} B header)")
+            marked = head[UNCLEAN_OFFSET:HEADER_BYTES] == UNCLEAN_MARK
+            # read-only beside a live writer: the mark is that writer's interval, no stop
+            if marked and (mode == "r+" or not _writer_alive(st.path)):
+                if unclean == "refuse":
+                    raise UncleanStopError(_unclean_message(st.path, count if count is not None
+                                                            else "unknown"))
+                st.unclean = True
+                st._f.marked = mode == "r+"
             st._map()
+            if count is not None:
+                st.count = int(count)
+            st._watch()
         except BaseException:
             st._release()
             raise
         return st
+
+    def _watch(self) -> None:
+        """Flush this store if it is never closed (r+ only): see :func:`_flush_unclosed`."""
+        if self.mode == "r+":
+            self._finalizer = weakref.finalize(self, _flush_unclosed, self._f, os.getpid())
+
+    # -- the unclean marker (durability="flush") ----------------------------------------
+    def mark_unclean(self) -> None:
+        """Make the unclean marker durable before rows change after a flush (or the open).
+
+        Called before a step (``durability="flush"``) or a whole-record write changes rows;
+        does something only on the first call after each open or flush: one 8-byte write
+        into the header and one fdatasync of the data file (which has no other dirty pages
+        right after a flush) per flush interval, never per step. From then on the kernel may
+        write any changed row page back: a stop before the next flush is then seen by
+        ``open`` (:class:`UncleanStopError`), never taken for the manifest's count.
+        """
+        f = self._f
+        if f.marked:
+            return
+        os.pwrite(f.fd, UNCLEAN_MARK, UNCLEAN_OFFSET)
+        os.fdatasync(f.fd)
+        f.marked = True
+
+    def mark_clean(self) -> None:
+        """Clear the unclean marker: the rows are synced and the manifest holds their count
+        (``flush`` calls this last). Not synced itself: the next msync or write-back carries
+        it, and a clear lost to a power cut only makes ``open`` refuse a clean store."""
+        self._f.clear_mark()
+        self.unclean = False
 
     # -- the undo journal (durability="step") -------------------------------------------
     def journal_write(self, rows, count_before: int) -> np.ndarray:
@@ -282,16 +483,7 @@ class Store:
 
     def journal_void(self) -> None:
         """Truncate the undo journal durably: no journal may roll back past a flush."""
-        jpath = self.path / JOURNAL_FILE
-        if self._jfd < 0 and not jpath.exists():
-            return
-        fd = self._jfd if self._jfd >= 0 else os.open(jpath, os.O_RDWR)
-        try:
-            os.ftruncate(fd, 0)
-            os.fdatasync(fd)
-        finally:
-            if fd != self._jfd:
-                os.close(fd)
+        self._f.void_journal()
 
     def data_sync(self) -> None:
         """fdatasync the data file: every row written through the mapping is on disk."""
@@ -334,8 +526,11 @@ class Store:
         """The mapped rows themselves; with ``durability="step"`` their undo record first
         (:meth:`journal_write`: nothing changes if it cannot be written in full)."""
         self._undo = None
-        if meta.get("durability") == "step" and rows.shape[0]:
-            self._undo = (rows, self.journal_write(rows, count))
+        if meta.get("durability") == "step":
+            if rows.shape[0]:
+                self._undo = (rows, self.journal_write(rows, count))
+        elif rows.shape[0]:
+            self.mark_unclean()  # once per flush interval: durable before any row changes
         return self.data, rows
 
     def commit_step(self, t: int, meta: dict[str, Any]) -> None:
@@ -363,6 +558,7 @@ class Store:
         return self.data[rows] if cols is None else self.data[rows, cols]
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
+        self.mark_unclean()
         self.data[rows] = records
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
@@ -374,6 +570,7 @@ class Store:
         self.sync()
         self.journal_void()  # a stale undo record must never roll back flushed rows
         _layout.write_manifest(self.path, self.manifest(count, meta))
+        self.mark_clean()  # rows synced, count written: no unclean stop from here
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool) -> Path:
@@ -436,12 +633,10 @@ class Store:
         self._release()
 
     def _release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
         _RAM_STORES.discard(self)
-        for name in ("_jfd", "_fd", "_lockfd"):  # the lock goes last
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
+        self._f.release()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.mode

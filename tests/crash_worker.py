@@ -19,6 +19,13 @@ Modes
     The same through ``adapters.torch``: a ``DiskEmbedding`` stepped by ``DiskSparseAdam``,
     ``opt.checkpoint(DEST, overwrite=True)`` every ``K`` steps, ``opt.load_checkpoint(DEST)``
     on start.
+``flushk STORE --steps N --every K --end HOW``
+    A ``durability="flush"`` store of either kind (created by the parent,
+    tests/test_unclean_inplace.py): ``dsa_core.open``, then steps ``count + 1 .. N`` with
+    ``dsa_core.flush`` after every ``K``-th step (``flush <count>`` printed after each).
+    Then ``--end``: ``close`` (``dsa_core.close``), ``exit`` (a normal interpreter exit
+    without ``close``), ``os_exit`` (``os._exit(0)``: no exit handlers) or ``kill`` (SIGKILL
+    itself).
 
 ``--kill-at POINT --kill-step K`` makes the worker SIGKILL itself at a chosen point of the
 journaled commit protocol of step ``K`` (or of a checkpoint), see :data:`KILL_POINTS`.
@@ -201,6 +208,32 @@ def train(store: str, steps: int) -> None:
     dsa_core.close(state)
 
 
+KEEP: list = []  # states left open until the interpreter exits (--end exit)
+
+
+def flushk(store: str, steps: int, every: int, end: str) -> None:
+    import dsa_core
+
+    dsa_core.warmup(("float32",), readonly=False)  # so that "open" means: stepping now
+    state = dsa_core.open(store)
+    say("open", state.count)
+    while state.count < steps:
+        t = state.count + 1
+        state = dsa_core.step(state, *batch(t))
+        if t % every == 0:
+            dsa_core.flush(state)
+            say("flush", t)
+    say("done", state.count)
+    if end == "close":
+        dsa_core.close(state)
+    elif end == "os_exit":
+        os._exit(0)
+    elif end == "kill":
+        _die()
+    else:  # "exit": the interpreter exits with the store open, its State still referenced
+        KEEP.append(state)
+
+
 def _resume_live(live: Path, dest: Path, curvature: float):
     import dsa_core
 
@@ -280,19 +313,22 @@ def torch_ckpt(live: Path, dest: Path, steps: int, every: int) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["train", "ckpt", "torch-ckpt"])
+    ap.add_argument("mode", choices=["train", "ckpt", "torch-ckpt", "flushk"])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--steps", type=int, default=10**9)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--curvature", type=float, default=0.0)
     ap.add_argument("--kill-at", choices=KILL_POINTS)
     ap.add_argument("--kill-step", type=int, default=0)
+    ap.add_argument("--end", choices=["close", "exit", "os_exit", "kill"], default="close")
     a = ap.parse_args(argv)
     if a.kill_at:
         KILL_AT.append(a.kill_at)
         install_kill(a.kill_at, a.kill_step)
     if a.mode == "train":
         train(a.paths[0], a.steps)
+    elif a.mode == "flushk":
+        flushk(a.paths[0], a.steps, a.every, a.end)
     elif a.mode == "ckpt":
         ckpt(Path(a.paths[0]), Path(a.paths[1]), a.steps, a.every, a.curvature)
     else:

@@ -1,0 +1,349 @@
+"""A store stopped between a step and the next flush never reopens silently mixed.
+
+With ``durability="flush"`` an in-place store's rows reach its file whenever the kernel writes
+the mapped pages back, so after ``kill -9`` they may hold steps past the manifest's count. Its
+header's unclean marker (set durably before the first row of a flush interval changes,
+cleared by the flush) makes ``open`` refuse such a store (``UncleanStopError``) unless told
+``unclean="accept"``; ``dsa verify`` reports it. A log store reopens exactly at its last
+flush. Either way: exact at the last flush, or refused; never a mix.
+
+The kill trials run ``tests/crash_worker.py flushk`` (flush every K steps) in a subprocess,
+SIGKILL it at random moments and compare what reopens, bit for bit, with a replay of that
+many steps. A few trials by default, more with ``-m slow``. A kill cannot lose the page
+cache: these tests see what the next process sees after ``kill -9`` or an OOM kill.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import crash_worker as cw
+import numpy as np
+import pytest
+from test_reliability import Worker, run_worker
+
+import dsa_core
+
+REPO = Path(__file__).resolve().parents[1]
+N, D = cw.NUM_ROWS, cw.DIM
+KINDS = ["inplace", "log"]
+INIT = (np.random.default_rng(3).standard_normal((N, D)) * 0.1).astype(np.float32)
+
+
+def make_store(path: Path, kind: str, **kw) -> None:
+    """A closed store at count 0 (an init array: the same records in both kinds)."""
+    dsa_core.close(dsa_core.create(path, N, D, lr=cw.LR, init=INIT, storage=kind,
+                                   progress=False, **kw))
+
+
+def all_records(state) -> bytes:
+    return dsa_core.read_records(state, np.arange(N)).tobytes()
+
+
+class Reference:
+    """The records after ``count`` steps of crash_worker.batch without any crash."""
+
+    def __init__(self, root: Path, kind: str):
+        self.root, self.kind, self.made = root, kind, 0
+        self.state = None
+
+    def at(self, count: int) -> bytes:
+        if self.state is None or self.state.count > count:
+            if self.state is not None:
+                dsa_core.close(self.state)
+            self.made += 1
+            path = self.root / f"ref{self.made}"
+            make_store(path, self.kind)
+            self.state = dsa_core.open(path)
+        while self.state.count < count:
+            self.state = dsa_core.step(self.state, *cw.batch(self.state.count + 1))
+        return all_records(self.state)
+
+    def close(self):
+        if self.state is not None:
+            dsa_core.close(self.state)
+
+
+def manifest_count(path: Path) -> int:
+    return json.loads((path / "manifest.json").read_text())["count"]
+
+
+def verify(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsa_core", "verify", str(path), "--quiet"],
+                          capture_output=True, text=True, cwd=REPO, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+
+
+def check_refused(path: Path, count: int) -> None:
+    """``open`` refuses the store in both modes with the message the user needs."""
+    for mode in ("r+", "r"):
+        with pytest.raises(dsa_core.UncleanStopError) as e:
+            dsa_core.open(path, mode=mode)
+        msg = str(e.value)
+        for words in (f"stepped after its last flush (count {count}", "kill -9",
+                      "dsa_core.restore", "unclean='accept'"):
+            assert words in msg, (words, msg)
+
+
+def kill_trials(tmp: Path, kind: str, trials: int, seed: int, every: int = 7,
+                window: float = 0.3, probe_every: int = 0) -> Counter:
+    """SIGKILL a worker that flushes every ``every`` steps at a random moment; the store must
+    reopen exactly at its last flush (a multiple of ``every``, at least the last flush the
+    worker reported) or be refused; never at a count with rows of later steps."""
+    rng = np.random.default_rng(seed)
+    ref = Reference(tmp, kind)
+    stats = Counter()
+    try:
+        for k in range(trials):
+            store = tmp / f"s{k}"
+            make_store(store, kind)
+            w = Worker("flushk", store, "--every", every)
+            assert w.expect("open") == 0
+            time.sleep(rng.uniform(0.0, window))
+            lines = w.kill()
+            reported = max([int(x[1]) for x in lines if x[0] == "flush"], default=0)
+            stats["steps flushed"] += reported
+            try:
+                s = dsa_core.open(store)
+            except dsa_core.UncleanStopError:
+                assert kind == "inplace", "a log store reopens at its last flush"
+                count = manifest_count(store)
+                assert count % every == 0 and count >= reported, (count, reported)
+                check_refused(store, count)
+                stats["refused"] += 1
+                if probe_every and k % probe_every == 0:
+                    r = verify(store)
+                    assert r.returncode == 1 and "unclean stop" in r.stdout, r.stdout
+                    s = dsa_core.open(store, unclean="accept")  # the rows as they are
+                    assert s.count == count and s.store.unclean
+                    mixed = all_records(s) != ref.at(count)
+                    stats["accepted rows that differ from the replay"] += mixed
+                    dsa_core.close(s)  # flushes: the mark is cleared
+                    s = dsa_core.open(store)
+                    assert s.count == count and not s.store.unclean
+                    dsa_core.close(s)
+                    assert verify(store).returncode == 0
+                    stats["verified and accepted"] += 1
+                shutil.rmtree(store)
+                continue
+            count = s.count
+            assert count % every == 0 and count >= reported, (count, reported)
+            assert all_records(s) == ref.at(count), (
+                f"trial {k}: the {kind} store reopened at count {count} with rows that differ "
+                "from the replay of that many steps (a silent mix)")
+            dsa_core.close(s)
+            stats["exact at the last flush"] += 1
+            shutil.rmtree(store)
+    finally:
+        ref.close()
+    stats["trials"] = trials
+    return stats
+
+
+# -- random kills ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_sigkill_reopens_exact_or_refused_few(tmp_path, kind):
+    stats = kill_trials(tmp_path, kind, trials=3, seed=1 + KINDS.index(kind), probe_every=2)
+    print(f"\n{kind}: {dict(stats)}")
+    assert stats["steps flushed"] > 0  # the kills landed while the worker trained
+    if kind == "log":
+        assert stats["exact at the last flush"] == 3
+    else:  # a kill lands inside a flush interval nearly always (the flushes are ms apart)
+        assert stats["refused"] >= 1 and stats["verified and accepted"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_sigkill_reopens_exact_or_refused_many(tmp_path, kind):
+    stats = kill_trials(tmp_path, kind, trials=30, seed=10 + KINDS.index(kind), window=0.5,
+                        probe_every=5)
+    print(f"\n{kind}: {dict(stats)}")
+    if kind == "log":
+        assert stats["exact at the last flush"] == 30
+    else:
+        assert stats["refused"] >= 20
+        # what the refusal protects against: the accepted rows were mixed
+        assert stats["accepted rows that differ from the replay"] >= 1
+
+
+# -- deterministic ends ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("end", [pytest.param("kill", marks=pytest.mark.slow), "os_exit"])
+def test_stop_after_steps_past_a_flush(tmp_path, kind, end):
+    """Steps 1..10, a flush at 7, then SIGKILL or os._exit: exact at 7, or refused.
+    (SIGKILL at random moments by default: the trials above.)"""
+    store = tmp_path / "s"
+    make_store(store, kind)
+    rc, lines, err = run_worker("flushk", store, "--every", 7, "--steps", 10, "--end", end)
+    assert rc == (-signal.SIGKILL if end == "kill" else 0), err
+    assert lines[-2:] == [["flush", "7"], ["done", "10"]]
+    ref = Reference(tmp_path, kind)
+    try:
+        if kind == "inplace":
+            check_refused(store, 7)
+            r = verify(store)
+            assert r.returncode == 1, r.stdout
+            assert "unclean stop: the manifest says count 7" in r.stdout
+            info = subprocess.run([sys.executable, "-m", "dsa_core", "info", "--json",
+                                   str(store)], capture_output=True, text=True, check=True,
+                                  cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            assert json.loads(info.stdout)["unclean_stop"] is True
+            s = dsa_core.open(store, unclean="accept")
+            assert s.count == 7 and s.store.unclean
+            assert all_records(s) != ref.at(7)  # the rows of steps 8..10 are in the file
+            assert all_records(s) == ref.at(10)  # (a kill loses no page-cache page)
+        else:
+            assert verify(store).returncode == 0
+            s = dsa_core.open(store, unclean="accept")  # accepted, and means nothing here
+            assert s.count == 7 and all_records(s) == ref.at(7)
+        # training on from the accepted rows; the next flush clears the mark
+        for t in range(s.count + 1, s.count + 4):
+            s = dsa_core.step(s, *cw.batch(t))
+        dsa_core.flush(s)
+        assert not getattr(s.store, "unclean", False)
+        again = dsa_core.open(store, mode="r")
+        assert again.count == s.count
+        dsa_core.close(again)
+        dsa_core.close(s)
+        assert verify(store).returncode == 0
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_normal_exit_without_close_reopens_at_the_last_step(tmp_path, kind):
+    """A forgotten close is no unclean stop: the store is flushed at interpreter exit."""
+    store = tmp_path / "s"
+    make_store(store, kind)
+    rc, lines, err = run_worker("flushk", store, "--every", 7, "--steps", 10, "--end", "exit")
+    assert rc == 0, err
+    assert err == ""  # no failure printed by the exit-time flush
+    assert lines[-1] == ["done", "10"]
+    s = dsa_core.open(store)
+    ref = Reference(tmp_path, kind)
+    assert s.count == 10 and all_records(s) == ref.at(10)
+    dsa_core.close(s)
+    ref.close()
+    assert verify(store).returncode == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_garbage_collected_state_is_flushed_and_released(tmp_path, kind):
+    store = tmp_path / "s"
+    make_store(store, kind)
+    s = dsa_core.open(store)
+    for t in range(1, 6):
+        s = dsa_core.step(s, *cw.batch(t))
+    del s
+    gc.collect()
+    s = dsa_core.open(store)  # the writer lock was released with the last State
+    ref = Reference(tmp_path, kind)
+    assert s.count == 5 and all_records(s) == ref.at(5)
+    dsa_core.close(s)
+    ref.close()
+
+
+FORK_SCRIPT = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+import crash_worker as cw, dsa_core
+s = dsa_core.open(sys.argv[1])
+s = dsa_core.step(s, *cw.batch(1))
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the child exits normally: exit handlers run, the store's finalizer too
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+os._exit(0)  # the parent stops uncleanly
+"""
+
+
+def test_forked_child_never_flushes_the_parents_store(tmp_path):
+    store = tmp_path / "s"
+    make_store(store, "inplace")
+    r = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(store), str(REPO / "tests")],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and r.stdout == "child 0\n", r.stderr
+    assert r.stderr == ""
+    assert manifest_count(store) == 0  # the child wrote no manifest and cleared no mark
+    check_refused(store, 0)
+
+
+# -- the marker in process (a copy of a live store's files is what a kill leaves) ---------------
+def snapshot_files(src: Path, dest: Path) -> Path:
+    """The files of a live store as a kill -9 would leave them (page cache included)."""
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("writer.lock"))
+    return dest
+
+
+def test_create_open_flush_and_close_leave_clean_stores(tmp_path):
+    s = dsa_core.create(tmp_path / "s", N, D, init="normal", progress=False)
+    dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c0")))  # after create
+    s = dsa_core.step(s, *cw.batch(1))
+    dsa_core.flush(s)
+    dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c1")))  # after a flush
+    s = dsa_core.step(s, np.zeros(0, np.int64), np.zeros((0, D), np.float32))  # no row
+    dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c2")))
+    s = dsa_core.step(s, *cw.batch(3))
+    check_refused(snapshot_files(s.path, tmp_path / "c3"), 1)
+    ro = dsa_core.open(s.path, mode="r")  # a reader beside the live writer: no stop
+    dsa_core.close(ro)
+    dsa_core.close(s)
+    again = dsa_core.open(tmp_path / "s")
+    assert again.count == 3
+    dsa_core.close(again)
+
+
+def test_whole_record_writes_mark_the_store(tmp_path):
+    """write_records and restore change rows outside a step: a stop before the flush that
+    follows them is an unclean stop too."""
+    s = dsa_core.create(tmp_path / "s", N, D, progress=False)
+    dsa_core.write_records(s, [3], np.ones((1, s.layout["stride"]), np.float32))
+    check_refused(snapshot_files(s.path, tmp_path / "c1"), 0)
+    s = dsa_core.set_count(s, 0)  # flushes
+    dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c2")))
+    dsa_core.close(s)
+
+
+def test_the_marker_costs_one_fdatasync_per_flush_interval(tmp_path, monkeypatch):
+    s = dsa_core.create(tmp_path / "s", N, D, progress=False)
+    calls = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (calls.append(fd), real(fd))[1])
+    per_step = []
+    for t in range(1, 16):
+        before = len(calls)
+        s = dsa_core.step(s, *cw.batch(t))
+        per_step.append(len(calls) - before)
+        if t % 5 == 0:
+            dsa_core.flush(s)
+    monkeypatch.undo()
+    dsa_core.close(s)
+    assert per_step == [1, 0, 0, 0, 0] * 3
+
+
+def test_journaled_stores_keep_their_own_recovery(tmp_path):
+    """durability='step' commits every step: never marked, reopens exactly after a kill."""
+    s = dsa_core.create(tmp_path / "s", N, D, durability="step", progress=False)
+    for t in range(1, 4):
+        s = dsa_core.step(s, *cw.batch(t))
+    copy = dsa_core.open(snapshot_files(s.path, tmp_path / "c"))
+    assert copy.count == 3 and all_records(copy) == all_records(s)
+    dsa_core.close(copy)
+    dsa_core.close(s)
+
+
+def test_unclean_argument_is_checked(tmp_path):
+    make_store(tmp_path / "s", "inplace")
+    with pytest.raises(ValueError, match="unclean must be one of"):
+        dsa_core.open(tmp_path / "s", unclean="ignore")
