@@ -28,6 +28,7 @@ SMOKES = {
     "decay_quality": ["--smoke"],  # its stores go to TMPDIR (tmp_path)
     "log_warm": ["--smoke"],  # writes no result files in smoke mode
     "log_store": ["--smoke"],
+    "state_dict_cost": ["--smoke"],  # its stores go to TMPDIR (tmp_path)
 }
 
 
