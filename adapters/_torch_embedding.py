@@ -210,10 +210,10 @@ class DiskEmbedding(nn.Module):
         ``storage="log"`` only: the budget of the log store's region, bytes or a string
         such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
     keep_snapshots : int, default 3
-        Log stores: how many snapshots of the table its module ``state_dict()`` keeps (in
+        How many snapshots of the table its module ``state_dict()`` keeps (in
         ``.dsa-snapshots/`` beside ``state_dir``; older ones are deleted when a new one is
-        taken). ``0``: no snapshots, the state dict is then a description as for in-place
-        stores. See Notes.
+        taken), on both store kinds. ``0``: no snapshots; the state dict is then a
+        description of the store, refused once it has stepped on. See Notes.
 
     The weight decay itself is not a module argument: as for ``nn.Embedding``, it is the
     optimizer's hyperparameter (``DiskSparseAdam(emb.parameters(), weight_decay=...,
@@ -250,16 +250,20 @@ class DiskEmbedding(nn.Module):
 
     The store's step count is the optimizer's ``t`` (bias correction). The module's
     ``state_dict()`` flushes the store and saves a small manifest (``_extra_state``),
-    never the rows. On a **log store** (``storage="log"``) it also snapshots the table
-    (hard links to its immutable segments: cheap) and names the snapshot, so
-    ``torch.save(model.state_dict(), f)`` and ``model.load_state_dict(torch.load(f))``
-    bring the table (weights, m, v, step count) back to exactly that point, while the
-    snapshot is kept (the newest ``keep_snapshots``; :meth:`release_snapshots`). On an
-    **in-place store** it is no snapshot: loading one whose step count differs from the
-    store's is refused (it would claim rows the store no longer holds); for a point to go
-    back to, use :meth:`checkpoint` / :meth:`load_checkpoint`, or the optimizer's
-    ``checkpoint``, which includes this table. Loading an ``nn.Embedding`` state dict (a
-    ``weight`` tensor) copies those weights into the store.
+    never the rows. It also snapshots the table, whatever the store's kind, and names the
+    snapshot, so ``torch.save(model.state_dict(), f)`` and
+    ``model.load_state_dict(torch.load(f))`` bring the table (weights, m, v, step count)
+    back to exactly that point, while the snapshot is kept (the newest ``keep_snapshots``;
+    :meth:`release_snapshots`). A log store's snapshot is cheap (hard links to its
+    immutable segments, a copy of its index); an in-place store's copies its data file (a
+    reflink where the filesystem supports it, else the whole table). The optimizer's
+    ``state_dict()`` snapshots this table too (its own snapshots). With
+    ``keep_snapshots=0`` the state dict is only a description: loading one whose step
+    count differs from the store's is refused (it would claim rows the store no longer
+    holds). :meth:`checkpoint` / :meth:`load_checkpoint`, or the optimizer's
+    ``checkpoint``, which includes this table, keep points until you delete them. Loading
+    an ``nn.Embedding`` state dict (a ``weight`` tensor) copies those weights into the
+    store.
 
     Examples
     --------
@@ -524,8 +528,9 @@ class DiskEmbedding(nn.Module):
     def get_extra_state(self) -> dict:
         """A small manifest of the store (flushed first); the rows never enter a state dict.
 
-        A log store is snapshotted too (``"state_snapshot"`` names it), so the state dict
-        can bring the table back to this point (:meth:`set_extra_state`).
+        The store, of either kind, is snapshotted too (``"state_snapshot"`` names it;
+        none with ``keep_snapshots=0``), so the state dict can bring the table back to this
+        point (:meth:`set_extra_state`).
         """
         st = self._handle.state
         self._handle.flush()
@@ -535,13 +540,13 @@ class DiskEmbedding(nn.Module):
                "padding_idx": self.padding_idx, "mode": self.mode,
                "second_moment": st.second_moment, "first_moment": st.first_moment,
                **row_options(st)}
-        if st.storage == "log" and self._keep_snapshots:
+        if self._keep_snapshots:
             out["state_snapshot"] = take(st, "emb", self._keep_snapshots)
         return out
 
     def release_snapshots(self, keep: int = 0) -> int:
         """Delete the snapshots this table's module state dicts took, but the newest
-        ``keep``; returns how many were deleted (a log store; 0 for an in-place one).
+        ``keep``; returns how many were deleted.
 
         State dicts that name a deleted snapshot can no longer be loaded (a clear error
         says so). :meth:`checkpoint` directories and the optimizer's own state-dict
@@ -549,15 +554,16 @@ class DiskEmbedding(nn.Module):
         """
         keep = check_keep(keep, "DiskEmbedding.release_snapshots")
         st = self._handle.state
-        return release(st.path, "emb", keep) if st.storage == "log" else 0
+        return release(st.path, "emb", keep)
 
     def set_extra_state(self, state: Any) -> None:
-        """Check that a saved manifest describes this table; restore a log store's snapshot.
+        """Check that a saved manifest describes this table; restore the snapshot it names.
 
         Shape, dtype, curvature, moment layout and per-row options must match. A manifest
-        that names a snapshot (a log store's state dict) brings the table back to it
-        (weights, m, v, step count; the whole table is copied). Otherwise the step count
-        must match: a manifest of another step describes rows the store no longer holds.
+        that names a snapshot (any state dict taken with ``keep_snapshots`` > 0, either
+        store kind) brings the table back to it (weights, m, v, step count; the whole table
+        is copied). Otherwise the step count must match: a manifest of another step
+        describes rows the store no longer holds.
         """
         st = self._handle.state
         if not isinstance(state, dict) or state.get("format") != _EXTRA_FORMAT:
@@ -606,7 +612,10 @@ class DiskEmbedding(nn.Module):
                 f"the saved DiskEmbedding state was taken at step {saved}, but its store "
                 f"{str(st.path)!r} is at step {st.count}: a state dict holds no rows, so "
                 f"loading it would pair step {saved} with the rows of step {st.count}. "
-                "Nothing was changed. To go back to an earlier point, save with "
+                "Nothing was changed. This state dict names no snapshot (taken "
+                "with keep_snapshots=0, or by a version that snapshotted log stores only): "
+                "keep the default keep_snapshots=3, whose state "
+                "dicts snapshot the table and load as checkpoints, or save with "
                 "opt.checkpoint(dest) or emb.checkpoint(dest) (snapshots of the rows) and "
                 "resume with opt.load_checkpoint(dest) / emb.load_checkpoint(dest)")
 

@@ -255,10 +255,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         ``storage="log"`` only: the region budget of **each** own store, bytes or a string
         such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
     keep_snapshots : int, default 3
-        How many :meth:`state_dict` snapshots of each log store this optimizer keeps (in
+        How many :meth:`state_dict` snapshots of each store this optimizer keeps (in
         ``.dsa-snapshots/`` beside the store; older ones are deleted when a new one is
-        taken). ``0``: no snapshots, a state dict of log stores is then a description as on
-        in-place stores. No effect on in-place stores.
+        taken), on both store kinds. ``0``: no snapshots; a state dict is then a
+        description of the stores, refused once they have stepped on.
 
     Raises
     ------
@@ -307,16 +307,18 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     :meth:`state_dict` flushes every store and adds a small manifest under the top-level
     key ``"dsa_manifest"`` (store names and paths, counts, hyperparameters); m and v stay
-    in the stores. On **log stores** (``storage="log"``) it is a checkpoint in torch's
-    sense: each log store is snapshotted (hard links to its immutable segments, cheap) and
-    the manifest names the snapshot, so ``torch.save(opt.state_dict(), f)`` and, later or
-    in a new process, ``opt.load_state_dict(torch.load(f))`` restore exactly that point.
-    ``keep_snapshots`` (default 3) snapshots per store are kept, older ones deleted when a
-    new state dict is taken; :meth:`release_snapshots` deletes them on request. On
-    **in-place stores** it is not a checkpoint: m and v keep moving with training, so
-    :meth:`load_state_dict` refuses a DSA state dict whose step counts differ from the
-    stores' (it would pair an old count with newer moments); one that matches (saved and
-    loaded with no step in between, e.g. across a restart with ``resume=True``) loads.
+    in the stores. It is a checkpoint in torch's sense on both store kinds: each store is
+    snapshotted and the manifest names the snapshot, so ``torch.save(opt.state_dict(), f)``
+    and, later or in a new process, ``opt.load_state_dict(torch.load(f))`` restore exactly
+    that point. A log store's snapshot is cheap (hard links to its immutable segments and a
+    copy of its index); an in-place store's is a copy of its data file (a reflink where the
+    filesystem supports it, else the whole table). ``keep_snapshots`` (default 3)
+    snapshots per store are kept, older ones deleted when a new state dict is taken;
+    :meth:`release_snapshots` deletes them on request. With ``keep_snapshots=0`` a state
+    dict is only a description: m and v keep moving with training, so
+    :meth:`load_state_dict` refuses one whose step counts differ from the stores' (it
+    would pair an old count with newer moments); one that matches (saved and loaded with
+    no step in between) loads.
     It also accepts a ``torch.optim.SparseAdam`` (or geoopt ``SparseRiemannianAdam``) state
     dict and copies its ``exp_avg`` / ``exp_avg_sq`` into the stores. Into reduced stores:
     ``second_moment="rowwise"`` takes the row mean of ``exp_avg_sq`` (the row-wise v of
@@ -916,26 +918,27 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """torch's optimizer state dict plus ``"dsa_manifest"``; flushes every store first.
 
         Per-parameter state holds only ``{"step": t}``; m and v stay in the stores, and the
-        manifest says which. **Log stores** (``storage="log"``): each is snapshotted as it
-        is now (``dsa_core.checkpoint`` into ``.dsa-snapshots/`` beside the store: a flush,
-        hard links to its immutable segments, a copy of its index) and the manifest names
-        the snapshot, so ``torch.save(opt.state_dict(), f)`` is a checkpoint in torch's
-        sense: :meth:`load_state_dict` of it, later or in a new process, restores exactly
-        this point (rows, m, v, counts, param groups) while the snapshot is kept (the
-        newest ``keep_snapshots`` per store, see :meth:`release_snapshots`). **In-place
-        stores**: a description of the stores *now*, not a snapshot: after further steps,
-        :meth:`load_state_dict` refuses it; use :meth:`checkpoint` for a point to come back
-        to.
+        manifest says which. Each store, of either kind, is snapshotted as it is now
+        (``dsa_core.checkpoint`` into ``.dsa-snapshots/`` beside the store) and the manifest
+        names the snapshot, so ``torch.save(opt.state_dict(), f)`` is a checkpoint in
+        torch's sense: :meth:`load_state_dict` of it, later or in a new process, restores
+        exactly this point (rows, m, v, counts, param groups) while the snapshot is kept
+        (the newest ``keep_snapshots`` per store, see :meth:`release_snapshots`). The kind
+        sets only the cost: a log store links its immutable segments and copies its index
+        (small); an in-place store copies its data file (a reflink where the filesystem
+        supports it, else the whole table: about the time of reading and writing it once,
+        and that much disk per kept snapshot). With ``keep_snapshots=0`` no snapshot is
+        taken: the state dict describes the stores *now*, and after further steps
+        :meth:`load_state_dict` refuses it.
         """
         sd = self._describe()
         if self._keep_snapshots:
             for e, s in zip(sd[MANIFEST_KEY]["params"], self._ordered_slots()):
-                if s.handle.state.storage == "log":
-                    e["state_snapshot"] = take(s.handle.state, "opt", self._keep_snapshots)
+                e["state_snapshot"] = take(s.handle.state, "opt", self._keep_snapshots)
         return sd
 
     def release_snapshots(self, keep: int = 0) -> int:
-        """Delete the state-dict snapshots this optimizer's kind of taker made of its log
+        """Delete the state-dict snapshots this optimizer's kind of taker made of its
         stores, but the newest ``keep`` per store; returns how many were deleted.
 
         State dicts that name a deleted snapshot can no longer be loaded (a clear error
@@ -944,8 +947,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """
         self._check_open()
         keep = check_keep(keep, "DiskSparseAdam.release_snapshots")
-        return sum(release(s.handle.state.path, "opt", keep) for s in self._ordered_slots()
-                   if s.handle.state.storage == "log")
+        return sum(release(s.handle.state.path, "opt", keep) for s in self._ordered_slots())
 
     def _describe(self) -> dict[str, Any]:
         """:meth:`state_dict` without snapshots: the manifest of the live stores (flushed)."""
@@ -976,17 +978,18 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         A DSA state dict (with ``"dsa_manifest"``) holds no rows: m and v stay in the
         stores. Each entry is matched to the parameter in the same position (same shape,
-        dtype, curvature, moment layout and per-row options). A log store's entry names the
-        snapshot :meth:`state_dict` took: its records (m, v, and a DiskEmbedding's weights)
-        and step count are copied back into the store, so the optimizer is exactly where it
-        was when the state dict was taken, whatever happened since (``dsa_core.restore``: it
-        reads and writes the whole table). A snapshot that is gone (deleted by newer state
-        dicts beyond ``keep_snapshots``, or by :meth:`release_snapshots`) is refused with a
-        ``ValueError`` that says so. An in-place store's entry is a description: its step
-        count must equal the store's, and a state dict taken at step 5 of stores now at step
-        25 is **refused** with a ``ValueError`` (loading it would pair count 5 with the
-        moments of step 25), nothing changed; one that matches (no step since it was
-        taken, e.g. across a restart with ``resume=True``) loads. Either way the param
+        dtype, curvature, moment layout and per-row options). An entry names the snapshot
+        :meth:`state_dict` took (on either store kind): its records (m, v, and a
+        DiskEmbedding's weights) and step count are copied back into the store, so the
+        optimizer is exactly where it was when the state dict was taken, whatever happened
+        since (``dsa_core.restore``: it reads and writes the whole table). A snapshot that
+        is gone (deleted by newer state dicts beyond ``keep_snapshots``, or by
+        :meth:`release_snapshots`) is refused with a ``ValueError`` that says so. An entry
+        without a snapshot (``keep_snapshots=0``, or a state dict written before in-place
+        stores took snapshots) is a description: its step count must equal the store's,
+        and one taken at step 5 of stores now at step 25 is **refused** with a
+        ``ValueError`` (loading it would pair count 5 with the moments of step 25), nothing
+        changed; one that matches (no step since it was taken) loads. Either way the param
         groups (lr, betas, weight_decay, ... as schedulers left them) are restored. Stores
         and snapshots are found by this optimizer's stores (a moved directory is fine).
 
@@ -1069,7 +1072,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 counts.append(int(e["count"]))
             if manifest.get("checkpoint") is not None:
                 snaps = self._open_snapshots(Path(manifest["checkpoint"]), entries, params)
-            else:  # a state dict of log stores names their snapshots
+            else:  # a state dict names its snapshots (unless keep_snapshots=0)
                 snaps = self._open_state_snapshots(entries, params)
             try:
                 self._check_counts(entries, params, counts, snaps)
@@ -1116,16 +1119,16 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 f"{where} (store {e.get('name')!r}), but that store {str(st.path)!r} is at "
                 f"step {st.count}. A state dict holds no rows (m and v stay in the stores and "
                 f"kept moving), so loading it would pair step {cnt} with the moments of step "
-                f"{st.count}; nothing was changed. On an in-place store "
-                "torch.save(opt.state_dict()) is not a checkpoint: to go back to an earlier "
-                "point, write one with opt.checkpoint(dest) (extra={'model': "
-                "model.state_dict(), ...} carries the rest) and resume with "
-                "opt.load_checkpoint(dest); a log store's state dict (storage='log') "
-                "snapshots the store and loads as one")
+                f"{st.count}; nothing was changed. This state dict names no snapshot "
+                "(taken with keep_snapshots=0, or by a version that snapshotted log stores "
+                "only): keep the default keep_snapshots=3, whose "
+                "state dicts snapshot the stores and load as checkpoints, or write one with "
+                "opt.checkpoint(dest) (extra={'model': model.state_dict(), ...} carries the "
+                "rest) and resume with opt.load_checkpoint(dest)")
 
     def _open_state_snapshots(self, entries: list, params: list) -> list:
-        """The snapshots a :meth:`state_dict` of log stores names, opened read-only and
-        checked (None where an entry names none). All or nothing."""
+        """The snapshots a :meth:`state_dict` names, opened read-only and checked (None
+        where an entry names none: ``keep_snapshots=0``). All or nothing."""
         def one(gp, e, h):
             saved = e.get("state_snapshot")
             if saved is None:

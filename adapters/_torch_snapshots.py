@@ -1,25 +1,34 @@
-"""State-dict snapshots of log stores: ``torch.save(opt.state_dict())`` as a checkpoint.
+"""State-dict snapshots: ``torch.save(opt.state_dict())`` is a checkpoint on every store.
 
 torch's convention is that a state dict *is* the state: saved with ``torch.save``, loaded
 later with ``load_state_dict``, it brings back exactly the point where it was taken. A DSA
-state dict cannot hold the rows (they are the table), so on an in-place store it only
-describes the live store, and an outdated one is refused. A log store (``storage="log"``)
-snapshots cheaply (``dsa_core.checkpoint``: a flush, hard links to its immutable segment
-files, a copy of its index), so there ``state_dict()`` takes a snapshot and names it, and
-``load_state_dict`` restores from it (``dsa_core.restore``).
+state dict cannot hold the rows (they are the table), so ``state_dict()`` snapshots each
+store (``dsa_core.checkpoint``) and names the snapshot, and ``load_state_dict`` restores
+from it (``dsa_core.restore``), whatever the store's kind. What differs is only the cost
+of taking one: a log store flushes, hard-links its immutable segment files and copies its
+index (small); an in-place store flushes and copies its data file (a reflink, nearly free,
+where the filesystem supports it, e.g. btrfs or XFS; a full copy of the table elsewhere,
+e.g. ext4). ``keep=0`` takes no snapshots: the state dict then only describes the live
+stores, and one of an earlier step is refused (again on both kinds).
 
 Where: next to the store, ``<parent>/.dsa-snapshots/<store name>/<id>/`` (the same
-filesystem, so the segments are linked, not copied; a hidden directory, which ``dsa info``
-skips). For an optimizer's own stores that is ``<state_dir>/.dsa-snapshots/group{i}_param{j}/``.
-The ``<id>`` is ``<tag>-<time in ns>-<pid>-<random>``: ``tag`` tells whose snapshot it is
-(``"opt"`` for a DiskSparseAdam, ``"emb"`` for a DiskEmbedding's module state dict), so
-that one ``torch.save({"model": ..., "optim": ...})`` does not count twice against the
-optimizer's ``keep_snapshots``.
+filesystem, so a log store's segments are linked, not copied, and an in-place store's data
+file can be reflinked; a hidden directory, which ``dsa info`` skips). For an optimizer's
+own stores that is ``<state_dir>/.dsa-snapshots/group{i}_param{j}/``. The ``<id>`` is
+``<tag>-<time in ns>-<pid>-<random>``: ``tag`` tells whose snapshot it is (``"opt"`` for a
+DiskSparseAdam, ``"emb"`` for a DiskEmbedding's module state dict), so that one
+``torch.save({"model": ..., "optim": ...})`` does not count twice against the optimizer's
+``keep_snapshots``. That save snapshots a DiskEmbedding's store twice (once per taker):
+on an in-place store without reflinks, two copies of the table.
 
 How long: each taker keeps the newest ``keep`` snapshots of its tag per store and deletes
 older ones when it takes a new one (``release`` deletes them on request). A snapshot stays
-valid while training goes on and the cleaner deletes segments of the live store: the hard
-links keep the files. A state dict whose snapshot is gone is refused with a clear error.
+valid while training goes on (an in-place snapshot is a file of its own; a log snapshot's
+hard links keep its segments when the cleaner deletes them from the live store). A snapshot
+is staged in ``<id>.tmp-<pid>`` and renamed into place complete (``dsa_core.staged_dir``),
+so a ``kill -9`` or Ctrl-C while one is taken leaves no ``<id>`` a state dict could name;
+the next taker of that tag deletes a dead process's ``.tmp-`` leftover. A state dict whose
+snapshot is gone is refused with a clear error.
 
 Also :func:`open_snapshot`, which opens any snapshot store (of a state dict or of a
 checkpoint directory) read-only and checks it against the live store before a restore.
@@ -78,11 +87,11 @@ def open_snapshot(src, live: dsa_core.State, what: str,
 
 
 def check_keep(keep: Any, what: str) -> int:
-    """``keep_snapshots``: an int >= 0 (0: state dicts stay descriptions, no snapshots)."""
+    """``keep_snapshots``: an int >= 0 (0: state dicts are descriptions, no snapshots)."""
     if isinstance(keep, (bool, np.bool_)) or not isinstance(keep, (int, np.integer)) \
             or keep < 0:
         raise ValueError(f"{what}: keep_snapshots must be an int >= 0 (how many state-dict "
-                         f"snapshots of each log store to keep; 0 takes none), got {keep!r}")
+                         f"snapshots of each store to keep; 0 takes none), got {keep!r}")
     return int(keep)
 
 
@@ -140,10 +149,12 @@ def _prune(root: Path, tag: str, keep: int) -> int:
 
 
 def take(state: dsa_core.State, tag: str, keep: int) -> dict[str, Any]:
-    """Snapshot the (current, log) store ``state``; returns the entry a state dict records.
+    """Snapshot the (current) store ``state``, of either kind; returns the entry a state
+    dict records.
 
-    ``dsa_core.checkpoint`` into ``root_of(store) / <id>`` (it flushes first), then this
-    tag's older snapshots beyond the newest ``keep`` are deleted.
+    ``dsa_core.checkpoint`` into ``root_of(store) / <id>`` (it flushes first; staged and
+    renamed, so an interruption leaves no ``<id>``), then this tag's older snapshots beyond
+    the newest ``keep`` are deleted.
     """
     root = root_of(state.path)
     sid = f"{tag}-{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -167,7 +178,7 @@ def _find(entry: dict[str, Any], live: dsa_core.State) -> Path | None:
     """Where the snapshot of ``entry`` is: next to the live store (a moved directory finds
     its own), else where it was taken (a state dict of another store of the same layout)."""
     sid = str(entry.get("id", ""))
-    if not sid or "/" in sid or sid.startswith("."):
+    if not sid or "/" in sid or sid.startswith(".") or ".tmp-" in sid:  # staged: never one
         return None
     for p in (root_of(live.path) / sid, Path(str(entry.get("path", "")))):
         if p.name == sid and (p / "manifest.json").is_file():
@@ -190,7 +201,7 @@ def open_saved(entry: Any, live: dsa_core.State, what: str, count: int,
     if path is None:
         raise ValueError(
             f"{what}: this state dict was taken at step {count} and names the snapshot "
-            f"{entry.get('id')!r} of the log store {entry.get('store')!r}, which is gone "
+            f"{entry.get('id')!r} of the store {entry.get('store')!r}, which is gone "
             f"(looked in {str(root_of(live.path))!r} and {entry.get('path')!r}): snapshots "
             f"are deleted when newer state dicts are taken ({keep_hint}), by "
             "release_snapshots(), or with their directory. Nothing was changed. Load a newer "

@@ -38,9 +38,10 @@ Checkpoints: ``opt.checkpoint(dest_dir, extra={...})`` writes a consistent snaps
 every store the optimizer steps (``DiskEmbedding`` tables included), its state dict and the
 ``extra`` state dicts (model, scheduler), committed by one atomic rename;
 ``extra = opt.load_checkpoint(dest_dir)`` resumes from it. ``opt.state_dict()`` is a small
-manifest: on log stores (``storage="log"``) it names a snapshot of each store, so
+manifest that names a snapshot of each store (either kind), so
 ``torch.save(opt.state_dict())`` and ``load_state_dict`` bring back exactly that point (the
-newest ``keep_snapshots`` are kept); on in-place stores it is not a checkpoint, and
+newest ``keep_snapshots`` are kept; a log store's snapshot links its segments, an in-place
+store's copies its data file). With ``keep_snapshots=0`` it is only a description, and
 ``load_state_dict`` refuses one whose step counts the stores have moved past.
 ``DiskEmbedding`` has ``checkpoint(dest)`` / ``load_checkpoint(src)`` for its table alone.
 

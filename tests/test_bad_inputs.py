@@ -105,8 +105,8 @@ def env(request, tmp_path_factory):
     e.opt.checkpoint(root / "torch-ckpt")
     e.opt.flush()
     e.de.flush()
-    if storage == "log":  # the step-0 state dicts name snapshots: delete them
-        assert e.opt.release_snapshots() == 1 and e.de.release_snapshots() == 1
+    # the step-0 state dicts name snapshots (on both kinds): delete them
+    assert e.opt.release_snapshots() == 1 and e.de.release_snapshots() == 1
     closed_opt = DiskSparseAdam([torch.nn.Parameter(torch.zeros(20, 4))],
                                 state_dir=root / "opt-closed", **kind)
     closed_opt.close()
@@ -404,7 +404,8 @@ CASES = [
     ("torch-load-checkpoint-not-one", lambda e: e.opt.load_checkpoint(e.root / "jax-ckpt"),
      FileNotFoundError, r"is not a DiskSparseAdam checkpoint: it has no optimizer\.pt"),
     ("torch-load-outdated-state-dict", lambda e: e.opt.load_state_dict(e.sd0), ValueError,
-     r"this state dict was taken at step 0 of parameter \[0, 0\] .* is at step 1"),
+     r"parameter \[0, 0\]: this state dict was taken at step 0 and names the snapshot .* "
+     r"which is gone"),
     ("torch-log-batch-over-region-of-second-table", _tight_torch_step, ValueError,
      r"memory budget holds 4 records, a batch needs 6"),
     ("emb-init-shape", _embedding(init=np.zeros((30, 5))), ValueError,
@@ -435,7 +436,7 @@ CASES = [
      lambda e: e.de(torch.tensor([1, 2]), torch.tensor([0])), ValueError,
      r"offsets and per_sample_weights are for bag modes"),
     ("emb-load-outdated-state-dict", lambda e: e.de.load_state_dict(e.msd0), RuntimeError,
-     r"the saved DiskEmbedding state was taken at step 0, but its store .* is at step 1"),
+     r"this state dict was taken at step 0 and names the snapshot .* which is gone"),
     ("emb-checkpoint-exists", lambda e: e.de.checkpoint(e.root / "torch-ckpt"),
      FileExistsError, r"exists; pass overwrite=True"),
     # -- adapters.jax -----------------------------------------------------------------------
@@ -507,12 +508,6 @@ INPLACE_ANSWERS = {
 LOG_ANSWERS = {
     "core-memory-for-inplace": "memory= is what a log store takes: nothing to refuse",
     # a log store over an in-place one names both kinds
-    # a log store's state dict is a snapshot: refused only once the snapshot is gone
-    "torch-load-outdated-state-dict": (ValueError, r"parameter \[0, 0\]: this state dict "
-                                       r"was taken at step 0 and names the snapshot .* which "
-                                       r"is gone"),
-    "emb-load-outdated-state-dict": (RuntimeError, r"this state dict was taken at step 0 and "
-                                     r"names the snapshot .* which is gone"),
     "core-convert-existing": (FileExistsError,
                               r"a store already exists at .*core64.*storage='log'.*"
                               r"overwrite=True"),

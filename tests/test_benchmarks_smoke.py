@@ -46,6 +46,7 @@ SMOKES = {
     "log_store": (["--smoke"], "log_store_smoke", "write_amplification"),
     "options_cost": (["--smoke", "--kinds", "euclid", "ball", "--options", "adamw", "all"],
                      "options_cost_smoke", "cost_p50"),
+    "state_dict_cost": (["--smoke"], None, "state_dict1_s"),  # writes no result files in smoke
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",

@@ -498,12 +498,39 @@ def test_load_torch_sparse_adam_checkpoint(tmp_path):
     o_dsk.close()
 
 
-def test_state_dict_of_an_earlier_step_is_refused(tmp_path):
-    """Issue 18 §5: torch.save(opt.state_dict()) at step 5, trained to 25, loaded: refused
-    (it holds no rows, so it would pair count 5 with the moments of step 25), nothing
-    changed, and the message names the real checkpoint."""
+def test_state_dict_of_an_earlier_step_restores_it(tmp_path):
+    """torch.save(opt.state_dict()) at step 5 of an in-place store, trained to 25, loaded:
+    the store's snapshot brings m, v, the count and the param groups back to step 5 (the
+    same on log stores: tests/test_torch_snapshots.py)."""
     emb = _fresh()
     opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path)
+    sch = torch.optim.lr_scheduler.StepLR(opt, 10, 0.5)
+    for t in range(5):
+        _run(opt, emb, 1, t)
+        sch.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    st = opt.store_for(emb.weight)
+    assert st.storage == "inplace"
+    at5 = dsa_core.read_records(st, np.arange(st.num_rows))
+    for t in range(5, 25):
+        _run(opt, emb, 1, t)
+        sch.step()
+    buf.seek(0)
+    opt.load_state_dict(torch.load(buf, weights_only=True))
+    st = opt.store_for(emb.weight)
+    assert st.count == 5 and opt.state[emb.weight]["step"] == 5
+    assert opt.param_groups[0]["lr"] == 0.02
+    np.testing.assert_array_equal(dsa_core.read_records(st, np.arange(st.num_rows)), at5)
+    opt.close()
+
+
+def test_state_dict_of_an_earlier_step_without_snapshots_is_refused(tmp_path):
+    """Issue 18 §5: with keep_snapshots=0, torch.save(opt.state_dict()) at step 5, trained
+    to 25, loaded: refused (it holds no rows, so it would pair count 5 with the moments of
+    step 25), nothing changed, and the message names the real checkpoint."""
+    emb = _fresh()
+    opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path, keep_snapshots=0)
     sch = torch.optim.lr_scheduler.StepLR(opt, 10, 0.5)
     for t in range(5):
         _run(opt, emb, 1, t)
@@ -539,7 +566,8 @@ def test_state_dict_of_an_earlier_step_is_refused(tmp_path):
     opt.close()
     # and a fresh optimizer (stores at step 0) refuses a state dict of step 25
     emb2 = _fresh()
-    opt2 = DiskSparseAdam(emb2.parameters(), lr=0.02, state_dir=tmp_path / "fresh")
+    opt2 = DiskSparseAdam(emb2.parameters(), lr=0.02, state_dir=tmp_path / "fresh",
+                          keep_snapshots=0)
     with pytest.raises(ValueError, match=r"taken at step 25 .* is at step 0"):
         opt2.load_state_dict(now)
     assert opt2.store_for(emb2.weight).count == 0

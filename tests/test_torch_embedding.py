@@ -419,8 +419,12 @@ def test_a_state_read_before_a_step_is_stale(tmp_path):
     de.close()
 
 
-def test_module_state_dict_of_an_earlier_step_is_refused(tmp_path):
-    model = nn.ModuleDict({"emb": DiskEmbedding(20, 4, state_dir=tmp_path / "de", seed=0),
+@pytest.mark.parametrize("keep", [3, 0])
+def test_module_state_dict_of_an_earlier_step(tmp_path, keep):
+    """Restored from its snapshot (the default), or, with keep_snapshots=0 (no snapshot),
+    refused with nothing changed."""
+    model = nn.ModuleDict({"emb": DiskEmbedding(20, 4, state_dir=tmp_path / "de", seed=0,
+                                                keep_snapshots=keep),
                            "lin": nn.Linear(4, 1)})
     opt = DiskSparseAdam(model["emb"].parameters(), lr=0.1)
 
@@ -431,8 +435,17 @@ def test_module_state_dict_of_an_earlier_step_is_refused(tmp_path):
 
     step()
     sd = model.state_dict()
+    at1 = dsa_core.read_records(model["emb"].store, np.arange(20))
     step()
     step()
+    if keep:
+        model.load_state_dict(sd)  # back to step 1 (the in-place store's snapshot)
+        assert model["emb"].store.count == 1
+        np.testing.assert_array_equal(dsa_core.read_records(model["emb"].store,
+                                                            np.arange(20)), at1)
+        opt.close()
+        model["emb"].close()
+        return
     before = digest(tmp_path / "de")
     with pytest.raises(RuntimeError, match=r"taken at step 1, but its store .* is at step 3.*"
                                            r"Nothing was changed.*opt\.checkpoint\(dest\)"):

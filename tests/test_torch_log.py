@@ -132,7 +132,7 @@ def test_optimizer_own_log_stores_match_inplace(tmp_path):
 
 
 def test_state_dicts_on_log_stores(tmp_path, mem):
-    # keep_snapshots=0: a state dict is a description, as on an in-place store
+    # keep_snapshots=0: a state dict is a description (on either kind)
     e0 = DiskEmbedding(N, D, state_dir=tmp_path / "e0", seed=0, storage="log", memory=mem,
                        keep_snapshots=0)
     o0 = DiskSparseAdam(e0.parameters(), lr=0.05, keep_snapshots=0)

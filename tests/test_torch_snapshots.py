@@ -1,10 +1,14 @@
-"""torch's state-dict convention on log stores: ``torch.save(opt.state_dict())`` is a checkpoint.
+"""torch's state-dict convention on both store kinds: ``torch.save(opt.state_dict())`` is a
+checkpoint.
 
-A log store's ``state_dict()`` (the optimizer's and the DiskEmbedding module's) snapshots the
-store (hard links to its immutable segments) and names the snapshot; ``load_state_dict``
-restores exactly that point: rows, m, v, counts and param groups, bit for bit, after the
-cleaner has deleted segments from the live store, and in a new process. Every log store here
-gets a region far smaller than its table, so rows are evicted, sealed and cleaned.
+``state_dict()`` (the optimizer's and the DiskEmbedding module's) snapshots every store, in
+place or log-structured (a copy of the data file; hard links to a log store's immutable
+segments), and names the snapshot; ``load_state_dict`` restores exactly that point: rows, m,
+v, counts and param groups, bit for bit, after further training (on a log store after the
+cleaner has deleted segments from the live store), and in a new process. A snapshot being
+taken when the process is killed or interrupted leaves nothing a state dict could name.
+Every test runs on both kinds (``kind``); every log store gets a region far smaller than
+its table, so rows are evicted, sealed and cleaned.
 """
 
 from __future__ import annotations
@@ -39,17 +43,34 @@ def region(weights=True) -> int:
     return _log.memory_for({"num_rows": N, "stride": stride, "dtype": "float32"}, SLOTS)
 
 
-def build(root: Path, resume=False, **kw):
-    """A DiskEmbedding and an nn.Embedding, both on log stores, under one DiskSparseAdam
-    with two param groups and an LR scheduler."""
-    emb = DiskEmbedding(N, D, state_dir=root / "emb", seed=1, storage="log",
-                        memory=region(), resume=resume, **kw)
+KINDS = ("inplace", "log")
+
+
+@pytest.fixture(params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+def kind_args(kind: str, weights=True) -> dict:
+    """The store-kind arguments of a table: a small region for a log store."""
+    if kind == "log":
+        return {"storage": "log", "memory": region(weights)}
+    return {"storage": "inplace"}
+
+
+def build(root: Path, kind: str, resume=False, **kw):
+    """A DiskEmbedding and an nn.Embedding, both on stores of ``kind`` (``"mixed"``: the
+    table in place, the optimizer's own store a log store), under one DiskSparseAdam with
+    two param groups and an LR scheduler."""
+    ek, ok = ("inplace", "log") if kind == "mixed" else (kind, kind)
+    emb = DiskEmbedding(N, D, state_dir=root / "emb", seed=1, resume=resume,
+                        **kind_args(ek), **kw)
     lin = nn.Embedding(N, D, sparse=True)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(N, D, generator=torch.Generator().manual_seed(2)))
     opt = DiskSparseAdam([{"params": [emb.weight]}, {"params": [lin.weight], "lr": 0.02}],
-                         lr=0.05, state_dir=root / "opt", storage="log",
-                         memory=region(weights=False), resume=resume, **kw)
+                         lr=0.05, state_dir=root / "opt", resume=resume,
+                         **kind_args(ok, weights=False), **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return emb, lin, opt, sched
 
@@ -81,9 +102,10 @@ def segment_files(path: Path) -> set[str]:
     return {p.name for p in path.glob("seg-*")}
 
 
-def test_optimizer_state_dict_is_a_checkpoint_on_log_stores(tmp_path):
-    emb, lin, opt, sched = build(tmp_path / "run")
-    ref = build(tmp_path / "ref")
+@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+def test_optimizer_state_dict_is_a_checkpoint(tmp_path, kind):
+    emb, lin, opt, sched = build(tmp_path / "run", kind)
+    ref = build(tmp_path / "ref", kind)
     xs = batches(30)
     run(emb, lin, opt, sched, xs[:5])
     run(*ref, xs[:5])
@@ -95,13 +117,18 @@ def test_optimizer_state_dict_is_a_checkpoint_on_log_stores(tmp_path):
     snaps = [tmp_path / "run" / "opt" / SNAP / "group1_param0",
              tmp_path / "run" / SNAP / "emb"]
     assert all(len(list(p.glob("opt-*"))) == 1 for p in snaps)
-    # training goes on far enough that the cleaner deletes segments the snapshot links
+    assert [s.storage for s in stores(opt)] == (["inplace", "log"] if kind == "mixed"
+                                                else [kind, kind])
+    # training goes on (on a log table, far enough that the cleaner deletes segments the
+    # snapshot links; an in-place table's rows are overwritten where they lie)
     first = segment_files(next(snaps[1].glob("opt-*")))
     run(emb, lin, opt, sched, batches(20, seed=7))
     opt.flush()  # a committed segment's file goes once a newer manifest no longer lists it
-    assert first - segment_files(tmp_path / "run" / "emb"), "no segment was deleted"
-    assert all(s.store.engine.stats()["segments"] for s in stores(opt))
+    if kind == "log":
+        assert first - segment_files(tmp_path / "run" / "emb"), "no segment was deleted"
+    assert all(s.store.engine.stats()["segments"] for s in stores(opt) if s.storage == "log")
     assert [s.count for s in stores(opt)] == [25, 25]
+    assert snapshot_of(opt) != saved
     # back to step 5, exactly
     ck = torch.load(f, weights_only=True)
     opt.load_state_dict(ck["opt"])
@@ -121,8 +148,8 @@ def test_optimizer_state_dict_is_a_checkpoint_on_log_stores(tmp_path):
         e.close()
 
 
-def test_module_state_dict_of_a_log_table_is_a_checkpoint(tmp_path):
-    emb, lin, opt, sched = build(tmp_path)
+def test_module_state_dict_is_a_checkpoint(tmp_path, kind):
+    emb, lin, opt, sched = build(tmp_path, kind)
     run(emb, lin, opt, sched, batches(4))
     msd = emb.state_dict()
     assert msd["_extra_state"]["state_snapshot"]["count"] == 4
@@ -147,7 +174,7 @@ CHILD = textwrap.dedent("""
     import numpy as np, torch, dsa_core
     from test_torch_snapshots import batches, build, run, stores
     root = Path(sys.argv[1])
-    emb, lin, opt, sched = build(root / "run")
+    emb, lin, opt, sched = build(root / "run", sys.argv[4])
     run(emb, lin, opt, sched, batches(4))
     torch.save({"opt": opt.state_dict(), "model": emb.state_dict(),
                 "lin": lin.state_dict()}, root / "ck.pt")
@@ -158,12 +185,12 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_state_dict_across_a_process_restart(tmp_path):
+def test_state_dict_across_a_process_restart(tmp_path, kind):
     r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(REPO),
-                        str(REPO / "tests")], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+                        str(REPO / "tests"), kind], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
-    emb, lin, opt, sched = build(tmp_path / "run", resume=True)
+    emb, lin, opt, sched = build(tmp_path / "run", kind, resume=True)
     assert [s.count for s in stores(opt)] == [12, 12]
     ck = torch.load(tmp_path / "ck.pt", weights_only=True)
     opt.load_state_dict(ck["opt"])
@@ -181,8 +208,8 @@ def test_state_dict_across_a_process_restart(tmp_path):
     emb.close()
 
 
-def test_retention_release_and_a_snapshot_that_is_gone(tmp_path):
-    emb, lin, opt, sched = build(tmp_path, keep_snapshots=2)
+def test_retention_release_and_a_snapshot_that_is_gone(tmp_path, kind):
+    emb, lin, opt, sched = build(tmp_path, kind, keep_snapshots=2)
     sds = []
     for k in range(3):
         run(emb, lin, opt, sched, batches(2, seed=k))
@@ -219,8 +246,8 @@ def test_retention_release_and_a_snapshot_that_is_gone(tmp_path):
     emb.close()
 
 
-def test_a_moved_state_dir_finds_its_snapshots(tmp_path):
-    emb, lin, opt, sched = build(tmp_path / "a")
+def test_a_moved_state_dir_finds_its_snapshots(tmp_path, kind):
+    emb, lin, opt, sched = build(tmp_path / "a", kind)
     run(emb, lin, opt, sched, batches(3))
     sd = opt.state_dict()
     saved = snapshot_of(opt)
@@ -228,7 +255,7 @@ def test_a_moved_state_dir_finds_its_snapshots(tmp_path):
     opt.close()
     emb.close()
     os.rename(tmp_path / "a", tmp_path / "b")
-    emb, lin, opt, sched = build(tmp_path / "b", resume=True)
+    emb, lin, opt, sched = build(tmp_path / "b", kind, resume=True)
     opt.load_state_dict(sd)  # the state dict names /a/...; the snapshots are now under /b
     assert snapshot_of(opt) == saved
     opt.close()
@@ -245,15 +272,161 @@ def test_bad_keep_snapshots(tmp_path, bad):
     assert not (tmp_path / "e").exists() and not any((tmp_path / "o").glob("group*"))
 
 
-def test_in_place_stores_take_no_snapshots(tmp_path):
-    emb = DiskEmbedding(N, D, state_dir=tmp_path / "emb", seed=0)
-    opt = DiskSparseAdam(emb.parameters(), lr=0.05)
-    emb(torch.tensor([1, 2])).sum().backward()
-    opt.step()
+def test_keep_snapshots_0_state_dicts_are_descriptions(tmp_path, kind):
+    """keep_snapshots=0: no snapshot on either kind; a state dict loads at its own step
+    and is refused, nothing changed, once the stores have stepped on."""
+    emb, lin, opt, sched = build(tmp_path, kind, keep_snapshots=0)
+    run(emb, lin, opt, sched, batches(2))
     sd, msd = opt.state_dict(), emb.state_dict()
-    assert "state_snapshot" not in sd["dsa_manifest"]["params"][0]
+    assert all("state_snapshot" not in e for e in sd["dsa_manifest"]["params"])
     assert "state_snapshot" not in msd["_extra_state"]
-    assert not (tmp_path / SNAP).exists()
+    assert not (tmp_path / SNAP).exists() and not (tmp_path / "opt" / SNAP).exists()
+    opt.load_state_dict(sd)  # the same step: accepted
+    emb.load_state_dict(msd)
+    run(emb, lin, opt, sched, batches(1, seed=9))
+    before = snapshot_of(opt)
+    with pytest.raises(ValueError, match=r"taken at step 2 of parameter \[0, 0\] .* is at "
+                                         r"step 3.*nothing was changed.*names no snapshot "
+                                         r"\(taken with keep_snapshots=0"):
+        opt.load_state_dict(sd)
+    with pytest.raises(RuntimeError, match=r"taken at step 2, but its store .* is at step 3.*"
+                                           r"names no snapshot \(taken with "
+                                           r"keep_snapshots=0"):
+        emb.load_state_dict(msd)
+    assert snapshot_of(opt) == before
     assert opt.release_snapshots() == 0 and emb.release_snapshots() == 0
+    opt.close()
+    emb.close()
+
+
+# -- a snapshot cut short ----------------------------------------------------------------------
+def cut_copy(action):
+    """A stand-in for ``dsa_core._files.copy_file`` that copies the first half of the file
+    (an in-place store's data file; a log store's index, after its segments are linked),
+    then calls ``action()`` (a SIGKILL, or raising KeyboardInterrupt)."""
+    def copy_file(src, dst):
+        data = Path(src).read_bytes()
+        Path(dst).write_bytes(data[:len(data) // 2])
+        action()
+    return copy_file
+
+
+def commit_cut(action):
+    """A stand-in for ``dsa_core._files.commit_dir``: the staged snapshot is complete
+    (manifest written, fsync'd), ``action()`` strikes before its rename."""
+    def commit_dir(tmp, dest, overwrite):
+        action()
+    return commit_dir
+
+
+def patch_cut(where: str, action) -> None:
+    """Make the next snapshot stop at ``where`` ("copy" or "commit") with ``action``."""
+    from dsa_core import _files, _log, _state
+    if where == "copy":
+        _state.copy_file = _log.copy_file = cut_copy(action)
+    else:
+        _files.commit_dir = commit_cut(action)
+
+
+def snapshot_dirs(root: Path) -> tuple[list[str], list[str]]:
+    """(snapshot ids, staged leftovers) under both snapshot roots of a ``build`` in root."""
+    names = [n for r in (root / SNAP / "emb", root / "opt" / SNAP / "group1_param0")
+             if r.is_dir() for n in os.listdir(r)]
+    return (sorted(n for n in names if ".tmp-" not in n),
+            sorted(n for n in names if ".tmp-" in n))
+
+
+def named(sd) -> list[str]:
+    return sorted(e["state_snapshot"]["id"] for e in sd["dsa_manifest"]["params"])
+
+
+KILL_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    sys.path.insert(0, sys.argv[3])
+    from pathlib import Path
+    import numpy as np, torch, dsa_core
+    from test_torch_snapshots import batches, build, patch_cut, run, stores
+    root = Path(sys.argv[1])
+    emb, lin, opt, sched = build(root, sys.argv[4])
+    run(emb, lin, opt, sched, batches(3))
+    torch.save({"opt": opt.state_dict(), "lin": lin.state_dict()}, root / "at3.pt")
+    np.savez(root / "at3.npz", *[dsa_core.read_records(s, np.arange(s.num_rows))
+                                 for s in stores(opt)])
+    run(emb, lin, opt, sched, batches(2, seed=6))
+    patch_cut(sys.argv[5], lambda: os.kill(os.getpid(), signal.SIGKILL))
+    print("cutting", flush=True)
+    opt.state_dict()
+    print("survived", flush=True)
+""")
+
+
+@pytest.mark.parametrize("where", ["copy", "commit"])
+def test_kill_9_while_a_snapshot_is_taken_leaves_none_to_name(tmp_path, kind, where):
+    """SIGKILL while opt.state_dict() snapshots a store (data half copied, or staged complete
+    but not renamed): no snapshot id appears that a state dict could name, the earlier state
+    dict loads exactly, and the next snapshot deletes the dead process's leftover."""
+    r = subprocess.run([sys.executable, "-c", KILL_CHILD, str(tmp_path), str(REPO),
+                        str(REPO / "tests"), kind, where], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    assert r.returncode == -9 and "cutting" in r.stdout and "survived" not in r.stdout, \
+        r.stderr[-2000:]
+    ck = torch.load(tmp_path / "at3.pt", weights_only=True)
+    ids, staged = snapshot_dirs(tmp_path)
+    assert ids == named(ck["opt"])  # only the complete snapshots of step 3
+    assert len(staged) == 1  # the one being taken, under its staging name
+    leftover = next(p for p in (tmp_path / SNAP / "emb").iterdir() if ".tmp-" in p.name)
+    assert (leftover / "manifest.json").is_file() == (where == "commit")
+    emb, lin, opt, sched = build(tmp_path, kind, resume=True)
+    assert [s.count for s in stores(opt)] == [5, 5]  # state_dict() flushed before it died
+    # a state dict naming the staged directory (none can: take() never returned) is refused
+    forged = {**ck["opt"], "dsa_manifest": {**ck["opt"]["dsa_manifest"], "params": [
+        dict(e) for e in ck["opt"]["dsa_manifest"]["params"]]}}
+    e0 = forged["dsa_manifest"]["params"][0]
+    e0["state_snapshot"] = {**e0["state_snapshot"], "id": leftover.name,
+                            "path": str(leftover), "count": 5}
+    e0["count"] = 5
+    with pytest.raises(ValueError, match="which is gone"):
+        opt.load_state_dict(forged)
+    opt.load_state_dict(ck["opt"])
+    at3 = np.load(tmp_path / "at3.npz")
+    for s, k in zip(stores(opt), at3.files):
+        assert s.count == 3
+        np.testing.assert_array_equal(dsa_core.read_records(s, np.arange(N)).view(np.uint32),
+                                      at3[k].view(np.uint32))
+    opt.state_dict()  # the next snapshot of that store deletes the dead process's leftover
+    assert snapshot_dirs(tmp_path)[1] == []
+    opt.close()
+    emb.close()
+
+
+@pytest.mark.parametrize("where", ["copy", "commit"])
+def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
+    """KeyboardInterrupt inside opt.state_dict(): the staged directory is removed, no
+    snapshot appears, the stores train on, earlier state dicts load, later ones are taken."""
+    from dsa_core import _files, _log, _state
+    emb, lin, opt, sched = build(tmp_path, kind)
+    run(emb, lin, opt, sched, batches(3))
+    sd3 = opt.state_dict()
+    saved = snapshot_of(opt)
+    run(emb, lin, opt, sched, batches(2, seed=6))
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    for mod, name in ((_state, "copy_file"), (_log, "copy_file"), (_files, "commit_dir")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # undone at the end of the test
+    patch_cut(where, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        opt.state_dict()
+    assert snapshot_dirs(tmp_path) == (named(sd3), [])
+    monkeypatch.undo()
+    run(emb, lin, opt, sched, batches(1, seed=8))
+    sd6 = opt.state_dict()
+    at6 = snapshot_of(opt)
+    opt.load_state_dict(sd3)
+    assert snapshot_of(opt) == saved
+    opt.load_state_dict(sd6)
+    assert snapshot_of(opt) == at6
     opt.close()
     emb.close()
