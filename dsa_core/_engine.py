@@ -63,7 +63,7 @@ class Engine(Protocol):
     m_bf16: bool               # m packed as bfloat16
     rs_off: int                # per-row counters, -1 when absent
     ls_off: int
-    table_view: bool           # ``data`` is a whole-table ndarray (else it raises)
+    table_view: bool           # ``.data`` is the whole table as an ndarray (in place only)
     reads_last_flush: bool     # a reader beside a writer sees the writer's last flush
     scratch: dict[str, np.ndarray]  # the core's reused buffers (one writer: safe)
 
@@ -77,9 +77,6 @@ class Engine(Protocol):
 
     @property
     def nbytes(self) -> int: ...
-
-    @property
-    def data(self) -> np.ndarray: ...
 
     # -- stepping -----------------------------------------------------------------------------
     def check_batch(self, n: int) -> None:

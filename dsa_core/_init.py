@@ -34,12 +34,14 @@ machine and on both store kinds.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 from numba import njit
 
-__all__ = ["INIT_KINDS", "InitSpec", "fill_weights", "initial_records", "initial_weights"]
+__all__ = ["INIT_CHUNK_BYTES", "INIT_KINDS", "InitSpec", "chunks", "fill_weights",
+           "initial_records", "initial_weights", "progress_bar"]
 
 INIT_KINDS = ("zeros", "normal", "uniform")
 _KIND_CODE = {"normal": 1, "uniform": 2}
@@ -306,3 +308,22 @@ def fill_weights(out: np.ndarray, first: int, spec: InitSpec) -> None:
     mn = np.array([] if spec.maxnorm is None else [spec.maxnorm], spec.dtype)
     run_chunked(_fill_block, (out, int(first), np.uint64(spec.seed), _KIND_CODE[spec.kind],
                               float(spec.scale), mn), out.shape[0], 256)
+
+
+INIT_CHUNK_BYTES = 1 << 24  # 16 MiB of records per initialisation chunk
+
+
+def chunks(n: int, rows: int) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` blocks of ``rows`` rows covering ``range(n)`` (a create's chunks)."""
+    for lo in range(0, n, rows):
+        yield lo, min(n, lo + rows)
+
+
+def progress_bar(total: int, enabled: bool | None, desc: str):
+    """A tqdm bar over ``total`` chunks (None when disabled; by default past 8 chunks)."""
+    if enabled is None:
+        enabled = total > 8
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="chunk")

@@ -16,7 +16,6 @@ change a value.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import weakref
@@ -27,33 +26,20 @@ import numpy as np
 
 from . import _log
 from ._engine import closed_error, scratch
+from ._init import INIT_CHUNK_BYTES, chunks, progress_bar
 from ._log.format import FORMAT_NAME as LOG_FORMAT
-from ._log.format import MANIFEST_FILE
+from ._log.format import MANIFEST_FILE, parse_name
 from ._log.read import ReadAhead
 from ._paging import memory_limit
+from ._settings import remembered, settings_field
+from .validation import check_memory_arg
 
-__all__ = ["DEFAULT_MEMORY_SHARE", "LOG_FORMAT", "MIN_BATCH_ROWS", "LogStore",
-           "default_memory", "region_memory", "store_kind"]
+__all__ = ["DEFAULT_MEMORY_SHARE", "LOG_FORMAT", "MIN_BATCH_ROWS", "SETTINGS", "LogStore",
+           "check_settings", "create_store", "default_memory", "open_store", "region_memory",
+           "remove_store"]
 
 DEFAULT_MEMORY_SHARE = 0.25  # of _paging.memory_limit(): the default region budget
 MIN_BATCH_ROWS = 4096        # the default budget always holds a batch of this many rows
-
-
-def store_kind(directory: Path) -> str | None:
-    """``"log"`` or ``"inplace"`` from the manifest's format field; None without a manifest.
-
-    Both kinds keep a ``manifest.json``; its ``"format"`` tells them apart (``"dsa-log"``
-    for log stores, anything else is left to the in-place reader and its checks).
-    """
-    try:
-        manifest = json.loads((Path(directory) / MANIFEST_FILE).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return "inplace"  # let the in-place reader report what is wrong with it
-    if isinstance(manifest, dict) and manifest.get("format") == LOG_FORMAT:
-        return "log"
-    return "inplace"
 
 
 def region_memory(layout: Any, rows: int) -> int:
@@ -348,6 +334,13 @@ class LogStore:
             eng.close()
 
     # -- life cycle ----------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """Close without a flush (an open that failed after the engine opened)."""
+        ra, self._readahead = self._readahead, None
+        if ra is not None and ra.pid == os.getpid():
+            ra.close()
+        self.engine.abandon()
+
     def close(self) -> None:
         ra, self._readahead = self._readahead, None
         if ra is not None and ra.pid == os.getpid():
@@ -357,3 +350,90 @@ class LogStore:
     def __repr__(self) -> str:
         return f"LogStore({self.engine!r})"
 
+
+# -- the engine's life cycle (dsa_core._engines) ----------------------------------------------
+SETTINGS = ("memory",)  # the open-time settings a log store takes and remembers
+
+
+def check_settings(layout: dict[str, Any], *, access: str, memory: Any,
+                   space_ratio: Any) -> dict[str, Any]:
+    """The settings of a new log store (``memory``), refusing an in-place store's; the
+    budget (given or default) must hold at least one record."""
+    if access != "auto":
+        raise ValueError(f"access={access!r} is for in-place stores (how their mapping is "
+                         "paged); a log store (storage='log') has no mapping and takes "
+                         "memory= instead: leave access='auto'")
+    memory = check_memory_arg(memory, "log")
+    _log.check_memory(layout, default_memory(layout) if memory is None else memory, 1)
+    return {} if memory is None else {"memory": memory}
+
+
+def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, Any], *,
+                 init: Any, init_scale: float, seed: int, ball_maxnorm: float | None,
+                 meta: dict[str, Any], overwrite: bool, progress: bool | None,
+                 space_ratio: float | None) -> LogStore:
+    """A new log store at ``directory`` (arguments checked by ``dsa_core.create``). Named
+    inits are computed when a row is first read (``_init``); an init array is written in
+    chunks; the first flush commits it. On any error its files are removed."""
+    memory = settings.get("memory") or default_memory(layout)
+    named = init if isinstance(init, str) else "zeros"
+    dt = np.dtype(layout["dtype"])
+    eng = _log.create(directory, layout, memory_bytes=memory, init=named,
+                      init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball_maxnorm,
+                      space_ratio=2.0 if space_ratio is None else space_ratio,
+                      overwrite=overwrite)
+    store = LogStore(eng)
+    store.settings = dict(settings)
+    eng.meta = meta
+    eng.wal_on = meta.get("durability") == "step"  # the first flush names a commit log
+    try:
+        if init is not None and not isinstance(init, str):
+            o, d = store.w_off, store.dim
+            rows = max(1, INIT_CHUNK_BYTES // (store.stride * dt.itemsize))
+            blocks = list(chunks(store.num_rows, rows))
+            bar = progress_bar(len(blocks), progress, f"init {directory.name}")
+            try:
+                for lo, hi in blocks:
+                    rec = np.zeros((hi - lo, store.stride), dt)
+                    rec[:, o:o + d] = np.asarray(init[lo:hi], dtype=dt)
+                    eng.write(np.arange(lo, hi, dtype=np.int64), rec)
+                    if bar is not None:
+                        bar.update(1)
+            finally:
+                if bar is not None:
+                    bar.close()
+        eng.flush(0)
+    except BaseException:
+        eng.abandon()  # nothing of this create is worth keeping: drop it unflushed
+        for entry in os.listdir(directory):  # only the log store's own files
+            if parse_name(entry) is not None or entry.startswith(MANIFEST_FILE):
+                (directory / entry).unlink(missing_ok=True)
+        raise
+    return store
+
+
+def open_store(directory: Path, mode: str, *, access: str, memory: Any,
+               unclean: str) -> tuple[LogStore, int, dict[str, Any]]:
+    """Open a log store at its last flush (a writer replays its commit log):
+    ``(store, count, meta)``. ``unclean`` changes nothing: a log store never reopens mixed."""
+    memory = check_memory_arg(memory, "log")
+    if access != "auto":
+        raise ValueError(f"access={access!r} is for in-place stores; {str(directory)!r} is "
+                         "a log store (storage='log'): leave access='auto' and size its "
+                         "region with memory=")
+    manifest = _log.read_manifest(directory)
+    meta = manifest.get("meta")
+    settings = remembered(directory, meta.get("settings") if isinstance(meta, dict) else None,
+                          "memory", memory)
+    if mode == "r+" and memory is None:  # the recorded budget, else the default
+        memory = settings.get("memory") or default_memory(manifest["layout"])
+    eng = _log.open(directory, mode, memory_bytes=memory, check="headers")
+    store = LogStore(eng)
+    store.settings = settings
+    eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
+    return store, eng.count, eng.meta
+
+
+def remove_store(directory: Path) -> None:
+    """Delete a log store's directory (refused while a writer holds it)."""
+    _log.remove(directory)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -19,14 +18,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _layout
-from ._files import copy_file, staged_dir
-from ._init import InitSpec, fill_weights
+from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
-from ._settings import remembered, settings_field
-from . import _log, _log_store
-from ._log.format import parse_name
-from ._log_store import LogStore
-from ._store import Store, check_unclean
+from ._settings import settings_field
+from ._engines import ENGINES, kind_of
+from ._store import check_unclean
 from .validation import (
     DURABILITY_MODES,
     INIT_NAMES,
@@ -43,7 +39,6 @@ from .validation import (
 )
 from .validation import as_index
 
-_INIT_CHUNK_BYTES = 1 << 24  # 16 MiB of records per initialisation chunk
 
 
 class State(NamedTuple):
@@ -54,7 +49,7 @@ class State(NamedTuple):
     ``State`` whose ``count`` is one higher. Keep using the returned value.
     """
 
-    store: Store            # open files: mapped records (num_rows, stride), lock, layout
+    store: Any              # the open engine (dsa_core._engine.Engine): records, lock, layout
     count: int              # completed steps: the global t of the spec (bias correction)
     lr: float               # default learning rate (``step(..., lr=...)`` overrides it)
     betas: tuple[float, float]
@@ -303,20 +298,6 @@ def maxnorm(c: float, ball_eps: float, dtype: np.dtype):
 
 
 # -- initialisation ----------------------------------------------------------------------------
-def _chunks(n: int, rows: int) -> Iterator[tuple[int, int]]:
-    for lo in range(0, n, rows):
-        yield lo, min(n, lo + rows)
-
-
-def _progress(total: int, enabled: bool | None, desc: str):
-    if enabled is None:
-        enabled = total > 8
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc=desc, unit="chunk")
-
-
 def _validate_init_array(init: Any, num_rows: int, dim: int, curvature: float,
                          chunk_rows: int) -> Any:
     if not hasattr(init, "shape"):
@@ -329,7 +310,7 @@ def _validate_init_array(init: Any, num_rows: int, dim: int, curvature: float,
     if kind not in "fiu":
         raise TypeError(f"init must hold real numbers, got dtype {init.dtype}")
     radius2 = 1.0 / curvature if curvature > 0 else math.inf
-    for lo, hi in _chunks(num_rows, chunk_rows):
+    for lo, hi in chunks(num_rows, chunk_rows):
         blk = np.asarray(init[lo:hi], dtype=np.float64)
         if not np.isfinite(blk).all():
             bad = lo + int(np.argwhere(~np.isfinite(blk))[0, 0])
@@ -347,36 +328,11 @@ def _validate_init_array(init: Any, num_rows: int, dim: int, curvature: float,
     return init
 
 
-def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_eps: float,
-          progress: bool | None) -> None:
-    """Write the initial weights in chunks (m and v stay zero from fallocate)."""
-    if init is None or store.w_off is None:
-        return
-    d, o = store.dim, store.w_off
-    rows = max(1, _INIT_CHUNK_BYTES // (store.stride * store.dtype.itemsize))
-    chunks = list(_chunks(store.num_rows, rows))
-    bar = _progress(len(chunks), progress, f"init {store.path.name}")
-    named = init if isinstance(init, str) else None
-    mn = float(maxnorm(store.curvature, ball_eps, store.dtype)) if store.curvature > 0 else None
-    spec = InitSpec(named, init_scale, seed, mn, d, o, store.stride, store.dtype) \
-        if named else None
-    try:
-        for lo, hi in chunks:
-            if named:  # the log store's function of (seed, row): the same bits
-                fill_weights(store.data[lo:hi, o:o + d], lo, spec)
-            else:
-                store.data[lo:hi, o:o + d] = np.asarray(init[lo:hi], dtype=store.dtype)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
 # -- life cycle ----------------------------------------------------------------------------------
-def state_meta(state: State) -> dict[str, Any]:
+def state_meta(state: State, store: Any = None) -> dict[str, Any]:
     """What every commit point of the store records beside the count: the hyperparameters
-    and the durability of ``state`` (an engine's ``flush``/``commit_step`` ``meta``)."""
+    and the durability of ``state`` and the settings its store remembers (an engine's
+    ``flush``/``commit_step`` ``meta``). ``store``: whose settings, if not ``state.store``."""
     return {
         "hparams": {
             "lr": state.lr,
@@ -389,7 +345,7 @@ def state_meta(state: State) -> dict[str, Any]:
             "decoupled_weight_decay": state.decoupled_weight_decay,
         },
         "durability": state.durability,
-        **settings_field(state.store),
+        **settings_field(state.store if store is None else store),
     }
 
 
@@ -589,10 +545,6 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     if storage == "auto":
         storage = auto_storage(num_rows * layout["stride"] * dt.itemsize,
                                memory is not None or space_ratio is not None, access)
-    if space_ratio is not None and storage != "log":
-        raise ValueError(f"space_ratio= bounds the segment files of a log store "
-                         f"(storage='log'); an in-place store (storage={storage!r}) has "
-                         "one file of fixed size: drop space_ratio= or pass storage='log'")
     if space_ratio is not None:
         if isinstance(space_ratio, (bool, np.bool_)) or not isinstance(
                 space_ratio, (int, float, np.integer, np.floating)) \
@@ -601,14 +553,9 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
                              f"multiple of the live ones; 2.0 by default), got "
                              f"{space_ratio!r}")
         space_ratio = float(space_ratio)
-    if storage == "log":
-        if access != "auto":
-            raise ValueError(f"access={access!r} is for in-place stores (how their mapping is "
-                             "paged); a log store (storage='log') has no mapping and takes "
-                             "memory= instead: leave access='auto'")
-    if storage == "log":
-        mem = _log_store.default_memory(layout) if memory is None else memory
-        _log.check_memory(layout, mem, 1)  # at least one slot: a clear error otherwise
+    engine = ENGINES[storage]
+    settings = engine.check_settings(layout, access=access, memory=memory,
+                                     space_ratio=space_ratio)
     if isinstance(init, str) and init == "zeros":
         init = None  # the records start as zeros (fallocate)
     if init is not None:
@@ -623,115 +570,55 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             if not (math.isfinite(init_scale) and init_scale >= 0):
                 raise ValueError(f"init_scale must be finite and >= 0, got {init_scale}")
         else:
-            rows = max(1, _INIT_CHUNK_BYTES // (layout["stride"] * dt.itemsize))
+            rows = max(1, INIT_CHUNK_BYTES // (layout["stride"] * dt.itemsize))
             init = _validate_init_array(init, num_rows, dim, c, rows)
 
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
-    kind = _log_store.store_kind(directory)
-    if kind is not None and not overwrite and "log" in (kind, storage):
+    kind = kind_of(directory)
+    if kind is not None and not overwrite:
         raise FileExistsError(
             f"a store already exists at {str(directory)!r} ({_layout.MANIFEST_FILE}, "
             f"storage={kind!r}); open it with dsa_core.open(path) or pass overwrite=True to "
             "replace it")
     if kind is not None and kind != storage:
         remove(directory)  # the other kind's files (refused while a writer holds it)
-    if storage == "log":
-        hp = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
-              "ball_eps": ball_eps, "nonfinite": nonfinite, "weight_decay": weight_decay,
-              "decoupled_weight_decay": decoupled_weight_decay}
-        return _create_log(directory, layout, mem, init, init_scale, seed, hp, durability,
-                           overwrite, progress, 2.0 if space_ratio is None else space_ratio,
-                           {} if memory is None else {"memory": memory})
-    existing = [p for p in (_layout.MANIFEST_FILE, _layout.DATA_FILE)
-                if (directory / p).exists()]
-    if existing and not overwrite:
-        if _layout.MANIFEST_FILE not in existing:
-            raise FileExistsError(
-                f"{str(directory)!r} holds a data file ({_layout.DATA_FILE}) but no "
-                f"{_layout.MANIFEST_FILE}: a damaged store (its manifest was deleted) that "
-                "cannot be opened. Restore it from a checkpoint, or pass overwrite=True to "
-                "replace it with a new store")
-        raise FileExistsError(
-            f"a store already exists at {str(directory)!r} ({', '.join(existing)}); "
-            "open it with dsa_core.open(path) or pass overwrite=True to replace it")
-    directory.mkdir(parents=True, exist_ok=True)
-    if existing:
-        # refuse to replace a store that a writer holds: take its lock first
-        probe = Store(directory, layout, "r+")
-        probe._lock()
-        probe._release()
-        (directory / _layout.MANIFEST_FILE).unlink(missing_ok=True)
-        (directory / _layout.DATA_FILE).unlink(missing_ok=True)
-        (directory / _layout.JOURNAL_FILE).unlink(missing_ok=True)
-
-    with _cleanup_on_sigterm():
-        store = Store.create_file(directory, layout, access)
-        store.settings = {"access": access} if access != "auto" else {}
-        try:
-            _fill(store, init, init_scale, seed, ball_eps, progress)
-            store.commit_new_file()
-            state = State(store, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability,
-                          weight_decay, decoupled_weight_decay)
-            _layout.write_manifest(directory, store.manifest(0, state_meta(state)))
-        except BaseException:
-            store.close()
-            (directory / (_layout.DATA_FILE + ".tmp")).unlink(missing_ok=True)
-            (directory / _layout.DATA_FILE).unlink(missing_ok=True)
-            raise
-    return state
+    state = State(None, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability,
+                  weight_decay, decoupled_weight_decay)
+    ball = float(maxnorm(c, ball_eps, dt)) if c > 0 else None
+    with _cleanup_on_sigterm():  # a SIGTERM removes the half-written files first
+        store = engine.create_store(
+            directory, layout, settings, init=init, init_scale=init_scale, seed=seed,
+            ball_maxnorm=ball, meta=state_meta(state, _Settings(settings)),
+            overwrite=overwrite, progress=progress, space_ratio=space_ratio)
+    return state._replace(store=store)
 
 
-def _state_of_log(store: LogStore, count: int, hp: dict[str, Any], durability: str) -> State:
-    return State(store, int(count), float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
-                 float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
-                 str(hp.get("nonfinite", "propagate")), durability,
-                 float(hp.get("weight_decay", 0.0)),
-                 bool(hp.get("decoupled_weight_decay", False)))
+class _Settings(NamedTuple):
+    """The settings of a store not created yet (:func:`state_meta` reads ``.settings``)."""
+
+    settings: dict[str, Any]
 
 
-def _create_log(directory: Path, layout: dict[str, Any], memory: int, init: Any,
-                init_scale: float, seed: int, hp: dict[str, Any], durability: str,
-                overwrite: bool, progress: bool | None, space_ratio: float,
-                settings: dict[str, Any]) -> State:
-    """``create(storage="log")`` once every argument has been checked."""
-    named = init if isinstance(init, str) else "zeros"
-    c = float(layout["curvature"])
-    dt = np.dtype(layout["dtype"])
-    ball = float(maxnorm(c, hp["ball_eps"], dt)) if c > 0 else None
-    eng = _log.create(directory, layout, memory_bytes=memory, init=named,
-                      init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball,
-                      space_ratio=space_ratio, overwrite=overwrite)
-    store = LogStore(eng)
-    store.settings = settings
-    state = _state_of_log(store, 0, hp, durability)
-    eng.meta = state_meta(state)
-    eng.wal_on = durability == "step"  # the first flush names a commit log
+def _state_from(store: Any, count: int, meta: dict[str, Any]) -> State:
+    """The State of an opened store from the ``meta`` its last commit point recorded."""
+    hp, durability = meta.get("hparams"), meta.get("durability", "flush")
+    if not isinstance(hp, dict):
+        raise ValueError(f"store {str(store.path)!r} records no hyperparameters (it was not "
+                         "written by dsa_core.create); the store is damaged or foreign")
+    if durability not in DURABILITY_MODES:
+        raise ValueError(f"store {str(store.path)!r} records durability {durability!r}, not "
+                         f"one of {DURABILITY_MODES}; the store is damaged")
     try:
-        if init is not None and not isinstance(init, str):
-            o, d = store.w_off, store.dim
-            rows = max(1, _INIT_CHUNK_BYTES // (store.stride * dt.itemsize))
-            chunks = list(_chunks(store.num_rows, rows))
-            bar = _progress(len(chunks), progress, f"init {directory.name}")
-            try:
-                for lo, hi in chunks:
-                    rec = np.zeros((hi - lo, store.stride), dt)
-                    rec[:, o:o + d] = np.asarray(init[lo:hi], dtype=dt)
-                    eng.write(np.arange(lo, hi, dtype=np.int64), rec)
-                    if bar is not None:
-                        bar.update(1)
-            finally:
-                if bar is not None:
-                    bar.close()
-        eng.flush(0)
-    except BaseException:
-        eng.abandon()  # nothing of this create is worth keeping: drop it unflushed
-        for entry in os.listdir(directory):  # only the log store's own files
-            if parse_name(entry) is not None or entry.startswith(_layout.MANIFEST_FILE):
-                (directory / entry).unlink(missing_ok=True)
-        raise
-    return state
+        return State(store, int(count), float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
+                     float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
+                     str(hp.get("nonfinite", "propagate")), durability,
+                     float(hp.get("weight_decay", 0.0)),
+                     bool(hp.get("decoupled_weight_decay", False)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"store {str(store.path)!r} records hyperparameters {hp!r} that "
+                         f"lack or mangle a field ({exc!r}); the store is damaged") from None
 
 
 class _Terminated(BaseException):
@@ -799,62 +686,13 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     check_access(access)
     check_unclean(unclean)
     directory = Path(path)
-    if _log_store.store_kind(directory) == "log":
-        memory = check_memory_arg(memory, "log")
-        if access != "auto":
-            raise ValueError(f"access={access!r} is for in-place stores; {str(directory)!r} is "
-                             "a log store (storage='log'): leave access='auto' and size its "
-                             "region with memory=")
-        return _open_log(directory, mode, memory)
-    check_memory_arg(memory, "inplace")
-    manifest = _layout.read_manifest(directory)
+    engine = ENGINES[kind_of(directory) or "inplace"]  # none: the in-place reader says why
+    store, count, meta = engine.open_store(directory, mode, access=access, memory=memory,
+                                           unclean=unclean)
     try:
-        layout = manifest["layout"]
-        hp = manifest["hparams"]
-        count = int(manifest["count"])
-        settings = remembered(directory, manifest.get("settings"), "access",
-                               None if access == "auto" else access)
-        store = Store.open_file(directory, layout, mode, settings.get("access", "auto"),
-                                unclean=unclean, count=count)
-        store.settings = settings
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
-                         "the store is damaged") from None
-    if mode == "r+":
-        store.journal_recover(count)  # roll back a journaled step that never committed
-    store.count = count
-    return State(store, count, float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
-                 float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
-                 str(hp.get("nonfinite", "propagate")), str(manifest.get("durability", "flush")),
-                 float(hp.get("weight_decay", 0.0)),
-                 bool(hp.get("decoupled_weight_decay", False)))
-
-
-def _open_log(directory: Path, mode: str, memory: int | None) -> State:
-    manifest = _log.read_manifest(directory)
-    meta = manifest.get("meta")
-    settings = remembered(directory, meta.get("settings") if isinstance(meta, dict) else None,
-                           "memory", memory)
-    if mode == "r+" and memory is None:  # the recorded budget, else the default
-        memory = settings.get("memory") or _log_store.default_memory(manifest["layout"])
-    eng = _log.open(directory, mode, memory_bytes=memory, check="headers")
-    try:
-        hp = eng.meta.get("hparams")
-        if not isinstance(hp, dict):
-            raise ValueError(f"log store {str(directory)!r} has no hyperparameters in its "
-                             "manifest's meta (it was not written by dsa_core.create); the "
-                             "store is damaged or foreign")
-        durability = eng.meta.get("durability", "flush")
-        if durability not in DURABILITY_MODES:
-            raise ValueError(f"log store {str(directory)!r} records durability "
-                             f"{durability!r} in its manifest's meta, not one of "
-                             f"{DURABILITY_MODES}; the store is damaged")
-        store = LogStore(eng)
-        store.settings = settings
-        eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
-        return _state_of_log(store, eng.count, hp, durability)
+        return _state_from(store, count, meta)
     except BaseException:
-        eng.abandon()
+        store.abandon()
         raise
 
 
@@ -995,8 +833,9 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
         raise ValueError(f"convert destination {str(dest)!r} is the source store itself; "
                          "choose another directory")
     lay = st.layout
-    keep = getattr(st, "settings", None) or {}  # src's remembered settings of dest's kind
-    if memory is None and storage == "log":
+    # src's remembered settings that dest's kind takes (an explicit memory= wins)
+    keep = {k: v for k, v in st.settings.items() if k in ENGINES[storage].SETTINGS}
+    if memory is None:
         memory = keep.get("memory")
     out = create(dest, lay["num_rows"], lay["dim"], curvature=lay["curvature"], lr=src.lr,
                  betas=src.betas, eps=src.eps, maximize=src.maximize,
@@ -1011,7 +850,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
                  decoupled_weight_decay=src.decoupled_weight_decay,
                  decay_missed_steps="last_step" in lay, per_row_step="row_step" in lay,
                  storage=storage, memory=memory, progress=False,
-                 access=keep.get("access", "auto") if storage == "inplace" else "auto")
+                 access=keep.get("access", "auto"))
     try:
         check_same_layout(out, src, "convert")
         _copy_records(src, out)
@@ -1112,10 +951,4 @@ def require_current(state: State) -> None:
 def remove(path) -> None:
     """Delete a store directory (refused while a writer holds it)."""
     directory = Path(path)
-    if _log_store.store_kind(directory) == "log":
-        _log.remove(directory)
-        return
-    manifest = _layout.read_manifest(directory)
-    st = Store.open_file(directory, manifest["layout"], "r+", unclean="accept")
-    st.close()
-    shutil.rmtree(directory)
+    ENGINES[kind_of(directory) or "inplace"].remove_store(directory)

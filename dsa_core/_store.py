@@ -25,6 +25,7 @@ import fcntl
 import json
 import mmap
 import os
+import shutil
 import struct
 import sys
 import time
@@ -38,6 +39,7 @@ import numpy as np
 from . import _layout
 from ._coalesce import gather_rows
 from ._files import copy_file, fsync_dir, staged_dir
+from ._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
 from ._layout import (
     DATA_FILE,
     FORMAT_NAME,
@@ -46,6 +48,7 @@ from ._layout import (
     JOURNAL_FILE,
     LOCK_FILE,
     MAGIC,
+    MANIFEST_FILE,
     UNCLEAN_MARK,
     UNCLEAN_OFFSET,
     counter_dtype,
@@ -57,9 +60,11 @@ from ._paging import _RAM_STORES, auto_access, check_access
 from ._pool import run_chunked
 from ._prefetch import Prefetcher, mapped_residency
 from ._ranges import submit_mapped, wait_mapped
+from ._settings import remembered
+from .validation import check_memory_arg
 
-__all__ = ["UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanStopError",
-           "check_unclean"]
+__all__ = ["SETTINGS", "UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanStopError",
+           "check_settings", "check_unclean", "create_store", "open_store", "remove_store"]
 
 JOURNAL_MAGIC = b"DSAJRNL1"
 _LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01  # a held lock is reported after ~40 ms
@@ -632,6 +637,11 @@ class Store:
             self.counters.flags.writeable = False
         self._release()
 
+    def abandon(self) -> None:
+        """Release the store without a flush (an open that failed after the files were
+        opened): the manifest keeps what it said."""
+        self.close()
+
     def _release(self) -> None:
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -642,3 +652,118 @@ class Store:
         state = "closed" if self.closed else self.mode
         return (f"Store({str(self.path)!r}, rows={self.num_rows}, dim={self.dim}, "
                 f"dtype={self.dtype.name}, curvature={self.curvature}, {state})")
+
+
+# -- the engine's life cycle (dsa_core._engines) ----------------------------------------------
+SETTINGS = ("access",)  # the open-time settings an in-place store takes and remembers
+
+
+def check_settings(layout: dict[str, Any], *, access: str, memory: Any,
+                   space_ratio: Any) -> dict[str, Any]:
+    """The settings of a new in-place store (``access``), refusing a log store's."""
+    check_memory_arg(memory, "inplace")
+    if space_ratio is not None:
+        raise ValueError("space_ratio= bounds the segment files of a log store "
+                         "(storage='log'); an in-place store (storage='inplace') has one file "
+                         "of fixed size: drop space_ratio= or pass storage='log'")
+    return {"access": access} if access != "auto" else {}
+
+
+def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_maxnorm: float | None,
+          progress: bool | None) -> None:
+    """Write the initial weights in chunks (m and v stay zero from fallocate)."""
+    if init is None or store.w_off is None:
+        return
+    d, o = store.dim, store.w_off
+    rows = max(1, INIT_CHUNK_BYTES // (store.stride * store.dtype.itemsize))
+    blocks = list(chunks(store.num_rows, rows))
+    bar = progress_bar(len(blocks), progress, f"init {store.path.name}")
+    named = init if isinstance(init, str) else None
+    mn = ball_maxnorm
+    spec = InitSpec(named, init_scale, seed, mn, d, o, store.stride, store.dtype) \
+        if named else None
+    try:
+        for lo, hi in blocks:
+            if named:  # the log store's function of (seed, row): the same bits
+                fill_weights(store.data[lo:hi, o:o + d], lo, spec)
+            else:
+                store.data[lo:hi, o:o + d] = np.asarray(init[lo:hi], dtype=store.dtype)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+
+
+def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, Any], *,
+                 init: Any, init_scale: float, seed: int, ball_maxnorm: float | None,
+                 meta: dict[str, Any], overwrite: bool, progress: bool | None,
+                 space_ratio: None = None) -> Store:
+    """A new in-place store at ``directory`` (arguments checked by ``dsa_core.create``):
+    ``rows.dsa.tmp`` filled, synced and renamed, then the manifest (the commit point); on
+    any error the files it made are removed."""
+    existing = [p for p in (MANIFEST_FILE, DATA_FILE) if (directory / p).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(
+            f"{str(directory)!r} holds a data file ({DATA_FILE}) but no {MANIFEST_FILE}: a "
+            "damaged store (its manifest was deleted) that cannot be opened. Restore it from "
+            "a checkpoint, or pass overwrite=True to replace it with a new store")
+    directory.mkdir(parents=True, exist_ok=True)
+    if existing:
+        # refuse to replace a store that a writer holds: take its lock first
+        probe = Store(directory, layout, "r+")
+        probe._lock()
+        probe._release()
+        for name in (MANIFEST_FILE, DATA_FILE, JOURNAL_FILE):
+            (directory / name).unlink(missing_ok=True)
+    store = Store.create_file(directory, layout, settings.get("access", "auto"))
+    store.settings = dict(settings)
+    try:
+        _fill(store, init, init_scale, seed, ball_maxnorm, progress)
+        store.commit_new_file()
+        _layout.write_manifest(directory, store.manifest(0, meta))
+    except BaseException:
+        store.close()
+        (directory / (DATA_FILE + ".tmp")).unlink(missing_ok=True)
+        (directory / DATA_FILE).unlink(missing_ok=True)
+        raise
+    return store
+
+
+def open_store(directory: Path, mode: str, *, access: str, memory: Any,
+               unclean: str) -> tuple[Store, int, dict[str, Any]]:
+    """Open an in-place store: ``(store, count, meta)`` of its manifest. A journaled step
+    that never committed is rolled back (r+); an unclean stop is refused (``unclean``)."""
+    check_memory_arg(memory, "inplace")
+    manifest = read_manifest(directory)
+    try:
+        layout = manifest["layout"]
+        count = int(manifest["count"])
+        meta = {"hparams": manifest["hparams"],
+                "durability": manifest.get("durability", "flush")}
+        settings = remembered(directory, manifest.get("settings"), "access",
+                              None if access == "auto" else access)
+        store = Store.open_file(directory, layout, mode, settings.get("access", "auto"),
+                                unclean=unclean, count=count)
+        store.settings = settings
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
+                         "the store is damaged") from None
+    try:
+        if mode == "r+":
+            store.journal_recover(count)  # roll back a journaled step that never committed
+        store.count = count
+    except BaseException:
+        store.abandon()
+        raise
+    return store, count, meta
+
+
+def remove_store(directory: Path) -> None:
+    """Delete an in-place store's directory (refused while a writer holds it)."""
+    manifest = read_manifest(directory)
+    st = Store.open_file(directory, manifest["layout"], "r+", unclean="accept")
+    st.close()
+    shutil.rmtree(directory)

@@ -199,13 +199,13 @@ def test_sigterm_during_create_leaves_no_partial_file(tmp_path):
     """Ctrl-C ran the cleanup, SIGTERM did not: rows.dsa.tmp (possibly GBs) stayed behind."""
     code = textwrap.dedent(f"""
         import sys, dsa_core
-        from dsa_core import _state
-        real = _state._fill
+        from dsa_core import _store
+        real = _store._fill
         def slow_fill(*a, **k):
             print("filling", flush=True)
             import time; time.sleep(30)
             real(*a, **k)
-        _state._fill = slow_fill
+        _store._fill = slow_fill
         dsa_core.create({str(tmp_path / 's')!r}, 1000, 8, init="normal")
     """)
     with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _init, _state
+from dsa_core import _init, _state, _store
 
 N, D = 1500, 13  # odd dim: the last column of a row is half of a polar pair
 
@@ -63,7 +63,7 @@ def test_the_fill_does_not_depend_on_chunks_or_threads(tmp_path, monkeypatch):
     ref = dsa_core.create(tmp_path / "ref", **kw)
     want = _table(ref)
     dsa_core.close(ref)
-    monkeypatch.setattr(_state, "_INIT_CHUNK_BYTES", 1000)  # rows of many small chunks
+    monkeypatch.setattr(_store, "INIT_CHUNK_BYTES", 1000)  # rows of many small chunks
     threads = dsa_core.get_num_threads()
     try:
         for n in (1, 3):
