@@ -17,6 +17,7 @@ import mmap
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,32 @@ def staged_dir(dest: Path, overwrite: bool):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+class StoreLockedError(RuntimeError):
+    """Another writer holds the store."""
+
+
+WRITER_LOCK = "writer.lock"  # the writer holds LOCK_EX on it while the store is open
+_LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01  # a held lock is reported after ~40 ms
+
+
+def lock_writer(directory: Path) -> int:
+    """Take a store's writer lock, both kinds': an exclusive ``flock`` on ``writer.lock``
+    (not on a data file: ``mmap`` duplicates a file's descriptor, which would keep such a lock
+    alive until the mapping is collected). Returns its descriptor (close it to release), or
+    raises :class:`StoreLockedError` after a few short waits (``dsa info`` probes the lock
+    with a shared flock for a few microseconds: a writer opening then waits it out)."""
+    fd = os.open(Path(directory) / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    for attempt in range(_LOCK_TRIES):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if attempt + 1 < _LOCK_TRIES:
+                time.sleep(_LOCK_WAIT_S)
+    os.close(fd)
+    raise StoreLockedError(
+        f"store {str(directory)!r} is already open for writing (by this or another process); "
+        "a store has one writer at a time. Close the other optimizer/state (dsa_core.close) "
+        "or open this one read-only with mode='r'")

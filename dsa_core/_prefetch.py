@@ -26,22 +26,19 @@ import numpy as np
 from numba import njit
 
 from ._layout import HEADER_BYTES
+from ._os import (
+    PAGE,
+    POSIX_FADV_WILLNEED,
+    SYNC_FILE_RANGE_WRITE,
+    fadvise_fd,
+    mincore_addr,
+    sync_file_range,
+)
 from .validation import as_index
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", 3)
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_fadvise = _libc.posix_fadvise
-_fadvise.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-_fadvise.restype = ctypes.c_int
-_sync_file_range = _libc.sync_file_range
-_sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_sync_file_range.restype = ctypes.c_int
-SYNC_FILE_RANGE_WRITE = 2
-_mincore = _libc.mincore
-_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_mincore.restype = ctypes.c_int
+_WILLNEED = POSIX_FADV_WILLNEED
+_fadvise = fadvise_fd
+_sync_file_range = sync_file_range
 
 
 # Not cache=True: the ctypes function address is baked into the machine code and changes from
@@ -245,8 +242,7 @@ def mapped_residency(st, rows: np.ndarray) -> float:
     base = st.data.__array_interface__["data"][0] - HEADER_BYTES
     npages = -(-st.nbytes // PAGE)
     vec = np.zeros(npages, np.uint8)
-    if _mincore(ctypes.c_void_p(base), ctypes.c_size_t(npages * PAGE),
-                vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+    if mincore_addr(base, npages * PAGE, vec.ctypes.data) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mincore failed: {os.strerror(err)}")
     return float((vec[pages] & 1).mean())

@@ -44,22 +44,23 @@ import numpy as np
 
 from ._engine import closed_error
 from ._layout import HEADER_BYTES
-from ._prefetch import PAGE, _libc, _sync_file_range
+from ._os import (
+    MADV_PAGEOUT,
+    MADV_POPULATE_READ,
+    PAGE,
+    SYNC_FILE_RANGE_WAIT_AFTER,
+    SYNC_FILE_RANGE_WAIT_BEFORE,
+    SYNC_FILE_RANGE_WRITE,
+    madvise_addr,
+)
+from ._os import sync_file_range as _sync_file_range
 
 __all__ = ["load_range", "release_range", "wait_ranges"]
 
-MADV_PAGEOUT = 21        # reclaim the range's pages (clean file pages are dropped)
-MADV_POPULATE_READ = 22  # map the range's pages now (read faults), without dirtying them
-SYNC_FILE_RANGE_WAIT_BEFORE = 1
-SYNC_FILE_RANGE_WRITE = 2
-SYNC_FILE_RANGE_WAIT_AFTER = 4
 LOAD_CHUNK = 8 << 20      # bytes per pread of a load (one reused buffer)
 RELEASE_CHUNK = 64 << 20  # bytes written back and dropped per release step
 POPULATE = True           # map loaded pages (MADV_POPULATE_READ) after reading them
 
-_madvise = _libc.madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
 
 _CREATE_LOCK = threading.Lock()
 
@@ -211,7 +212,7 @@ class RangeWorker:
 
     def _advise(self, off: int, length: int, advice: int) -> bool:
         """madvise the mapped bytes [off, off+length); False if the kernel lacks ``advice``."""
-        if _madvise(ctypes.c_void_p(self._base + off), ctypes.c_size_t(length), advice) == 0:
+        if madvise_addr(self._base + off, length, advice) == 0:
             return True
         err = ctypes.get_errno()
         if err == errno.EINVAL:  # advice unknown to this kernel (or not for this mapping)

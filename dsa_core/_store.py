@@ -28,7 +28,6 @@ import os
 import shutil
 import struct
 import sys
-import time
 import weakref
 import zlib
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy as np
 
 from . import _layout
 from ._coalesce import gather_rows
-from ._files import copy_file, fsync_dir, staged_dir
+from ._files import StoreLockedError, copy_file, fsync_dir, lock_writer, staged_dir
 from ._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
 from ._layout import (
     DATA_FILE,
@@ -67,13 +66,8 @@ __all__ = ["SETTINGS", "UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanS
            "check_settings", "check_unclean", "create_store", "open_store", "remove_store"]
 
 JOURNAL_MAGIC = b"DSAJRNL1"
-_LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01  # a held lock is reported after ~40 ms
 _JHEAD = struct.Struct("<8sQQI")
 UNCLEAN_CHOICES = ("refuse", "accept")  # open(..., unclean=): what to do with an unclean stop
-
-
-class StoreLockedError(RuntimeError):
-    """Another writer holds the store."""
 
 
 class UncleanStopError(RuntimeError):
@@ -270,23 +264,7 @@ class Store:
         return HEADER_BYTES + self.num_rows * self.stride * self.dtype.itemsize
 
     def _lock(self) -> None:
-        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        for attempt in range(_LOCK_TRIES):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                # `dsa info` probes the lock with a shared flock for a few microseconds:
-                # a writer opening at that moment waits it out instead of failing
-                if attempt + 1 < _LOCK_TRIES:
-                    time.sleep(_LOCK_WAIT_S)
-        else:
-            os.close(fd)
-            raise StoreLockedError(
-                f"store {str(self.path)!r} is already open for writing (by this or another "
-                "process); a store has one writer at a time. Close the other optimizer/state "
-                "(dsa_core.close) or open this one read-only with mode='r'") from None
-        self._lockfd = fd
+        self._lockfd = lock_writer(self.path)
 
     def advise(self, access: str) -> None:
         """Tell the kernel how the mapping will be used (see :func:`check_access`)."""

@@ -15,20 +15,16 @@ nor deleted before a newer manifest is durable.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._files import fsync_dir
-from .._store import StoreLockedError
+from .._files import fsync_dir, lock_writer
 from .commit import Commit
 from .format import (
-    LOCK_FILE,
     MANIFEST_FILE,
     check_segment,
     crash_point,
@@ -43,25 +39,9 @@ from .wal import WalEntry, read_entries, wal_name
 __all__ = ["install_log", "load", "lock", "log_entries", "remove_garbage", "replay_log",
            "verify"]
 
-_LOCK_TRIES, _LOCK_WAIT_S = 5, 0.01
-
-
 def lock(directory: Path) -> int:
-    """Take the store's writer lock (an exclusive ``flock`` on ``writer.lock``): its
-    descriptor, or :class:`StoreLockedError` after a few short waits."""
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    for attempt in range(_LOCK_TRIES):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if attempt + 1 < _LOCK_TRIES:
-                time.sleep(_LOCK_WAIT_S)
-    os.close(fd)
-    raise StoreLockedError(
-        f"log store {str(directory)!r} is already open for writing (by this or another "
-        "process); a store has one writer at a time. Close the other engine or open this one "
-        "read-only with mode='r'")
+    """Take the store's writer lock (``_files.lock_writer``, as the in-place store does)."""
+    return lock_writer(directory)
 
 
 def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
