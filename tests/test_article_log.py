@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import dsa_core
 from adapters.torch import DiskSparseRiemannianAdam
-from dsa_core import _layout, _log
+from dsa_core import _layout
 
 N, D = 400, 16
 SLOTS = 80  # region slots of each log store: a batch has at most 64 distinct rows
@@ -26,7 +26,7 @@ SLOTS = 80  # region slots of each log store: a batch has at most 64 distinct ro
 
 def memory(dtype=np.float32, curvature: float = 0.0) -> int:
     lay = _layout.make_layout(N, D, np.dtype(dtype), curvature, True, 0)
-    return _log.memory_for(lay, SLOTS)
+    return dsa_core.region_memory(lay, SLOTS)
 
 
 def digest(path: Path) -> dict[str, str]:

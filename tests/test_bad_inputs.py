@@ -64,11 +64,10 @@ def _sparse(ids, rows, size):
 def _tight_memory(root: Path, rows: int, **kw) -> int:
     """A log-store budget of TIGHT_ROWS record slots for a ``rows`` x 4 float32 store like
     ``kw`` (the budget pays for the store's index too)."""
-    from dsa_core import _log
 
     probe = dsa_core.create(root / "probe", rows, 4, storage="log", memory=LOG_MEMORY, **kw)
     try:
-        return _log.memory_for(probe.layout, TIGHT_ROWS)
+        return dsa_core.region_memory(probe.layout, TIGHT_ROWS)
     finally:
         dsa_core.close(probe)
         dsa_core.remove(root / "probe")

@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import dsa_core
-from dsa_core import _layout, _log
+from dsa_core import _layout
 
 from test_distributed import Launch, join_group, one_rank, result, tree  # noqa: F401
 
@@ -40,7 +40,7 @@ SLOTS = 48  # region slots of each log shard: a step brings a shard at most 48 d
 def memory(slots: int = SLOTS, **opts) -> int:
     """A region budget of ``slots`` records of a weights-and-moments float32 store."""
     lay = _layout.make_layout(N, D, np.dtype(np.float32), 0.0, True, 0, **opts)
-    return _log.memory_for(lay, slots)
+    return dsa_core.region_memory(lay, slots)
 
 
 def init_table() -> np.ndarray:

@@ -18,7 +18,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 import dsa_core
 from adapters import jax as dj
-from dsa_core import _layout, _log
+from dsa_core import _layout
 
 pytestmark = pytest.mark.jax
 
@@ -32,7 +32,7 @@ def memory(dim: int = D, dtype: str = "float32", curvature: float = 0.0, weights
     lay = _layout.make_layout(N, dim, np.dtype(dtype), curvature, weights, 0, second_moment,
                               first_moment, per_row_step=opts.get("per_row_step", False),
                               decay_missed_steps=opts.get("decay_missed_steps", False))
-    return _log.memory_for(lay, SLOTS)
+    return dsa_core.region_memory(lay, SLOTS)
 
 
 def init_rows(seed: int = 0, curvature: float = 0.0, dtype: str = "float32") -> np.ndarray:

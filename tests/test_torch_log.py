@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import dsa_core
-from dsa_core import _log
+
 
 from adapters.torch import DiskEmbedding, DiskSparseAdam
 
@@ -26,7 +26,7 @@ def small_memory(num_rows=N, dim=D, **kw) -> int:
     probe = dsa_core.create(kw.pop("_path"), num_rows, dim, storage="log",
                             memory="1MiB", **kw)
     try:
-        return _log.memory_for(probe.layout, SLOTS)
+        return dsa_core.region_memory(probe.layout, SLOTS)
     finally:
         dsa_core.close(probe)
 

@@ -25,7 +25,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import dsa_core
-from dsa_core import _log
 
 from adapters.torch import DiskEmbedding, DiskSparseAdam
 
@@ -40,7 +39,7 @@ def region(weights=True) -> int:
     """A region of SLOTS records for an N x D float32 store (weights and moments, or
     moments only)."""
     stride = (3 if weights else 2) * D
-    return _log.memory_for({"num_rows": N, "stride": stride, "dtype": "float32"}, SLOTS)
+    return dsa_core.region_memory({"num_rows": N, "stride": stride, "dtype": "float32"}, SLOTS)
 
 
 KINDS = ("inplace", "log")
@@ -321,9 +320,10 @@ def commit_cut(action):
 
 def patch_cut(where: str, action) -> None:
     """Make the next snapshot stop at ``where`` ("copy" or "commit") with ``action``."""
-    from dsa_core import _files, _log, _state
-    if where == "copy":
-        _state.copy_file = _log.copy_file = cut_copy(action)
+    from dsa_core import _files, _store
+    from dsa_core._log import commit
+    if where == "copy":  # the copies of the in-place engine's and the log engine's snapshots
+        _store.copy_file = commit.copy_file = cut_copy(action)
     else:
         _files.commit_dir = commit_cut(action)
 
@@ -404,7 +404,8 @@ def test_kill_9_while_a_snapshot_is_taken_leaves_none_to_name(tmp_path, kind, wh
 def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     """KeyboardInterrupt inside opt.state_dict(): the staged directory is removed, no
     snapshot appears, the stores train on, earlier state dicts load, later ones are taken."""
-    from dsa_core import _files, _log, _state
+    from dsa_core import _files, _store
+    from dsa_core._log import commit
     emb, lin, opt, sched = build(tmp_path, kind)
     run(emb, lin, opt, sched, batches(3))
     sd3 = opt.state_dict()
@@ -414,7 +415,7 @@ def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     def interrupt():
         raise KeyboardInterrupt
 
-    for mod, name in ((_state, "copy_file"), (_log, "copy_file"), (_files, "commit_dir")):
+    for mod, name in ((_store, "copy_file"), (commit, "copy_file"), (_files, "commit_dir")):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # undone at the end of the test
     patch_cut(where, interrupt)
     with pytest.raises(KeyboardInterrupt):
