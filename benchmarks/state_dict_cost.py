@@ -89,7 +89,7 @@ def run_kind(root: Path, kind: str, a) -> dict:
     for r in range(3):
         for _ in range(a.steps):
             step(rng.integers(0, a.rows, a.batch))
-        wait_disk_quiet(60)
+        wait_disk_quiet(a.quiet_seconds)
         t0 = time.perf_counter()
         opt.flush()
         t1 = time.perf_counter()
@@ -105,7 +105,7 @@ def run_kind(root: Path, kind: str, a) -> dict:
     if kind == "inplace":
         first = Path(sds[0]["dsa_manifest"]["params"][0]["state_snapshot"]["path"])
         row["reflink"] = _reflinked(live / "rows.dsa", first / "rows.dsa")
-    wait_disk_quiet(60)
+    wait_disk_quiet(a.quiet_seconds)
     t0 = time.perf_counter()
     opt.load_state_dict(sds[0])
     row["load_state_dict_s"] = time.perf_counter() - t0
@@ -122,10 +122,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="random steps before each state dict")
     ap.add_argument("--memory", default="256MiB", help="the log store's region")
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temp dir)")
+    ap.add_argument("--quiet-seconds", type=float, default=60.0,
+                    help="wait up to this long for the disk to go quiet before each timing")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
-    if a.smoke:
+    if a.smoke:  # tiny, no waits: only that the code runs
         a.rows, a.dim, a.batch, a.steps, a.memory = 20_000, 16, 2048, 2, "2MiB"
+        a.quiet_seconds = 0.0
     base = Path(tempfile.mkdtemp(prefix="dsa-sdcost-", dir=a.dir))
     rows = []
     try:
