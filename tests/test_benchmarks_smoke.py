@@ -46,7 +46,9 @@ SMOKES = {
     "log_store": (["--smoke"], "log_store_smoke", "write_amplification"),
     "options_cost": (["--smoke", "--kinds", "euclid", "ball", "--options", "adamw", "all"],
                      "options_cost_smoke", "cost_p50"),
-    "state_dict_cost": (["--smoke"], None, "state_dict1_s"),  # writes no result files in smoke
+    "state_dict_cost": (["--smoke"], None, "state_dict1_s"),
+    "step_modules": (["--smoke"], None, "modules"),  # prints its table only
+    "parity_sha": (["--smoke"], None, "configurations"),  # prints its count only  # writes no result files in smoke
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
