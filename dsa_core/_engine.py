@@ -105,6 +105,12 @@ class Engine(Protocol):
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """The weight rows of checked ids into ``out`` (len(rows), dim); residency unchanged."""
 
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        """The whole records of rows ``[lo, hi)`` (restore, convert: chunks of a table)."""
+
+    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
+        """Overwrite the whole records of rows ``[lo, hi)``."""
+
     # -- durability -------------------------------------------------------------------------
     def flush(self, count: int, meta: dict[str, Any]) -> None:
         """Every step so far durable, committed at ``count`` with ``meta``."""

@@ -250,6 +250,12 @@ class LogStore:
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
         self.engine.write(rows, np.ascontiguousarray(records))
 
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        return self.engine.read(np.arange(lo, hi, dtype=np.int64))
+
+    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
+        self.engine.write(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(records))
+
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Never changes the region's residency."""
         out[...] = self.engine.read(rows, cols=slice(self.w_off, self.w_off + self.dim))

@@ -796,8 +796,8 @@ def _copy_records(src: State, dst: State) -> None:
     st = dst.store
     step = max(1, _RESTORE_CHUNK_BYTES // (st.stride * st.dtype.itemsize))
     for lo in range(0, st.num_rows, step):
-        rows = np.arange(lo, min(st.num_rows, lo + step), dtype=np.int64)
-        st.write(rows, src.store.read(rows))  # (in place: marks the store unclean first)
+        hi = min(st.num_rows, lo + step)
+        st.write_range(lo, hi, src.store.read_range(lo, hi))  # in place: marked unclean first
 
 
 def convert(src: State, dest, *, storage: str, memory: int | str | None = None,

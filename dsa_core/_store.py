@@ -544,6 +544,13 @@ class Store:
         self.mark_unclean()
         self.data[rows] = records
 
+    def read_range(self, lo: int, hi: int) -> np.ndarray:
+        return self.data[lo:hi]
+
+    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
+        self.mark_unclean()
+        self.data[lo:hi] = records
+
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         run_chunked(gather_rows, (self.data, rows, self.w_off, out), rows.shape[0],
                     max(16, 16384 // self.dim))

@@ -48,7 +48,8 @@ SMOKES = {
                      "options_cost_smoke", "cost_p50"),
     "state_dict_cost": (["--smoke"], None, "state_dict1_s"),
     "step_modules": (["--smoke"], None, "modules"),  # prints its table only
-    "parity_sha": (["--smoke"], None, "configurations"),  # prints its count only  # writes no result files in smoke
+    "parity_sha": (["--smoke"], None, "configurations"),  # prints its count only
+    "warm_step": (["--smoke"], None, "p50_ms"),  # prints its median only  # writes no result files in smoke
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",

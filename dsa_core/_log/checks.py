@@ -7,9 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from .._coalesce import bounds
 
-__all__ = ["check_count", "check_layout", "check_meta", "check_rows"]
+__all__ = ["check_count", "check_layout", "check_meta"]
 
 
 def check_layout(layout: Any) -> dict[str, Any]:
@@ -24,25 +23,6 @@ def check_layout(layout: Any) -> dict[str, Any]:
         raise ValueError(f"layout must have num_rows >= 1 and stride >= 1, got "
                          f"{layout['num_rows']} and {layout['stride']}")
     return dict(layout)
-
-
-def check_rows(rows: Any, num_rows: int, name: str = "rows") -> np.ndarray:
-    """``rows`` as a C-contiguous 1-D int64 array of ids in ``[0, num_rows)``."""
-    arr = np.asarray(rows)
-    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integer row ids, got dtype {arr.dtype}; convert "
-                        f"with {name}.astype(np.int64)")
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}; flatten it with "
-                         f"{name}.reshape(-1)")
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    if arr.shape[0]:
-        lo, hi = bounds(arr)
-        if lo < 0 or hi >= num_rows:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"{name} must lie in [0, num_rows) = [0, {num_rows}); got {bad} "
-                             f"(min {lo}, max {hi})")
-    return arr
 
 
 def check_meta(meta: Any) -> dict[str, Any]:

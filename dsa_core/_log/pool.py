@@ -35,8 +35,8 @@ from numba import njit
 from .._coalesce import _dedup, gather_rows
 from .._init import InitSpec, initial_records
 from .._pool import run_chunked
+from ..validation import as_index
 from .budget import check_memory
-from .checks import check_rows
 from .format import Segment, SegmentError
 from .segments import Segments
 
@@ -154,7 +154,7 @@ class Pool:
 
     def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
         """A copy of the records of ``rows`` (see ``LogEngine.read``)."""
-        rows = check_rows(rows, self.num_rows)
+        rows = as_index(rows, self.num_rows, "rows")
         if cols is None:
             cols = slice(None)
         if not isinstance(cols, slice) or cols.step not in (None, 1):
@@ -194,7 +194,7 @@ class Pool:
         of this call (``commit``: :meth:`evict`, then seal the dirty victims).
         """
         if check:
-            rows = check_rows(rows, self.num_rows)
+            rows = as_index(rows, self.num_rows, "rows")
             if rows.shape[0] > 1 and _dedup(rows)[2] != rows.shape[0]:
                 u, c = np.unique(rows, return_counts=True)
                 raise ValueError(f"rows must be unique in acquire (each row gets one slot); "
@@ -240,7 +240,7 @@ class Pool:
 
     def write(self, rows: Any, records: Any, make_room: Callable[[int, int], None]) -> None:
         """Overwrite the whole records of ``rows`` (see ``LogEngine.write``)."""
-        rows = check_rows(rows, self.num_rows)
+        rows = as_index(rows, self.num_rows, "rows")
         rec = np.asarray(records)
         if rec.dtype != self.dtype or rec.shape != (rows.shape[0], self.stride):
             raise ValueError(f"records must be a ({rows.shape[0]}, {self.stride}) "
@@ -258,7 +258,7 @@ class Pool:
     def release(self, rows: Any, seal_all: Callable[[np.ndarray, bool], None]) -> int:
         """Write the resident records of ``rows`` out and make their slots free (see
         ``LogEngine.release``); ``seal_all(slots, evict)`` seals dirty slots (``commit``)."""
-        rows = np.unique(check_rows(rows, self.num_rows))
+        rows = np.unique(as_index(rows, self.num_rows, "rows"))
         lr = self.loc[rows]
         slots = -lr[lr < 0] - 1  # in row order
         if not slots.shape[0]:
