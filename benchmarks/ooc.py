@@ -248,9 +248,9 @@ class LogProbe:
     WAIT_BEFORE, WAIT_AFTER = 1, 4  # SYNC_FILE_RANGE_WAIT_BEFORE / _WAIT_AFTER
 
     def __init__(self, st, path: Path):
-        from dsa_core import _prefetch
+        from dsa_core import _os
 
-        self.st, self.pf, self.path = st, _prefetch, path
+        self.st, self.pf, self.path = st, _os, path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.pos, self.inflight = 0, []
 
@@ -264,11 +264,11 @@ class LogProbe:
             self.pos = 0
         os.pwrite(self.fd, buf, self.pos)
         write = self.pf.SYNC_FILE_RANGE_WRITE
-        self.pf._sync_file_range(self.fd, self.pos, buf.size, write)
+        self.pf.sync_file_range(self.fd, self.pos, buf.size, write)
         self.inflight.append((self.pos, buf.size))
         if len(self.inflight) > 2:  # written by now (or waited for): leave the cache
             p0, n0 = self.inflight.pop(0)
-            self.pf._sync_file_range(self.fd, p0, n0,
+            self.pf.sync_file_range(self.fd, p0, n0,
                                      self.WAIT_BEFORE | write | self.WAIT_AFTER)
             os.posix_fadvise(self.fd, p0, n0, os.POSIX_FADV_DONTNEED)
         self.pos += buf.size
@@ -280,7 +280,7 @@ class LogProbe:
 
 def child(args) -> None:
     import dsa_core
-    from dsa_core import _prefetch
+    from dsa_core._inplace import readahead as _prefetch
 
     probe = None
     if args.mode == "logprobe":

@@ -20,7 +20,7 @@ the returned value. The core never imports torch or jax; ``adapters.torch`` and
 from . import validation
 from ._files import staged_dir, write_json
 from ._layout import FORMAT_VERSION
-from ._log_store import region_memory
+from ._log.store import region_memory
 from ._paging import ACCESS_MODES, check_access, paging_limits
 from ._pool import get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
@@ -41,7 +41,7 @@ from ._state import (
     write_records,
 )
 from ._step import check_batch, gather, step, warmup
-from ._store import StoreLockedError, UncleanStopError
+from ._inplace.store import StoreLockedError, UncleanStopError
 from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
 __version__ = "0.1.0"

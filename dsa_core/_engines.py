@@ -21,12 +21,13 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-from . import _log_store, _store
+from ._inplace import store as inplace_store
+from ._log import store as log_store
 from ._layout import MANIFEST_FILE
 
 __all__ = ["ENGINES", "kind_of"]
 
-ENGINES: dict[str, ModuleType] = {"inplace": _store, "log": _log_store}
+ENGINES: dict[str, ModuleType] = {"inplace": inplace_store, "log": log_store}
 
 
 def kind_of(directory: Path) -> str | None:
@@ -41,6 +42,6 @@ def kind_of(directory: Path) -> str | None:
         return None
     except (OSError, ValueError, UnicodeDecodeError):
         return "inplace"  # let the in-place reader report what is wrong with it
-    if isinstance(manifest, dict) and manifest.get("format") == _log_store.LOG_FORMAT:
+    if isinstance(manifest, dict) and manifest.get("format") == log_store.LOG_FORMAT:
         return "log"
     return "inplace"

@@ -15,7 +15,7 @@ A store is a directory holding two files:
     changes, cleared once ``flush``/``close`` has synced the rows and written the manifest),
     else zeros. A store found marked with no writer holding it was stopped uncleanly (kill -9,
     power loss, ``os._exit``): ``open`` refuses it unless told ``unclean="accept"`` (see
-    ``_store.Store.mark_unclean``). Readers older than the marker ignore it (it lies in the
+    ``_inplace.store.Store.mark_unclean``). Readers older than the marker ignore it (it lies in the
     padding), so it does not change the format version.
 
     v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or when

@@ -1,162 +1,21 @@
-"""Out-of-core read-ahead: bring the pages of the *next* batch's rows into the page cache.
+"""Out-of-core read-ahead: ask the store to bring the *next* batch's rows in while this one steps.
 
-When the store is larger than memory every row touched by ``step`` is a page fault, served
-synchronously at queue depth 1 per kernel thread. The ids of the next batch are known before
-the current step ends (a data loader knows them), so a background thread asks the kernel to
-read those pages now — ``posix_fadvise(POSIX_FADV_WILLNEED)`` per record range, which submits
-the reads without waiting for them, i.e. at a high queue depth — while the current step
-computes.
-
-Read-ahead only fills the page cache: ``step`` still reads and writes every row through the
-mapping, so a prefetch can never return a stale row or lose a write, whatever its timing.
-A hint that arrives late only costs a page fault.
+The calls here check the ids and hand them to the store's engine (``prefetch``,
+``residency``): an in-place store hints the kernel to read the rows' pages into the page
+cache (``dsa_core._inplace.readahead``), a log store reads its on-disk records ahead. Read-ahead
+only warms a cache, so it can never return a stale row or lose a write, whatever its timing.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-import queue
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
-from numba import njit
 
-from ._layout import HEADER_BYTES
-from ._os import (
-    PAGE,
-    POSIX_FADV_WILLNEED,
-    SYNC_FILE_RANGE_WRITE,
-    fadvise_fd,
-    mincore_addr,
-    sync_file_range,
-)
 from .validation import as_index
 
-_WILLNEED = POSIX_FADV_WILLNEED
-_fadvise = fadvise_fd
-_sync_file_range = sync_file_range
-
-
-# Not cache=True: the ctypes function address is baked into the machine code and changes from
-# process to process (ASLR), so a cached build would call a stale address.
-@njit(nogil=True)
-def _advise_rows(fd, rows, header, rec_bytes, page, advice, write):
-    """Hint each record range of the sorted ``rows``, merging ranges that share pages.
-
-    ``write=False``: ``posix_fadvise(advice)`` (read-ahead). ``write=True``:
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which starts writing the dirty pages back
-    without waiting, so that memory pressure later finds clean pages to drop.
-    """
-    done_to = -1
-    calls = 0
-    for t in range(rows.shape[0]):
-        start = header + rows[t] * rec_bytes
-        end = start + rec_bytes
-        p0 = (start // page) * page
-        p1 = ((end + page - 1) // page) * page
-        if p0 < done_to:
-            p0 = done_to
-        if p1 > p0:
-            if write:
-                _sync_file_range(fd, p0, p1 - p0, advice)
-            else:
-                _fadvise(fd, p0, p1 - p0, advice)
-            done_to = p1
-            calls += 1
-    return calls
-
-
-def _row_pages(rows: np.ndarray, rec_bytes: int) -> np.ndarray:
-    """Sorted unique page numbers (counted from the file start) covering the given rows."""
-    start = HEADER_BYTES + rows.astype(np.int64) * rec_bytes
-    first = start // PAGE
-    last = (start + rec_bytes - 1) // PAGE
-    spans = [np.arange(f, e + 1) for f, e in zip(first, last, strict=True)]
-    return np.unique(np.concatenate(spans))
-
-
-class _Lane:
-    """One background thread issuing one kind of hint for queued batches of rows."""
-
-    def __init__(self, store, write: bool, depth: int):
-        self._store = store
-        self._write = write
-        self._rec_bytes = store.stride * store.dtype.itemsize
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
-        self.batches = 0
-        self.calls = 0
-        kind = "writeback" if write else "prefetch"
-        self._thread = threading.Thread(target=self._run, name=f"dsa-{kind}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        advice = SYNC_FILE_RANGE_WRITE if self._write else _WILLNEED
-        while True:
-            rows = self._q.get()
-            try:
-                if rows is None:
-                    return
-                fd = self._store._fd
-                if fd >= 0 and not self._store.closed:
-                    self.calls += _advise_rows(fd, rows, HEADER_BYTES, self._rec_bytes, PAGE,
-                                               advice, self._write)
-                    self.batches += 1
-            finally:
-                self._q.task_done()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-
-
-class Prefetcher:
-    """Background threads that turn batches of row ids into read-ahead / write-back hints.
-
-    Reads and writes have a thread each, so a write-back that waits on a congested request
-    queue never delays the next batch's read-ahead. ``submit`` waits only while ``depth``
-    batches are already queued on that lane (back-pressure). Hints are never needed for
-    correctness.
-    """
-
-    def __init__(self, store, depth: int = 4):
-        self._store = store
-        self._depth = depth
-        self._lanes: dict[bool, _Lane] = {}
-
-    def _lane(self, write: bool) -> _Lane:
-        lane = self._lanes.get(write)
-        if lane is None:
-            lane = self._lanes[write] = _Lane(self._store, write, self._depth)
-        return lane
-
-    @property
-    def calls(self) -> int:
-        return sum(lane.calls for lane in self._lanes.values())
-
-    def submit(self, rows: np.ndarray, write: bool = False) -> None:
-        self._lane(write)._q.put(np.unique(rows))
-
-    def join(self) -> None:
-        """Wait until every submitted hint has been issued (not until the I/O finishes)."""
-        for lane in list(self._lanes.values()):
-            lane._q.join()
-
-    def close(self) -> None:
-        for lane in self._lanes.values():
-            lane.close()
-
-
-def _prefetcher(state) -> Prefetcher:
-    st = state.store
-    pf = st._prefetcher
-    if pf is None:
-        pf = st._prefetcher = Prefetcher(st)
-    return pf
+__all__ = ["prefetch", "prefetched", "residency"]
 
 
 def prefetch(state, idx: Any, *, wait: bool = False) -> None:
@@ -176,24 +35,6 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     rows = as_index(idx, st.num_rows)
     if rows.size:
         st.prefetch(rows, wait)
-
-
-def writeback(state, idx: Any) -> None:
-    """Start writing the (just updated) records of rows ``idx`` back to disk, in the background.
-
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: the pages are queued for writing and stay
-    cached, but are clean once written, so that under memory pressure the kernel could drop
-    them without stalling on dirty-page writeback. Not exported: out of core it made steps
-    slower, not faster (the writes compete with the reads the step waits on; figures:
-    docs/benchmarks.md, design measurements), so it is kept only for
-    ``benchmarks.ooc --modes pipeline``.
-    """
-    st = state.store
-    if st.closed or st.mode != "r+" or not st.table_view:  # a mapping's pages only
-        return
-    rows = as_index(idx, st.num_rows)
-    if rows.size:
-        _prefetcher(state).submit(rows, write=True)
 
 
 def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, key=None) -> Iterator[Any]:
@@ -236,13 +77,3 @@ def residency(state, idx: Any) -> float:
     return st.residency(rows)
 
 
-def mapped_residency(st, rows: np.ndarray) -> float:
-    """``residency`` of an in-place store: mincore over the mapped pages of ``rows``."""
-    pages = _row_pages(rows, st.stride * st.dtype.itemsize)
-    base = st.data.__array_interface__["data"][0] - HEADER_BYTES
-    npages = -(-st.nbytes // PAGE)
-    vec = np.zeros(npages, np.uint8)
-    if mincore_addr(base, npages * PAGE, vec.ctypes.data) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mincore failed: {os.strerror(err)}")
-    return float((vec[pages] & 1).mean())

@@ -1,7 +1,7 @@
 """The ``State`` value and the store's life cycle: create, open, flush, checkpoint, close.
 
 Policy only: initialisation, the manifest contents, which State is current. The bytes on
-disk are ``_layout``'s and ``_store``'s business, the argument rules ``validation``'s.
+disk are ``_layout``'s and the engines' business, the argument rules ``validation``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
 from ._engines import ENGINES, kind_of
-from ._store import check_unclean
+from ._inplace.store import check_unclean
 from .validation import (
     DURABILITY_MODES,
     INIT_NAMES,

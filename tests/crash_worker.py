@@ -93,7 +93,7 @@ def install_kill(point: str, at: int) -> None:
     """Patch dsa_core so that this process kills itself at ``point`` of step ``at``."""
     import dsa_core._files as files
     import dsa_core._layout as fmt
-    import dsa_core._store as store
+    import dsa_core._inplace.store as store
     import dsa_core._step as stp
 
     now = lambda: CURRENT[0] == at

@@ -199,7 +199,7 @@ def test_sigterm_during_create_leaves_no_partial_file(tmp_path):
     """Ctrl-C ran the cleanup, SIGTERM did not: rows.dsa.tmp (possibly GBs) stayed behind."""
     code = textwrap.dedent(f"""
         import sys, dsa_core
-        from dsa_core import _store
+        from dsa_core._inplace import store as _store
         real = _store._fill
         def slow_fill(*a, **k):
             print("filling", flush=True)

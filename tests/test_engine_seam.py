@@ -23,14 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "dsa_core"
 
 # The engines and the seam itself: the only places that may know a kind's internals.
-ENGINE_FILES = {"_engine.py", "_store.py", "_log_store.py", "_engines.py"}
+ENGINE_FILES = {"_engine.py", "_engines.py"}
 
 
 def _is_engine(path: Path) -> bool:
     rel = path.relative_to(ROOT).as_posix()
     return (path.name in ENGINE_FILES and rel.startswith("dsa_core/")) \
-        or rel.startswith("dsa_core/_log/") or rel.startswith("dsa_core/_inplace/") \
-        or re.fullmatch(r"dsa_core/_log[a-z_]*\.py", rel) is not None
+        or rel.startswith("dsa_core/_log/") or rel.startswith("dsa_core/_inplace/")
 
 
 # What a kind switch or a reach into an engine looks like in code outside the engines.

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _init, _state, _store
+from dsa_core import _init, _state
+from dsa_core._inplace import store as _store
 
 N, D = 1500, 13  # odd dim: the last column of a row is half of a polar pair
 

@@ -26,7 +26,7 @@ import pytest
 from dsa_core import _init as _log_init, _layout, _log
 from dsa_core._log import format as _log_format
 from dsa_core._log import wal as _log_wal
-from dsa_core._store import StoreLockedError
+from dsa_core import StoreLockedError
 
 N = 3000
 

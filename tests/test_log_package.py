@@ -1,8 +1,8 @@
 """The log engine's package layout (dsa_core._log): it imports, and its imports point one way.
 
 Every module of the package imports in a fresh interpreter; no module of it imports the
-in-place engine's I/O modules (``_prefetch``, ``_ranges``) or the core's glue above the
-engine (``_state``, ``_step``, ``_log_store``); the package's imports have no cycle, inside
+in-place engine (``_inplace``) or the core's glue above the engines (``_prefetch``,
+``_ranges``, ``_state``, ``_step``); the package's imports have no cycle, inside
 it or through the rest of dsa_core; the OS layer (``dsa_core._os``) imports nothing of
 dsa_core. The imports are read with ``ast`` (lazy imports inside functions included).
 """
@@ -19,7 +19,8 @@ import dsa_core
 CORE = Path(dsa_core.__file__).parent
 PKG = CORE / "_log"
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
-FORBIDDEN = {"_prefetch", "_ranges", "_state", "_step", "_log_store"}
+FORBIDDEN = {"_prefetch", "_ranges", "_state", "_step", "_inplace", "_inplace.store",
+             "_inplace.readahead", "_inplace.ranges"}
 
 
 def _name_of(path: Path) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _ranges
+from dsa_core._inplace import ranges as _ranges
 
 N, D = 20_000, 16
 

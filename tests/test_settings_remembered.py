@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from dsa_core import _log_store
+from dsa_core._log import store as _log_store
 
 N, D = 20_000, 8  # 1.9 MB of records: the default budget (the whole table) is not 1 MiB
 MiB = 1 << 20

@@ -320,7 +320,8 @@ def commit_cut(action):
 
 def patch_cut(where: str, action) -> None:
     """Make the next snapshot stop at ``where`` ("copy" or "commit") with ``action``."""
-    from dsa_core import _files, _store
+    from dsa_core import _files
+    from dsa_core._inplace import store as _store
     from dsa_core._log import commit
     if where == "copy":  # the copies of the in-place engine's and the log engine's snapshots
         _store.copy_file = commit.copy_file = cut_copy(action)
@@ -404,7 +405,8 @@ def test_kill_9_while_a_snapshot_is_taken_leaves_none_to_name(tmp_path, kind, wh
 def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     """KeyboardInterrupt inside opt.state_dict(): the staged directory is removed, no
     snapshot appears, the stores train on, earlier state dicts load, later ones are taken."""
-    from dsa_core import _files, _store
+    from dsa_core import _files
+    from dsa_core._inplace import store as _store
     from dsa_core._log import commit
     emb, lin, opt, sched = build(tmp_path, kind)
     run(emb, lin, opt, sched, batches(3))

@@ -1,6 +1,6 @@
 """The engine of a log-structured store: records in immutable segments, a region in memory.
 
-The in-place store (``_store``) updates each row where it lies in one big mapped file: once
+The in-place store (``_inplace``) updates each row where it lies in one big mapped file: once
 the dirty rows exceed the kernel's write-back budget, or the table exceeds RAM, every
 updated row costs a random read and later a random 4 KiB write-back. This engine keeps the
 same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one on disk:
@@ -20,7 +20,7 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
   (``recovery``).
 
 :class:`LogEngine` composes those components and is the only thing callers see:
-``dsa_core.step`` (through ``_log_store.LogStore``) coalesces a batch's ids,
+``dsa_core.step`` (through ``_log.store.LogStore``) coalesces a batch's ids,
 ``slots = eng.acquire(unique_rows)``, runs the kernels on ``eng.region`` with ``slots`` in
 place of the row ids, then sets ``eng.count``; ``gather``/export use :meth:`LogEngine.read`.
 

@@ -1,8 +1,8 @@
 """A log-structured store seen through the attributes that ``State`` and ``step`` use.
 
-``_store.Store`` (the in-place store) exposes the layout as attributes (``w_off``,
+``_inplace.store.Store`` (the in-place store) exposes the layout as attributes (``w_off``,
 ``m_off``, ``stride``...), the mapped records as ``data`` and the live step count as
-``count``. :class:`LogStore` gives a ``_log.LogEngine`` the same surface, except for
+``count``. :class:`LogStore` gives a ``log_engine.LogEngine`` the same surface, except for
 ``data``: a log store has no whole-table array (its records live in an in-memory region of
 slots and in immutable segments), so ``data`` and ``counters`` raise a clear error, and
 ``step`` and ``gather`` use :attr:`LogStore.engine` instead (``acquire``, ``region``,
@@ -24,15 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from . import _log
-from ._engine import closed_error, scratch
-from ._init import INIT_CHUNK_BYTES, chunks, progress_bar
-from ._log.format import FORMAT_NAME as LOG_FORMAT
-from ._log.format import MANIFEST_FILE, parse_name
-from ._log.read import ReadAhead
-from ._paging import memory_limit
-from ._settings import remembered, settings_field
-from .validation import check_memory_arg
+from . import budget, pool
+from . import engine as log_engine
+from . import format as log_format
+from .._engine import closed_error, scratch
+from .._init import INIT_CHUNK_BYTES, chunks, progress_bar
+from .format import FORMAT_NAME as LOG_FORMAT
+from .format import MANIFEST_FILE, parse_name
+from .read import ReadAhead
+from .._paging import memory_limit
+from .._settings import remembered, settings_field
+from ..validation import check_memory_arg
 
 __all__ = ["DEFAULT_MEMORY_SHARE", "LOG_FORMAT", "MIN_BATCH_ROWS", "SETTINGS", "LogStore",
            "check_settings", "create_store", "default_memory", "open_store", "region_memory",
@@ -61,7 +63,7 @@ def region_memory(layout: Any, rows: int) -> int:
             or rows < 1:
         raise ValueError(f"rows must be an int >= 1 (the records the region must hold), got "
                          f"{rows!r}")
-    return _log.memory_for(dict(lay), int(rows))
+    return budget.memory_for(dict(lay), int(rows))
 
 
 def default_memory(layout: dict[str, Any]) -> int:
@@ -74,12 +76,12 @@ def default_memory(layout: dict[str, Any]) -> int:
     """
     n = int(layout["num_rows"])
     share = int(DEFAULT_MEMORY_SHARE * memory_limit())
-    whole = _log.memory_for(layout, n)
-    floor = _log.memory_for(layout, min(MIN_BATCH_ROWS, n))
+    whole = budget.memory_for(layout, n)
+    floor = budget.memory_for(layout, min(MIN_BATCH_ROWS, n))
     return max(floor, min(share, whole))
 
 
-def _flush_unclosed(engine: _log.LogEngine, pid: int) -> None:
+def _flush_unclosed(engine: log_engine.LogEngine, pid: int) -> None:
     """Flush a log store that was never closed: when its last ``State`` is garbage-collected,
     or when the interpreter exits normally (``weakref.finalize`` runs at exit too).
 
@@ -103,7 +105,7 @@ def _flush_unclosed(engine: _log.LogEngine, pid: int) -> None:
 
 
 class LogStore:
-    """The log-structured engine (``_engine.Engine``) over a ``_log.LogEngine``.
+    """The log-structured engine (``_engine.Engine``) over a ``log_engine.LogEngine``.
 
     Shared by every ``State`` derived from one ``create``/``open``, like a ``Store``.
     ``count`` is the engine's count (the live step count: that of the newest State, and the
@@ -118,7 +120,7 @@ class LogStore:
     reads_last_flush = True  # a reader opens the files of the writer's last flush
     unclean = False          # a log store reopens exactly at its last flush: never unclean
 
-    def __init__(self, engine: _log.LogEngine):
+    def __init__(self, engine: log_engine.LogEngine):
         self.engine = engine
         lay = self.layout = dict(engine.layout)
         self.path = Path(engine.path)
@@ -225,7 +227,7 @@ class LogStore:
             slots = eng.acquire(rows, check=False) if n else np.empty(0, np.int64)
             rec = scratch(self, "logged_records", n * self.stride).reshape(n, self.stride)
             if n:
-                _log.gather_records(eng.region, slots, rec)
+                pool.gather_records(eng.region, slots, rec)
             self._step = (rows, slots, rec)
             return rec, np.arange(n, dtype=np.int64)
         if rows.shape[0]:
@@ -333,7 +335,7 @@ class LogStore:
     def verify(self) -> list[str]:
         """Every file of the last flush read whole and CRC-checked (a read-only open with
         ``check="full"``), then the index checked against the segments."""
-        eng = _log.open(self.path, "r", check="full")
+        eng = log_engine.open(self.path, "r", check="full")
         try:
             return [f"index: {p}" for p in eng.verify()]
         finally:
@@ -370,7 +372,7 @@ def check_settings(layout: dict[str, Any], *, access: str, memory: Any,
                          "paged); a log store (storage='log') has no mapping and takes "
                          "memory= instead: leave access='auto'")
     memory = check_memory_arg(memory, "log")
-    _log.check_memory(layout, default_memory(layout) if memory is None else memory, 1)
+    budget.check_memory(layout, default_memory(layout) if memory is None else memory, 1)
     return {} if memory is None else {"memory": memory}
 
 
@@ -384,7 +386,7 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
     memory = settings.get("memory") or default_memory(layout)
     named = init if isinstance(init, str) else "zeros"
     dt = np.dtype(layout["dtype"])
-    eng = _log.create(directory, layout, memory_bytes=memory, init=named,
+    eng = log_engine.create(directory, layout, memory_bytes=memory, init=named,
                       init_scale=float(init_scale), seed=int(seed), ball_maxnorm=ball_maxnorm,
                       space_ratio=2.0 if space_ratio is None else space_ratio,
                       overwrite=overwrite)
@@ -427,13 +429,13 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         raise ValueError(f"access={access!r} is for in-place stores; {str(directory)!r} is "
                          "a log store (storage='log'): leave access='auto' and size its "
                          "region with memory=")
-    manifest = _log.read_manifest(directory)
+    manifest = log_format.read_manifest(directory)
     meta = manifest.get("meta")
     settings = remembered(directory, meta.get("settings") if isinstance(meta, dict) else None,
                           "memory", memory)
     if mode == "r+" and memory is None:  # the recorded budget, else the default
         memory = settings.get("memory") or default_memory(manifest["layout"])
-    eng = _log.open(directory, mode, memory_bytes=memory, check="headers")
+    eng = log_engine.open(directory, mode, memory_bytes=memory, check="headers")
     store = LogStore(eng)
     store.settings = settings
     eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
@@ -442,4 +444,4 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
 
 def remove_store(directory: Path) -> None:
     """Delete a log store's directory (refused while a writer holds it)."""
-    _log.remove(directory)
+    log_engine.remove(directory)

@@ -35,11 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _layout
-from ._coalesce import gather_rows
-from ._files import StoreLockedError, copy_file, fsync_dir, lock_writer, staged_dir
-from ._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
-from ._layout import (
+from .. import _layout
+from .._coalesce import gather_rows
+from .._files import StoreLockedError, copy_file, fsync_dir, lock_writer, staged_dir
+from .._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
+from .._layout import (
     DATA_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -55,12 +55,12 @@ from ._layout import (
     layout_version,
     read_manifest,
 )
-from ._paging import _RAM_STORES, auto_access, check_access
-from ._pool import run_chunked
-from ._prefetch import Prefetcher, mapped_residency
-from ._ranges import submit_mapped, wait_mapped
-from ._settings import remembered
-from .validation import check_memory_arg
+from .._paging import _RAM_STORES, auto_access, check_access
+from .._pool import run_chunked
+from .readahead import Prefetcher, mapped_residency
+from .ranges import submit_mapped, wait_mapped
+from .._settings import remembered
+from ..validation import check_memory_arg
 
 __all__ = ["SETTINGS", "UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanStopError",
            "check_settings", "check_unclean", "create_store", "open_store", "remove_store"]
@@ -242,8 +242,8 @@ class Store:
         self.unclean = False  # opened with unclean="accept" on an unclean stop, not flushed
         self.data: np.ndarray | None = None
         self.counters: np.ndarray | None = None  # ``data`` viewed as ints (counter_dtype)
-        self._prefetcher = None  # dsa_core._prefetch.Prefetcher, created on first prefetch
-        self._ranges = None  # dsa_core._ranges.RangeWorker, created on first load/release_range
+        self._prefetcher = None  # dsa_core._inplace.readahead.Prefetcher, created on first prefetch
+        self._ranges = None  # dsa_core._inplace.ranges.RangeWorker, created on first load/release_range
         self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
         self.settings: dict[str, Any] = {}  # open-time settings (dsa_core._state)
         self._undo: tuple[np.ndarray, np.ndarray] | None = None  # the journaled step's rows

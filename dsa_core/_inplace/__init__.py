@@ -1,0 +1,25 @@
+"""The in-place storage engine: one mapped file of fixed-size records, updated where they lie.
+
+``store`` (:class:`Store`, its life cycle ``create_store``/``open_store``/``remove_store`` and
+the unclean-stop marker) on ``readahead`` (``prefetch`` and ``residency`` through the page
+cache) and ``ranges`` (``load_range``/``release_range`` as sequential reads and write-backs);
+system calls go through ``dsa_core._os``.
+
+This module re-exports what the registry (``dsa_core._engines``) and the core's policy use;
+anything else is imported from its module.
+"""
+
+from .store import (
+    SETTINGS,
+    Store,
+    StoreLockedError,
+    UncleanStopError,
+    check_settings,
+    check_unclean,
+    create_store,
+    open_store,
+    remove_store,
+)
+
+__all__ = ["SETTINGS", "Store", "StoreLockedError", "UncleanStopError", "check_settings",
+           "check_unclean", "create_store", "open_store", "remove_store"]

@@ -1,0 +1,343 @@
+"""Range load / release of an in-place store: its ``submit_range`` and ``wait_ranges``.
+
+The public calls (``dsa_core.load_range`` / ``release_range`` / ``wait_ranges``) check their
+arguments in ``dsa_core._ranges`` and hand the range to the store; this module is what an
+in-place store does with it.
+
+Partition-ordered training touches one block of rows (a partition) for a while, then moves
+on. Instead of paying one random page fault per row, the block can be read **sequentially**
+before it is needed and written back **sequentially** when it is done:
+
+- ``load_range``: read the records' bytes in, in file order, and map them
+  (``madvise(MADV_POPULATE_READ)``), so that the steps take no major faults on them (a step's
+  first write to a page still takes one minor fault, which marks the page dirty). A "disk"
+  store (``MADV_RANDOM``: its faults read 4 KiB each) is read with large ``pread`` calls on a
+  private descriptor first; a "ram" store is populated through the mapping alone, whose
+  huge-page read-ahead reads and maps 2 MiB folios.
+- ``release_range``: ``sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`` writes the dirty
+  pages of the range in file order; then ``madvise(MADV_PAGEOUT)`` on the mapped range and
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the byte range let the kernel drop the (now clean)
+  pages.
+
+Both only hint: ``step`` still reads and writes every row through the shared mapping, whose
+pages are the page cache itself, so no value can change, go stale or get lost whatever the
+timing. The kernel never drops a dirty page without writing it first, so a row a step writes
+while its range is being released is kept (or written again). No call here can discard data:
+``MADV_DONTNEED``, ``MADV_FREE`` and ``MADV_REMOVE`` are never used.
+
+Requests of one store run in submission order on one daemon thread per store, created on
+first use and stopped by ``Store.close`` before it syncs. The thread uses its own descriptor
+(its own open file description) on the data file: a write error it is told about
+(``sync_file_range`` consumes the error report of the file description it is given) is still
+reported to the store's own ``flush``/``close``, and the store's descriptors may be closed
+while a request runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import operator
+import os
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .._engine import closed_error
+from .._layout import HEADER_BYTES
+from .._os import (
+    MADV_PAGEOUT,
+    MADV_POPULATE_READ,
+    PAGE,
+    SYNC_FILE_RANGE_WAIT_AFTER,
+    SYNC_FILE_RANGE_WAIT_BEFORE,
+    SYNC_FILE_RANGE_WRITE,
+    madvise_addr,
+)
+from .._os import sync_file_range as _sync_file_range
+
+__all__ = ["RangeWorker", "submit_mapped", "wait_mapped"]
+
+LOAD_CHUNK = 8 << 20      # bytes per pread of a load (one reused buffer)
+RELEASE_CHUNK = 64 << 20  # bytes written back and dropped per release step
+POPULATE = True           # map loaded pages (MADV_POPULATE_READ) after reading them
+
+
+_CREATE_LOCK = threading.Lock()
+
+
+_closed_error = closed_error
+
+
+class _Request:
+    __slots__ = ("kind", "start", "stop", "huge", "done")
+
+    def __init__(self, kind: str, start: int, stop: int, huge: bool = False):
+        self.kind, self.start, self.stop = kind, start, stop
+        self.huge = huge  # the store is mapped "ram" (huge folios): load through the mapping
+        self.done = threading.Event()
+
+    def __repr__(self) -> str:
+        name = {"load": "load_range", "release": "release_range"}.get(self.kind, self.kind)
+        return f"{name}(rows [{self.start}, {self.stop}))"
+
+
+def _private_fd(fd: int, writable: bool) -> int:
+    """A new open file description of the same file (its own error-report and read-ahead
+    state); a plain ``dup`` if /proc is not mounted."""
+    want = os.fstat(fd)
+    try:
+        new = os.open(f"/proc/self/fd/{fd}",
+                      (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(fd)
+    got = os.fstat(new)
+    if (got.st_dev, got.st_ino) != (want.st_dev, want.st_ino):  # never another file
+        os.close(new)
+        return os.dup(fd)
+    return new
+
+
+class RangeWorker:
+    """The background thread of one store's range requests, and their FIFO queue.
+
+    Holds no reference to the ``Store``: only its mapped array (which keeps the mapping, and
+    so the addresses it advises, alive) and a private descriptor of the data file.
+    """
+
+    def __init__(self, store):
+        self.path = store.path
+        self.pid = os.getpid()  # a forked child gets a worker of its own
+        self._data = store.data  # a buffer export of the mmap: the mapping cannot go away
+        self._base = store.data.__array_interface__["data"][0] - HEADER_BYTES
+        self._map_end = -(-store.nbytes // PAGE) * PAGE
+        self._file_bytes = store.nbytes
+        self._rec = store.stride * store.dtype.itemsize
+        self._fd = _private_fd(store._fd, store.mode == "r+")
+        try:
+            # No read-ahead on this descriptor: the loads' reads are already large and
+            # sequential, and read-ahead past a range's end would bring back the neighbouring
+            # partition that was just released (measured: rows beyond a 1k-row load resident).
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except (OSError, AttributeError):
+            pass
+        self._q: collections.deque[_Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._error: tuple[_Request, BaseException] | None = None
+        self._can_pageout = True
+        self._can_populate = POPULATE
+        self.loaded_bytes = 0    # bytes read by loads (for tests and benchmarks)
+        self.released_bytes = 0  # bytes covered by releases
+        self._thread = threading.Thread(target=self._run, name="dsa-ranges", daemon=True)
+        self._finalizer = weakref.finalize(store, self.stop)  # a store dropped unclosed
+        self._thread.start()
+
+    # -- caller side -------------------------------------------------------------------------
+    def submit(self, kind: str, start: int, stop: int, st) -> _Request:
+        req = _Request(kind, start, stop, getattr(st, "access", "") == "ram")
+        with self._cv:
+            if self._stopping:
+                raise _closed_error(st)
+            self._q.append(req)
+            self._cv.notify()
+        return req
+
+    def raise_error(self) -> None:
+        """Re-raise (once) the first error a request met in the background."""
+        with self._cv:
+            failed, self._error = self._error, None
+        if failed is not None:
+            req, exc = failed
+            if isinstance(exc, OSError):
+                raise OSError(exc.errno, f"background {req!r} of store {str(self.path)!r} "
+                              f"failed: {exc.strerror or exc}; it was only a hint (no value "
+                              "was changed), but the error is the disk's: check it, then "
+                              "flush") from exc
+            raise RuntimeError(f"background {req!r} of store {str(self.path)!r} failed: "
+                               f"{exc!r}") from exc
+
+    def stop(self) -> None:
+        """Drop the queued requests, end the running one at its next chunk, let the thread
+        exit (it closes its descriptor). Does not wait."""
+        if self.pid != os.getpid():  # a forked child's copy: the thread is not here
+            return
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop and wait for the thread (``Store.close`` calls this before it syncs)."""
+        if self.pid != os.getpid():
+            return
+        self.stop()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._finalizer.detach()
+
+    # -- worker side -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._q and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    req = self._q.popleft()
+                try:
+                    if req.kind == "load":
+                        self._load(req.start, req.stop, req.huge)
+                    elif req.kind == "release":
+                        self._release(req.start, req.stop)
+                except BaseException as exc:  # reported by the next call on this store
+                    with self._cv:
+                        if self._error is None:
+                            self._error = (req, exc)
+                finally:
+                    req.done.set()
+        finally:
+            with self._cv:
+                self._stopping = True
+                left, self._q = list(self._q), collections.deque()
+            for req in left:  # dropped: their waiters return (the store is closing)
+                req.done.set()
+            os.close(self._fd)
+            self._fd = -1
+
+    def _span(self, start: int, stop: int) -> tuple[int, int]:
+        """The file bytes of rows [start, stop), widened outward to whole pages."""
+        lo = HEADER_BYTES + start * self._rec
+        hi = HEADER_BYTES + stop * self._rec
+        return (lo // PAGE) * PAGE, min(-(-hi // PAGE) * PAGE, self._map_end)
+
+    def _advise(self, off: int, length: int, advice: int) -> bool:
+        """madvise the mapped bytes [off, off+length); False if the kernel lacks ``advice``."""
+        if madvise_addr(self._base + off, length, advice) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EINVAL:  # advice unknown to this kernel (or not for this mapping)
+            return False
+        if err in (errno.EAGAIN, errno.EINTR):  # transient (e.g. a page under reclaim)
+            return True
+        raise OSError(err, f"madvise({advice}) failed: {os.strerror(err)}")
+
+    def _load(self, start: int, stop: int, huge: bool) -> None:
+        """Read [start, stop) in, in LOAD_CHUNK pieces (aligned to LOAD_CHUNK in the file).
+
+        "disk" stores: ``pread`` into a reused buffer (this descriptor's read-ahead makes the
+        I/Os large and sequential), then ``MADV_POPULATE_READ`` maps the cached pages.
+        "ram" stores: ``MADV_POPULATE_READ`` alone: its faults read through the mapping,
+        whose huge-page advice makes the read-ahead fill 2 MiB folios that are mapped whole;
+        pages read by ``pread`` would come in smaller folios and be mapped 4 KiB at a time,
+        for the rest of the mapping's life.
+        """
+        lo, hi = self._span(start, stop)
+        hi_file = min(hi, self._file_bytes)
+        view = None
+        off = lo
+        while off < hi and not self._stopping:
+            end = min((off // LOAD_CHUNK + 1) * LOAD_CHUNK, hi)
+            if huge and self._can_populate:
+                self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
+                if self._can_populate:
+                    self.loaded_bytes += end - off
+                    off = end
+                    continue
+            if view is None:
+                view = memoryview(bytearray(min(LOAD_CHUNK, max(hi_file - lo, PAGE))))
+            pos = off
+            while pos < min(end, hi_file):  # CPython releases the GIL around preadv
+                n = os.preadv(self._fd, [view[:min(end, hi_file) - pos]], pos)
+                if n <= 0:
+                    break
+                pos += n
+            self.loaded_bytes += pos - off
+            if self._can_populate and not self._stopping:
+                self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
+            off = end
+
+    def _inner(self, start: int, stop: int) -> tuple[int, int]:
+        """The file bytes of rows [start, stop), narrowed inward to whole pages: the pages
+        that hold no byte of a row outside the range (those a release may drop)."""
+        lo = HEADER_BYTES + start * self._rec
+        hi = HEADER_BYTES + stop * self._rec
+        if stop * self._rec + HEADER_BYTES >= self._file_bytes:
+            hi = self._map_end  # the last page holds no other row
+        lo, hi = -(-lo // PAGE) * PAGE, (hi // PAGE) * PAGE
+        return lo, max(lo, hi)
+
+    def _release(self, start: int, stop: int) -> None:
+        """Write [start, stop) back (pages widened outward: syncing a neighbour's page is
+        harmless), then drop only the pages inside the range, so that the page a released
+        partition shares with a resident neighbour stays mapped."""
+        lo, hi = self._span(start, stop)
+        keep_lo, keep_hi = self._inner(start, stop)
+        flags = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
+        off = lo
+        while off < hi and not self._stopping:
+            end = min(off + RELEASE_CHUNK, hi)
+            if _sync_file_range(self._fd, off, end - off, flags) != 0:
+                err = ctypes.get_errno()
+                # not written: nothing is dropped (the kernel would keep dirty pages anyway)
+                raise OSError(err, f"sync_file_range failed: {os.strerror(err)}")
+            d0, d1 = max(off, keep_lo), min(end, keep_hi)
+            if d1 > d0:
+                if self._can_pageout:
+                    self._can_pageout = self._advise(d0, d1 - d0, MADV_PAGEOUT)
+                os.posix_fadvise(self._fd, d0, d1 - d0, os.POSIX_FADV_DONTNEED)
+            self.released_bytes += end - off
+            off = end
+
+
+
+def _worker(st, create: bool) -> RangeWorker | None:
+    w = getattr(st, "_ranges", None)
+    if w is not None and w.pid != os.getpid():
+        w = None  # inherited through fork: its thread and queue are the parent's
+    if w is not None or not create:
+        return w
+    with _CREATE_LOCK:
+        w = st._ranges
+        if w is None or w.pid != os.getpid():
+            if st.closed:
+                raise _closed_error(st)
+            w = st._ranges = RangeWorker(st)
+    return w
+
+
+
+def submit_mapped(st: Any, kind: str, start: int, stop: int, wait: bool) -> None:
+    """The range calls of an in-place store (its ``submit_range``): queued on its range
+    thread."""
+    w = _worker(st, create=stop > start)
+    if w is not None:
+        w.raise_error()
+    if stop == start or w is None:
+        return
+    req = w.submit(kind, start, stop, st)
+    if wait:
+        req.done.wait()
+        w.raise_error()
+
+
+
+def wait_mapped(st: Any) -> None:
+    """``wait_ranges`` of an in-place store: a barrier through its range thread."""
+    w = _worker(st, create=False)
+    if w is None:
+        if st.closed:
+            raise _closed_error(st)
+        return
+    try:
+        req = w.submit("barrier", 0, 0, st)
+    except ValueError:
+        if st.closed:
+            raise
+        req = None
+    if req is not None:
+        req.done.wait()
+    w.raise_error()
