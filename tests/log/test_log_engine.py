@@ -808,7 +808,7 @@ def test_crash_point_armed_by_the_environment(tmp_path):
     """)
     env = dict(os.environ, DSA_LOG_CRASH="seal-header:2")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parents[1], timeout=120)
+                       cwd=Path(__file__).resolve().parents[2], timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert 2 <= len(p.stdout.split()) < 29  # killed inside the second seal
     eng = _log.open(tmp_path / "s", memory_bytes=10**5)  # the torn segment is garbage

@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 # examples/ is a directory of the checkout, not part of the installed package: make it
 # importable under a bare `pytest` too (`python -m pytest`, as `make test` runs, has the
 # repository root on sys.path already)
-_ROOT = str(Path(__file__).resolve().parents[1])
+_ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "dsa_core"
 
 # The engines and the seam itself: the only places that may know a kind's internals.

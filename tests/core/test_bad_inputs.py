@@ -42,7 +42,7 @@ from adapters import jax as dj
 from adapters.torch import DiskEmbedding, DiskSparseAdam
 
 NAN = float("nan")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STORAGES = ("inplace", "log")
 LOG_MEMORY = "1MiB"   # holds every row of the small tables here
 TIGHT_ROWS = 4        # the region of the "tight" log stores: 4 records

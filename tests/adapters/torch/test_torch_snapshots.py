@@ -31,7 +31,7 @@ from adapters.torch import DiskEmbedding, DiskSparseAdam
 nn = torch.nn
 N, D = 300, 8
 SLOTS = 40
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SNAP = ".dsa-snapshots"
 
 

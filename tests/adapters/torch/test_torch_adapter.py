@@ -27,7 +27,7 @@ from adapters.torch import MANIFEST_KEY, DiskSparseAdam, StoreLockedError
 F = torch.nn.functional
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 3e-6},
        torch.float64: {"rtol": 1e-12, "atol": 1e-13}}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def digest(path: Path) -> dict[str, str]:

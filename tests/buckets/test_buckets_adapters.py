@@ -35,7 +35,7 @@ import dsa_core
 from adapters.torch import DiskEmbedding, DiskSparseAdam
 from dsa_core import buckets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:   # examples/ and benchmarks/ are directories of the checkout
     sys.path.insert(0, str(ROOT))
 

@@ -20,7 +20,7 @@ import pytest
 import dsa_core
 from dsa_core import _bucket_order, buckets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _edges(E=3000, N=200, cols=2, seed=0, dtype=np.int64):

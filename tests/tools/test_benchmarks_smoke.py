@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # argv of each benchmark's main, the name its results are written under (None: none) and a
 # column of the table it prints. The sizes are

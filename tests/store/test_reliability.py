@@ -22,14 +22,12 @@ import errno
 import gc
 import json
 import os
-import queue
 import shutil
 import signal
 import struct
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import uuid
 from collections import Counter
@@ -40,82 +38,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from helpers import Worker, run_worker
 
 import dsa_core
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("crash_worker.py")
+REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
 
 
-# -- the crash harness ------------------------------------------------------------------------
-class Worker:
-    """``crash_worker.py`` in a subprocess; its stdout lines arrive on a queue."""
-
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), *map(str, args)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, cwd=REPO)
-        self.lines: queue.Queue = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        with self.proc.stdout:
-            for line in self.proc.stdout:
-                if not line.endswith("\n"):  # killed mid-line (unbuffered stdout writes
-                    break                     # print's pieces one by one): no event
-                self.lines.put(line.split())
-        self.lines.put(None)
-
-    def _finish(self, timeout: float) -> tuple[int, str]:
-        rc = self.proc.wait(timeout=timeout)
-        with self.proc.stderr:
-            err = self.proc.stderr.read()
-        return rc, err
-
-    def expect(self, word: str, timeout: float = 120.0) -> int:
-        """Wait for the next line ``word <count>``; returns the count."""
-        try:
-            got = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            self.proc.kill()
-            raise AssertionError(f"worker printed nothing for {timeout} s") from None
-        if got is None or got[0] != word:
-            _, err = self._finish(60)
-            raise AssertionError(f"worker: expected {word!r}, got {got!r}; stderr:\n{err}")
-        self.seen.append(" ".join(got))
-        return int(got[1])
-
-    def kill(self) -> list[list[str]]:
-        """SIGKILL it (it must still be running); returns the lines printed meanwhile."""
-        self.proc.send_signal(signal.SIGKILL)
-        rc, err = self._finish(60)
-        assert rc == -signal.SIGKILL, f"worker ended by itself (rc {rc}) before the kill:\n{err}"
-        return self.drain()
-
-    def wait(self, timeout: float = 300.0) -> tuple[int, str]:
-        return self._finish(timeout)
-
-    def drain(self) -> list[list[str]]:
-        out = []
-        while True:
-            try:
-                got = self.lines.get(timeout=5)
-            except queue.Empty:
-                break
-            if got is None:
-                break
-            out.append(got)
-        return out
-
-
-def run_worker(*args, timeout: float = 300.0) -> tuple[int, list[list[str]], str]:
-    w = Worker(*args)
-    rc, err = w.wait(timeout)
-    return rc, w.drain(), err
-
-
+# -- the crash harness (Worker, run_worker: tests/helpers.py) ------------------------------
 class Replay:
     """A store stepped through crash_worker.batch(1..count) without any crash (the oracle)."""
 
@@ -871,7 +802,7 @@ def test_steps_on_a_full_filesystem_do_not_sigbus(tmp_path):
         dsa_core.close(s)
         filler = fill(fs)
         r = subprocess.run([sys.executable, "-c", FULL_FS_SCRIPT, str(fs / "s"), str(filler),
-                            str(Path(__file__).parent)],
+                            str(REPO / "tests")],
                            capture_output=True, text=True, timeout=300, check=False)
         assert r.returncode == 0, f"rc {r.returncode} (SIGBUS is -7):\n{r.stderr}"
         assert r.stdout.split("\n")[:2] == ["flush ENOSPC", "done 20"]
@@ -948,7 +879,7 @@ def test_short_journal_write_on_a_nearly_full_filesystem_is_safe(tmp_path):
         dsa_core.close(s)
         filler = fill(fs)
         r = subprocess.run([sys.executable, "-c", SHORT_JOURNAL_SCRIPT, str(fs / "s"),
-                            str(filler), str(Path(__file__).parent)],
+                            str(filler), str(REPO / "tests")],
                            capture_output=True, text=True, timeout=300, check=False)
         assert r.returncode == -signal.SIGKILL, r.stderr
         filler.unlink()

@@ -29,11 +29,11 @@ from pathlib import Path
 import crash_worker as cw
 import numpy as np
 import pytest
-from test_reliability import Worker, run_worker
+from helpers import Worker, run_worker
 
 import dsa_core
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
 KINDS = ["inplace", "log"]
 INIT = (np.random.default_rng(3).standard_normal((N, D)) * 0.1).astype(np.float32)

@@ -50,7 +50,7 @@ HANG = 6.0                        # seconds a stuck rank sleeps (scenario C)
 GROUP_TIMEOUT = 20.0              # seconds: the process group's timeout in the workers
 TOL = {"rtol": 1e-5, "atol": 3e-6}
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[3]
 
 
 # -- the data (identical in workers and reference) ------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 
 import dsa_core
 from conftest import num_threads
+from helpers import TESTS, varied_steps
 from dsa_core._kernels_euclid import adam_rows_euclid
 from dsa_core._kernels_poincare import adam_rows_poincare
 
@@ -160,25 +161,6 @@ def test_resume_in_new_process_is_bitwise_identical(tmp_path, spec_batches, curv
 
 
 # -- compile hygiene --------------------------------------------------------------------------
-def _varied_steps(state, dtype, params_of=None):
-    """Steps that differ in every way the glue canonicalises: sorted/unsorted/duplicate ids,
-    int32/uint16/list ids, B, empty batches, a Fortran-ordered grad, an lr override."""
-    d = state.dim
-    calls = [
-        (np.array([5, 1, 5, 9]), _grad(4, d, dtype, 1), {}),
-        (np.array([0, 2, 3]), _grad(3, d, dtype, 2), {}),
-        ([7, 7, 7], _grad(3, d, dtype, 3), {"lr": 0.5}),
-        (np.array([8, 1], np.int32), np.asfortranarray(_grad(2, d, dtype, 4)), {}),
-        (np.empty(0, np.int64), np.empty((0, d), dtype), {}),
-        (np.array([4], np.uint16), _grad(1, d, dtype, 5), {}),
-    ]
-    for idx, g, kw in calls:
-        if params_of is not None:
-            kw = {**kw, "params": params_of(idx)}
-        state = dsa_core.step(state, idx, g, **kw)
-    return state
-
-
 @pytest.mark.parametrize("dt", ["float32", "float64"])
 @pytest.mark.parametrize("curvature", [0.0, 1.0])
 def test_second_step_compiles_nothing_new(tmp_path, curvature, dt):
@@ -187,7 +169,7 @@ def test_second_step_compiles_nothing_new(tmp_path, curvature, dt):
     s = dsa_core.step(s, [3, 1, 3], _grad(3, 4, np.dtype(dt)))  # may compile or load a cache
     n = len(kernel.signatures)
     assert n >= 1
-    s = _varied_steps(s, np.dtype(dt))
+    s = varied_steps(s, np.dtype(dt))
     assert len(kernel.signatures) == n, kernel.signatures
     dsa_core.close(s)
 
@@ -203,7 +185,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
     from dsa_core._kernels_euclid import adam_rows_euclid
     from dsa_core._kernels_poincare import adam_rows_poincare
     sys.path.insert(0, sys.argv[2])
-    from test_core_store import _varied_steps
+    from helpers import varied_steps
 
     def signatures():
         fns = {"euclid": adam_rows_euclid, "poincare": adam_rows_poincare,
@@ -220,13 +202,13 @@ WARMUP_SCRIPT = textwrap.dedent("""
         for c in (0.0, 1.0):
             name = f"{c}-{dt.__name__}"
             s = dsa_core.create(tmp / ("w" + name), 10, 4, curvature=c, dtype=dt.__name__)
-            s = _varied_steps(s, dt)
+            s = varied_steps(s, dt)
             dsa_core.gather(s, [3, 1, 3])
             dsa_core.close(s)
             ext = np.zeros((10, 4), dt)
             nw = dsa_core.create(tmp / ("n" + name), 10, 4, curvature=c, dtype=dt.__name__,
                                  weights=False)
-            nw = _varied_steps(nw, dt, params_of=lambda idx, ext=ext: ext[np.asarray(idx)])
+            nw = varied_steps(nw, dt, params_of=lambda idx, ext=ext: ext[np.asarray(idx)])
             dsa_core.close(nw)
     out["writeable"] = signatures()
     for what in ("grad", "idx"):
@@ -247,7 +229,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
 def warmup_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("warmup")
     run = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT, str(tmp),
-                          str(Path(__file__).parent)],
+                          str(TESTS)],
                          capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.splitlines()[-1])

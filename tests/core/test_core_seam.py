@@ -16,7 +16,7 @@ import pytest
 
 import dsa_core
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N, D = 50, 4
 
 

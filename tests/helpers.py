@@ -1,0 +1,155 @@
+"""Helpers shared by the test modules (``import helpers``: conftest.py puts tests/ on the path).
+
+* Paths: ``REPO`` (the checkout), ``TESTS`` (this folder; ``crash_worker.py`` lives here).
+* Records: ``records(state)`` (every row's record), ``assert_same_store(a, b)`` (same count and
+  the same records, bit for bit, NaN payloads included).
+* Log budgets: ``log_memory(layout_or_state, slots)`` -- the ``memory=`` of a log store whose
+  region holds ``slots`` records (``dsa_core.region_memory``, the public helper), and
+  ``log_kw(kind, ...)`` -- the create/adapter keywords of a storage kind.
+* The crash harness: ``Worker`` / ``run_worker`` run ``tests/crash_worker.py`` in a
+  subprocess (see test_reliability.py for what it trains and how the kills are checked).
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+import dsa_core
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+WORKER = TESTS / "crash_worker.py"
+KINDS = ("inplace", "log")
+
+
+# -- records ------------------------------------------------------------------------------------
+def records(state) -> np.ndarray:
+    """Every row's record (``dsa_core.read_records`` of all rows)."""
+    return dsa_core.read_records(state, np.arange(state.num_rows))
+
+
+def assert_same_store(a, b) -> None:
+    """Same count and the same records, bit for bit (NaN payloads included)."""
+    assert a.count == b.count
+    ra, rb = records(a), records(b)
+    assert ra.dtype == rb.dtype and ra.shape == rb.shape
+    np.testing.assert_array_equal(ra.view(np.uint8), rb.view(np.uint8))
+
+
+# -- log budgets --------------------------------------------------------------------------------
+def log_memory(layout, slots: int) -> int:
+    """``memory=`` of a log store whose region holds ``slots`` records of ``layout`` (a State or
+    a layout dict with num_rows, stride and dtype)."""
+    return dsa_core.region_memory(layout, slots)
+
+
+def log_kw(kind: str, memory=None) -> dict:
+    """The ``storage=`` (and, for a log store, ``memory=`` when given) keywords of ``kind``."""
+    if kind == "inplace":
+        return {"storage": "inplace"}
+    return {"storage": "log", **({} if memory is None else {"memory": memory})}
+
+
+def evicted(state) -> bool:
+    """A log store whose rows really left the region: sealed segments, fewer slots than rows."""
+    st = state.store.engine.stats()
+    return st["segments"] > 0 and st["slots"] < state.num_rows
+
+
+# -- step streams -------------------------------------------------------------------------------
+def _grad(b, dim=4, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal((b, dim)).astype(dtype)
+
+
+def varied_steps(state, dtype, params_of=None):
+    """Steps that differ in every way the glue canonicalises: sorted/unsorted/duplicate ids,
+    int32/uint16/list ids, B, empty batches, a Fortran-ordered grad, an lr override."""
+    d = state.dim
+    calls = [
+        (np.array([5, 1, 5, 9]), _grad(4, d, dtype, 1), {}),
+        (np.array([0, 2, 3]), _grad(3, d, dtype, 2), {}),
+        ([7, 7, 7], _grad(3, d, dtype, 3), {"lr": 0.5}),
+        (np.array([8, 1], np.int32), np.asfortranarray(_grad(2, d, dtype, 4)), {}),
+        (np.empty(0, np.int64), np.empty((0, d), dtype), {}),
+        (np.array([4], np.uint16), _grad(1, d, dtype, 5), {}),
+    ]
+    for idx, g, kw in calls:
+        if params_of is not None:
+            kw = {**kw, "params": params_of(idx)}
+        state = dsa_core.step(state, idx, g, **kw)
+    return state
+
+
+# -- the crash harness -----------------------------------------------------------------------
+class Worker:
+    """``crash_worker.py`` in a subprocess; its stdout lines arrive on a queue."""
+
+    def __init__(self, *args):
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), *map(str, args)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=REPO)
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if not line.endswith("\n"):  # killed mid-line (unbuffered stdout writes
+                    break                     # print's pieces one by one): no event
+                self.lines.put(line.split())
+        self.lines.put(None)
+
+    def _finish(self, timeout: float) -> tuple[int, str]:
+        rc = self.proc.wait(timeout=timeout)
+        with self.proc.stderr:
+            err = self.proc.stderr.read()
+        return rc, err
+
+    def expect(self, word: str, timeout: float = 120.0) -> int:
+        """Wait for the next line ``word <count>``; returns the count."""
+        try:
+            got = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"worker printed nothing for {timeout} s") from None
+        if got is None or got[0] != word:
+            _, err = self._finish(60)
+            raise AssertionError(f"worker: expected {word!r}, got {got!r}; stderr:\n{err}")
+        self.seen.append(" ".join(got))
+        return int(got[1])
+
+    def kill(self) -> list[list[str]]:
+        """SIGKILL it (it must still be running); returns the lines printed meanwhile."""
+        self.proc.send_signal(signal.SIGKILL)
+        rc, err = self._finish(60)
+        assert rc == -signal.SIGKILL, f"worker ended by itself (rc {rc}) before the kill:\n{err}"
+        return self.drain()
+
+    def wait(self, timeout: float = 300.0) -> tuple[int, str]:
+        return self._finish(timeout)
+
+    def drain(self) -> list[list[str]]:
+        out = []
+        while True:
+            try:
+                got = self.lines.get(timeout=5)
+            except queue.Empty:
+                break
+            if got is None:
+                break
+            out.append(got)
+        return out
+
+
+def run_worker(*args, timeout: float = 300.0) -> tuple[int, list[list[str]], str]:
+    w = Worker(*args)
+    rc, err = w.wait(timeout)
+    return rc, w.drain(), err
