@@ -5,36 +5,26 @@
   Euclidean / ball initialisations).
 * ``store_digest``: sha256 of every file of a store directory, to prove that a rejected call
   left the store byte-identical.
+* ``kind``: the storage kind, ``"inplace"`` and ``"log"`` -- a behaviour test that takes it runs
+  on both kinds (the storage kind is a performance choice, never a behaviour).
+
+Plain helpers (records, digests, log budgets, the crash harness, ...) are in helpers.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import KINDS, digest, num_threads  # noqa: F401  (num_threads: re-exported)
 
 SPEC_N = 1000
 SPEC_B = 64
 SPEC_STEPS = 200
 ROW1_STEPS = (1, 150, 200)
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """Run the block with ``dsa_core.set_num_threads(n)``, then restore the old count."""
-    import dsa_core
-
-    old = dsa_core.get_num_threads()
-    dsa_core.set_num_threads(n)
-    try:
-        yield
-    finally:
-        dsa_core.set_num_threads(old)
 
 
 def make_spec_batches(seed: int, dim: int, *, num_rows: int = SPEC_N, steps: int = SPEC_STEPS,
@@ -95,16 +85,6 @@ def touched_rows(batches, num_rows: int = SPEC_N) -> np.ndarray:
     return mask
 
 
-def digest(path: Path) -> dict[str, str]:
-    """sha256 of every file under a store directory (relative name -> hex digest)."""
-    path = Path(path)
-    out = {}
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            out[str(f.relative_to(path))] = hashlib.sha256(f.read_bytes()).hexdigest()
-    return out
-
-
 @pytest.fixture(scope="session")
 def spec_batches() -> Callable[..., list[tuple[np.ndarray, np.ndarray]]]:
     """``spec_batches(seed, dim, steps=200)`` -> the §5 batch stream (cached per call args)."""
@@ -136,3 +116,9 @@ def spec_touched() -> Callable[..., np.ndarray]:
 def store_digest() -> Callable[[Path], dict[str, str]]:
     """``store_digest(dir)`` -> {file name: sha256} for every file of a store directory."""
     return digest
+
+
+@pytest.fixture(params=KINDS)
+def kind(request) -> str:
+    """The storage kind of a behaviour test: every test that takes it runs on both kinds."""
+    return request.param

@@ -1,6 +1,7 @@
 """Helpers shared by the test modules (``import helpers``: conftest.py puts tests/ on the path).
 
 * Paths: ``REPO`` (the checkout), ``TESTS`` (this folder; ``crash_worker.py`` lives here).
+* ``num_threads(n)`` (a context), ``digest(dir)`` (sha256 of every file of a store directory).
 * Records: ``records(state)`` (every row's record), ``assert_same_store(a, b)`` (same count and
   the same records, bit for bit, NaN payloads included).
 * Log budgets: ``log_memory(layout_or_state, slots)`` -- the ``memory=`` of a log store whose
@@ -12,11 +13,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import queue
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +33,38 @@ WORKER = TESTS / "crash_worker.py"
 KINDS = ("inplace", "log")
 
 
+# -- threads and digests -----------------------------------------------------------------------
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the block with ``dsa_core.set_num_threads(n)``, then restore the old count."""
+    old = dsa_core.get_num_threads()
+    dsa_core.set_num_threads(n)
+    try:
+        yield
+    finally:
+        dsa_core.set_num_threads(old)
+
+
+def digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under a store directory (relative name -> hex digest)."""
+    path = Path(path)
+    out = {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            out[str(f.relative_to(path))] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
 # -- records ------------------------------------------------------------------------------------
 def records(state) -> np.ndarray:
     """Every row's record (``dsa_core.read_records`` of all rows)."""
     return dsa_core.read_records(state, np.arange(state.num_rows))
+
+
+def assert_same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    """The same arrays, bit for bit (NaN payloads included)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def assert_same_store(a, b) -> None:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dsa_core
-from conftest import num_threads
+from helpers import num_threads
 from dsa_core import _reference as R
 
 

@@ -29,7 +29,7 @@ from test_core_kernels import (
 )
 
 import dsa_core
-from conftest import num_threads
+from helpers import num_threads
 from dsa_core import _reference as R
 
 N = 40

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from conftest import num_threads
+from helpers import num_threads
 from helpers import TESTS, varied_steps
 from dsa_core._kernels_euclid import adam_rows_euclid
 from dsa_core._kernels_poincare import adam_rows_poincare

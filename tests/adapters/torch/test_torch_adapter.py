@@ -7,7 +7,6 @@ rtol=1e-12 atol=1e-13; ball f32 (d >= 10) P atol=2e-5, M atol=5e-7, V rtol=1e-4 
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import json
 import shutil
@@ -22,18 +21,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import dsa_core
+from helpers import digest
 from adapters.torch import MANIFEST_KEY, DiskSparseAdam, StoreLockedError
 
 F = torch.nn.functional
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 3e-6},
        torch.float64: {"rtol": 1e-12, "atol": 1e-13}}
 REPO = Path(__file__).resolve().parents[3]
-
-
-def digest(path: Path) -> dict[str, str]:
-    """sha256 of every file below ``path``: proves that a rejected call wrote nothing."""
-    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(Path(path).rglob("*")) if f.is_file()}
 
 
 def close(a, b, tol):
@@ -440,8 +434,10 @@ def test_state_dict_round_trip_is_bit_exact(tmp_path):
 _RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {repo!r})
+    sys.path.insert(0, {repo!r} + "/tests")  # helpers
+    sys.path.insert(0, {repo!r} + "/tests/adapters/torch")  # this module
     from adapters.torch import DiskSparseAdam
-    from tests.test_torch_adapter import _fresh, _run
+    from test_torch_adapter import _fresh, _run
     phase, mode, d = sys.argv[1], sys.argv[2], sys.argv[3]
     emb = _fresh()
     opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=d + "/opt", resume=True)

@@ -25,6 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import dsa_core
+from helpers import KINDS
 
 from adapters.torch import DiskEmbedding, DiskSparseAdam
 
@@ -40,14 +41,6 @@ def region(weights=True) -> int:
     moments only)."""
     stride = (3 if weights else 2) * D
     return dsa_core.region_memory({"num_rows": N, "stride": stride, "dtype": "float32"}, SLOTS)
-
-
-KINDS = ("inplace", "log")
-
-
-@pytest.fixture(params=KINDS)
-def kind(request) -> str:
-    return request.param
 
 
 def kind_args(kind: str, weights=True) -> dict:
@@ -168,7 +161,8 @@ def test_module_state_dict_is_a_checkpoint(tmp_path, kind):
 CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[2])
-    sys.path.insert(0, sys.argv[3])
+    sys.path.insert(0, sys.argv[3])  # tests/: helpers
+    sys.path.insert(0, sys.argv[3] + "/adapters/torch")  # this module
     from pathlib import Path
     import numpy as np, torch, dsa_core
     from test_torch_snapshots import batches, build, run, stores
@@ -344,7 +338,8 @@ def named(sd) -> list[str]:
 KILL_CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, sys.argv[2])
-    sys.path.insert(0, sys.argv[3])
+    sys.path.insert(0, sys.argv[3])  # tests/: helpers
+    sys.path.insert(0, sys.argv[3] + "/adapters/torch")  # this module
     from pathlib import Path
     import numpy as np, torch, dsa_core
     from test_torch_snapshots import batches, build, patch_cut, run, stores
