@@ -1,7 +1,7 @@
 """adapters.torch_dist: ShardedDiskEmbedding over torch.distributed (gloo on loopback).
 
 The multi-process tests spawn worker processes running this very file
-(``python tests/test_distributed.py worker SCENARIO RANK WORLD PORT TMP``), rendezvous through
+(``python tests/adapters/torch/test_distributed.py worker SCENARIO RANK WORLD PORT TMP``), rendezvous through
 a ``TCPStore`` owned by the test (port chosen by the OS, 127.0.0.1 only), and compare what
 they leave on disk with a single process training a ``DiskEmbedding`` on the concatenation
 of all ranks' batches. Every wait is bounded and every worker is killed in ``finally``.
@@ -21,6 +21,7 @@ C  3 ranks: the 2-rank checkpoint and state_dir (resume=True) are refused, and s
    ShardExchangeError after the module's timeout.
 R  2 ranks with the reduced state: row-wise v, then row-wise v + bfloat16 m; a checkpoint,
    and reopening with the other settings refused without writing.
+L  2 ranks, in-place and log-structured shards side by side (see its section).
 
 The in-process tests use a gloo group of one rank (a ``HashStore``, no sockets): re-runs that
 need ``resume=True`` or ``overwrite=True``, outdated States, the shard format module.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +43,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
+
+import dsa_core
+from dsa_core import _layout
+from helpers import assert_same_bits, evicted
 
 N, D, B, F = 40, 8, 5, 3          # table rows, dim, bags per rank, ids per bag
 K1, K = 3, 6                      # checkpoint step, last step
@@ -300,7 +306,8 @@ class Launch:
         self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
                                    wait_for_workers=False, timeout=timedelta(seconds=30))
         env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
-                   MASTER_ADDR="127.0.0.1", PYTHONPATH=str(ROOT),
+                   MASTER_ADDR="127.0.0.1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
                    GLOO_SOCKET_IFNAME="lo0" if sys.platform == "darwin" else "lo")
         self.procs = []
         self.logs = []
@@ -910,11 +917,300 @@ def _nccl_worker(rank: int, world: int, port: int, tmp: Path) -> None:
     dist.destroy_process_group()
 
 
+# -- log-structured shards (was test_distributed_log.py) -------------------------------------------
+# Every log shard gets a region far smaller than its rows, so rows are evicted, sealed into
+# segments and read back during the runs. The oracle is the same run on in-place shards:
+# training, checkpoints, resumes and reshards must give the same records, bit for bit.
+# Scenario L (2 processes): in-place and log shards trained side by side on the same batches,
+# both checkpointed at step K1; the log run resumed from its checkpoint in a new state_dir;
+# resuming a store of the other kind refused on every rank.
+NL = 200  # rows of the log scenario's table (D, PAD, K1, K as above)
+LR = LR_EMB
+SLOTS = 48  # region slots of each log shard: a step brings a shard at most 48 distinct rows
+
+
+def lmemory(slots: int = SLOTS, **opts) -> int:
+    """A region budget of ``slots`` records of a weights-and-moments float32 store."""
+    lay = _layout.make_layout(NL, D, np.dtype(np.float32), 0.0, True, 0, **opts)
+    return dsa_core.region_memory(lay, slots)
+
+
+def linit_table() -> np.ndarray:
+    return (np.random.default_rng(7).standard_normal((NL, D)) * 0.5).astype(np.float32)
+
+
+def lbatch(step: int, rank: int) -> np.ndarray:
+    """24 ids of ``rank`` at ``step``, duplicates within and across ranks, the padding row."""
+    ids = np.random.default_rng([step, rank]).integers(0, NL, (6, 4), dtype=np.int64)
+    ids[0, :2] = 0
+    ids[1, 0] = PAD
+    return ids
+
+
+def lloss_of(x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    tgt = np.random.default_rng([1000 + step, rank]).standard_normal(tuple(x.shape))
+    return (x.tanh() * torch.from_numpy(tgt.astype(np.float32))).sum()
+
+
+def ltrain(emb, opt, steps, rank: int = 0) -> None:
+    for step in steps:
+        lloss_of(emb(torch.from_numpy(lbatch(step, rank))), step, rank).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def lrecords(root: Path, world: int, plan: str = "mod") -> tuple[np.ndarray, list, list]:
+    """The global table's whole records, and each shard's count and kind, under ``root``."""
+    from adapters.torch_dist import ShardPlan
+
+    sp = ShardPlan(NL, world, plan)
+    out, counts, kinds = None, [], []
+    for k in range(world):
+        st = dsa_core.open(root / f"rank{k}", mode="r")
+        rec = dsa_core.read_records(st, np.arange(st.num_rows))
+        if out is None:
+            out = np.zeros((NL, rec.shape[1]), rec.dtype)
+        out[sp.global_ids(k, np.arange(st.num_rows))] = rec
+        counts.append(st.count)
+        kinds.append(st.storage)
+        dsa_core.close(st)
+    return out, counts, kinds
+
+
+# -- scenario L: 2 processes, log shards ----------------------------------------------------------------------
+def _log_worker(rank: int, world: int, port: int, tmp: Path) -> None:
+    from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
+
+    join_group(rank, world, port)
+    out: dict = {"refused": []}
+    log = {"storage": "log", "memory": lmemory()}
+    ei = ShardedDiskEmbedding(NL, D, state_dir=tmp / "Li", padding_idx=PAD, init=linit_table())
+    el = ShardedDiskEmbedding(NL, D, state_dir=tmp / "Ll", padding_idx=PAD, init=linit_table(),
+                              **log)
+    oi = DiskSparseAdam(ei.parameters(), lr=LR)
+    ol = DiskSparseAdam(el.parameters(), lr=LR)
+    for step in range(1, K + 1):
+        ltrain(ei, oi, [step], rank)
+        ltrain(el, ol, [step], rank)
+        if step == K1:
+            ei.checkpoint(tmp / "ckLi")
+            el.checkpoint(tmp / "ckLl")
+    out["storage"] = [ei.store.storage, el.store.storage]
+    out["evicted"] = evicted(el.store)
+    for x in (oi, ol, ei, el):
+        x.close()
+    # the log checkpoint resumed in a new state_dir: the same steps again
+    er = ShardedDiskEmbedding(NL, D, state_dir=tmp / "Lr", padding_idx=PAD,
+                              resume_from=tmp / "ckLl", **log)
+    out["resumed_at"] = er.store.count
+    opt = DiskSparseAdam(er.parameters(), lr=LR)
+    ltrain(er, opt, range(K1 + 1, K + 1), rank)
+    out["resumed_storage"] = er.store.storage
+    opt.close()
+    er.close()
+    # a store of the other kind: refused on every rank, nothing written
+    for kw in ({"state_dir": tmp / "Ll", "resume": True, "storage": "inplace"},
+               {"state_dir": tmp / "Lx", "resume_from": tmp / "ckLi", **log}):
+        try:
+            ShardedDiskEmbedding(NL, D, padding_idx=PAD, **kw).close()
+            out["refused"].append(None)
+        except ValueError as exc:
+            out["refused"].append(str(exc))
+    e = ShardedDiskEmbedding(NL, D, state_dir=tmp / "Ll", padding_idx=PAD, resume=True, **log)
+    out["count"] = e.store.count
+    e.close()
+    (tmp / f"L_rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    os._exit(0)  # as scenario R: no teardown after refused builds
+
+
+def test_two_processes_log_shards_match_inplace(tmp_path):
+    """2 gloo processes: log shards == in-place shards (training, checkpoint, resume_from),
+    a store of the other kind is refused on every rank, and both checkpoints reshard to the
+    same records."""
+    from adapters.torch_reshard import reshard
+
+    t0 = time.monotonic()
+    launch = Launch("L", 2, tmp_path)
+    try:
+        assert launch.wait(t0 + 90) == [0, 0], launch.output()
+    finally:
+        launch.close()
+    res = [result(tmp_path, "L", r) for r in range(2)]
+    for r in range(2):
+        assert res[r]["storage"] == ["inplace", "log"] and res[r]["evicted"]
+        assert res[r]["resumed_at"] == K1 and res[r]["resumed_storage"] == "log"
+        assert res[r]["count"] == K
+        live, ckpt = res[r]["refused"]
+        assert "storage='log' store, but storage='inplace' was asked for" in live
+        assert "storage='inplace' store, but storage='log' was asked for" in ckpt
+        assert "torch_reshard" in ckpt and "nothing was written" in ckpt
+    assert not (tmp_path / "Lx").exists()
+    ref, counts, kinds = lrecords(tmp_path / "Li", 2)
+    assert counts == [K, K] and kinds == ["inplace"] * 2
+    for root in ("Ll", "Lr"):
+        got, counts, kinds = lrecords(tmp_path / root, 2)
+        assert counts == [K, K] and kinds == ["log"] * 2
+        assert_same_bits(got, ref)
+    snap = dsa_core.open(tmp_path / "Li" / "rank1", mode="r")
+    lay = snap.layout
+    dsa_core.close(snap)
+    assert not ref[PAD, lay["w"]:lay["w"] + D].any()  # the padding row: zeroed, never stepped
+    ck_i, _, _ = lrecords(tmp_path / "ckLi", 2)
+    ck_l, counts, kinds = lrecords(tmp_path / "ckLl", 2)
+    assert counts == [K1, K1] and kinds == ["log"] * 2
+    assert_same_bits(ck_l, ck_i)
+    # offline reshards of the two checkpoints: 2 -> 3 (range) and 2 -> 1, each keeps its kind
+    for world, plan in ((3, "range"), (1, "mod")):
+        for kind in ("i", "l"):
+            reshard(tmp_path / f"ckL{kind}", tmp_path / f"rs{kind}{world}", world, plan)
+        a, ca, ka = lrecords(tmp_path / f"rsi{world}", world, plan)
+        b, cb, kb = lrecords(tmp_path / f"rsl{world}", world, plan)
+        assert ca == cb == [K1] * world
+        assert ka == ["inplace"] * world and kb == ["log"] * world
+        assert_same_bits(a, ck_i)
+        assert_same_bits(b, ck_i)
+
+
+# -- log shards on one rank, in this process (the fixture one_rank) ---------------------
+def lbuild(root: Path, kind: str, **kw):
+    from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
+
+    log = {"storage": "log", "memory": lmemory()} if kind == "log" else {}
+    emb = ShardedDiskEmbedding(NL, D, state_dir=root, padding_idx=PAD, **log, **kw)
+    return emb, DiskSparseAdam(emb.parameters(), lr=LR)
+
+
+def test_one_rank_log_shard_resume_and_state_dict(tmp_path, one_rank):
+    """One rank: resume=True and resume_from= on log shards continue exactly as in-place
+    shards do; the state dict entry and extra_repr work the same."""
+    runs = {}
+    for kind in ("inplace", "log"):
+        emb, opt = lbuild(tmp_path / kind, kind, init=linit_table())
+        ltrain(emb, opt, range(1, 4))
+        emb.checkpoint(tmp_path / f"ck-{kind}")
+        ltrain(emb, opt, range(4, 6))
+        sd = emb.state_dict()
+        assert sd["_extra_state"]["count"] == 5
+        opt.close()
+        emb.close()
+        emb, opt = lbuild(tmp_path / kind, kind, resume=True)  # continues at step 5
+        emb.load_state_dict(sd)
+        ltrain(emb, opt, range(6, 8))
+        assert emb.store.storage == kind and emb.store.count == 7
+        runs[kind] = dsa_core.read_records(emb.store, np.arange(NL))
+        if kind == "log":
+            assert evicted(emb.store)
+        opt.close()
+        emb.close()
+        emb, opt = lbuild(tmp_path / f"from-{kind}", kind, resume_from=tmp_path / f"ck-{kind}")
+        ltrain(emb, opt, range(4, 8))
+        assert emb.store.count == 7
+        assert_same_bits(dsa_core.read_records(emb.store, np.arange(NL)), runs[kind])
+        opt.close()
+        emb.close()
+    assert_same_bits(runs["log"], runs["inplace"])
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"storage": "inplace", "memory": "1MiB"}, ValueError, "memory= is for storage='log'"),
+    ({"storage": "lsm"}, ValueError, "storage must be one of"),
+    ({"storage": "log", "memory": "lots"}, ValueError, "memory must be a number of bytes"),
+])
+def test_bad_storage_options_write_nothing(tmp_path, one_rank, kw, exc, match):
+    from adapters.torch_dist import ShardedDiskEmbedding
+
+    with pytest.raises(exc, match=match) as err:
+        ShardedDiskEmbedding(NL, D, state_dir=tmp_path / "emb", **kw)
+    assert "ShardedDiskEmbedding" in str(err.value)
+    assert not (tmp_path / "emb").exists()
+
+
+def test_other_kind_is_refused_and_nothing_written(tmp_path, one_rank):
+    """resume=True and resume_from= on a store of the other kind: refused, untouched."""
+    from adapters.torch_dist import ShardedDiskEmbedding
+
+    for kind in ("inplace", "log"):
+        emb, opt = lbuild(tmp_path / kind, kind, init=linit_table())
+        ltrain(emb, opt, range(1, 3))
+        emb.checkpoint(tmp_path / f"ck-{kind}")
+        opt.close()
+        emb.close()
+    before = tree(tmp_path)
+    for have, want in (("inplace", "log"), ("log", "inplace")):
+        log = {"storage": "log", "memory": lmemory()} if want == "log" else {"storage": "inplace"}
+        for kw in ({"state_dir": tmp_path / have, "resume": True},
+                   {"state_dir": tmp_path / want, "resume_from": tmp_path / f"ck-{have}"}):
+            with pytest.raises(ValueError, match=rf"storage='{have}' store, but "
+                                                 rf"storage='{want}' was asked for"):
+                ShardedDiskEmbedding(NL, D, padding_idx=PAD, **log, **kw)
+    assert tree(tmp_path) == before
+    for have in ("inplace", "log"):  # storage="auto" (the default) resumes either kind
+        mem = {"memory": lmemory()} if have == "log" else {}
+        emb = ShardedDiskEmbedding(NL, D, state_dir=tmp_path / have, padding_idx=PAD,
+                                   resume=True, **mem)
+        assert emb.store.storage == have and emb.store.count == 2
+        emb.close()
+    # overwrite=True replaces a shard of the other kind
+    emb = ShardedDiskEmbedding(NL, D, state_dir=tmp_path / "inplace", padding_idx=PAD,
+                               overwrite=True, storage="log", memory=lmemory(), init="zeros")
+    assert emb.store.storage == "log" and emb.store.count == 0
+    emb.close()
+
+
+def test_reshard_between_kinds_and_resume(tmp_path, one_rank):
+    """reshard keeps a checkpoint's kind or converts it (--storage), bit for bit; a
+    converted checkpoint resumes and trains as the original; mixed kinds are refused."""
+    from adapters.torch_reshard import main, reshard
+
+    for kind in ("inplace", "log"):
+        emb, opt = lbuild(tmp_path / kind, kind, init=linit_table())
+        ltrain(emb, opt, range(1, 4))
+        emb.checkpoint(tmp_path / f"ck-{kind}")
+        ltrain(emb, opt, range(4, 7))
+        opt.close()
+        emb.close()
+    ref, _, _ = lrecords(tmp_path / "inplace", 1)
+    ck, _, _ = lrecords(tmp_path / "ck-inplace", 1)
+    # the CLI: in-place -> log, 1 -> 3 ranks; log -> in-place, 1 -> 2 ranks (range)
+    assert main([str(tmp_path / "ck-inplace"), str(tmp_path / "to-log3"), "--world-size", "3",
+                 "--storage", "log", "--memory", "1MiB"]) == 0
+    reshard(tmp_path / "ck-log", tmp_path / "to-ip2", 2, "range", storage="inplace")
+    for root, world, plan, kind in (("to-log3", 3, "mod", "log"),
+                                    ("to-ip2", 2, "range", "inplace")):
+        got, counts, kinds = lrecords(tmp_path / root, world, plan)
+        assert counts == [3] * world and kinds == [kind] * world
+        assert_same_bits(got, ck)
+    # same world size, other kind: a converted checkpoint that resumes on one rank
+    reshard(tmp_path / "ck-inplace", tmp_path / "conv", 1, storage="log")
+    emb, opt = lbuild(tmp_path / "resumed", "log", resume_from=tmp_path / "conv")
+    ltrain(emb, opt, range(4, 7))
+    assert emb.store.storage == "log"
+    assert_same_bits(dsa_core.read_records(emb.store, np.arange(NL)), ref)
+    opt.close()
+    emb.close()
+    # refused before anything is written
+    with pytest.raises(ValueError, match="memory= is for storage='log'"):
+        reshard(tmp_path / "ck-inplace", tmp_path / "bad1", 2, memory="1MiB")
+    with pytest.raises(ValueError, match="storage must be one of"):
+        reshard(tmp_path / "ck-inplace", tmp_path / "bad2", 2, storage="lsm")
+    mixed = tmp_path / "mixed"
+    reshard(tmp_path / "ck-log", mixed, 2)
+    shutil.rmtree(mixed / "rank1")
+    reshard(tmp_path / "ck-inplace", tmp_path / "ip2", 2)
+    shutil.copytree(tmp_path / "ip2" / "rank1", mixed / "rank1")
+    with pytest.raises(ValueError, match="different store kinds"):
+        reshard(mixed, tmp_path / "bad3", 3)
+    assert not any((tmp_path / b).exists() for b in ("bad1", "bad2", "bad3"))
+
+
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "worker":
     _scen, _rank, _world, _port, _tmp = sys.argv[2], *map(int, sys.argv[3:6]), Path(sys.argv[6])
     if _scen == "N":
         _nccl_worker(_rank, _world, _port, _tmp)
     elif _scen == "R":
         _reduced_worker(_rank, _world, _port, _tmp)
+    elif _scen == "L":
+        _log_worker(_rank, _world, _port, _tmp)
     else:
         _worker(_scen, _rank, _world, _port, _tmp)
