@@ -119,6 +119,75 @@ def varied_steps(state, dtype, params_of=None):
     return state
 
 
+# -- the kind-parity recipe (store/test_store_kinds.py, log/, ...) -------------------------------
+# A small table trained on batches full of duplicates, under every option combination
+# (PARITY): an in-place and a log store with a small region must end with the same bits.
+PARITY_N, PARITY_D, PARITY_B = 240, 6, 24  # rows, dim, ids per batch (with duplicates)
+PARITY_STEPS = 60
+PARITY_LAYOUT = {"num_rows": PARITY_N, "stride": 3 * PARITY_D, "dtype": "float32"}  # [w|m|v]
+
+
+def parity_init(dtype="float32", scale=0.1, seed=0, n=PARITY_N, d=PARITY_D):
+    return (np.random.default_rng(seed).standard_normal((n, d)) * scale).astype(dtype)
+
+
+def parity_batches(dtype, steps=PARITY_STEPS, seed=1, nan_every=0):
+    N, B, D = PARITY_N, PARITY_B, PARITY_D
+    rng = np.random.default_rng(seed)
+    for k in range(steps):
+        idx = rng.integers(0, N, B)
+        idx[: B // 4] = idx[B // 4: B // 2]  # plenty of duplicates
+        g = rng.standard_normal((B, D)).astype(dtype)
+        if nan_every and k % nan_every == 0:
+            g[rng.integers(0, B), rng.integers(0, D)] = np.nan
+        yield idx, g
+
+
+PARITY = {
+    "float32": {},
+    "float64": {"dtype": "float64"},
+    "rowwise": {"second_moment": "rowwise"},
+    "poincare": {"curvature": 1.0},
+    "poincare64": {"curvature": 0.5, "dtype": "float64"},
+    "l2": {"weight_decay": 0.01},
+    "decoupled_missed_rowstep": {"weight_decay": 0.02, "decoupled_weight_decay": True,
+                                 "decay_missed_steps": True, "per_row_step": True},
+    "rowstep_poincare": {"curvature": 1.0, "per_row_step": True},
+    "skip_row": {"nonfinite": "skip_row"},
+    "maximize": {"maximize": True, "lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6},
+    "align": {"align": 64, "second_moment": "rowwise"},
+    # bfloat16 m: the stochastic rounding is keyed by the row id, not by the region slot the
+    # record sits in, so the log store rounds every value exactly as the in-place store
+    "bf16m": {"first_moment": "bfloat16"},
+    "bf16m_rowwise": {"first_moment": "bfloat16", "second_moment": "rowwise"},
+    "bf16m_l2_skip_row": {"first_moment": "bfloat16", "weight_decay": 0.01,
+                          "nonfinite": "skip_row"},
+    "bf16m_decoupled_missed_rowstep": {"first_moment": "bfloat16", "weight_decay": 0.02,
+                                       "decoupled_weight_decay": True,
+                                       "decay_missed_steps": True, "per_row_step": True},
+    "bf16m_rowwise_rowstep_maximize": {"first_moment": "bfloat16", "second_moment": "rowwise",
+                                       "per_row_step": True, "maximize": True, "lr": 0.01},
+}
+
+
+def parity_memory(state, rows=3 * PARITY_B) -> int:
+    """A region of ``rows`` slots: far fewer than the table, so that rows are evicted."""
+    return log_memory(state.layout, rows)
+
+
+def parity_pair(tmp_path, **kw):
+    """An in-place store (``tmp_path/inplace``) and a log store with a small region
+    (``tmp_path/log``) created from the same init array."""
+    dt = kw.get("dtype", "float32")
+    init = kw.pop("init", None)
+    if init is None and kw.get("weights", True):
+        init = parity_init(dt, scale=0.05 if kw.get("curvature", 0) else 0.1)
+    a = dsa_core.create(tmp_path / "inplace", PARITY_N, PARITY_D, init=init, **kw)
+    b = dsa_core.create(tmp_path / "log", PARITY_N, PARITY_D, init=init, storage="log",
+                        memory=parity_memory(a), **kw)
+    return a, b
+
+
 # -- the crash harness -----------------------------------------------------------------------
 class Worker:
     """``crash_worker.py`` in a subprocess; its stdout lines arrive on a queue."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import dsa_core
+from helpers import log_memory, records
 
 ROOT = Path(__file__).resolve().parents[2]
 N, D = 50, 4
@@ -45,25 +46,35 @@ def test_stale_state_cannot_step(tmp_path, durability):
     assert dsa_core.open(tmp_path / "s", mode="r").count == 2
 
 
-@pytest.mark.parametrize("op", ["flush", "checkpoint", "close", "write_records", "set_count"])
-def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, op):
-    s0 = dsa_core.create(tmp_path / "s", N, D)
+@pytest.mark.parametrize("op", ["step", "flush", "checkpoint", "close", "write_records",
+                                "set_count"])
+def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, kind, op):
+    """On both kinds (a log store with a region smaller than the table): refused, nothing on
+    disk or in the records changes, the current State goes on."""
+    kw = {"storage": "log", "memory": log_memory({"num_rows": N, "stride": 3 * D,
+                                                  "dtype": "float32"}, 10)} \
+        if kind == "log" else {"storage": "inplace"}
+    s0 = dsa_core.create(tmp_path / "s", N, D, init="normal", **kw)
     s1 = dsa_core.step(s0, [1, 2], _g(2))
     dsa_core.flush(s1)
     s2 = dsa_core.step(s1, [1], _g())
+    before = records(s2)
     manifest = (tmp_path / "s" / "manifest.json").read_text()
     calls = {
+        "step": lambda: dsa_core.step(s1, [3], _g()),
         "flush": lambda: dsa_core.flush(s1),
         "checkpoint": lambda: dsa_core.checkpoint(s1, tmp_path / "ck"),
         "close": lambda: dsa_core.close(s1),
         "write_records": lambda: dsa_core.write_records(s1, [0], dsa_core.read_records(s1, [5])),
         "set_count": lambda: dsa_core.set_count(s1, 7),
     }
-    with pytest.raises(dsa_core.StaleStateError, match="keep the returned value"):
+    with pytest.raises(dsa_core.StaleStateError, match="outdated.*keep the returned value"):
         calls[op]()
     assert (tmp_path / "s" / "manifest.json").read_text() == manifest  # count 1 on disk
     assert not (tmp_path / "ck").exists()
-    assert not s2.closed  # a refused close leaves the store open for the current State
+    np.testing.assert_array_equal(records(s2), before)
+    assert not s2.closed and s2.current  # a refused close leaves the store open for s2
+    assert s2.storage == kind
     dsa_core.close(s2)
     assert json.loads(manifest)["count"] == 1
     assert dsa_core.open(tmp_path / "s", mode="r").count == 2

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dsa_core
+from helpers import log_memory
 from dsa_core import _log
 from dsa_core._log import read as _log_read
 
@@ -24,7 +25,7 @@ def _create(path, slots, **kw):
     layout = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
     init = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
     return dsa_core.create(path, N, D, init=init, storage="log",
-                           memory=_log.memory_for(layout, slots), **kw)
+                           memory=log_memory(layout, slots), **kw)
 
 
 def _batches(steps, seed=1):
@@ -58,7 +59,7 @@ def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
     dsa_core.close(r)
     del r
     gc.collect()  # unmap the reader's segments: the kernel keeps pages that are mapped
-    s = dsa_core.open(tmp_path / "log", memory=_log.memory_for(s.layout, 500))
+    s = dsa_core.open(tmp_path / "log", memory=log_memory(s.layout, 500))
     rows = np.arange(0, N, 7)
     addrs, keep = s.store.engine.readahead(rows)
     assert addrs.shape[0] == rows.shape[0] and keep  # all on disk, none resident

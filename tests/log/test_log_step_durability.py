@@ -18,20 +18,20 @@ import time
 
 import numpy as np
 import pytest
-from test_log_store import D, LAYOUT, N, PARITY, _assert_same, _batches, _init, _records
+from helpers import PARITY, PARITY_D as D, PARITY_LAYOUT as LAYOUT, PARITY_N as N
+from helpers import assert_same_store, log_memory, parity_batches, parity_init, records
 
 import dsa_core
-from dsa_core import _log
 from dsa_core._log import format as _log_format
 from dsa_core._log import wal as _log_wal
 from dsa_core.__main__ import main as cli
 
-SMALL = _log.memory_for(LAYOUT, 72)  # a region of 72 slots for the float32 layout
+SMALL = log_memory(LAYOUT, 72)  # a region of 72 slots for the float32 layout
 BOUND = 5 * 4096  # log bytes: a batch's entry is one or two pages, so the log flushes often
 
 
 def _memory(state, rows=72):
-    return _log.memory_for(state.layout, rows)
+    return log_memory(state.layout, rows)
 
 
 def _abandon(state) -> None:
@@ -47,7 +47,7 @@ def _manifest(path):
 def _pair(tmp_path, weights=True, **kw):
     """A durability='flush' and a durability='step' log store, same init, small regions."""
     dt = kw.get("dtype", "float32")
-    init = _init(dt, scale=0.05 if kw.get("curvature", 0) else 0.1) if weights else None
+    init = parity_init(dt, scale=0.05 if kw.get("curvature", 0) else 0.1) if weights else None
     a = dsa_core.create(tmp_path / "flush", N, D, init=init, storage="log", memory="1MiB",
                         weights=weights, **kw)
     mem = _memory(a)
@@ -74,33 +74,33 @@ def test_step_durability_is_bit_identical_to_flush(tmp_path, name):
     a, b = _pair(tmp_path, **kw)
     assert b.durability == "step" and a.durability == "flush"
     mem = _memory(a)
-    for k, (idx, g) in enumerate(_batches(a.dtype, nan_every=7 if "skip_row" in name else 0)):
+    for k, (idx, g) in enumerate(parity_batches(a.dtype, nan_every=7 if "skip_row" in name else 0)):
         lr = None if k % 5 else 0.02
         a = dsa_core.step(a, idx, g, lr=lr)
         b = dsa_core.step(b, idx, g, lr=lr)
         if k in (17, 41):  # a crash: the reopened store replays its log
             b = _reopen(b, mem)
-            _assert_same(a, b)
-    _assert_same(a, b)
+            assert_same_store(a, b)
+    assert_same_store(a, b)
     eng = b.store.engine
     assert eng.stats()["seals"] > 0 and eng.verify() == []
     assert 0 < _manifest(b.path)["count"] < b.count  # the log flushed itself on the way
     assert eng.wal_bytes() <= BOUND
-    final = _records(a)
+    final = records(a)
     dsa_core.close(a)
     dsa_core.close(b)
     r = dsa_core.open(tmp_path / "step", mode="r")
     assert r.durability == "step" and r.count == a.count
-    np.testing.assert_array_equal(_records(r).view(np.uint8), final.view(np.uint8))
+    np.testing.assert_array_equal(records(r).view(np.uint8), final.view(np.uint8))
     dsa_core.close(r)
 
 
 @pytest.mark.parametrize("how", ["params", "table"])
 def test_weights_false_step_durability_is_bit_identical(tmp_path, how):
     a, b = _pair(tmp_path, weights=False)
-    Wa = _init()
+    Wa = parity_init()
     Wb = Wa.copy()
-    for k, (idx, g) in enumerate(_batches(np.float32)):
+    for k, (idx, g) in enumerate(parity_batches(np.float32)):
         if how == "params":
             pa, pb = Wa[idx], Wb[idx]
             a = dsa_core.step(a, idx, g, params=pa)
@@ -112,7 +112,7 @@ def test_weights_false_step_durability_is_bit_identical(tmp_path, how):
         if k == 30:
             b = _reopen(b, _memory(a))
     np.testing.assert_array_equal(Wa, Wb)
-    _assert_same(a, b)
+    assert_same_store(a, b)
     dsa_core.close(a)
     dsa_core.close(b)
 
@@ -120,23 +120,23 @@ def test_weights_false_step_durability_is_bit_identical(tmp_path, how):
 def test_every_completed_step_survives_a_crash_and_a_reader_sees_it(tmp_path, store_digest):
     _, b = _pair(tmp_path)
     b.store.engine.wal_bound = 1 << 30  # no flush of its own: everything stays in the log
-    live = {0: _records(b)}
-    for idx, g in _batches(np.float32, steps=9):
+    live = {0: records(b)}
+    for idx, g in parity_batches(np.float32, steps=9):
         b = dsa_core.step(b, idx, g)
-        live[b.count] = _records(b)
+        live[b.count] = records(b)
     b = dsa_core.step(b, np.array([], np.int64), np.zeros((0, D), np.float32))  # counts too
     assert _manifest(b.path)["count"] == 0 and b.count == 10
     _abandon(b)
     before = store_digest(b.path)
     r = dsa_core.open(b.path, mode="r")  # replays into its own memory, writes nothing
     assert r.count == 10 and r.durability == "step"
-    np.testing.assert_array_equal(_records(r), live[9])
+    np.testing.assert_array_equal(records(r), live[9])
     assert r.store.engine.verify() == []
     dsa_core.close(r)
     assert store_digest(b.path) == before
     s = dsa_core.open(b.path, memory=SMALL)
     assert s.count == 10 and _manifest(s.path)["count"] == 10  # replayed, then flushed
-    np.testing.assert_array_equal(_records(s), live[9])
+    np.testing.assert_array_equal(records(s), live[9])
     dsa_core.close(s)
 
 
@@ -160,28 +160,28 @@ def _fail(monkeypatch, what):
 def test_a_failed_append_changes_nothing_and_training_goes_on(tmp_path, monkeypatch, what,
                                                               weights):
     a, b = _pair(tmp_path, weights=weights)
-    Wa = _init()
+    Wa = parity_init()
     Wb = Wa.copy()
     kw_a, kw_b = ({}, {}) if weights else ({"table": Wa}, {"table": Wb})
-    batches = list(_batches(np.float32, steps=14))
+    batches = list(parity_batches(np.float32, steps=14))
     for idx, g in batches[:6]:
         a = dsa_core.step(a, idx, g, **kw_a)
         b = dsa_core.step(b, idx, g, **kw_b)
-    before, W_before = _records(b), Wb.copy()
+    before, W_before = records(b), Wb.copy()
     _fail(monkeypatch, what)
     with pytest.raises(OSError, match="injected"):
         dsa_core.step(b, *batches[6], **kw_b)
     monkeypatch.undo()
     assert b.current and b.count == 6
-    np.testing.assert_array_equal(_records(b), before)  # nothing of the step is visible
+    np.testing.assert_array_equal(records(b), before)  # nothing of the step is visible
     np.testing.assert_array_equal(Wb, W_before)          # the caller's table is restored
     for idx, g in batches[6:]:  # the next steps give exactly the crash-free result
         a = dsa_core.step(a, idx, g, **kw_a)
         b = dsa_core.step(b, idx, g, **kw_b)
-    _assert_same(a, b)
+    assert_same_store(a, b)
     np.testing.assert_array_equal(Wa, Wb)
     b = _reopen(b, _memory(a))
-    _assert_same(a, b)
+    assert_same_store(a, b)
     dsa_core.close(a)
     dsa_core.close(b)
 
@@ -191,30 +191,30 @@ def test_a_failed_step_is_never_replayed(tmp_path, monkeypatch, what):
     """Even when the failed entry reached the file whole (only its sync failed), a crash
     right after the failure reopens at the old count."""
     _, b = _pair(tmp_path)
-    batches = list(_batches(np.float32, steps=5))
+    batches = list(parity_batches(np.float32, steps=5))
     for idx, g in batches[:4]:
         b = dsa_core.step(b, idx, g)
-    before = _records(b)
+    before = records(b)
     _fail(monkeypatch, what)
     with pytest.raises(OSError, match="injected"):
         dsa_core.step(b, *batches[4])
     monkeypatch.undo()
     s = _reopen(b, SMALL)
     assert s.count == 4
-    np.testing.assert_array_equal(_records(s), before)
+    np.testing.assert_array_equal(records(s), before)
     dsa_core.close(s)
 
 
 def test_a_kernel_error_changes_nothing(tmp_path):
     _, b = _pair(tmp_path, weights=False)
-    W = _init()
+    W = parity_init()
     b = dsa_core.step(b, [1, 2], np.ones((2, D), np.float32), table=W)
-    before, W_before = _records(b), W.copy()
+    before, W_before = records(b), W.copy()
     bad = W[:, :3].copy()  # a params array of the wrong shape fails before any change
     with pytest.raises(ValueError, match="params must be"):
         dsa_core.step(b, [1, 2], np.ones((2, D), np.float32), params=bad)
     assert b.current and b.count == 1
-    np.testing.assert_array_equal(_records(b), before)
+    np.testing.assert_array_equal(records(b), before)
     np.testing.assert_array_equal(W, W_before)
     dsa_core.close(b)
 
@@ -225,10 +225,10 @@ def test_switching_durability_with_replace(tmp_path):
     drops the log."""
     ref, b = _pair(tmp_path)
     dsa_core.close(b)
-    batches = list(_batches(np.float32, steps=12))
+    batches = list(parity_batches(np.float32, steps=12))
     for idx, g in batches[:3]:
         ref = dsa_core.step(ref, idx, g)
-    c = dsa_core.create(tmp_path / "c", N, D, init=_init(), storage="log", memory=SMALL)
+    c = dsa_core.create(tmp_path / "c", N, D, init=parity_init(), storage="log", memory=SMALL)
     for idx, g in batches[:3]:
         c = dsa_core.step(c, idx, g)
     assert _manifest(c.path).get("wal") is None and c.durability == "flush"
@@ -241,7 +241,7 @@ def test_switching_durability_with_replace(tmp_path):
     assert m["meta"]["durability"] == "step"
     c = _reopen(c, SMALL)
     assert c.count == 6 and c.durability == "step"
-    _assert_same(ref, c)
+    assert_same_store(ref, c)
     c = c._replace(durability="flush")
     for idx, g in batches[6:]:
         c = dsa_core.step(c, idx, g)
@@ -250,7 +250,7 @@ def test_switching_durability_with_replace(tmp_path):
     m = _manifest(c.path)
     assert m["wal"] is None and m["version"] == 1 and m["meta"]["durability"] == "flush"
     assert not list(c.path.glob("wal-*"))
-    _assert_same(ref, c)
+    assert_same_store(ref, c)
     dsa_core.close(c)
     dsa_core.close(ref)
 
@@ -264,11 +264,11 @@ def test_unlogged_writes_are_flushed_before_the_next_logged_step(tmp_path):
     rec = np.full((1, 3 * D), 0.25, np.float32)
     dsa_core.write_records(b, [7], rec)
     b = dsa_core.step(b, [1, 3], np.ones((2, D), np.float32))
-    live = _records(b)
+    live = records(b)
     assert _manifest(b.path)["count"] == 1
     s = _reopen(b, SMALL)
     assert s.count == 2
-    np.testing.assert_array_equal(_records(s), live)
+    np.testing.assert_array_equal(records(s), live)
     np.testing.assert_array_equal(dsa_core.read_records(s, [7]), rec)
     dsa_core.close(s)
 
@@ -285,7 +285,7 @@ def test_hyperparameters_of_a_logged_step_are_committed(tmp_path):
 
 def test_checkpoint_and_convert_of_a_step_store(tmp_path):
     a, b = _pair(tmp_path)
-    batches = list(_batches(np.float32, steps=10))
+    batches = list(parity_batches(np.float32, steps=10))
     for idx, g in batches[:5]:
         a = dsa_core.step(a, idx, g)
         b = dsa_core.step(b, idx, g)
@@ -301,8 +301,8 @@ def test_checkpoint_and_convert_of_a_step_store(tmp_path):
         c = dsa_core.step(c, idx, g)
         d = dsa_core.step(d, idx, g)
     c = _reopen(c, SMALL)
-    _assert_same(a, c)
-    _assert_same(a, d)
+    assert_same_store(a, c)
+    assert_same_store(a, d)
     for s in (a, b, c, d):
         dsa_core.close(s)
 
@@ -310,7 +310,7 @@ def test_checkpoint_and_convert_of_a_step_store(tmp_path):
 def test_commit_log_files_garbage_and_reuse(tmp_path):
     _, b = _pair(tmp_path)
     path = b.path
-    for idx, g in _batches(np.float32, steps=30):  # several log generations (BOUND)
+    for idx, g in parity_batches(np.float32, steps=30):  # several log generations (BOUND)
         b = dsa_core.step(b, idx, g)
     m = _manifest(path)
     gen = _log_format.parse_name(m["wal"])[1]
@@ -348,7 +348,7 @@ def test_damaged_commit_log_names_are_clear_errors(tmp_path):
 def test_cli_shows_the_logged_count(tmp_path, capsys):
     _, b = _pair(tmp_path)
     b.store.engine.wal_bound = 1 << 30
-    for idx, g in _batches(np.float32, steps=4):
+    for idx, g in parity_batches(np.float32, steps=4):
         b = dsa_core.step(b, idx, g)
     assert cli(["info", str(b.path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -371,7 +371,7 @@ def _kill_child(path, point, nth, report):
             _log_format.set_crash(point, nth)
         s = dsa_core.open(path, memory=SMALL)
         s.store.engine.wal_bound = BOUND
-        batches = list(_batches(np.float32, steps=KILL_STEPS, seed=9))
+        batches = list(parity_batches(np.float32, steps=KILL_STEPS, seed=9))
         for idx, g in batches[s.count:]:
             s = dsa_core.step(s, idx, g, lr=0.01 * (1 + s.count % 3))
             os.write(report, struct.pack("<q", s.count))
@@ -389,12 +389,12 @@ def _kill_child(path, point, nth, report):
 def test_kill_9_during_logged_steps_reopens_the_last_completed_step(tmp_path):
     if not hasattr(os, "fork"):
         pytest.skip("needs os.fork")
-    init = _init()
+    init = parity_init()
     ref = dsa_core.create(tmp_path / "ref", N, D, init=init, storage="log", memory=SMALL)
-    refs = {0: _records(ref)}
-    for idx, g in _batches(np.float32, steps=KILL_STEPS, seed=9):
+    refs = {0: records(ref)}
+    for idx, g in parity_batches(np.float32, steps=KILL_STEPS, seed=9):
         ref = dsa_core.step(ref, idx, g, lr=0.01 * (1 + ref.count % 3))
-        refs[ref.count] = _records(ref)
+        refs[ref.count] = records(ref)
     dsa_core.close(ref)
     path = tmp_path / "s"
     dsa_core.close(dsa_core.create(path, N, D, init=init, storage="log", memory=SMALL,
@@ -440,13 +440,13 @@ def test_kill_9_during_logged_steps_reopens_the_last_completed_step(tmp_path):
             # any moment of the main thread, so also between a step's return and its report
             assert got in (last, last + 1), what
         in_flight += got == last + 1
-        np.testing.assert_array_equal(_records(rd).view(np.uint8), refs[got].view(np.uint8),
+        np.testing.assert_array_equal(records(rd).view(np.uint8), refs[got].view(np.uint8),
                                       err_msg=what)
         dsa_core.close(rd)
         if trial % 2:  # else the next child replays the log (and may be killed doing so)
             s = dsa_core.open(path, memory=SMALL)
             assert s.count == got
-            np.testing.assert_array_equal(_records(s), refs[got], err_msg=what)
+            np.testing.assert_array_equal(records(s), refs[got], err_msg=what)
             assert s.store.engine.verify() == []
             dsa_core.close(s)
         count = got

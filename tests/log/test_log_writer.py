@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import dsa_core
+from helpers import log_memory
 from dsa_core import _log
 from dsa_core._log import format as _log_format
 from dsa_core._log import writer as _log_writer
@@ -26,7 +27,7 @@ def _create(path, **kw):
     layout = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
     init = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
     return dsa_core.create(path, N, D, init=init, storage="log",
-                           memory=_log.memory_for(layout, 3 * B), **kw)
+                           memory=log_memory(layout, 3 * B), **kw)
 
 
 def _train(s, steps=150, seed=1):
@@ -149,7 +150,7 @@ def test_kill_during_a_background_write_reopens_at_the_last_flush(tmp_path):
     if pid == 0:  # pragma: no cover - the child
         try:
             _log_format.set_crash("seal-chunk", 3)  # the third record block written...
-            s2 = dsa_core.open(tmp_path / "k", memory=_log.memory_for(
+            s2 = dsa_core.open(tmp_path / "k", memory=log_memory(
                 {"num_rows": N, "stride": 3 * D, "dtype": "float32"}, 3 * B))
             _train(s2, steps=100, seed=5)  # ...by the writer thread, which kills us
         finally:
