@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from helpers import log_memory
+from helpers import log_memory, records
 from dsa_core import _log
 from dsa_core._log import read as _log_read
 
@@ -34,10 +34,6 @@ def _batches(steps, seed=1):
             for _ in range(steps)]
 
 
-def _records(state):
-    return dsa_core.read_records(state, np.arange(state.num_rows))
-
-
 def _evict_segments(path):
     """Drop the (clean, flushed) segment pages from the page cache."""
     for name in os.listdir(path):
@@ -55,7 +51,7 @@ def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
         s = dsa_core.step(s, idx, g)
     dsa_core.close(s)  # flushed: every record is in a segment, none resident after reopen
     r = dsa_core.open(tmp_path / "log", mode="r")
-    want = _records(r)
+    want = records(r)
     dsa_core.close(r)
     del r
     gc.collect()  # unmap the reader's segments: the kernel keeps pages that are mapped
@@ -72,7 +68,7 @@ def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
     # the engine's own reads hint too: gather of evicted rows, then a step that misses
     _evict_segments(tmp_path / "log")
     np.testing.assert_array_equal(dsa_core.gather(s, rows), want[rows, :D])
-    np.testing.assert_array_equal(_records(s), want)
+    np.testing.assert_array_equal(records(s), want)
     dsa_core.close(s)
 
 
@@ -105,13 +101,13 @@ def test_prefetch_and_releases_racing_steps_give_identical_records(tmp_path, spa
         assert s.store.engine.verify() == []
         runs.append(s)
     assert runs[1].store.engine.stats()["cleaned_segments"] > 0  # cleaning did run
-    np.testing.assert_array_equal(_records(runs[0]).view(np.uint8),
-                                  _records(runs[1]).view(np.uint8))
+    np.testing.assert_array_equal(records(runs[0]).view(np.uint8),
+                                  records(runs[1]).view(np.uint8))
     for s in runs:
         dsa_core.close(s)
     a = dsa_core.open(tmp_path / "plain", mode="r")
     b = dsa_core.open(tmp_path / "hinted", mode="r")
-    np.testing.assert_array_equal(_records(a), _records(b))  # and so are the flushed stores
+    np.testing.assert_array_equal(records(a), records(b))  # and so are the flushed stores
     dsa_core.close(a)
     dsa_core.close(b)
 
@@ -123,7 +119,7 @@ def test_release_seals_the_dirty_rows_in_row_order_and_frees_their_slots(tmp_pat
     s = dsa_core.step(s, [5, 6], np.ones((2, D), np.float32))
     dsa_core.flush(s)
     s = dsa_core.step(s, rows, np.ones((rows.shape[0], D), np.float32))  # dirty again
-    want = _records(s)
+    want = records(s)
     eng = s.store.engine
     used = eng.stats()["slots_used"]
     resident = int((eng.loc[:450] < 0).sum())
@@ -137,11 +133,11 @@ def test_release_seals_the_dirty_rows_in_row_order_and_frees_their_slots(tmp_pat
     assert (loc > 0).all() and (np.diff(loc) > 0).all()
     assert len(set(segs)) == -(-300 // eng.seal_unit) and sorted(set(segs)) == list(
         range(segs[0], segs[0] + len(set(segs))))
-    np.testing.assert_array_equal(_records(s), want)
+    np.testing.assert_array_equal(records(s), want)
     assert eng.verify() == []
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "log", mode="r")
-    np.testing.assert_array_equal(_records(r), want)
+    np.testing.assert_array_equal(records(r), want)
     dsa_core.close(r)
 
 
@@ -149,14 +145,14 @@ def test_read_only_store_prefetches_and_ignores_releases(tmp_path):
     s = _create(tmp_path / "log", slots=500)
     for idx, g in _batches(10):
         s = dsa_core.step(s, idx, g)
-    want = _records(s)
+    want = records(s)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "log", mode="r")
     dsa_core.prefetch(r, np.arange(N), wait=True)
     dsa_core.load_range(r, 0, N, wait=True)
     dsa_core.release_range(r, 0, N, wait=True)
     dsa_core.wait_ranges(r)
-    np.testing.assert_array_equal(_records(r), want)
+    np.testing.assert_array_equal(records(r), want)
     dsa_core.close(r)
     with pytest.raises(ValueError, match="closed"):
         dsa_core.wait_ranges(r)
@@ -232,7 +228,7 @@ def test_cleaning_reads_segments_whole_ahead_with_the_records_of_a_mapped_run(tm
                 s = dsa_core.step(s, idx, g)
             assert s.store.engine.stats()["cleaned_segments"] > 0
             assert s.store.engine.verify() == []
-            runs.append((s, _records(s)))
+            runs.append((s, records(s)))
         if name == "mapped":
             assert served == {"ahead": 0, "now": 0}  # never read whole
     assert served["ahead"] > 0  # most cleaned segments were read a seal ahead
@@ -241,7 +237,7 @@ def test_cleaning_reads_segments_whole_ahead_with_the_records_of_a_mapped_run(tm
         dsa_core.close(s)
     a = dsa_core.open(tmp_path / "mapped", mode="r")
     b = dsa_core.open(tmp_path / "whole", mode="r")
-    np.testing.assert_array_equal(_records(a), _records(b))
+    np.testing.assert_array_equal(records(a), records(b))
     dsa_core.close(a)
     dsa_core.close(b)
 

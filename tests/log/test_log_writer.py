@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from helpers import log_memory
+from helpers import log_memory, records
 from dsa_core import _log
 from dsa_core._log import format as _log_format
 from dsa_core._log import writer as _log_writer
@@ -40,17 +40,13 @@ def _train(s, steps=150, seed=1):
     return s
 
 
-def _records(s):
-    return dsa_core.read_records(s, np.arange(N))
-
-
 def _reference(tmp_path, monkeypatch):
     """The same run with every seal written at once, in the seal (no writer thread)."""
     with monkeypatch.context() as m:
         m.setattr(_log.commit, "BEHIND_BYTES", 0)
         s = _train(_create(tmp_path / "sync", space_ratio=1.05))
         assert s.store.engine._writer is None
-        want = _records(s)
+        want = records(s)
         dsa_core.close(s)
     return want
 
@@ -86,7 +82,7 @@ def test_slow_background_writes_read_clean_and_drop_pending_segments(tmp_path, m
     assert eng._writer is not None and eng.stats()["cleaned_segments"] > 0
     assert seen["pending_reads"] > 0 and seen["pending_dropped"] > 0  # the races happened
     assert eng.verify() == []
-    np.testing.assert_array_equal(_records(s).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
     dsa_core.close(s)
     assert not eng._pending
     names = set(os.listdir(tmp_path / "behind"))
@@ -94,7 +90,7 @@ def test_slow_background_writes_read_clean_and_drop_pending_segments(tmp_path, m
     assert {n for n in names if n.startswith("seg-")} == {_log_format.seg_name(i)
                                                            for i in m["segments"]}
     r = dsa_core.open(tmp_path / "behind", mode="r")
-    np.testing.assert_array_equal(_records(r), want)
+    np.testing.assert_array_equal(records(r), want)
     dsa_core.close(r)
 
 
@@ -132,10 +128,10 @@ def test_a_failed_background_write_is_retried_and_a_second_failure_changes_nothi
         k += 1
     assert failures == 1 and fail["left"] == 0
     assert s.store.engine.verify() == []
-    np.testing.assert_array_equal(_records(s).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "flaky", mode="r")
-    np.testing.assert_array_equal(_records(r), want)
+    np.testing.assert_array_equal(records(r), want)
     dsa_core.close(r)
 
 
@@ -144,7 +140,7 @@ def test_kill_during_a_background_write_reopens_at_the_last_flush(tmp_path):
     s = _train(_create(tmp_path / "k", space_ratio=1.05), steps=30)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "k", mode="r")
-    want = _records(r)
+    want = records(r)
     dsa_core.close(r)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -159,7 +155,7 @@ def test_kill_during_a_background_write_reopens_at_the_last_flush(tmp_path):
     assert os.WIFSIGNALED(status)
     r = dsa_core.open(tmp_path / "k", memory="1MiB")  # the writer: removes the garbage
     assert r.count == 30
-    np.testing.assert_array_equal(_records(r), want)
+    np.testing.assert_array_equal(records(r), want)
     assert r.store.engine.verify() == []
     dsa_core.close(r)
 
