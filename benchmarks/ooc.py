@@ -128,11 +128,11 @@ def rss_anon_mb() -> float:
 
 
 # -- the disk ----------------------------------------------------------------------------------
-def disk_fio(file: Path, qd: int, seconds: int) -> float | None:
+def disk_fio(file: Path, qd: int, seconds: float) -> float | None:
     if not shutil.which("fio"):
         return None
     cmd = ["fio", "--name=r", f"--filename={file}", "--rw=randread", "--bs=4k", "--direct=1",
-           "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={seconds}", "--time_based",
+           "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based",
            "--readonly", "--output-format=json"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 60)
@@ -172,7 +172,7 @@ def disk_pread(file: Path, qd: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
-def measure_disk(file: Path, seconds: int, qds=(1, 32)) -> dict:
+def measure_disk(file: Path, seconds: float, qds=(1, 32)) -> dict:
     out = {}
     for qd in qds:
         iops = disk_fio(file, qd, seconds)
@@ -405,7 +405,7 @@ def main(argv=None):
                     help="bfloat16: m stored as bfloat16 (docs/algorithms.md §6)")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
-    ap.add_argument("--disk-seconds", type=int, default=10)
+    ap.add_argument("--disk-seconds", type=float, default=10.0)
     ap.add_argument("--quiet-seconds", type=float, default=120.0,
                     help="longest wait for the disk to go quiet before a probe or a run")
     ap.add_argument("--hit-every", type=int, default=10)
@@ -430,7 +430,7 @@ def main(argv=None):
         return child(a)
     if a.smoke:
         a.rows, a.dim, a.batch, a.steps, a.warmup = 20_000, 16, 64, 20, 2
-        a.cap, a.disk_seconds, a.max_seconds, a.name = "256M", 1, 20, "ooc_smoke"
+        a.cap, a.disk_seconds, a.max_seconds, a.name = "256M", 0.2, 20, "ooc_smoke"
         a.quiet_seconds = 0.0  # the smoke run checks the code, not the figures
         a.log_memory = "2MiB"  # a region of a tenth of the table
     workdir = Path(a.workdir or tempfile.gettempdir())

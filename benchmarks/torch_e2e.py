@@ -256,6 +256,10 @@ def main(argv=None) -> None:
                          "phase: each first touch of region memory is a page fault)")
     ap.add_argument("--log-shares", default="1.0,0.25",
                     help="region budgets of the log impls, as shares of the state's bytes")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every worker after the first in this process (the smoke test: "
+                         "an interpreter instead of one per worker; their memory columns then "
+                         "describe the shared process)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--log-share", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -265,8 +269,15 @@ def main(argv=None) -> None:
         print(json.dumps(_worker(args)))
         return
     shares = [float(x) for x in args.log_shares.split(",")]
-    rows = [_child(impl, args, share) for impl in args.impls.split(",")
+    runs = [(impl, share) for impl in args.impls.split(",")
             for share in (shares if impl.endswith("log") else [1.0])]
+    rows = []
+    for k, (impl, share) in enumerate(runs):
+        if args.in_process and k > 0:  # the first still runs as a child: that path stays run
+            rows.append(_worker(argparse.Namespace(**{**vars(args), "worker": impl,
+                                                      "log_share": share})))
+        else:
+            rows.append(_child(impl, args, share))
     ref = next((r["rows_per_s"] for r in rows if r["impl"] == "torch"), None)
     for r in rows:
         r["ratio_vs_torch"] = r["rows_per_s"] / ref if ref else float("nan")

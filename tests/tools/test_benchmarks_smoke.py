@@ -27,14 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 # in-place step with read-ahead; ``random`` is the same without it), the log store and the
 # log probe; torch_e2e runs one share of the log region (the shares differ in the budget
 # only) and the implementations that together run every branch of its worker (``dsalog`` and
-# ``diskemb`` only combine the branches of ``dsa`` and ``diskemblog``), each in its own child.
+# ``diskemb`` only combine the branches of ``dsa`` and ``diskemblog``): the first in its own
+# child, the others in this process (``--in-process``: an interpreter with torch per worker
+# saved).
 SMOKES = {
     "warm": (["--smoke"], "warm_smoke", "rows_per_s"),
     "breakdown": (["--smoke"], "breakdown_smoke", "full step"),
     "ooc": (["--smoke", "--dist", "uniform", "--modes", "prefetch", "logprobe", "logprefetch",
              "--kernel-stacks"], "ooc_smoke", "rows_per_s"),
     "torch_e2e": (["--smoke", "--dim", "16", "--batch", "256", "--log-shares", "0.25",
-                   "--impls", "torch,dsa,diskemblog,dsaauto"], "torch_e2e_smoke", "rows_per_s"),
+                   "--impls", "torch,dsa,diskemblog,dsaauto", "--in-process"],
+                  "torch_e2e_smoke", "rows_per_s"),
     "jax_overhead": (["--ks", "8", "--rows", "2000", "--dim", "8", "--steps", "20",
                       "--warmup", "5"], None, "in jit (rows)"),  # prints its table only
     "durability": (["--smoke"], "durability_smoke", "p50_ms"),
@@ -118,3 +121,18 @@ def test_buckets_ooc_smoke(bench_env, tmp_path, capsys):
     assert not (tmp_path / "dsa_buckets_ooc_20000x16").exists()
     after = {p.name: p.stat().st_mtime_ns for p in results.glob("buckets_ooc*")}
     assert after == before
+
+
+def test_buckets_quality_smoke(bench_env, tmp_path, capsys):
+    """The bucket-order quality benchmark (which trains examples.graph_buckets) at tiny size:
+    both orders and the no-hints arm run and their results are written."""
+    from benchmarks import buckets_quality
+
+    buckets_quality.main(["--smoke", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "bucket" in out and "random" in out
+    assert (tmp_path / "buckets_quality_smoke.json").is_file()
+    assert (tmp_path / "buckets_quality_smoke.csv").is_file()
+    lines = (tmp_path / "buckets_quality_smoke.csv").read_text().splitlines()
+    orders = {line.split(",")[lines[0].split(",").index("order")] for line in lines[1:]}
+    assert {"random", "bucket", "bucket_no_hints"} <= orders   # + the KG arms, with PyKEEN
