@@ -12,8 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from test_core_kernels import GEOMS, geo_kw, init_rows, store_arrays
-from test_weight_decay import Oracle
+from kernel_oracle import GEOMS, Oracle, geo_kw, init_rows, store_arrays
 
 import dsa_core
 from dsa_core import _layout

@@ -16,15 +16,13 @@ import math
 
 import numpy as np
 import pytest
-from test_core_kernels import (
+from kernel_oracle import (
     DTYPES,
     GEOMS,
-    assert_matches,
+    Oracle,
     batch_stream,
     geo_kw,
     init_rows,
-    oracle_state,
-    ref_step,
     store_arrays,
 )
 
@@ -56,40 +54,6 @@ def make(path, c, dtype, init, opts, **kw):
         kw.setdefault(k, v)
     return dsa_core.create(path, init.shape[0], init.shape[1], curvature=c, init=init,
                            dtype=np.dtype(dtype).name, **opts, **kw)
-
-
-class Oracle:
-    """The oracle's arrays and counters for one store, stepped like it."""
-
-    def __init__(self, init, c, opts):
-        self.c = c
-        self.P, self.M, self.V = oracle_state(init, c)
-        n = init.shape[0]
-        self.rows = np.zeros(n, np.int64) if opts.get("per_row_step") else None
-        self.last = np.zeros(n, np.int64) if opts.get("decay_missed_steps") else None
-        self.wd = opts.get("weight_decay", 0.0)
-        self.decoupled = opts.get("decoupled_weight_decay", False)
-
-    def step(self, state, idx, G, t, lr=None):
-        kw = {"lr": state.lr if lr is None else lr, "betas": state.betas, "eps": state.eps,
-              "maximize": state.maximize, "ball_eps": state.ball_eps,
-              "weight_decay": self.wd, "decoupled_weight_decay": self.decoupled,
-              "row_steps": self.rows, "last_steps": self.last}
-        ref_step(self.P, self.M, self.V, idx, G, t, self.c, **kw)
-
-    def check(self, state, dtype, dim, what="", long_run=False):
-        if long_run and self.c > 0 and dtype == np.float64 and dim >= 8:
-            # 200 steps: the last-bit differences of numpy's pairwise sums compound near the
-            # boundary; the §5 float64 ball tolerance (test_core_kernels module docstring)
-            for a, b in zip(store_arrays(state), (self.P, self.M, self.V), strict=True):
-                np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-11, err_msg=what)
-        else:
-            assert_matches(store_arrays(state), (self.P, self.M, self.V), self.c, dtype, dim,
-                           what)
-        if self.rows is not None:
-            np.testing.assert_array_equal(state.row_steps, self.rows, err_msg=what)
-        if self.last is not None:
-            np.testing.assert_array_equal(state.last_steps, self.last, err_msg=what)
 
 
 # -- the kernels against the oracle ------------------------------------------------------------

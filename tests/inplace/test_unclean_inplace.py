@@ -29,13 +29,13 @@ from pathlib import Path
 import crash_worker as cw
 import numpy as np
 import pytest
-from helpers import Worker, run_worker
+from helpers import KINDS, Worker, run_worker
 
 import dsa_core
 
 REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
-KINDS = ["inplace", "log"]
+
 INIT = (np.random.default_rng(3).standard_normal((N, D)) * 0.1).astype(np.float32)
 
 
@@ -150,7 +150,6 @@ def kill_trials(tmp: Path, kind: str, trials: int, seed: int, every: int = 7,
 
 
 # -- random kills ------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
 def test_sigkill_reopens_exact_or_refused_few(tmp_path, kind):
     stats = kill_trials(tmp_path, kind, trials=3, seed=1 + KINDS.index(kind), probe_every=2)
     print(f"\n{kind}: {dict(stats)}")
@@ -162,7 +161,6 @@ def test_sigkill_reopens_exact_or_refused_few(tmp_path, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
 def test_sigkill_reopens_exact_or_refused_many(tmp_path, kind):
     stats = kill_trials(tmp_path, kind, trials=30, seed=10 + KINDS.index(kind), window=0.5,
                         probe_every=5)
@@ -176,7 +174,6 @@ def test_sigkill_reopens_exact_or_refused_many(tmp_path, kind):
 
 
 # -- deterministic ends ------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("end", [pytest.param("kill", marks=pytest.mark.slow), "os_exit"])
 def test_stop_after_steps_past_a_flush(tmp_path, kind, end):
     """Steps 1..10, a flush at 7, then SIGKILL or os._exit: exact at 7, or refused.
@@ -219,7 +216,6 @@ def test_stop_after_steps_past_a_flush(tmp_path, kind, end):
         ref.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_normal_exit_without_close_reopens_at_the_last_step(tmp_path, kind):
     """A forgotten close is no unclean stop: the store is flushed at interpreter exit."""
     store = tmp_path / "s"
@@ -236,7 +232,6 @@ def test_normal_exit_without_close_reopens_at_the_last_step(tmp_path, kind):
     assert verify(store).returncode == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_garbage_collected_state_is_flushed_and_released(tmp_path, kind):
     store = tmp_path / "s"
     make_store(store, kind)

@@ -11,8 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import (  # noqa: F401  (the recipe's names)
-    PARITY,
+from helpers import (
     PARITY_B as B,
     PARITY_D as D,
     PARITY_LAYOUT as LAYOUT,
@@ -21,7 +20,6 @@ from helpers import (  # noqa: F401  (the recipe's names)
     log_memory,
     parity_batches,
     parity_init,
-    parity_memory,
     parity_pair,
     records,
 )
