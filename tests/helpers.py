@@ -4,6 +4,8 @@
 * ``num_threads(n)`` (a context), ``digest(dir)`` (sha256 of every file of a store directory).
 * Records: ``records(state)`` (every row's record), ``assert_same_store(a, b)`` (same count and
   the same records, bit for bit, NaN payloads included).
+* Lock-step pairs: ``assert_matches_sparse_adam(state, torch_opt, param, tol)`` (a store
+  against ``torch.optim.SparseAdam``'s state), ``assert_close``.
 * Log budgets: ``log_memory(layout_or_state, slots)`` -- the ``memory=`` of a log store whose
   region holds ``slots`` records (``dsa_core.region_memory``, the public helper), and
   ``log_kw(kind, ...)`` -- the create/adapter keywords of a storage kind.
@@ -73,6 +75,24 @@ def assert_same_store(a, b) -> None:
     ra, rb = records(a), records(b)
     assert ra.dtype == rb.dtype and ra.shape == rb.shape
     np.testing.assert_array_equal(ra.view(np.uint8), rb.view(np.uint8))
+
+
+# -- lock-step pairs: torch.optim.SparseAdam beside DSA ------------------------------------------
+def assert_close(a, b, tol: dict) -> None:
+    """``np.testing.assert_allclose`` of two arrays or tensors with ``tol`` (rtol / atol)."""
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+
+
+def assert_matches_sparse_adam(state, opt_ref, p_ref, tol: dict, weights=None) -> None:
+    """A DSA store (in place: its whole-table views) stepped in lock step with
+    ``torch.optim.SparseAdam`` on ``p_ref``: the count is SparseAdam's step, and the weights
+    (``weights`` when the table is the caller's, else the store's), m and v agree within
+    ``tol``."""
+    ref = opt_ref.state[p_ref]
+    assert state.count == ref["step"]
+    assert_close(state.weights if weights is None else weights, p_ref.detach(), tol)
+    assert_close(state.exp_avg, ref["exp_avg"], tol)
+    assert_close(state.exp_avg_sq, ref["exp_avg_sq"], tol)
 
 
 # -- log budgets --------------------------------------------------------------------------------

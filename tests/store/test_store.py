@@ -101,9 +101,12 @@ def test_overwrite_replaces_a_closed_store(tmp_path):
     assert dsa_core.open(p, mode="r").num_rows == 20
 
 
-def test_remove(tmp_path):
+def test_remove(tmp_path, kind):
     p = tmp_path / "s"
-    dsa_core.close(dsa_core.create(p, 10, 4))
+    dsa_core.close(dsa_core.create(p, 10, 4, storage=kind))
+    r = dsa_core.open(p, mode="r")
+    assert r.storage == kind
+    dsa_core.close(r)
     dsa_core.remove(p)
     assert not p.exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 import dsa_core
 from helpers import assert_same_store as same_records
-from helpers import digest, evicted
+from helpers import assert_close, assert_matches_sparse_adam, digest, evicted
 
 from adapters.torch import (
     DiskEmbedding,
@@ -26,7 +26,7 @@ TOL = {"rtol": 1e-5, "atol": 3e-6}
 
 
 def close(a, b, tol=TOL):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+    assert_close(a, b, tol)
 
 
 def ids_2d(gen, n, shape=(6, 8), hot=(3, 5)):
@@ -37,12 +37,7 @@ def ids_2d(gen, n, shape=(6, 8), hot=(3, 5)):
 
 
 def compare(opt_ref, ref_weight, de, tol=TOL):
-    st = de.store
-    ref = opt_ref.state[ref_weight]
-    assert st.count == ref["step"]
-    close(st.weights, ref_weight.detach(), tol)
-    close(st.exp_avg, ref["exp_avg"], tol)
-    close(st.exp_avg_sq, ref["exp_avg_sq"], tol)
+    assert_matches_sparse_adam(de.store, opt_ref, ref_weight, tol)
 
 
 def test_matches_embedding_with_sparse_adam(tmp_path):
