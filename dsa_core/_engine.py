@@ -13,7 +13,8 @@ Which one a store uses is a performance choice (``storage=``), never a behaviour
 calls give the same numbers, the same files mean the same thing, a crash is recovered the
 same way. What an engine cannot hide is declared here as data (:attr:`Engine.table_view`,
 :attr:`Engine.reads_last_flush`) and listed with its reason in ``docs/storage.md``; code
-outside the engines never asks which kind it holds (``tests/store/test_engine_seam.py`` guards that).
+outside the engines never asks which kind it holds (``tests/store/test_engine_seam.py`` guards
+that).
 
 The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import KINDS, digest
+from helpers import KINDS, digest, num_threads  # noqa: F401  (num_threads: re-exported)
 
 SPEC_N = 1000
 SPEC_B = 64

@@ -1,4 +1,4 @@
-"""The process that tests/test_reliability.py kills with SIGKILL.
+"""The process that tests/store/test_reliability.py kills with SIGKILL.
 
 Run with ``sys.executable tests/crash_worker.py MODE ...``; it trains a small store on batches
 that are a pure function of the step number (:func:`batch`), so the test can replay any
@@ -21,7 +21,7 @@ Modes
     on start.
 ``flushk STORE --steps N --every K --end HOW``
     A ``durability="flush"`` store of either kind (created by the parent,
-    tests/test_unclean_inplace.py): ``dsa_core.open``, then steps ``count + 1 .. N`` with
+    tests/inplace/test_unclean_inplace.py): ``dsa_core.open``, then steps ``count + 1 .. N`` with
     ``dsa_core.flush`` after every ``K``-th step (``flush <count>`` printed after each).
     Then ``--end``: ``close`` (``dsa_core.close``), ``exit`` (a normal interpreter exit
     without ``close``), ``os_exit`` (``os._exit(0)``: no exit handlers) or ``kill`` (SIGKILL

@@ -12,7 +12,7 @@ record of every open store (``dsa_core.read_records``), bit for bit. A case whos
 a log store differs says so in ``LOG_ANSWERS``; a case that cannot apply to one kind is
 skipped with the reason.
 
-dsa_core's own, longer matrix (create/step/open/damaged files) is in test_core_store.py; this
+dsa_core's own, longer matrix (create/step/open/damaged files) is in store/test_store.py; this
 one spans the three layers with the inputs a user is most likely to get wrong.
 """
 

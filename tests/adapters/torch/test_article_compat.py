@@ -340,7 +340,7 @@ def test_weight_decay_on_the_ball_follows_geoopt_riemannian_adam(tmp_path):
     opt.shutdown()
 
 
-# -- both store kinds ---------------------------------------------------------------------------------
+# -- both store kinds ------------------------------------------------------------------------------
 # (was test_article_log.py) The article's loop reads rows through
 # ``optimizer.state_files["emb"]["w"][idx]``; on a log store that is a ``RowView`` which reads
 # the rows asked for. Training must be bit-identical to the in-place adapter, and the views

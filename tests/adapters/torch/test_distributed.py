@@ -1,9 +1,9 @@
 """adapters.torch_dist: ShardedDiskEmbedding over torch.distributed (gloo on loopback).
 
-The multi-process tests spawn worker processes running this very file
-(``python tests/adapters/torch/test_distributed.py worker SCENARIO RANK WORLD PORT TMP``), rendezvous through
-a ``TCPStore`` owned by the test (port chosen by the OS, 127.0.0.1 only), and compare what
-they leave on disk with a single process training a ``DiskEmbedding`` on the concatenation
+The multi-process tests spawn worker processes running this very file (``python
+tests/adapters/torch/test_distributed.py worker SCENARIO RANK WORLD PORT TMP``), rendezvous
+through a ``TCPStore`` owned by the test (port chosen by the OS, 127.0.0.1 only), and compare
+what they leave on disk with a single process training a ``DiskEmbedding`` on the concatenation
 of all ranks' batches. Every wait is bounded and every worker is killed in ``finally``.
 
 Scenarios (run as ``A``, then ``B`` and ``C`` side by side):
@@ -977,7 +977,7 @@ def lrecords(root: Path, world: int, plan: str = "mod") -> tuple[np.ndarray, lis
     return out, counts, kinds
 
 
-# -- scenario L: 2 processes, log shards ----------------------------------------------------------------------
+# -- scenario L: 2 processes, log shards -----------------------------------------------------------
 def _log_worker(rank: int, world: int, port: int, tmp: Path) -> None:
     from adapters.torch_dist import DiskSparseAdam, ShardedDiskEmbedding
 

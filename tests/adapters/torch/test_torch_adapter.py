@@ -491,7 +491,7 @@ def test_load_torch_sparse_adam_checkpoint(tmp_path):
 def test_state_dict_of_an_earlier_step_restores_it(tmp_path):
     """torch.save(opt.state_dict()) at step 5 of an in-place store, trained to 25, loaded:
     the store's snapshot brings m, v, the count and the param groups back to step 5 (the
-    same on log stores: tests/test_torch_snapshots.py)."""
+    same on log stores: test_torch_snapshots.py)."""
     emb = _fresh()
     opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path)
     sch = torch.optim.lr_scheduler.StepLR(opt, 10, 0.5)
@@ -976,7 +976,7 @@ def test_checkpoint_extra_that_cannot_be_resumed_is_refused(tmp_path):
 def test_a_failure_mid_checkpoint_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
     """An error after the stores were snapshotted (here: writing optimizer.pt) leaves no
     dest and no temporary directory, and an older checkpoint being replaced stays whole.
-    (SIGKILL at every point of a checkpoint: tests/test_reliability.py.)"""
+    (SIGKILL at every point of a checkpoint: tests/store/test_reliability.py.)"""
     import adapters._torch_optim as topt
 
     emb = _fresh()

@@ -539,7 +539,7 @@ def test_row_options_survive_a_checkpoint(tmp_path):
     other.close()
 
 
-# -- both store kinds -------------------------------------------------------------------------------
+# -- both store kinds ------------------------------------------------------------------------------
 # (was test_torch_log.py) Every log store here gets a region far smaller than its table, so
 # rows are evicted, sealed into segments and read back during the run. The parity tests train
 # an in-place and a log store side by side and ask for the same bits: they build both kinds
