@@ -821,8 +821,24 @@ def test_ram_access_maps_huge_pages_where_the_kernel_can(tmp_path):
 def test_auto_access_counts_the_ram_stores_already_open(tmp_path, monkeypatch):
     """The writeback threshold is per machine: two stores that fit it alone but not together
     are not both mapped with huge pages."""
+    import gc
+
     from dsa_core import _paging
 
+    # the count is per process: stores another test left open (or not yet collected) would
+    # count too, so they are set aside while this test runs
+    gc.collect()
+    others = list(_paging._RAM_STORES)
+    for st in others:
+        _paging._RAM_STORES.discard(st)
+    try:
+        _check_ram_counting(tmp_path, monkeypatch, _paging)
+    finally:
+        for st in others:
+            _paging._RAM_STORES.add(st)
+
+
+def _check_ram_counting(tmp_path, monkeypatch, _paging):
     monkeypatch.delenv("DSA_ACCESS", raising=False)
     a = dsa_core.create(tmp_path / "a", 1000, 16)
     one = a.store.nbytes
