@@ -147,6 +147,14 @@ def _damage(directory: Path) -> str | None:
         return (f"not a DSA store: it holds only {DATA_FILE}.tmp, left by a dsa_core.create "
                 "that was interrupted (or is running now). Delete the directory and create "
                 "the store again")
+    from ._engines import orphaned_files
+
+    files = orphaned_files(directory)
+    if files:
+        more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+        return (f"a damaged DSA store: it holds a store's files ({files[0]}{more}) but its "
+                f"{MANIFEST_FILE} is missing (it says which of them hold the rows, and the "
+                "count), so they cannot be read. Restore the store from a checkpoint")
     return None
 
 

@@ -440,6 +440,11 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
     return store, eng.count, eng.meta
 
 
+def owns_file(name: str) -> bool:
+    """One of a log store's own files (segments, index and log generations)."""
+    return parse_name(name) is not None
+
+
 def remove_store(directory: Path) -> None:
     """Delete a log store's directory (refused while a writer holds it)."""
     _log.remove(directory)

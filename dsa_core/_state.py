@@ -21,7 +21,7 @@ from . import _layout
 from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
-from ._engines import ENGINES, kind_of
+from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._store import check_unclean
 from .validation import (
     DURABILITY_MODES,
@@ -576,6 +576,11 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
+    orphans = orphaned_files(directory)
+    if orphans and not overwrite:  # a store's files without a manifest: damaged, not empty
+        raise orphans_error(directory, orphans)
+    if orphans:
+        remove_orphans(directory)
     kind = kind_of(directory)
     if kind is not None and not overwrite:
         raise FileExistsError(
@@ -611,14 +616,26 @@ def _state_from(store: Any, count: int, meta: dict[str, Any]) -> State:
         raise ValueError(f"store {str(store.path)!r} records durability {durability!r}, not "
                          f"one of {DURABILITY_MODES}; the store is damaged")
     try:
-        return State(store, int(count), float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
-                     float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
-                     str(hp.get("nonfinite", "propagate")), durability,
-                     float(hp.get("weight_decay", 0.0)),
-                     bool(hp.get("decoupled_weight_decay", False)))
+        state = State(store, int(count), float(hp["lr"]),
+                      tuple(float(b) for b in hp["betas"]), float(hp["eps"]),
+                      bool(hp["maximize"]), float(hp["ball_eps"]),
+                      str(hp.get("nonfinite", "propagate")), durability,
+                      float(hp.get("weight_decay", 0.0)),
+                      bool(hp.get("decoupled_weight_decay", False)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"store {str(store.path)!r} records hyperparameters {hp!r} that "
                          f"lack or mangle a field ({exc!r}); the store is damaged") from None
+    try:  # the rules create applies: a value create refuses is damage, not a setting
+        check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["maximize"], state.nonfinite)
+        check_weight_decay_options(hp.get("weight_decay", 0.0),
+                                   hp.get("decoupled_weight_decay", False))
+        if not 0.0 <= state.ball_eps < 1.0:
+            raise ValueError(f"ball_eps must lie in [0, 1), got {state.ball_eps}")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"store {str(store.path)!r} records hyperparameters that create "
+                         f"refuses ({exc}); its manifest is damaged or was edited by hand. "
+                         "Nothing was changed; restore the store from a checkpoint") from None
+    return state
 
 
 class _Terminated(BaseException):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import mmap
 import os
 import shutil
@@ -44,6 +43,7 @@ from ._layout import (
     FORMAT_NAME,
     FORMAT_VERSION,
     HEADER_BYTES,
+    HEADER_CRC_OFFSET,
     JOURNAL_FILE,
     LOCK_FILE,
     MAGIC,
@@ -52,7 +52,9 @@ from ._layout import (
     UNCLEAN_OFFSET,
     counter_dtype,
     header_bytes,
+    header_crc,
     layout_version,
+    parse_header,
     read_manifest,
 )
 from ._paging import _RAM_STORES, auto_access, check_access
@@ -361,16 +363,18 @@ class Store:
         try:
             st._fd = os.open(st.file, os.O_RDWR if mode == "r+" else os.O_RDONLY)
             head = os.pread(st._fd, HEADER_BYTES, 0)
-            if head[:8] != MAGIC:
-                raise ValueError(
-                    f"{str(st.file)!r} is not a DSA data file: magic is {head[:8]!r}, "
-                    f"expected {MAGIC!r}")
-            version, n = struct.unpack("<II", head[8:16])
+            newer = ValueError(
+                f"{str(st.file)!r} has format version "
+                f"{struct.unpack('<I', head[8:12])[0] if len(head) >= 12 else '?'}; this "
+                f"dsa_core reads versions 1..{FORMAT_VERSION}. Upgrade dsa_core to open it")
+            try:
+                version, on_disk, has_crc = parse_header(st.file, head)
+            except ValueError:
+                if head[:8] == MAGIC and struct.unpack("<I", head[8:12])[0] > FORMAT_VERSION:
+                    raise newer from None  # a newer header: its CRC may cover other bytes
+                raise
             if version > FORMAT_VERSION:
-                raise ValueError(
-                    f"{str(st.file)!r} has format version {version}; this dsa_core reads "
-                    f"versions 1..{FORMAT_VERSION}. Upgrade dsa_core to open it")
-            on_disk = json.loads(head[16:16 + n])
+                raise newer
             if on_disk != layout:
                 raise ValueError(
                     f"{str(st.file)!r} header layout {on_disk} does not match the manifest "
@@ -381,6 +385,8 @@ class Store:
                     f"{str(st.file)!r} is truncated or padded: it has {size:,} bytes, the "
                     f"layout needs {st.nbytes:,} ({st.num_rows} rows x {st.stride} x "
                     f"{st.dtype.itemsize} B + {HEADER_BYTES} B header)")
+            if not has_crc and mode == "r+":  # a header from before its CRC: add it
+                os.pwrite(st._fd, header_crc(head), HEADER_CRC_OFFSET)
             marked = head[UNCLEAN_OFFSET:HEADER_BYTES] == UNCLEAN_MARK
             # read-only beside a live writer: the mark is that writer's interval, no stop
             if marked and (mode == "r+" or not _writer_alive(st.path)):
@@ -744,6 +750,11 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         store.abandon()
         raise
     return store, count, meta
+
+
+def owns_file(name: str) -> bool:
+    """One of an in-place store's own files (the data file, its temporary, the journal)."""
+    return name in (DATA_FILE, DATA_FILE + ".tmp", JOURNAL_FILE)
 
 
 def remove_store(directory: Path) -> None:

@@ -44,10 +44,9 @@ from .budget import SEAL_BYTES
 from .checks import check_count, check_meta
 from .cleaner import CLEAN_UNITS, Cleaner
 from .format import (
-    FORMAT_VERSION,
-    FORMAT_VERSION_WAL,
     MAX_SEGMENT_ID,
     Segment,
+    check_records,
     crash_point,
     index_name,
     parse_name,
@@ -74,11 +73,10 @@ TOTALS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleane
 
 
 def name_wal(manifest: dict[str, Any], wal: WalWriter | None) -> None:
-    """Name the commit log ``wal`` (or none) in ``manifest``, with the format version that
-    says whether it has one (an older reader must refuse a store whose log it would ignore)."""
+    """Name the commit log ``wal`` (or none) in ``manifest`` (``write_manifest`` gives it
+    the format version: an older reader must refuse a store whose log it would ignore)."""
     manifest.update(wal=None if wal is None else wal.path.name,
-                    wal_salt=None if wal is None else wal.salt,
-                    version=FORMAT_VERSION if wal is None else FORMAT_VERSION_WAL)
+                    wal_salt=None if wal is None else wal.salt)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -184,8 +182,9 @@ class Commit:
             recs = segs.seal_buffer(n)
             gather_records(pool.region, rslots, recs)
             off = m
-            for rec, (_, ks) in zip(src, copies, strict=True):
+            for rec, (seg, ks) in zip(src, copies, strict=True):
                 recs[off:off + ks.shape[0]] = rec[ks]
+                check_records(seg, ks, recs[off:off + ks.shape[0]])  # never copy damage
                 off += ks.shape[0]
             recs.flags.writeable = False  # as the mapping that replaces it
             segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count))
@@ -197,9 +196,11 @@ class Commit:
             def blocks():
                 for lo in range(0, m, chunk):
                     yield pool.region[rslots[lo:lo + chunk]]
-                for rec, (_, ks) in zip(src, copies, strict=True):
+                for rec, (seg, ks) in zip(src, copies, strict=True):
                     for lo in range(0, ks.shape[0], chunk):
-                        yield rec[ks[lo:lo + chunk]]
+                        blk = rec[ks[lo:lo + chunk]]
+                        check_records(seg, ks[lo:lo + chunk], blk)  # never copy damage
+                        yield blk
 
             size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count)
             segs.map(path, sid, n)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import fsync_dir, lock_writer
+from .._files import CHECKSUM_KEY, fsync_dir, lock_writer
 from .commit import Commit
 from .format import (
     MANIFEST_FILE,
@@ -49,14 +49,14 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
     """Check and map the manifest's segments, load its index, count live records (into a
     fresh ``pool`` and ``segments``)."""
     listed = [int(s) for s in manifest["segments"]]
-    ns = {}
+    ns, versions = {}, {}
     for sid in listed:
         if not 0 < sid < segments.next_segment:
             raise ValueError(f"manifest of {str(path)!r} lists segment {sid} outside "
                              f"[1, next_segment={segments.next_segment}); the store is "
                              "damaged")
-        ns[sid] = check_segment(path / seg_name(sid), sid, pool.stride, pool.dtype.itemsize,
-                                pool.num_rows, full_check)
+        ns[sid], versions[sid] = check_segment(path / seg_name(sid), sid, pool.stride,
+                                               pool.dtype.itemsize, pool.num_rows, full_check)
     index = np.zeros(pool.num_rows, np.int64) if manifest["index"] is None else \
         read_index(path / manifest["index"], pool.num_rows, manifest.get("index_crc32"))
     segments.ensure_id(segments.next_segment)
@@ -85,7 +85,7 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                          "from a checkpoint")
     live = np.bincount(sids, minlength=size) if sids.shape[0] else np.zeros(size, np.int64)
     pool.loc = index
-    segments.adopt(ns, live, int(used.shape[0]))
+    segments.adopt(ns, live, int(used.shape[0]), versions)
     bad = segments.check_rows_of_records(index)
     if bad:
         raise ValueError(f"index {manifest['index']!r} of log store {str(path)!r} "
@@ -105,28 +105,47 @@ def log_entries(directory: Path, manifest: dict[str, Any]):
                         np.dtype(lay["dtype"]), int(lay["num_rows"]))
 
 
-def remove_garbage(directory: Path, manifest: dict[str, Any]) -> None:
-    """Delete the store's own files that the manifest does not reference (writer only).
+def remove_garbage(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """Delete the store's own files that the manifest proves are garbage (writer only);
+    returns their names.
 
+    A manifest that passed its checksum (``read_manifest``) is the commit point: a file of
+    the store that it does not reference is either newer than it (written after the last
+    commit by a writer that died before the next one) or older (a segment, index or log
+    that a later manifest stopped naming, not yet deleted when the writer died). Both go.
     The commit log the manifest names stays, and so does a retired one kept under the next
-    generation's name (reused by the next flush)."""
+    generation's name (reused by the next flush). A manifest without a checksum (written
+    before checksums, format version < 3) proves less: only the files newer than it go
+    (segment ids from its ``next_segment`` on, index and log generations after the ones it
+    names); older leftovers stay until a checksummed manifest is committed (the next flush)
+    and the store is opened again. Files that are not the store's own are never touched.
+    """
+    trusted = manifest.get(CHECKSUM_KEY) is not None
     keep_segs = {int(s) for s in manifest["segments"]}
-    keep_wal = set()
+    nxt = int(manifest["next_segment"])
+    index_gen = -1 if manifest["index"] is None else parse_name(manifest["index"])[1]
+    keep_wal, wal_gen = set(), -1
     if manifest.get("wal") is not None:
-        gen = parse_name(manifest["wal"])[1]
-        keep_wal = {manifest["wal"], wal_name(gen + 1)}
-    removed = False
+        wal_gen = parse_name(manifest["wal"])[1]
+        keep_wal = {manifest["wal"], wal_name(wal_gen + 1)}
+    removed = []
     for entry in sorted(os.listdir(directory)):
         kind = parse_name(entry)
-        stale = (kind is not None and ((kind[0] == "seg" and kind[1] not in keep_segs)
-                                       or (kind[0] == "index" and entry != manifest["index"])
-                                       or (kind[0] == "wal" and entry not in keep_wal)))
-        if stale or entry == MANIFEST_FILE + ".tmp":  # write_json's, from a torn commit
+        if kind is None:
+            stale = entry == MANIFEST_FILE + ".tmp"  # write_json's, from a torn commit
+        elif kind[0] == "seg":
+            stale = kind[1] not in keep_segs and (trusted or kind[1] >= nxt)
+        elif kind[0] == "index":
+            stale = entry != manifest["index"] and (trusted or kind[1] > index_gen)
+        else:
+            stale = entry not in keep_wal and (trusted or kind[1] > wal_gen + 1)
+        if stale:
             os.unlink(directory / entry)
-            removed = True
+            removed.append(entry)
             crash_point("open-clean")
     if removed:
         fsync_dir(directory)
+    return removed
 
 
 def replay_log(path: Path, commit: Commit, pool: Pool) -> int:
