@@ -11,6 +11,8 @@
   overwrite, progress, space_ratio)``: the open engine of a new store, its first commit point written;
 * ``open_store(directory, mode, *, access, memory, unclean)``: ``(engine, count, meta)``;
 * ``remove_store(directory)``;
+* ``check_files(directory)``: ``(file, problem or None, what was checked)`` for each of a
+  store's files, checked without opening it (``dsa verify``);
 * ``owns_file(name)``: whether a file name is one of its stores' own files (a directory
   holding such files but no manifest is a damaged store, :func:`orphaned_files`).
 

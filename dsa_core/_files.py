@@ -161,16 +161,24 @@ def _copy_direct(src: Path, fo) -> bool:
         os.close(fd)
 
 
-def copy_file(src: Path, dst: Path) -> None:
+def copy_file(src: Path, dst: Path, *, share: bool = True) -> None:
     """Copy a file: reflink (FICLONE) where the filesystem can, else direct reads of ``src``
     (see :func:`_copy_direct`), else ``copy_file_range``. ``dst`` is fsync'd and then dropped
-    from the page cache, so a store opened from it starts with small folios too."""
+    from the page cache, so a store opened from it starts with small folios too.
+
+    ``share=False``: never share blocks with ``src`` (no reflink, no ``copy_file_range``,
+    which may clone too): the bytes are read and written again, so damage to one copy's
+    blocks never reaches the other."""
     with src.open("rb") as fi, dst.open("wb") as fo:
         try:
+            if not share:
+                raise OSError(errno.EOPNOTSUPP, "a full copy was asked for")
             FICLONE = 0x40049409
             fcntl.ioctl(fo.fileno(), FICLONE, array.array("i", [fi.fileno()])[0])
         except OSError:
-            if not _copy_direct(src, fo):
+            if not share:
+                shutil.copyfileobj(fi, fo, 1 << 24)
+            elif not _copy_direct(src, fo):
                 size = os.fstat(fi.fileno()).st_size
                 off = 0
                 while off < size:

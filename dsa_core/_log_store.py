@@ -270,10 +270,11 @@ class LogStore:
         self.engine.flush(int(count))
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
-                   overwrite: bool) -> Path:
-        """Flush, then hard links to the immutable segments (and a copy of the index)."""
+                   overwrite: bool, share: bool = True) -> Path:
+        """Flush, then hard links to the immutable segments (and a copy of the index);
+        ``share=False``: copies of them."""
         self._commit_meta(meta)
-        return self.engine.checkpoint(dest, int(count), overwrite=overwrite)
+        return self.engine.checkpoint(dest, int(count), overwrite=overwrite, share=share)
 
     def before_restore(self) -> None:
         """No undo journal: a commit log holds only steps after its manifest's count, and
@@ -438,6 +439,12 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
     store.settings = settings
     eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
     return store, eng.count, eng.meta
+
+
+def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
+    """Every file of the log store checked on its own, without opening it (``dsa verify``):
+    ``(file, problem or None, what was checked)``; see ``_log.recovery.check_files``."""
+    return _log.check_files(directory)
 
 
 def owns_file(name: str) -> bool:

@@ -724,7 +724,7 @@ def flush(state: State) -> None:
     state.store.flush(int(state.count), state_meta(state))
 
 
-def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
+def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = False) -> Path:
     """Write a consistent snapshot of the store to ``dest``; training may go on afterwards.
 
     Flushes the live store, copies its data file (reflink where the filesystem supports it),
@@ -733,6 +733,13 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     complete one. ``dsa_core.open(dest)`` resumes from it exactly. Replacing an existing
     snapshot needs ``overwrite=True`` (swapped atomically where the filesystem allows).
     ``state`` must be current (see :func:`flush`).
+
+    By default a snapshot may share disk blocks with the live store: an in-place store's
+    data file is reflinked where the filesystem can, a log store's segments (immutable
+    files) are hard-linked. That makes a checkpoint cheap, but a block damaged on disk is
+    then damaged in both (``dsa verify`` on the checkpoint reports it). ``copy=True``
+    writes a full copy instead, which shares no blocks with the store (costs a read and a
+    write of the whole store).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -754,8 +761,11 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     if dest.exists() and not overwrite:
         raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
                               "overwrite=True to replace it")
+    if not isinstance(copy, (bool, np.bool_)):
+        raise TypeError(f"copy must be a bool (True: a full copy that shares no blocks with "
+                        f"the store), got {copy!r}")
     return state.store.checkpoint(dest, int(state.count), state_meta(state),
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, share=not copy)
 
 
 _RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk

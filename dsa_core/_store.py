@@ -36,7 +36,14 @@ import numpy as np
 
 from . import _layout
 from ._coalesce import gather_rows
-from ._files import StoreLockedError, copy_file, fsync_dir, lock_writer, staged_dir
+from ._files import (
+    CHECKSUM_KEY,
+    StoreLockedError,
+    copy_file,
+    fsync_dir,
+    lock_writer,
+    staged_dir,
+)
 from ._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
 from ._layout import (
     DATA_FILE,
@@ -569,13 +576,14 @@ class Store:
         self.mark_clean()  # rows synced, count written: no unclean stop from here
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
-                   overwrite: bool) -> Path:
-        """Flush, then copy the data file (reflink where the filesystem can) beside the
-        manifest into a staged directory renamed into place."""
+                   overwrite: bool, share: bool = True) -> Path:
+        """Flush, then copy the data file (reflink where the filesystem can, unless
+        ``share=False``: a full copy) beside the manifest into a staged directory renamed
+        into place."""
         self.flush(count, meta)
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
-            copy_file(self.file, tmp / DATA_FILE)
+            copy_file(self.file, tmp / DATA_FILE, share=share)
             _layout.write_manifest(tmp, self.manifest(count, meta))
         return dest
 
@@ -750,6 +758,46 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         store.abandon()
         raise
     return store, count, meta
+
+
+def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
+    """Every file of the in-place store checked on its own, without opening it (``dsa
+    verify``): ``(file, problem or None, what was checked)`` for the manifest (checksum),
+    the data file's header (CRC, layout against the manifest) and size, and a journal of a
+    step in progress (``durability="step"``), if any."""
+    out: list[tuple[str, str | None, str]] = []
+    try:
+        manifest = read_manifest(directory)
+        layout = manifest["layout"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [(MANIFEST_FILE, str(exc), "checksum")]
+    out.append((MANIFEST_FILE, None, "checksum" if manifest.get(CHECKSUM_KEY) else
+                "no checksum (written before checksums: the next flush adds one)"))
+    path = Path(directory) / DATA_FILE
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        _, on_disk, has_crc = parse_header(path, head)
+        if on_disk != layout:
+            raise ValueError(f"{str(path)!r} header layout {on_disk} does not match the "
+                             f"manifest layout {layout}; the store is damaged or its files "
+                             "were mixed up")
+        dt = np.dtype(layout["dtype"])
+        want = HEADER_BYTES + int(layout["num_rows"]) * int(layout["stride"]) * dt.itemsize
+        size = os.stat(path).st_size
+        if size != want:
+            raise ValueError(f"{str(path)!r} is truncated or padded: it has {size:,} bytes, "
+                             f"the layout needs {want:,}")
+        out.append((DATA_FILE, None, "header " + ("CRC, " if has_crc else "(no CRC: "
+                    "written before header CRCs; a writer's open adds one), ") +
+                    "layout and size (its rows carry no checksums)"))
+    except (OSError, ValueError) as exc:
+        out.append((DATA_FILE, str(exc), "header and size"))
+    jpath = Path(directory) / JOURNAL_FILE
+    if jpath.exists():
+        out.append((JOURNAL_FILE, None, "the undo record of a step in progress (a writer's "
+                    "open rolls it back if it checks out, else the step never began)"))
+    return out
 
 
 def owns_file(name: str) -> bool:

@@ -79,9 +79,13 @@ def name_wal(manifest: dict[str, Any], wal: WalWriter | None) -> None:
                     wal_salt=None if wal is None else wal.salt)
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def _link_or_copy(src: Path, dst: Path, share: bool = True) -> None:
     """Hard-link ``src`` as ``dst`` (immutable files: the link is a snapshot); copy where the
-    filesystem refuses links (another device, no link support, too many links)."""
+    filesystem refuses links (another device, no link support, too many links). With
+    ``share=False`` a full copy that shares no blocks with ``src``."""
+    if not share:
+        copy_file(src, dst, share=False)
+        return
     try:
         os.link(src, dst)
     except OSError as exc:
@@ -298,7 +302,8 @@ class Commit:
         segs.delete_doomed()
         self._retire_wal(old_wal, new_wal)
 
-    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
+    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
+                   share: bool = True) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``
         (see ``LogEngine.checkpoint``)."""
         dest = Path(dest)
@@ -314,10 +319,10 @@ class Commit:
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
             for sid in manifest["segments"]:
-                _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid))
+                _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid), share)
                 crash_point("ckpt-link")
             if manifest["index"] is not None:
-                copy_file(self.path / manifest["index"], tmp / manifest["index"])
+                copy_file(self.path / manifest["index"], tmp / manifest["index"], share=share)
             write_manifest(tmp, manifest)
             crash_point("ckpt-staged")
         return dest

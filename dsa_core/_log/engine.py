@@ -267,7 +267,8 @@ class LogEngine:
         self._require_writable()
         self._commit.flush(count)
 
-    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
+    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
+                   share: bool = True) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``.
 
         The snapshot is built in a temporary directory (hard links to the manifest's
@@ -276,10 +277,11 @@ class LogEngine:
         or absent. It opens as a log store with exactly the flushed state and stays valid
         while this store trains, cleans and deletes (those only unlink its own names). It
         names no commit log (everything is in its segments); a writer that opens it starts
-        one at its first logged step.
+        one at its first logged step. ``share=False``: copies of the segments instead of
+        links (a snapshot that shares no blocks with the store).
         """
         self._require_writable()
-        return self._commit.checkpoint(dest, count, overwrite=overwrite)
+        return self._commit.checkpoint(dest, count, overwrite=overwrite, share=share)
 
     # -- the commit log (durability="step"; commit) ---------------------------------------
     def step_ready(self, count: int, meta: dict[str, Any] | None = None) -> bool:

@@ -30,14 +30,15 @@ from .format import (
     crash_point,
     parse_name,
     read_index,
+    read_manifest,
     seg_name,
 )
 from .pool import Pool
 from .segments import LOW32, Segments
 from .wal import WalEntry, read_entries, wal_name
 
-__all__ = ["install_log", "load", "lock", "log_entries", "remove_garbage", "replay_log",
-           "verify"]
+__all__ = ["check_files", "install_log", "load", "lock", "log_entries", "remove_garbage",
+           "replay_log", "verify"]
 
 def lock(directory: Path) -> int:
     """Take the store's writer lock (``_files.lock_writer``, as the in-place store does)."""
@@ -176,6 +177,49 @@ def install_log(entries: list[WalEntry] | Any, limit: int, commit: Commit, pool:
     for e in itertools.islice(entries, limit):
         pool.install(e.rows, e.records)
         commit.count = e.t
+
+
+def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
+    """``dsa verify``'s look at every file of the store, one by one, without opening it:
+    ``(file, problem or None, what was checked)`` for the manifest (checksum, settings),
+    the index generation (size, CRC), every segment it lists (header, rows, steps, the
+    records' CRC and every record against its checksum) and the commit log (every entry;
+    damage before a valid entry). Reads only; a missing manifest stops the list there."""
+    directory = Path(directory)
+    out: list[tuple[str, str | None, str]] = []
+    try:
+        manifest = read_manifest(directory)
+    except (OSError, ValueError) as exc:
+        return [(MANIFEST_FILE, str(exc), "checksum and settings")]
+    out.append((MANIFEST_FILE, None, "checksum and settings" if manifest.get(CHECKSUM_KEY)
+                else "settings; no checksum (written before format 3: the next flush adds "
+                "one)"))
+    lay = manifest["layout"]
+    stride, dtype, num_rows = int(lay["stride"]), np.dtype(lay["dtype"]), int(lay["num_rows"])
+    if manifest["index"] is not None:
+        try:
+            read_index(directory / manifest["index"], num_rows, manifest.get("index_crc32"))
+            out.append((manifest["index"], None, f"size and CRC ({num_rows} rows)"))
+        except (OSError, ValueError) as exc:
+            out.append((manifest["index"], str(exc), "size and CRC"))
+    for sid in manifest["segments"]:
+        name = seg_name(int(sid))
+        try:
+            n, version = check_segment(directory / name, int(sid), stride, dtype.itemsize,
+                                       num_rows, True)
+            out.append((name, None, f"header, rows, steps and {n} records (" + (
+                "each against its checksum)" if version >= 2 else
+                "their CRC; a segment of format 1 has no per-record checksums)")))
+        except (OSError, ValueError) as exc:
+            out.append((name, str(exc), "header, rows, steps and records"))
+    if manifest.get("wal") is not None:
+        try:
+            k = sum(1 for _ in log_entries(directory, manifest))
+            out.append((manifest["wal"], None, f"{k} valid entr{'y' if k == 1 else 'ies'} "
+                        "after the manifest's count, no damage before the tail"))
+        except (OSError, ValueError) as exc:
+            out.append((manifest["wal"], str(exc), "every entry"))
+    return out
 
 
 def verify(pool: Pool, segments: Segments) -> list[str]:
