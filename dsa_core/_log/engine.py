@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from .._files import CHECKSUM_KEY
 from .._init import InitSpec
 from .budget import (
     SLOT_OVERHEAD,
@@ -572,8 +573,14 @@ def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
                     raise
                 time.sleep(0.01)
         if mode == "r+":
+            # the commit log read through first: damage in it (an invalid entry with valid
+            # ones after it) stops the open before any file is deleted or written
+            for _ in log_entries(directory, manifest):
+                pass
             remove_garbage(directory, manifest)
             replay_log(directory, eng._commit, eng._pool)
+            if eng._commit.manifest.get(CHECKSUM_KEY) is None:  # written before checksums:
+                write_manifest(directory, eng._commit.manifest)  # the same, with one now
     except BaseException:
         if lockfd >= 0:
             os.close(lockfd)
