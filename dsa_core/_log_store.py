@@ -114,7 +114,7 @@ class LogStore:
     access = "log"  # no mapping to page: the region is the memory (``State.access``)
     table_view = False       # records live in a region and in segments: no whole table
     description = "log-structured, storage='log'"
-    checks = "segment and index CRCs checked"
+    checks = "manifest checksum, segment and index CRCs checked, every record's checksum"
     reads_last_flush = True  # a reader opens the files of the writer's last flush
     unclean = False          # a log store reopens exactly at its last flush: never unclean
 

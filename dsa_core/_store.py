@@ -218,7 +218,7 @@ class Store:
     table_view = True         # ``data`` is the whole table
     reads_last_flush = False  # a reader beside a writer sees rows as the writer changes them
     description = "one mapped file of records"
-    checks = "header and size ok"
+    checks = "manifest checksum, header CRC and size ok"
 
     def __init__(self, directory: Path, layout: dict[str, Any], mode: str,
                  access: str = "auto"):

@@ -3,10 +3,11 @@
 After ``kill -9`` at any moment an open returns exactly the state of the last completed
 flush (``commit``) plus the steps of its commit log: the manifest is the commit point, so
 :func:`load` checks and maps the segments it lists and reads the index generation it names;
-a writer then deletes the store's files that no manifest references (:func:`remove_garbage`:
-segments and index generations written after the last commit, a torn manifest's temporary
-file) and replays the commit log's valid entries (:func:`replay_log`, then one flush: the
-replayed log is never read again). A reader writes nothing: it puts the log's entries into
+a writer then reads the whole commit log (damage in it stops the open here, before any
+file changes), deletes the store's files that the manifest proves are garbage
+(:func:`remove_garbage`: segments and index generations written after the last commit or
+no longer named by it, a torn manifest's temporary file) and replays the commit log's
+valid entries (:func:`replay_log`, then one flush: the replayed log is never read again). A reader writes nothing: it puts the log's entries into
 its own region (:func:`install_log`). The files of the last manifest are never modified
 nor deleted before a newer manifest is durable.
 
@@ -118,8 +119,8 @@ def remove_garbage(directory: Path, manifest: dict[str, Any]) -> list[str]:
     generation's name (reused by the next flush). A manifest without a checksum (written
     before checksums, format version < 3) proves less: only the files newer than it go
     (segment ids from its ``next_segment`` on, index and log generations after the ones it
-    names); older leftovers stay until a checksummed manifest is committed (the next flush)
-    and the store is opened again. Files that are not the store's own are never touched.
+    names); older leftovers stay until the store is opened again (the writer's open
+    rewrites such a manifest with its checksum). Files that are not the store's own are never touched.
     """
     trusted = manifest.get(CHECKSUM_KEY) is not None
     keep_segs = {int(s) for s in manifest["segments"]}
