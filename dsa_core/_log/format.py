@@ -4,7 +4,7 @@ Nothing here knows about memory budgets or eviction (``pool``, ``commit``); this
 writes and checks the bytes. Files of a log store directory:
 
 ``manifest.json``
-    ``{"format": "dsa-log", "version": 1, "layout": {...}, "count": int, "seed": int,
+    ``{"format": "dsa-log", "version": 3, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
     "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "segments": [ids],
     "next_segment":
