@@ -583,7 +583,10 @@ class Store:
         self.flush(count, meta)
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
-            copy_file(self.file, tmp / DATA_FILE, share=share)
+            if share:
+                copy_file(self.file, tmp / DATA_FILE)
+            else:
+                copy_file(self.file, tmp / DATA_FILE, share=False)
             _layout.write_manifest(tmp, self.manifest(count, meta))
         return dest
 

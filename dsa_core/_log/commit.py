@@ -322,7 +322,11 @@ class Commit:
                 _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid), share)
                 crash_point("ckpt-link")
             if manifest["index"] is not None:
-                copy_file(self.path / manifest["index"], tmp / manifest["index"], share=share)
+                if share:
+                    copy_file(self.path / manifest["index"], tmp / manifest["index"])
+                else:
+                    copy_file(self.path / manifest["index"], tmp / manifest["index"],
+                              share=False)
             write_manifest(tmp, manifest)
             crash_point("ckpt-staged")
         return dest
