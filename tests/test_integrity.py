@@ -480,3 +480,40 @@ def test_verify_names_every_file_it_checked(tmp_path, kind, capsys):
         assert "file index-" in out
     else:
         assert "file rows.dsa: ok (header CRC, layout and size" in out
+
+
+def test_commit_log_damage_is_found_in_a_recycled_file(tmp_path):
+    """A recycled log holds an older generation's entries after the current ones: damage
+    before a valid current entry is still refused, a torn tail before the old entries is a
+    tail (the scan stops at the first old header)."""
+    from dsa_core._log.wal import WalError, WalWriter, read_entries, wal_name
+
+    stride, rows = 3 * D, N
+    rng = np.random.default_rng(1)
+
+    def entry():
+        r = np.sort(rng.choice(rows, 40, replace=False)).astype(np.int64)
+        return r, rng.standard_normal((40, stride)).astype(np.float32)
+
+    old, new = tmp_path / wal_name(1), tmp_path / wal_name(3)
+    w = WalWriter.start(old, 11, stride, np.float32)
+    for t in range(1, 9):
+        w.append(t, *entry())
+    w.close()
+    w = WalWriter.start(new, 22, stride, np.float32, recycle=old)
+    offs = [w.offset]
+    for t in (101, 102, 103):
+        w.append(t, *entry())
+        offs.append(w.offset)
+    w.close()
+
+    def read():
+        return [e.t for e in read_entries(new, 22, 101, stride, np.float32, rows)]
+
+    assert read() == [101, 102, 103]
+    _flip(new, offs[2] + 100)  # the last current entry: a tail, old entries after it
+    assert read() == [101, 102]
+    _flip(new, offs[2] + 100)
+    _flip(new, offs[1] + 100)  # the middle one: damage
+    with pytest.raises(WalError, match="entry of step 102 .* goes on with step 103"):
+        read()

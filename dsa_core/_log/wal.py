@@ -206,7 +206,13 @@ _SCAN_BYTES = 8 << 20  # bytes read at once when looking past an invalid entry
 
 def _end_of_log(fd: int, path: Path, off: int, size: int, salt: int, t: int) -> None:
     """The entry of step ``t`` at ``off`` is not valid: fine if it is the log's tail, else
-    (a later page holds a header of this generation for a later step) :class:`WalError`."""
+    (a later page holds a header of this generation for a later step) :class:`WalError`.
+
+    The pages after ``off`` are scanned for headers up to the first valid header of another
+    generation (another salt: a recycled file's old entries): a generation's entries lie
+    one after the other from the file's start, and the pages of a completed entry hold
+    only its own bytes, so no entry of this generation can follow an older generation's
+    header. That keeps the scan of a recycled file short (the usual case at open)."""
     pos = _aligned(off + 1)
     while pos + HEADER_BYTES <= size:
         blk = os.pread(fd, min(_SCAN_BYTES, size - pos), pos)
@@ -217,8 +223,11 @@ def _end_of_log(fd: int, path: Path, off: int, size: int, salt: int, t: int) -> 
                 continue
             head = blk[rel:rel + _HEAD.size]
             _, et, _, _, _, esalt, _ = _HEAD.unpack(head)
-            if esalt == salt and et > t and _CRC.unpack(
-                    blk[rel + _HEAD.size:rel + HEADER_BYTES])[0] == zlib.crc32(head):
+            if _CRC.unpack(blk[rel + _HEAD.size:rel + HEADER_BYTES])[0] != zlib.crc32(head):
+                continue
+            if esalt != salt:
+                return  # an older generation's entries: this one ended before them
+            if et > t:
                 raise WalError(
                     f"commit log {str(path)!r} is damaged: the entry of step {t} (at byte "
                     f"{off:,}) does not check out, but the log goes on with step {et} (at "
