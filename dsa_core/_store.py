@@ -804,8 +804,10 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
 
 
 def owns_file(name: str) -> bool:
-    """One of an in-place store's own files (the data file, its temporary, the journal)."""
-    return name in (DATA_FILE, DATA_FILE + ".tmp", JOURNAL_FILE)
+    """One of an in-place store's own files (the data file, the journal). Not the data
+    file's temporary: alone, it is what an interrupted ``create`` leaves, which the next
+    ``create`` replaces."""
+    return name in (DATA_FILE, JOURNAL_FILE)
 
 
 def remove_store(directory: Path) -> None:

@@ -517,3 +517,14 @@ def test_commit_log_damage_is_found_in_a_recycled_file(tmp_path):
     _flip(new, offs[1] + 100)  # the middle one: damage
     with pytest.raises(WalError, match="entry of step 102 .* goes on with step 103"):
         read()
+
+
+def test_an_interrupted_create_is_no_damaged_store(tmp_path):
+    """A guard of this change, not a damage case (passes on the old code too): only the data
+    file's temporary (an interrupted create) is no store's file; create again just works."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "rows.dsa.tmp").write_bytes(b"\0" * 64)
+    dsa_core.close(_create(tmp_path / "s", "inplace"))
+    r = dsa_core.open(tmp_path / "s", mode="r")
+    assert r.count == 0
+    dsa_core.close(r)
