@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import torch, jax, numba, numpy; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.version.cuda); print('jax', jax.__version__, jax.devices()); print('numba', numba.__version__, 'numpy', numpy.__version__)" | tee -a "$out/env.txt"
 rc=0
 python3 -m pytest -q -p no:cacheprovider -W default -m gpu -rs tests 2>&1 | tee "$out/tests_gpu.txt" || rc=1
-python3 -m pytest -q -p no:cacheprovider -W default tests/test_jax_adapter.py 2>&1 | tee "$out/tests_jax_gpu.txt" || rc=1
+python3 -m pytest -q -p no:cacheprovider -W default tests/adapters/jax/test_jax_adapter.py 2>&1 | tee "$out/tests_jax_gpu.txt" || rc=1
 python3 -m benchmarks.torch_e2e --device cuda --rows 1000000 --steps 200 --dir /tmp 2>&1 | tee "$out/torch_e2e_cuda_1m.txt" || rc=1
 cp benchmarks/results/torch_e2e_cuda.json "$out/torch_e2e_cuda_1m.json" 2>/dev/null
 python3 -m benchmarks.torch_e2e --device cuda --rows 10000000 --steps 100 --dir /tmp 2>&1 | tee "$out/torch_e2e_cuda_10m.txt" || rc=1

@@ -147,6 +147,14 @@ def _damage(directory: Path) -> str | None:
         return (f"not a DSA store: it holds only {DATA_FILE}.tmp, left by a dsa_core.create "
                 "that was interrupted (or is running now). Delete the directory and create "
                 "the store again")
+    from ._engines import orphaned_files
+
+    files = orphaned_files(directory)
+    if files:
+        more = f" and {len(files) - 1} more" if len(files) > 1 else ""
+        return (f"a damaged DSA store: it holds a store's files ({files[0]}{more}) but its "
+                f"{MANIFEST_FILE} is missing (it says which of them hold the rows, and the "
+                "count), so they cannot be read. Restore the store from a checkpoint")
     return None
 
 
@@ -417,7 +425,24 @@ def cmd_export(a) -> int:
 def cmd_verify(a) -> int:
     import dsa_core
 
+    from ._engines import ENGINES, kind_of
+
     _not_a_store(a.store)
+    try:
+        kind = kind_of(Path(a.store))
+    except OSError as exc:
+        raise SystemExit(f"dsa: {exc}") from None
+    # every file on its own first (manifest, index, segments and every record, commit log,
+    # header): a damaged store is described file by file instead of failing to open
+    files = ENGINES[kind or "inplace"].check_files(Path(a.store))
+    if len(files) == 1 and files[0][1] is not None and not Path(a.store, files[0][0]).exists():
+        raise SystemExit(f"dsa: {files[0][1]}")  # not a store (or not one any more)
+    if any(p is not None for _, p, _ in files):
+        print(f"{a.store}: {(_manifest(Path(a.store)) or {}).get('format', 'store')}")
+        for name, p, what in files:
+            print(f"  PROBLEM: the store does not check out: {name}: {p}" if p is not None
+                  else f"  file {name}: ok ({what})")
+        return 1
     try:  # an unclean stop is reported below, after the checks of its rows
         st = dsa_core.open(a.store, mode="r", unclean="accept")
         problems = st.store.verify()  # the engine's own checks of its files
@@ -453,6 +478,8 @@ def cmd_verify(a) -> int:
     version = (_manifest(Path(st.path)) or {}).get("version")
     print(f"{st.path}: {st.storage} store, format v{version}, {st.store.checks}, "
           f"count {st.count}")
+    for name, _, what in files:
+        print(f"  file {name}: ok ({what})")
     if lock_held(Path(st.path) / WRITER_LOCK):
         print("  note: a writer holds this store; " + (
             "this checked the files of its last flush" if st.store.reads_last_flush

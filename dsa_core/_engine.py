@@ -117,8 +117,9 @@ class Engine(Protocol):
         """Every step so far durable, committed at ``count`` with ``meta``."""
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
-                   overwrite: bool) -> Path:
-        """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing)."""
+                   overwrite: bool, share: bool = True) -> Path:
+        """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing);
+        ``share=False``: one that shares no disk blocks with the store (a full copy)."""
 
     def before_restore(self) -> None:
         """Called before every record is overwritten from a snapshot."""

@@ -18,10 +18,14 @@ import os
 import shutil
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["commit_dir", "copy_file", "fsync_dir", "staged_dir", "write_json"]
+__all__ = ["CHECKSUM_KEY", "check_json_checksum", "commit_dir", "copy_file", "fsync_dir",
+           "json_checksum", "staged_dir", "write_json"]
+
+CHECKSUM_KEY = "checksum"  # a manifest's own checksum: "crc32:<8 hex digits>"
 
 
 def fsync_dir(path: Path) -> None:
@@ -33,7 +37,42 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path, obj: Any, *, shared: bool = True) -> None:
+def json_checksum(obj: dict[str, Any]) -> str:
+    """``"crc32:<hex>"`` of the canonical JSON text of ``obj`` without its
+    :data:`CHECKSUM_KEY` (sorted keys, no spaces): what a checksummed manifest stores.
+
+    >>> json_checksum({"count": 3}) == json_checksum({"count": 3, "checksum": "x"})
+    True
+    """
+    body = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return f"crc32:{zlib.crc32(text.encode()):08x}"
+
+
+def check_json_checksum(path: Path, obj: Any, *, required: bool) -> bool:
+    """Check the checksum a JSON file ``path`` (already parsed into ``obj``) stores.
+
+    Returns True when it holds one and it matches, False when it holds none and
+    ``required`` is false (a file written before checksums); raises ``ValueError``
+    naming the file otherwise (a flipped bit, an edit by hand, or none where one must be).
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"{str(path)!r} is damaged: it holds a JSON "
+                         f"{type(obj).__name__}, not an object; restore the store from a "
+                         "checkpoint")
+    stored = obj.get(CHECKSUM_KEY)
+    if stored is None and not required:
+        return False
+    want = json_checksum(obj)
+    if stored != want:
+        raise ValueError(
+            f"{str(path)!r} is damaged: its checksum does not match its contents "
+            f"(stored {stored!r}, computed {want!r}; a flipped bit on disk or an edit by "
+            "hand). Nothing was changed; restore the store from a checkpoint")
+    return True
+
+
+def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False) -> None:
     """Replace the JSON file ``path`` atomically and durably.
 
     The text goes to a temporary file beside it, which is written in full
@@ -46,6 +85,9 @@ def write_json(path, obj: Any, *, shared: bool = True) -> None:
     single writer (a store's manifest, under its writer lock): a fixed name, so that the
     temporary a crash left behind is reused rather than piling up.
 
+    ``checksum=True`` stores :func:`json_checksum` of ``obj`` under :data:`CHECKSUM_KEY`
+    (``obj`` itself is not changed); :func:`check_json_checksum` checks it when read.
+
     >>> import json, tempfile, pathlib
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "meta.json"
     >>> write_json(p, {"count": 3})
@@ -55,6 +97,9 @@ def write_json(path, obj: Any, *, shared: bool = True) -> None:
     path = Path(path)
     tag = f"-{os.getpid()}-{threading.get_ident()}" if shared else ""
     tmp = path.with_name(f"{path.name}.tmp{tag}")
+    if checksum:
+        obj = json.loads(json.dumps(obj))  # as a reader will see it (tuples -> lists, ...)
+        obj[CHECKSUM_KEY] = json_checksum(obj)
     data = memoryview(json.dumps(obj, indent=1, sort_keys=True).encode())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -116,16 +161,24 @@ def _copy_direct(src: Path, fo) -> bool:
         os.close(fd)
 
 
-def copy_file(src: Path, dst: Path) -> None:
+def copy_file(src: Path, dst: Path, *, share: bool = True) -> None:
     """Copy a file: reflink (FICLONE) where the filesystem can, else direct reads of ``src``
     (see :func:`_copy_direct`), else ``copy_file_range``. ``dst`` is fsync'd and then dropped
-    from the page cache, so a store opened from it starts with small folios too."""
+    from the page cache, so a store opened from it starts with small folios too.
+
+    ``share=False``: never share blocks with ``src`` (no reflink, no ``copy_file_range``,
+    which may clone too): the bytes are read and written again, so damage to one copy's
+    blocks never reaches the other."""
     with src.open("rb") as fi, dst.open("wb") as fo:
         try:
+            if not share:
+                raise OSError(errno.EOPNOTSUPP, "a full copy was asked for")
             FICLONE = 0x40049409
             fcntl.ioctl(fo.fileno(), FICLONE, array.array("i", [fi.fileno()])[0])
         except OSError:
-            if not _copy_direct(src, fo):
+            if not share:
+                shutil.copyfileobj(fi, fo, 1 << 24)
+            elif not _copy_direct(src, fo):
                 size = os.fstat(fi.fileno()).st_size
                 off = 0
                 while off < size:

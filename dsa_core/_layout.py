@@ -7,6 +7,7 @@ A store is a directory holding two files:
     embedding row, in the store dtype (little-endian float32 or float64)::
 
         header (4096 B): b"DSASTORE" | uint32 format version | uint32 n | JSON layout | zero padding
+                         | b"DSAHCRC1" | uint32 crc32 of the bytes before the padding | 4 zeros
                          | 8-byte unclean marker (the header's last 8 bytes)
         record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | t_r | last | padding ]
 
@@ -16,7 +17,11 @@ A store is a directory holding two files:
     else zeros. A store found marked with no writer holding it was stopped uncleanly (kill -9,
     power loss, ``os._exit``): ``open`` refuses it unless told ``unclean="accept"`` (see
     ``_inplace.store.Store.mark_unclean``). Readers older than the marker ignore it (it lies in the
-    padding), so it does not change the format version.
+    padding), so it does not change the format version. The header CRC (``HEADER_CRC_TAG``,
+    16 bytes before the marker) is checked at every open (:func:`parse_header`); it too lies
+    in the padding, so older readers ignore it. A header written before it has zeros there:
+    it is read as before (its JSON and layout are still checked against the manifest), and a
+    writer's open adds the CRC.
 
     v is one scalar per row when ``curvature > 0`` (the ball's Riemannian second moment) or when
     the layout says ``"second_moment": "rowwise"`` (docs/algorithms.md §7.3). With
@@ -41,8 +46,10 @@ A store is a directory holding two files:
 
 ``manifest.json``
     Format name and version, the layout (repeated from the header), the
-    hyperparameters and the step count. It is replaced atomically (temporary
-    file, fsync, rename, fsync of the directory) on every flush.
+    hyperparameters and the step count, and ``"checksum": "crc32:<hex>"`` of the rest
+    (``_files.json_checksum``), checked at every read (a manifest written before checksums
+    has none and is read as before; the next flush adds it). It is replaced atomically
+    (temporary file, fsync, rename, fsync of the directory) on every flush.
 
 ``journal.dsa`` (only with ``durability="step"``)
     The undo record of the step in progress: ``b"DSAJRNL1" | count_before | n | crc32`` then
@@ -59,12 +66,13 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._files import write_json
+from ._files import CHECKSUM_KEY, check_json_checksum, write_json
 
 MAGIC = b"DSASTORE"
 FORMAT_NAME = "dsa-store"
@@ -72,6 +80,8 @@ FORMAT_VERSION = 3  # newest version this module reads and writes; see layout_ve
 HEADER_BYTES = 4096
 UNCLEAN_OFFSET = HEADER_BYTES - 8  # the unclean marker: the header's last 8 bytes
 UNCLEAN_MARK = b"DSAUNCLN"         # there: rows may differ from the manifest's count
+HEADER_CRC_OFFSET = UNCLEAN_OFFSET - 16  # b"DSAHCRC1" | u32 crc32 | 4 zeros
+HEADER_CRC_TAG = b"DSAHCRC1"
 DATA_FILE = "rows.dsa"
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = "writer.lock"
@@ -83,6 +93,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "HEADER_BYTES",
+    "HEADER_CRC_OFFSET",
     "JOURNAL_FILE",
     "LOCK_FILE",
     "MANIFEST_FILE",
@@ -91,6 +102,8 @@ __all__ = [
     "UNCLEAN_OFFSET",
     "counter_dtype",
     "header_bytes",
+    "header_crc",
+    "parse_header",
     "layout_version",
     "make_layout",
     "read_manifest",
@@ -186,30 +199,76 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     return layout
 
 
+def header_crc(head: bytes) -> bytes:
+    """The 16 bytes at ``HEADER_CRC_OFFSET`` that check the header ``head`` (its magic,
+    version, length and JSON layout)."""
+    n = struct.unpack("<I", head[12:16])[0]
+    return HEADER_CRC_TAG + struct.pack("<I", zlib.crc32(head[:16 + n])) + bytes(4)
+
+
 def header_bytes(layout: dict[str, Any]) -> bytes:
     body = json.dumps(layout, sort_keys=True).encode()
     head = MAGIC + struct.pack("<II", layout_version(layout), len(body)) + body
-    if len(head) > UNCLEAN_OFFSET:  # pragma: no cover - layouts are tiny
+    if len(head) > HEADER_CRC_OFFSET:  # pragma: no cover - layouts are tiny
         raise ValueError("layout does not fit in the store header")
+    head += b"\0" * (HEADER_CRC_OFFSET - len(head))
+    head += header_crc(head)
     return head + b"\0" * (HEADER_BYTES - len(head))
 
 
+def parse_header(path: Path, head: bytes) -> tuple[int, dict[str, Any], bool]:
+    """``(version, layout, has_crc)`` of the data-file header ``head`` (read from ``path``),
+    or a ``ValueError`` naming the file: a wrong magic, a CRC mismatch (a flipped byte), a
+    layout that is not JSON. A header written before the CRC (zeros there) is read as
+    before: ``has_crc`` False."""
+    fix = ("Nothing was changed; restore the store from a checkpoint (a flipped byte on disk, "
+           "or the file was edited)")
+    if len(head) < HEADER_BYTES:
+        raise ValueError(f"{str(path)!r} is torn: {len(head)} bytes, shorter than its "
+                         f"{HEADER_BYTES}-byte header. {fix}")
+    if head[:8] != MAGIC:
+        raise ValueError(f"{str(path)!r} is not a DSA data file: magic is {head[:8]!r}, "
+                         f"expected {MAGIC!r}")
+    version, n = struct.unpack("<II", head[8:16])
+    tag = head[HEADER_CRC_OFFSET:HEADER_CRC_OFFSET + 16]
+    has_crc = tag[:8] == HEADER_CRC_TAG
+    if has_crc or any(tag):
+        if 16 + n > HEADER_CRC_OFFSET or tag != header_crc(head):
+            raise ValueError(f"the header of {str(path)!r} is damaged: its CRC does not match "
+                             f"its bytes. {fix}")
+    if 16 + n > HEADER_CRC_OFFSET:
+        raise ValueError(f"the header of {str(path)!r} is damaged: it announces a {n}-byte "
+                         f"layout, more than the header holds. {fix}")
+    try:
+        layout = json.loads(head[16:16 + n])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the header of {str(path)!r} is damaged: its layout is not valid "
+                         f"JSON ({exc}). {fix}") from None
+    return version, layout, has_crc
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync)."""
-    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False)  # one writer: the lock
+    """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync), with
+    its checksum (``_files.json_checksum``, checked by :func:`read_manifest`)."""
+    manifest.pop(CHECKSUM_KEY, None)
+    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False,  # one writer: the lock
+               checksum=True)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """Read and check ``manifest.json``; clear errors for anything that is not a store."""
+    """Read and check ``manifest.json`` (its checksum: a manifest written before checksums
+    has none and is accepted); clear errors for anything that is not a store."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(
             f"no DSA store at {str(directory)!r}: the directory does not exist; "
             "create one with dsa_core.create(path, num_rows=..., dim=...)")
     mpath = directory / MANIFEST_FILE
-    if not mpath.is_file() and (directory / DATA_FILE).is_file():
+    if not mpath.is_file() and ((directory / DATA_FILE).is_file()
+                                or (directory / JOURNAL_FILE).is_file()):
+        found = DATA_FILE if (directory / DATA_FILE).is_file() else JOURNAL_FILE
         raise FileNotFoundError(
-            f"store {str(directory)!r} is damaged: its data file {DATA_FILE} is there but "
+            f"store {str(directory)!r} is damaged: its data file {found} is there but "
             f"its {MANIFEST_FILE} is missing (deleted?), so the rows cannot be interpreted. "
             "Restore the store from a checkpoint, or replace it with "
             "dsa_core.create(path, ..., overwrite=True)")
@@ -233,4 +292,5 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ValueError(
             f"store {str(directory)!r} has format version {version!r}; this dsa_core reads "
             f"versions 1..{FORMAT_VERSION}. Upgrade dsa_core to open it")
+    check_json_checksum(mpath, manifest, required=False)
     return manifest

@@ -21,7 +21,7 @@ from . import _layout
 from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
-from ._engines import ENGINES, kind_of
+from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._inplace.store import check_unclean
 from .validation import (
     DURABILITY_MODES,
@@ -576,6 +576,11 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
+    orphans = orphaned_files(directory)
+    if orphans and not overwrite:  # a store's files without a manifest: damaged, not empty
+        raise orphans_error(directory, orphans)
+    if orphans:
+        remove_orphans(directory)
     kind = kind_of(directory)
     if kind is not None and not overwrite:
         raise FileExistsError(
@@ -611,14 +616,26 @@ def _state_from(store: Any, count: int, meta: dict[str, Any]) -> State:
         raise ValueError(f"store {str(store.path)!r} records durability {durability!r}, not "
                          f"one of {DURABILITY_MODES}; the store is damaged")
     try:
-        return State(store, int(count), float(hp["lr"]), tuple(float(b) for b in hp["betas"]),
-                     float(hp["eps"]), bool(hp["maximize"]), float(hp["ball_eps"]),
-                     str(hp.get("nonfinite", "propagate")), durability,
-                     float(hp.get("weight_decay", 0.0)),
-                     bool(hp.get("decoupled_weight_decay", False)))
+        state = State(store, int(count), float(hp["lr"]),
+                      tuple(float(b) for b in hp["betas"]), float(hp["eps"]),
+                      bool(hp["maximize"]), float(hp["ball_eps"]),
+                      str(hp.get("nonfinite", "propagate")), durability,
+                      float(hp.get("weight_decay", 0.0)),
+                      bool(hp.get("decoupled_weight_decay", False)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"store {str(store.path)!r} records hyperparameters {hp!r} that "
                          f"lack or mangle a field ({exc!r}); the store is damaged") from None
+    try:  # the rules create applies: a value create refuses is damage, not a setting
+        check_hparams(hp["lr"], hp["betas"], hp["eps"], hp["maximize"], state.nonfinite)
+        check_weight_decay_options(hp.get("weight_decay", 0.0),
+                                   hp.get("decoupled_weight_decay", False))
+        if not 0.0 <= state.ball_eps < 1.0:
+            raise ValueError(f"ball_eps must lie in [0, 1), got {state.ball_eps}")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"store {str(store.path)!r} records hyperparameters that create "
+                         f"refuses ({exc}); its manifest is damaged or was edited by hand. "
+                         "Nothing was changed; restore the store from a checkpoint") from None
+    return state
 
 
 class _Terminated(BaseException):
@@ -707,7 +724,7 @@ def flush(state: State) -> None:
     state.store.flush(int(state.count), state_meta(state))
 
 
-def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
+def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = False) -> Path:
     """Write a consistent snapshot of the store to ``dest``; training may go on afterwards.
 
     Flushes the live store, copies its data file (reflink where the filesystem supports it),
@@ -716,6 +733,13 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     complete one. ``dsa_core.open(dest)`` resumes from it exactly. Replacing an existing
     snapshot needs ``overwrite=True`` (swapped atomically where the filesystem allows).
     ``state`` must be current (see :func:`flush`).
+
+    By default a snapshot may share disk blocks with the live store: an in-place store's
+    data file is reflinked where the filesystem can, a log store's segments (immutable
+    files) are hard-linked. That makes a checkpoint cheap, but a block damaged on disk is
+    then damaged in both (``dsa verify`` on the checkpoint reports it). ``copy=True``
+    writes a full copy instead, which shares no blocks with the store (costs a read and a
+    write of the whole store).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -737,8 +761,11 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     if dest.exists() and not overwrite:
         raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
                               "overwrite=True to replace it")
+    if not isinstance(copy, (bool, np.bool_)):
+        raise TypeError(f"copy must be a bool (True: a full copy that shares no blocks with "
+                        f"the store), got {copy!r}")
     return state.store.checkpoint(dest, int(state.count), state_meta(state),
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, share=not copy)
 
 
 _RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk

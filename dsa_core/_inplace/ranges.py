@@ -38,13 +38,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
-import operator
 import os
 import threading
 import weakref
 from typing import Any
-
-import numpy as np
 
 from .._engine import closed_error
 from .._layout import HEADER_BYTES

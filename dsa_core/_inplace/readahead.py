@@ -20,7 +20,6 @@ import ctypes.util
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import mmap
 import os
 import shutil
@@ -37,13 +36,21 @@ import numpy as np
 
 from .. import _layout
 from .._coalesce import gather_rows
-from .._files import StoreLockedError, copy_file, fsync_dir, lock_writer, staged_dir
+from .._files import (
+    CHECKSUM_KEY,
+    StoreLockedError,
+    copy_file,
+    fsync_dir,
+    lock_writer,
+    staged_dir,
+)
 from .._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
 from .._layout import (
     DATA_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
     HEADER_BYTES,
+    HEADER_CRC_OFFSET,
     JOURNAL_FILE,
     LOCK_FILE,
     MAGIC,
@@ -52,7 +59,9 @@ from .._layout import (
     UNCLEAN_OFFSET,
     counter_dtype,
     header_bytes,
+    header_crc,
     layout_version,
+    parse_header,
     read_manifest,
 )
 from .._paging import _RAM_STORES, auto_access, check_access
@@ -167,7 +176,7 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
     runs at exit too); then release its files and writer lock.
 
     As ``dsa_core.flush`` with the live count and the hyperparameters of the last flush (the
-    manifest on disk), as a log store does (``_log_store._flush_unclosed``): a forgotten
+    manifest on disk), as a log store does (``_log.store._flush_unclosed``): a forgotten
     ``close`` is no unclean stop. Nothing to write when no row changed and the count did not
     move since the last flush (a ``durability="step"`` store commits every step). Only in
     the process that opened the store (a forked child must never write the parent's store);
@@ -209,7 +218,7 @@ class Store:
     table_view = True         # ``data`` is the whole table
     reads_last_flush = False  # a reader beside a writer sees rows as the writer changes them
     description = "one mapped file of records"
-    checks = "header and size ok"
+    checks = "manifest checksum, header CRC and size ok"
 
     def __init__(self, directory: Path, layout: dict[str, Any], mode: str,
                  access: str = "auto"):
@@ -361,16 +370,18 @@ class Store:
         try:
             st._fd = os.open(st.file, os.O_RDWR if mode == "r+" else os.O_RDONLY)
             head = os.pread(st._fd, HEADER_BYTES, 0)
-            if head[:8] != MAGIC:
-                raise ValueError(
-                    f"{str(st.file)!r} is not a DSA data file: magic is {head[:8]!r}, "
-                    f"expected {MAGIC!r}")
-            version, n = struct.unpack("<II", head[8:16])
+            newer = ValueError(
+                f"{str(st.file)!r} has format version "
+                f"{struct.unpack('<I', head[8:12])[0] if len(head) >= 12 else '?'}; this "
+                f"dsa_core reads versions 1..{FORMAT_VERSION}. Upgrade dsa_core to open it")
+            try:
+                version, on_disk, has_crc = parse_header(st.file, head)
+            except ValueError:
+                if head[:8] == MAGIC and struct.unpack("<I", head[8:12])[0] > FORMAT_VERSION:
+                    raise newer from None  # a newer header: its CRC may cover other bytes
+                raise
             if version > FORMAT_VERSION:
-                raise ValueError(
-                    f"{str(st.file)!r} has format version {version}; this dsa_core reads "
-                    f"versions 1..{FORMAT_VERSION}. Upgrade dsa_core to open it")
-            on_disk = json.loads(head[16:16 + n])
+                raise newer
             if on_disk != layout:
                 raise ValueError(
                     f"{str(st.file)!r} header layout {on_disk} does not match the manifest "
@@ -381,6 +392,8 @@ class Store:
                     f"{str(st.file)!r} is truncated or padded: it has {size:,} bytes, the "
                     f"layout needs {st.nbytes:,} ({st.num_rows} rows x {st.stride} x "
                     f"{st.dtype.itemsize} B + {HEADER_BYTES} B header)")
+            if not has_crc and mode == "r+":  # a header from before its CRC: add it
+                os.pwrite(st._fd, header_crc(head), HEADER_CRC_OFFSET)
             marked = head[UNCLEAN_OFFSET:HEADER_BYTES] == UNCLEAN_MARK
             # read-only beside a live writer: the mark is that writer's interval, no stop
             if marked and (mode == "r+" or not _writer_alive(st.path)):
@@ -563,13 +576,17 @@ class Store:
         self.mark_clean()  # rows synced, count written: no unclean stop from here
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
-                   overwrite: bool) -> Path:
-        """Flush, then copy the data file (reflink where the filesystem can) beside the
-        manifest into a staged directory renamed into place."""
+                   overwrite: bool, share: bool = True) -> Path:
+        """Flush, then copy the data file (reflink where the filesystem can, unless
+        ``share=False``: a full copy) beside the manifest into a staged directory renamed
+        into place."""
         self.flush(count, meta)
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
-            copy_file(self.file, tmp / DATA_FILE)
+            if share:
+                copy_file(self.file, tmp / DATA_FILE)
+            else:
+                copy_file(self.file, tmp / DATA_FILE, share=False)
             _layout.write_manifest(tmp, self.manifest(count, meta))
         return dest
 
@@ -744,6 +761,53 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         store.abandon()
         raise
     return store, count, meta
+
+
+def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
+    """Every file of the in-place store checked on its own, without opening it (``dsa
+    verify``): ``(file, problem or None, what was checked)`` for the manifest (checksum),
+    the data file's header (CRC, layout against the manifest) and size, and a journal of a
+    step in progress (``durability="step"``), if any."""
+    out: list[tuple[str, str | None, str]] = []
+    try:
+        manifest = read_manifest(directory)
+        layout = manifest["layout"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [(MANIFEST_FILE, str(exc), "checksum")]
+    out.append((MANIFEST_FILE, None, "checksum" if manifest.get(CHECKSUM_KEY) else
+                "no checksum (written before checksums: the next flush adds one)"))
+    path = Path(directory) / DATA_FILE
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        _, on_disk, has_crc = parse_header(path, head)
+        if on_disk != layout:
+            raise ValueError(f"{str(path)!r} header layout {on_disk} does not match the "
+                             f"manifest layout {layout}; the store is damaged or its files "
+                             "were mixed up")
+        dt = np.dtype(layout["dtype"])
+        want = HEADER_BYTES + int(layout["num_rows"]) * int(layout["stride"]) * dt.itemsize
+        size = os.stat(path).st_size
+        if size != want:
+            raise ValueError(f"{str(path)!r} is truncated or padded: it has {size:,} bytes, "
+                             f"the layout needs {want:,}")
+        out.append((DATA_FILE, None, "header " + ("CRC, " if has_crc else "(no CRC: "
+                    "written before header CRCs; a writer's open adds one), ") +
+                    "layout and size (its rows carry no checksums)"))
+    except (OSError, ValueError) as exc:
+        out.append((DATA_FILE, str(exc), "header and size"))
+    jpath = Path(directory) / JOURNAL_FILE
+    if jpath.exists():
+        out.append((JOURNAL_FILE, None, "the undo record of a step in progress (a writer's "
+                    "open rolls it back if it checks out, else the step never began)"))
+    return out
+
+
+def owns_file(name: str) -> bool:
+    """One of an in-place store's own files (the data file, the journal). Not the data
+    file's temporary: alone, it is what an interrupted ``create`` leaves, which the next
+    ``create`` replaces."""
+    return name in (DATA_FILE, JOURNAL_FILE)
 
 
 def remove_store(directory: Path) -> None:

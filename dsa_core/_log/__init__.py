@@ -15,6 +15,7 @@ from .budget import SLOT_OVERHEAD, check_memory, memory_for, slots_for
 from .engine import LogEngine, create, open, remove
 from .format import read_manifest
 from .pool import gather_records
+from .recovery import check_files
 
-__all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "gather_records",
-           "memory_for", "open", "read_manifest", "remove", "slots_for"]
+__all__ = ["SLOT_OVERHEAD", "LogEngine", "check_files", "check_memory", "create",
+           "gather_records", "memory_for", "open", "read_manifest", "remove", "slots_for"]

@@ -44,10 +44,9 @@ from .budget import SEAL_BYTES
 from .checks import check_count, check_meta
 from .cleaner import CLEAN_UNITS, Cleaner
 from .format import (
-    FORMAT_VERSION,
-    FORMAT_VERSION_WAL,
     MAX_SEGMENT_ID,
     Segment,
+    check_records,
     crash_point,
     index_name,
     parse_name,
@@ -74,16 +73,19 @@ TOTALS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleane
 
 
 def name_wal(manifest: dict[str, Any], wal: WalWriter | None) -> None:
-    """Name the commit log ``wal`` (or none) in ``manifest``, with the format version that
-    says whether it has one (an older reader must refuse a store whose log it would ignore)."""
+    """Name the commit log ``wal`` (or none) in ``manifest`` (``write_manifest`` gives it
+    the format version: an older reader must refuse a store whose log it would ignore)."""
     manifest.update(wal=None if wal is None else wal.path.name,
-                    wal_salt=None if wal is None else wal.salt,
-                    version=FORMAT_VERSION if wal is None else FORMAT_VERSION_WAL)
+                    wal_salt=None if wal is None else wal.salt)
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def _link_or_copy(src: Path, dst: Path, share: bool = True) -> None:
     """Hard-link ``src`` as ``dst`` (immutable files: the link is a snapshot); copy where the
-    filesystem refuses links (another device, no link support, too many links)."""
+    filesystem refuses links (another device, no link support, too many links). With
+    ``share=False`` a full copy that shares no blocks with ``src``."""
+    if not share:
+        copy_file(src, dst, share=False)
+        return
     try:
         os.link(src, dst)
     except OSError as exc:
@@ -184,8 +186,9 @@ class Commit:
             recs = segs.seal_buffer(n)
             gather_records(pool.region, rslots, recs)
             off = m
-            for rec, (_, ks) in zip(src, copies, strict=True):
+            for rec, (seg, ks) in zip(src, copies, strict=True):
                 recs[off:off + ks.shape[0]] = rec[ks]
+                check_records(seg, ks, recs[off:off + ks.shape[0]])  # never copy damage
                 off += ks.shape[0]
             recs.flags.writeable = False  # as the mapping that replaces it
             segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count))
@@ -197,9 +200,11 @@ class Commit:
             def blocks():
                 for lo in range(0, m, chunk):
                     yield pool.region[rslots[lo:lo + chunk]]
-                for rec, (_, ks) in zip(src, copies, strict=True):
+                for rec, (seg, ks) in zip(src, copies, strict=True):
                     for lo in range(0, ks.shape[0], chunk):
-                        yield rec[ks[lo:lo + chunk]]
+                        blk = rec[ks[lo:lo + chunk]]
+                        check_records(seg, ks[lo:lo + chunk], blk)  # never copy damage
+                        yield blk
 
             size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count)
             segs.map(path, sid, n)
@@ -297,7 +302,8 @@ class Commit:
         segs.delete_doomed()
         self._retire_wal(old_wal, new_wal)
 
-    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
+    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
+                   share: bool = True) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``
         (see ``LogEngine.checkpoint``)."""
         dest = Path(dest)
@@ -313,10 +319,14 @@ class Commit:
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
             for sid in manifest["segments"]:
-                _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid))
+                _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid), share)
                 crash_point("ckpt-link")
             if manifest["index"] is not None:
-                copy_file(self.path / manifest["index"], tmp / manifest["index"])
+                if share:
+                    copy_file(self.path / manifest["index"], tmp / manifest["index"])
+                else:
+                    copy_file(self.path / manifest["index"], tmp / manifest["index"],
+                              share=False)
             write_manifest(tmp, manifest)
             crash_point("ckpt-staged")
         return dest

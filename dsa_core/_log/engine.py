@@ -54,7 +54,6 @@ Concurrency
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import time
@@ -63,7 +62,8 @@ from typing import Any
 
 import numpy as np
 
-from .._init import INIT_KINDS, InitSpec
+from .._files import CHECKSUM_KEY
+from .._init import InitSpec
 from .budget import (
     SLOT_OVERHEAD,
     check_memory,
@@ -72,7 +72,7 @@ from .budget import (
     seal_unit_for,
     slots_for,
 )
-from .checks import check_count, check_layout, check_meta
+from .checks import check_count, check_init_settings, check_layout, check_meta
 from .cleaner import Cleaner
 from .commit import Commit
 from .format import (
@@ -268,7 +268,8 @@ class LogEngine:
         self._require_writable()
         self._commit.flush(count)
 
-    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
+    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
+                   share: bool = True) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``.
 
         The snapshot is built in a temporary directory (hard links to the manifest's
@@ -277,10 +278,11 @@ class LogEngine:
         or absent. It opens as a log store with exactly the flushed state and stays valid
         while this store trains, cleans and deletes (those only unlink its own names). It
         names no commit log (everything is in its segments); a writer that opens it starts
-        one at its first logged step.
+        one at its first logged step. ``share=False``: copies of the segments instead of
+        links (a snapshot that shares no blocks with the store).
         """
         self._require_writable()
-        return self._commit.checkpoint(dest, count, overwrite=overwrite)
+        return self._commit.checkpoint(dest, count, overwrite=overwrite, share=share)
 
     # -- the commit log (durability="step"; commit) ---------------------------------------
     def step_ready(self, count: int, meta: dict[str, Any] | None = None) -> bool:
@@ -474,33 +476,20 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
     memory_bytes = check_memory_bytes(memory_bytes, lay)
     if max_batch is not None:
         check_memory(lay, memory_bytes, int(max_batch))
-    if init not in INIT_KINDS:
-        raise ValueError(f"init must be one of {INIT_KINDS} (a log store computes a row's "
-                         f"initial weights from (seed, row)), got {init!r}")
-    if init != "zeros" and lay["w"] is None:
-        raise ValueError("init sets the weights, but this layout has none (weights=False); "
-                         "use init='zeros'")
-    init_scale = float(init_scale)
-    if not (math.isfinite(init_scale) and init_scale >= 0):
-        raise ValueError(f"init_scale must be finite and >= 0, got {init_scale}")
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
-            or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    if ball_maxnorm is not None:
-        ball_maxnorm = float(ball_maxnorm)
-        if not (math.isfinite(ball_maxnorm) and ball_maxnorm > 0):
-            raise ValueError(f"ball_maxnorm must be a finite float > 0 (the ball's projection "
-                             f"radius) or None, got {ball_maxnorm}")
-    space_ratio = float(space_ratio)
-    if not (math.isfinite(space_ratio) and space_ratio > 1.0):
-        raise ValueError(f"space_ratio must be a finite float > 1 (segment records as a "
-                         f"multiple of the live ones; 2.0 by default), got {space_ratio}")
+    init, init_scale, seed, ball_maxnorm, space_ratio = check_init_settings(
+        lay, init, init_scale, seed, ball_maxnorm, space_ratio)
     count = check_count(count)
     meta = check_meta({} if meta is None else meta)
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise FileExistsError(f"{str(directory)!r} exists and is not a directory")
-    if (directory / MANIFEST_FILE).exists():
+    own = directory.is_dir() and any(parse_name(e) is not None for e in os.listdir(directory))
+    if (directory / MANIFEST_FILE).exists() or own:
+        if not overwrite and not (directory / MANIFEST_FILE).exists():
+            raise FileExistsError(f"{str(directory)!r} holds a log store's files but no "
+                                  f"{MANIFEST_FILE}: a damaged store. Nothing was changed; "
+                                  "restore it from a checkpoint, or pass overwrite=True to "
+                                  "replace it")
         if not overwrite:
             raise FileExistsError(f"a store already exists at {str(directory)!r}; open it or "
                                   "pass overwrite=True to replace it")
@@ -584,8 +573,14 @@ def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
                     raise
                 time.sleep(0.01)
         if mode == "r+":
+            # the commit log read through first: damage in it (an invalid entry with valid
+            # ones after it) stops the open before any file is deleted or written
+            for _ in log_entries(directory, manifest):
+                pass
             remove_garbage(directory, manifest)
             replay_log(directory, eng._commit, eng._pool)
+            if eng._commit.manifest.get(CHECKSUM_KEY) is None:  # written before checksums:
+                write_manifest(directory, eng._commit.manifest)  # the same, with one now
     except BaseException:
         if lockfd >= 0:
             os.close(lockfd)

@@ -4,31 +4,41 @@ Nothing here knows about memory budgets or eviction (``pool``, ``commit``); this
 writes and checks the bytes. Files of a log store directory:
 
 ``manifest.json``
-    ``{"format": "dsa-log", "version": 1, "layout": {...}, "count": int, "seed": int,
+    ``{"format": "dsa-log", "version": 3, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
     "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "segments": [ids],
     "next_segment":
     int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
     int}`` (``meta``: the caller's JSON data, e.g. the optimizer's hyperparameters;
     ``wal``/``wal_salt``: the commit log of ``durability="step"`` stores, ``wal``; a
-    manifest without them has none), replaced atomically (``write_json``). It is the commit
-    point of a flush: the state of a store is what its manifest references (plus the valid
-    entries of its commit log), nothing else.
+    manifest without them has none; ``checksum``: ``_files.json_checksum`` of the rest,
+    checked at every read, required from version 3 on, absent in older manifests),
+    replaced atomically (``write_json``). It is the commit point of a flush: the state of a
+    store is what its manifest references (plus the valid entries of its commit log),
+    nothing else. Its settings are checked at every read with ``create``'s rules.
 ``seg-<id:08d>.dsl``
-    One immutable segment of ``n`` records. Four parts, each starting on a 4096-byte
+    One immutable segment of ``n`` records. Five parts, each starting on a 4096-byte
     boundary (zero padding between them)::
 
         header (4096 B): b"DSALOG01" | u64 id | u64 n | u32 stride | u32 itemsize
                          | u64 count | u32 crc32(rows) | u32 crc32(steps) | u32 crc32(records)
-                         | u32 crc32 of the header bytes before it | zeros
+                         | u32 crc32 of the header bytes before it
+                         | b"DSASUM01" | u32 crc32(sums) | u32 crc32 of the 68 bytes before
+                         | zeros
         rows           : n int64, the row of each record
         steps          : n int64, the step count at which each record was written
         records        : (n, stride) in the store dtype, the layout's records
+        sums           : n uint64, the checksum of each record (``sums.record_sums``)
 
-    (little-endian; the CRCs cover the unpadded parts). A segment is written under its final
+    (little-endian; the CRCs cover the unpadded parts). The ``sums`` part and the header's
+    ``DSASUM01`` extension are segment version 2 (manifest version 3): every record read
+    back from the file is checked against its sum (``segments.Segments.read_into``, the
+    cleaner's copies, ``dsa verify``). A version-1 segment (no extension: zeros there, no
+    ``sums`` part) is still read: at open its records are read whole, checked against the
+    file's records CRC and hashed, so reads of it are checked against those sums. A segment is written under its final
     name with a few large ``pwrite`` calls, records in chunks, the header last; it is only
-    part of the store once a manifest lists it. At open, segment files that the manifest does
-    not list are garbage (left by a crash before the commit, or already cleaned) and removed.
+    part of the store once a manifest lists it. At open, a writer removes the segment files
+    that a checksummed manifest proves are garbage (``recovery.remove_garbage``).
 ``index-<gen:08d>.bin``
     Absent (``"index": null``) until the first flush that writes a row: every row then reads
     as its initial record, so creating a store writes nothing of the table's size. Else
@@ -60,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import write_json
+from .._files import CHECKSUM_KEY, check_json_checksum, write_json
 from .._os import (
     MADV_RANDOM,
     MAP_FAILED,
@@ -70,10 +80,12 @@ from .._os import (
     pwrite_all,
     start_writeback,
 )
+from .checks import check_count, check_init_settings, check_layout
+from .sums import record_sums
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_WAL", "LOCK_FILE", "MANIFEST_FILE",
-    "MAX_SEGMENT_ID", "PAGE",
+    "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_SUMS", "FORMAT_VERSION_WAL", "LOCK_FILE",
+    "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
     "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
     "segment_geometry", "set_crash", "write_index", "write_manifest", "write_segment",
@@ -82,7 +94,12 @@ __all__ = [
 FORMAT_NAME = "dsa-log"
 FORMAT_VERSION = 1
 FORMAT_VERSION_WAL = 2  # a manifest that names a commit log (an older reader would ignore it)
+# segments with per-record checksums (an older reader would call them torn) and a
+# checksummed manifest: what this module writes
+FORMAT_VERSION_SUMS = 3
+READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_WAL, FORMAT_VERSION_SUMS)
 SEG_MAGIC = b"DSALOG01"
+SUM_MAGIC = b"DSASUM01"  # the header extension of a segment with per-record sums
 # segment parts start on multiples of this many bytes (a format constant, not the OS's page)
 PAGE = 4096
 MANIFEST_FILE = "manifest.json"
@@ -91,6 +108,11 @@ MAX_SEGMENT_ID = (1 << 31) - 1  # locations are int64: (id << 32 | slot) + 1
 MAX_SEGMENT_RECORDS = 1 << 32
 _HEAD = struct.Struct("<8sQQIIQIII")
 _HCRC = struct.Struct("<I")
+_HEXT = struct.Struct("<8sI")  # after the header's CRC: SUM_MAGIC | crc32(sums)
+_HEAD_ALL = _HEAD.size + _HCRC.size + _HEXT.size + _HCRC.size
+# only the engine's benchmark turns this off (benchmarks/record_checks.py): the cost of
+# checking every record read from a segment file
+CHECK_RECORDS = True
 _IO_CHUNK = 8 << 20  # bytes per pwrite / pread when writing or checking a file
 
 
@@ -153,12 +175,20 @@ def _pad(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
-def segment_geometry(n: int, stride: int, itemsize: int) -> tuple[int, int, int, int]:
-    """``(rows_offset, steps_offset, records_offset, file_size)`` of an ``n``-record segment."""
+def segment_geometry(n: int, stride: int, itemsize: int,
+                     version: int = 2) -> tuple[int, int, int, int]:
+    """``(rows_offset, steps_offset, records_offset, file_size)`` of an ``n``-record segment
+    (``version`` 2: with the ``sums`` part after the records, at :func:`sums_offset`)."""
     rows_off = PAGE
     steps_off = rows_off + _pad(8 * n)
     rec_off = steps_off + _pad(8 * n)
-    return rows_off, steps_off, rec_off, rec_off + _pad(n * stride * itemsize)
+    end = rec_off + _pad(n * stride * itemsize)
+    return rows_off, steps_off, rec_off, end + (_pad(8 * n) if version >= 2 else 0)
+
+
+def sums_offset(n: int, stride: int, itemsize: int) -> int:
+    """Where the per-record sums of a version-2 segment start."""
+    return segment_geometry(n, stride, itemsize, 1)[3]
 
 
 # -- segments --------------------------------------------------------------------------------
@@ -183,6 +213,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
     with_pad = np.zeros((rec_off - rows_off) // 8, np.int64)
     with_pad[:n] = rows
     with_pad[(steps_off - rows_off) // 8:(steps_off - rows_off) // 8 + n] = steps
+    sums = np.empty(n, np.uint64)
     with _new_file(path) as fd:
         os.ftruncate(fd, size)
         pwrite_all(fd, with_pad, rows_off)
@@ -195,15 +226,21 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
                                  f"layout ({stride} x {np.dtype(dtype).name})")
             if not blk.shape[0]:
                 continue
+            if done + blk.shape[0] > n:
+                raise ValueError(f"segment {seg_id}: more than the {n} records announced")
             pwrite_all(fd, blk, off)
             crc = zlib.crc32(blk, crc)
+            record_sums(blk, sums[done:done + blk.shape[0]])
             off += blk.nbytes
             done += blk.shape[0]
             crash_point("seal-chunk")
         if done != n:
             raise ValueError(f"segment {seg_id}: {done} records written, {n} announced")
+        pwrite_all(fd, sums, sums_offset(n, stride, itemsize))
         head = _HEAD.pack(SEG_MAGIC, seg_id, n, stride, itemsize, int(count),
                           zlib.crc32(rows), zlib.crc32(steps), crc)
+        head += _HCRC.pack(zlib.crc32(head))
+        head += _HEXT.pack(SUM_MAGIC, zlib.crc32(sums))
         crash_point("seal-header")
         pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
         start_writeback(fd)  # the flush's fsync then has little left to do
@@ -235,7 +272,7 @@ def read_header(path: Path) -> dict[str, int]:
     """Parse and check a segment header (its own CRC); :class:`SegmentError` names the file."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(_HEAD.size + _HCRC.size)
+            raw = f.read(_HEAD_ALL)
     except FileNotFoundError:
         raise SegmentError(f"segment file {str(path)!r} is missing: the store's manifest "
                            "refers to it (deleted by hand?); restore the store from a "
@@ -248,11 +285,22 @@ def read_header(path: Path) -> dict[str, int]:
     if magic != SEG_MAGIC:
         raise SegmentError(f"{str(path)!r} is not a DSA log segment: magic is {magic!r}, "
                            f"expected {SEG_MAGIC!r}; restore the store from a checkpoint")
-    if _HCRC.unpack(raw[_HEAD.size:])[0] != zlib.crc32(head):
+    if _HCRC.unpack(raw[_HEAD.size:_HEAD.size + _HCRC.size])[0] != zlib.crc32(head):
         raise SegmentError(f"segment file {str(path)!r} has a corrupt header (CRC mismatch); "
                            "restore the store from a checkpoint")
+    version, crc_sums = 1, None
+    ext = raw[_HEAD.size + _HCRC.size:]
+    if len(ext) == _HEXT.size + _HCRC.size and any(ext):
+        smagic, crc_sums = _HEXT.unpack(ext[:_HEXT.size])
+        if smagic != SUM_MAGIC or _HCRC.unpack(ext[_HEXT.size:])[0] \
+                != zlib.crc32(raw[:-_HCRC.size]):
+            raise SegmentError(f"segment file {str(path)!r} has a corrupt header (the "
+                               "extension naming its record checksums does not check out); "
+                               "restore the store from a checkpoint")
+        version = 2
     return {"id": seg_id, "n": n, "stride": stride, "itemsize": itemsize, "count": count,
-            "crc_rows": crc_r, "crc_steps": crc_s, "crc_records": crc_rec}
+            "crc_rows": crc_r, "crc_steps": crc_s, "crc_records": crc_rec,
+            "version": version, "crc_sums": crc_sums}
 
 
 def _crc_of_file_range(fd: int, off: int, nbytes: int) -> int:
@@ -268,12 +316,14 @@ def _crc_of_file_range(fd: int, off: int, nbytes: int) -> int:
 
 
 def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows: int,
-                  full: bool = True) -> int:
-    """Check a referenced segment; returns its record count or raises :class:`SegmentError`.
+                  full: bool = True) -> tuple[int, int]:
+    """Check a referenced segment; returns ``(records, version)`` or raises
+    :class:`SegmentError`.
 
-    Header (magic, CRC, id, stride, itemsize), file size, the CRCs of rows and steps, rows
-    inside ``[0, num_rows)``, and with ``full`` the CRC of the records (a read of the whole
-    file).
+    Header (magic, CRC, id, stride, itemsize), file size, the CRCs of rows, steps and record
+    sums, rows inside ``[0, num_rows)``, and with ``full`` (always for a version-1 segment,
+    whose reads are checked against sums computed from a checked read) the CRC of the
+    records and every record against its sum (a read of the whole file).
     """
     h = read_header(path)
     bad = f"segment file {str(path)!r}"
@@ -284,8 +334,8 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
     if (h["stride"], h["itemsize"]) != (stride, itemsize):
         raise SegmentError(f"{bad} has records of {h['stride']} x {h['itemsize']} B, the "
                            f"layout needs {stride} x {itemsize} B{fix}")
-    n = h["n"]
-    rows_off, steps_off, rec_off, size = segment_geometry(n, stride, itemsize)
+    n, version = h["n"], h["version"]
+    rows_off, steps_off, rec_off, size = segment_geometry(n, stride, itemsize, version)
     actual = os.stat(path).st_size
     if actual != size:
         raise SegmentError(f"{bad} is torn: {actual:,} bytes, its header announces {n} "
@@ -300,13 +350,62 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
                                f"match{fix}")
         if n and (rows.min() < 0 or rows.max() >= num_rows):
             raise SegmentError(f"{bad} holds row ids outside [0, {num_rows}){fix}")
-        if full and _crc_of_file_range(fd, rec_off, n * stride * itemsize) \
-                != h["crc_records"]:
-            raise SegmentError(f"{bad} is corrupt: the CRC of its records does not match "
-                               f"(a damaged or torn write){fix}")
+        sums = None
+        if version >= 2:
+            sums = np.frombuffer(os.pread(fd, 8 * n, sums_offset(n, stride, itemsize)),
+                                 np.uint64)
+            if sums.shape[0] != n or zlib.crc32(sums) != h["crc_sums"]:
+                raise SegmentError(f"{bad} is corrupt: the CRC of its record checksums does "
+                                   f"not match{fix}")
+        if full or version < 2:
+            rec_bytes = stride * itemsize
+            per = max(1, _IO_CHUNK // rec_bytes)
+            crc, wrong = 0, []
+            for lo in range(0, n, per):
+                k = min(per, n - lo)
+                blk = os.pread(fd, k * rec_bytes, rec_off + lo * rec_bytes)
+                if len(blk) != k * rec_bytes:
+                    raise SegmentError(f"{bad} is torn: its records end early{fix}")
+                crc = zlib.crc32(blk, crc)
+                if sums is not None:
+                    got = record_sums(np.frombuffer(blk, np.uint8).reshape(k, rec_bytes))
+                    wrong.append(lo + np.flatnonzero(got != sums[lo:lo + k]))
+            wrong = np.concatenate(wrong) if wrong else np.empty(0, np.int64)
+            if crc != h["crc_records"]:
+                which = f" ({_record_damage(path, wrong, rows, short=True)})" \
+                    if wrong.shape[0] else ""
+                raise SegmentError(f"{bad} is corrupt: the CRC of its records does not match "
+                                   f"(a damaged or torn write){which}{fix}")
+            if wrong.shape[0]:
+                raise SegmentError(_record_damage(path, wrong, rows))
     finally:
         os.close(fd)
-    return n
+    return n, version
+
+
+def _record_damage(path: Path, ks: np.ndarray, rows: np.ndarray | None,
+                   short: bool = False) -> str:
+    """The message of records ``ks`` of segment ``path`` that fail their checksums."""
+    which = ", ".join(f"{int(k)}" + ("" if rows is None else f" (row {int(rows[k])})")
+                      for k in ks[:5])
+    more = f" and {ks.shape[0] - 5} more" if ks.shape[0] > 5 else ""
+    if short:
+        return f"record {which}{more} fails its checksum"
+    return (f"segment file {str(path)!r} is damaged: record {which}{more} does not match "
+            "its checksum (a flipped bit on disk?); it was not served. Nothing was changed; "
+            "restore the store from a checkpoint (dsa verify checks every record)")
+
+
+def check_records(seg: Segment, ks: np.ndarray, records: np.ndarray) -> None:
+    """``records`` (copies of the records ``ks`` of ``seg``, whole) must match their sums;
+    else :class:`SegmentError` naming the file, the records and their rows. Free when
+    ``CHECK_RECORDS`` is off (the benchmark's baseline) or the segment is in memory."""
+    if not CHECK_RECORDS or seg.sums is None or not ks.shape[0]:
+        return
+    got = record_sums(records)
+    wrong = np.flatnonzero(got != seg.sums[ks])
+    if wrong.shape[0]:
+        raise SegmentError(_record_damage(seg.path, ks[wrong], seg.rows))
 
 
 class _ReadOnlyMap:
@@ -344,25 +443,36 @@ class _ReadOnlyMap:
 class Segment:
     """One mapped segment: read-only views of its rows, steps and records (page cache)."""
 
-    __slots__ = ("id", "n", "path", "rows", "steps", "records", "nbytes")
+    __slots__ = ("id", "n", "path", "rows", "steps", "records", "nbytes", "sums")
 
-    def __init__(self, seg_id: int, n: int, path: Path, rows, steps, records, nbytes: int):
+    def __init__(self, seg_id: int, n: int, path: Path, rows, steps, records, nbytes: int,
+                 sums=None):
         self.id, self.n, self.path = seg_id, n, path
         self.rows, self.steps, self.records, self.nbytes = rows, steps, records, nbytes
+        self.sums = sums  # per-record checksums (None: in memory, reads need no check)
 
 
-def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype) -> Segment:
+def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
+                version: int = 2) -> Segment:
     """Map a segment read-only (clean page-cache pages, reclaimable, never written back); no
     file descriptor stays open. The records are mapped ``MADV_RANDOM``: a fault reads its own
-    page only (records are read one by one, with explicit read-ahead: ``read``)."""
-    rows_off, steps_off, rec_off, size = segment_geometry(n, stride, np.dtype(dtype).itemsize)
+    page only (records are read one by one, with explicit read-ahead: ``read``). The sums
+    of a version-1 segment (checked by the caller: ``check_segment``) are computed from its
+    records now, in memory."""
+    itemsize = np.dtype(dtype).itemsize
+    rows_off, steps_off, rec_off, size = segment_geometry(n, stride, itemsize, version)
     mm = np.asarray(_ReadOnlyMap(path, size))
     rows = mm[rows_off:rows_off + 8 * n].view(np.int64)
     steps = mm[steps_off:steps_off + 8 * n].view(np.int64)
-    records = mm[rec_off:rec_off + n * stride * np.dtype(dtype).itemsize].view(dtype)
+    records = np.asarray(mm[rec_off:rec_off + n * stride * itemsize].view(dtype)
+                         ).reshape(n, stride)
+    if version >= 2:
+        off = sums_offset(n, stride, itemsize)
+        sums = np.asarray(mm[off:off + 8 * n].view(np.uint64))
+    else:
+        sums = record_sums(records)
     advise_memory(records, MADV_RANDOM)
-    return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps),
-                   np.asarray(records).reshape(n, stride), size)
+    return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps), records, size, sums)
 
 
 # -- index generations ---------------------------------------------------------------------
@@ -381,7 +491,8 @@ def write_index(path: Path, index: np.ndarray) -> int:
 
 
 def read_index(path: Path, num_rows: int, crc: int | None) -> np.ndarray:
-    """Load an index generation (``num_rows`` int64), checking size and CRC."""
+    """Load an index generation (``num_rows`` int64), checking size and CRC (which a
+    manifest naming an index must give)."""
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -391,8 +502,12 @@ def read_index(path: Path, num_rows: int, crc: int | None) -> np.ndarray:
         raise ValueError(f"index file {str(path)!r} has {size:,} bytes, the store's "
                          f"{num_rows} rows need {8 * num_rows:,}; restore the store from a "
                          "checkpoint")
+    if not isinstance(crc, int) or isinstance(crc, bool):
+        raise ValueError(f"the manifest names the index file {str(path)!r} but no CRC of it "
+                         f"(index_crc32 is {crc!r}); the store is damaged, restore it from a "
+                         "checkpoint")
     index = np.fromfile(path, np.int64, num_rows)
-    if crc is not None and zlib.crc32(index) != crc:
+    if zlib.crc32(index) != crc:
         raise ValueError(f"index file {str(path)!r} is corrupt (CRC mismatch); restore the "
                          "store from a checkpoint")
     return index
@@ -404,25 +519,39 @@ _FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "ind
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Replace ``manifest.json`` atomically and durably (one writer: the lock)."""
-    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False)
+    """Replace ``manifest.json`` atomically and durably (one writer: the lock), as version
+    :data:`FORMAT_VERSION_SUMS` with its checksum (``manifest["version"]`` is set)."""
+    manifest["version"] = FORMAT_VERSION_SUMS
+    manifest.pop(CHECKSUM_KEY, None)
+    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """Read and check a log store's manifest; clear errors for anything else."""
+    """Read and check a log store's manifest: its checksum (versions >= 3; an older one has
+    none and is accepted), its fields and settings (``create``'s rules); clear errors for
+    anything else. A directory that holds a log store's files but no manifest is a damaged
+    store, not an empty directory."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"no log store at {str(directory)!r}: the directory does not "
                                 "exist; create one first")
     mpath = directory / MANIFEST_FILE
     if not mpath.is_file():
+        left = sorted(e for e in os.listdir(directory) if parse_name(e) is not None)
+        if left:
+            raise FileNotFoundError(
+                f"log store {str(directory)!r} is damaged: its {MANIFEST_FILE} is missing "
+                f"(deleted?) but it holds {len(left)} of a log store's files ({left[:3]}"
+                f"{' ...' if len(left) > 3 else ''}), which cannot be read without it. "
+                "Nothing was changed; restore the store from a checkpoint")
         raise FileNotFoundError(f"{str(directory)!r} is not a log store: it has no "
                                 f"{MANIFEST_FILE}; create one first")
     try:
         manifest = json.loads(mpath.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{str(mpath)!r} is not a log store manifest (expected JSON with "
-                         f"format={FORMAT_NAME!r}): {exc}") from None
+                         f"format={FORMAT_NAME!r}): {exc}; if it was one, the store is "
+                         "damaged: restore it from a checkpoint") from None
     found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
     if found == "dsa-store":
         raise ValueError(f"{str(directory)!r} is an in-place DSA store (format 'dsa-store'), "
@@ -431,12 +560,35 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ValueError(f"{str(mpath)!r} is not a log store manifest: format is {found!r}, "
                          f"expected {FORMAT_NAME!r}")
     version = manifest.get("version")
-    if version not in (FORMAT_VERSION, FORMAT_VERSION_WAL):
+    if version not in READ_VERSIONS:
         raise ValueError(f"log store {str(directory)!r} has format version {version!r}; this "
-                         f"dsa_core reads versions {FORMAT_VERSION} and {FORMAT_VERSION_WAL}. "
+                         f"dsa_core reads versions {READ_VERSIONS[0]} to {READ_VERSIONS[-1]}. "
                          "Upgrade dsa_core to open it")
+    check_json_checksum(mpath, manifest, required=version >= FORMAT_VERSION_SUMS)
     missing = [k for k in _FIELDS if k not in manifest]
     if missing:
         raise ValueError(f"manifest of {str(directory)!r} lacks {missing}; the store is "
                          "damaged, restore it from a checkpoint")
+    try:
+        lay = check_layout(manifest["layout"])
+        check_count(manifest["count"])
+        check_init_settings(lay, manifest["init"], manifest["init_scale"], manifest["seed"],
+                            manifest["ball_maxnorm"], manifest["space_ratio"])
+        nxt = manifest["next_segment"]
+        if isinstance(nxt, bool) or not isinstance(nxt, int) or nxt < 1:
+            raise ValueError(f"next_segment must be an int >= 1, got {nxt!r}")
+        segs = manifest["segments"]
+        if not isinstance(segs, list) or any(
+                isinstance(x, bool) or not isinstance(x, int) for x in segs):
+            raise ValueError(f"segments must be a list of segment ids, got {segs!r}")
+        if not isinstance(manifest.get("meta", {}), dict):
+            raise ValueError(f"meta must be a JSON object, got {manifest['meta']!r}")
+        if manifest["index"] is not None \
+                and (parse_name(str(manifest["index"])) or ("",))[0] != "index":
+            raise ValueError(f"index must name an index-<gen>.bin file, got "
+                             f"{manifest['index']!r}")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"manifest {str(mpath)!r} holds a setting that create refuses: "
+                         f"{exc}; the store is damaged (or the file was edited by hand), "
+                         "restore it from a checkpoint") from None
     return manifest

@@ -222,10 +222,14 @@ class Pool:
         mslots = self.free[top - need:top][::-1].copy()
         self.nfree = top - need
         if load:
-            ondisk = np.flatnonzero(old > 0)
-            self.segments.read_into(old[ondisk], self.region, mslots[ondisk])
-            fresh = np.flatnonzero(old == 0)
-            self.initial_into(mrows[fresh], self.region, mslots[fresh])
+            try:
+                ondisk = np.flatnonzero(old > 0)
+                self.segments.read_into(old[ondisk], self.region, mslots[ondisk])
+                fresh = np.flatnonzero(old == 0)
+                self.initial_into(mrows[fresh], self.region, mslots[fresh])
+            except BaseException:  # e.g. a damaged record (SegmentError): nothing changed,
+                self.nfree = top   # the slots only read into go back to the free stack
+                raise
         self.slot_row[mslots] = mrows
         self.slot_disk[mslots] = old
         self.loc[mrows] = -mslots - 1

@@ -3,10 +3,11 @@
 After ``kill -9`` at any moment an open returns exactly the state of the last completed
 flush (``commit``) plus the steps of its commit log: the manifest is the commit point, so
 :func:`load` checks and maps the segments it lists and reads the index generation it names;
-a writer then deletes the store's files that no manifest references (:func:`remove_garbage`:
-segments and index generations written after the last commit, a torn manifest's temporary
-file) and replays the commit log's valid entries (:func:`replay_log`, then one flush: the
-replayed log is never read again). A reader writes nothing: it puts the log's entries into
+a writer then reads the whole commit log (damage in it stops the open here, before any
+file changes), deletes the store's files that the manifest proves are garbage
+(:func:`remove_garbage`: segments and index generations written after the last commit or
+no longer named by it, a torn manifest's temporary file) and replays the commit log's
+valid entries (:func:`replay_log`, then one flush: the replayed log is never read again). A reader writes nothing: it puts the log's entries into
 its own region (:func:`install_log`). The files of the last manifest are never modified
 nor deleted before a newer manifest is durable.
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import fsync_dir, lock_writer
+from .._files import CHECKSUM_KEY, fsync_dir, lock_writer
 from .commit import Commit
 from .format import (
     MANIFEST_FILE,
@@ -30,14 +31,15 @@ from .format import (
     crash_point,
     parse_name,
     read_index,
+    read_manifest,
     seg_name,
 )
 from .pool import Pool
 from .segments import LOW32, Segments
 from .wal import WalEntry, read_entries, wal_name
 
-__all__ = ["install_log", "load", "lock", "log_entries", "remove_garbage", "replay_log",
-           "verify"]
+__all__ = ["check_files", "install_log", "load", "lock", "log_entries", "remove_garbage",
+           "replay_log", "verify"]
 
 def lock(directory: Path) -> int:
     """Take the store's writer lock (``_files.lock_writer``, as the in-place store does)."""
@@ -49,14 +51,14 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
     """Check and map the manifest's segments, load its index, count live records (into a
     fresh ``pool`` and ``segments``)."""
     listed = [int(s) for s in manifest["segments"]]
-    ns = {}
+    ns, versions = {}, {}
     for sid in listed:
         if not 0 < sid < segments.next_segment:
             raise ValueError(f"manifest of {str(path)!r} lists segment {sid} outside "
                              f"[1, next_segment={segments.next_segment}); the store is "
                              "damaged")
-        ns[sid] = check_segment(path / seg_name(sid), sid, pool.stride, pool.dtype.itemsize,
-                                pool.num_rows, full_check)
+        ns[sid], versions[sid] = check_segment(path / seg_name(sid), sid, pool.stride,
+                                               pool.dtype.itemsize, pool.num_rows, full_check)
     index = np.zeros(pool.num_rows, np.int64) if manifest["index"] is None else \
         read_index(path / manifest["index"], pool.num_rows, manifest.get("index_crc32"))
     segments.ensure_id(segments.next_segment)
@@ -85,7 +87,7 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                          "from a checkpoint")
     live = np.bincount(sids, minlength=size) if sids.shape[0] else np.zeros(size, np.int64)
     pool.loc = index
-    segments.adopt(ns, live, int(used.shape[0]))
+    segments.adopt(ns, live, int(used.shape[0]), versions)
     bad = segments.check_rows_of_records(index)
     if bad:
         raise ValueError(f"index {manifest['index']!r} of log store {str(path)!r} "
@@ -105,28 +107,47 @@ def log_entries(directory: Path, manifest: dict[str, Any]):
                         np.dtype(lay["dtype"]), int(lay["num_rows"]))
 
 
-def remove_garbage(directory: Path, manifest: dict[str, Any]) -> None:
-    """Delete the store's own files that the manifest does not reference (writer only).
+def remove_garbage(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """Delete the store's own files that the manifest proves are garbage (writer only);
+    returns their names.
 
+    A manifest that passed its checksum (``read_manifest``) is the commit point: a file of
+    the store that it does not reference is either newer than it (written after the last
+    commit by a writer that died before the next one) or older (a segment, index or log
+    that a later manifest stopped naming, not yet deleted when the writer died). Both go.
     The commit log the manifest names stays, and so does a retired one kept under the next
-    generation's name (reused by the next flush)."""
+    generation's name (reused by the next flush). A manifest without a checksum (written
+    before checksums, format version < 3) proves less: only the files newer than it go
+    (segment ids from its ``next_segment`` on, index and log generations after the ones it
+    names); older leftovers stay until the store is opened again (the writer's open
+    rewrites such a manifest with its checksum). Files that are not the store's own are never touched.
+    """
+    trusted = manifest.get(CHECKSUM_KEY) is not None
     keep_segs = {int(s) for s in manifest["segments"]}
-    keep_wal = set()
+    nxt = int(manifest["next_segment"])
+    index_gen = -1 if manifest["index"] is None else parse_name(manifest["index"])[1]
+    keep_wal, wal_gen = set(), -1
     if manifest.get("wal") is not None:
-        gen = parse_name(manifest["wal"])[1]
-        keep_wal = {manifest["wal"], wal_name(gen + 1)}
-    removed = False
+        wal_gen = parse_name(manifest["wal"])[1]
+        keep_wal = {manifest["wal"], wal_name(wal_gen + 1)}
+    removed = []
     for entry in sorted(os.listdir(directory)):
         kind = parse_name(entry)
-        stale = (kind is not None and ((kind[0] == "seg" and kind[1] not in keep_segs)
-                                       or (kind[0] == "index" and entry != manifest["index"])
-                                       or (kind[0] == "wal" and entry not in keep_wal)))
-        if stale or entry == MANIFEST_FILE + ".tmp":  # write_json's, from a torn commit
+        if kind is None:
+            stale = entry == MANIFEST_FILE + ".tmp"  # write_json's, from a torn commit
+        elif kind[0] == "seg":
+            stale = kind[1] not in keep_segs and (trusted or kind[1] >= nxt)
+        elif kind[0] == "index":
+            stale = entry != manifest["index"] and (trusted or kind[1] > index_gen)
+        else:
+            stale = entry not in keep_wal and (trusted or kind[1] > wal_gen + 1)
+        if stale:
             os.unlink(directory / entry)
-            removed = True
+            removed.append(entry)
             crash_point("open-clean")
     if removed:
         fsync_dir(directory)
+    return removed
 
 
 def replay_log(path: Path, commit: Commit, pool: Pool) -> int:
@@ -157,6 +178,49 @@ def install_log(entries: list[WalEntry] | Any, limit: int, commit: Commit, pool:
     for e in itertools.islice(entries, limit):
         pool.install(e.rows, e.records)
         commit.count = e.t
+
+
+def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
+    """``dsa verify``'s look at every file of the store, one by one, without opening it:
+    ``(file, problem or None, what was checked)`` for the manifest (checksum, settings),
+    the index generation (size, CRC), every segment it lists (header, rows, steps, the
+    records' CRC and every record against its checksum) and the commit log (every entry;
+    damage before a valid entry). Reads only; a missing manifest stops the list there."""
+    directory = Path(directory)
+    out: list[tuple[str, str | None, str]] = []
+    try:
+        manifest = read_manifest(directory)
+    except (OSError, ValueError) as exc:
+        return [(MANIFEST_FILE, str(exc), "checksum and settings")]
+    out.append((MANIFEST_FILE, None, "checksum and settings" if manifest.get(CHECKSUM_KEY)
+                else "settings; no checksum (written before format 3: the next flush adds "
+                "one)"))
+    lay = manifest["layout"]
+    stride, dtype, num_rows = int(lay["stride"]), np.dtype(lay["dtype"]), int(lay["num_rows"])
+    if manifest["index"] is not None:
+        try:
+            read_index(directory / manifest["index"], num_rows, manifest.get("index_crc32"))
+            out.append((manifest["index"], None, f"size and CRC ({num_rows} rows)"))
+        except (OSError, ValueError) as exc:
+            out.append((manifest["index"], str(exc), "size and CRC"))
+    for sid in manifest["segments"]:
+        name = seg_name(int(sid))
+        try:
+            n, version = check_segment(directory / name, int(sid), stride, dtype.itemsize,
+                                       num_rows, True)
+            out.append((name, None, f"header, rows, steps and {n} records (" + (
+                "each against its checksum)" if version >= 2 else
+                "their CRC; a segment of format 1 has no per-record checksums)")))
+        except (OSError, ValueError) as exc:
+            out.append((name, str(exc), "header, rows, steps and records"))
+    if manifest.get("wal") is not None:
+        try:
+            k = sum(1 for _ in log_entries(directory, manifest))
+            out.append((manifest["wal"], None, f"{k} valid entr{'y' if k == 1 else 'ies'} "
+                        "after the manifest's count, no damage before the tail"))
+        except (OSError, ValueError) as exc:
+            out.append((manifest["wal"], str(exc), "every entry"))
+    return out
 
 
 def verify(pool: Pool, segments: Segments) -> list[str]:

@@ -27,7 +27,8 @@ import numpy as np
 
 from .._os import fsync_path
 from .._paging import memory_limit
-from .format import Segment, crash_point, map_segment, seg_name
+from . import format as _format
+from .format import Segment, check_records, crash_point, map_segment, seg_name
 from .read import hint_uncached
 from .writer import DEPTH, SegmentWriter, WriteJob
 
@@ -74,9 +75,10 @@ class Segments:
                 new[:old.shape[0]] = old
                 setattr(self, name, new)
 
-    def map(self, path: Path, sid: int, n: int) -> None:
-        """Map segment ``sid`` (``n`` records) and note where its records start."""
-        seg = self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype)
+    def map(self, path: Path, sid: int, n: int, version: int = 2) -> None:
+        """Map segment ``sid`` (``n`` records, segment format ``version``) and note where
+        its records start."""
+        seg = self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype, version)
         self.seg_addr[sid] = seg.records.__array_interface__["data"][0]
 
     def add(self, seg: Segment) -> None:
@@ -126,7 +128,10 @@ class Segments:
     def read_into(self, locs: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
                   cols: slice = slice(None)) -> None:
         """``out[out_idx[i]] = record at locs[i]`` (locations > 0; columns ``cols``), one pass
-        per segment in record order."""
+        per segment in record order. Every record copied out of a segment file is checked
+        against its sum first (``format.check_records``): a damaged one raises
+        ``SegmentError`` naming the file and the row, and nothing is copied into ``out``
+        from that segment."""
         if not locs.shape[0]:
             return
         order = np.argsort(locs, kind="stable")
@@ -143,7 +148,12 @@ class Segments:
             if seg is None:  # pragma: no cover - an engine bug: verify() would report it
                 raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
                                    f"segment {sid}, which is not live; run verify()")
-            out[out_idx[order[a:b]]] = seg.records[ks[a:b], cols]
+            if seg.sums is None or not _format.CHECK_RECORDS:  # in memory (or the baseline
+                out[out_idx[order[a:b]]] = seg.records[ks[a:b], cols]  # of the benchmark)
+                continue
+            blk = seg.records[ks[a:b]]  # whole records: the bytes checked are those served
+            check_records(seg, ks[a:b], blk)
+            out[out_idx[order[a:b]]] = blk[:, cols]
 
     def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
         """The addresses of the records at ``locs`` (locations > 0) and their segments."""
@@ -256,10 +266,12 @@ class Segments:
         self.pending.clear()
 
     # -- opening and commits ------------------------------------------------------------------
-    def adopt(self, ns: dict[int, int], live: np.ndarray, live_total: int) -> None:
-        """Take the segments a manifest lists (``ns``: id -> records, checked) with their live
-        counts: map the live ones; a dead one (an older writer's choice) goes at the next
-        flush."""
+    def adopt(self, ns: dict[int, int], live: np.ndarray, live_total: int,
+              versions: dict[int, int] | None = None) -> None:
+        """Take the segments a manifest lists (``ns``: id -> records, checked; ``versions``:
+        id -> segment format, 2 if absent) with their live counts: map the live ones; a dead
+        one (an older writer's choice) goes at the next flush."""
+        versions = versions or {}
         for sid, n in ns.items():
             self.seg_n[sid] = n
         self.live[:] = live[:self.live.shape[0]]
@@ -267,7 +279,7 @@ class Segments:
         self.committed = set(ns)
         for sid, n in ns.items():
             if self.live[sid] > 0:
-                self.map(self.path / seg_name(sid), sid, n)
+                self.map(self.path / seg_name(sid), sid, n, versions.get(sid, 2))
                 self.total_records += n
             else:
                 self.doomed.add(sid)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import budget, pool
+from . import budget, pool, recovery
 from . import engine as log_engine
 from . import format as log_format
 from .._engine import closed_error, scratch
@@ -116,7 +116,7 @@ class LogStore:
     access = "log"  # no mapping to page: the region is the memory (``State.access``)
     table_view = False       # records live in a region and in segments: no whole table
     description = "log-structured, storage='log'"
-    checks = "segment and index CRCs checked"
+    checks = "manifest checksum, segment and index CRCs checked, every record's checksum"
     reads_last_flush = True  # a reader opens the files of the writer's last flush
     unclean = False          # a log store reopens exactly at its last flush: never unclean
 
@@ -272,10 +272,11 @@ class LogStore:
         self.engine.flush(int(count))
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
-                   overwrite: bool) -> Path:
-        """Flush, then hard links to the immutable segments (and a copy of the index)."""
+                   overwrite: bool, share: bool = True) -> Path:
+        """Flush, then hard links to the immutable segments (and a copy of the index);
+        ``share=False``: copies of them."""
         self._commit_meta(meta)
-        return self.engine.checkpoint(dest, int(count), overwrite=overwrite)
+        return self.engine.checkpoint(dest, int(count), overwrite=overwrite, share=share)
 
     def before_restore(self) -> None:
         """No undo journal: a commit log holds only steps after its manifest's count, and
@@ -440,6 +441,17 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
     store.settings = settings
     eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
     return store, eng.count, eng.meta
+
+
+def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
+    """Every file of the log store checked on its own, without opening it (``dsa verify``):
+    ``(file, problem or None, what was checked)``; see ``_log.recovery.check_files``."""
+    return recovery.check_files(directory)
+
+
+def owns_file(name: str) -> bool:
+    """One of a log store's own files (segments, index and log generations)."""
+    return parse_name(name) is not None
 
 
 def remove_store(directory: Path) -> None:

@@ -21,9 +21,14 @@ damage it)::
 (little-endian). An entry is *valid* when its header CRC, salt, record geometry and trailer
 CRC check out and its ``t`` is the previous entry's plus one (the first entry's ``t`` is the
 manifest's count plus one). Reading stops at the first entry that is not valid: a torn
-append, bytes of an older generation in a recycled file (another salt), zeros. A valid
-entry whose row ids are out of range or repeated is damage the CRC cannot explain: an
-error, never silently skipped.
+append, bytes of an older generation in a recycled file (another salt), zeros -- but only
+if it is the log's *tail*: when a later page holds a header of this generation (its salt,
+its header CRC) for a later step, that later step was appended after the invalid one had
+been written whole (appends are sequential and each waits for its ``fdatasync``; a failed
+append zeroes its header and makes the store start a new generation), so the invalid entry
+is damage, not a torn write: :class:`WalError` names the file and the step, and nothing is
+replayed, flushed or removed. A valid entry whose row ids are out of range or repeated is
+damage the CRC cannot explain: an error too, never silently skipped.
 
 Writing an entry: header and payload with one ``pwritev`` (a copy into the page cache),
 their write-back started at once (``sync_file_range``), the payload's CRC computed while the
@@ -196,14 +201,52 @@ class WalWriter:
             self.fd = -1
 
 
+_SCAN_BYTES = 8 << 20  # bytes read at once when looking past an invalid entry
+
+
+def _end_of_log(fd: int, path: Path, off: int, size: int, salt: int, t: int) -> None:
+    """The entry of step ``t`` at ``off`` is not valid: fine if it is the log's tail, else
+    (a later page holds a header of this generation for a later step) :class:`WalError`.
+
+    The pages after ``off`` are scanned for headers up to the first valid header of another
+    generation (another salt: a recycled file's old entries): a generation's entries lie
+    one after the other from the file's start, and the pages of a completed entry hold
+    only its own bytes, so no entry of this generation can follow an older generation's
+    header. That keeps the scan of a recycled file short (the usual case at open)."""
+    pos = _aligned(off + 1)
+    while pos + HEADER_BYTES <= size:
+        blk = os.pread(fd, min(_SCAN_BYTES, size - pos), pos)
+        if not blk:
+            return
+        for rel in range(0, len(blk) - HEADER_BYTES + 1, PAGE):
+            if blk[rel:rel + 8] != WAL_MAGIC:
+                continue
+            head = blk[rel:rel + _HEAD.size]
+            _, et, _, _, _, esalt, _ = _HEAD.unpack(head)
+            if _CRC.unpack(blk[rel + _HEAD.size:rel + HEADER_BYTES])[0] != zlib.crc32(head):
+                continue
+            if esalt != salt:
+                return  # an older generation's entries: this one ended before them
+            if et > t:
+                raise WalError(
+                    f"commit log {str(path)!r} is damaged: the entry of step {t} (at byte "
+                    f"{off:,}) does not check out, but the log goes on with step {et} (at "
+                    f"byte {pos + rel:,}), so it is not a torn last write. Steps {t} and "
+                    "later cannot be replayed; nothing was changed. Restore the store from "
+                    "a checkpoint")
+        pos += len(blk) - len(blk) % PAGE or PAGE
+    return
+
+
 def read_entries(path: Path, salt: int, first_t: int, stride: int, dtype: np.dtype,
                  num_rows: int) -> Iterator[WalEntry]:
     """The valid entries of a commit log, in order, from step ``first_t`` on.
 
     Stops at the first entry that is torn, corrupt, of another generation (salt) or out of
-    sequence (see the module docstring). A missing file raises ``FileNotFoundError`` naming
-    it; a valid entry with row ids out of ``[0, num_rows)`` or repeated raises
-    :class:`WalError`.
+    sequence (see the module docstring), if it is the tail; an invalid entry followed by a
+    later step of this generation raises :class:`WalError` naming the file and the step. A
+    missing file raises ``FileNotFoundError`` naming it; a valid entry with row ids out of
+    ``[0, num_rows)`` or repeated raises :class:`WalError`.
     """
     dtype = np.dtype(dtype)
     rec_bytes = stride * dtype.itemsize
@@ -219,23 +262,23 @@ def read_entries(path: Path, salt: int, first_t: int, stride: int, dtype: np.dty
         while off + HEADER_BYTES <= size:
             raw = os.pread(fd, HEADER_BYTES, off)
             if len(raw) < HEADER_BYTES:
-                return
+                return _end_of_log(fd, path, off, size, salt, t)
             head = raw[:_HEAD.size]
             magic, et, n, es, ei, esalt, _ = _HEAD.unpack(head)
             hcrc = zlib.crc32(head)
             if (magic != WAL_MAGIC or _CRC.unpack(raw[_HEAD.size:])[0] != hcrc
                     or esalt != salt or et != t or (es, ei) != (stride, dtype.itemsize)):
-                return
+                return _end_of_log(fd, path, off, size, salt, t)
             nbytes = n * (8 + rec_bytes)
             end = off + HEADER_BYTES + nbytes + TRAILER_BYTES
             if end > size:
-                return
+                return _end_of_log(fd, path, off, size, salt, t)
             raw = os.pread(fd, nbytes + TRAILER_BYTES, off + HEADER_BYTES)
             if len(raw) != nbytes + TRAILER_BYTES:
-                return
+                return _end_of_log(fd, path, off, size, salt, t)
             body = memoryview(raw)[:nbytes]
             if zlib.crc32(body, hcrc) != _CRC.unpack(raw[nbytes:])[0]:
-                return
+                return _end_of_log(fd, path, off, size, salt, t)
             rows = np.frombuffer(body, np.int64, n)
             records = np.frombuffer(body, dtype, n * stride, 8 * n).reshape(n, stride)
             if n and (rows.min() < 0 or rows.max() >= num_rows

@@ -721,7 +721,6 @@ def test_the_iterator_loads_before_use_reads_ahead_and_releases(tmp_path, monkey
     monkeypatch.setattr(dsa_core, "release_range", rec.make("release"), raising=False)
     it = p.batches(50, negatives=negatives, epochs=epochs, stores=stores, mix=mix)
     orders = [p.order(e) for e in range(epochs)]
-    flat = [(e, k, orders[e].buffers[k]) for e in range(epochs) for k in range(P * P)]
 
     def next_state(e, k):  # the resident set after this buffer state (the next epoch's first)
         buf = orders[e].buffers[k]

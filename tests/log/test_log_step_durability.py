@@ -22,6 +22,7 @@ from helpers import PARITY, PARITY_D as D, PARITY_LAYOUT as LAYOUT, PARITY_N as 
 from helpers import assert_same_store, log_memory, parity_batches, parity_init, records
 
 import dsa_core
+from dsa_core._files import json_checksum
 from dsa_core._log import format as _log_format
 from dsa_core._log import wal as _log_wal
 from dsa_core.__main__ import main as cli
@@ -237,7 +238,7 @@ def test_switching_durability_with_replace(tmp_path):
         c = dsa_core.step(c, idx, g)
         ref = dsa_core.step(ref, idx, g)
     m = _manifest(c.path)
-    assert m["wal"] and m["version"] == 2 and m["count"] == 3  # flushed before step 4
+    assert m["wal"] and m["version"] == 3 and m["count"] == 3  # flushed before step 4
     assert m["meta"]["durability"] == "step"
     c = _reopen(c, SMALL)
     assert c.count == 6 and c.durability == "step"
@@ -248,7 +249,7 @@ def test_switching_durability_with_replace(tmp_path):
         ref = dsa_core.step(ref, idx, g)
     dsa_core.flush(c)
     m = _manifest(c.path)
-    assert m["wal"] is None and m["version"] == 1 and m["meta"]["durability"] == "flush"
+    assert m["wal"] is None and m["version"] == 3 and m["meta"]["durability"] == "flush"
     assert not list(c.path.glob("wal-*"))
     assert_same_store(ref, c)
     dsa_core.close(c)
@@ -340,6 +341,7 @@ def test_damaged_commit_log_names_are_clear_errors(tmp_path):
         dsa_core.open(b.path, memory=SMALL)
     (b.path / "moved.log").rename(b.path / m["wal"])
     m["wal"] = "journal.txt"
+    m["checksum"] = json_checksum(m)  # a consistent manifest that names a wrong file
     (b.path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match="names the commit log 'journal.txt'"):
         dsa_core.open(b.path, memory=SMALL)

@@ -53,7 +53,8 @@ def test_entries_round_trip_on_page_boundaries(tmp_path):
         np.testing.assert_array_equal(e.records.view(np.uint8), rec.view(np.uint8))
         assert e.next_offset % 4096 == 0
     assert got[-1].next_offset == w.offset
-    assert _read(p, first_t=2) == []       # the first entry must be the manifest's count + 1
+    with pytest.raises(WalError, match="entry of step 2 .* goes on with step 3"):
+        _read(p, first_t=2)  # the first entry must be the manifest's count + 1: damage
     assert _read(p, salt=SALT + 1) == []   # another generation's salt
     w.close()
 
@@ -80,22 +81,35 @@ def test_torn_tails_stop_before_the_torn_entry(tmp_path):
 
 @pytest.mark.parametrize("where", ["magic", "t", "header_crc", "rows", "records", "trailer"])
 def test_a_flipped_bit_stops_the_reading_there(tmp_path, where):
+    """In the last entry: a torn tail, reading stops there. In an entry with valid ones
+    after it: damage, an error naming the file and the step (was: a silent stop)."""
     p = tmp_path / wal_name(1)
     _write(p, range(1, 4), [10, 20, 30]).close()
-    second = _read(p)[0].next_offset
-    off = {"magic": 0, "t": 8, "header_crc": 44, "rows": HEADER_BYTES + 3,
-           "records": HEADER_BYTES + 20 * 8 + 11,
-           "trailer": HEADER_BYTES + 20 * (8 + STRIDE * DT.itemsize) + 2}[where]
-    raw = bytearray(p.read_bytes())
-    raw[second + off] ^= 0x10
-    p.write_bytes(bytes(raw))
-    assert [e.t for e in _read(p)] == [1]
+    second, third = _read(p)[0].next_offset, _read(p)[1].next_offset
+    for start, n, want in ((third, 30, [1, 2]), (second, 20, None)):
+        off = {"magic": 0, "t": 8, "header_crc": 44, "rows": HEADER_BYTES + 3,
+               "records": HEADER_BYTES + n * 8 + 11,
+               "trailer": HEADER_BYTES + n * (8 + STRIDE * DT.itemsize) + 2}[where]
+        raw = bytearray(p.read_bytes())
+        raw[start + off] ^= 0x10
+        p.write_bytes(bytes(raw))
+        if want is not None:
+            assert [e.t for e in _read(p)] == want
+        else:
+            with pytest.raises(WalError, match=f"{p.name}.* is damaged: the entry of step 2 "):
+                _read(p)
+        raw[start + off] ^= 0x10
+        p.write_bytes(bytes(raw))
 
 
 def test_a_gap_in_the_sequence_ends_the_log(tmp_path):
     p = tmp_path / wal_name(1)
     w = _write(p, [1, 2, 4, 5], [4, 4, 4, 4])
-    assert [e.t for e in _read(p)] == [1, 2]
+    with pytest.raises(WalError, match="entry of step 3 .* goes on with step 5"):
+        _read(p)  # a gap is never written: damage, not a tail
+    w.close()
+    w = _write(p, [1, 2, 4], [4, 4, 4])
+    assert [e.t for e in _read(p)] == [1, 2]  # the out-of-sequence entry is the tail
     w.close()
 
 

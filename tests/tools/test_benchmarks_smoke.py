@@ -52,12 +52,13 @@ SMOKES = {
     "state_dict_cost": (["--smoke"], None, "state_dict1_s"),
     "step_modules": (["--smoke"], None, "modules"),  # prints its table only
     "parity_sha": (["--smoke"], None, "configurations"),  # prints its count only
+    "record_checks": (["--smoke"], "record_checks_smoke", "rows_per_s"),
     "warm_step": (["--smoke"], None, "p50_ms"),  # prints its median only  # writes no result files in smoke
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
            "log_warm": "--workdir", "options_cost": "--workdir", "decay_quality": "--workdir",
-           "distributed": "--dir", "torch_e2e": "--dir", "durability": "--dir"}
+           "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir", "durability": "--dir"}
 
 
 @pytest.fixture
