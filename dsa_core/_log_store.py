@@ -17,14 +17,12 @@ change a value.
 from __future__ import annotations
 
 import os
-import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import _log
+from . import _exit, _log
 from ._engine import closed_error, scratch
 from ._init import INIT_CHUNK_BYTES, chunks, progress_bar
 from ._log.format import FORMAT_NAME as LOG_FORMAT
@@ -90,7 +88,9 @@ def _flush_unclosed(engine: _log.LogEngine, pid: int) -> None:
     ``kill -9`` or ``os._exit`` nothing runs: the store reopens at its last flush.)
 
     Only in the process that opened the store: a forked child (a data-loader worker, say)
-    holds a copy of the region and must never write the parent's store.
+    holds a copy of the region and must never write the parent's store. At exit it runs
+    before Python shuts its thread pools down (``_exit``: a cleaning read still works); a
+    failure is printed to stderr and makes the exit status non-zero.
     """
     if os.getpid() != pid:
         return
@@ -98,8 +98,8 @@ def _flush_unclosed(engine: _log.LogEngine, pid: int) -> None:
         if not engine.closed:
             engine.close()  # flushes, then releases the writer lock
     except Exception as exc:  # nowhere to raise to: say so
-        print(f"dsa_core: flushing unclosed log store {str(engine.path)!r} failed: {exc!r}",
-              file=sys.stderr)
+        _exit.report(f"dsa_core: flushing unclosed log store {str(engine.path)!r} failed, "
+                     f"its steps since the last flush are lost: {exc!r}")
 
 
 class LogStore:
@@ -146,7 +146,7 @@ class LogStore:
         self._ranges = None
         self._readahead: ReadAhead | None = None
         if self.mode == "r+":
-            weakref.finalize(self, _flush_unclosed, engine, os.getpid())
+            _exit.watch(self, _flush_unclosed, engine, os.getpid())
 
     # -- the engine's state ----------------------------------------------------------------
     @property

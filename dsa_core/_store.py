@@ -27,7 +27,6 @@ import mmap
 import os
 import shutil
 import struct
-import sys
 import weakref
 import zlib
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _layout
+from . import _exit, _layout
 from ._coalesce import gather_rows
 from ._files import StoreLockedError, copy_file, fsync_dir, lock_writer, staged_dir
 from ._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
@@ -185,9 +184,8 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
                 _layout.write_manifest(f.path, manifest)
                 f.clear_mark()
                 os.fdatasync(f.fd)
-    except Exception as exc:  # nowhere to raise to: say so
-        print(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}",
-              file=sys.stderr)
+    except Exception as exc:  # nowhere to raise to: say so (and exit non-zero, _exit)
+        _exit.report(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}")
     finally:
         f.release()
 
@@ -401,7 +399,7 @@ class Store:
     def _watch(self) -> None:
         """Flush this store if it is never closed (r+ only): see :func:`_flush_unclosed`."""
         if self.mode == "r+":
-            self._finalizer = weakref.finalize(self, _flush_unclosed, self._f, os.getpid())
+            self._finalizer = _exit.watch(self, _flush_unclosed, self._f, os.getpid())
 
     # -- the unclean marker (durability="flush") ----------------------------------------
     def mark_unclean(self) -> None:
