@@ -41,6 +41,7 @@ from ._state import (
     write_records,
 )
 from ._step import check_batch, gather, step, warmup
+from ._group import Group, GroupCommitError, GroupMismatchError, flush_many, join, step_many
 from ._store import StoreLockedError, UncleanStopError
 from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
@@ -49,6 +50,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ACCESS_MODES",
     "FORMAT_VERSION",
+    "Group",
+    "GroupCommitError",
+    "GroupMismatchError",
     "StaleStateError",
     "State",
     "StoreLockedError",
@@ -61,7 +65,9 @@ __all__ = [
     "convert",
     "create",
     "flush",
+    "flush_many",
     "gather",
+    "join",
     "get_num_threads",
     "load_range",
     "open",
@@ -78,6 +84,7 @@ __all__ = [
     "set_num_threads",
     "staged_dir",
     "step",
+    "step_many",
     "validation",
     "wait_ranges",
     "warmup",

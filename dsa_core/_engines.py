@@ -10,7 +10,9 @@
 * ``create_store(directory, layout, settings, *, init, init_scale, seed, ball_maxnorm, meta,
   overwrite, progress, space_ratio)``: the open engine of a new store, its first commit point written;
 * ``open_store(directory, mode, *, access, memory, unclean)``: ``(engine, count, meta)``;
-* ``remove_store(directory)``.
+* ``remove_store(directory)``;
+* ``read_group_ref(directory)``: the commit group its manifest names (``_group``), or None;
+* ``roll_forward(directory, payload)``: install the manifest its group committed for it.
 
 The open engines implement :class:`dsa_core._engine.Engine`.
 """

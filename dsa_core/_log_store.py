@@ -145,6 +145,9 @@ class LogStore:
         self._prefetcher = None
         self._ranges = None
         self._readahead: ReadAhead | None = None
+        self.group_ref: dict[str, Any] | None = None  # its commit group (dsa_core._group)
+        self.group = None                             # the live group stepping it, if any
+        self._meta_before: tuple | None = None        # what cancel_commit puts back
         if self.mode == "r+":
             _exit.watch(self, _flush_unclosed, engine, os.getpid())
 
@@ -269,9 +272,28 @@ class LogStore:
         self._commit_meta(meta)
         self.engine.flush(int(count))
 
+    # -- a commit of several stores together (dsa_core._group) -------------------------
+    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """Seal, sync the segments, write the next index (and commit log); returns the
+        manifest that would commit them, not yet written."""
+        self._meta_before = (self.engine.meta, self.engine.wal_on)
+        self._commit_meta(meta)
+        return self.engine.prepare(int(count))
+
+    def install_commit(self) -> None:
+        """Write the prepared manifest; the previous generation's files go."""
+        self.engine.install()
+
+    def cancel_commit(self) -> None:
+        self.engine.cancel()
+        if self._meta_before is not None:
+            self.engine.meta, self.engine.wal_on = self._meta_before
+            self._meta_before = None
+
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool) -> Path:
-        """Flush, then hard links to the immutable segments (and a copy of the index)."""
+        """Flush, then hard links to the immutable segments (and a copy of the index). The
+        snapshot names no commit group (it is no member of the live store's group)."""
         self._commit_meta(meta)
         return self.engine.checkpoint(dest, int(count), overwrite=overwrite)
 
@@ -438,6 +460,23 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
     store.settings = settings
     eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
     return store, eng.count, eng.meta
+
+
+def read_group_ref(directory: Path) -> dict[str, Any] | None:
+    """The commit group a log store's manifest names (inside its ``meta``), or None."""
+    meta = _log.read_manifest(directory).get("meta")
+    ref = meta.get("group") if isinstance(meta, dict) else None
+    return ref if isinstance(ref, dict) else None
+
+
+def roll_forward(directory: Path, payload: dict[str, Any]) -> None:
+    """Install the manifest a group committed for this store (``dsa_core._group``): its
+    files were made durable before the group's commit point; the writer lock is held."""
+    fd = _log.lock(directory)
+    try:
+        _log.write_manifest(directory, payload)
+    finally:
+        os.close(fd)
 
 
 def remove_store(directory: Path) -> None:

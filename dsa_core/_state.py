@@ -22,6 +22,7 @@ from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
 from ._engines import ENGINES, kind_of
+from ._group_file import recover
 from ._store import check_unclean
 from .validation import (
     DURABILITY_MODES,
@@ -346,7 +347,16 @@ def state_meta(state: State, store: Any = None) -> dict[str, Any]:
         },
         "durability": state.durability,
         **settings_field(state.store if store is None else store),
+        **group_field(state.store if store is None else store),
     }
+
+
+def group_field(store: Any) -> dict[str, Any]:
+    """``{"group": {"file", "id", "seq"}}``: the commit group the store belongs to
+    (``_group``), recorded with every commit so that ``open`` can finish an interrupted group
+    commit (``_group_file.recover``); nothing for a store in no group."""
+    ref = getattr(store, "group_ref", None)
+    return {"group": dict(ref)} if ref else {}
 
 
 def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float = 1e-3,
@@ -686,10 +696,13 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     check_access(access)
     check_unclean(unclean)
     directory = Path(path)
+    recover(directory)  # a group commit a crash interrupted: finished first (_group_file)
     engine = ENGINES[kind_of(directory) or "inplace"]  # none: the in-place reader says why
     store, count, meta = engine.open_store(directory, mode, access=access, memory=memory,
                                            unclean=unclean)
     try:
+        ref = meta.get("group")
+        store.group_ref = dict(ref) if isinstance(ref, dict) and mode == "r+" else None
         return _state_from(store, count, meta)
     except BaseException:
         store.abandon()
@@ -704,6 +717,12 @@ def flush(state: State) -> None:
     :class:`StaleStateError` instead.
     """
     require_current(state)
+    g = state.store.group
+    if g is not None:  # a member of a group (dsa_core._group): its stores commit together
+        g.note([state])
+        if g.stepped_since():
+            g.flush([state])
+            return
     state.store.flush(int(state.count), state_meta(state))
 
 
@@ -737,6 +756,11 @@ def checkpoint(state: State, dest, *, overwrite: bool = False) -> Path:
     if dest.exists() and not overwrite:
         raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
                               "overwrite=True to replace it")
+    g = state.store.group
+    if g is not None:  # its group commits first, together
+        g.note([state])
+        if g.stepped_since():
+            g.flush([state])
     return state.store.checkpoint(dest, int(state.count), state_meta(state),
                                   overwrite=overwrite)
 
@@ -923,7 +947,9 @@ def close(state: State) -> None:
     if st.closed:
         return
     if st.mode == "r+":
-        flush(state)
+        flush(state)  # with its group, if a member stepped since the group's last commit
+    if st.group is not None:  # it leaves its group (which commits without it from now on)
+        st.group.leave(st)
     st.close()
 
 

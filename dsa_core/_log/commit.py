@@ -135,6 +135,7 @@ class Commit:
         self.wal_count = self.count              # the count that manifest + log hold
         self.wal_acquires = 0                    # acquire calls that they reflect
         self.wal_spare: Path | None = None       # a retired log file, reused next
+        self.prepared: tuple | None = None       # (manifest, index gen, new log): prepare
 
     def totals(self) -> dict[str, int]:
         """The write counters over the store's life: earlier writers' plus this open's."""
@@ -252,18 +253,45 @@ class Commit:
     def flush(self, count: int | None = None) -> None:
         """Make everything so far durable, at step ``count`` (default: ``self.count``); see
         ``LogEngine.flush``."""
+        self._not_in_doubt()
         count = self.count if count is None else check_count(count)
         meta = check_meta(self.meta)
         self.count = count
-        dirty = np.flatnonzero(self.pool.dirty)
-        if dirty.shape[0]:
-            self.seal_all(dirty, evict=False)
-        segs = self.segments
-        segs.settle(block=True)  # every background write done (or retried) first
-        crash_point("flush-sealed")
+        self._seal_dirty()
         if not self.index_dirty and self.count == self.manifest["count"] \
                 and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
             return
+        self.prepare(count)
+        self.install()
+
+    def _not_in_doubt(self) -> None:
+        if self.prepared is not None:
+            raise RuntimeError(
+                f"log store {str(self.path)!r} has a prepared commit (a commit of several "
+                "stores together) that was neither installed nor cancelled; it cannot flush "
+                "on its own. Close the process; dsa_core.open installs the commit if its "
+                "group committed it")
+
+    def _seal_dirty(self) -> None:
+        dirty = np.flatnonzero(self.pool.dirty)
+        if dirty.shape[0]:
+            self.seal_all(dirty, evict=False)
+        self.segments.settle(block=True)  # every background write done (or retried) first
+        crash_point("flush-sealed")
+
+    def prepare(self, count: int | None = None) -> dict[str, Any]:
+        """The first half of a flush: every record sealed and synced, the next index
+        generation and commit log written, and the manifest that would commit them built
+        but not written (returned: a copy). Nothing is installed: without :meth:`install`
+        the store reopens at its last commit and the new files are garbage. For a commit of
+        several stores together (``dsa_core._group``): each member prepares, the group's
+        commit file records every manifest, then each member installs its own."""
+        self._not_in_doubt()
+        count = self.count if count is None else check_count(count)
+        meta = check_meta(self.meta)
+        self.count = count
+        self._seal_dirty()
+        segs = self.segments
         segs.sync_new()
         crash_point("flush-synced")
         manifest = dict(self.manifest)
@@ -279,14 +307,28 @@ class Commit:
         manifest.update(totals=self.totals(), count=int(self.count), segments=sorted(segs.segs),
                         next_segment=int(segs.next_segment), meta=meta)
         name_wal(manifest, new_wal)
+        self.prepared = (manifest, gen, new_wal)
+        return dict(manifest)
+
+    def cancel(self) -> None:
+        """Drop a prepared commit: its files are garbage (the next one rewrites them)."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and prepared[2] is not None:
+            prepared[2].close()  # not named by any manifest: the next generation's file
+            self.wal_spare = prepared[2].path
+
+    def install(self) -> None:
+        """The second half of a flush: write the prepared manifest (the commit point of a
+        lone store), then delete what it no longer references."""
+        manifest, gen, new_wal = self.prepared
         try:
             write_manifest(self.path, manifest)
         except BaseException:
-            if new_wal is not None:  # not named by any manifest: the next generation's file
-                new_wal.close()
-                self.wal_spare = new_wal.path
+            self.cancel()
             raise
+        self.prepared = None
         crash_point("flush-committed")
+        segs = self.segments
         old_gen, self.gen = self.gen, gen
         old_wal = self.manifest.get("wal")
         self.manifest = manifest
@@ -310,6 +352,8 @@ class Commit:
         self.flush(count)
         manifest = dict(self.manifest)
         name_wal(manifest, None)  # flushed: the snapshot needs no commit log
+        # a snapshot belongs to no commit group (dsa_core._group): the live store does
+        manifest["meta"] = {k: v for k, v in manifest.get("meta", {}).items() if k != "group"}
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
             for sid in manifest["segments"]:
