@@ -687,9 +687,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         updates = [self._update(job) for job in jobs]
         # one step over every store: all or nothing (an error or a Ctrl-C never leaves
         # them one step apart), recorded by their group (dsa_core.step_many)
-        new = dsa_core.step_many(updates)
-        for job, st in zip(jobs, new, strict=True):
-            self._after(job, st)
+        with dsa_core.deferred_sigint():  # a Ctrl-C waits until the handles are updated too
+            new = dsa_core.step_many(updates)
+            for job, st in zip(jobs, new, strict=True):
+                self._after(job, st)
         return loss
 
     def _prepare(self, p: torch.Tensor, where: str, hp: tuple) -> _Job:

@@ -41,7 +41,15 @@ from ._state import (
     write_records,
 )
 from ._step import check_batch, gather, step, warmup
-from ._group import Group, GroupCommitError, GroupMismatchError, flush_many, join, step_many
+from ._group import (
+    Group,
+    GroupCommitError,
+    GroupMismatchError,
+    deferred_sigint,
+    flush_many,
+    join,
+    step_many,
+)
 from ._store import StoreLockedError, UncleanStopError
 from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
@@ -64,6 +72,7 @@ __all__ = [
     "close",
     "convert",
     "create",
+    "deferred_sigint",
     "flush",
     "flush_many",
     "gather",

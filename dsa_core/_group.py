@@ -458,10 +458,19 @@ def join(states: Sequence[State], file=None, *, fresh: bool = False) -> Group:
         raise ValueError("join needs at least one store")
     for s in states:
         require_current(s)
-        if s.store.group is not None:
-            raise ValueError(f"store {str(s.path)!r} already belongs to an open group; close "
-                             "that group (or the optimizer that made it) first")
     _stores_of(states)
+    have = {id(s.store.group): s.store.group for s in states}
+    core = next(iter(have.values()))
+    if len(have) == 1 and core is not None and core.group is not None \
+            and {id(m.store) for m in core.live()} == {id(s.store) for s in states} \
+            and (file is None or Path(file).resolve() == core.file.resolve()):
+        core.note(states)  # these stores already are one open group
+        return core.group
+    for s in states:
+        if s.store.group is not None:
+            raise ValueError(f"store {str(s.path)!r} already belongs to an open group of "
+                             "other stores; close that group (or the optimizer that made "
+                             "it) first")
     file = Path(states[0].path) / GROUP_FILE if file is None else Path(file)
     rec = None if fresh else _group_file.read(file)
     keys = [_group_file.member_key(file, s.path) for s in states]
