@@ -128,8 +128,12 @@ class Engine(Protocol):
     def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
         """The first half of a flush: durable, not installed; the manifest to install."""
 
-    def install_commit(self) -> None:
-        """The second half: the prepared manifest written (the store is at ``count``)."""
+    def install_commit(self, durable: bool = True) -> None:
+        """The second half: the prepared manifest written (the store is at ``count``);
+        ``durable=False``: not synced yet (its group's commit file holds it)."""
+
+    def sync_commit(self) -> None:
+        """Sync the manifest an ``install_commit(durable=False)`` wrote."""
 
     def cancel_commit(self) -> None:
         """Drop a prepared commit: the store stays at its last commit."""

@@ -33,7 +33,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path, obj: Any, *, shared: bool = True) -> None:
+def write_json(path, obj: Any, *, shared: bool = True, durable: bool = True) -> None:
     """Replace the JSON file ``path`` atomically and durably.
 
     The text goes to a temporary file beside it, which is written in full
@@ -45,6 +45,10 @@ def write_json(path, obj: Any, *, shared: bool = True) -> None:
     concurrent writers of one path never share one. ``shared=False`` is for a file with a
     single writer (a store's manifest, under its writer lock): a fixed name, so that the
     temporary a crash left behind is reused rather than piling up.
+
+    ``durable=False`` skips the two syncs (still atomic for readers and after ``kill -9``,
+    not after a power cut): for a file whose content is durable elsewhere until it is
+    synced (a group member's manifest, held by its group's commit file, ``dsa_core._group``).
 
     >>> import json, tempfile, pathlib
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "meta.json"
@@ -60,14 +64,16 @@ def write_json(path, obj: Any, *, shared: bool = True) -> None:
     try:
         while data:
             data = data[os.write(fd, data):]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 _COPY_CHUNK = 16 << 20

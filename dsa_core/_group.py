@@ -171,13 +171,21 @@ def _step_many(ups: list[tuple], _before_commit=None) -> list[State]:
 
 # -- the group --------------------------------------------------------------------------------
 class _Member:
-    __slots__ = ("store", "state", "key", "count")
+    __slots__ = ("store", "state", "key", "count", "unsynced")
 
     def __init__(self, state: State, key: str, count: int):
         self.store = state.store
         self.state = state
         self.key = key
         self.count = count  # what the group's commit file records for it
+        self.unsynced = False  # its last install was not synced (the commit file holds it)
+
+    def sync(self) -> None:
+        """Make its last installed manifest durable: before the commit file that holds it
+        is replaced."""
+        if self.unsynced and not self.store.closed:
+            self.store.sync_commit()
+        self.unsynced = False
 
 
 class _Core:
@@ -255,6 +263,7 @@ class _Core:
             def prepare(k: int) -> None:
                 m = members[k]
                 try:
+                    m.sync()  # the commit file that holds its last install goes next
                     m.store.group_ref = self.ref(m, seq)
                     payloads[k] = m.store.prepare_commit(int(cur[k].count), state_meta(cur[k]))
                 except BaseException as exc:  # noqa: BLE001 - raised below
@@ -287,9 +296,15 @@ class _Core:
             for m, c in zip(members, cur, strict=True):
                 m.count = int(c.count)
             bad = []
-            for m in members:
+            for m, c in zip(members, cur, strict=True):
+                # the commit file holds the manifest until the next one replaces it (each
+                # member syncs its manifest first): no sync here, so a group flush costs its
+                # members' data syncs (overlapping) and one commit file. A durability="step"
+                # store's manifest names the commit log its next step appends to: synced
+                durable = c.durability == "step"
                 try:
-                    m.store.install_commit()
+                    m.store.install_commit(durable)
+                    m.unsynced = not durable
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     bad.append((m, exc))
             if bad:
@@ -325,6 +340,8 @@ class _Core:
                 record = {"id": self.id, "seq": self.seq + 1, "kind": "step",
                           "members": {k: {"count": c, "payload": None}
                                       for k, c in counts.items()}}
+                for m in members:  # this file replaces the one holding their manifests
+                    m.sync()
                 _group_file.write(self.file, record)
                 self.seq += 1
                 for m in members:
@@ -352,6 +369,11 @@ class _Core:
     def detach(self) -> None:
         self.closed = True
         for m in self.members:
+            try:
+                m.sync()  # on their own from now on: their manifests must be durable
+            except OSError as exc:
+                _exit.report(f"dsa_core: syncing the manifest of {str(m.store.path)!r} "
+                             f"failed: {exc!r}")
             if m.store.group is self:
                 m.store.group = None
         self.group = None

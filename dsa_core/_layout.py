@@ -194,9 +194,11 @@ def header_bytes(layout: dict[str, Any]) -> bytes:
     return head + b"\0" * (HEADER_BYTES - len(head))
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync)."""
-    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False)  # one writer: the lock
+def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
+    """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync;
+    ``durable=False``: without the syncs, see ``_files.write_json``)."""
+    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False,  # one writer: the lock
+               durable=durable)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

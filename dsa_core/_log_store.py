@@ -280,9 +280,13 @@ class LogStore:
         self._commit_meta(meta)
         return self.engine.prepare(int(count))
 
-    def install_commit(self) -> None:
+    def install_commit(self, durable: bool = True) -> None:
         """Write the prepared manifest; the previous generation's files go."""
-        self.engine.install()
+        self.engine.install(durable)
+
+    def sync_commit(self) -> None:
+        """Make the manifest of an ``install_commit(durable=False)`` durable."""
+        self.engine.sync_manifest()
 
     def cancel_commit(self) -> None:
         self.engine.cancel()

@@ -587,15 +587,25 @@ class Store:
         self._f.prepared = manifest
         return dict(manifest)
 
-    def install_commit(self) -> None:
-        """Write the prepared manifest, then clear the unclean marker."""
+    def install_commit(self, durable: bool = True) -> None:
+        """Write the prepared manifest, then clear the unclean marker (``durable=False``:
+        the manifest is not synced; :meth:`sync_commit` does it later)."""
         manifest = self._f.prepared
-        _layout.write_manifest(self.path, manifest)
+        _layout.write_manifest(self.path, manifest, durable)
         self._f.prepared = None
         self.mark_clean()
 
     def cancel_commit(self) -> None:
         self._f.prepared = None
+
+    def sync_commit(self) -> None:
+        """Make the manifest of an ``install_commit(durable=False)`` durable."""
+        fd = os.open(self.path / MANIFEST_FILE, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.path)
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool) -> Path:

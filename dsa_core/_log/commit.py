@@ -40,12 +40,14 @@ from typing import Any
 import numpy as np
 
 from .._files import copy_file, fsync_dir, staged_dir
+from .._os import fsync_path
 from .budget import SEAL_BYTES
 from .checks import check_count, check_meta
 from .cleaner import CLEAN_UNITS, Cleaner
 from .format import (
     FORMAT_VERSION,
     FORMAT_VERSION_WAL,
+    MANIFEST_FILE,
     MAX_SEGMENT_ID,
     Segment,
     crash_point,
@@ -317,12 +319,13 @@ class Commit:
             prepared[2].close()  # not named by any manifest: the next generation's file
             self.wal_spare = prepared[2].path
 
-    def install(self) -> None:
+    def install(self, durable: bool = True) -> None:
         """The second half of a flush: write the prepared manifest (the commit point of a
-        lone store), then delete what it no longer references."""
+        lone store), then delete what it no longer references. ``durable=False``: the
+        manifest is not synced (a group's commit file holds it; ``sync_manifest`` later)."""
         manifest, gen, new_wal = self.prepared
         try:
-            write_manifest(self.path, manifest)
+            write_manifest(self.path, manifest, durable)
         except BaseException:
             self.cancel()
             raise
@@ -338,6 +341,11 @@ class Commit:
             (self.path / index_name(old_gen)).unlink(missing_ok=True)
         segs.delete_doomed()
         self._retire_wal(old_wal, new_wal)
+
+    def sync_manifest(self) -> None:
+        """Make a manifest installed with ``durable=False`` durable (file and directory)."""
+        fsync_path(self.path / MANIFEST_FILE)
+        fsync_dir(self.path)
 
     def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``

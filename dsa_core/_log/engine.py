@@ -275,10 +275,15 @@ class LogEngine:
         self._require_writable()
         return self._commit.prepare(count)
 
-    def install(self) -> None:
-        """The second half of :meth:`flush`: the prepared manifest is written."""
+    def install(self, durable: bool = True) -> None:
+        """The second half of :meth:`flush`: the prepared manifest is written (``durable=
+        False``: not synced; :meth:`sync_manifest` does it later)."""
         self._require_writable()
-        self._commit.install()
+        self._commit.install(durable)
+
+    def sync_manifest(self) -> None:
+        """Sync a manifest installed with ``durable=False``."""
+        self._commit.sync_manifest()
 
     def cancel(self) -> None:
         """Drop a prepared commit (its files are garbage)."""

@@ -403,9 +403,10 @@ _FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "ind
            "segments", "next_segment", "space_ratio")
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Replace ``manifest.json`` atomically and durably (one writer: the lock)."""
-    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False)
+def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
+    """Replace ``manifest.json`` atomically and durably (one writer: the lock;
+    ``durable=False``: not synced, see ``_files.write_json``)."""
+    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, durable=durable)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
