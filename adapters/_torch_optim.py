@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -76,8 +77,13 @@ class _Owned:
     def __init__(self):
         self.handles: list[SharedState] = []
         self.lock: DirLock | None = None
+        self.group = None  # the stores' dsa_core.Group: one commit, then released
 
     def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            with contextlib.suppress(Exception):  # best effort at exit, as close_quietly
+                group.close()
         close_quietly(self.handles, self.lock)
         self.lock = None
 
@@ -621,6 +627,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         not formed: :meth:`step` and :meth:`flush` then refuse, until
         :meth:`load_checkpoint` restores them (``fresh``: a new group after that)."""
         old, self._group = self._group, None
+        self._owned.group = None
         if old is not None:
             old.close()
         states = [s.handle.state for s in self._ordered_slots() if not s.handle.closed]
@@ -632,6 +639,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             self._group = dsa_core.join(states, file, fresh=fresh)
         except dsa_core.GroupMismatchError as exc:
             self._mismatch = str(exc)
+        self._owned.group = self._group
 
     def _check_in_step(self) -> None:
         if self._mismatch is not None:
@@ -813,6 +821,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         self._closed = True
         if self._group is not None:  # one commit of every store, then each closes alone
             group, self._group = self._group, None
+            self._owned.group = None
             group.close()
         for s in self._slots.values():
             if not s.owned and s.handle.borrower is not None \
@@ -1136,6 +1145,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 for g, sg in zip(self.param_groups, saved_groups)]
         if self._group is not None:  # restored one by one: no group commit in between
             group, self._group = self._group, None
+            self._owned.group = None
             group.close()
         try:
             super().load_state_dict(sd)

@@ -384,10 +384,15 @@ def _in_parallel(fn, n: int) -> None:
     if n == 1:
         fn(0)
         return
-    threads = [threading.Thread(target=fn, args=(k,), name=f"dsa-group-{k}", daemon=True)
-               for k in range(1, n)]
-    for t in threads:
-        t.start()
+    threads = []
+    for k in range(1, n):
+        t = threading.Thread(target=fn, args=(k,), name=f"dsa-group-{k}", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # no new threads at interpreter shutdown (newer Pythons)
+            fn(k)
+            continue
+        threads.append(t)
     fn(0)
     for t in threads:
         t.join()
