@@ -473,8 +473,9 @@ def join(states: Sequence[State], file=None, *, fresh: bool = False) -> Group:
     """Make the open stores ``states`` one :class:`Group`: they commit together from now on.
 
     ``file``: the group's commit file (default ``commit-group.json`` in the first store's
-    directory). If it records an earlier commit of these stores, each store must be at the
-    step it records for it (after ``dsa_core.open`` finished an interrupted commit):
+    directory). If it records an earlier commit of these stores, each store whose manifest
+    names that group must be at the step it records for it (after ``dsa_core.open``
+    finished an interrupted commit; a store created since names none):
     otherwise :class:`GroupMismatchError` (they did not stop together; restore them from
     the last checkpoint). ``fresh=True`` skips that check and starts a new group (after
     every store was restored from one checkpoint, say). Then a first group commit names the
@@ -505,7 +506,10 @@ def join(states: Sequence[State], file=None, *, fresh: bool = False) -> Group:
         bad = []
         for s, k in zip(states, keys, strict=True):
             entry = rec["members"].get(k)
-            if isinstance(entry, dict) and entry.get("count") != s.count:
+            ref = s.store.group_ref  # a store its manifest does not name in this group
+            # (new, replaced, or a snapshot copied in) was never committed by it: no check
+            if isinstance(entry, dict) and isinstance(ref, dict) \
+                    and ref.get("id") == rec["id"] and entry.get("count") != s.count:
                 bad.append(f"{str(s.path)!r} at step {s.count} (the group recorded "
                            f"{entry.get('count')})")
         if bad:

@@ -690,6 +690,11 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     (either mode) raises :class:`dsa_core.UncleanStopError` saying so, unless
     ``unclean="accept"`` (open the rows as they are; the next flush clears the mark). Log
     stores and ``durability="step"`` stores reopen exactly (docs/storage.md, crash recovery).
+
+    A store of a group that commits together (:func:`dsa_core.join`) whose group committed
+    after the store's own manifest was written (a crash between the group's commit point
+    and this store's part of it) is first brought to that commit (docs/storage.md,
+    "Several tables: one commit"), unless another process holds it for writing.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")

@@ -100,6 +100,53 @@ def test_exception_in_second_table_leaves_first_unchanged(tmp_path, kind, monkey
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_resume_and_overwrite_of_a_group(tmp_path, kind):
+    """A clean stop resumes as one group; tables replaced with overwrite=True start a new
+    one (the old commit file does not refuse them); a table trained on its own since the
+    group's last commit is refused, with the remedy."""
+    e1, e2, opt = _two_tables(tmp_path, kind)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        _loss_step(e1, e2, opt, gen)
+    opt.close()
+    e1.close()
+    e2.close()
+    kw = _kw(kind)
+    e1 = DiskEmbedding(200, 8, state_dir=tmp_path / "centre", resume=True, **kw)
+    e2 = DiskEmbedding(200, 8, state_dir=tmp_path / "context", resume=True, **kw)
+    opt = DiskSparseAdam(list(e1.parameters()) + list(e2.parameters()), lr=0.05)
+    _loss_step(e1, e2, opt, gen)
+    assert e1.store.count == e2.store.count == 4
+    opt.close()
+    # the centre table trained on its own (no optimizer of the pair): refused as a pair
+    s = dsa_core.step(e1.store, [1], np.ones((1, 8), np.float32))
+    e1._handle.state = s
+    e1.close()
+    e2.close()
+    e1 = DiskEmbedding(200, 8, state_dir=tmp_path / "centre", resume=True, **kw)
+    e2 = DiskEmbedding(200, 8, state_dir=tmp_path / "context", resume=True, **kw)
+    opt = DiskSparseAdam(list(e1.parameters()) + list(e2.parameters()), lr=0.05)
+    i = torch.arange(3)
+    (e1(i) * e2(i)).sum().backward()
+    with pytest.raises(dsa_core.GroupMismatchError, match="step 5.*recorded 4.*checkpoint"):
+        opt.step()
+    with pytest.raises(dsa_core.GroupMismatchError):
+        opt.flush()
+    assert e1.store.count == 5 and e2.store.count == 4  # nothing was written
+    opt.close()
+    e1.close()
+    e2.close()
+    e1 = DiskEmbedding(200, 8, state_dir=tmp_path / "centre", overwrite=True, **kw)
+    e2 = DiskEmbedding(200, 8, state_dir=tmp_path / "context", overwrite=True, **kw)
+    opt = DiskSparseAdam(list(e1.parameters()) + list(e2.parameters()), lr=0.05)
+    _loss_step(e1, e2, opt, gen)
+    assert e1.store.count == e2.store.count == 1
+    opt.close()
+    e1.close()
+    e2.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_ctrl_c_between_tables_takes_effect_after_the_step(tmp_path, kind, monkeypatch):
     """SIGINT delivered while the second table begins its step: the step completes on both
     tables, then KeyboardInterrupt is raised; the result equals an uninterrupted step."""
