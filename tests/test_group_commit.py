@@ -419,8 +419,8 @@ e2 = DiskEmbedding(cfg["rows"], 16, state_dir=cfg["root"] + "/context", seed=2, 
 opt = DiskSparseAdam(list(e1.parameters()) + list(e2.parameters()), lr=0.05)
 gen = torch.Generator().manual_seed(0)
 for step in range(1, cfg["steps"] + 1):
-    i = torch.randint(0, cfg["rows"], (512,), generator=gen)
-    j = torch.randint(0, cfg["rows"], (512,), generator=gen)
+    i = torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen)
+    j = torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen)
     (e1(i) * e2(j)).sum().backward()
     opt.step()
     opt.zero_grad()
@@ -433,15 +433,16 @@ for step in range(1, cfg["steps"] + 1):
 '''
 
 
-def _torch_reference(rows: int, memory: str, steps: int, root: Path) -> list[np.ndarray]:
+def _torch_reference(rows: int, memory: str, steps: int, root: Path,
+                     batch: int) -> list[np.ndarray]:
     kw = dict(storage="log", memory=memory)
     e1 = DiskEmbedding(rows, 16, state_dir=root / "centre", seed=1, **kw)
     e2 = DiskEmbedding(rows, 16, state_dir=root / "context", seed=2, **kw)
     opt = DiskSparseAdam(list(e1.parameters()) + list(e2.parameters()), lr=0.05)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        i = torch.randint(0, rows, (512,), generator=gen)
-        j = torch.randint(0, rows, (512,), generator=gen)
+        i = torch.randint(0, rows, (batch,), generator=gen)
+        j = torch.randint(0, rows, (batch,), generator=gen)
         (e1(i) * e2(j)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -453,12 +454,13 @@ def _torch_reference(rows: int, memory: str, steps: int, root: Path) -> list[np.
 
 
 def _ctrl_c_trial(root: Path, delay: float | None, rows: int = 20_000, memory: str = "600KiB",
-                  sigint_at: int = -1) -> str:
+                  sigint_at: int = -1, batch: int = 512) -> str:
     """One Ctrl-C ``delay`` seconds into the loop (or right after step ``sigint_at``);
     ``memory``: a region small enough that the stores clean (the exit flush then reads
     segments ahead on a thread pool)."""
     root.mkdir()
-    cfg = dict(root=str(root), rows=rows, memory=memory, steps=400, sigint_at=sigint_at)
+    cfg = dict(root=str(root), rows=rows, memory=memory, steps=400, sigint_at=sigint_at,
+               batch=batch)
     p = subprocess.Popen([sys.executable, "-c", CTRL_C_WORKER, json.dumps(cfg)], env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = p.stdout.readline()  # stepping has begun
@@ -487,17 +489,18 @@ def _ctrl_c_trial(root: Path, delay: float | None, rows: int = 20_000, memory: s
         opt.close()
         e1.close()
         e2.close()
-    want = _torch_reference(rows, memory, n, root / "ref")
+    want = _torch_reference(rows, memory, n, root / "ref", batch)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     return f"same {n}"
 
 
 def test_ctrl_c_two_table_loop_resumes_in_step(tmp_path):
-    """One Ctrl-C after step 62 of a loop that flushes every 5 (smaller tables; the slow
-    variant runs 12 at random moments at 20k x 16)."""
-    got = _ctrl_c_trial(tmp_path / "t0", None, rows=4000, memory="400KiB", sigint_at=62)
-    assert got == "same 62"
+    """One Ctrl-C after step 32 of a loop that flushes every 5, its stores cleaning (smaller
+    tables; the slow variant runs 12 at random moments at 20k x 16)."""
+    got = _ctrl_c_trial(tmp_path / "t0", None, rows=2000, memory="160KiB", sigint_at=32,
+                        batch=128)
+    assert got == "same 32"
 
 
 @pytest.mark.slow
