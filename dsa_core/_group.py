@@ -322,30 +322,8 @@ class _Core:
         for u in ups:
             if id(u[0].store) not in by:
                 raise ValueError(f"store {str(u[0].path)!r} is not a member of this group")
-        logged = [u for u in ups if u[0].durability == "step"]
-        hook = None
-        if logged:
-            def hook(plans: list[StepPlan]) -> None:
-                after = {id(p.state.store): p.t for p in plans
-                         if p.state.durability == "step"}
-                members = self.live()
-                counts = {}
-                for m in members:
-                    if id(m.store) in after:
-                        counts[m.key] = after[id(m.store)]
-                    elif m.state.durability == "step":
-                        counts[m.key] = int(m.store.count)
-                    else:
-                        counts[m.key] = m.count
-                record = {"id": self.id, "seq": self.seq + 1, "kind": "step",
-                          "members": {k: {"count": c, "payload": None}
-                                      for k, c in counts.items()}}
-                for m in members:  # this file replaces the one holding their manifests
-                    m.sync()
-                _group_file.write(self.file, record)
-                self.seq += 1
-                for m in members:
-                    m.count = counts[m.key]
+        logged = any(u[0].durability == "step" for u in ups)
+        hook = self.record_step if logged else None
         try:
             new = _step_many(ups, _before_commit=hook)
         except GroupCommitError as exc:
@@ -353,6 +331,30 @@ class _Core:
             raise
         self.note(new)
         return new
+
+    def record_step(self, plans: list[StepPlan]) -> None:
+        """Before the members of a ``durability="step"`` group step commit: the count each
+        must hold afterwards, in the group's commit file (a resume compares)."""
+        after = {id(p.state.store): p.t for p in plans
+                 if p.state.durability == "step"}
+        members = self.live()
+        counts = {}
+        for m in members:
+            if id(m.store) in after:
+                counts[m.key] = after[id(m.store)]
+            elif m.state.durability == "step":
+                counts[m.key] = int(m.store.count)
+            else:
+                counts[m.key] = m.count
+        record = {"id": self.id, "seq": self.seq + 1, "kind": "step",
+                  "members": {k: {"count": c, "payload": None}
+                              for k, c in counts.items()}}
+        for m in members:  # this file replaces the one holding their manifests
+            m.sync()
+        _group_file.write(self.file, record)
+        self.seq += 1
+        for m in members:
+            m.count = counts[m.key]
 
     # -- exit -----------------------------------------------------------------------------------
     def exit_flush(self) -> None:
