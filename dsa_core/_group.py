@@ -63,7 +63,9 @@ class GroupCommitError(RuntimeError):
 @contextlib.contextmanager
 def deferred_sigint() -> Iterator[None]:
     """Run the block with SIGINT deferred: a Ctrl-C that arrives inside takes effect when it
-    ends (the previous handler is called then, ``KeyboardInterrupt`` for Python's own).
+    ends (the previous handler is called then, ``KeyboardInterrupt`` for Python's own). A
+    second Ctrl-C inside the block takes effect at once (a way out of a step that hangs,
+    at the price of what the deferral protects).
 
     Only in the main thread (Python delivers signals there) and only where SIGINT has a
     Python handler; the previous handler is restored on the way out. Nested blocks defer
@@ -83,6 +85,9 @@ def deferred_sigint() -> Iterator[None]:
 
     def _defer(signum, frame):
         caught.append((signum, frame))
+        if len(caught) > 1:  # insisted: now
+            signal.signal(signal.SIGINT, prev)
+            prev(signum, frame)
 
     _defer._dsa_deferring = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGINT, _defer)
@@ -269,7 +274,10 @@ class _Core:
                 except BaseException as exc:  # noqa: BLE001 - raised below
                     errors[k] = exc
 
-            _in_parallel(prepare, len(members))
+            try:
+                _in_parallel(prepare, len(members))
+            except BaseException as exc:  # a second Ctrl-C, say: nothing is committed
+                errors[0] = errors[0] or exc
             failed = [e for e in errors if e is not None]
             if failed:
                 for k, m in enumerate(members):
@@ -387,17 +395,26 @@ def _in_parallel(fn, n: int) -> None:
         fn(0)
         return
     threads = []
-    for k in range(1, n):
-        t = threading.Thread(target=fn, args=(k,), name=f"dsa-group-{k}", daemon=True)
-        try:
-            t.start()
-        except RuntimeError:  # no new threads at interpreter shutdown (newer Pythons)
-            fn(k)
-            continue
-        threads.append(t)
-    fn(0)
-    for t in threads:
-        t.join()
+    try:
+        for k in range(1, n):
+            t = threading.Thread(target=fn, args=(k,), name=f"dsa-group-{k}", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # no new threads at interpreter shutdown (newer Pythons)
+                fn(k)
+                continue
+            threads.append(t)
+        fn(0)
+    finally:  # every thread done before the caller decides (even on a KeyboardInterrupt)
+        pending = None
+        for t in threads:
+            while t.is_alive():
+                try:
+                    t.join()
+                except KeyboardInterrupt as exc:  # wait for it all the same, then raise
+                    pending = exc
+        if pending is not None:
+            raise pending
 
 
 class Group:

@@ -241,6 +241,23 @@ def test_jax_transform_steps_its_tables_all_or_nothing(tmp_path, monkeypatch):
     dsa_jax.close(st)
 
 
+def test_deferred_sigint_holds_one_ctrl_c_and_yields_to_a_second():
+    prev = signal.getsignal(signal.SIGINT)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        with dsa_core.deferred_sigint():
+            os.kill(os.getpid(), signal.SIGINT)
+            seen.append("inside")  # the block runs on
+    assert seen == ["inside"]
+    with pytest.raises(KeyboardInterrupt):
+        with dsa_core.deferred_sigint():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # insisted: at once
+            seen.append("not reached")
+    assert seen == ["inside"]
+    assert signal.getsignal(signal.SIGINT) is prev
+
+
 # -- kill -9 between two tables' commits -------------------------------------------------------
 CORE_WORKER = r'''
 import json, os, signal, sys, numpy as np, dsa_core
