@@ -14,7 +14,8 @@ groups first (:func:`watch_group`: stores that commit together flush together).
 
 A failed exit flush cannot raise anywhere: it is printed to stderr (:func:`report`) and the
 process then ends with exit status 1 instead of 0 (:func:`_exit_status`, an ``atexit``
-callback registered at import, so that it runs after the callbacks registered later).
+callback registered at import, so that it runs after the callbacks registered later). A
+flush that fails when a store is garbage-collected earlier is printed only (as before).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ EXIT_STATUS_ON_FAILURE = 1
 _stores: list[weakref.finalize] = []   # the exit flushes of unclosed stores, oldest first
 _groups: list[weakref.finalize] = []   # the exit flushes of commit groups (run first)
 _failures: list[str] = []
+_exiting = [False]  # the exit hook has started: a failure from now on sets the exit status
 
 
 def watch(obj: Any, fn: Callable[..., Any], *args: Any) -> weakref.finalize:
@@ -55,19 +57,21 @@ def watch_group(obj: Any, fn: Callable[..., Any], *args: Any) -> weakref.finaliz
 
 
 def report(message: str) -> None:
-    """Print a failed exit-time (or collection-time) flush to stderr; at exit, the process
-    then ends with :data:`EXIT_STATUS_ON_FAILURE`."""
-    _failures.append(message)
+    """Print a failed flush of a store nobody closed to stderr; at exit, the process then
+    ends with :data:`EXIT_STATUS_ON_FAILURE`."""
+    if _exiting[0]:
+        _failures.append(message)
     print(message, file=sys.stderr, flush=True)
 
 
 def failed() -> bool:
-    """Has an exit-time or collection-time flush failed in this process?"""
+    """Has an exit-time flush failed in this process?"""
     return bool(_failures)
 
 
 def _flush_all() -> None:
     """The exit hook: every group's flush, then every lone store's (newest first)."""
+    _exiting[0] = True
     for lst in (_groups, _stores):
         for f in reversed(list(lst)):
             try:
