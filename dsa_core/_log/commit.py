@@ -263,7 +263,7 @@ class Commit:
         if not self.index_dirty and self.count == self.manifest["count"] \
                 and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
             return
-        self.prepare(count)
+        self._prepare_sealed(meta)
         self.install()
 
     def _not_in_doubt(self) -> None:
@@ -293,6 +293,10 @@ class Commit:
         meta = check_meta(self.meta)
         self.count = count
         self._seal_dirty()
+        return self._prepare_sealed(meta)
+
+    def _prepare_sealed(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`prepare` once every dirty slot is sealed (``meta`` checked)."""
         segs = self.segments
         segs.sync_new()
         crash_point("flush-synced")
