@@ -211,6 +211,35 @@ def test_step_many_puts_every_store_back(tmp_path, kind, durability, monkeypatch
         dsa_core.close(s)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_article_optimizer_steps_its_tables_all_or_nothing(tmp_path, kind, monkeypatch):
+    from adapters.torch import DiskSparseRiemannianAdam
+
+    init = {"a": np.full((20, 4), 0.1, np.float32), "b": np.full((20, 4), 0.2, np.float32)}
+    opt = DiskSparseRiemannianAdam(init, lr=0.1, disk_dir=tmp_path, storage=kind,
+                                   **({"memory": "1MiB"} if kind == "log" else {}))
+    g = torch.ones((2, 4))
+    upd = {"a": (torch.tensor([1, 2]), g), "b": (torch.tensor([3, 4]), g)}
+    opt.step(updates=upd)
+    before = {k: _records_of(opt.store(k)) for k in init}
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(opt.store("b").store, "commit_step", broken)
+    with pytest.raises(OSError, match="injected"):
+        opt.step(updates=upd)
+    monkeypatch.undo()
+    assert opt.store("a").count == opt.store("b").count == 1
+    for k in init:
+        np.testing.assert_array_equal(_records_of(opt.store(k)), before[k])
+    opt.shutdown()
+
+
+def _records_of(st) -> np.ndarray:
+    return dsa_core.read_records(st, np.arange(st.num_rows))
+
+
 def test_jax_transform_steps_its_tables_all_or_nothing(tmp_path, monkeypatch):
     jax = pytest.importorskip("jax")
     del jax
