@@ -554,6 +554,7 @@ def test_ctrl_c_two_table_loop_random_trials(tmp_path):
     rng = np.random.default_rng(int(time.time()))
     outcomes = [_ctrl_c_trial(tmp_path / f"t{k}", float(rng.uniform(0.05, 3.0)))
                 for k in range(12)]
+    print("Ctrl-C trials:", outcomes)
     assert all(o.startswith("same") or o == "refused" for o in outcomes), outcomes
 
 
@@ -565,4 +566,5 @@ def test_kill_random_points_trials(tmp_path, kind):
                               ("step", "commit_step"), ("step", "commit_step_a")):
         for nth in (1, 2):
             got = _kill_trial(tmp_path, kind, durability, point, arm_at=0, nth=nth)
+            print(f"kill {kind} {durability} {point}:{nth}: {got}")
             assert got.startswith("same") or got == "refused", got
