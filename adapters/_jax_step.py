@@ -191,10 +191,17 @@ def host_step(tables: list[DiskTable], count: int, lr: float | None, idxs: list,
             p_t = np.array(np.asarray(p)[:n], dtype=t.dtype, order="C")  # writable copy
         plans.append((t, idx.shape[0], n, idx_t, g_t, p_t))
 
+    # one step over every table, all or nothing (an error in one table's update puts the
+    # others back; a Ctrl-C takes effect once every table and handle is updated); lr may be
+    # 0 (a warm-up schedule): dsa_core.step accepts it per step
+    updates = [(t._core, idx_t, g_t, {"lr": lr, "params": p_t})
+               for t, _, _, idx_t, g_t, p_t in plans]
+    with dsa_core.deferred_sigint():
+        new = dsa_core.step_many(updates)
+        for (t, *_), core in zip(plans, new, strict=True):
+            t._core = core
     out = []
     for t, b, n, idx_t, g_t, p_t in plans:
-        # lr may be 0 (a warm-up schedule): dsa_core.step accepts it per step
-        t._core = dsa_core.step(t._core, idx_t, g_t, lr=lr, params=p_t)
         if not return_rows:
             out.append(None)
             continue

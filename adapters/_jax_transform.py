@@ -327,8 +327,14 @@ def init(cfg: Config, stores: Any) -> DiskAdamState:
         raise ValueError(
             f"{INIT}: the stores have made different numbers of steps {sorted(counts)}; one "
             "transform keeps one global step count for all its tables. Use stores trained "
-            "together, or one transform per table")
+            "together, or one transform per table. Stores of one transform that stopped apart "
+            "(a crash between their commits) must be restored from the last checkpoint: "
+            "s = dsa_core.restore(dsa_core.open(path), dsa_core.open(ckpt / name, mode='r')) "
+            "for each table")
     (count,) = counts
+    if len(cores) > 1:  # the tables step all or nothing and commit together (a crash
+        # leaves them at one step; a resume that finds them apart refuses)
+        dsa_core.join(cores)
     tables = [DiskTable(core, name, in_jit=cfg.in_jit) for core, name in zip(cores, names)]
     # in_jit: a jax.Array from the start, so the jitted step sees one argument type
     count = jnp.asarray(count, jnp.int32) if cfg.in_jit else np.asarray(count, np.int32)

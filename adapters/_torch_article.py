@@ -31,6 +31,16 @@ __all__ = ["DiskSparseRiemannianAdam"]
 _MANIFEST_FORMAT = "dsa-torch-article"
 
 
+def _close_all(group, handles: list) -> None:
+    """The finalizer: one commit of the tables' group, then each store closed."""
+    if group is not None:
+        try:
+            group.close()
+        except Exception:  # noqa: BLE001 - best effort at exit, as close_quietly
+            pass
+    close_quietly(handles)
+
+
 def _table_array(value: Any, name: str) -> Any:
     """An initial table as something dsa_core.create can read in chunks (no full copy)."""
     if isinstance(value, torch.Tensor):
@@ -213,7 +223,18 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                     "weight_decay": weight_decay, "k": c}
         super().__init__([{"params": list(self._placeholders.values())}], defaults)
         self._open_all(arrays, c, dtype, storage, memory)
-        self._finalizer = weakref.finalize(self, close_quietly,
+        # the tables step all or nothing and commit together (dsa_core.join); tables found
+        # at other steps than their group's last commit (a crash between their commits)
+        # are refused here: restore them together
+        self._group = None
+        if len(self._handles) > 1:
+            try:
+                self._group = dsa_core.join([h.state for h in self._handles.values()],
+                                            self.disk_dir / "commit-group.json")
+            except BaseException:
+                close_quietly(list(self._handles.values()))
+                raise
+        self._finalizer = weakref.finalize(self, _close_all, self._group,
                                            list(self._handles.values()))
         self.state_files = {name: self._views(h) for name, h in self._handles.items()}
 
@@ -325,13 +346,15 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                 raise IndexError(f"updates[{name!r}]: indices must lie in [0, "
                                  f"{st.num_rows}), got {idx.min()}..{idx.max()}")
             jobs.append((name, idx, g))
-        for name, idx, g in jobs:
-            h = self._handles[name]
-            # L2 (geoopt's RiemannianAdam: g + wd * x before egrad2rgrad), never decoupled
-            st = h.state._replace(betas=betas, eps=eps, weight_decay=wd,
-                                  decoupled_weight_decay=False)
-            h.state = dsa_core.step(st, idx, g, lr=lr)
-            self.state[self._placeholders[name]]["step"] = h.state.count
+        # L2 (geoopt's RiemannianAdam: g + wd * x before egrad2rgrad), never decoupled
+        ups = [(self._handles[name].state._replace(betas=betas, eps=eps, weight_decay=wd,
+                                                   decoupled_weight_decay=False),
+                idx, g, {"lr": lr}) for name, idx, g in jobs]
+        with dsa_core.deferred_sigint():  # every table or none, a Ctrl-C after the step
+            new = dsa_core.step_many(ups)
+            for (name, _, _), st in zip(jobs, new, strict=True):
+                self._handles[name].state = st
+                self.state[self._placeholders[name]]["step"] = st.count
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op (gradients are passed explicitly to :meth:`step`), as in the article."""
@@ -363,8 +386,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
     def flush(self) -> None:
         """Make every step so far durable (msync + manifest), without closing."""
         self._check_open()
-        for h in self._handles.values():
-            h.flush()
+        dsa_core.flush_many([h.state for h in self._handles.values() if not h.closed])
 
     def store(self, name: str) -> dsa_core.State:
         """The ``dsa_core.State`` of table ``name``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -76,8 +77,13 @@ class _Owned:
     def __init__(self):
         self.handles: list[SharedState] = []
         self.lock: DirLock | None = None
+        self.group = None  # the stores' dsa_core.Group: one commit, then released
 
     def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            with contextlib.suppress(Exception):  # best effort at exit, as close_quietly
+                group.close()
         close_quietly(self.handles, self.lock)
         self.lock = None
 
@@ -404,6 +410,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         self._closed = False
         self._slots: dict[torch.Tensor, _Slot] = {}
         self._owned = _Owned()
+        self._group = None      # dsa_core.Group of the stores (two or more): one commit
+        self._mismatch = None   # why the stores cannot form their group (different steps)
         self.state_dir = None if state_dir is None else Path(state_dir)
         defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
                     "weight_decay": weight_decay,
@@ -610,6 +618,34 @@ class DiskSparseAdam(torch.optim.Optimizer):
             self._slots[p] = slot
             if h.state.count:
                 self.state[p]["step"] = h.state.count
+        self._regroup()
+
+    def _regroup(self, fresh: bool = False) -> None:
+        """Make this optimizer's stores one commit group (``dsa_core.join``): they step all
+        or nothing and commit together, so that after a crash they reopen at the same step.
+        A group that finds its stores at different steps (they did not stop together) is
+        not formed: :meth:`step` and :meth:`flush` then refuse, until
+        :meth:`load_checkpoint` restores them (``fresh``: a new group after that)."""
+        old, self._group = self._group, None
+        self._owned.group = None
+        if old is not None:
+            old.close()
+        states = [s.handle.state for s in self._ordered_slots() if not s.handle.closed]
+        self._mismatch = None
+        if len(states) < 2:
+            return
+        file = None if self.state_dir is None else self.state_dir / dsa_core._group.GROUP_FILE
+        try:
+            self._group = dsa_core.join(states, file, fresh=fresh)
+        except dsa_core.GroupMismatchError as exc:
+            self._mismatch = str(exc)
+        self._owned.group = self._group
+
+    def _check_in_step(self) -> None:
+        if self._mismatch is not None:
+            raise dsa_core.GroupMismatchError(
+                f"DiskSparseAdam: {self._mismatch}. Nothing was written; "
+                "opt.load_checkpoint(dir) restores every store from a checkpoint")
 
     # -- stepping -------------------------------------------------------------------------
     @torch.no_grad()
@@ -655,8 +691,14 @@ class DiskSparseAdam(torch.optim.Optimizer):
                         f"the gradient of {job.where} holds NaN or Inf for row(s) "
                         f"{bad[:10].tolist()}; nothing was written (nonfinite='raise'). Use "
                         "nonfinite='skip_row' to skip such rows")
-        for job in jobs:
-            self._apply(job)
+        self._check_in_step()
+        updates = [self._update(job) for job in jobs]
+        # one step over every store: all or nothing (an error or a Ctrl-C never leaves
+        # them one step apart), recorded by their group (dsa_core.step_many)
+        with dsa_core.deferred_sigint():  # a Ctrl-C waits until the handles are updated too
+            new = dsa_core.step_many(updates)
+            for job, st in zip(jobs, new, strict=True):
+                self._after(job, st)
         return loss
 
     def _prepare(self, p: torch.Tensor, where: str, hp: tuple) -> _Job:
@@ -699,24 +741,29 @@ class DiskSparseAdam(torch.optim.Optimizer):
         host, _ = to_host(dev)
         return _Job(p, where, slot, hp, idx, host)
 
-    def _apply(self, job: _Job) -> None:
+    def _update(self, job: _Job) -> tuple:
+        """``(state, idx, grad, kwargs)`` of ``job`` for ``dsa_core.step_many``."""
         lr, betas, eps, maximize, wd, decoupled = job.hp
-        h = job.slot.handle
-        st = h.state
+        st = job.slot.handle.state
         if (st.betas, st.eps, st.maximize, st.weight_decay, st.decoupled_weight_decay) != (
                 betas, eps, maximize, wd, decoupled):
             st = st._replace(betas=betas, eps=eps, maximize=maximize, weight_decay=wd,
                              decoupled_weight_decay=decoupled)
         idx, vals = job.host[0].numpy(), job.host[1].numpy()
         if job.slot.owned and len(job.host) == 2:  # a CPU table: its rows updated in place
-            h.state = dsa_core.step(st, idx, vals, lr=lr, table=job.p.detach().numpy())
+            return st, idx, vals, {"lr": lr, "table": job.p.detach().numpy()}
+        if job.slot.owned:
+            return st, idx, vals, {"lr": lr, "params": job.host[2].numpy()}
+        return st, idx, vals, {"lr": lr}
+
+    def _after(self, job: _Job, st: dsa_core.State) -> None:
+        """What follows the step of ``job``'s store (its new State ``st``)."""
+        h = job.slot.handle
+        h.state = st
+        if job.slot.owned and len(job.host) == 2:
             torch.autograd.graph.increment_version(job.p)  # autograd sees it, as after add_
         elif job.slot.owned:
-            rows = job.host[2]
-            h.state = dsa_core.step(st, idx, vals, lr=lr, params=rows.numpy())
-            job.p.index_copy_(0, job.idx_dev, to_device(rows, job.p.device))
-        else:
-            h.state = dsa_core.step(st, idx, vals, lr=lr)
+            job.p.index_copy_(0, job.idx_dev, to_device(job.host[2], job.p.device))
         self.state[job.p]["step"] = h.state.count
 
     # -- inspection, durability, life cycle -----------------------------------------------
@@ -760,8 +807,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def flush(self) -> None:
         """Make every step so far durable: msync each store and rewrite its manifest."""
         self._check_open()
-        for s in self._ordered_slots():
-            s.handle.flush()
+        self._check_in_step()
+        dsa_core.flush_many([s.handle.state for s in self._ordered_slots()
+                             if not s.handle.closed])
 
     def close(self) -> None:
         """Flush and close this optimizer's stores and release ``state_dir``. Safe twice.
@@ -771,6 +819,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        if self._group is not None:  # one commit of every store, then each closes alone
+            group, self._group = self._group, None
+            self._owned.group = None
+            group.close()
         for s in self._slots.values():
             if not s.owned and s.handle.borrower is not None \
                     and s.handle.borrower() is self:
@@ -1091,6 +1143,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         # optimizer's values for the keys they lack, rather than losing them
         kept = [{k: g[k] for k in _KEPT_KEYS if k not in sg and k in g}
                 for g, sg in zip(self.param_groups, saved_groups)]
+        if self._group is not None:  # restored one by one: no group commit in between
+            group, self._group = self._group, None
+            self._owned.group = None
+            group.close()
         try:
             super().load_state_dict(sd)
             for p, snap in zip(params, snaps):
@@ -1106,6 +1162,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             h = self._slots[p].handle
             if snap is None and h.state.count != cnt:  # imported from a torch state dict
                 h.state = dsa_core.set_count(h.state, cnt)
+        self._regroup(fresh=True)  # restored together: they commit together again
 
     def _check_counts(self, entries: list, params: list, counts: list, snaps: list) -> None:
         """``ValueError`` unless every store whose rows stay has the state dict's count."""

@@ -41,6 +41,15 @@ from ._state import (
     write_records,
 )
 from ._step import check_batch, gather, step, warmup
+from ._group import (
+    Group,
+    GroupCommitError,
+    GroupMismatchError,
+    deferred_sigint,
+    flush_many,
+    join,
+    step_many,
+)
 from ._inplace.store import StoreLockedError, UncleanStopError
 from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
@@ -49,6 +58,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ACCESS_MODES",
     "FORMAT_VERSION",
+    "Group",
+    "GroupCommitError",
+    "GroupMismatchError",
     "StaleStateError",
     "State",
     "StoreLockedError",
@@ -60,8 +72,11 @@ __all__ = [
     "close",
     "convert",
     "create",
+    "deferred_sigint",
     "flush",
+    "flush_many",
     "gather",
+    "join",
     "get_num_threads",
     "load_range",
     "open",
@@ -78,6 +93,7 @@ __all__ = [
     "set_num_threads",
     "staged_dir",
     "step",
+    "step_many",
     "validation",
     "wait_ranges",
     "warmup",

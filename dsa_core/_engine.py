@@ -28,7 +28,15 @@ The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
    or ``abort_step()`` if anything in 3-4 raised: the records are as before 2.
 
 ``meta`` is the dict of the store's hyperparameters and durability that a flush records
-(``{"hparams": {...}, "durability": ...}``); every commit point writes it with the count.
+(``{"hparams": {...}, "durability": ...}``, and ``"group"``: the commit group the store belongs
+to, if any); every commit point writes it with the count.
+
+A flush in two halves, for a group of stores that commit together (``_group``):
+``payload = prepare_commit(count, meta)`` makes the new state durable without installing it
+and returns the manifest that would commit it; ``install_commit()`` writes it (after the
+group's commit file recorded every member's payload); ``cancel_commit()`` drops it. Between
+prepare and install/cancel the store refuses to flush on its own. Each engine module also
+provides ``read_group_ref(directory)`` and ``roll_forward(directory, payload)`` (``_engines``).
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ class Engine(Protocol):
     access_request: str
     settings: dict[str, Any]   # open-time settings to remember (recorded in the manifest)
     unclean: bool              # opened with unclean="accept" after an unclean stop
+    group_ref: dict[str, Any] | None  # the commit group its manifest names (``_group``)
+    group: Any                 # the open group that commits it, or None
 
     @property
     def nbytes(self) -> int: ...
@@ -116,10 +126,24 @@ class Engine(Protocol):
     def flush(self, count: int, meta: dict[str, Any]) -> None:
         """Every step so far durable, committed at ``count`` with ``meta``."""
 
+    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """The first half of a flush: durable, not installed; the manifest to install."""
+
+    def install_commit(self, durable: bool = True) -> None:
+        """The second half: the prepared manifest written (the store is at ``count``);
+        ``durable=False``: not synced yet (its group's commit file holds it)."""
+
+    def sync_commit(self) -> None:
+        """Sync the manifest an ``install_commit(durable=False)`` wrote."""
+
+    def cancel_commit(self) -> None:
+        """Drop a prepared commit: the store stays at its last commit."""
+
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:
-        """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing);
-        ``share=False``: one that shares no disk blocks with the store (a full copy)."""
+        """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing;
+        it names no commit group); ``share=False``: one that shares no disk blocks with the
+        store (a full copy)."""
 
     def before_restore(self) -> None:
         """Called before every record is overwritten from a snapshot."""

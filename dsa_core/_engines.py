@@ -15,6 +15,8 @@
   store's files, checked without opening it (``dsa verify``);
 * ``owns_file(name)``: whether a file name is one of its stores' own files (a directory
   holding such files but no manifest is a damaged store, :func:`orphaned_files`).
+* ``read_group_ref(directory)``: the commit group its manifest names (``_group``), or None;
+* ``roll_forward(directory, payload)``: install the manifest its group committed for it.
 
 The open engines implement :class:`dsa_core._engine.Engine`.
 """

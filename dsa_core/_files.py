@@ -72,7 +72,8 @@ def check_json_checksum(path: Path, obj: Any, *, required: bool) -> bool:
     return True
 
 
-def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False) -> None:
+def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
+               durable: bool = True) -> None:
     """Replace the JSON file ``path`` atomically and durably.
 
     The text goes to a temporary file beside it, which is written in full
@@ -87,6 +88,10 @@ def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False) -
 
     ``checksum=True`` stores :func:`json_checksum` of ``obj`` under :data:`CHECKSUM_KEY`
     (``obj`` itself is not changed); :func:`check_json_checksum` checks it when read.
+
+    ``durable=False`` skips the two syncs (still atomic for readers and after ``kill -9``,
+    not after a power cut): for a file whose content is durable elsewhere until it is
+    synced (a group member's manifest, held by its group's commit file, ``dsa_core._group``).
 
     >>> import json, tempfile, pathlib
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "meta.json"
@@ -105,14 +110,16 @@ def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False) -
     try:
         while data:
             data = data[os.write(fd, data):]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 _COPY_CHUNK = 16 << 20

@@ -247,12 +247,13 @@ def parse_header(path: Path, head: bytes) -> tuple[int, dict[str, Any], bool]:
     return version, layout, has_crc
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync), with
-    its checksum (``_files.json_checksum``, checked by :func:`read_manifest`)."""
+def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
+    """Replace ``manifest.json`` atomically (temp file + fsync + rename + dir fsync;
+    ``durable=False``: without the syncs, see ``_files.write_json``), with its checksum
+    (``_files.json_checksum``, checked by :func:`read_manifest`)."""
     manifest.pop(CHECKSUM_KEY, None)
     write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False,  # one writer: the lock
-               checksum=True)
+               checksum=True, durable=durable)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
+from ._group_file import recover
 from ._inplace.store import check_unclean
 from .validation import (
     DURABILITY_MODES,
@@ -346,7 +347,16 @@ def state_meta(state: State, store: Any = None) -> dict[str, Any]:
         },
         "durability": state.durability,
         **settings_field(state.store if store is None else store),
+        **group_field(state.store if store is None else store),
     }
+
+
+def group_field(store: Any) -> dict[str, Any]:
+    """``{"group": {"file", "id", "seq"}}``: the commit group the store belongs to
+    (``_group``), recorded with every commit so that ``open`` can finish an interrupted group
+    commit (``_group_file.recover``); nothing for a store in no group."""
+    ref = getattr(store, "group_ref", None)
+    return {"group": dict(ref)} if ref else {}
 
 
 def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float = 1e-3,
@@ -697,16 +707,24 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     (either mode) raises :class:`dsa_core.UncleanStopError` saying so, unless
     ``unclean="accept"`` (open the rows as they are; the next flush clears the mark). Log
     stores and ``durability="step"`` stores reopen exactly (docs/storage.md, crash recovery).
+
+    A store of a group that commits together (:func:`dsa_core.join`) whose group committed
+    after the store's own manifest was written (a crash between the group's commit point
+    and this store's part of it) is first brought to that commit (docs/storage.md,
+    "Several tables: one commit"), unless another process holds it for writing.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
     check_access(access)
     check_unclean(unclean)
     directory = Path(path)
+    recover(directory)  # a group commit a crash interrupted: finished first (_group_file)
     engine = ENGINES[kind_of(directory) or "inplace"]  # none: the in-place reader says why
     store, count, meta = engine.open_store(directory, mode, access=access, memory=memory,
                                            unclean=unclean)
     try:
+        ref = meta.get("group")
+        store.group_ref = dict(ref) if isinstance(ref, dict) and mode == "r+" else None
         return _state_from(store, count, meta)
     except BaseException:
         store.abandon()
@@ -721,6 +739,12 @@ def flush(state: State) -> None:
     :class:`StaleStateError` instead.
     """
     require_current(state)
+    g = state.store.group
+    if g is not None:  # a member of a group (dsa_core._group): its stores commit together
+        g.note([state])
+        if g.stepped_since():
+            g.flush([state])
+            return
     state.store.flush(int(state.count), state_meta(state))
 
 
@@ -764,6 +788,11 @@ def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = Fals
     if not isinstance(copy, (bool, np.bool_)):
         raise TypeError(f"copy must be a bool (True: a full copy that shares no blocks with "
                         f"the store), got {copy!r}")
+    g = state.store.group
+    if g is not None:  # its group commits first, together
+        g.note([state])
+        if g.stepped_since():
+            g.flush([state])
     return state.store.checkpoint(dest, int(state.count), state_meta(state),
                                   overwrite=overwrite, share=not copy)
 
@@ -950,7 +979,9 @@ def close(state: State) -> None:
     if st.closed:
         return
     if st.mode == "r+":
-        flush(state)
+        flush(state)  # with its group, if a member stepped since the group's last commit
+    if st.group is not None:  # it leaves its group (which commits without it from now on)
+        st.group.leave(st)
     st.close()
 
 

@@ -29,7 +29,8 @@ from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_op
 from ._state import State, maxnorm, require_current, state_meta
 from .validation import as_index, check_lr, check_weight_decay
 
-__all__ = ["as_index", "gather", "step", "warmup"]
+__all__ = ["StepPlan", "abort_step", "as_index", "begin_step", "commit_step", "gather",
+           "plan_step", "run_step", "step", "warmup"]
 
 
 def _as_rows(a: Any, n: int, dim: int, dtype: np.dtype, name: str) -> np.ndarray:
@@ -122,6 +123,45 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
            [ 0. ,  0. ]], dtype=float32)
     >>> dsa_core.close(s)
     """
+    plan = plan_step(state, idx, grad, lr=lr, params=params, table=table)
+    begin_step(plan)
+    try:
+        run_step(plan)
+        commit_step(plan)
+    except BaseException:
+        abort_step(plan)
+        raise
+    return state._replace(count=plan.t)
+
+
+class StepPlan:
+    """One checked, coalesced step of one store, not begun yet (:func:`plan_step`).
+
+    The phases of ``step`` as separate calls, for callers that step several stores as one
+    (``dsa_core._group``): every store's plan first (all checks), then every store's
+    :func:`begin_step` and :func:`run_step`, then every :func:`commit_step`; on an error
+    :func:`abort_step` of each begun one (``undo=True`` plans also put back records that an
+    engine cannot roll back itself)."""
+
+    __slots__ = ("state", "t", "lr", "srows", "G", "inv", "params", "table", "meta", "kept",
+                 "kept_rows", "data", "drows", "undo", "saved", "begun")
+
+    def __init__(self, state, t, lr, srows, G, inv, params, table, meta):
+        self.state, self.t, self.lr = state, t, lr
+        self.srows, self.G, self.inv = srows, G, inv
+        self.params, self.table, self.meta = params, table, meta
+        self.kept = self.kept_rows = self.data = self.drows = self.saved = None
+        self.undo = False
+        self.begun = False
+
+
+def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
+              params: np.ndarray | None = None, table: np.ndarray | None = None,
+              undo: bool = False) -> StepPlan:
+    """Check and coalesce one step of ``state`` (``step``'s arguments); changes nothing.
+
+    ``undo=True``: the plan keeps what it needs to put the store's records and the
+    caller's rows back even after :func:`commit_step` (``abort_step``)."""
     require_current(state)
     st = state.store
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
@@ -174,26 +214,52 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         st.check_batch(srows.shape[0])  # before anything changes
     else:
         srows, G, inv = idx, grad, None
-    # the engine's step protocol (dsa_core._engine): where the kernels write, then the
-    # commit; on any error the engine undoes what it can and the caller's rows come back
-    meta = state_meta(state)
+    plan = StepPlan(state, t, lr, srows, G, inv, params, table, state_meta(state))
+    plan.undo = bool(undo) and bool(b)
     # durability="step" promises that a failed step changes nothing: the caller's rows too
-    atomic = b and state.durability == "step"
-    kept = params.copy() if atomic and params is not None else None
-    kept_rows = table[srows] if atomic and table is not None else None
-    data, drows = st.begin_step(srows, state.count, meta)
-    try:
-        if b:
-            _apply(state, t, lr, srows, G, inv, params, table, data=data, drows=drows)
-        st.commit_step(t, meta)
-    except BaseException:
-        st.abort_step()
-        if kept is not None:
-            params[...] = kept
-        if kept_rows is not None:
-            table[srows] = kept_rows
-        raise
-    return state._replace(count=t)
+    if b and (plan.undo or state.durability == "step"):
+        plan.kept = params.copy() if params is not None else None
+        plan.kept_rows = table[srows] if table is not None else None
+    return plan
+
+
+def begin_step(plan: StepPlan) -> None:
+    """The engine's ``begin_step``: where the kernels will write (``undo``: a copy of those
+    records first)."""
+    st = plan.state.store
+    plan.data, plan.drows = st.begin_step(plan.srows, plan.state.count, plan.meta)
+    plan.begun = True
+    if plan.undo:
+        plan.saved = plan.data[plan.drows]  # a copy (fancy indexing)
+
+
+def run_step(plan: StepPlan) -> None:
+    """The kernels on the begun records."""
+    if plan.srows.shape[0]:
+        _apply(plan.state, plan.t, plan.lr, plan.srows, plan.G, plan.inv, plan.params,
+               plan.table, data=plan.data, drows=plan.drows)
+
+
+def commit_step(plan: StepPlan) -> None:
+    """The engine's ``commit_step``: the step takes effect (``count`` becomes ``t``)."""
+    plan.state.store.commit_step(plan.t, plan.meta)
+
+
+def abort_step(plan: StepPlan) -> None:
+    """Undo a begun step whose kernels or commit raised: the engine's ``abort_step``, the
+    saved records (``undo``) and the caller's rows put back."""
+    if not plan.begun:
+        return
+    plan.begun = False
+    st = plan.state.store
+    st.abort_step()
+    if plan.saved is not None:
+        plan.data[plan.drows] = plan.saved
+        plan.saved = None
+    if plan.kept is not None:
+        plan.params[...] = plan.kept
+    if plan.kept_rows is not None:
+        plan.table[plan.srows] = plan.kept_rows
 
 
 def check_batch(state: State, idx: Any) -> None:

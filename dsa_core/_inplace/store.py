@@ -26,7 +26,6 @@ import mmap
 import os
 import shutil
 import struct
-import sys
 import weakref
 import zlib
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _layout
+from .. import _exit, _layout
 from .._coalesce import gather_rows
 from .._files import (
     CHECKSUM_KEY,
@@ -135,7 +134,7 @@ class _Files:
     through this object, so that it does not keep the ``Store`` itself alive.
     """
 
-    __slots__ = ("path", "fd", "jfd", "lockfd", "mm", "count", "marked")
+    __slots__ = ("path", "fd", "jfd", "lockfd", "mm", "count", "marked", "prepared")
 
     def __init__(self, path: Path):
         self.path = path
@@ -143,6 +142,7 @@ class _Files:
         self.mm: mmap.mmap | None = None
         self.count: int | None = None  # None until create/open know it: nothing to flush
         self.marked = False  # the unclean marker is set on disk (rows may be past the count)
+        self.prepared: dict[str, Any] | None = None  # a group's prepared manifest (_group)
 
     def clear_mark(self) -> None:
         """Zero the unclean marker (not synced: a lost clear errs on the side of refusing)."""
@@ -185,6 +185,10 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
     if os.getpid() != pid:
         return
     try:
+        if f.prepared is not None:
+            raise RuntimeError("a commit of several stores together was prepared and neither "
+                               "installed nor cancelled; the next open installs it if its "
+                               "group committed it")
         if f.fd >= 0 and f.count is not None:
             manifest = read_manifest(f.path)
             if f.marked or int(manifest["count"]) != f.count:
@@ -194,9 +198,8 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
                 _layout.write_manifest(f.path, manifest)
                 f.clear_mark()
                 os.fdatasync(f.fd)
-    except Exception as exc:  # nowhere to raise to: say so
-        print(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}",
-              file=sys.stderr)
+    except Exception as exc:  # nowhere to raise to: say so (and exit non-zero, _exit)
+        _exit.report(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}")
     finally:
         f.release()
 
@@ -256,6 +259,8 @@ class Store:
         self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
         self.settings: dict[str, Any] = {}  # open-time settings (dsa_core._state)
         self._undo: tuple[np.ndarray, np.ndarray] | None = None  # the journaled step's rows
+        self.group_ref: dict[str, Any] | None = None  # its commit group (dsa_core._group)
+        self.group = None                             # the live group stepping it, if any
 
     count = _handle("count")
     _fd = _handle("fd")
@@ -414,7 +419,7 @@ class Store:
     def _watch(self) -> None:
         """Flush this store if it is never closed (r+ only): see :func:`_flush_unclosed`."""
         if self.mode == "r+":
-            self._finalizer = weakref.finalize(self, _flush_unclosed, self._f, os.getpid())
+            self._finalizer = _exit.watch(self, _flush_unclosed, self._f, os.getpid())
 
     # -- the unclean marker (durability="flush") ----------------------------------------
     def mark_unclean(self) -> None:
@@ -570,10 +575,50 @@ class Store:
 
     def flush(self, count: int, meta: dict[str, Any]) -> None:
         """msync the rows, void the undo journal, then the manifest (the commit point)."""
+        self._not_in_doubt()
         self.sync()
         self.journal_void()  # a stale undo record must never roll back flushed rows
         _layout.write_manifest(self.path, self.manifest(count, meta))
         self.mark_clean()  # rows synced, count written: no unclean stop from here
+
+    # -- a commit of several stores together (dsa_core._group) -------------------------
+    def _not_in_doubt(self) -> None:
+        if self._f.prepared is not None:
+            raise RuntimeError(
+                f"store {str(self.path)!r} has a prepared commit (a commit of several stores "
+                "together) that was neither installed nor cancelled; it cannot flush on its "
+                "own. Close the process; dsa_core.open installs the commit if its group "
+                "committed it")
+
+    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """msync the rows and void the undo journal; returns the manifest that would commit
+        them, not yet written (the unclean marker stays until :meth:`install_commit`)."""
+        self._not_in_doubt()
+        self.sync()
+        self.journal_void()
+        manifest = self.manifest(count, meta)
+        self._f.prepared = manifest
+        return dict(manifest)
+
+    def install_commit(self, durable: bool = True) -> None:
+        """Write the prepared manifest, then clear the unclean marker (``durable=False``:
+        the manifest is not synced; :meth:`sync_commit` does it later)."""
+        manifest = self._f.prepared
+        _layout.write_manifest(self.path, manifest, durable)
+        self._f.prepared = None
+        self.mark_clean()
+
+    def cancel_commit(self) -> None:
+        self._f.prepared = None
+
+    def sync_commit(self) -> None:
+        """Make the manifest of an ``install_commit(durable=False)`` durable."""
+        fd = os.open(self.path / MANIFEST_FILE, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.path)
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:
@@ -582,12 +627,13 @@ class Store:
         into place."""
         self.flush(count, meta)
         dest.parent.mkdir(parents=True, exist_ok=True)
+        snap = {k: v for k, v in meta.items() if k != "group"}  # a snapshot is in no group
         with staged_dir(dest, overwrite) as tmp:
             if share:
                 copy_file(self.file, tmp / DATA_FILE)
             else:
                 copy_file(self.file, tmp / DATA_FILE, share=False)
-            _layout.write_manifest(tmp, self.manifest(count, meta))
+            _layout.write_manifest(tmp, self.manifest(count, snap))
         return dest
 
     def before_restore(self) -> None:
@@ -745,6 +791,8 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         count = int(manifest["count"])
         meta = {"hparams": manifest["hparams"],
                 "durability": manifest.get("durability", "flush")}
+        if isinstance(manifest.get("group"), dict):
+            meta["group"] = manifest["group"]
         settings = remembered(directory, manifest.get("settings"), "access",
                               None if access == "auto" else access)
         store = Store.open_file(directory, layout, mode, settings.get("access", "auto"),
@@ -808,6 +856,29 @@ def owns_file(name: str) -> bool:
     file's temporary: alone, it is what an interrupted ``create`` leaves, which the next
     ``create`` replaces."""
     return name in (DATA_FILE, JOURNAL_FILE)
+
+
+def read_group_ref(directory: Path) -> dict[str, Any] | None:
+    """The commit group an in-place store's manifest names, or None."""
+    ref = read_manifest(directory).get("group")
+    return ref if isinstance(ref, dict) else None
+
+
+def roll_forward(directory: Path, payload: dict[str, Any]) -> None:
+    """Install the manifest a group committed for this store (``dsa_core._group``): its rows
+    were synced before the group's commit point, so the unclean marker goes too. Under the
+    writer lock."""
+    fd = lock_writer(directory)
+    try:
+        _layout.write_manifest(directory, payload)
+        dfd = os.open(directory / DATA_FILE, os.O_RDWR)
+        try:
+            os.pwrite(dfd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+            os.fdatasync(dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(fd)
 
 
 def remove_store(directory: Path) -> None:

@@ -13,9 +13,10 @@ This module re-exports the names that code outside the package uses (``_log.LogE
 
 from .budget import SLOT_OVERHEAD, check_memory, memory_for, slots_for
 from .engine import LogEngine, create, open, remove
-from .format import read_manifest
+from .format import read_manifest, write_manifest
 from .pool import gather_records
-from .recovery import check_files
+from .recovery import check_files, lock
 
 __all__ = ["SLOT_OVERHEAD", "LogEngine", "check_files", "check_memory", "create",
-           "gather_records", "memory_for", "open", "read_manifest", "remove", "slots_for"]
+           "gather_records", "lock", "memory_for", "open", "read_manifest", "remove",
+           "slots_for", "write_manifest"]

@@ -40,10 +40,12 @@ from typing import Any
 import numpy as np
 
 from .._files import copy_file, fsync_dir, staged_dir
+from .._os import fsync_path
 from .budget import SEAL_BYTES
 from .checks import check_count, check_meta
 from .cleaner import CLEAN_UNITS, Cleaner
 from .format import (
+    MANIFEST_FILE,
     MAX_SEGMENT_ID,
     Segment,
     check_records,
@@ -137,6 +139,7 @@ class Commit:
         self.wal_count = self.count              # the count that manifest + log hold
         self.wal_acquires = 0                    # acquire calls that they reflect
         self.wal_spare: Path | None = None       # a retired log file, reused next
+        self.prepared: tuple | None = None       # (manifest, index gen, new log): prepare
 
     def totals(self) -> dict[str, int]:
         """The write counters over the store's life: earlier writers' plus this open's."""
@@ -257,18 +260,49 @@ class Commit:
     def flush(self, count: int | None = None) -> None:
         """Make everything so far durable, at step ``count`` (default: ``self.count``); see
         ``LogEngine.flush``."""
+        self._not_in_doubt()
         count = self.count if count is None else check_count(count)
         meta = check_meta(self.meta)
         self.count = count
-        dirty = np.flatnonzero(self.pool.dirty)
-        if dirty.shape[0]:
-            self.seal_all(dirty, evict=False)
-        segs = self.segments
-        segs.settle(block=True)  # every background write done (or retried) first
-        crash_point("flush-sealed")
+        self._seal_dirty()
         if not self.index_dirty and self.count == self.manifest["count"] \
                 and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
             return
+        self._prepare_sealed(meta)
+        self.install()
+
+    def _not_in_doubt(self) -> None:
+        if self.prepared is not None:
+            raise RuntimeError(
+                f"log store {str(self.path)!r} has a prepared commit (a commit of several "
+                "stores together) that was neither installed nor cancelled; it cannot flush "
+                "on its own. Close the process; dsa_core.open installs the commit if its "
+                "group committed it")
+
+    def _seal_dirty(self) -> None:
+        dirty = np.flatnonzero(self.pool.dirty)
+        if dirty.shape[0]:
+            self.seal_all(dirty, evict=False)
+        self.segments.settle(block=True)  # every background write done (or retried) first
+        crash_point("flush-sealed")
+
+    def prepare(self, count: int | None = None) -> dict[str, Any]:
+        """The first half of a flush: every record sealed and synced, the next index
+        generation and commit log written, and the manifest that would commit them built
+        but not written (returned: a copy). Nothing is installed: without :meth:`install`
+        the store reopens at its last commit and the new files are garbage. For a commit of
+        several stores together (``dsa_core._group``): each member prepares, the group's
+        commit file records every manifest, then each member installs its own."""
+        self._not_in_doubt()
+        count = self.count if count is None else check_count(count)
+        meta = check_meta(self.meta)
+        self.count = count
+        self._seal_dirty()
+        return self._prepare_sealed(meta)
+
+    def _prepare_sealed(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`prepare` once every dirty slot is sealed (``meta`` checked)."""
+        segs = self.segments
         segs.sync_new()
         crash_point("flush-synced")
         manifest = dict(self.manifest)
@@ -284,14 +318,29 @@ class Commit:
         manifest.update(totals=self.totals(), count=int(self.count), segments=sorted(segs.segs),
                         next_segment=int(segs.next_segment), meta=meta)
         name_wal(manifest, new_wal)
+        self.prepared = (manifest, gen, new_wal)
+        return dict(manifest)
+
+    def cancel(self) -> None:
+        """Drop a prepared commit: its files are garbage (the next one rewrites them)."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None and prepared[2] is not None:
+            prepared[2].close()  # not named by any manifest: the next generation's file
+            self.wal_spare = prepared[2].path
+
+    def install(self, durable: bool = True) -> None:
+        """The second half of a flush: write the prepared manifest (the commit point of a
+        lone store), then delete what it no longer references. ``durable=False``: the
+        manifest is not synced (a group's commit file holds it; ``sync_manifest`` later)."""
+        manifest, gen, new_wal = self.prepared
         try:
-            write_manifest(self.path, manifest)
+            write_manifest(self.path, manifest, durable)
         except BaseException:
-            if new_wal is not None:  # not named by any manifest: the next generation's file
-                new_wal.close()
-                self.wal_spare = new_wal.path
+            self.cancel()
             raise
+        self.prepared = None
         crash_point("flush-committed")
+        segs = self.segments
         old_gen, self.gen = self.gen, gen
         old_wal = self.manifest.get("wal")
         self.manifest = manifest
@@ -301,6 +350,11 @@ class Commit:
             (self.path / index_name(old_gen)).unlink(missing_ok=True)
         segs.delete_doomed()
         self._retire_wal(old_wal, new_wal)
+
+    def sync_manifest(self) -> None:
+        """Make a manifest installed with ``durable=False`` durable (file and directory)."""
+        fsync_path(self.path / MANIFEST_FILE)
+        fsync_dir(self.path)
 
     def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
                    share: bool = True) -> Path:
@@ -316,6 +370,8 @@ class Commit:
         self.flush(count)
         manifest = dict(self.manifest)
         name_wal(manifest, None)  # flushed: the snapshot needs no commit log
+        # a snapshot belongs to no commit group (dsa_core._group): the live store does
+        manifest["meta"] = {k: v for k, v in manifest.get("meta", {}).items() if k != "group"}
         dest.parent.mkdir(parents=True, exist_ok=True)
         with staged_dir(dest, overwrite) as tmp:
             for sid in manifest["segments"]:

@@ -268,6 +268,27 @@ class LogEngine:
         self._require_writable()
         self._commit.flush(count)
 
+    def prepare(self, count: int | None = None) -> dict[str, Any]:
+        """The first half of :meth:`flush` (a commit of several stores together): everything
+        durable but not committed; returns the manifest that :meth:`install` writes (see
+        ``commit.Commit.prepare``). Until then the store cannot flush on its own."""
+        self._require_writable()
+        return self._commit.prepare(count)
+
+    def install(self, durable: bool = True) -> None:
+        """The second half of :meth:`flush`: the prepared manifest is written (``durable=
+        False``: not synced; :meth:`sync_manifest` does it later)."""
+        self._require_writable()
+        self._commit.install(durable)
+
+    def sync_manifest(self) -> None:
+        """Sync a manifest installed with ``durable=False``."""
+        self._commit.sync_manifest()
+
+    def cancel(self) -> None:
+        """Drop a prepared commit (its files are garbage)."""
+        self._commit.cancel()
+
     def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
                    share: bool = True) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``.

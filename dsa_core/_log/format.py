@@ -518,12 +518,14 @@ _FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "ind
            "segments", "next_segment", "space_ratio")
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
     """Replace ``manifest.json`` atomically and durably (one writer: the lock), as version
-    :data:`FORMAT_VERSION_SUMS` with its checksum (``manifest["version"]`` is set)."""
+    :data:`FORMAT_VERSION_SUMS` with its checksum (``manifest["version"]`` is set);
+    ``durable=False``: not synced, see ``_files.write_json``."""
     manifest["version"] = FORMAT_VERSION_SUMS
     manifest.pop(CHECKSUM_KEY, None)
-    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True)
+    write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True,
+               durable=durable)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

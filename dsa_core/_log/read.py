@@ -216,8 +216,12 @@ class CleaningReads:
         if sid not in self._ahead:
             while len(self._ahead) >= self._keep:  # the oldest was not cleaned after all
                 self.forget(next(iter(self._ahead)))
-            self._ahead[sid] = self._pool.submit(read_file_into, path, offset,
-                                                 self._buffer(shape, dtype))
+            try:
+                fut = self._pool.submit(read_file_into, path, offset,
+                                        self._buffer(shape, dtype))
+            except RuntimeError:  # the pool is shut (interpreter exit): records reads it
+                return
+            self._ahead[sid] = fut
 
     def records(self, sid: int, path: Path, offset: int, shape: tuple[int, int],
                 dtype) -> np.ndarray:

@@ -17,8 +17,6 @@ change a value.
 from __future__ import annotations
 
 import os
-import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import numpy as np
 from . import budget, pool, recovery
 from . import engine as log_engine
 from . import format as log_format
+from .. import _exit
 from .._engine import closed_error, scratch
 from .._init import INIT_CHUNK_BYTES, chunks, progress_bar
 from .format import FORMAT_NAME as LOG_FORMAT
@@ -92,7 +91,9 @@ def _flush_unclosed(engine: log_engine.LogEngine, pid: int) -> None:
     ``kill -9`` or ``os._exit`` nothing runs: the store reopens at its last flush.)
 
     Only in the process that opened the store: a forked child (a data-loader worker, say)
-    holds a copy of the region and must never write the parent's store.
+    holds a copy of the region and must never write the parent's store. At exit it runs
+    before Python shuts its thread pools down (``_exit``: a cleaning read still works); a
+    failure is printed to stderr and makes the exit status non-zero.
     """
     if os.getpid() != pid:
         return
@@ -100,8 +101,8 @@ def _flush_unclosed(engine: log_engine.LogEngine, pid: int) -> None:
         if not engine.closed:
             engine.close()  # flushes, then releases the writer lock
     except Exception as exc:  # nowhere to raise to: say so
-        print(f"dsa_core: flushing unclosed log store {str(engine.path)!r} failed: {exc!r}",
-              file=sys.stderr)
+        _exit.report(f"dsa_core: flushing unclosed log store {str(engine.path)!r} failed, "
+                     f"its steps since the last flush are lost: {exc!r}")
 
 
 class LogStore:
@@ -147,8 +148,11 @@ class LogStore:
         self._prefetcher = None
         self._ranges = None
         self._readahead: ReadAhead | None = None
+        self.group_ref: dict[str, Any] | None = None  # its commit group (dsa_core._group)
+        self.group = None                             # the live group stepping it, if any
+        self._meta_before: tuple | None = None        # what cancel_commit puts back
         if self.mode == "r+":
-            weakref.finalize(self, _flush_unclosed, engine, os.getpid())
+            _exit.watch(self, _flush_unclosed, engine, os.getpid())
 
     # -- the engine's state ----------------------------------------------------------------
     @property
@@ -271,10 +275,33 @@ class LogStore:
         self._commit_meta(meta)
         self.engine.flush(int(count))
 
+    # -- a commit of several stores together (dsa_core._group) -------------------------
+    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """Seal, sync the segments, write the next index (and commit log); returns the
+        manifest that would commit them, not yet written."""
+        self._meta_before = (self.engine.meta, self.engine.wal_on)
+        self._commit_meta(meta)
+        return self.engine.prepare(int(count))
+
+    def install_commit(self, durable: bool = True) -> None:
+        """Write the prepared manifest; the previous generation's files go."""
+        self.engine.install(durable)
+
+    def sync_commit(self) -> None:
+        """Make the manifest of an ``install_commit(durable=False)`` durable."""
+        self.engine.sync_manifest()
+
+    def cancel_commit(self) -> None:
+        self.engine.cancel()
+        if self._meta_before is not None:
+            self.engine.meta, self.engine.wal_on = self._meta_before
+            self._meta_before = None
+
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:
         """Flush, then hard links to the immutable segments (and a copy of the index);
-        ``share=False``: copies of them."""
+        ``share=False``: copies of them. The snapshot names no commit group (it is no member
+        of the live store's group)."""
         self._commit_meta(meta)
         return self.engine.checkpoint(dest, int(count), overwrite=overwrite, share=share)
 
@@ -452,6 +479,23 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
 def owns_file(name: str) -> bool:
     """One of a log store's own files (segments, index and log generations)."""
     return parse_name(name) is not None
+
+
+def read_group_ref(directory: Path) -> dict[str, Any] | None:
+    """The commit group a log store's manifest names (inside its ``meta``), or None."""
+    meta = log_format.read_manifest(directory).get("meta")
+    ref = meta.get("group") if isinstance(meta, dict) else None
+    return ref if isinstance(ref, dict) else None
+
+
+def roll_forward(directory: Path, payload: dict[str, Any]) -> None:
+    """Install the manifest a group committed for this store (``dsa_core._group``): its
+    files were made durable before the group's commit point; the writer lock is held."""
+    fd = recovery.lock(directory)
+    try:
+        log_format.write_manifest(directory, payload)
+    finally:
+        os.close(fd)
 
 
 def remove_store(directory: Path) -> None:

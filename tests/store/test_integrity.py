@@ -528,3 +528,32 @@ def test_an_interrupted_create_is_no_damaged_store(tmp_path):
     r = dsa_core.open(tmp_path / "s", mode="r")
     assert r.count == 0
     dsa_core.close(r)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("damage", ["digit", "truncate"])
+def test_a_damaged_group_commit_file_is_named_at_open(tmp_path, kind, damage):
+    """Two stores that commit together (``dsa_core.join``): a changed digit in their group
+    commit file, or a torn one, is refused at the open of a member, naming the file and the
+    remedy, and neither store's files are touched."""
+    a, b = _create(tmp_path / "a", kind), _create(tmp_path / "b", kind)
+    dsa_core.join([a, b])
+    for idx, g in _batches(3):
+        a, b = dsa_core.step_many([(a, idx, g), (b, idx, g)])
+    dsa_core.flush_many([a, b])
+    dsa_core.close(a)
+    dsa_core.close(b)
+    gfile = tmp_path / "a" / "commit-group.json"
+    text = gfile.read_text()
+    if damage == "digit":
+        assert '"seq":' in text
+        i = text.index('"seq":') + len('"seq":')
+        text = text[:i] + str((int(text[i]) + 1) % 10) + text[i + 1:]
+    else:
+        text = text[: len(text) // 2]
+    gfile.write_text(text)
+    before = {p: _files(tmp_path / p) for p in ("a", "b")}
+    for p in ("a", "b"):
+        with pytest.raises(ValueError, match=r"commit-group\.json.*damaged.*checkpoint"):
+            dsa_core.open(tmp_path / p)
+    assert {p: _files(tmp_path / p) for p in ("a", "b")} == before

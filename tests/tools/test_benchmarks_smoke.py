@@ -41,6 +41,7 @@ SMOKES = {
     "jax_overhead": (["--ks", "8", "--rows", "2000", "--dim", "8", "--steps", "20",
                       "--warmup", "5"], None, "in jit (rows)"),  # prints its table only
     "durability": (["--smoke"], "durability_smoke", "p50_ms"),
+    "group_flush": (["--smoke"], "group_flush_smoke", "x_one"),
     "reduced_state": (["--smoke"], "reduced_state_smoke", "final_heldout"),
     "folio_check": (["--smoke"], "folio_check_smoke", "kib_per_row"),
     "distributed": (["--smoke", "--worlds", "2"], "distributed_smoke", "rows_per_s"),
@@ -58,7 +59,8 @@ SMOKES = {
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
            "log_warm": "--workdir", "options_cost": "--workdir", "decay_quality": "--workdir",
-           "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir", "durability": "--dir"}
+           "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir",
+           "durability": "--dir", "group_flush": "--dir"}
 
 
 @pytest.fixture
