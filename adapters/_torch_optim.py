@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -540,6 +541,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """
         plan = self._plan(groups)
         own = [e for e in plan if e[3] is not None]
+        if not self._ready and not own and self.state_dir is not None:
+            warnings.warn(
+                f"DiskSparseAdam: state_dir={str(self.state_dir)!r} is not used: every "
+                "parameter is a DiskEmbedding's weight, whose m and v live in that "
+                "embedding's own store (its state_dir), and nothing is written here. Leave "
+                "state_dir out (it is needed for parameters held in memory, such as an "
+                "nn.Embedding's weight, and only then)", UserWarning, stacklevel=3)
         new_lock = None
         if own and self._owned.lock is None:
             new_lock = DirLock(self.state_dir, "DiskSparseAdam")
@@ -662,6 +670,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def _prepare(self, p: torch.Tensor, where: str, hp: tuple) -> _Job:
         g = p.grad
         if g.layout == torch.strided:
+            if isinstance(p, DiskWeight):
+                raise RuntimeError(
+                    f"SparseAdam does not support dense gradients: {where} is the weight of "
+                    f"a {p._dsa_what}, and it got a dense gradient because the loss read "
+                    "emb.weight as a whole (e.g. a regularizer such as "
+                    "emb.weight.pow(2).sum()), which gives every row a gradient. Apply such "
+                    "terms to the rows the forward returns (emb(ids)); nothing was written")
             raise RuntimeError(
                 "SparseAdam does not support dense gradients, please consider Adam instead")
         if g.layout != torch.sparse_coo:
@@ -703,10 +718,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
         lr, betas, eps, maximize, wd, decoupled = job.hp
         h = job.slot.handle
         st = h.state
-        if (st.betas, st.eps, st.maximize, st.weight_decay, st.decoupled_weight_decay) != (
-                betas, eps, maximize, wd, decoupled):
-            st = st._replace(betas=betas, eps=eps, maximize=maximize, weight_decay=wd,
-                             decoupled_weight_decay=decoupled)
+        # the store records the settings this step uses (`dsa info`, a resume): lr too
+        if (st.lr, st.betas, st.eps, st.maximize, st.weight_decay,
+                st.decoupled_weight_decay) != (lr, betas, eps, maximize, wd, decoupled):
+            st = st._replace(lr=lr, betas=betas, eps=eps, maximize=maximize,
+                             weight_decay=wd, decoupled_weight_decay=decoupled)
         idx, vals = job.host[0].numpy(), job.host[1].numpy()
         if job.slot.owned and len(job.host) == 2:  # a CPU table: its rows updated in place
             h.state = dsa_core.step(st, idx, vals, lr=lr, table=job.p.detach().numpy())
