@@ -553,8 +553,9 @@ class DiskEmbedding(nn.Module):
                                      nonfinite or "propagate", rows, storage, memory)
         except dsa_core.StoreLockedError as exc:
             raise dsa_core.StoreLockedError(
-                f"{what}: the store at {str(path)!r} is open in another DiskEmbedding (in "
-                "this process, e.g. a notebook cell run twice, or in another one); a store "
+                f"{what}: the store at {str(path)!r} is already open for writing in another "
+                "DiskEmbedding (in this process, e.g. a notebook cell run twice, or in "
+                "another one); a store "
                 "has one writer at a time, and nothing was changed. Call .close() on the "
                 "other one (emb.close(), and opt.close() on an optimizer that steps it; "
                 "`del emb` alone leaves it open while anything still refers to it), or use "
