@@ -602,8 +602,9 @@ class DiskEmbedding(nn.Module):
 
         A value, not a live handle: each optimizer step makes a new State, and one read
         before a step is then outdated. Reading its rows still works (they are the same
-        mapped views), but ``dsa_core.step`` / ``flush`` / ``checkpoint`` / ``close`` on it
-        raise ``dsa_core.StaleStateError``; read ``emb.store`` again after stepping.
+        mapped views), but ``dsa_core.step`` / ``flush`` / ``checkpoint`` on it raise
+        ``dsa_core.StaleStateError``; read ``emb.store`` again after stepping
+        (``dsa_core.close`` through it closes the store at its newest count).
         """
         return self._handle.state
 

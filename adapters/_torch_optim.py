@@ -742,8 +742,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         A value, not a live handle: the next :meth:`step` makes a new State and this one
         outdated. Its rows stay readable (the same mapped views), but ``dsa_core.step``,
-        ``flush``, ``checkpoint`` or ``close`` on it raise ``dsa_core.StaleStateError``
-        (they would record an old count beside newer rows); call ``store_for`` again.
+        ``flush`` or ``checkpoint`` on it raise ``dsa_core.StaleStateError`` (they would
+        record an old count beside newer rows); call ``store_for`` again.
         """
         try:
             return self._slots[p].handle.state

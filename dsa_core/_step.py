@@ -26,7 +26,7 @@ from ._kernels_euclid import (
     euclid_rowwise_options_kernel,
 )
 from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_options_kernel
-from ._state import State, maxnorm, require_current, state_meta
+from ._state import State, maxnorm, note_newest, require_current, state_meta
 from .validation import as_index, check_lr, check_weight_decay
 
 __all__ = ["as_index", "gather", "step", "warmup"]
@@ -193,7 +193,9 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         if kept_rows is not None:
             table[srows] = kept_rows
         raise
-    return state._replace(count=t)
+    new = state._replace(count=t)
+    note_newest(new, meta)
+    return new
 
 
 def check_batch(state: State, idx: Any) -> None:

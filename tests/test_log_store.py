@@ -311,8 +311,7 @@ def test_remove_and_named_init(tmp_path):
 
 
 # -- State rules --------------------------------------------------------------------------------
-@pytest.mark.parametrize("op", ["step", "flush", "checkpoint", "close", "write_records",
-                                "set_count"])
+@pytest.mark.parametrize("op", ["step", "flush", "checkpoint", "write_records", "set_count"])
 def test_stale_state_errors(tmp_path, op):
     _, b = _pair(tmp_path)
     s1 = dsa_core.step(b, [1, 2], np.ones((2, D), np.float32))
@@ -324,7 +323,6 @@ def test_stale_state_errors(tmp_path, op):
         "step": lambda: dsa_core.step(s1, [3], np.ones((1, D), np.float32)),
         "flush": lambda: dsa_core.flush(s1),
         "checkpoint": lambda: dsa_core.checkpoint(s1, tmp_path / "ck"),
-        "close": lambda: dsa_core.close(s1),
         "write_records": lambda: dsa_core.write_records(s1, [0], dsa_core.read_records(s1, [5])),
         "set_count": lambda: dsa_core.set_count(s1, 7),
     }

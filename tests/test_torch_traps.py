@@ -157,3 +157,67 @@ def test_second_embedding_on_a_store_names_emb_close(tmp_path):
             DiskEmbedding(N, D, state_dir=tmp_path / "e", **kw)
     first.close()
     DiskEmbedding(N, D, state_dir=tmp_path / "e", resume=True).close()
+
+
+# -- dsa_core.close through an outdated State (the docs call close safe to repeat) ----------
+@pytest.mark.parametrize("storage", KINDS)
+def test_close_through_an_outdated_state_closes_at_the_newest_count(tmp_path, storage):
+    s0 = dsa_core.create(tmp_path / "s", N, D, init="normal", seed=1, storage=storage)
+    s1 = dsa_core.step(s0, [1, 4], np.ones((2, D), np.float32))
+    s2 = dsa_core.step(s1._replace(lr=0.05), [4, 9], np.ones((2, D), np.float32))
+    rows = dsa_core.gather(s2, np.arange(N))
+    dsa_core.close(s0)           # was StaleStateError
+    assert s2.closed
+    dsa_core.close(s1)           # again, and through the newest one: nothing left to do
+    dsa_core.close(s2)
+    st = dsa_core.open(tmp_path / "s")   # a clean stop: opens for writing
+    try:
+        assert st.count == 2 and st.lr == 0.05  # the newest step's count and settings
+        assert np.array_equal(dsa_core.gather(st, np.arange(N)), rows)
+    finally:
+        dsa_core.close(st)
+
+
+def test_close_an_embeddings_old_store_state(tmp_path):
+    emb, opt = _trained(tmp_path / "e", "inplace", steps=1)
+    old = emb.store
+    emb(torch.tensor([2, 3])).sum().backward()
+    opt.step()
+    dsa_core.close(old)          # was StaleStateError
+    opt.close()
+    emb.close()
+    st = dsa_core.open(tmp_path / "e", mode="r")
+    assert st.count == 2
+    dsa_core.close(st)
+
+
+_KILL_AFTER_CLOSE = """
+import os, signal, sys, numpy as np
+sys.path.insert(0, sys.argv[3])
+import dsa_core
+s0 = dsa_core.create(sys.argv[1], 50, 6, init="normal", seed=1, storage=sys.argv[2])
+s1 = dsa_core.step(s0, [1, 4], np.ones((2, 6), np.float32))
+s2 = dsa_core.step(s1, [4, 9], np.ones((2, 6), np.float32))
+np.save(sys.argv[1] + ".rows.npy", dsa_core.gather(s2, np.arange(50)))
+dsa_core.close(s0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("storage", KINDS)
+def test_close_through_an_outdated_state_is_durable_under_kill(tmp_path, storage):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    p = subprocess.run([sys.executable, "-c", _KILL_AFTER_CLOSE, str(tmp_path / "s"), storage,
+                        repo], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr
+    st = dsa_core.open(tmp_path / "s")  # clean: no UncleanStopError, count and rows kept
+    try:
+        assert st.count == 2
+        assert np.array_equal(dsa_core.gather(st, np.arange(N)),
+                              np.load(str(tmp_path / "s") + ".rows.npy"))
+    finally:
+        dsa_core.close(st)
