@@ -265,6 +265,9 @@ class DiskWeight(nn.Parameter):
         return (f"DiskWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}, store={str(st.path)!r})")
 
+    def __format__(self, spec: str) -> str:  # f"{emb.weight}" describes it, reads no rows
+        return format(repr(self), spec)
+
     def __reduce_ex__(self, proto):
         raise TypeError("a DiskWeight cannot be pickled or deep-copied: its rows live in a "
                         "store on disk. Snapshot them with emb.checkpoint(dest) (or the "

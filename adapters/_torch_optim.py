@@ -185,7 +185,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         ``j``-th parameter of the ``i``-th group, a stable name, so an optimizer built the
         same way on the same ``state_dir`` can resume from the stores (see ``resume``). One
         optimizer per ``state_dir`` (a lock file; a second one raises
-        ``dsa_core.StoreLockedError``). Not needed when every parameter is a DiskEmbedding's.
+        ``dsa_core.StoreLockedError``). Not needed when every parameter is a DiskEmbedding's
+        (given then, it is unused, and a ``UserWarning`` says so).
     resume : bool, default False
         Whether existing stores under ``state_dir`` are reopened. They hold the m, v and
         step counts of an earlier run, but not its weights (those are the model's): a
