@@ -20,9 +20,71 @@ from dsa_core import validation
 
 from ._jax_state import PAD_ID, DiskTable, prefix, stale_state_error
 
-__all__ = ["UPDATE", "check_pair_static", "host_step", "split_pairs", "split_params"]
+__all__ = ["UPDATE", "RowGrads", "check_pair_static", "host_step", "row_grads",
+           "split_pairs", "split_params"]
 
 UPDATE = "sparse_adam.update"  # how the messages name the function that was called
+
+
+class _Ids:
+    """The row ids of a :class:`RowGrads`, held as pytree metadata (compared by identity)."""
+
+    __slots__ = ("idx",)
+
+    def __init__(self, idx: Any):
+        self.idx = idx
+
+    def __repr__(self) -> str:
+        return f"ids(shape={tuple(np.shape(self.idx))})"
+
+
+@jax.tree_util.register_pytree_node_class
+class RowGrads:
+    """The gradient of one table's gathered rows, ``(idx, grads)``, as one pytree node.
+
+    Its only leaf is ``grads`` (``(B, dim)``); the ids travel as metadata. So the optax
+    transforms that map over every leaf of the updates before ``sparse_adam`` (clipping,
+    ``optax.clip_by_global_norm``, ``optax.clip``, scaling, ``apply_if_finite``...) see the
+    gradient rows only, never the integer ids, and ``sparse_adam`` gets the ids back. Build
+    it with :func:`row_grads`; ``update`` takes it wherever it takes an ``(idx, grad_rows)``
+    pair.
+    """
+
+    __slots__ = ("_ids", "grads")
+
+    def __init__(self, idx: Any, grads: Any):
+        self._ids = idx if isinstance(idx, _Ids) else _Ids(idx)
+        self.grads = grads
+
+    @property
+    def idx(self) -> Any:
+        return self._ids.idx
+
+    def tree_flatten(self):
+        return (self.grads,), self._ids
+
+    @classmethod
+    def tree_unflatten(cls, ids, children):
+        return cls(ids, children[0])
+
+    def __repr__(self) -> str:
+        return f"RowGrads(idx={self._ids!r}, grads={self.grads!r})"
+
+
+def row_grads(idx: Any, grads: Any) -> RowGrads:
+    """``(idx, grads)`` as a :class:`RowGrads`: what to pass when optax transforms run first.
+
+    A plain ``(idx, grad_rows)`` tuple is two leaves, so a transform chained before
+    ``sparse_adam`` would also clip or scale the integer ids (and fail on their dtype);
+    ``row_grads(batch.idx, g)`` hides the ids from it.
+
+    >>> import numpy as np, jax
+    >>> from adapters import jax as dsa_jax
+    >>> rg = dsa_jax.row_grads(np.array([3, 7]), np.ones((2, 4), np.float32))
+    >>> len(jax.tree.leaves(rg)), rg.idx.tolist()
+    (1, [3, 7])
+    """
+    return RowGrads(idx, grads)
 
 
 def split_pairs(updates: Any, treedef: Any, tables: list[DiskTable]) -> list[tuple]:
@@ -35,6 +97,9 @@ def split_pairs(updates: Any, treedef: Any, tables: list[DiskTable]) -> list[tup
             f"(idx, grad_rows) pair per table; stores: {treedef}. ({exc})") from None
     pairs = []
     for t, leaf in zip(tables, leaves):
+        if isinstance(leaf, RowGrads):
+            pairs.append((leaf.idx, leaf.grads))
+            continue
         if isinstance(leaf, (tuple, list)) and len(leaf) == 2 and leaf[0] is not None:
             pairs.append((leaf[0], leaf[1]))
             continue

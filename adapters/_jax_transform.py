@@ -227,7 +227,12 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
     what = "sparse_adam"
     schedule = learning_rate if callable(learning_rate) else None
     const_lr = None
-    if learning_rate is not None and schedule is None:
+    if isinstance(learning_rate, (jax.Array, jax.core.Tracer)):
+        # a value optax.inject_hyperparams injects (traced inside jit): read at each update
+        if not isinstance(learning_rate, jax.core.Tracer):
+            validation.check_lr(float(learning_rate), what=what)
+        schedule = functools.partial(_constant, learning_rate)
+    elif learning_rate is not None and schedule is None:
         const_lr = validation.check_lr(learning_rate, what=what)
     overrides: dict[str, Any] = {}
     if b1 is not None or b2 is not None:
@@ -256,6 +261,11 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
     update = update_in_jit if cfg.in_jit else update_host
     return SparseGradientTransformation(functools.partial(init, cfg),
                                         functools.partial(update, cfg))
+
+
+def _constant(value: Any, count: Any) -> Any:
+    del count
+    return value
 
 
 def _check_beta(i: int, b: Any) -> float:

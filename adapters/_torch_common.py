@@ -22,6 +22,7 @@ from ._storage import check_kind, check_storage_args
 __all__ = [
     "DirLock",
     "SharedState",
+    "check_device",
     "check_existing",
     "check_reopen",
     "check_storage_args",
@@ -98,6 +99,23 @@ def check_table_args(num_embeddings: Any, embedding_dim: Any, mode: str | None,
             raise ValueError("Padding_idx must be within num_embeddings")
         padding_idx = int(padding_idx) % n
     return n, d, padding_idx
+
+
+def check_device(device: Any, dtype: torch.dtype, what: str) -> None:
+    """``ValueError`` unless tensors of ``dtype`` can live on ``device`` here (None: CPU).
+
+    Checked before a store is created, so a device this machine lacks (``"cuda"`` without
+    CUDA) leaves nothing on disk and the same call on another device can follow.
+    """
+    if device is None:
+        return
+    try:
+        torch.empty(0, dtype=dtype, device=device)
+    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{what}: device={str(device)!r} cannot be used on this machine ({exc}); "
+            "nothing was created. Pass a device that exists here (device='cpu', or "
+            "leave it out); the store on disk is the same whatever the device") from None
 
 
 def manifold_curvature(p: torch.Tensor) -> float | None:
@@ -359,8 +377,9 @@ def move_disk_weight(module, fn, what: str):
                         f"converted to {probe.dtype}. Cast its output instead")
     if probe.device != w.device:
         st = module._handle.state
-        w.data = torch.zeros((), dtype=w.dtype, device=probe.device).expand(st.num_rows,
-                                                                             st.dim)
+        with torch._C.DisableTorchFunctionSubclass():  # a DiskWeight refuses a user's .data=
+            w.data = torch.zeros((), dtype=w.dtype, device=probe.device).expand(st.num_rows,
+                                                                                 st.dim)
         if w.grad is not None:
             w.grad = w.grad.to(probe.device)
     return module

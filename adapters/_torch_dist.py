@@ -616,7 +616,7 @@ class ShardedDiskEmbedding(nn.Module):
         self.process_group = group
         self.state_dir = os.fspath(state_dir)
         self._meta = meta
-        self.weight = DiskWeight(self._handle, dtype, device)
+        self.weight = DiskWeight(self._handle, dtype, device, what=_WHO, readable=False)
 
     # -- access ---------------------------------------------------------------------------
     @property

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from ._torch_common import (
     SharedState,
     check_reopen,
     check_storage_args,
+    check_device,
     check_table_args,
     close_quietly,
     move_disk_weight,
@@ -37,36 +40,239 @@ _EXTRA_FORMAT = "dsa-torch-embedding"
 _IMPORT_CHUNK_ROWS = 1 << 16
 
 
+_READ_LIMIT_BYTES = 256 << 20  # the largest table a whole read of ``emb.weight`` copies
+_CHUNK_ROWS = 1 << 16
+
+# Functions that read no value of a tensor (its metadata, its gradient, autograd plumbing): on
+# a DiskWeight they run on the stand-in itself. Everything else reads the table's values.
+_META_ATTRS = ("shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "grad_fn",
+               "layout", "is_sparse", "is_sparse_csr", "is_cuda", "is_cpu", "is_meta",
+               "is_mps", "is_xpu", "is_quantized", "is_mkldnn", "is_nested", "ndim",
+               "_version", "output_nr", "retains_grad", "_base", "names", "name", "_grad",
+               "_grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize",
+               "nbytes", "_cdata")
+_META_METHODS = ("dim", "ndimension", "size", "numel", "nelement", "element_size", "stride",
+                 "is_floating_point", "is_complex", "is_contiguous", "get_device",
+                 "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+                 "retain_grad", "storage_offset", "is_pinned", "is_shared", "is_inference",
+                 "_is_view", "__len__", "__hash__", "untyped_storage", "data_ptr")
+_IN_PLACE_DUNDERS = frozenset(("__setitem__", "__iadd__", "__isub__", "__imul__",
+                               "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                               "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                               "__irshift__", "__imatmul__", "data.__set__"))
+
+
+def _meta_functions() -> frozenset:
+    out = set()
+    for name in _META_ATTRS:
+        attr = torch.Tensor.__dict__.get(name) or torch._C.TensorBase.__dict__.get(name)
+        for op in ("__get__", "__set__", "__delete__"):
+            f = getattr(attr, op, None)
+            if f is not None:
+                out.add(f)
+    for name in _META_METHODS:
+        f = getattr(torch.Tensor, name, None)
+        if f is not None:
+            out.add(f)
+    return frozenset(out)
+
+
+_META = _meta_functions()
+_disabled = torch._C._disabled_torch_function_impl
+
+
+def _func_name(func) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    owner = getattr(func, "__self__", None)
+    if name in ("__get__", "__set__", "__delete__") and hasattr(owner, "__name__"):
+        return f"{owner.__name__}.{name}"  # an attribute: data.__get__, data.__set__
+    return name
+
+
+def _disk_weights(x, found: dict) -> None:
+    if isinstance(x, DiskWeight):
+        found[id(x)] = x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _disk_weights(v, found)
+
+
+def _swap(x, tables: dict):
+    if isinstance(x, DiskWeight):
+        return tables[id(x)]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_swap(v, tables) for v in x)
+    return x
+
+
+def copy_rows(state: dsa_core.State, out: np.ndarray) -> np.ndarray:
+    """Copy every weight row of ``state`` into ``out`` (``(num_rows, dim)``), in chunks."""
+    for lo in range(0, state.num_rows, _CHUNK_ROWS):
+        hi = min(state.num_rows, lo + _CHUNK_ROWS)
+        dsa_core.gather(state, np.arange(lo, hi, dtype=np.int64), out=out[lo:hi])
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+class _ReadTable(torch.autograd.Function):
+    """A copy of the whole table; backward passes the (dense) gradient to the DiskWeight.
+
+    A whole-table read of ``emb.weight`` inside autograd (``emb.weight.pow(2).sum()``) thus
+    gives the weight a dense gradient, as it does an ``nn.Embedding(sparse=True)``'s, and
+    ``DiskSparseAdam`` refuses it with a clear error instead of dropping that term.
+    """
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight._dsa_table()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class DiskWeight(nn.Parameter):
     """The stand-in parameter of a :class:`DiskEmbedding` (``emb.weight``).
 
     It has the table's shape ``(num_embeddings, embedding_dim)`` and dtype, so autograd can
     give it the row-sparse gradient of a batch exactly as ``nn.Embedding(sparse=True)``
     gives its weight one, and an optimizer can be handed it through ``model.parameters()``.
-    It holds **no data**: its values are one zero broadcast over the shape (stride 0, one
-    element of memory). The real rows are in the store; read them with
-    :meth:`DiskEmbedding.weight_rows`. Only :class:`DiskSparseAdam` can step it (it finds the
-    store through this object); in-place writes to it raise, and it cannot be pickled.
+    Its own memory holds **no data** (one zero broadcast over the shape); the rows are in
+    the store. What reads it:
+
+    - metadata (``shape``, ``dtype``, ``device``, ``numel()``, ``grad``, ...) comes from the
+      stand-in, at no cost;
+    - anything that reads values (``emb.weight[5]``, ``emb.weight.detach().cpu().numpy()``,
+      ``emb.weight.norm(dim=1)``, ``np.asarray(emb.weight)``) runs on a **copy of the whole
+      table** read from the store, for tables of at most 256 MiB (``DiskWeight.read_limit``);
+      a larger one raises ``RuntimeError`` naming :meth:`DiskEmbedding.weight_rows`,
+      :meth:`DiskEmbedding.to_tensor` and :meth:`DiskEmbedding.export`. Each such read
+      copies the table again: for repeated reads take ``emb.to_tensor()`` once. Inside
+      autograd the copy passes a dense gradient back (as ``nn.Embedding(sparse=True)``'s
+      weight gets one), which :class:`DiskSparseAdam` refuses with a clear error;
+    - in-place writes (``emb.weight.data.uniform_()``, ``nn.init.*_``, ``emb.weight[0] =
+      ...``, ``emb.weight.data = ...``, a ``torch.optim`` optimizer's update) raise: the rows
+      change only through :class:`DiskSparseAdam` (or ``load_state_dict({"weight": W})``);
+    - ``nn.Parameter(emb.weight)`` / ``nn.Embedding.from_pretrained(emb.weight)`` raise,
+      naming ``emb.to_tensor()``.
+
+    It cannot be pickled or deep-copied.
     """
 
     _dsa_handle: SharedState
+    _dsa_what: str
+    _dsa_readable: bool
+    read_limit: int = _READ_LIMIT_BYTES
 
-    def __new__(cls, handle: SharedState, dtype: torch.dtype, device: Any = None):
+    def __new__(cls, handle: SharedState, dtype: torch.dtype, device: Any = None, *,
+                what: str = "DiskEmbedding", readable: bool = True):
         st = handle.state
         data = torch.zeros((), dtype=dtype, device=device).expand(st.num_rows, st.dim)
         self = super().__new__(cls, data, requires_grad=True)
         self._dsa_handle = handle
+        self._dsa_what = what
+        self._dsa_readable = readable
         return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if func in _META:
+            return _disabled(func, types, args, kwargs)
+        name = _func_name(func)
+        found: dict[int, DiskWeight] = {}
+        # what an in-place function writes: its first argument (nn.init.* pass it by name)
+        target = args[0] if args else next(
+            (kwargs[k] for k in ("tensor", "input", "self") if k in kwargs), None)
+        _disk_weights(target, found)
+        _disk_weights(kwargs.get("out"), found)
+        if found and (name in _IN_PLACE_DUNDERS or kwargs.get("out") is not None
+                      or (name.endswith("_") and not name.endswith("__"))):
+            raise RuntimeError(next(iter(found.values()))._dsa_write_error(name))
+        for v in list(args[1:]) + list(kwargs.values()):
+            _disk_weights(v, found)
+        if name == "detach" and sys._getframe(1).f_code is nn.Parameter.__new__.__code__:
+            w = next(iter(found.values()))
+            raise TypeError(
+                f"nn.Parameter(emb.weight) (as in nn.Embedding.from_pretrained(emb.weight)) "
+                f"cannot wrap a {w._dsa_what}'s weight: it holds no values, its rows live in "
+                "the store on disk. Pass a copy of them, emb.to_tensor() "
+                f"({w._dsa_size()}), or save them with emb.export(path)")
+        if name == "data.__get__":  # mostly written to (weight.data.normal_()): refused
+            raise RuntimeError(
+                f"{args[0]._dsa_what}.weight.data is not available: the weight stands for "
+                "rows that live in a store on disk, and a write into .data would not reach "
+                "them. Read the values with emb.weight.detach() (a copy), emb.to_tensor() or "
+                "emb.weight_rows(ids); change rows through adapters.torch.DiskSparseAdam or "
+                "emb.load_state_dict({'weight': W})")
+        tables = {}
+        for key, w in found.items():
+            if name == "detach" or not (torch.is_grad_enabled() and w.requires_grad):
+                tables[key] = w._dsa_table()
+            else:
+                tables[key] = _ReadTable.apply(w)
+        if name == "detach":  # a copy, not an alias: writes into it do not reach the store
+            return tables[id(args[0])]
+        return func(*_swap(tuple(args), tables),
+                    **{k: _swap(v, tables) for k, v in kwargs.items()})
+
+    def _dsa_size(self) -> str:
+        st = self._dsa_handle.state
+        return f"{st.num_rows} x {st.dim} {st.dtype.name}, {_mib(self._dsa_bytes())}"
+
+    def _dsa_bytes(self) -> int:
+        st = self._dsa_handle.state
+        return st.num_rows * st.dim * st.dtype.itemsize
+
+    def _dsa_write_error(self, name: str) -> str:
+        return (f"{self._dsa_what}.weight cannot be written in place ({name}): it stands for "
+                "rows that live in a store on disk, which such a write would not reach. Its "
+                "rows change through adapters.torch.DiskSparseAdam (a torch.optim optimizer "
+                "such as SparseAdam cannot step it: give emb.parameters() to DiskSparseAdam "
+                "instead); set them at creation (init=...) or with "
+                "emb.load_state_dict({'weight': W})")
+
+    def _dsa_table(self) -> torch.Tensor:
+        """A copy of the whole table on this parameter's device, or a clear error."""
+        st = self._dsa_handle.state
+        if not self._dsa_readable:
+            raise RuntimeError(
+                f"{self._dsa_what}.weight stands for this rank's shard, whose rows live in a "
+                "store on disk; it holds no values to read. Read rows with emb.lookup(ids) "
+                "(on every rank), or export a shard with `dsa export STORE OUT.npy`")
+        if st.closed:
+            raise RuntimeError(f"{self._dsa_what} store {str(st.path)!r} is closed: its "
+                               "weight cannot be read")
+        if self._dsa_bytes() > self.read_limit:
+            raise RuntimeError(
+                f"{self._dsa_what}.weight stands for a table that lives on disk "
+                f"({self._dsa_size()}); reading it as a whole would copy all of it into "
+                f"memory, which emb.weight does for tables of at most {_mib(self.read_limit)} "
+                "(DiskWeight.read_limit). Read rows with emb.weight_rows(ids), copy the "
+                "table with emb.to_tensor() (it must fit in memory), or write it to a .npy "
+                "file in chunks with emb.export(path). (A torch.optim optimizer given "
+                "emb.parameters() cannot step it: use adapters.torch.DiskSparseAdam.)")
+        out = torch.empty((st.num_rows, st.dim), dtype=self.dtype)
+        copy_rows(st, out.numpy())
+        return out.to(self.device)
 
     def __repr__(self) -> str:
         st = self._dsa_handle.state
         return (f"DiskWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"device={self.device}, store={str(st.path)!r})")
 
+    def __format__(self, spec: str) -> str:  # f"{emb.weight}" describes it, reads no rows
+        return format(repr(self), spec)
+
     def __reduce_ex__(self, proto):
         raise TypeError("a DiskWeight cannot be pickled or deep-copied: its rows live in a "
                         "store on disk. Snapshot them with emb.checkpoint(dest) (or the "
-                        "optimizer's opt.checkpoint(dest), which includes them)")
+                        "optimizer's opt.checkpoint(dest), which includes them); for a copy "
+                        "of the weights use emb.to_tensor() or emb.export(path)")
 
     def __deepcopy__(self, memo):
         return self.__reduce_ex__(2)
@@ -225,6 +431,10 @@ class DiskEmbedding(nn.Module):
     weight : DiskWeight
         The data-less stand-in parameter that receives the sparse gradient (see
         :class:`DiskWeight`); give it (``emb.parameters()``) to :class:`DiskSparseAdam`.
+        Reading its values (``emb.weight[5]``, ``emb.weight.detach()``) copies the whole
+        table from the store, for tables up to 256 MiB; larger ones raise. The trained
+        table: :meth:`to_tensor` (a CPU tensor), :meth:`export` (a ``.npy`` file, in
+        chunks), :meth:`weight_rows` (some rows).
     store : dsa_core.State
         The store's current State (for an in-place store, ``store.weights``,
         ``store.exp_avg``, ``store.exp_avg_sq`` are views of the rows on disk; a log store
@@ -310,6 +520,7 @@ class DiskEmbedding(nn.Module):
         keep_snapshots = check_keep(keep_snapshots, what)
         storage, memory = check_storage_args(storage, memory, access, what)
         dt = np_dtype(dtype, "DiskEmbedding")
+        check_device(device, dtype, what)  # before anything is created on disk
         c = validation.check_curvature(curvature, what=what)
         validation.check_second_moment(second_moment, c, what=what)
         validation.check_first_moment(first_moment, c, dt, what=what)
@@ -335,13 +546,23 @@ class DiskEmbedding(nn.Module):
                 "nothing was changed. Pass resume=True to continue training from it (its "
                 "weights, m, v and step count; init is then unused), or overwrite=True to "
                 "replace it with a new table")
-        if count is not None:
-            state = reopen(path, access=access, memory=memory, **expect)
-        else:
-            state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
-                                 init_scale, seed, padding_idx, overwrite, progress, access,
-                                 second_moment, first_moment, nonfinite or "propagate", rows,
-                                 storage, memory)
+        try:
+            if count is not None:
+                state = reopen(path, access=access, memory=memory, **expect)
+            else:
+                state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
+                                     init_scale, seed, padding_idx, overwrite, progress,
+                                     access, second_moment, first_moment,
+                                     nonfinite or "propagate", rows, storage, memory)
+        except dsa_core.StoreLockedError as exc:
+            raise dsa_core.StoreLockedError(
+                f"{what}: the store at {str(path)!r} is already open for writing in another "
+                "DiskEmbedding (in this process, e.g. a notebook cell run twice, or in "
+                "another one); a store "
+                "has one writer at a time, and nothing was changed. Call .close() on the "
+                "other one (emb.close(), and opt.close() on an optimizer that steps it; "
+                "`del emb` alone leaves it open while anything still refers to it), or use "
+                "another state_dir") from exc
         if nonfinite is not None and state.nonfinite != nonfinite:
             state = state._replace(nonfinite=nonfinite)  # recorded at the next flush
         self._handle = SharedState(state)
@@ -384,8 +605,9 @@ class DiskEmbedding(nn.Module):
 
         A value, not a live handle: each optimizer step makes a new State, and one read
         before a step is then outdated. Reading its rows still works (they are the same
-        mapped views), but ``dsa_core.step`` / ``flush`` / ``checkpoint`` / ``close`` on it
-        raise ``dsa_core.StaleStateError``; read ``emb.store`` again after stepping.
+        mapped views), but ``dsa_core.step`` / ``flush`` / ``checkpoint`` on it raise
+        ``dsa_core.StaleStateError``; read ``emb.store`` again after stepping
+        (``dsa_core.close`` through it closes the store at its newest count).
         """
         return self._handle.state
 
@@ -394,6 +616,64 @@ class DiskEmbedding(nn.Module):
         if isinstance(ids, torch.Tensor):
             ids = ids.detach().cpu().reshape(-1).numpy()
         return torch.from_numpy(dsa_core.gather(self._handle.state, ids))
+
+    def to_tensor(self) -> torch.Tensor:
+        """A copy of the whole table as a CPU tensor ``(num_embeddings, embedding_dim)``.
+
+        The trained weights for the usual next steps (``nn.Embedding.from_pretrained(
+        emb.to_tensor())``, ``torch.save``, nearest neighbours); read in chunks, any size
+        that fits in memory (for a table that does not, :meth:`export` writes a ``.npy``
+        file). Unlike ``emb.weight.detach()`` it has no size limit. A copy: writing into it
+        does not change the table.
+
+        Examples
+        --------
+        >>> import tempfile, torch
+        >>> from adapters.torch import DiskEmbedding
+        >>> emb = DiskEmbedding(100, 4, state_dir=f"{tempfile.mkdtemp()}/emb", seed=0)
+        >>> w = emb.to_tensor()
+        >>> torch.equal(w[[5, 7]], emb.weight_rows([5, 7]))
+        True
+        >>> torch.nn.Embedding.from_pretrained(w).weight.shape
+        torch.Size([100, 4])
+        >>> emb.close()
+        """
+        st = self._handle.state
+        if st.closed:
+            raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; reopen it "
+                               "(DiskEmbedding(..., resume=True)) or export it with "
+                               "`dsa export STORE OUT.npy`")
+        out = torch.empty((st.num_rows, st.dim), dtype=self.weight.dtype)
+        copy_rows(st, out.numpy())
+        return out
+
+    def export(self, path, *, overwrite: bool = False) -> Path:
+        """Write the weights to the ``.npy`` file ``path``, in chunks; returns its path.
+
+        For tables of any size (the rows are copied a chunk at a time, never all in
+        memory), what ``dsa export STORE OUT.npy`` writes; ``np.load(path, mmap_mode="r")``
+        reads it back without loading it. The file is written beside ``path`` and renamed
+        into place when complete, so an interrupted export leaves no ``path``. Replacing an
+        existing file needs ``overwrite=True``.
+        """
+        st = self._handle.state
+        if st.closed:
+            raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; export it "
+                               "with `dsa export STORE OUT.npy`")
+        out = Path(path)
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{str(out)!r} exists; pass overwrite=True to replace it")
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        try:
+            dst = np.lib.format.open_memmap(tmp, mode="w+", dtype=st.dtype,
+                                            shape=(st.num_rows, st.dim))
+            copy_rows(st, dst)
+            dst.flush()
+            del dst
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return out
 
     def prefetch(self, ids) -> None:
         """Start reading the rows ``ids`` (e.g. the next batch) into the page cache.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -190,7 +191,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
         ``j``-th parameter of the ``i``-th group, a stable name, so an optimizer built the
         same way on the same ``state_dir`` can resume from the stores (see ``resume``). One
         optimizer per ``state_dir`` (a lock file; a second one raises
-        ``dsa_core.StoreLockedError``). Not needed when every parameter is a DiskEmbedding's.
+        ``dsa_core.StoreLockedError``). Not needed when every parameter is a DiskEmbedding's
+        (given then, it is unused, and a ``UserWarning`` says so).
     resume : bool, default False
         Whether existing stores under ``state_dir`` are reopened. They hold the m, v and
         step counts of an earlier run, but not its weights (those are the model's): a
@@ -548,6 +550,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """
         plan = self._plan(groups)
         own = [e for e in plan if e[3] is not None]
+        if not self._ready and not own and self.state_dir is not None:
+            warnings.warn(
+                f"DiskSparseAdam: state_dir={str(self.state_dir)!r} is not used: every "
+                "parameter is a DiskEmbedding's weight, whose m and v live in that "
+                "embedding's own store (its state_dir), and nothing is written here. Leave "
+                "state_dir out (it is needed for parameters held in memory, such as an "
+                "nn.Embedding's weight, and only then)", UserWarning, stacklevel=3)
         new_lock = None
         if own and self._owned.lock is None:
             new_lock = DirLock(self.state_dir, "DiskSparseAdam")
@@ -704,6 +713,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def _prepare(self, p: torch.Tensor, where: str, hp: tuple) -> _Job:
         g = p.grad
         if g.layout == torch.strided:
+            if isinstance(p, DiskWeight):
+                raise RuntimeError(
+                    f"SparseAdam does not support dense gradients: {where} is the weight of "
+                    f"a {p._dsa_what}, and it got a dense gradient because the loss read "
+                    "emb.weight as a whole (e.g. a regularizer such as "
+                    "emb.weight.pow(2).sum()), which gives every row a gradient. Apply such "
+                    "terms to the rows the forward returns (emb(ids)); nothing was written")
             raise RuntimeError(
                 "SparseAdam does not support dense gradients, please consider Adam instead")
         if g.layout != torch.sparse_coo:
@@ -744,11 +760,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def _update(self, job: _Job) -> tuple:
         """``(state, idx, grad, kwargs)`` of ``job`` for ``dsa_core.step_many``."""
         lr, betas, eps, maximize, wd, decoupled = job.hp
-        st = job.slot.handle.state
-        if (st.betas, st.eps, st.maximize, st.weight_decay, st.decoupled_weight_decay) != (
-                betas, eps, maximize, wd, decoupled):
-            st = st._replace(betas=betas, eps=eps, maximize=maximize, weight_decay=wd,
-                             decoupled_weight_decay=decoupled)
+        h = job.slot.handle
+        st = h.state
+        # the store records the settings this step uses (`dsa info`, a resume): lr too
+        if (st.lr, st.betas, st.eps, st.maximize, st.weight_decay,
+                st.decoupled_weight_decay) != (lr, betas, eps, maximize, wd, decoupled):
+            st = st._replace(lr=lr, betas=betas, eps=eps, maximize=maximize,
+                             weight_decay=wd, decoupled_weight_decay=decoupled)
         idx, vals = job.host[0].numpy(), job.host[1].numpy()
         if job.slot.owned and len(job.host) == 2:  # a CPU table: its rows updated in place
             return st, idx, vals, {"lr": lr, "table": job.p.detach().numpy()}
@@ -773,8 +791,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
         A value, not a live handle: the next :meth:`step` makes a new State and this one
         outdated. Its rows stay readable (the same mapped views), but ``dsa_core.step``,
-        ``flush``, ``checkpoint`` or ``close`` on it raise ``dsa_core.StaleStateError``
-        (they would record an old count beside newer rows); call ``store_for`` again.
+        ``flush`` or ``checkpoint`` on it raise ``dsa_core.StaleStateError`` (they would
+        record an old count beside newer rows); call ``store_for`` again.
         """
         try:
             return self._slots[p].handle.state

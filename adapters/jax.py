@@ -68,12 +68,14 @@ from ._jax_state import (
     core_states,
     flush,
 )
+from ._jax_step import RowGrads, row_grads
 from ._jax_stores import create_store
 from ._jax_transform import sparse_adam
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
     "PAD_ID",
+    "RowGrads",
     "Batch",
     "DiskAdamState",
     "DiskTable",
@@ -86,6 +88,7 @@ __all__ = [
     "flush",
     "gather_batch",
     "restore",
+    "row_grads",
     "sparse_adam",
     "warmup",
 ]

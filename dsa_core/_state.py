@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -739,13 +740,16 @@ def flush(state: State) -> None:
     :class:`StaleStateError` instead.
     """
     require_current(state)
+    meta = state_meta(state)
     g = state.store.group
     if g is not None:  # a member of a group (dsa_core._group): its stores commit together
         g.note([state])
         if g.stepped_since():
             g.flush([state])
+            note_newest(state, meta)
             return
-    state.store.flush(int(state.count), state_meta(state))
+    state.store.flush(int(state.count), meta)
+    note_newest(state, meta)
 
 
 def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = False) -> Path:
@@ -970,19 +974,41 @@ def write_records(state: State, idx: Any, records: Any) -> None:
 
 
 def close(state: State) -> None:
-    """Flush (if writable) and release the writer lock. Safe to call twice.
+    """Flush (if writable) and release the writer lock. Safe to call twice, through any
+    State of the store.
 
-    Closing through an outdated State raises :class:`StaleStateError` and leaves the store
-    open: its flush would record an old count. Close the current State.
+    Through an outdated State (one that :func:`step` has since replaced) it closes the store
+    at its newest count, with the settings of the newest step or flush: never the outdated
+    State's count, which would pair an old count with newer rows.
     """
     st = state.store
     if st.closed:
         return
     if st.mode == "r+":
-        flush(state)  # with its group, if a member stepped since the group's last commit
+        if state.count != st.count:
+            newest = _NEWEST.get(st)
+            if newest is None or newest[0] != st.count:  # no step or flush recorded it
+                require_current(state)
+            g = st.group
+            if g is not None and g.stepped_since():
+                g.flush()  # every member at its newest step, as one commit
+            else:
+                st.flush(int(st.count), newest[1])
+        else:
+            flush(state)  # with its group, if a member stepped since the group's last commit
     if st.group is not None:  # it leaves its group (which commits without it from now on)
         st.group.leave(st)
     st.close()
+
+
+# engine -> (count, meta) of its newest State, as the last step or flush committed them: what
+# close() records when it is given an outdated State (weak keys: a closed store goes away)
+_NEWEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_newest(state: State, meta: dict[str, Any]) -> None:
+    """Remember the count and settings of ``state``, the store's newest State (step, flush)."""
+    _NEWEST[state.store] = (int(state.count), meta)
 
 
 def _require_writable(state: State) -> None:

@@ -26,7 +26,7 @@ from ._kernels_euclid import (
     euclid_rowwise_options_kernel,
 )
 from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_options_kernel
-from ._state import State, maxnorm, require_current, state_meta
+from ._state import State, maxnorm, note_newest, require_current, state_meta
 from .validation import as_index, check_lr, check_weight_decay
 
 __all__ = ["StepPlan", "abort_step", "as_index", "begin_step", "commit_step", "gather",
@@ -243,6 +243,7 @@ def run_step(plan: StepPlan) -> None:
 def commit_step(plan: StepPlan) -> None:
     """The engine's ``commit_step``: the step takes effect (``count`` becomes ``t``)."""
     plan.state.store.commit_step(plan.t, plan.meta)
+    note_newest(plan.state._replace(count=plan.t), plan.meta)
 
 
 def abort_step(plan: StepPlan) -> None:

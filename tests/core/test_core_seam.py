@@ -46,8 +46,7 @@ def test_stale_state_cannot_step(tmp_path, durability):
     assert dsa_core.open(tmp_path / "s", mode="r").count == 2
 
 
-@pytest.mark.parametrize("op", ["step", "flush", "checkpoint", "close", "write_records",
-                                "set_count"])
+@pytest.mark.parametrize("op", ["step", "flush", "checkpoint", "write_records", "set_count"])
 def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, kind, op):
     """On both kinds (a log store with a region smaller than the table): refused, nothing on
     disk or in the records changes, the current State goes on."""
@@ -64,7 +63,6 @@ def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, kind, op):
         "step": lambda: dsa_core.step(s1, [3], _g()),
         "flush": lambda: dsa_core.flush(s1),
         "checkpoint": lambda: dsa_core.checkpoint(s1, tmp_path / "ck"),
-        "close": lambda: dsa_core.close(s1),
         "write_records": lambda: dsa_core.write_records(s1, [0], dsa_core.read_records(s1, [5])),
         "set_count": lambda: dsa_core.set_count(s1, 7),
     }
@@ -73,7 +71,7 @@ def test_stale_state_cannot_flush_checkpoint_or_close(tmp_path, kind, op):
     assert (tmp_path / "s" / "manifest.json").read_text() == manifest  # count 1 on disk
     assert not (tmp_path / "ck").exists()
     np.testing.assert_array_equal(records(s2), before)
-    assert not s2.closed and s2.current  # a refused close leaves the store open for s2
+    assert not s2.closed and s2.current  # a refused call leaves the store open for s2
     assert s2.storage == kind
     dsa_core.close(s2)
     assert json.loads(manifest)["count"] == 1

@@ -182,6 +182,31 @@ def test_ctrl_c_between_tables_takes_effect_after_the_step(tmp_path, kind, monke
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_close_through_an_outdated_state_commits_the_group(tmp_path, kind):
+    """``close`` through a State that ``step_many`` replaced (safe twice, through any State)
+    closes its store at the newest count with the rest of its group, as one commit: both
+    stores reopen at the same step, and the other member goes on on its own."""
+    a0 = dsa_core.create(tmp_path / "a", 50, 4, **_kw(kind))
+    b0 = dsa_core.create(tmp_path / "b", 50, 4, **_kw(kind))
+    dsa_core.join([a0, b0])
+    g = np.ones((3, 4), np.float32)
+    a, b = dsa_core.step_many([(a0, [1, 2, 3], g), (b0, [4, 5, 6], g)])
+    a, b = dsa_core.step_many([(a, [1, 2, 3], g), (b, [4, 5, 6], g)])
+    dsa_core.close(a0)  # outdated (count 0): the store is at 2
+    dsa_core.close(a0)
+    assert a.closed
+    for p in ("a", "b"):  # b's manifest too: one group commit at step 2
+        r = dsa_core.open(tmp_path / p, mode="r")
+        assert r.count == 2
+        dsa_core.close(r)
+    b = dsa_core.step(b, [7], np.ones((1, 4), np.float32))
+    dsa_core.close(b)
+    r = dsa_core.open(tmp_path / "b", mode="r")
+    assert r.count == 3
+    dsa_core.close(r)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("durability", ["flush", "step"])
 def test_step_many_puts_every_store_back(tmp_path, kind, durability, monkeypatch):
     """The core call: the second store's kernels never run (an error as it begins); the

@@ -869,7 +869,7 @@ def test_add_param_group_refuses_an_existing_store_unless_resumed(tmp_path):
 
 
 def test_a_state_obtained_before_a_step_is_stale(tmp_path):
-    """dsa_core refuses to step, flush, checkpoint or close an outdated State; through the
+    """dsa_core refuses to step, flush or checkpoint an outdated State; through the
     adapter that is a State taken with store_for() (or .stores) before opt.step()."""
     emb = _fresh()
     opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "opt")
@@ -879,8 +879,7 @@ def test_a_state_obtained_before_a_step_is_stale(tmp_path):
     for call in (lambda: dsa_core.flush(old),
                  lambda: dsa_core.checkpoint(old, tmp_path / "ck"),
                  lambda: dsa_core.step(old, [1], np.ones((1, 12), np.float32),
-                                       table=emb.weight.detach().numpy()),
-                 lambda: dsa_core.close(old)):
+                                       table=emb.weight.detach().numpy())):
         with pytest.raises(dsa_core.StaleStateError, match="outdated"):
             call()
     assert not (tmp_path / "ck").exists()
