@@ -9,6 +9,7 @@
   PyKEEN's (same seed, same first weights, a pretrained one sliced per chunk).
 * The optimizer rebuild of PyKEEN's training loop: the old optimizer is closed (never two
   writers), a second train() starts afresh as SparseAdam does, continue_training goes on.
+* PyKEEN's checkpoints resume a run exactly.
 * Process ends of the PyKEEN path: a forgotten close flushes (weights, constraints, counts),
   Ctrl-C leaves a store that opens cleanly, kill -9 after a flush keeps every flushed step,
   on both store kinds (one child: the entity table in place, the relation table a log store).
@@ -345,3 +346,34 @@ def test_kill9_keeps_every_flushed_step(tmp_path):
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     _check_stores(tmp_path, reported)
+
+
+# -- PyKEEN's checkpoints -------------------------------------------------------------------
+@pytest.mark.parametrize("tables", [pytest.param("ram", marks=pytest.mark.slow), "disk"])
+def test_pykeen_checkpoint_resumes_exactly(tmp_path, tables):
+    """A run stopped after 1 epoch and resumed from PyKEEN's checkpoint (a new model and a new
+    DiskAdam, the stores overwritten, then the checkpoint's state dicts loaded) ends where an
+    uninterrupted run ends; the resumed run's other seed proves it did not start over."""
+    def run(sub, epochs, seed, ck):
+        root = tmp_path / sub
+        if tables == "disk":
+            reps, okw = dsa.disk_representations(root / "t", overwrite=True), {}
+        else:
+            reps, okw = dsa.sparse_representations(), {"state_dir": root / "o", "overwrite": True}
+        train = dict(TRAIN, num_epochs=epochs)
+        if ck:
+            train.update(checkpoint_name="c.pt", checkpoint_directory=tmp_path / "ck",
+                         checkpoint_frequency=0)
+        r = pipeline(dataset="Nations", model="TransE", random_seed=seed,
+                     model_kwargs=dict(embedding_dim=8, **reps), optimizer=dsa.DiskAdam,
+                     optimizer_kwargs=dict(lr=1e-2, **okw), training_kwargs=train,
+                     evaluation_kwargs=EVAL)
+        out = _tables(r.model)
+        dsa.close(r.model, r.training_loop.optimizer)
+        return out
+
+    full = run("full", 3, 0, False)
+    run("a", 1, 0, True)
+    resumed = run("a", 3, 7, True)
+    assert max(float((x - y).abs().max()) for x, y in zip(full, resumed)) == 0.0
+    assert max(float((x - y).abs().max()) for x, y in zip(full, run("b", 3, 7, False))) > 0.1
