@@ -34,18 +34,23 @@ class _Touched:
 
     def __init__(self):
         self.ids: list[torch.Tensor] = []
+        self.held = 0
         self.all = False
 
     def add(self, ids: torch.Tensor | None) -> None:
         if ids is None:
-            self.all = True
+            self.all, self.ids, self.held = True, [], 0
         elif not self.all:
             self.ids.append(ids.detach().reshape(-1).cpu())
+            self.held += self.ids[-1].numel()
+            if self.held > 1 << 20:  # a loop that never constrains: keep the distinct ids only
+                self.ids = [torch.unique(torch.cat(self.ids))]
+                self.held = self.ids[0].numel()
 
     def take(self) -> torch.Tensor | None:
         """The distinct ids (sorted), or None for "every row"; then forgets them."""
         every, ids = self.all, self.ids
-        self.all, self.ids = False, []
+        self.all, self.ids, self.held = False, [], 0
         if every:
             return None
         if not ids:
@@ -156,8 +161,8 @@ class DiskBackedEmbedding(Representation):
     Up to ``chunk_rows`` rows the table draws the same numbers from torch's generator as
     PyKEEN's Embedding, in the same order (the ``nn.Embedding``'s ``N(0, 1)`` at construction
     and at each reset, then the initializer), so a same-seeded pipeline starts from the same
-    weights; a larger table draws per chunk, from the same distribution (PyKEEN's initializers depend on the row
-    shape only; a ``PretrainedInitializer`` is sliced).
+    weights; a larger table draws per chunk, from the same distribution (PyKEEN's
+    initializers depend on the row shape only; a ``PretrainedInitializer`` is sliced).
 
     Parameters (beyond Embedding's)
     -------------------------------

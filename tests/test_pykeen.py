@@ -223,7 +223,8 @@ def test_second_train_starts_afresh_and_continue_goes_on_as_sparseadam(tmp_path,
     for a, b in ((got[0], base[0]), (got[1], base[1])):
         assert max(float((x - y).abs().max()) for x, y in zip(a, b)) <= 1e-6
     sa_steps = {int(s["step"]) for s in base[2].state.values()}
-    assert {st.count for st in got[2].stores.values()} == sa_steps == {_steps(4, 512)}  # since the rebuild
+    # steps since the rebuild
+    assert {st.count for st in got[2].stores.values()} == sa_steps == {_steps(4, 512)}
     got[2].close()
 
 
@@ -377,3 +378,20 @@ def test_pykeen_checkpoint_resumes_exactly(tmp_path, tables):
     resumed = run("a", 3, 7, True)
     assert max(float((x - y).abs().max()) for x, y in zip(full, resumed)) == 0.0
     assert max(float((x - y).abs().max()) for x, y in zip(full, run("b", 3, 7, False))) > 0.1
+
+
+def test_chunked_tables_train_and_evaluate_in_slices(tmp_path):
+    """The paths of a table larger than its chunks and than max_full_rows, at Nations' size:
+    per-chunk init and constraints, sLCWA training, evaluation in slices (an unsliced one
+    would raise)."""
+    r = pipeline(dataset="Nations", model="TransE", random_seed=0,
+                 model_kwargs=dict(embedding_dim=8, **dsa.disk_representations(
+                     tmp_path / "t", chunk_rows=4, max_full_rows=10)),
+                 optimizer="DiskAdam", optimizer_kwargs=dict(lr=1e-2), training_kwargs=TRAIN,
+                 evaluation_kwargs=EVAL)
+    ent = r.model.entity_representations[0]
+    w = ent.weight_rows(np.arange(ent.max_id))
+    assert ent.table.store.count == _steps(2, 128) and torch.allclose(
+        w.norm(dim=-1), torch.ones(ent.max_id), atol=1e-6)
+    assert 0 < r.get_metric("mrr") <= 1
+    dsa.close(r.model, r.training_loop.optimizer)
