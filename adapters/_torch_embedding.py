@@ -153,6 +153,9 @@ class DiskWeight(nn.Parameter):
       copies the table again: for repeated reads take ``emb.to_tensor()`` once. Inside
       autograd the copy passes a dense gradient back (as ``nn.Embedding(sparse=True)``'s
       weight gets one), which :class:`DiskSparseAdam` refuses with a clear error;
+    - ``emb.weight.data`` is the same stand-in outside autograd (``requires_grad`` False):
+      libraries that read ``p.data.device`` or ``p.data.norm()`` get the metadata or a copy
+      as above;
     - in-place writes (``emb.weight.data.uniform_()``, ``nn.init.*_``, ``emb.weight[0] =
       ...``, ``emb.weight.data = ...``, a ``torch.optim`` optimizer's update) raise: the rows
       change only through :class:`DiskSparseAdam` (or ``load_state_dict({"weight": W})``);
@@ -168,10 +171,10 @@ class DiskWeight(nn.Parameter):
     read_limit: int = _READ_LIMIT_BYTES
 
     def __new__(cls, handle: SharedState, dtype: torch.dtype, device: Any = None, *,
-                what: str = "DiskEmbedding", readable: bool = True):
+                what: str = "DiskEmbedding", readable: bool = True, requires_grad: bool = True):
         st = handle.state
         data = torch.zeros((), dtype=dtype, device=device).expand(st.num_rows, st.dim)
-        self = super().__new__(cls, data, requires_grad=True)
+        self = super().__new__(cls, data, requires_grad=requires_grad)
         self._dsa_handle = handle
         self._dsa_what = what
         self._dsa_readable = readable
@@ -202,13 +205,10 @@ class DiskWeight(nn.Parameter):
                 f"cannot wrap a {w._dsa_what}'s weight: it holds no values, its rows live in "
                 "the store on disk. Pass a copy of them, emb.to_tensor() "
                 f"({w._dsa_size()}), or save them with emb.export(path)")
-        if name == "data.__get__":  # mostly written to (weight.data.normal_()): refused
-            raise RuntimeError(
-                f"{args[0]._dsa_what}.weight.data is not available: the weight stands for "
-                "rows that live in a store on disk, and a write into .data would not reach "
-                "them. Read the values with emb.weight.detach() (a copy), emb.to_tensor() or "
-                "emb.weight_rows(ids); change rows through adapters.torch.DiskSparseAdam or "
-                "emb.load_state_dict({'weight': W})")
+        if name == "data.__get__":  # the same stand-in, outside autograd (as .data is)
+            w = args[0]
+            return DiskWeight(w._dsa_handle, w.dtype, w.device, what=w._dsa_what,
+                              readable=w._dsa_readable, requires_grad=False)
         tables = {}
         for key, w in found.items():
             if name == "detach" or not (torch.is_grad_enabled() and w.requires_grad):

@@ -550,13 +550,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """
         plan = self._plan(groups)
         own = [e for e in plan if e[3] is not None]
-        if not self._ready and not own and self.state_dir is not None:
+        # with two tables or more, state_dir holds their group's commit file (_regroup)
+        if not self._ready and not own and len(plan) < 2 and self.state_dir is not None:
             warnings.warn(
-                f"DiskSparseAdam: state_dir={str(self.state_dir)!r} is not used: every "
+                f"DiskSparseAdam: state_dir={str(self.state_dir)!r} is not used: the one "
                 "parameter is a DiskEmbedding's weight, whose m and v live in that "
                 "embedding's own store (its state_dir), and nothing is written here. Leave "
                 "state_dir out (it is needed for parameters held in memory, such as an "
-                "nn.Embedding's weight, and only then)", UserWarning, stacklevel=3)
+                "nn.Embedding's weight, and for the commit file of two tables or more)",
+                UserWarning, stacklevel=3)
         new_lock = None
         if own and self._owned.lock is None:
             new_lock = DirLock(self.state_dir, "DiskSparseAdam")
@@ -643,7 +645,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         self._mismatch = None
         if len(states) < 2:
             return
-        file = None if self.state_dir is None else self.state_dir / dsa_core._group.GROUP_FILE
+        file = None
+        if self.state_dir is not None:  # every table a DiskEmbedding: nothing made it yet
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            file = self.state_dir / dsa_core.GROUP_FILE
         try:
             self._group = dsa_core.join(states, file, fresh=fresh)
         except dsa_core.GroupMismatchError as exc:

@@ -42,6 +42,7 @@ from ._state import (
 )
 from ._step import check_batch, gather, step, warmup
 from ._group import (
+    GROUP_FILE,
     Group,
     GroupCommitError,
     GroupMismatchError,
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACCESS_MODES",
     "FORMAT_VERSION",
+    "GROUP_FILE",
     "Group",
     "GroupCommitError",
     "GroupMismatchError",

@@ -55,12 +55,13 @@ SMOKES = {
     "parity_sha": (["--smoke"], None, "configurations"),  # prints its count only
     "record_checks": (["--smoke"], "record_checks_smoke", "rows_per_s"),
     "warm_step": (["--smoke"], None, "p50_ms"),  # prints its median only  # writes no result files in smoke
+    "pykeen_parity": (["--smoke"], "pykeen_parity_smoke", "max_abs_dw"),
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
            "log_warm": "--workdir", "options_cost": "--workdir", "decay_quality": "--workdir",
            "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir",
-           "durability": "--dir", "group_flush": "--dir"}
+           "durability": "--dir", "group_flush": "--dir", "pykeen_parity": "--workdir"}
 
 
 @pytest.fixture
@@ -93,6 +94,8 @@ def bench_env(tmp_path, monkeypatch):
 def test_benchmark_smoke(name, bench_env, tmp_path, capsys):
     if name == "jax_overhead":
         pytest.importorskip("jax")
+    if name == "pykeen_parity":  # the pykeen extra
+        pytest.importorskip("pykeen")
     if name == "warm":  # geoopt's import warns (torch.jit.script is deprecated): not ours
         pytest.importorskip("geoopt")
     argv, result, column = SMOKES[name]

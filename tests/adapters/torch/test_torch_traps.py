@@ -84,8 +84,11 @@ def test_from_pretrained_and_writes_are_refused(tmp_path):
         nn.Embedding.from_pretrained(emb.weight)
     with pytest.raises(RuntimeError, match="DiskSparseAdam"):
         nn.init.normal_(emb.weight)
-    with pytest.raises(RuntimeError, match=r"weight\.detach\(\)"):
+    with pytest.raises(RuntimeError, match="in place.*DiskSparseAdam"):
         emb.weight.data.uniform_()
+    assert emb.weight.data.device == emb.weight.device  # metadata through .data (PyKEEN)
+    assert not emb.weight.data.requires_grad
+    assert torch.equal(emb.weight.data[3], before[3])  # a read through .data: real rows
     with pytest.raises(RuntimeError, match="in place"), torch.no_grad():
         emb.weight[0] = 1.0
     with pytest.raises(RuntimeError, match="in place"):
@@ -135,6 +138,13 @@ def test_unused_state_dir_warns(tmp_path):
     dense = nn.Embedding(N, D, sparse=True)
     opt = DiskSparseAdam([*emb.parameters(), *dense.parameters()], state_dir=tmp_path / "o2")
     opt.close()
+    # two DiskEmbeddings: their group's commit file lives there, no warning
+    emb2 = DiskEmbedding(N, D, state_dir=tmp_path / "e2", seed=1)
+    opt = DiskSparseAdam([*emb.parameters(), *emb2.parameters()], state_dir=tmp_path / "o3")
+    opt.step()  # joins the group: the commit file is written in state_dir
+    assert (tmp_path / "o3" / dsa_core.GROUP_FILE).exists()
+    opt.close()
+    emb2.close()
     emb.close()
 
 

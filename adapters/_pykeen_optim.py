@@ -1,0 +1,94 @@
+"""``DiskAdam``: DiskSparseAdam that PyKEEN's training loop can rebuild from its param groups."""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+from ._torch_optim import DiskSparseAdam
+
+__all__ = ["DiskAdam"]
+
+#: the param-group key naming the optimizer a rebuild comes from
+LINEAGE_KEY = "dsa_lineage"
+# the constructor's settings that a rebuild from ``state_dict()["param_groups"][0]`` needs
+_SETTINGS = ("state_dir", "access", "second_moment", "first_moment", "nonfinite",
+             "per_row_step", "decay_missed_steps", "storage", "memory", "keep_snapshots")
+
+# lineage token -> live DiskAdam (in this process)
+_LIVE: weakref.WeakValueDictionary[str, DiskAdam] = weakref.WeakValueDictionary()
+
+
+def _under(path: Any, root: Path | None) -> bool:
+    return root is not None and Path(path).resolve().parent == root.resolve()
+
+
+class DiskAdam(DiskSparseAdam):
+    """:class:`adapters.torch.DiskSparseAdam` for PyKEEN: rebuilt by PyKEEN's training loop.
+
+    PyKEEN trains with ``optimizer.__class__(params=model.get_grad_params(),
+    **optimizer.state_dict()["param_groups"][0])`` after re-initialising the model (at the
+    start of every ``train()`` without ``continue_training``). So this optimizer writes its
+    constructor's settings (``state_dir``, ``storage``, ...) and a token naming itself
+    (``"dsa_lineage"``) into the first param group of its state dict, and a ``DiskAdam``
+    built with the token of a live one **takes over** from it:
+
+    - the old one is flushed and closed first (every step it took is on disk; any later
+      use of it raises), so there is never a second writer on ``state_dir``;
+    - the new one reopens the old one's stores if none has stepped yet (the usual case:
+      PyKEEN rebuilds before the first batch), and otherwise starts them afresh, as any
+      newly built torch optimizer starts with empty state: PyKEEN rebuilds only after
+      re-initialising the weights, which the old moments no longer belong to. Tables of a
+      :class:`adapters.pykeen.DiskBackedEmbedding` (weights, m and v in one store) are
+      the representation's: its ``reset_parameters`` restarts them; the optimizer only
+      hands them over.
+
+    Without a token (or with the token of an optimizer that is gone) it is a plain
+    ``DiskSparseAdam``: a second optimizer on a held ``state_dir`` raises
+    ``StoreLockedError``, existing stores need ``resume=True`` or ``overwrite=True``.
+
+    ``state_dict()`` before any step is a description of the stores (nothing to snapshot:
+    they hold zeros); after steps it snapshots them as ``DiskSparseAdam``'s does, so
+    PyKEEN's checkpoints (``training_kwargs=dict(checkpoint_name=...)``) restore them.
+    Arguments: those of ``DiskSparseAdam``.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *,
+                 state_dir=None, resume: bool = False, overwrite: bool = False,
+                 dsa_lineage: str | None = None, **options):
+        old = _LIVE.get(dsa_lineage) if dsa_lineage is not None else None
+        if old is not None and not old._closed:
+            root = old.state_dir
+            stepped = any(st.count for st in old.stores.values() if _under(st.path, root))
+            old.close()  # flush, release state_dir and the DiskEmbeddings it stepped
+            if root is not None and state_dir is not None \
+                    and Path(state_dir).resolve() == root.resolve():
+                resume, overwrite = (False, True) if stepped else (True, False)
+        super().__init__(params, lr, betas, eps, maximize, state_dir=state_dir,
+                         resume=resume, overwrite=overwrite, **options)
+        self._settings = {"state_dir": None if state_dir is None else str(state_dir),
+                          **{k: v for k, v in options.items() if k in _SETTINGS}}
+        self._lineage = uuid.uuid4().hex
+        _LIVE[self._lineage] = self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict of ``DiskSparseAdam`` (a description before the first step), with
+        the constructor's settings and this optimizer's token in its first param group."""
+        if any(st.count for st in self.stores.values()):
+            sd = super().state_dict()
+        else:
+            sd = self._describe()
+        if sd["param_groups"]:
+            sd["param_groups"][0].update(self._settings)
+            sd["param_groups"][0][LINEAGE_KEY] = self._lineage
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``DiskSparseAdam``'s; the settings a state dict carries are not group keys."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for k in (*_SETTINGS, LINEAGE_KEY):
+                if k not in self.defaults:
+                    group.pop(k, None)

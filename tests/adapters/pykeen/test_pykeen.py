@@ -1,0 +1,397 @@
+"""adapters.pykeen: PyKEEN's own pipeline and training loops with DiskAdam and sparse tables.
+
+* Parity: a PyKEEN model whose tables are ``SparseEmbedding`` (weights in RAM) or
+  ``DiskBackedEmbedding`` (weights on disk), trained by ``DiskAdam`` through ``pipeline()``,
+  ends with the weights (max abs diff, printed) and the MRR / Hits@10 of the same model with
+  ``SparseEmbedding`` tables trained by ``torch.optim.SparseAdam`` through the same pipeline,
+  on Nations (ships inside PyKEEN), for TransE, DistMult, ComplEx and RotatE, sLCWA and LCWA.
+* The constrainer on the batch's rows gives PyKEEN's whole-table result; initializers are
+  PyKEEN's (same seed, same first weights, a pretrained one sliced per chunk).
+* The optimizer rebuild of PyKEEN's training loop: the old optimizer is closed (never two
+  writers), a second train() starts afresh as SparseAdam does, continue_training goes on.
+* PyKEEN's checkpoints resume a run exactly.
+* Process ends of the PyKEEN path: a forgotten close flushes (weights, constraints, counts),
+  Ctrl-C leaves a store that opens cleanly, kill -9 after a flush keeps every flushed step,
+  on both store kinds (one child: the entity table in place, the relation table a log store).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pykeen")
+import torch  # noqa: E402
+from pykeen.datasets import Nations  # noqa: E402
+from pykeen.models import TransE  # noqa: E402
+from pykeen.pipeline import pipeline  # noqa: E402
+from pykeen.training import SLCWATrainingLoop  # noqa: E402
+
+import dsa_core  # noqa: E402
+from adapters import pykeen as dsa  # noqa: E402
+from adapters.torch import StoreLockedError  # noqa: E402
+
+pytestmark = pytest.mark.torch
+ROOT = Path(__file__).resolve().parents[3]
+logging.getLogger("pykeen").setLevel(logging.ERROR)
+logging.getLogger("torch_max_mem").setLevel(logging.ERROR)
+
+TRAIN = dict(num_epochs=2, batch_size=128, use_tqdm=False, pin_memory=False)
+EVAL = dict(slice_size=5, use_tqdm=False)
+NATIONS_TRAIN = 1592  # training triples of Nations
+
+
+def _steps(epochs: int, batch: int) -> int:
+    return epochs * -(-NATIONS_TRAIN // batch)
+
+
+def _tables(model) -> list[torch.Tensor]:
+    """Every row of each representation (complex as real pairs), as PyKEEN reads them."""
+    out = []
+    for rep in (*model.entity_representations, *model.relation_representations):
+        with torch.no_grad():
+            x = rep._plain_forward(torch.arange(rep.max_id))
+        out.append(torch.view_as_real(x) if x.is_complex() else x.clone())
+    return out
+
+
+def _run(tmp: Path, model: str, loop: str, how: str, train=TRAIN):
+    if how == "sparseadam":
+        reps, opt, okw = dsa.sparse_representations(), torch.optim.SparseAdam, {}
+    elif how == "ram":
+        reps, opt, okw = dsa.sparse_representations(), dsa.DiskAdam, {"state_dir": tmp / "opt"}
+    else:
+        reps, opt, okw = dsa.disk_representations(tmp / "tables", storage=how), dsa.DiskAdam, {}
+    r = pipeline(dataset="Nations", model=model, random_seed=0, training_loop=loop,
+                 model_kwargs=dict(embedding_dim=8, **reps), optimizer=opt,
+                 optimizer_kwargs=dict(lr=1e-2, **okw), training_kwargs=train,
+                 evaluation_kwargs=EVAL)
+    out = (_tables(r.model), r.get_metric("mrr"), r.get_metric("hits@10"))
+    dsa.close(r.model, r.training_loop.optimizer)
+    return out
+
+
+# the default suite: each interaction kind once (translational, complex, rotational) and LCWA
+PARITY = [("TransE", "sLCWA"), ("ComplEx", "sLCWA"), ("RotatE", "sLCWA"), ("TransE", "LCWA"),
+          *(pytest.param(m, lo, marks=pytest.mark.slow) for m, lo in (
+              ("DistMult", "sLCWA"), ("DistMult", "LCWA"), ("ComplEx", "LCWA"),
+              ("RotatE", "LCWA")))]
+
+
+@pytest.mark.parametrize("model, loop", PARITY)
+def test_pipeline_parity_with_sparseadam(tmp_path, model, loop):
+    base = _run(tmp_path / "b", model, loop, "sparseadam")
+    hows = ["ram", "inplace", "log"] if loop == "sLCWA" else ["ram", "inplace"]
+    for how in hows:
+        w, mrr, h10 = _run(tmp_path / how, model, loop, how)
+        diff = max(float((a - b).abs().max()) for a, b in zip(w, base[0]))
+        print(f"{model} {loop} {how}: max|dw| {diff:.2e}  MRR {mrr:.6f} vs {base[1]:.6f}  "
+              f"Hits@10 {h10:.6f} vs {base[2]:.6f}")
+        assert diff <= 1e-6, (how, diff)
+        assert mrr == pytest.approx(base[1], abs=1e-6) and h10 == base[2], how
+
+
+def _sparse_pykeen_embedding():
+    """PyKEEN's own Embedding made sparse: its constrainer rewrites the whole table."""
+    from pykeen.nn.representation import Embedding
+
+    class Whole(Embedding):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self._embeddings.sparse = True
+
+    return Whole
+
+
+def test_row_constrainer_equals_whole_table_constrainer(tmp_path):
+    whole = _sparse_pykeen_embedding()
+    res = []
+    for reps in ({"entity_representations": whole, "relation_representations": whole},
+                 dsa.disk_representations(tmp_path / "t")):
+        r = pipeline(dataset="Nations", model="TransE", random_seed=0,
+                     model_kwargs=dict(embedding_dim=8, **reps),
+                     optimizer=torch.optim.SparseAdam if "entity_representations" in reps
+                     and reps["entity_representations"] is whole else dsa.DiskAdam,
+                     optimizer_kwargs=dict(lr=1e-2), training_kwargs=TRAIN,
+                     evaluation_kwargs=EVAL)
+        res.append(_tables(r.model))
+        dsa.close(r.model, r.training_loop.optimizer)
+    ent = res[1][0]
+    assert torch.allclose(ent.norm(dim=-1), torch.ones(ent.shape[0]), atol=1e-6)  # constrained
+    diff = max(float((a - b).abs().max()) for a, b in zip(*res))
+    print(f"batch-row constrainer vs PyKEEN's whole-table one: max|dw| {diff:.2e}")
+    assert diff <= 1e-6
+
+
+def test_pretrained_initializer_and_chunks(tmp_path):
+    from pykeen.nn.init import PretrainedInitializer
+
+    x = torch.randn(14, 6)
+    rep = dsa.DiskBackedEmbedding(max_id=14, shape=6, state_dir=tmp_path / "p", chunk_rows=4,
+                                  initializer=PretrainedInitializer(x))
+    rep.reset_parameters()
+    assert torch.equal(rep.weight_rows(np.arange(14)), x)
+    rep.close()
+    # a complex table of several chunks, PyKEEN's RotatE initializer and constrainer
+    rep = dsa.DiskBackedEmbedding(max_id=10, shape=3, state_dir=tmp_path / "c", chunk_rows=3,
+                                  dtype=torch.cfloat, initializer="init_phases",
+                                  constrainer="complex_normalize")
+    rep.reset_parameters()
+    rep.post_parameter_update()
+    z = rep.weight_rows(np.arange(10))
+    assert z.is_complex() and torch.allclose(z.abs(), torch.ones(10, 3), atol=1e-6)
+    rep.close()
+
+
+def test_full_table_read_over_the_limit_names_slice_size(tmp_path):
+    rep = dsa.DiskBackedEmbedding(max_id=20, shape=4, state_dir=tmp_path / "e", max_full_rows=10)
+    with pytest.raises(ValueError, match="slice_size"):
+        rep(None)
+    assert rep(torch.tensor([1, 19])).shape == (2, 4)  # indexed reads are not limited
+    rep.close()
+    with pytest.raises(ValueError, match="disk_representations"):
+        dsa.DiskBackedEmbedding(max_id=20, shape=4)
+    with pytest.raises(FileExistsError):  # an existing store is never silently reused
+        dsa.DiskBackedEmbedding(max_id=20, shape=4, state_dir=tmp_path / "e")
+
+
+# -- the optimizer rebuild of PyKEEN's training loop ----------------------------------------
+def _loop(tmp: Path, opt, okw, reps):
+    torch.manual_seed(0)
+    tf = Nations().training
+    model = TransE(triples_factory=tf, embedding_dim=8, random_seed=0, **reps)
+    return tf, SLCWATrainingLoop(model=model, triples_factory=tf, optimizer=opt,
+                                 optimizer_kwargs=dict(lr=1e-2, **okw))
+
+
+def _train(loop, tf, epochs, **kw):
+    torch.manual_seed(1)
+    loop.train(triples_factory=tf, num_epochs=epochs, batch_size=512, use_tqdm=False,
+               pin_memory=False, **kw)
+
+
+@pytest.mark.parametrize("tables", ["ram", "disk"])
+def test_rebuild_takes_over_never_two_writers(tmp_path, tables):
+    reps = (dsa.sparse_representations() if tables == "ram"
+            else dsa.disk_representations(tmp_path / "t"))
+    tf, loop = _loop(tmp_path, dsa.DiskAdam, {"state_dir": tmp_path / "opt"}, reps)
+    first = loop.optimizer
+    _train(loop, tf, 1)
+    assert loop.optimizer is not first  # PyKEEN rebuilt it ...
+    with pytest.raises(RuntimeError, match="closed"):  # ... and the old one writes no more
+        first.step()
+    with pytest.raises(StoreLockedError):  # the new one steps the stores alone
+        if tables == "ram":
+            dsa.DiskAdam(torch.nn.Embedding(3, 2, sparse=True).parameters(),
+                         state_dir=tmp_path / "opt")
+        else:
+            dsa.DiskAdam(loop.model.get_grad_params())
+    counts = [st.count for st in loop.optimizer.stores.values()]
+    assert len(counts) == 2 and set(counts) == {_steps(1, 512)}  # every step, none lost
+    dsa.close(loop.model, loop.optimizer)
+
+
+def _three_trainings(tmp: Path, how: str):
+    reps = (dsa.disk_representations(tmp / "t") if how == "disk"
+            else dsa.sparse_representations())
+    opt, okw = ((torch.optim.SparseAdam, {}) if how == "sparseadam"
+                else (dsa.DiskAdam, {"state_dir": tmp / "opt"}))
+    tf, loop = _loop(tmp, opt, okw, reps)
+    _train(loop, tf, 2)
+    # continue_training=False: PyKEEN resets the model, rebuilds the optimizer and runs
+    # epochs 3 and 4 (it counts epochs on) from the fresh weights
+    _train(loop, tf, 4)
+    again = _tables(loop.model)
+    _train(loop, tf, 6, continue_training=True)  # no rebuild: epochs 5 and 6 go on
+    out = again, _tables(loop.model), loop.optimizer
+    return out
+
+
+@pytest.mark.parametrize("how", ["ram", "disk"])
+def test_second_train_starts_afresh_and_continue_goes_on_as_sparseadam(tmp_path, how):
+    base = _three_trainings(tmp_path / "b", "sparseadam")
+    got = _three_trainings(tmp_path / how, how)
+    for a, b in ((got[0], base[0]), (got[1], base[1])):
+        assert max(float((x - y).abs().max()) for x, y in zip(a, b)) <= 1e-6
+    sa_steps = {int(s["step"]) for s in base[2].state.values()}
+    # steps since the rebuild
+    assert {st.count for st in got[2].stores.values()} == sa_steps == {_steps(4, 512)}
+    got[2].close()
+
+
+def test_a_rebuild_without_the_token_or_a_second_optimizer_is_refused(tmp_path):
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    a = dsa.DiskAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path / "o")
+    kw = a.state_dict()["param_groups"][0]
+    assert kw["state_dir"] == str(tmp_path / "o") and kw["dsa_lineage"]
+    kw.pop("params")
+    kw.pop("dsa_lineage")
+    with pytest.raises(StoreLockedError):  # a plain second optimizer never takes over
+        dsa.DiskAdam(params=emb.parameters(), **kw)
+    a.close()
+    with pytest.raises(FileExistsError):  # and never reuses stores it was not asked to
+        dsa.DiskAdam(params=emb.parameters(), **kw)
+    b = dsa.DiskAdam(params=emb.parameters(), resume=True, **kw)
+    emb(torch.tensor([1, 1, 2])).sum().backward()
+    b.step()
+    # the rebuild of b (PyKEEN's idiom) flushes and closes b, then starts afresh (b stepped)
+    kw = {k: v for k, v in b.state_dict()["param_groups"][0].items() if k != "params"}
+    c = dsa.DiskAdam(params=emb.parameters(), **kw)
+    assert b._closed and [st.count for st in c.stores.values()] == [0]
+    assert "state_dir" not in c.param_groups[0]  # settings travel in state dicts only
+    c.close()
+
+
+# -- process ends ---------------------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import logging, os, signal, sys, time, torch
+    logging.disable(logging.WARNING)
+    from pykeen.datasets import Nations
+    from pykeen.models import TransE
+    from pykeen.training import SLCWATrainingLoop
+    from pykeen.training.callbacks import TrainingCallback
+    from adapters import pykeen as dsa
+    root, mode = sys.argv[1], sys.argv[2]
+    tf = Nations().training
+    torch.manual_seed(0)
+    # both store kinds in one run: the entity table in place, the relation table a log store
+    model = TransE(triples_factory=tf, embedding_dim=8,
+                   entity_representations=dsa.DiskBackedEmbedding.at(root + "/t/entities",
+                                                                     storage="inplace"),
+                   relation_representations=dsa.DiskBackedEmbedding.at(root + "/t/relations",
+                                                                       storage="log"))
+    loop = SLCWATrainingLoop(model=model, triples_factory=tf, optimizer=dsa.DiskAdam,
+                             optimizer_kwargs=dict(lr=1e-2, state_dir=root + "/opt"))
+    ent, rel = model.entity_representations[0], model.relation_representations[0]
+
+    class Report(TrainingCallback):
+        def post_epoch(self, epoch, epoch_loss, **kw):
+            if epoch != 2:
+                return
+            if mode == "kill":
+                self.optimizer.flush()
+            print("epoch2", *(f"{r.table.store.count} "
+                              f"{float(r.weight_rows(list(range(r.max_id))).double().sum())!r}"
+                              for r in (ent, rel)), flush=True)
+            if mode in ("kill", "int"):
+                time.sleep(600)
+
+    loop.train(triples_factory=tf, num_epochs=2 if mode == "forget" else 50, batch_size=64,
+               use_tqdm=False, pin_memory=False, callbacks=Report())
+    # mode "forget": no close; the interpreter exits
+""")
+
+
+def _child(tmp: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(tmp), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _reported(proc) -> list[tuple[int, float]]:
+    line = proc.stdout.readline()
+    assert line.startswith("epoch2"), (line, proc.stderr.read() if proc.poll() is not None
+                                       else "")
+    v = line.split()[1:]
+    return [(int(v[0]), float(v[1])), (int(v[2]), float(v[3]))]
+
+
+def _check_stores(tmp: Path, reported: list[tuple[int, float]]) -> None:
+    """Both tables hold what the child reported (count, sum of the weights) and reopen
+    cleanly; then nothing holds a lock."""
+    for name, (count, total) in zip(("entities", "relations"), reported):
+        st = dsa_core.open(tmp / "t" / name)  # raises UncleanStopError if not flushed
+        try:
+            w = dsa_core.gather(st, np.arange(st.num_rows))
+            assert st.count == count and float(w.astype(np.float64).sum()) == total, name
+            if name == "entities":  # TransE: unit rows, the constraints were flushed too
+                assert np.allclose(np.linalg.norm(w, axis=1), 1.0, atol=1e-6)
+        finally:
+            dsa_core.close(st)
+        dsa.DiskBackedEmbedding(max_id=st.num_rows, shape=8, state_dir=tmp / "t" / name,
+                                overwrite=True).close()
+
+
+def test_forgotten_close_flushes(tmp_path):
+    proc = _child(tmp_path, "forget")
+    reported = _reported(proc)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert [c for c, _ in reported] == [_steps(2, 64)] * 2
+    _check_stores(tmp_path, reported)
+
+
+def test_ctrl_c_leaves_clean_stores(tmp_path):
+    proc = _child(tmp_path, "int")
+    reported = _reported(proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    _check_stores(tmp_path, reported)
+
+
+def test_kill9_keeps_every_flushed_step(tmp_path):
+    proc = _child(tmp_path, "kill")
+    reported = _reported(proc)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    _check_stores(tmp_path, reported)
+
+
+# -- PyKEEN's checkpoints -------------------------------------------------------------------
+@pytest.mark.parametrize("tables", [pytest.param("ram", marks=pytest.mark.slow), "disk"])
+def test_pykeen_checkpoint_resumes_exactly(tmp_path, tables):
+    """A run stopped after 1 epoch and resumed from PyKEEN's checkpoint (a new model and a new
+    DiskAdam, the stores overwritten, then the checkpoint's state dicts loaded) ends where an
+    uninterrupted run ends; the resumed run's other seed proves it did not start over."""
+    def run(sub, epochs, seed, ck):
+        root = tmp_path / sub
+        if tables == "disk":
+            reps, okw = dsa.disk_representations(root / "t", overwrite=True), {}
+        else:
+            reps, okw = dsa.sparse_representations(), {"state_dir": root / "o", "overwrite": True}
+        train = dict(TRAIN, num_epochs=epochs)
+        if ck:
+            train.update(checkpoint_name="c.pt", checkpoint_directory=tmp_path / "ck",
+                         checkpoint_frequency=0)
+        r = pipeline(dataset="Nations", model="TransE", random_seed=seed,
+                     model_kwargs=dict(embedding_dim=8, **reps), optimizer=dsa.DiskAdam,
+                     optimizer_kwargs=dict(lr=1e-2, **okw), training_kwargs=train,
+                     evaluation_kwargs=EVAL)
+        out = _tables(r.model)
+        dsa.close(r.model, r.training_loop.optimizer)
+        return out
+
+    full = run("full", 3, 0, False)
+    run("a", 1, 0, True)
+    resumed = run("a", 3, 7, True)
+    assert max(float((x - y).abs().max()) for x, y in zip(full, resumed)) == 0.0
+    assert max(float((x - y).abs().max()) for x, y in zip(full, run("b", 3, 7, False))) > 0.1
+
+
+def test_chunked_tables_train_and_evaluate_in_slices(tmp_path):
+    """The paths of a table larger than its chunks and than max_full_rows, at Nations' size:
+    per-chunk init and constraints, sLCWA training, evaluation in slices (an unsliced one
+    would raise)."""
+    r = pipeline(dataset="Nations", model="TransE", random_seed=0,
+                 model_kwargs=dict(embedding_dim=8, **dsa.disk_representations(
+                     tmp_path / "t", chunk_rows=4, max_full_rows=10)),
+                 optimizer="DiskAdam", optimizer_kwargs=dict(lr=1e-2), training_kwargs=TRAIN,
+                 evaluation_kwargs=EVAL)
+    ent = r.model.entity_representations[0]
+    w = ent.weight_rows(np.arange(ent.max_id))
+    assert ent.table.store.count == _steps(2, 128) and torch.allclose(
+        w.norm(dim=-1), torch.ones(ent.max_id), atol=1e-6)
+    assert 0 < r.get_metric("mrr") <= 1
+    dsa.close(r.model, r.training_loop.optimizer)
