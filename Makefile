@@ -8,6 +8,10 @@ STAMP  := $(VENV)/.installed
 # It brings pandas, scikit-learn, optuna, class-resolver, ... (about 45 s and 300 MB more).
 PYKEEN := pykeen==1.11.1
 
+# pytest-xdist workers: the suite waits on subprocesses and the disk about half of the time,
+# so two workers on two cores take it from 6.5 to 4.5 min (docs/benchmarks.md, suite time)
+WORKERS ?= 2
+
 .PHONY: setup test test-all demo bench clean
 
 setup: $(STAMP)
@@ -25,10 +29,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m pytest -q -n $(WORKERS) -m "slow or not slow"
 
 # the guard installs PyKEEN into a .venv set up before the pykeen extra existed
 demo: $(STAMP)
