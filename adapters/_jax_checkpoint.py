@@ -9,7 +9,6 @@ plus ``checkpoint.json`` with the count and the tables.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -98,7 +97,7 @@ def checkpoint(state: DiskAdamState, dest, *, overwrite: bool = False) -> Path:
     with dsa_core.staged_dir(dest_r, overwrite) as tmp:
         for n, core in zip(names, cores):
             dsa_core.checkpoint(core, tmp / n)
-        dsa_core.write_json(tmp / CHECKPOINT_MANIFEST, manifest)
+        dsa_core.write_json(tmp / CHECKPOINT_MANIFEST, manifest, checksum=True)
     return dest
 
 
@@ -109,7 +108,7 @@ def _read_manifest(src: Path) -> dict:
                                 f"it has no {CHECKPOINT_MANIFEST}; write one with "
                                 "checkpoint(opt_state, dest)")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = dsa_core.read_json(mpath)  # its checksum checked
     except ValueError as exc:
         raise ValueError(f"{_RESTORE}: {str(mpath)!r} is not a checkpoint manifest: "
                          f"{exc}") from None

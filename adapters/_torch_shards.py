@@ -32,7 +32,6 @@ and every shard's directory and row count. Both are written with :func:`dsa_core
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -198,7 +197,7 @@ def shard_meta(plan: ShardPlan, rank: int, table: dict[str, Any]) -> dict[str, A
 
 def write_shard_meta(path, meta: dict[str, Any]) -> None:
     """Write ``meta`` as ``path/shard.json`` (atomic, durable)."""
-    dsa_core.write_json(Path(path) / SHARD_FILE, meta)
+    dsa_core.write_json(Path(path) / SHARD_FILE, meta, checksum=True)
 
 
 def _read_json(p: Path, fmt: str, what: str, keys: tuple[str, ...],
@@ -208,11 +207,12 @@ def _read_json(p: Path, fmt: str, what: str, keys: tuple[str, ...],
     ``missing`` is raised when there is no such file (each caller says what that means).
     """
     try:
-        obj = json.loads(p.read_text())
+        obj = dsa_core.read_json(p)  # its checksum checked (files written before: none)
     except FileNotFoundError:
         raise missing from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{str(p)!r} is not valid JSON ({exc}); it is not a {what}") from None
+    except ValueError as exc:
+        raise ValueError(f"{exc}; it is not a valid {what}: restore it from a checkpoint") \
+            from None
     if not isinstance(obj, dict) or obj.get("format") != fmt:
         raise ValueError(f"{str(p)!r} is not a {what}")
     _check_version(p, obj)
@@ -269,7 +269,7 @@ def write_manifest(root, obj: dict[str, Any]) -> None:
     """Write ``obj`` as ``root/dsa-sharded.json`` (atomic, durable): the last file of a
     checkpoint, whose presence says that every shard is complete. Every rank of a run may
     write the same manifest to a shared directory at once (temporaries are per process)."""
-    dsa_core.write_json(Path(root) / MANIFEST_FILE, obj)
+    dsa_core.write_json(Path(root) / MANIFEST_FILE, obj, checksum=True)
 
 
 def read_manifest(root) -> dict[str, Any]:

@@ -18,7 +18,7 @@ the returned value. The core never imports torch or jax; ``adapters.torch`` and
 """
 
 from . import validation
-from ._files import staged_dir, write_json
+from ._files import read_json, staged_dir, write_json
 from ._layout import FORMAT_VERSION
 from ._log.store import region_memory
 from ._paging import ACCESS_MODES, check_access, paging_limits
@@ -85,6 +85,7 @@ __all__ = [
     "paging_limits",
     "prefetch",
     "prefetched",
+    "read_json",
     "read_records",
     "region_memory",
     "release_range",

@@ -72,6 +72,30 @@ def check_json_checksum(path: Path, obj: Any, *, required: bool) -> bool:
     return True
 
 
+def read_json(path) -> Any:
+    """The JSON file ``path`` (from :func:`write_json`), its checksum checked when it holds
+    one (``write_json(..., checksum=True)``): ``ValueError`` naming the file when the
+    checksum does not match (a flipped bit, an edit by hand) or the text is not JSON.
+    A file without a checksum (written before checksums) is read as it is. The object
+    returned does not hold the checksum itself.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "meta.json"
+    >>> write_json(p, {"count": 3}, checksum=True)
+    >>> read_json(p)["count"]
+    3
+    """
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{str(path)!r} is damaged: it is not valid JSON ({exc})") from None
+    if isinstance(obj, dict) and CHECKSUM_KEY in obj:
+        check_json_checksum(path, obj, required=True)
+        del obj[CHECKSUM_KEY]
+    return obj
+
+
 def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
                durable: bool = True) -> None:
     """Replace the JSON file ``path`` atomically and durably.

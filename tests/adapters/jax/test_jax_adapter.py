@@ -1057,6 +1057,15 @@ def test_checkpoint_and_restore_on_log_stores(tmp_path):
     st = dj.restore(st, tmp_path / "ck-inplace")
     assert dj.core_states(st)["user"].storage == "log"
     assert_same_bits(records(dj.core_states(st)["user"]), records(dj.core_states(ref)["user"]))
+    # a changed digit in the checkpoint's manifest is named; the stores are not touched
+    mfile = tmp_path / "ck" / "checkpoint.json"
+    text = mfile.read_text()
+    assert '"count": 5' in text
+    mfile.write_text(text.replace('"count": 5', '"count": 6'))
+    before = records(dj.core_states(st)["user"])
+    with pytest.raises(ValueError, match=r"checkpoint\.json.*checksum"):
+        dj.restore(st, tmp_path / "ck")
+    assert_same_bits(records(dj.core_states(st)["user"]), before)
     dj.close(ref)
     dj.close(st)
 

@@ -667,6 +667,11 @@ def test_shard_format(tmp_path):
         write_manifest(tmp_path, bad)
         with pytest.raises(ValueError, match=words):
             read_manifest(tmp_path)
+    write_manifest(tmp_path, man)  # a flipped digit in the count: named, never read as 5
+    text = (tmp_path / "dsa-sharded.json").read_text()
+    (tmp_path / "dsa-sharded.json").write_text(text.replace('"count": 4', '"count": 5'))
+    with pytest.raises(ValueError, match=r"dsa-sharded\.json.*checksum"):
+        read_manifest(tmp_path)
     (tmp_path / "dsa-sharded.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         read_manifest(tmp_path)
@@ -676,6 +681,11 @@ def test_shard_format(tmp_path):
     assert (meta["rank"], meta["local_rows"]) == (2, 12)
     write_shard_meta(tmp_path, meta)
     assert read_shard_meta(tmp_path) == meta
+    text = (tmp_path / "shard.json").read_text()
+    (tmp_path / "shard.json").write_text(text.replace('"rank": 2', '"rank": 1'))
+    with pytest.raises(ValueError, match=r"shard\.json.*checksum"):
+        read_shard_meta(tmp_path)
+    write_shard_meta(tmp_path, meta)
     with pytest.raises(ValueError, match="no shard.json"):
         read_shard_meta(tmp_path / "nowhere")
     assert not list(tmp_path.glob("*.tmp*"))  # dsa_core.write_json left no temporary
