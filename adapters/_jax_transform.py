@@ -397,7 +397,6 @@ def update_in_jit(cfg: Config, updates: Any, state: DiskAdamState, params: Any =
     plist = split_params(params, treedef, len(tables))
     for t, (i, g), p in zip(tables, pairs, plist):  # at trace time: shapes and dtypes
         check_pair_static(t, i, g, p)
-    n = len(tables)
     count = jnp.asarray(state.count, jnp.int32)
     has_p = [p is not None for p in plist]
     # every callback argument is one more transfer: pass only what is used

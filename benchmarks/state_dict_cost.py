@@ -68,7 +68,6 @@ def _reflinked(a: Path, b: Path) -> bool | None:
 def run_kind(root: Path, kind: str, a) -> dict:
     import torch
 
-    import dsa_core
     from adapters.torch import DiskEmbedding, DiskSparseAdam
 
     kw = {"storage": "log", "memory": a.memory} if kind == "log" else {"storage": "inplace"}
