@@ -1,6 +1,7 @@
-"""What ``make demo`` runs: DSA gives SparseAdam's results, on a table larger than its memory.
+"""What ``make demo`` runs: SparseAdam's results from DSA, and a table beyond its memory budget.
 
-Two parts, about two minutes on two CPU cores (measured: see examples/README.md):
+Two parts, about two minutes on two CPU cores (measured: 1 min 49 s on a shared 2-core
+machine; examples/README.md):
 
 1. **Parity** (:mod:`examples.kg_embedding`): ComplEx on UMLS (from the data files of
    PyKEEN's wheel; nothing is downloaded), trained with :class:`adapters.torch.DiskSparseAdam`
@@ -11,11 +12,12 @@ Two parts, about two minutes on two CPU cores (measured: see examples/README.md)
    loss curves to ``runs/demo/loss.png``. The graph has 135 entities: this part shows that the
    numbers are the same, not what DSA is for.
 2. **Out of core** (:mod:`examples.out_of_core`): a 2M x 64 table whose weights, m and v
-   (1.4 GiB) are ten times the memory budget its log-structured store is given (128 MiB),
+   (1.4 GiB) are 11.4 times the memory budget its log-structured store is given (128 MiB),
    trained for three epochs with ``DiskSparseAdam`` in a child process, then with
    ``torch.optim.SparseAdam`` on the same batches in another; prints each child's peak RSS
-   beside an empty ``import torch`` child's, the throughput, and the loss per epoch of both.
-   The store (under ``runs/demo/ooc``) is removed at the end unless ``--keep``.
+   (and its anonymous and file-backed parts) beside an empty ``import torch`` child's, the
+   throughput, and the loss per epoch of both. The store (under ``runs/demo/ooc``) is
+   removed at the end unless ``--keep``.
 
     python -m examples.demo [--smoke] [--keep] [--only parity|ooc] [kg_embedding options]
 

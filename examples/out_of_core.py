@@ -42,6 +42,7 @@ and is removed at the end unless ``--keep``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -221,6 +222,8 @@ def run(cfg: Config, work: Path, keep: bool = False) -> dict:
     finally:
         if not keep:
             shutil.rmtree(store, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                work.rmdir()  # if this run made it and nothing else is there
     res = {"cfg": cfg, "torch_baseline": base, "dsa": dsa,
            "state_bytes": 3 * cfg.rows * cfg.dim * 4,
            "budget": dsa_core.validation.check_memory_arg(cfg.memory, "log", what="memory"),

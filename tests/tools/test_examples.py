@@ -214,7 +214,7 @@ def test_out_of_core_smoke(tmp_path, capsys):
         assert f[key]["file"] == fmt_bytes(res["peak_rss_file"])
         assert f[key]["ids_s"] == pytest.approx(res["ids"] / res["train_s"], abs=0.5)
         assert f[key]["loss"] == pytest.approx(res["epoch_loss"], abs=1e-4)
-    assert not (tmp_path / "ooc" / "table").exists()   # removed (no --keep)
+    assert not (tmp_path / "ooc").exists()   # removed (no --keep)
 
 
 # --- examples.jax_kg ---------------------------------------------------------------------------
