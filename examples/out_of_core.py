@@ -81,7 +81,6 @@ class Config:
 
 SMOKE = Config(rows=20_000, dim=16, memory="1MiB", batch=512, epochs=2, lr=0.1)
 
-MIB = 2**20
 _P = 2_147_483_629            # a prime below 2**31: the targets' hash modulus
 _A, _B, _C = 1_103_515_245, 40_503, 2_654_435_761 % _P
 
@@ -89,8 +88,9 @@ _A, _B, _C = 1_103_515_245, 40_503, 2_654_435_761 % _P
 def targets(ids, dim: int):
     """The target rows of ``ids`` (int64 tensor): fixed pseudo-random values in ``[-1, 1)``.
 
-    ``h = ((id * A + col * B) mod P) * C mod P`` scaled to ``[-1, 1)``; every product stays
-    below 2**63, so the same ids give the same targets in every process.
+    ``h = ((id * A + col * B) mod P) * C mod P`` scaled to ``[-1, 1)``: integer arithmetic,
+    exact for ids below 2**32 (every product stays below 2**63), so the same ids give the
+    same targets in every process.
     """
     import torch
 
@@ -215,6 +215,7 @@ def run(cfg: Config, work: Path, keep: bool = False) -> dict:
     work = Path(work)
     store = work / "table"
     me = ["-m", "examples.out_of_core"]
+    made = not work.exists()
     t0 = time.perf_counter()
     base = _child(["-c", _BASELINE])["VmHWM"]
     try:
@@ -222,8 +223,9 @@ def run(cfg: Config, work: Path, keep: bool = False) -> dict:
     finally:
         if not keep:
             shutil.rmtree(store, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                work.rmdir()  # if this run made it and nothing else is there
+            if made:
+                with contextlib.suppress(OSError):
+                    work.rmdir()  # unless something else was put there meanwhile
     res = {"cfg": cfg, "torch_baseline": base, "dsa": dsa,
            "state_bytes": 3 * cfg.rows * cfg.dim * 4,
            "budget": dsa_core.validation.check_memory_arg(cfg.memory, "log", what="memory"),
