@@ -1,7 +1,7 @@
 """What ``make demo`` runs: SparseAdam's results from DSA, and a table beyond its memory budget.
 
-Two parts, about two minutes on two CPU cores (measured: 1 min 49 s on a shared 2-core
-machine; examples/README.md):
+Two parts, about two minutes on two CPU cores (measured: 1 min 49 s and 1 min 57 s on a shared
+2-core machine; examples/README.md):
 
 1. **Parity** (:mod:`examples.kg_embedding`): ComplEx on UMLS (from the data files of
    PyKEEN's wheel; nothing is downloaded), trained with :class:`adapters.torch.DiskSparseAdam`
