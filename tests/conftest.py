@@ -9,17 +9,26 @@
   on both kinds (the storage kind is a performance choice, never a behaviour).
 
 Plain helpers (records, digests, log budgets, the crash harness, ...) are in helpers.py.
+
+The Ctrl-C tests need Python's own SIGINT handler: a shell that starts a job in the background
+(``make test &``, some CI runners) starts it with SIGINT ignored, which Python then keeps and
+every child process inherits, so a SIGINT would do nothing. The handler is put back here, in
+the test process and (through it) in every process a test starts.
 """
 
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import KINDS, digest, num_threads  # noqa: F401  (num_threads: re-exported)
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SPEC_N = 1000
 SPEC_B = 64
