@@ -332,19 +332,26 @@ def test_forgotten_close_flushes(tmp_path):
 
 def test_ctrl_c_leaves_clean_stores(tmp_path):
     proc = _child(tmp_path, "int")
-    reported = _reported(proc)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        reported = _reported(proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:  # a child that outlives a failure would fail the next test (unraisable warnings)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     _check_stores(tmp_path, reported)
 
 
 def test_kill9_keeps_every_flushed_step(tmp_path):
     proc = _child(tmp_path, "kill")
-    reported = _reported(proc)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    try:
+        reported = _reported(proc)
+        time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     _check_stores(tmp_path, reported)
 
