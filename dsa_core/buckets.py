@@ -464,7 +464,9 @@ class Fit(NamedTuple):
 def _bytes(value: Any, name: str, allow_zero: bool = False) -> int:
     """An int of bytes or a size string ("4GiB", "512M"), as ``memory=`` of ``create``."""
     if allow_zero and isinstance(value, int | np.integer) and not isinstance(value, bool) \
-            and value == 0:
+            and value <= 0:
+        if value < 0:
+            raise ValueError(f"buckets.fit: {name} must be >= 0 bytes, got {value}")
         return 0
     try:
         return validation.check_memory_arg(value, what="buckets.fit")

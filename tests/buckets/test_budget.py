@@ -115,6 +115,10 @@ def test_errors_say_what_and_how():
         buckets.fit([], memory="1GiB")
     with pytest.raises(TypeError, match="reserve must be"):
         buckets.fit([(1000, 8)], memory="1GiB", reserve=0.5)
+    with pytest.raises(ValueError, match="reserve must be >= 0 bytes, got -1"):
+        buckets.fit([(1000, 8)], memory="1GiB", reserve=-1)
+    with pytest.raises(ValueError, match="memory must be > 0 bytes"):
+        buckets.fit([(1000, 8)], memory=0)
     with pytest.raises(ValueError, match="memory must be"):
         buckets.fit([(1000, 8)], memory="lots")
     with pytest.raises(TypeError, match=r"tables\[0\] must be"):
