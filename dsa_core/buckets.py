@@ -539,7 +539,7 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
         processes pass what this one may really take.
     reserve : int or str
         The part of ``memory`` the framework needs besides the partitions: the
-        interpreter, numpy and numba (about 100 MiB), torch (about 280 MiB resident after
+        interpreter, numpy and numba (about 100 MiB), torch (220-280 MiB resident after
         ``import torch`` on CPU; more with CUDA), the model's other tensors, the batches
         and the page cache of the bucketed edges as they stream. Default 512 MiB, for a
         CPU torch process; raise it for a larger model or CUDA, lower it (0 allowed) for a
@@ -564,8 +564,11 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
     Raises
     ------
     ValueError
-        Nothing fits: the reserve takes all of ``memory``, or not even c = 2 partitions of
-        one row each (or the given P or c) fit; the message says by how much.
+        Nothing fits: the reserve takes all of ``memory``, or not even three partitions of
+        one row each (c = 2, P = num_rows; or the given P or c) fit: the message gives
+        both figures and what to change. Also tables of different ``num_rows``.
+    TypeError, ValueError
+        A bad argument (a float where an int belongs, a negative size, ``max_buffer < 2``).
 
     Examples
     --------
