@@ -42,9 +42,10 @@ import numpy as np
 
 import dsa_core
 
-from . import _bucket_order
+from . import _bucket_order, _paging, validation
 
-__all__ = ["Batch", "BatchIterator", "Order", "Plan", "open_plan", "plan"]
+__all__ = ["DEFAULT_RESERVE", "Batch", "BatchIterator", "Fit", "Order", "Plan", "fit", "open_plan",
+           "plan"]
 
 _PLAN_FORMAT = "dsa_core.buckets.plan"
 _ITER_KIND = "dsa_core.buckets.BatchIterator"
@@ -418,6 +419,241 @@ def open_plan(path, *, buffer: int | None = None, seed: int | None = None) -> Pl
     seed = meta["seed"] if seed is None else _int(seed, "seed", 0)
     return Plan(num_nodes=meta["num_nodes"], num_partitions=P, buffer=c, seed=seed,
                 edges=edges, offsets=offsets, path=path)
+
+
+# -- choosing P and c ----------------------------------------------------------------------
+DEFAULT_RESERVE = 512 << 20  # the framework's own memory: see fit()'s ``reserve``
+
+
+class Fit(NamedTuple):
+    """What :func:`fit` chose, with the figures it chose by (bytes).
+
+    Attributes
+    ----------
+    partitions, buffer : int
+        P and c: pass them to :func:`plan` (``partitions=``, ``buffer=``).
+    partition_bytes : int
+        The records of the largest partition (``ceil(num_rows / P)`` rows) of all the
+        tables together.
+    buffer_bytes : int
+        What the iterator holds at once: ``min(c + 1, P)`` partitions (the buffer and the
+        one read ahead) plus one bucket's edges and their shuffle (``edge_bytes``).
+    edge_bytes : int
+        The edge term of ``buffer_bytes`` (0 when ``num_edges`` was not given).
+    memory, reserve : int
+        The memory it fitted into and the part of it left to the framework:
+        ``buffer_bytes <= memory - reserve``.
+    """
+
+    partitions: int
+    buffer: int
+    partition_bytes: int
+    buffer_bytes: int
+    edge_bytes: int
+    memory: int
+    reserve: int
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        return (f"P = {self.partitions}, c = {self.buffer}: partitions of "
+                f"{self.partition_bytes / mib:,.1f} MiB, {self.buffer_bytes / mib:,.1f} MiB "
+                f"held (of which edges {self.edge_bytes / mib:,.1f} MiB) within memory "
+                f"{self.memory / mib:,.0f} MiB - reserve {self.reserve / mib:,.0f} MiB")
+
+
+def _bytes(value: Any, name: str, allow_zero: bool = False) -> int:
+    """An int of bytes or a size string ("4GiB", "512M"), as ``memory=`` of ``create``."""
+    if allow_zero and isinstance(value, int | np.integer) and not isinstance(value, bool) \
+            and value <= 0:
+        if value < 0:
+            raise ValueError(f"buckets.fit: {name} must be >= 0 bytes, got {value}")
+        return 0
+    try:
+        return validation.check_memory_arg(value, what="buckets.fit")
+    except (TypeError, ValueError) as exc:  # the message names memory=: name ours instead
+        raise type(exc)(str(exc).replace("memory ", f"{name} ", 1)) from None
+
+
+def _tables(tables) -> tuple[int, int, int]:
+    """``(num_rows, record bytes of all tables per row, log regions' bytes)``."""
+    if isinstance(tables, dsa_core.State) or (isinstance(tables, tuple) and len(tables) == 2
+                                              and not isinstance(tables[0], tuple | list)
+                                              and not isinstance(tables[0], dsa_core.State)):
+        tables = [tables]
+    try:
+        tables = list(tables)
+    except TypeError:
+        raise TypeError("tables must be a sequence of dsa_core.State or of (num_rows, "
+                        f"record_bytes) pairs, got {type(tables).__name__}") from None
+    if not tables:
+        raise ValueError("tables must name at least one table: the States the iterator "
+                         "loads (stores=[...]) or (num_rows, record_bytes) pairs")
+    rows, per_row, regions = [], 0, 0
+    for n, t in enumerate(tables):
+        if isinstance(t, dsa_core.State):
+            if t.closed:
+                raise ValueError(f"tables[{n}] ({str(t.path)!r}) is closed; pass an open "
+                                 "store or (num_rows, record_bytes)")
+            rows.append(t.num_rows)
+            per_row += t.layout["stride"] * t.dtype.itemsize  # weights, m and v: a record
+            if t.storage == "log":  # its region is held besides the partitions
+                regions += int(getattr(t.store, "memory_bytes", 0) or 0)
+        else:
+            try:
+                r, b = t
+            except (TypeError, ValueError):
+                raise TypeError(f"tables[{n}] must be a dsa_core.State or a (num_rows, "
+                                f"record_bytes) pair, got {t!r}") from None
+            rows.append(_int(r, f"tables[{n}] num_rows", 1))
+            per_row += _int(b, f"tables[{n}] record_bytes", 1)
+    if len(set(rows)) != 1:
+        raise ValueError("the tables must have the same number of rows (their rows are the "
+                         f"node ids the partitions split), got num_rows {rows}")
+    return rows[0], per_row, regions
+
+
+def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None = None,
+        buffer: int | None = None, max_buffer: int = 8, num_edges: int = 0,
+        columns: int = 2, mix: str = "bucket") -> Fit:
+    """Choose P and c so that the partitions held during training fit in memory.
+
+    Takes the largest buffer ``c`` in ``[2, max_buffer]`` (a larger buffer moves fewer
+    bytes per epoch: docs/buckets.md, "Choosing P and c") and for it the smallest ``P >= c``
+    whose ``min(c + 1, P)`` partitions -- the ``c`` resident and the one the iterator reads
+    ahead -- plus one bucket's edges fit in ``memory - reserve``. Pure arithmetic on the
+    sizes and the memory limit: it opens, reads and allocates nothing.
+
+    Parameters
+    ----------
+    tables : State, or sequence of State or of ``(num_rows, record_bytes)``
+        The tables indexed by node id (the stores passed to ``plan.batches(stores=)``),
+        all with the same ``num_rows``. A row of the buffer is a store's whole record,
+        weights and Adam's moments: ``state.layout["stride"] * state.dtype.itemsize``
+        bytes (1,536 for a 128-dim float32 table), summed over the tables. A log store's
+        memory region (its ``memory=``) is added to ``reserve``; for out-of-core
+        partition-ordered training use in-place stores (docs/buckets.md).
+    memory : int or str, optional
+        The memory the process may use, bytes or a size string (``"8GiB"``). Default: the
+        machine's physical memory capped by the process's memory cgroup(s)
+        (``dsa_core.paging_limits()["memory_limit"]``). On a machine shared with other
+        processes pass what this one may really take.
+    reserve : int or str
+        The part of ``memory`` the framework needs besides the partitions: the
+        interpreter, numpy and numba (about 100 MiB), torch (220-280 MiB resident after
+        ``import torch`` on CPU; more with CUDA), the model's other tensors, the batches
+        and the page cache of the bucketed edges as they stream. Default 512 MiB, for a
+        CPU torch process; raise it for a larger model or CUDA, lower it (0 allowed) for a
+        numpy-only loop.
+    partitions, buffer : int, optional
+        Fix P or c (or both: then only checked); the other is chosen as above.
+    max_buffer : int
+        The largest c considered (>= 2). Each step of c costs more, smaller buckets
+        (``P**2`` of them, each ending with a short batch) for less traffic.
+    num_edges, columns, mix : optional
+        With ``num_edges`` (E) given, one bucket's edges and their shuffle,
+        ``ceil(E / P**2) * (8 * columns + 8)`` bytes, count too (uniform buckets assumed;
+        ``plan.bucket_sizes.max()`` is the real largest), ``min(c*c, P*P)`` buckets of
+        them with ``mix="buffer"``.
+
+    Returns
+    -------
+    Fit
+        ``(partitions, buffer, partition_bytes, buffer_bytes, edge_bytes, memory,
+        reserve)``; ``print(fit)`` says it in MiB.
+
+    Raises
+    ------
+    ValueError
+        Nothing fits: the reserve takes all of ``memory``, or not even three partitions of
+        one row each (c = 2, P = num_rows; or the given P or c) fit: the message gives
+        both figures and what to change. Also tables of different ``num_rows``.
+    TypeError, ValueError
+        A bad argument (a float where an int belongs, a negative size, ``max_buffer < 2``).
+
+    Examples
+    --------
+    >>> f = fit([(10_000_000, 1536)], memory="4GiB")     # 10M x 128 float32: 15.4 GB
+    >>> f.partitions, f.buffer, f.buffer_bytes <= f.memory - f.reserve
+    (37, 8, True)
+    >>> print(f)
+    P = 37, c = 8: partitions of 395.9 MiB, 3,563.1 MiB held (of which edges 0.0 MiB) \
+within memory 4,096 MiB - reserve 512 MiB
+    >>> fit([(10_000_000, 1536)], memory="4GiB", buffer=2)[:2]   # c fixed: P for it
+    (13, 2)
+    >>> p = plan(np.zeros((1, 2), np.int64), 10_000_000, partitions=f.partitions,
+    ...          buffer=f.buffer)
+    >>> fit([(10_000_000, 1536)], memory="1GiB", reserve="1GiB")
+    Traceback (most recent call last):
+        ...
+    ValueError: memory - reserve must leave room for the partitions: reserve 1,024 MiB >= ...
+    """
+    if mix not in ("bucket", "buffer"):
+        raise ValueError(f"mix must be 'bucket' or 'buffer', got {mix!r}")
+    N, rec, regions = _tables(tables)
+    total = _bytes(_paging.memory_limit() if memory is None else memory, "memory")
+    reserve = _bytes(reserve, "reserve", allow_zero=True)
+    max_c = _int(max_buffer, "max_buffer", 2)
+    E = _int(num_edges, "num_edges", 0)
+    cols = _int(columns, "columns", 2)
+    if cols > 3:
+        raise ValueError(f"columns must be 2 or 3 (the edges' columns), got {cols}")
+    P_fixed = None if partitions is None else _int(partitions, "partitions", 1)
+    c_fixed = None if buffer is None else _int(buffer, "buffer", 2)
+    if P_fixed is not None and P_fixed > N:
+        raise ValueError(f"partitions must be <= num_rows = {N} (each partition needs a "
+                         f"row), got {P_fixed}")
+    held = reserve + regions
+    if held >= total:
+        what = f"reserve {reserve / 2**20:,.0f} MiB" + (
+            f" + log regions {regions / 2**20:,.0f} MiB" if regions else "")
+        raise ValueError(f"memory - reserve must leave room for the partitions: {what} "
+                         f">= memory {total / 2**20:,.0f} MiB; give more memory= or a "
+                         "smaller reserve=" + (" (or in-place stores)" if regions else ""))
+    avail = total - held
+
+    def need(P: int, c: int) -> tuple[int, int, int]:
+        part = -(-N // P) * rec
+        per_bucket = -(-E // (P * P))
+        edge = per_bucket * (8 * cols + 8) * (1 if mix == "bucket" else min(c * c, P * P))
+        return part, min(c + 1, P) * part + edge, edge
+
+    def smallest_P(c: int) -> int | None:
+        """The smallest P >= c that fits with buffer c (None: none up to num_rows)."""
+        if P_fixed is not None:
+            return P_fixed if need(P_fixed, c)[1] <= avail else None
+        lo = min(c, N)
+        if need(lo, c)[1] <= avail:
+            return lo
+        lo += 1  # past P = c the need only falls as P grows: bisect
+        if lo > N or need(N, c)[1] > avail:
+            return None
+        hi = N
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if need(mid, c)[1] <= avail:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    cs = [c_fixed] if c_fixed is not None else range(max_c, 1, -1)
+    for c in cs:
+        if P_fixed is not None and c > max(P_fixed, 2) and c_fixed is None:
+            continue  # c > P holds what c = P holds: report the smallest
+        P = smallest_P(c)
+        if P is not None:
+            part, buf, edge = need(P, c)
+            return Fit(P, c, part, buf, edge, total, held)
+    c = 2 if c_fixed is None else c_fixed
+    P = N if P_fixed is None else P_fixed
+    buf = need(P, c)[1]
+    given = ", ".join(f"{k} = {v}" for k, v in (("P", P_fixed), ("c", c_fixed))
+                      if v is not None)
+    raise ValueError(f"no P and c fit: min(c + 1, P) partitions of the tables (c >= 2) must "
+                     f"fit in memory - reserve = {avail / 2**20:,.1f} MiB, and the smallest "
+                     f"(P = {P}, c = {c}{'; ' + given + ' given' if given else ''}) needs "
+                     f"{buf / 2**20:,.1f} MiB; give more memory=, a smaller reserve="
+                     + (", or drop the fixed partitions=/buffer=" if given else ""))
 
 
 # -- iteration ---------------------------------------------------------------------------

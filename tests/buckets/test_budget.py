@@ -1,0 +1,190 @@
+"""dsa_core.buckets.fit: choosing P and c that fit in a memory budget, the framework's included.
+
+The oracle is the memory rule written out again here, independently of the module: the
+iterator holds ``min(c + 1, P)`` partitions of ``ceil(num_rows / P)`` rows of every table
+(the buffer and the one read ahead) plus one bucket's edges and their shuffle. A choice
+must fit in ``memory - reserve``, with P the smallest that fits for its c and c the largest
+in ``[2, max_buffer]`` that fits at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import dsa_core
+from dsa_core import _paging, buckets
+
+MiB = 1 << 20
+
+
+def _held(N, rec, P, c, E=0, cols=2):
+    return min(c + 1, P) * -(-N // P) * rec + -(-E // (P * P)) * (8 * cols + 8)
+
+
+GRID = list(itertools.product(
+    [1, 7, 1_000, 123_457, 10_000_000],          # num_rows
+    [64, 1_536],                                  # record bytes per row
+    [64 * MiB, 700 * MiB, 4096 * MiB, 64 << 30],  # memory
+    [0, 512 * MiB],                               # reserve
+    [0, 10**8],                                   # edges
+))
+
+
+@pytest.mark.parametrize("N,rec,M,R,E", GRID)
+def test_choice_fits_and_is_tight(N, rec, M, R, E):
+    avail = M - R
+    if avail <= 0 or _held(N, rec, N, 2, E) > avail:
+        with pytest.raises(ValueError, match="memory"):
+            buckets.fit([(N, rec)], memory=M, reserve=R, num_edges=E)
+        return
+    f = buckets.fit([(N, rec)], memory=M, reserve=R, num_edges=E)
+    P, c = f.partitions, f.buffer
+    assert 2 <= c <= 8 and min(c, N) <= P <= N
+    assert f.buffer_bytes == _held(N, rec, P, c, E)
+    assert f.buffer_bytes + f.reserve <= f.memory == M and f.reserve == R
+    assert f.partition_bytes == -(-N // P) * rec
+    # P is the smallest >= c that fits, c the largest that fits at any P
+    assert P == min(c, N) or _held(N, rec, P - 1, c, E) > avail
+    if c < 8:
+        assert all(_held(N, rec, p, c + 1, E) > avail for p in range(c + 1, N + 1)
+                   ) if N < 2_000 else _held(N, rec, N, c + 1, E) > avail
+
+
+@pytest.mark.parametrize("N,rec", [(1_000, 64), (123_457, 1_536), (10_000_000, 1_536)])
+@pytest.mark.parametrize("c", [None, 2, 5])
+def test_more_memory_never_more_partitions(N, rec, c):
+    mems = [int(m) for m in np.geomspace(N * rec / 50, 4 * N * rec, 40)]
+    got = []
+    for M in mems:
+        try:
+            f = buckets.fit([(N, rec)], memory=M, reserve=0, buffer=c)
+        except ValueError:
+            assert not got, "a larger memory failed where a smaller one fitted"
+            continue
+        got.append((f.buffer, f.partitions))
+    assert got
+    cs = [g[0] for g in got]
+    assert cs == sorted(cs)  # c never shrinks as memory grows
+    for (c1, p1), (c2, p2) in zip(got, got[1:]):
+        if c1 == c2:
+            assert p2 <= p1
+
+
+def test_fixed_partitions_or_buffer():
+    N, rec, M = 1_000_000, 1_536, 1 << 30
+    f = buckets.fit([(N, rec)], memory=M, reserve=0, partitions=40)
+    assert f.partitions == 40 and _held(N, rec, 40, f.buffer) <= M
+    assert f.buffer == 8 or _held(N, rec, 40, f.buffer + 1) > M
+    g = buckets.fit([(N, rec)], memory=M, reserve=0, partitions=40, buffer=3)
+    assert (g.partitions, g.buffer) == (40, 3)
+    whole = buckets.fit([(N, rec)], memory=2 * M, reserve=0, partitions=1)  # all at once
+    assert (whole.partitions, whole.buffer, whole.buffer_bytes) == (1, 2, N * rec)
+    with pytest.raises(ValueError, match=r"no P and c fit.*P = 2, c = 2; P = 2 given"):
+        buckets.fit([(N, rec)], memory=M, reserve=0, partitions=2)
+    with pytest.raises(ValueError, match="drop the fixed"):
+        buckets.fit([(N, rec)], memory=M, reserve=0, partitions=4, buffer=3)
+    with pytest.raises(ValueError, match="partitions must be <= num_rows = 10"):
+        buckets.fit([(10, 8)], memory=M, partitions=11)
+
+
+def test_several_tables_and_mix():
+    one = buckets.fit([(100_000, 1_536)], memory=256 * MiB, reserve=0)
+    two = buckets.fit([(100_000, 1_536), (100_000, 1_536)], memory=256 * MiB, reserve=0)
+    assert two.partition_bytes == -(-100_000 // two.partitions) * 3_072
+    assert two.partitions >= one.partitions
+    assert buckets.fit((100_000, 1_536), memory=256 * MiB, reserve=0) == one  # one pair
+    b = buckets.fit([(100_000, 64)], memory=64 * MiB, reserve=0, num_edges=10**8, buffer=4)
+    m = buckets.fit([(100_000, 64)], memory=64 * MiB, reserve=0, num_edges=10**8, buffer=4,
+                    mix="buffer")
+    assert m.edge_bytes == -(-10**8 // m.partitions**2) * 24 * 16 and m.partitions > b.partitions
+
+
+def test_errors_say_what_and_how():
+    with pytest.raises(ValueError, match=r"reserve 512 MiB >= memory 256 MiB; give more "
+                                         r"memory= or a smaller reserve="):
+        buckets.fit([(1000, 8)], memory="256MiB")
+    with pytest.raises(ValueError, match=r"no P and c fit: .*\(P = 1000000000, c = 2\) "
+                                         r"needs 0.0 MiB"):
+        buckets.fit([(10**9, 1_536)], memory=513 * MiB + 3 * 1_536 - 1, reserve="513MiB")
+    with pytest.raises(ValueError, match="same number of rows"):
+        buckets.fit([(1000, 8), (999, 8)], memory="1GiB")
+    with pytest.raises(ValueError, match="at least one table"):
+        buckets.fit([], memory="1GiB")
+    with pytest.raises(TypeError, match="reserve must be"):
+        buckets.fit([(1000, 8)], memory="1GiB", reserve=0.5)
+    with pytest.raises(ValueError, match="reserve must be >= 0 bytes, got -1"):
+        buckets.fit([(1000, 8)], memory="1GiB", reserve=-1)
+    with pytest.raises(ValueError, match="memory must be > 0 bytes"):
+        buckets.fit([(1000, 8)], memory=0)
+    with pytest.raises(ValueError, match="memory must be"):
+        buckets.fit([(1000, 8)], memory="lots")
+    with pytest.raises(TypeError, match=r"tables\[0\] must be"):
+        buckets.fit(["t"], memory="1GiB")
+    with pytest.raises(ValueError, match="max_buffer must be an int >= 2"):
+        buckets.fit([(1000, 8)], memory="1GiB", max_buffer=1)
+    with pytest.raises(ValueError, match="mix must be"):
+        buckets.fit([(1000, 8)], memory="1GiB", mix="all")
+    with pytest.raises(ValueError, match="buffer must be an int >= 2"):
+        buckets.fit([(1000, 8)], memory="1GiB", buffer=1)
+
+
+def test_default_memory_is_the_cgroup_limit(monkeypatch):
+    """Without memory= the limit is the machine's memory capped by the process's cgroup."""
+    cap = 3 << 30
+    monkeypatch.setattr(_paging, "_cgroups", lambda: [_paging._Cgroup(cap, None, None)])
+    assert _paging.memory_limit() == min(cap, _paging._physical_bytes())
+    f = buckets.fit([(10_000_000, 1_536)])
+    assert f.memory == min(cap, _paging._physical_bytes())
+    assert f == buckets.fit([(10_000_000, 1_536)], memory=f.memory)
+    monkeypatch.setattr(_paging, "_cgroups", lambda: [_paging._Cgroup(600 * MiB, None, None)])
+    assert buckets.fit([(10_000_000, 1_536)]).memory == 600 * MiB
+
+
+def test_states_and_the_iterator_accept_the_choice(tmp_path):
+    """A State counts its whole record; plan() and batches() take the returned P and c, and
+    the iterator never holds more than the fit counted."""
+    N, D = 3_000, 8
+    s = dsa_core.create(tmp_path / "s", N, D, storage="inplace")
+    rec = s.layout["stride"] * s.dtype.itemsize
+    assert rec == 3 * D * 4  # weights, m and v
+    M = 6 * -(-N // 10) * rec  # room for 6 partitions of P = 10
+    f = buckets.fit([s], memory=M, reserve=0, max_buffer=5)
+    assert (f.partitions, f.buffer) == (10, 5) and f == buckets.fit([(N, rec)], memory=M,
+                                                                      reserve=0, max_buffer=5)
+    edges = np.random.default_rng(0).integers(0, N, size=(2_000, 2))
+    p = buckets.plan(edges, N, partitions=f.partitions, buffer=f.buffer)
+    held, most = set(), 0
+    load, release = dsa_core.load_range, dsa_core.release_range
+
+    def on_load(st, lo, hi):
+        held.add(lo)
+        return load(st, lo, hi)
+
+    def on_release(st, lo, hi):
+        held.discard(lo)
+        return release(st, lo, hi)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(dsa_core, "load_range", on_load)
+    mp.setattr(dsa_core, "release_range", on_release)
+    try:
+        n = 0
+        for b in p.batches(256, negatives=2, stores=[s]):
+            most = max(most, len(held))
+            n += len(b.edges)
+    finally:
+        mp.undo()
+    dsa_core.wait_ranges(s)
+    assert n == len(edges) and f.buffer <= most
+    assert most * f.partition_bytes <= f.buffer_bytes
+    dsa_core.close(s)
+
+
+def test_a_log_store_region_counts_as_reserve(tmp_path):
+    s = dsa_core.create(tmp_path / "l", 1_000, 8, storage="log", memory="2MiB")
+    f = buckets.fit([s], memory="64MiB", reserve="1MiB")
+    assert f.reserve == MiB + 2 * MiB
+    dsa_core.close(s)
