@@ -89,6 +89,12 @@ class Engine(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def memory_bytes(self) -> int | None:
+        """The anonymous memory the engine holds for rows beside the page cache (a log
+        store's region budget); None when it holds none (an in-place store, a read-only
+        open)."""
+
     # -- stepping -----------------------------------------------------------------------------
     def check_batch(self, n: int) -> None:
         """Raise ``ValueError`` if ``n`` distinct rows cannot be stepped at once."""

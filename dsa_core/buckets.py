@@ -496,8 +496,8 @@ def _tables(tables) -> tuple[int, int, int]:
                                  "store or (num_rows, record_bytes)")
             rows.append(t.num_rows)
             per_row += t.layout["stride"] * t.dtype.itemsize  # weights, m and v: a record
-            if t.storage == "log":  # its region is held besides the partitions
-                regions += int(getattr(t.store, "memory_bytes", 0) or 0)
+            # memory the store holds besides the partitions (a log store's region; None in place)
+            regions += int(t.store.memory_bytes or 0)
         else:
             try:
                 r, b = t

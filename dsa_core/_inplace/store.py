@@ -277,6 +277,11 @@ class Store:
     def nbytes(self) -> int:
         return HEADER_BYTES + self.num_rows * self.stride * self.dtype.itemsize
 
+    @property
+    def memory_bytes(self) -> None:
+        """None: an in-place store keeps its rows in the page cache, no region of its own."""
+        return None
+
     def _lock(self) -> None:
         self._lockfd = lock_writer(self.path)
 
