@@ -746,10 +746,10 @@ def flush(state: State) -> None:
         g.note([state])
         if g.stepped_since():
             g.flush([state])
-            note_newest(state, meta)
+            note_newest(state.store, state.count, meta)
             return
     state.store.flush(int(state.count), meta)
-    note_newest(state, meta)
+    note_newest(state.store, state.count, meta)
 
 
 def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = False) -> Path:
@@ -1006,9 +1006,9 @@ def close(state: State) -> None:
 _NEWEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def note_newest(state: State, meta: dict[str, Any]) -> None:
-    """Remember the count and settings of ``state``, the store's newest State (step, flush)."""
-    _NEWEST[state.store] = (int(state.count), meta)
+def note_newest(store: Any, count: int, meta: dict[str, Any]) -> None:
+    """Remember the count and settings of the store's newest State (a step or flush)."""
+    _NEWEST[store] = (int(count), meta)
 
 
 def _require_writable(state: State) -> None:

@@ -243,7 +243,7 @@ def run_step(plan: StepPlan) -> None:
 def commit_step(plan: StepPlan) -> None:
     """The engine's ``commit_step``: the step takes effect (``count`` becomes ``t``)."""
     plan.state.store.commit_step(plan.t, plan.meta)
-    note_newest(plan.state._replace(count=plan.t), plan.meta)
+    note_newest(plan.state.store, plan.t, plan.meta)
 
 
 def abort_step(plan: StepPlan) -> None:

@@ -587,7 +587,7 @@ within memory 4,096 MiB - reserve 512 MiB
         ...
     ValueError: memory - reserve must leave room for the partitions: reserve 1,024 MiB >= ...
     """
-    if mix not in ("bucket", "buffer"):
+    if mix not in MIXES:
         raise ValueError(f"mix must be 'bucket' or 'buffer', got {mix!r}")
     N, rec, regions = _tables(tables)
     total = _bytes(_paging.memory_limit() if memory is None else memory, "memory")
