@@ -210,9 +210,11 @@ def _read_json(p: Path, fmt: str, what: str, keys: tuple[str, ...],
         obj = dsa_core.read_json(p)  # its checksum checked (files written before: none)
     except FileNotFoundError:
         raise missing from None
-    except ValueError as exc:
-        raise ValueError(f"{exc}; it is not a valid {what}: restore it from a checkpoint") \
-            from None
+    except ValueError as exc:  # damaged: the core's message names the file (and, for a
+        msg = f"{exc} (the {what})"  # checksum, the remedy); say the remedy once
+        if "restore" not in str(exc):
+            msg += "; restore it from a checkpoint"
+        raise ValueError(msg) from None
     if not isinstance(obj, dict) or obj.get("format") != fmt:
         raise ValueError(f"{str(p)!r} is not a {what}")
     _check_version(p, obj)

@@ -670,10 +670,11 @@ def test_shard_format(tmp_path):
     write_manifest(tmp_path, man)  # a flipped digit in the count: named, never read as 5
     text = (tmp_path / "dsa-sharded.json").read_text()
     (tmp_path / "dsa-sharded.json").write_text(text.replace('"count": 4', '"count": 5'))
-    with pytest.raises(ValueError, match=r"dsa-sharded\.json.*checksum"):
+    with pytest.raises(ValueError, match=r"dsa-sharded\.json.*checksum") as err:
         read_manifest(tmp_path)
+    assert str(err.value).count("restore") == 1, err.value  # the remedy said once
     (tmp_path / "dsa-sharded.json").write_text("{")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match="not valid JSON.*restore it from a checkpoint"):
         read_manifest(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a complete sharded checkpoint"):
         read_manifest(tmp_path / "nowhere")
