@@ -285,8 +285,10 @@ class LogEngine:
         kept as it is, one that moved meanwhile is read again from where it lies.
 
         Raises ``ValueError``, changing nothing, unless the rows of the active ranges and
-        this one, plus the largest batch stepped so far (at least 1), fit in the region;
-        and first the error of an earlier load that failed, once.
+        this one, plus the largest batch stepped since this open (at least 1; rows written
+        with :meth:`write` do not count), fit in the region; and first the error of an
+        earlier load that failed, once. A larger batch stepped later still steps: the pins
+        yield to it (``range_pins_dropped`` counts that).
         """
         self._require_writable()
         self._install_loaded()
@@ -300,7 +302,7 @@ class LogEngine:
                 f"log store {str(self.path)!r}: load_range({start}, {stop}) cannot keep its "
                 f"rows in the memory region: the loaded ranges not yet released and this one "
                 f"cover {pinned} rows and a step needs room for {room} more (the largest "
-                f"batch so far), {pinned + room} in all, but the region holds {self.slots} "
+                f"batch stepped since the store was opened), {pinned + room} in all, but the region holds {self.slots} "
                 f"rows (memory={self.memory_bytes} bytes). Nothing was changed. Release a "
                 f"range first (dsa_core.release_range), load smaller ranges, or reopen the "
                 f"store with memory={need} or more (dsa_core.region_memory(state, "

@@ -234,6 +234,7 @@ class Pool:
             pinned = n - need + self.range_pinned - int(np.count_nonzero(ranged))
             if need > self.slots - pinned:  # the loaded ranges leave no room: they yield
                 self.drop_range_pins()
+                self.pin[hslots] = self.epoch  # this call's hits stay pinned
                 pinned = n - need
             make_room(need, pinned)
         mrows = rows[miss]
