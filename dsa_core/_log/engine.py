@@ -42,11 +42,13 @@ Deterministic init
 Concurrency
     The engine's state changes in the caller's thread only: seals and cleaning decisions run
     inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
-    Three kinds of background threads only do I/O on buffers and files the engine hands them: the
-    segment writer (``writer``: writes sealed segments; a segment is readable from its
+    Four kinds of background threads only do I/O on buffers and files the engine hands them:
+    the segment writer (``writer``: writes sealed segments; a segment is readable from its
     buffer until written), the cleaning reads (``read.CleaningReads``: read a segment to be
-    cleaned whole, one seal ahead) and, for ``LogStore``, the read-ahead of future batches
-    (``read.ReadAhead``: hints only). A flush waits for every pending write before it
+    cleaned whole, one seal ahead), the range loads (``ranges.Loader``: read a loaded
+    range's records into staging buffers, which :meth:`LogEngine.acquire` and the range
+    calls install in the caller's thread) and, for ``LogStore``, the read-ahead of future
+    batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
     write.
