@@ -40,9 +40,9 @@ Steps of the run:
    reads at queue depth 32, each for ``--disk-seconds`` (fio if installed, else ``pread``).
 4. Random order for ``--random-seconds``, then bucket order over the first
    ``--bucket-fraction`` of the epoch's buckets (initial loads included), then (unless
-   ``--no-ram`` or the machine lacks the memory) the same buckets in RAM, each in its own child,
-   the first two inside a memory cgroup (``memcap``; without one the files are only evicted from the page
-   cache and the runs are labelled ``cold``), on the same store, the store and edge files
+   ``--no-ram`` or the machine lacks the memory) the same buckets in RAM, each in its own
+   child, the first two inside a memory cgroup (``memcap``; without one the files are only
+   evicted from the page cache and the runs are labelled ``cold``), on the same store, the store and edge files
    evicted and the disk quiet before each. Each phase ends with ``dsa_core.flush`` (and, for
    the bucket order, ``it.close()``, which writes the partitions still held back as an
    epoch's end does, and ``dsa_core.wait_ranges``) inside its timed window.

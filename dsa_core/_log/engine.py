@@ -304,9 +304,10 @@ class LogEngine:
                 f"log store {str(self.path)!r}: load_range({start}, {stop}) cannot keep its "
                 f"rows in the memory region: the loaded ranges not yet released and this one "
                 f"cover {pinned} rows and a step needs room for {room} more (the largest "
-                f"batch stepped since the store was opened), {pinned + room} in all, but the region holds {self.slots} "
-                f"rows (memory={self.memory_bytes} bytes). Nothing was changed. Release a "
-                f"range first (dsa_core.release_range), load smaller ranges, or reopen the "
+                f"batch stepped since the store was opened), {pinned + room} in all, but "
+                f"the region holds {self.slots} rows (memory={self.memory_bytes} bytes). "
+                f"Nothing was changed. Release a range first (dsa_core.release_range), "
+                f"load smaller ranges, or reopen the "
                 f"store with memory={need} or more (dsa_core.region_memory(state, "
                 f"{pinned + room})); for partition-ordered training dsa_core.buckets.fit "
                 "chooses P and c that fit")
@@ -316,6 +317,8 @@ class LogEngine:
         job = plan_job(self._job_seq, start, stop, pool.loc, self._segments, self.init,
                        self._records_offset)
         if job.files or job.ready or job.fresh is not None:
+            if self._loader is None or self._loader.pid != os.getpid():
+                self._jobs.clear()  # a forked child: its parent's loads are not its own
             self._loader = loader_for(self._loader, self.stride, self.dtype, self.init)
             self._jobs[job.id] = job
             self._loader.submit(job)

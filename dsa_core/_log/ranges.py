@@ -13,9 +13,10 @@ and dropped), a span holds at most ``CHUNK_BYTES``; each record read from a file
 against its sum (``format.check_records``), and the span's pages are dropped from the page
 cache afterwards (``POSIX_FADV_DONTNEED``: the records now live in the region, and a range
 released later is sealed to new segments). The records go into *staging* chunks of at most
-``CHUNK_BYTES``, at most ``STAGED`` of them at once (back-pressure: the thread waits until the
-engine has installed one), so a load holds at most ``STAGED * CHUNK_BYTES`` (32 MiB) besides
-the region.
+``CHUNK_BYTES``, at most ``STAGED`` of them read and not yet installed (back-pressure: the
+thread waits until the engine has installed one), so the loads hold at most
+``(STAGED + 2) * CHUNK_BYTES`` (48 MiB: the staged chunks, the one being filled and a sparse
+span's read buffer) besides the region.
 
 The engine installs finished chunks in its own thread -- the pool is not thread-safe -- at
 the next ``acquire`` (a step or a write), ``load_range``/``release_range`` or
