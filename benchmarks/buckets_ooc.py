@@ -59,7 +59,10 @@ cache, dirty and writeback pages with its file refaults and major faults (sample
 ``dsa_core.buckets.fit([(nodes, record_bytes)], memory=cap, reserve=--reserve,
 num_edges=edges)`` (its largest c up to ``--max-buffer`` and the smallest P for it whose
 ``c + 1`` partitions and a bucket's edges fit in ``cap - reserve``); ``--partitions`` /
-``--buffer`` fix P or c (fit then chooses the other, or checks both).
+``--buffer`` fix P or c (fit then chooses the other, or checks both). For a store whose region
+holds the partitions (a log store) the reserve also takes its index (8 bytes a row), a batch's
+rows and ``--store-extra`` (default 512 MiB) for its seal write-behind, cleaning and range-load
+buffers, which live beside the region.
 
 Writes ``benchmarks/results/buckets_ooc.{json,csv}`` for a run at the default sizes, otherwise
 ``<workdir>/buckets_ooc_<nodes>x<dim>.{json,csv}`` (``--results`` chooses the directory).
@@ -220,6 +223,17 @@ def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool) -> 
     gb = nodes * st.store.stride * st.store.dtype.itemsize / 1e9
     print(f"created {path} ({kind}): {gb:.1f} GB in {dt:.0f} s ({gb / dt:.2f} GB/s)")
     return kind
+
+
+def has_region(path: Path) -> bool:
+    """Whether the store keeps rows in a memory region of its own (``memory_bytes``)."""
+    import dsa_core
+
+    st = dsa_core.open(path)
+    try:
+        return st.store.memory_bytes is not None
+    finally:
+        dsa_core.close(st)
 
 
 def store_settings(path: Path, nodes: int, P: int, c: int, batch: int, k: int) -> dict:
@@ -615,6 +629,10 @@ def main(argv=None):
     ap.add_argument("--reserve", default="512M",
                     help="fit's reserve: memory the training process needs besides the "
                          "partitions (default: fit's own)")
+    ap.add_argument("--store-extra", default="512M",
+                    help="added to the reserve for a store whose memory region holds the "
+                         "partitions (a log store): its seal write-behind, cleaning and "
+                         "range-load buffers (the index and a batch's rows are added too)")
     ap.add_argument("--max-buffer", type=int, default=8, help="fit's largest c")
     ap.add_argument("--partitions", type=int, default=None,
                     help="P (default: dsa_core.buckets.fit's)")
@@ -660,6 +678,7 @@ def main(argv=None):
     if a.smoke:
         a.nodes, a.dim, a.edges, a.cap, a.batch = 20_000, 16, 200_000, "256M", 512
         a.partitions, a.buffer, a.reserve = a.partitions or 8, a.buffer or 3, "128M"
+        a.store_extra = "32M"
         # no waiting for the disk: the smoke run checks the code, not the figures
         a.random_seconds, a.bucket_fraction, a.disk_seconds, a.quiet_seconds = 0.5, 0.25, 1, 0.0
     for name, v, lo in (("--nodes", a.nodes, 2), ("--dim", a.dim, 1), ("--edges", a.edges, 1),
@@ -676,10 +695,7 @@ def main(argv=None):
     # bucketing holds ~60 bytes per edge of a chunk at once: a chunk within ~1/4 of the cap
     a.chunk_edges = min(1 << 22, 1 << max(10, (cap // 256).bit_length() - 1))
     rec = record_bytes(a.dim)
-    a.partitions, a.buffer, rule = choose_partitions(
-        a.nodes, rec, cap, parse_size(a.reserve), a.edges, a.max_buffer, a.partitions,
-        a.buffer)
-    print(rule, flush=True)
+    fixed = (a.partitions, a.buffer)
 
     workdir = Path(a.workdir or tempfile.gettempdir())
     workdir.mkdir(parents=True, exist_ok=True)
@@ -708,6 +724,18 @@ def main(argv=None):
         ensure_edges(scratch / "edges.npy", a.nodes, a.edges, a.seed, a.keep)
         print(f"table + state {table / 1e9:.2f} GB = {table / cap:.1f}x the cap ({a.cap}); "
               f"{label}", flush=True)
+        reserve = parse_size(a.reserve)
+        if has_region(scratch / "store"):  # its region holds the partitions: its own
+            # buffers, its index and a batch's rows come on top of them
+            extra = parse_size(a.store_extra) + 8 * a.nodes \
+                + min(a.batch * (2 + a.negatives), a.nodes) * rec
+            print(f"a store with a memory region: fit's reserve {reserve / 2**20:,.0f} MiB + "
+                  f"{extra / 2**20:,.0f} MiB (--store-extra {a.store_extra} for its seal, "
+                  "cleaning and range-load buffers, its index, a batch's rows)", flush=True)
+            reserve += extra
+        a.partitions, a.buffer, rule = choose_partitions(
+            a.nodes, rec, cap, reserve, a.edges, a.max_buffer, *fixed)
+        print(rule, flush=True)
         kw = store_settings(scratch / "store", a.nodes, a.partitions, a.buffer, a.batch,
                             a.negatives)
         if kw["train"]:
@@ -715,7 +743,7 @@ def main(argv=None):
                   f"({kw['train']['memory'] / 2**20:,.0f} MiB: a region of "
                   f"{kw['region_rows']:,} rows, c + 1 partitions beside a batch's rows, as "
                   "the iterator requires)", flush=True)
-        ram_ok = not a.no_ram and mem_available() > 1.3 * table + (1 << 30)
+        ram_ok = not a.no_ram and mem_available() > 1.1 * table + (1 << 30)
         if not a.no_ram and not ram_ok:
             print(f"no in-RAM phase: {mem_available() / 2**30:.1f} GiB available, the table "
                   f"needs {table / 2**30:.1f} GiB in memory (--no-ram skips it)", flush=True)

@@ -558,6 +558,8 @@ class LogEngine:
             "range_reads": 0 if self._loader is None else self._loader.stats["reads"],
             "range_read_bytes": 0 if self._loader is None
             else self._loader.stats["read_bytes"],
+            "range_mapped_records": 0 if self._loader is None
+            else self._loader.stats["mapped_records"],
             "range_pinned": self._pool.range_pinned,
             "range_pins_dropped": st["range_pins_dropped"],
             "total_user_bytes": t_user,

@@ -9,10 +9,14 @@ write is still pending is copied from its buffer at once (that buffer is reused 
 
 :class:`Loader` (one thread per store and process) then reads each segment's records with
 large ``preadv`` s: records closer than ``GAP_BYTES`` are read as one span (the gap is read
-and dropped), a span holds at most ``CHUNK_BYTES``; each record read from a file is checked
-against its sum (``format.check_records``), and the span's pages are dropped from the page
+and dropped), a span holds at most ``CHUNK_BYTES``, and its pages are dropped from the page
 cache afterwards (``POSIX_FADV_DONTNEED``: the records now live in the region, and a range
-released later is sealed to new segments). The records go into *staging* chunks of at most
+released later is sealed to new segments). Records that lie scattered (spans under
+``SPAN_BYTES``: a range whose rows were evicted one by one among others, not released
+together) are not worth a sequential read of everything between them: their pages are
+handed to the kernel all at once (``read.advise``, reads at queue depth) and the records
+copied from the segment's mapping. Each record read is checked against its sum
+(``format.check_records``). The records go into *staging* chunks of at most
 ``CHUNK_BYTES``, at most ``STAGED`` of them read and not yet installed (back-pressure: the
 thread waits until the engine has installed one), so the loads hold at most
 ``(STAGED + 2) * CHUNK_BYTES`` (48 MiB: the staged chunks, the one being filled and a sparse
@@ -39,11 +43,14 @@ import numpy as np
 
 from .._init import InitSpec, initial_records
 from .format import Segment, check_records
+from .read import advise
 
-__all__ = ["CHUNK_BYTES", "GAP_BYTES", "STAGED", "Job", "Loader", "loader_for", "plan_job"]
+__all__ = ["CHUNK_BYTES", "GAP_BYTES", "SPAN_BYTES", "STAGED", "Job", "Loader", "loader_for", "plan_job"]
 
 CHUNK_BYTES = 8 << 20   # records per staging chunk and per read at most
-GAP_BYTES = 256 << 10   # dead records read through (and dropped) to keep one read
+GAP_BYTES = 32 << 10    # dead records read through (and dropped) to keep one read: about
+                        # what one random 4 KiB read costs in sequential transfer
+SPAN_BYTES = 1 << 20    # a span this large is read with preadv; smaller ones at queue depth
 STAGED = 4              # staging chunks held at once (read, not installed yet)
 
 
@@ -98,14 +105,15 @@ class Loader:
     ``(job_id, rows, locs, records)`` chunks, ``(job_id, None, None, exc)`` for a failed
     job, ``(job_id, None, None, None)`` at a job's end; ``get()`` waits for the next one.
     Every chunk returned must be handed back with ``done_with()`` (it frees a staging slot).
-    ``stats``: ``reads`` (syscalls) and ``read_bytes``.
+    ``stats``: ``reads`` and ``read_bytes`` (the sequential reads: syscalls, bytes) and
+    ``mapped_records`` (scattered records copied from the mappings after a hint).
     """
 
     def __init__(self, stride: int, dtype: np.dtype, init: InitSpec):
         self.stride, self.dtype, self.init = stride, np.dtype(dtype), init
         self.rec_bytes = stride * self.dtype.itemsize
         self.pid = os.getpid()
-        self.stats = {"reads": 0, "read_bytes": 0}
+        self.stats = {"reads": 0, "read_bytes": 0, "mapped_records": 0}
         self._jobs: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._room = threading.Semaphore(STAGED)
@@ -192,31 +200,56 @@ class Loader:
                     fd = os.open(seg.path, os.O_RDONLY)
                 except FileNotFoundError:  # deleted: every record in it is dead (moved)
                     continue
-                i, n = 0, ks.shape[0]
-                while i < n:
+                spans = list(self._spans(ks, per))
+                big = [(i, j) for i, j in spans
+                       if (ks[j - 1] - ks[i] + 1) * self.rec_bytes >= SPAN_BYTES]
+                small = [np.arange(i, j) for i, j in spans
+                         if (ks[j - 1] - ks[i] + 1) * self.rec_bytes < SPAN_BYTES]
+                pieces: list[tuple[np.ndarray | None, int, int]] = [(None, i, j)
+                                                                    for i, j in big]
+                if small:  # scattered records: read at queue depth through the mapping
+                    sel = np.concatenate(small)
+                    advise(seg.records.__array_interface__["data"][0]
+                           + ks[sel] * self.rec_bytes, self.rec_bytes)
+                    pieces += [(sel[a:a + per], 0, 0) for a in range(0, sel.shape[0], per)]
+                for sel, i, j in pieces:
                     if job.cancelled or self._stop.is_set():
                         return
-                    # one span: records at most GAP_BYTES apart, at most `per` of them
-                    j = i + 1
-                    gap = max(1, GAP_BYTES // self.rec_bytes)
-                    while j < n and ks[j] - ks[j - 1] <= gap and ks[j] - ks[i] < per:
-                        j += 1
-                    if fill + (j - i) > per:  # the chunk is full: hand it over
+                    m = (j - i) if sel is None else sel.shape[0]
+                    if fill + m > per:  # the chunk is full: hand it over
                         if not self._emit(job, np.concatenate(rows_out),
                                           np.concatenate(locs_out), buf[:fill]):
                             return
                         buf = np.empty((per, self.stride), self.dtype)
                         fill, rows_out, locs_out = 0, [], []
-                    self._read_span(fd, off, seg, ks[i:j], buf[fill:fill + (j - i)])
-                    rows_out.append(rows[i:j])
-                    locs_out.append(locs[i:j])
-                    fill += j - i
-                    i = j
+                    if sel is None:
+                        self._read_span(fd, off, seg, ks[i:j], buf[fill:fill + m])
+                        sel = np.arange(i, j)
+                    else:
+                        out = buf[fill:fill + m]
+                        np.take(seg.records, ks[sel], axis=0, out=out)
+                        check_records(seg, ks[sel], out)
+                        self.stats["mapped_records"] += m
+                    rows_out.append(rows[sel])
+                    locs_out.append(locs[sel])
+                    fill += m
             finally:
                 if fd >= 0:
                     os.close(fd)
         if fill:
             self._emit(job, np.concatenate(rows_out), np.concatenate(locs_out), buf[:fill])
+
+    def _spans(self, ks: np.ndarray, per: int):
+        """``(i, j)``: the records ``ks[i:j]`` (sorted) read as one span -- neighbours at
+        most ``GAP_BYTES`` apart, ``per`` record positions at most."""
+        gap = max(1, GAP_BYTES // self.rec_bytes)
+        cuts = (np.flatnonzero(np.diff(ks) > gap) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, ks.shape[0]], strict=True):
+            i = a
+            while i < b:
+                j = i + int(np.searchsorted(ks[i:b], ks[i] + per))
+                yield i, j
+                i = j
 
     def _read_span(self, fd: int, off: int, seg: Segment, ks: np.ndarray,
                    out: np.ndarray) -> None:
