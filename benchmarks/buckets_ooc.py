@@ -38,12 +38,14 @@ Steps of the run:
    cap, timed on its own, before any timed phase.
 3. Measures the disk once it is quiet: sequential reads (1 MiB, ``O_DIRECT``) and 4 KiB random
    reads at queue depth 32, each for ``--disk-seconds`` (fio if installed, else ``pread``).
-4. Random order for ``--random-seconds``, then bucket order over the first
-   ``--bucket-fraction`` of the epoch's buckets (initial loads included), then (unless
-   ``--no-ram`` or the machine lacks the memory) the same buckets in RAM, each in its own
-   child, the first two inside a memory cgroup (``memcap``; without one the files are only
-   evicted from the page cache and the runs are labelled ``cold``), on the same store, the store and edge files
-   evicted and the disk quiet before each. Each phase ends with ``dsa_core.flush`` (and, for
+4. Bucket order over the first ``--bucket-fraction`` of the epoch's buckets (initial loads
+   included; first, on the table as written: each partition's rows together, as after an
+   epoch of bucket order, since random order scatters the rows it evicts over new segments),
+   then random order for ``--random-seconds``, then (unless ``--no-ram`` or the machine
+   lacks the memory) the same buckets in RAM, each in its own child, the first two inside a
+   memory cgroup (``memcap``; without one the files are only evicted from the page cache and
+   the runs are labelled ``cold``), on the same store, the store and edge files evicted and
+   the disk quiet before each. Each phase ends with ``dsa_core.flush`` (and, for
    the bucket order, ``it.close()``, which writes the partitions still held back as an
    epoch's end does, and ``dsa_core.wait_ranges``) inside its timed window.
 5. Measures the QD32 random-read rate again.
@@ -760,7 +762,9 @@ def main(argv=None):
         wait_disk_quiet(a.quiet_seconds)
         disk = measure_disk(biggest_file(scratch / "store"), a.disk_seconds)
         rows = []
-        for phase in ("random", "bucket", *(("ram",) if ram_ok else ())):
+        # bucket order first, on the table as written (each partition's rows together, as
+        # after an epoch of bucket order); random order then scatters the rows it evicts
+        for phase in ("bucket", "random", *(("ram",) if ram_ok else ())):
             evict_tree(scratch)
             waited = wait_disk_quiet(a.quiet_seconds)
             res = run_child(phase, a, scratch, memcap, capped and phase != "ram",
@@ -773,7 +777,7 @@ def main(argv=None):
                 res[f"{key}_per_edge"] = res[key] / max(1, res["edges_done"])
             res["row_updates_per_s"] = res["row_updates"] / res["seconds"]
             res["epoch_s_extrapolated"] = a.edges / res["edges_per_s"]
-            rows.append(res)
+            rows.insert(0, res) if phase == "random" else rows.append(res)
             print(f"  {phase:<6} {res['edges_per_s']:>12,.0f} edges/s  "
                   f"{res['row_updates_per_s']:>12,.0f} row updates/s  steps {res['steps']}  "
                   f"{res['seconds']:.1f} s (flush {res['flush_s']:.1f} s)  loads "

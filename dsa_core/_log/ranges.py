@@ -45,7 +45,8 @@ from .._init import InitSpec, initial_records
 from .format import Segment, check_records
 from .read import advise
 
-__all__ = ["CHUNK_BYTES", "GAP_BYTES", "SPAN_BYTES", "STAGED", "Job", "Loader", "loader_for", "plan_job"]
+__all__ = ["CHUNK_BYTES", "GAP_BYTES", "SPAN_BYTES", "STAGED", "Job", "Loader", "loader_for",
+           "plan_job"]
 
 CHUNK_BYTES = 8 << 20   # records per staging chunk and per read at most
 GAP_BYTES = 32 << 10    # dead records read through (and dropped) to keep one read: about
