@@ -566,6 +566,10 @@ def child_bucket(args, ram: bool = False) -> dict:
     if ram:
         io["preload_s"] = t_load
     loads = int(it.loads)
+    # the store's own counters (Engine.stats, what `dsa info` prints): a log store's range
+    # loads, free of other processes' disk traffic
+    io.update({k: v for k, v in st.store.stats().items()
+               if k.startswith("range_") and isinstance(v, int) or k == "misses"})
     part = int(np.max(np.diff(plan.bounds))) * st.store.stride * st.store.dtype.itemsize
     dsa_core.close(st)
     order = plan.order(0)
@@ -785,6 +789,12 @@ def main(argv=None):
                   f"{res['read_ios']:,} I/Os  written {res['write_bytes'] / 1e9:.2f} GB / "
                   f"{res['write_ios']:,} I/Os  major faults {res['majfaults']:,}  "
                   f"{res['memcap']}", flush=True)
+            if "range_loads" in res:
+                print(f"         store: {res['range_loads']} range loads, "
+                      f"{res['range_records']:,} rows loaded, sequential reads "
+                      f"{res['range_read_bytes'] / 1e9:.2f} GB in {res['range_reads']:,} "
+                      f"reads, {res['range_mapped_records']:,} scattered records read at "
+                      f"queue depth, {res['misses']:,} rows missed by steps", flush=True)
             if "cg_peak_anon" in res:
                 print(f"         cgroup peaks: anon {res['cg_peak_anon'] / 2**20:,.0f} MiB, page "
                       f"cache {res['cg_peak_file'] / 2**20:,.0f} MiB, dirty "
