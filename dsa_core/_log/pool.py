@@ -62,9 +62,10 @@ def _evict(target, hand, slot_row, slot_disk, ref, dirty, pin, epoch, mark, ep, 
 
     Slots pinned by this call (``pin == epoch``) or by a loaded range (``pin < 0``) or
     already chosen (``mark == ep``) are skipped; a referenced slot loses its bit and is
-    passed over once. A clean victim is freed at once (its row points at its on-disk record again); a dirty one is marked ``ep`` and
-    returned in ``victims`` for the seal. ``n_victims < 0``: the target cannot be met (the
-    caller asked for more than the unpinned slots), nothing more was chosen.
+    passed over once. A clean victim is freed at once (its row points at its on-disk record
+    again); a dirty one is marked ``ep`` and returned in ``victims`` for the seal.
+    ``n_victims < 0``: the target cannot be met (the caller asked for more than the unpinned
+    slots), nothing more was chosen.
     """
     S = slot_row.shape[0]
     nv = 0
