@@ -167,8 +167,8 @@ class Loader:
             try:
                 self._load(job)
                 err = None
-            except Exception as exc:  # reported by the engine's next range call
-                err = exc
+            except BaseException as exc:  # reported by the engine's next range call; the
+                err = exc                 # end is always put, so no wait can hang
             self._out.put((job.id, None, None, err))
 
     def _emit(self, job: Job, rows, locs, records) -> bool:
