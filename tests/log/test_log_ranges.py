@@ -325,3 +325,34 @@ def test_a_full_disk_in_a_release_loses_nothing(tmp_path):
         r = dsa_core.open(fs / "log", mode="r")
         np.testing.assert_array_equal(records(r), want)
         dsa_core.close(r)
+
+
+def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path):
+    from dsa_core._log.format import SegmentError, read_header, seg_name, segment_geometry
+    s = _create(tmp_path / "log", slots=1200)
+    s = _steps(s, 40)
+    dsa_core.release_range(s, 0, N)
+    dsa_core.close(s)
+    s = dsa_core.open(tmp_path / "log", mode="r")
+    want = records(s)
+    row = int(np.flatnonzero(s.store.engine.loc[1000:] > 0)[0]) + 1000
+    loc = int(s.store.engine.loc[row]) - 1
+    dsa_core.close(s)
+    seg = tmp_path / "log" / seg_name(loc >> 32)
+    head = read_header(seg)
+    rec_off = segment_geometry(head["n"], head["stride"], head["itemsize"])[2]
+    raw = bytearray(seg.read_bytes())
+    raw[rec_off + (loc & 0xFFFFFFFF) * LAYOUT["stride"] * 4 + 3] ^= 0xFF  # a bit of its record
+    seg.write_bytes(bytes(raw))
+    s = dsa_core.open(tmp_path / "log", memory=log_memory(LAYOUT, 1200))
+    dsa_core.load_range(s, row - 300, row + 600)
+    with pytest.raises(SegmentError):
+        dsa_core.wait_ranges(s)
+    dsa_core.wait_ranges(s)  # reported once
+    assert dsa_core.residency(s, [row]) == 0.0  # never installed
+    ok = np.setdiff1d(np.arange(N), [row])
+    np.testing.assert_array_equal(dsa_core.read_records(s, ok), want[ok])
+    with pytest.raises(SegmentError):  # a step that needs it reads it and refuses it
+        dsa_core.step(s, [row], np.ones((1, D), np.float32))
+    assert s.store.engine.verify() == []
+    dsa_core.close(s)
