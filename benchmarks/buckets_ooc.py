@@ -1,12 +1,16 @@
 """Out-of-core speed of partition-ordered (bucket) training against random-order training.
 
     python -m benchmarks.buckets_ooc                  # 10M x 128 (15.4 GB), 100M edges, 2 GiB cap
+    python -m benchmarks.buckets_ooc --nodes 8000000 --edges 80000000   # issue 27's run
     python -m benchmarks.buckets_ooc --nodes 1000000 --dim 64 --edges 10000000 --cap 256M \\
         --random-seconds 30 --bucket-fraction 0.1
     python -m benchmarks.buckets_ooc --smoke          # seconds; CI runs it so the code never rots
+    python -m benchmarks.buckets_ooc --smoke --storage log   # the same on a log store
 
 One model, two orders of the same edges, on one store many times larger than the memory the
-training process may use:
+training process may use, with the defaults a user gets: the store ``dsa_core.create`` makes
+with ``storage="auto"`` (a log store at these sizes; ``--storage`` forces a kind), and P and c
+from ``dsa_core.buckets.fit``:
 
 - The model: one embedding table (weights, m and v in a ``dsa_core`` store), skip-gram
   logistic loss on each edge (source, destination) with ``k`` negatives per edge,
@@ -18,36 +22,49 @@ training process may use:
 - Bucket order: ``dsa_core.buckets.plan(...).batches(batch, negatives=k, stores=[state])``:
   P partitions, a buffer of c; entering partitions are read sequentially (ahead of use),
   leaving ones written back sequentially; negatives drawn from the resident partitions.
+- In RAM: the bucket order's loop on the same store opened with everything in memory (a log
+  store's region holding every row, an in-place store with ``access="ram"``), the whole table
+  loaded before the clock starts, no memory cap: what out of core is compared with.
 
 Steps of the run:
 
-1. Checks the free disk space, creates the store (every page written) and the edges (uniform
-   random (source, destination) pairs, an int32 memmap in the scratch directory).
+1. Checks the free disk space, creates the store (every row written once: an in-place store's
+   pages, a log store's records sealed in row order, as after an epoch) and the edges (uniform
+   random (source, destination) pairs, an int32 memmap in the scratch directory). A store
+   with a memory region of its own (a log store) is opened by both training phases with the
+   ``memory=`` the bucket order's iterator needs (``c + 1`` partitions beside a batch's rows:
+   what its error message asks a user to set); the same for both orders.
 2. Buckets the edges (``buckets.plan(..., out=scratch)``) in a child process under the memory
    cap, timed on its own, before any timed phase.
 3. Measures the disk once it is quiet: sequential reads (1 MiB, ``O_DIRECT``) and 4 KiB random
    reads at queue depth 32, each for ``--disk-seconds`` (fio if installed, else ``pread``).
-4. Random order for ``--random-seconds``, then bucket order over the first
-   ``--bucket-fraction`` of the epoch's buckets (initial loads included), each in its own child
-   inside a memory cgroup (``memcap``; without one the files are only evicted from the page
-   cache and the runs are labelled ``cold``), on the same store, the store and edge files
-   evicted and the disk quiet before each. Each phase ends with ``dsa_core.flush`` (and, for
+4. Bucket order over the first ``--bucket-fraction`` of the epoch's buckets (initial loads
+   included; first, on the table as written: each partition's rows together, as after an
+   epoch of bucket order, since random order scatters the rows it evicts over new segments),
+   then random order for ``--random-seconds``, then (unless ``--no-ram`` or the machine
+   lacks the memory) the same buckets in RAM, each in its own child, the first two inside a
+   memory cgroup (``memcap``; without one the files are only evicted from the page cache and
+   the runs are labelled ``cold``), on the same store, the store and edge files evicted and
+   the disk quiet before each. Each phase ends with ``dsa_core.flush`` (and, for
    the bucket order, ``it.close()``, which writes the partitions still held back as an
    epoch's end does, and ``dsa_core.wait_ranges``) inside its timed window.
 5. Measures the QD32 random-read rate again.
 
 Per phase: edges/s, row updates/s (ids passed to ``step`` per second, duplicates included:
 ``2 + k`` per edge), steps, partition loads, disk reads and writes (bytes and I/Os, from
-``/proc/diskstats``, whole disks, system-wide) and the peak memory of the cgroup; the ratio of
-the two edge rates; and the time a full epoch would take in each order, **extrapolated** from
-the phase's edge rate, and the cgroup's peak anonymous memory, page cache, dirty and
-writeback pages with its file refaults (sampled every 0.25 s: refaults mean the working set did
-not fit). Partition choice: ``(c + 1)`` partitions (the buffer plus the one read ahead) must fit
-in ``budget = min(0.6 * cap, cap - reserve)`` (``--mem-fraction``, ``--reserve``: the process
-itself takes ~100-150 MiB), so ``P = ceil((c + 1) * table / budget)``; c is the largest in
-[2, 16] whose buckets still hold two batches of edges on average (an epoch moves about
-``(c + 1) / (c - 1) * table**2 / (2 * budget)`` bytes each way, so larger buffers move less,
-but smaller buckets mean more short steps). ``--partitions`` / ``--buffer`` override.
+``/proc/diskstats``, whole disks, system-wide; also per edge), the child's major page faults
+(``getrusage``) and the peak memory of the cgroup; the ratios bucket / random and bucket /
+in RAM of the edge rates; and the time a full epoch would take in each order,
+**extrapolated** from the phase's edge rate, and the cgroup's peak anonymous memory, page
+cache, dirty and writeback pages with its file refaults and major faults (sampled every
+0.25 s: refaults mean the working set did not fit). Partition choice:
+``dsa_core.buckets.fit([(nodes, record_bytes)], memory=cap, reserve=--reserve,
+num_edges=edges)`` (its largest c up to ``--max-buffer`` and the smallest P for it whose
+``c + 1`` partitions and a bucket's edges fit in ``cap - reserve``); ``--partitions`` /
+``--buffer`` fix P or c (fit then chooses the other, or checks both). For a store whose region
+holds the partitions (a log store) the reserve also takes its index (8 bytes a row), a batch's
+rows and ``--store-extra`` (default 512 MiB) for its seal write-behind, cleaning and range-load
+buffers, which live beside the region.
 
 Writes ``benchmarks/results/buckets_ooc.{json,csv}`` for a run at the default sizes, otherwise
 ``<workdir>/buckets_ooc_<nodes>x<dim>.{json,csv}`` (``--results`` chooses the directory).
@@ -61,6 +78,7 @@ import json
 import math
 import mmap
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -72,7 +90,7 @@ from pathlib import Path
 import numpy as np
 
 from ._common import RESULTS, machine, print_table, wait_disk_quiet, write_results
-from .ooc import cgroup_ok, disk_fio, disk_pread, ensure_store, find_memcap
+from .ooc import cgroup_ok, disk_fio, disk_pread, find_memcap
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {"nodes": 10_000_000, "dim": 128, "edges": 100_000_000}
@@ -157,40 +175,103 @@ def record_bytes(dim: int) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def choose_partitions(nodes: int, rec: int, cap: int, reserve: int, edges: int, batch: int,
-                      fraction: float, partitions: int | None, buffer: int | None):
-    """(P, c, rule text): (c + 1) partitions within the budget; see the module doc."""
-    budget = min(fraction * cap, cap - reserve)
-    if budget < 3 * rec:
-        raise SystemExit(f"the memory cap {cap / 2**20:,.0f} MiB leaves no room for "
-                         f"partitions after the process's own --reserve "
-                         f"{reserve / 2**20:,.0f} MiB; raise --cap or lower --reserve")
-    table = nodes * rec
+def choose_partitions(nodes: int, rec: int, cap: int, reserve: int, edges: int,
+                      max_buffer: int, partitions: int | None, buffer: int | None):
+    """(P, c, rule text) from ``dsa_core.buckets.fit`` (see the module doc)."""
+    from dsa_core import buckets
+
+    try:
+        f = buckets.fit([(nodes, rec)], memory=cap, reserve=reserve, num_edges=edges,
+                        partitions=partitions, buffer=buffer, max_buffer=max_buffer)
+    except ValueError as exc:
+        raise SystemExit(f"dsa_core.buckets.fit found no P and c for this cap: {exc}") from None
     given = [f"{n} = {v}" for n, v in (("P", partitions), ("c", buffer)) if v is not None]
-
-    def p_for(c):
-        rows_max = max(1, int(budget // ((c + 1) * rec)))
-        return min(nodes, max(c, -(-nodes // rows_max)))
-
-    if buffer is None:
-        if partitions is not None:  # the largest buffer that fits next to the given P
-            fits = [c for c in range(2, 17) if (c + 1) * -(-nodes // partitions) * rec <= budget]
-        else:
-            fits = [c for c in range(2, 17) if edges / p_for(c) ** 2 >= MIN_BATCHES * batch]
-        buffer = max(fits) if fits else 2
-    P = partitions if partitions is not None else p_for(buffer)
-    part = -(-nodes // P) * rec
-    rule = (f"rule: (c + 1) partitions (the buffer and the one read ahead) within "
-            f"min({fraction:.0%} of the cap, the cap - {reserve / 2**20:,.0f} MiB for the "
-            f"process) = {budget / 2**20:,.0f} MiB -> P = ceil((c + 1) * table / that); c = "
-            f"the largest in [2, 16] whose buckets hold >= {MIN_BATCHES} batches "
-            f"({MIN_BATCHES} x {batch} edges) on average\n  table {table / 1e9:.2f} GB, chose "
-            f"P = {P}, c = {buffer}: partition {part / 2**20:,.1f} MiB, (c + 1) partitions "
-            f"{(buffer + 1) * part / 2**20:,.0f} MiB, {P * P:,} buckets of "
-            f"{edges / (P * P):,.0f} edges on average")
+    table = nodes * rec
+    rule = (f"rule: dsa_core.buckets.fit(memory={cap / 2**20:,.0f} MiB, reserve="
+            f"{reserve / 2**20:,.0f} MiB, num_edges={edges:,}, max_buffer={max_buffer}): {f}"
+            f"\n  table {table / 1e9:.2f} GB, {f.partitions ** 2:,} buckets of "
+            f"{edges / f.partitions ** 2:,.0f} edges on average")
     if given:
         rule += f" ({', '.join(given)} from the command line)"
-    return P, buffer, rule
+    return f.partitions, f.buffer, rule
+
+
+def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool) -> str:
+    """The benchmark's store, made as a user would (``storage="auto"`` unless forced), every
+    row written once; returns its kind (for the report only)."""
+    import dsa_core
+
+    if keep and (path / "manifest.json").exists():
+        st = dsa_core.open(path, mode="r")
+        same = (st.num_rows, st.dim) == (nodes, dim) and storage in ("auto", st.storage)
+        kind = st.storage
+        dsa_core.close(st)
+        if same:
+            print(f"reusing store {path} ({kind})")
+            return kind
+    t0 = time.perf_counter()
+    st = dsa_core.create(path, nodes, dim, init="uniform", init_scale=1e-3, lr=1e-3,
+                         overwrite=True, progress=True, storage=storage)
+    if st.store.memory_bytes is not None:  # a region: write every row, sealed in row order
+        chunk = 1 << 16
+        for lo in range(0, nodes, chunk):
+            hi = min(nodes, lo + chunk)
+            rows = np.arange(lo, hi)
+            dsa_core.write_records(st, rows, dsa_core.read_records(st, rows))
+            dsa_core.release_range(st, lo, hi)
+    kind = st.storage
+    dsa_core.close(st)  # every row on disk: an in-place store's pages, a log store's records
+    dt = time.perf_counter() - t0
+    gb = nodes * st.store.stride * st.store.dtype.itemsize / 1e9
+    print(f"created {path} ({kind}): {gb:.1f} GB in {dt:.0f} s ({gb / dt:.2f} GB/s)")
+    return kind
+
+
+def has_region(path: Path) -> bool:
+    """Whether the store keeps rows in a memory region of its own (``memory_bytes``)."""
+    import dsa_core
+
+    st = dsa_core.open(path)
+    try:
+        return st.store.memory_bytes is not None
+    finally:
+        dsa_core.close(st)
+
+
+def store_settings(path: Path, nodes: int, P: int, c: int, batch: int, k: int) -> dict:
+    """The open keywords of the training phases: a store with a memory region of its own
+    gets the ``memory=`` the bucket order's iterator needs (``min(c + 1, P)`` partitions
+    beside ``batch * (2 + k)`` rows); an in-place store none. Also the in-RAM phase's."""
+    import dsa_core
+
+    st = dsa_core.open(path)
+    try:
+        if st.store.memory_bytes is None:
+            return {"train": {}, "ram": {"access": "ram"}, "region_rows": 0}
+        part = -(-nodes // P)
+        rows = min(c + 1, P) * part + min(batch * (2 + k), nodes)
+        return {"train": {"memory": dsa_core.region_memory(st, rows)},
+                "ram": {"memory": dsa_core.region_memory(st, nodes + min(batch * (2 + k),
+                                                                         nodes))},
+                "region_rows": rows}
+    finally:
+        dsa_core.close(st)
+
+
+def biggest_file(directory: Path) -> Path:
+    """The store's largest file (an in-place store's data file, a log store's largest
+    segment): what the disk is measured on."""
+    return max((p for p in directory.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def ensure_edges(path: Path, nodes: int, edges: int, seed: int, keep: bool) -> None:
@@ -405,10 +486,18 @@ def child_plan(args) -> dict:
             **disk_delta(io0, disk_counters())}
 
 
+def _open_kw(args) -> dict:
+    return json.loads(args.open_kw) if args.open_kw else {}
+
+
+def majfaults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
 def child_random(args) -> dict:
     import dsa_core
 
-    st = dsa_core.open(args.store)
+    st = dsa_core.open(args.store, **_open_kw(args))
     dsa_core.warmup(("float32",))
     edges = np.load(args.edges_file, mmap_mode="r")
     gen = random_batches(edges, st.num_rows, args.batch, args.negatives, args.seed + 1)
@@ -416,7 +505,7 @@ def child_random(args) -> dict:
     losses = []
     sampler = CgroupSampler().start()
     t0 = time.perf_counter()
-    io0 = disk_counters()
+    io0, mf0 = disk_counters(), majfaults()
     stop = t0 + args.seconds
     for _idx, e, neg in dsa_core.prefetched(st, gen, ahead=2):
         st, loss, r = skipgram_step(dsa_core, st, e, neg, args.lr)
@@ -428,7 +517,7 @@ def child_random(args) -> dict:
     dsa_core.flush(st)
     wall = time.perf_counter() - t0
     io = disk_delta(io0, disk_counters())
-    io.update(sampler.stop())
+    io.update(sampler.stop(), majfaults=majfaults() - mf0)
     dsa_core.close(st)
     return {"phase": "random", "seconds": wall, "flush_s": wall - t_steps, "steps": steps,
             "edges_done": n_edges, "row_updates": n_rows, "loads": 0,
@@ -436,19 +525,25 @@ def child_random(args) -> dict:
             **io}
 
 
-def child_bucket(args) -> dict:
+def child_bucket(args, ram: bool = False) -> dict:
+    """The bucket order's loop (``ram``: on the store opened with everything in memory, the
+    whole table loaded before the clock starts)."""
     import dsa_core
 
     plan = open_plan(args)
-    st = dsa_core.open(args.store)
+    st = dsa_core.open(args.store, **_open_kw(args))
     dsa_core.warmup(("float32",))
+    if ram:  # every row into memory (a log store's region, an in-place store's page cache)
+        t_load = time.perf_counter()
+        dsa_core.load_range(st, 0, st.num_rows, wait=True)
+        t_load = time.perf_counter() - t_load
     P = plan.num_partitions
     limit = max(1, math.ceil(args.fraction * P * P))
     steps = n_edges = n_rows = 0
     losses = []
     sampler = CgroupSampler().start()
     t0 = time.perf_counter()
-    io0 = disk_counters()
+    io0, mf0 = disk_counters(), majfaults()
     stop = t0 + args.seconds if args.seconds > 0 else float("inf")
     it = plan.batches(args.batch, negatives=args.negatives, stores=[st])
     buckets_done = 0
@@ -467,15 +562,21 @@ def child_bucket(args) -> dict:
     dsa_core.flush(st)
     wall = time.perf_counter() - t0
     io = disk_delta(io0, disk_counters())
-    io.update(sampler.stop())
+    io.update(sampler.stop(), majfaults=majfaults() - mf0)
+    if ram:
+        io["preload_s"] = t_load
     loads = int(it.loads)
+    # the store's own counters (Engine.stats, what `dsa info` prints): a log store's range
+    # loads, free of other processes' disk traffic
+    io.update({k: v for k, v in st.store.stats().items()
+               if k.startswith("range_") and isinstance(v, int) or k == "misses"})
     part = int(np.max(np.diff(plan.bounds))) * st.store.stride * st.store.dtype.itemsize
     dsa_core.close(st)
     order = plan.order(0)
     # the edges of the buckets trained, from the plan: what the phase must have stepped
     done = order.buckets[:buckets_done]
     expected = int(plan.bucket_sizes[done[:, 0], done[:, 1]].sum())
-    return {"phase": "bucket", "seconds": wall, "flush_s": wall - t_wait,
+    return {"phase": "ram" if ram else "bucket", "seconds": wall, "flush_s": wall - t_wait,
             "wait_ranges_s": t_wait - t_steps, "steps": steps, "edges_done": n_edges,
             "row_updates": n_rows, "loads": loads, "buckets_done": buckets_done,
             "buckets": P * P, "epoch_loads": int(order.loads), "edges_expected": expected,
@@ -484,10 +585,16 @@ def child_bucket(args) -> dict:
             **io}
 
 
-CHILDREN = {"plan": child_plan, "random": child_random, "bucket": child_bucket}
+def child_ram(args) -> dict:
+    return child_bucket(args, ram=True)
 
 
-def run_child(phase: str, a, scratch: Path, memcap: Path | None, capped: bool) -> dict:
+CHILDREN = {"plan": child_plan, "random": child_random, "bucket": child_bucket,
+            "ram": child_ram}
+
+
+def run_child(phase: str, a, scratch: Path, memcap: Path | None, capped: bool,
+              open_kw: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.buckets_ooc", "--child", phase,
            "--store", str(scratch / "store"), "--edges-file", str(scratch / "edges.npy"),
            "--plan-dir", str(scratch / "plan"), "--nodes", str(a.nodes),
@@ -495,7 +602,8 @@ def run_child(phase: str, a, scratch: Path, memcap: Path | None, capped: bool) -
            "--seed", str(a.seed), "--batch", str(a.batch), "--negatives", str(a.negatives),
            "--lr", str(a.lr), "--fraction", str(a.bucket_fraction),
            "--chunk-edges", str(a.chunk_edges),
-           "--seconds", str(a.random_seconds if phase == "random" else a.bucket_seconds)]
+           "--seconds", str(a.random_seconds if phase == "random" else a.bucket_seconds),
+           "--open-kw", json.dumps(open_kw or {})]
     if capped:
         cmd = ["bash", str(memcap), a.cap, *cmd]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -521,13 +629,23 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=DEFAULTS["dim"])
     ap.add_argument("--edges", type=int, default=DEFAULTS["edges"])
     ap.add_argument("--cap", default="2G", help="memory cap of the training children (cgroup)")
-    ap.add_argument("--mem-fraction", type=float, default=0.6,
-                    help="share of the cap the c + 1 partitions may take")
-    ap.add_argument("--reserve", default="160M",
-                    help="memory the training process needs besides the partitions (python, "
-                         "numba, the batch arrays: ~100-150 MiB measured)")
-    ap.add_argument("--partitions", type=int, default=None, help="P (default: from the cap)")
-    ap.add_argument("--buffer", type=int, default=None, help="c (default: from the cap)")
+    ap.add_argument("--storage", default="auto", choices=("auto", "inplace", "log"),
+                    help="the store's kind (default: what storage='auto' picks, as a user "
+                         "gets)")
+    ap.add_argument("--reserve", default="512M",
+                    help="fit's reserve: memory the training process needs besides the "
+                         "partitions (default: fit's own)")
+    ap.add_argument("--store-extra", default="512M",
+                    help="added to the reserve for a store whose memory region holds the "
+                         "partitions (a log store): its seal write-behind, cleaning and "
+                         "range-load buffers (the index and a batch's rows are added too)")
+    ap.add_argument("--max-buffer", type=int, default=8, help="fit's largest c")
+    ap.add_argument("--partitions", type=int, default=None,
+                    help="P (default: dsa_core.buckets.fit's)")
+    ap.add_argument("--buffer", type=int, default=None,
+                    help="c (default: dsa_core.buckets.fit's)")
+    ap.add_argument("--no-ram", action="store_true",
+                    help="skip the in-RAM phase (it needs the whole table in memory)")
     ap.add_argument("--batch", type=int, default=4096, help="edges per step")
     ap.add_argument("--negatives", type=int, default=4, help="negatives per edge (k)")
     ap.add_argument("--lr", type=float, default=1e-2)
@@ -558,13 +676,15 @@ def main(argv=None):
     ap.add_argument("--fraction", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--chunk-edges", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--open-kw", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(CHILDREN[a.child](a)))
         return None
     if a.smoke:
         a.nodes, a.dim, a.edges, a.cap, a.batch = 20_000, 16, 200_000, "256M", 512
-        a.partitions, a.buffer = a.partitions or 8, a.buffer or 3
+        a.partitions, a.buffer, a.reserve = a.partitions or 8, a.buffer or 3, "128M"
+        a.store_extra = "32M"
         # no waiting for the disk: the smoke run checks the code, not the figures
         a.random_seconds, a.bucket_fraction, a.disk_seconds, a.quiet_seconds = 0.5, 0.25, 1, 0.0
     for name, v, lo in (("--nodes", a.nodes, 2), ("--dim", a.dim, 1), ("--edges", a.edges, 1),
@@ -575,18 +695,13 @@ def main(argv=None):
         raise SystemExit(f"--negatives must be >= 0, got {a.negatives}")
     if not 0 < a.bucket_fraction <= 1:
         raise SystemExit(f"--bucket-fraction must be in (0, 1], got {a.bucket_fraction}")
-    if not 0 < a.mem_fraction <= 1:
-        raise SystemExit(f"--mem-fraction must be in (0, 1], got {a.mem_fraction}")
     if a.edges >= 2**31 or a.nodes >= 2**31:
         raise SystemExit("--nodes and --edges must be < 2**31 (int32 edge file)")
     cap = parse_size(a.cap)
     # bucketing holds ~60 bytes per edge of a chunk at once: a chunk within ~1/4 of the cap
     a.chunk_edges = min(1 << 22, 1 << max(10, (cap // 256).bit_length() - 1))
     rec = record_bytes(a.dim)
-    a.partitions, a.buffer, rule = choose_partitions(
-        a.nodes, rec, cap, parse_size(a.reserve), a.edges, a.batch, a.mem_fraction,
-        a.partitions, a.buffer)
-    print(rule, flush=True)
+    fixed = (a.partitions, a.buffer)
 
     workdir = Path(a.workdir or tempfile.gettempdir())
     workdir.mkdir(parents=True, exist_ok=True)
@@ -594,7 +709,9 @@ def main(argv=None):
     full = (a.nodes, a.dim, a.edges) == tuple(DEFAULTS.values()) and not a.smoke
     results_dir = Path(a.results) if a.results else (RESULTS if full else workdir)
     table = a.nodes * rec
-    need = table + a.edges * 8 + a.edges * 16 + (64 << 20)  # store, int32 edges, int64 buckets
+    # store (a log store's segments may hold up to space_ratio = 2 times the table), int32
+    # edges, int64 buckets
+    need = table * (1 if a.storage == "inplace" else 2) + a.edges * 8 + a.edges * 16 + (64 << 20)
     have = shutil.disk_usage(workdir).free
     existing = sum(p.stat().st_size for p in scratch.rglob("*") if p.is_file()) \
         if scratch.exists() else 0
@@ -609,10 +726,33 @@ def main(argv=None):
     capped = not a.no_cgroup and cgroup_ok(memcap)
     label = f"cap {a.cap}" if capped else "cold (evicted, no cgroup)"
     try:
-        ensure_store(scratch / "store", a.nodes, a.dim, a.keep)
+        kind = ensure_store(scratch / "store", a.nodes, a.dim, a.storage, a.keep)
         ensure_edges(scratch / "edges.npy", a.nodes, a.edges, a.seed, a.keep)
         print(f"table + state {table / 1e9:.2f} GB = {table / cap:.1f}x the cap ({a.cap}); "
               f"{label}", flush=True)
+        reserve = parse_size(a.reserve)
+        if has_region(scratch / "store"):  # its region holds the partitions: its own
+            # buffers, its index and a batch's rows come on top of them
+            extra = parse_size(a.store_extra) + 8 * a.nodes \
+                + min(a.batch * (2 + a.negatives), a.nodes) * rec
+            print(f"a store with a memory region: fit's reserve {reserve / 2**20:,.0f} MiB + "
+                  f"{extra / 2**20:,.0f} MiB (--store-extra {a.store_extra} for its seal, "
+                  "cleaning and range-load buffers, its index, a batch's rows)", flush=True)
+            reserve += extra
+        a.partitions, a.buffer, rule = choose_partitions(
+            a.nodes, rec, cap, reserve, a.edges, a.max_buffer, *fixed)
+        print(rule, flush=True)
+        kw = store_settings(scratch / "store", a.nodes, a.partitions, a.buffer, a.batch,
+                            a.negatives)
+        if kw["train"]:
+            print(f"{kind} store: both orders open it with memory={kw['train']['memory']:,} "
+                  f"({kw['train']['memory'] / 2**20:,.0f} MiB: a region of "
+                  f"{kw['region_rows']:,} rows, c + 1 partitions beside a batch's rows, as "
+                  "the iterator requires)", flush=True)
+        ram_ok = not a.no_ram and mem_available() > 1.1 * table + (1 << 30)
+        if not a.no_ram and not ram_ok:
+            print(f"no in-RAM phase: {mem_available() / 2**30:.1f} GiB available, the table "
+                  f"needs {table / 2**30:.1f} GiB in memory (--no-ram skips it)", flush=True)
         shutil.rmtree(scratch / "plan", ignore_errors=True)
         evict_tree(scratch)
         wait_disk_quiet(a.quiet_seconds)
@@ -624,25 +764,37 @@ def main(argv=None):
               f"{bucketing['lower_bound']})", flush=True)
         evict_tree(scratch)
         wait_disk_quiet(a.quiet_seconds)
-        disk = measure_disk(scratch / "store" / "rows.dsa", a.disk_seconds)
+        disk = measure_disk(biggest_file(scratch / "store"), a.disk_seconds)
         rows = []
-        for phase in ("random", "bucket"):
+        # bucket order first, on the table as written (each partition's rows together, as
+        # after an epoch of bucket order); random order then scatters the rows it evicts
+        for phase in ("bucket", "random", *(("ram",) if ram_ok else ())):
             evict_tree(scratch)
             waited = wait_disk_quiet(a.quiet_seconds)
-            res = run_child(phase, a, scratch, memcap, capped)
-            res.update(quiet_wait_s=waited, memory=label, nodes=a.nodes, dim=a.dim,
-                       num_edges=a.edges, P=a.partitions, c=a.buffer, batch=a.batch,
-                       negatives=a.negatives)
+            res = run_child(phase, a, scratch, memcap, capped and phase != "ram",
+                            kw["ram" if phase == "ram" else "train"])
+            res.update(quiet_wait_s=waited, memory=label if phase != "ram" else "in RAM",
+                       nodes=a.nodes, dim=a.dim, num_edges=a.edges, P=a.partitions,
+                       c=a.buffer, batch=a.batch, negatives=a.negatives, storage=kind)
             res["edges_per_s"] = res["edges_done"] / res["seconds"]
+            for key in ("read_ios", "read_bytes", "write_ios", "write_bytes", "majfaults"):
+                res[f"{key}_per_edge"] = res[key] / max(1, res["edges_done"])
             res["row_updates_per_s"] = res["row_updates"] / res["seconds"]
             res["epoch_s_extrapolated"] = a.edges / res["edges_per_s"]
-            rows.append(res)
+            rows.insert(0, res) if phase == "random" else rows.append(res)
             print(f"  {phase:<6} {res['edges_per_s']:>12,.0f} edges/s  "
                   f"{res['row_updates_per_s']:>12,.0f} row updates/s  steps {res['steps']}  "
                   f"{res['seconds']:.1f} s (flush {res['flush_s']:.1f} s)  loads "
                   f"{res['loads']}  read {res['read_bytes'] / 1e9:.2f} GB / "
                   f"{res['read_ios']:,} I/Os  written {res['write_bytes'] / 1e9:.2f} GB / "
-                  f"{res['write_ios']:,} I/Os  {res['memcap']}", flush=True)
+                  f"{res['write_ios']:,} I/Os  major faults {res['majfaults']:,}  "
+                  f"{res['memcap']}", flush=True)
+            if "range_loads" in res:
+                print(f"         store: {res['range_loads']} range loads, "
+                      f"{res['range_records']:,} rows loaded, sequential reads "
+                      f"{res['range_read_bytes'] / 1e9:.2f} GB in {res['range_reads']:,} "
+                      f"reads, {res['range_mapped_records']:,} scattered records read at "
+                      f"queue depth, {res['misses']:,} rows missed by steps", flush=True)
             if "cg_peak_anon" in res:
                 print(f"         cgroup peaks: anon {res['cg_peak_anon'] / 2**20:,.0f} MiB, page "
                       f"cache {res['cg_peak_file'] / 2**20:,.0f} MiB, dirty "
@@ -651,12 +803,13 @@ def main(argv=None):
                       f"{res.get('cg_refaults', 0):,}, major faults "
                       f"{res.get('cg_majfaults', 0):,}", flush=True)
         wait_disk_quiet(a.quiet_seconds)
-        after = measure_disk(scratch / "store" / "rows.dsa", a.disk_seconds, seq=False)
+        after = measure_disk(biggest_file(scratch / "store"), a.disk_seconds, seq=False)
         disk["qd32_iops_after"] = after["qd32_iops"]
     finally:
         if not a.keep:
             shutil.rmtree(scratch, ignore_errors=True)
-    rnd, bkt = rows
+    rnd, bkt = rows[:2]
+    ram = rows[2] if len(rows) > 2 else None
     ratio = bkt["edges_per_s"] / rnd["edges_per_s"] if rnd["edges_per_s"] else float("inf")
     qd32 = max(disk["qd32_iops"], disk["qd32_iops_after"])
     for r in rows:
@@ -669,7 +822,16 @@ def main(argv=None):
     print_table(rows, ["phase", "edges_per_s", "row_updates_per_s", "ratio_vs_random", "steps",
                        "seconds", "flush_s", "loads", "read_MBps", "read_iops", "write_MBps",
                        "epoch_s_extrapolated", "peak_bytes", "memory"])
-    print(f"\nbucket order / random order: {ratio:.1f}x edges/s (issue target >= 10x)")
+    print()
+    print_table(rows, ["phase", "read_ios_per_edge", "read_bytes_per_edge",
+                       "write_ios_per_edge", "write_bytes_per_edge", "majfaults",
+                       "majfaults_per_edge", "loads", "storage"])
+    print(f"\n{kind} store. bucket order / random order: {ratio:.1f}x edges/s (issue target "
+          ">= 10x)")
+    if ram is not None:
+        print(f"bucket order out of core / the same loop in RAM: "
+              f"{bkt['edges_per_s'] / ram['edges_per_s']:.2f}x edges/s (issue target >= 0.8x; "
+              f"the in-RAM run loaded the table in {ram['preload_s']:.0f} s before its clock)")
     print(f"disk: sequential reads {disk['seq_read_bytes_per_s'] / 1e6:,.0f} MB/s, "
           f"4 KiB random reads QD32 {qd32:,.0f} IOPS (higher of before/after)")
     print(f"a full epoch of {a.edges:,} edges, extrapolated from each phase's edge rate: "
@@ -677,7 +839,8 @@ def main(argv=None):
           f"{duration(bkt['epoch_s_extrapolated'])} (the bucket phase did {bkt['loads']} "
           f"of the epoch's {bkt['epoch_loads']} partition loads over {bkt['buckets_done']} of "
           f"{bkt['buckets']} buckets)")
-    meta = {"machine": machine(), "args": vars(a), "rule": rule, "disk": disk,
+    meta = {"machine": machine(), "args": vars(a), "rule": rule, "disk": disk, "storage": kind,
+            "open_kw": kw,
             "bucketing": bucketing, "table_bytes": table, "record_bytes": rec,
             "memory": label, "ratio": ratio, "extrapolated": "epoch_s_extrapolated = edges / "
             "the phase's edges/s"}

@@ -154,14 +154,22 @@ class Engine(Protocol):
     def before_restore(self) -> None:
         """Called before every record is overwritten from a snapshot."""
 
-    # -- hints (never change a value) -------------------------------------------------------
+    # -- hints and range loads (never change a value) ----------------------------------------
     def prefetch(self, rows: np.ndarray, wait: bool = False) -> None: ...
 
     def residency(self, rows: np.ndarray) -> float: ...
 
-    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None: ...
+    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
+        """``kind="load"``: bring the records of rows ``[start, stop)`` into the engine's
+        memory with sequential reads, in the background (in place: the page cache; a log
+        store: its region, where they stay pinned until the release; a ``ValueError``,
+        before anything changes, when they cannot fit there). ``kind="release"``: write the
+        range's changes back sequentially and give its memory back. ``wait``: return once
+        done. Never changes a value."""
 
-    def wait_ranges(self) -> None: ...
+    def wait_ranges(self) -> None:
+        """Until every load and release submitted so far is done; then raise the first
+        error one met in the background, once."""
 
     # -- information and life cycle ---------------------------------------------------------
     def stats(self) -> dict[str, Any]:

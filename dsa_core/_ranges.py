@@ -1,9 +1,11 @@
 """Range load / release: bring a contiguous block of rows into memory, or give it back.
 
 The public calls check the range and hand it to the store's engine (``submit_range``,
-``wait_ranges``): an in-place store reads the rows' bytes in file order and writes them back
-the same way (``dsa_core._inplace.ranges``); a log store hints its segments. Both only hint:
-no value can change, go stale or get lost whatever the timing.
+``wait_ranges``): an in-place store reads the rows' bytes in file order into the page cache
+and writes them back the same way (``dsa_core._inplace.ranges``); a log store reads the
+range's records sequentially into its memory region and keeps them there, pinned, until the
+release, which seals the changed ones in row order (``dsa_core._log.ranges``). On both no
+value can change, go stale or get lost whatever the timing.
 """
 
 from __future__ import annotations
@@ -61,16 +63,20 @@ def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None
 
     The rows' bytes are read **sequentially**, in large reads, on this store's range thread
     (one per store; its requests run in submission order), so that the steps which then touch
-    these rows find them in memory instead of faulting them in one at a time. On this
+    these rows find them in memory instead of faulting them in one at a time. On an
     in-place store "memory" is the page cache: a loaded range occupies about
     ``(stop - start) * record bytes`` of it until :func:`release_range` gives it back (or
-    the kernel reclaims it under pressure). On the log-structured store
-    (``storage="log"``) the range's on-disk records are read ahead into the page cache on
-    the store's read-ahead thread (rows released together were sealed together, so this
-    is a sequential read); the steps copy them into the region as they touch them.
+    the kernel reclaims it under pressure). On a log-structured store (``storage="log"``)
+    it is the store's memory region: the range's on-disk records are read in record order
+    (rows released together were sealed together) into staging buffers and put into the
+    region, clean, at the next step, range call or :func:`wait_ranges`; the range's rows
+    are pinned there -- never evicted -- until :func:`release_range`, and a step that needs
+    rows of a range still being read waits for that load. The region must hold the loaded
+    ranges beside one step's rows: a range that cannot fit is refused (``ValueError``).
 
-    A hint: no value changes, and steps may touch any row at any time — before, during or
-    after the load — and always read and write the current data.
+    No value changes: steps may touch any row at any time -- before, during or after the
+    load -- and always read and write the current data (a row a step changed before its
+    record arrived keeps the step's value).
 
     Parameters
     ----------
@@ -86,7 +92,10 @@ def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None
     Raises
     ------
     ValueError
-        The store is closed, or the range is out of bounds.
+        The store is closed, or the range is out of bounds. On a log store also, with
+        nothing changed, when the rows of the ranges loaded and not yet released plus this
+        one, beside the largest batch stepped since the store was opened, do not fit in its
+        region; the message gives the ``memory=`` that would.
     TypeError
         ``start``/``stop`` are not integers.
     OSError
@@ -112,10 +121,12 @@ def release_range(state: Any, start: int, stop: int, *, wait: bool = False) -> N
     In the background, on this store's range thread (after every earlier request): the
     dirty pages of the range are written **sequentially**, in file order, and waited for;
     then the kernel is asked to drop the range's (now clean) pages, giving that memory back.
-    On the log-structured store (``storage="log"``) the release runs at once, in the
-    calling thread: the range's dirty rows in the region are sealed together (one
-    sequential write, in row order) and the range's region slots are freed for other
-    rows; ``wait`` changes nothing there. A read-only log store has nothing to release.
+    On a log-structured store (``storage="log"``) the release runs at once, in the
+    calling thread: the load of the range ends (its rows are unpinned; a load still in
+    flight stops), the range's dirty rows in the region are sealed together (sequential
+    writes, in row order) and its region slots are freed for other rows; rows that another
+    loaded range still covers stay. ``wait`` changes nothing there. A read-only log store
+    has nothing to release.
 
     A hint: no value changes and no update is lost. A step may write these rows while the
     release runs, or after it: the kernel never drops a page without writing its changes, so

@@ -724,6 +724,7 @@ class BatchIterator:
             raise TypeError(f"pad must be True or False, got {pad!r} ({type(pad).__name__})")
         self.pad = bool(pad)
         self.stores = _check_stores(stores, plan.num_nodes)
+        _check_regions(self.stores, plan, self.batch_size, self.negatives)
         self._groups_of: dict[int, tuple] = {}
         self._pos = self._start(start)
         self._len = self._count_from(self._pos)
@@ -1018,3 +1019,37 @@ def _check_stores(stores, num_nodes: int) -> tuple:
                              f"{num_nodes} (its rows are the node ids), got {s.num_rows}")
     return stores
 
+
+def _check_regions(stores: tuple, plan: Plan, batch_size: int, negatives: int) -> None:
+    """Each store that keeps loaded rows in a memory region of its own (a log store: its
+    ``memory_bytes``) must hold what the iterator loads at once -- the ``c`` resident
+    partitions and the one read ahead, ``min(c + 1, P)`` of the largest -- beside one step's
+    rows (``batch_size * (2 + negatives)`` node ids at most); else say what to set, before
+    anything is loaded. A store without a region (in place: the page cache) is not checked
+    here (``fit`` sizes P and c for it)."""
+    sizes = np.sort(np.diff(plan.bounds))[::-1]
+    k = min(plan.buffer + 1, plan.num_partitions)
+    held = int(sizes[:k].sum())
+    step = min(batch_size * (2 + negatives), plan.num_nodes)
+    for n, s in enumerate(stores):
+        have = s.store.memory_bytes
+        if have is None:
+            continue
+        need = dsa_core.region_memory(s, held + step)
+        if have < need:
+            mib = 1 << 20
+            per = dsa_core.region_memory(s, 2) - dsa_core.region_memory(s, 1)
+            slots = max(0, have - (dsa_core.region_memory(s, 1) - per)) // per
+            part = (slots - step) // k  # rows per partition that would fit
+            c = plan.buffer
+            smaller = (f"plan with partitions={-(-plan.num_nodes // part)} or more (buffer="
+                       f"{c}), " if part >= 1 and -(-plan.num_nodes // part) >= c else "")
+            raise ValueError(
+                f"stores[{n}] ({str(s.path)!r}) keeps the partitions it loads in a memory "
+                f"region of {have / mib:,.1f} MiB (memory={have}: {slots:,} rows), but this "
+                f"iteration holds {k} partitions at once (c = {c} resident and the next one "
+                f"read ahead: {held:,} rows) beside one step's rows (batch_size * (2 + "
+                f"negatives) = {step:,}): that needs memory={need} ({need / mib:,.1f} MiB). "
+                f"Reopen the store with dsa_core.open(path, memory={need}) or more, "
+                f"{smaller}or take a smaller batch; dsa_core.buckets.fit chooses P and c "
+                "for the memory the process may use")

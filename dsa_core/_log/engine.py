@@ -42,11 +42,13 @@ Deterministic init
 Concurrency
     The engine's state changes in the caller's thread only: seals and cleaning decisions run
     inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
-    Three kinds of background threads only do I/O on buffers and files the engine hands them: the
-    segment writer (``writer``: writes sealed segments; a segment is readable from its
+    Four kinds of background threads only do I/O on buffers and files the engine hands them:
+    the segment writer (``writer``: writes sealed segments; a segment is readable from its
     buffer until written), the cleaning reads (``read.CleaningReads``: read a segment to be
-    cleaned whole, one seal ahead) and, for ``LogStore``, the read-ahead of future batches
-    (``read.ReadAhead``: hints only). A flush waits for every pending write before it
+    cleaned whole, one seal ahead), the range loads (``ranges.Loader``: read a loaded
+    range's records into staging buffers, which :meth:`LogEngine.acquire` and the range
+    calls install in the caller's thread) and, for ``LogStore``, the read-ahead of future
+    batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
     write.
@@ -82,10 +84,12 @@ from .format import (
     Segment,
     SegmentError,
     parse_name,
+    segment_geometry,
     read_manifest,
     write_manifest,
 )
 from .pool import Pool, gather_records
+from .ranges import Job, Loader, loader_for, plan_job
 from .recovery import install_log, load, lock, log_entries, remove_garbage, replay_log, verify
 from .segments import Segments
 
@@ -93,7 +97,8 @@ __all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "gather_recor
            "memory_for", "open", "remove", "slots_for"]
 
 _STATS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
-          "file_bytes_written", "acquires", "misses", "evicted_clean")
+          "file_bytes_written", "acquires", "misses", "evicted_clean", "range_loads",
+          "range_records", "range_rereads", "range_pins_dropped")
 
 
 def _forward(component: str, name: str, doc: str) -> property:
@@ -170,6 +175,13 @@ class LogEngine:
         self._cleaner = Cleaner(self._pool, self._segments, self.space_ratio)
         self._commit = Commit(self.path, manifest, self._pool, self._segments, self._cleaner,
                               self._stats)
+        # range loads (``ranges``): the loads in flight, this process's loader thread, the
+        # first error one met (raised once by the next range call), the largest batch
+        self._jobs: dict[int, Job] = {}
+        self._loader: Loader | None = None
+        self._job_seq = 0
+        self._load_error: BaseException | None = None
+        self._max_batch = 0
 
     # -- guards ---------------------------------------------------------------------------
     def _require_open(self) -> None:
@@ -231,6 +243,12 @@ class LogEngine:
         other rows, never one of ``rows``. The returned array is the caller's.
         """
         self._require_writable()
+        if self._jobs:
+            self._wait_loads_of(rows)
+        try:
+            self._max_batch = max(self._max_batch, len(rows))
+        except TypeError:  # not a sequence: the pool's check says so
+            pass
         return self._pool.acquire(rows, self._commit.make_room, load=load, check=check)
 
     def write(self, rows: Any, records: Any) -> None:
@@ -241,6 +259,7 @@ class LogEngine:
         reading the old records. Durable at the next flush.
         """
         self._require_writable()
+        self._install_loaded()
         self._pool.write(rows, records, self._commit.make_room)
 
     def release(self, rows: Any) -> int:
@@ -253,6 +272,141 @@ class LogEngine:
         """
         self._require_writable()
         return self._pool.release(rows, self._commit.seal_all)
+
+    # -- range loads (``ranges``) ------------------------------------------------------------
+    def load_range(self, start: int, stop: int) -> None:
+        """Bring the rows ``[start, stop)`` into the region and keep them there until
+        :meth:`release_range`.
+
+        From now on the range's resident rows are pinned (CLOCK never evicts them); its
+        other rows' records are read in the background, sequentially (``ranges``), and put
+        into the region, clean and pinned, at the next :meth:`acquire`, :meth:`write`,
+        range call or :meth:`wait_ranges`. An :meth:`acquire` that misses rows of a range
+        still loading waits for that load first (one sequential read instead of random
+        ones). No value changes: a row resident before its record arrives (maybe dirty) is
+        kept as it is, one that moved meanwhile is read again from where it lies.
+
+        Raises ``ValueError``, changing nothing, unless the rows of the active ranges and
+        this one, plus the largest batch stepped since this open (at least 1; rows written
+        with :meth:`write` do not count), fit in the region; and first the error of an
+        earlier load that failed, once. A larger batch stepped later still steps: the pins
+        yield to it (``range_pins_dropped`` counts that).
+        """
+        self._require_writable()
+        self._install_loaded()
+        self._raise_load_error()
+        pool = self._pool
+        pinned = pool.pinned_with(start, stop)
+        room = max(self._max_batch, 1)
+        if pinned + room > self.slots:
+            need = memory_for(self.layout, pinned + room)
+            raise ValueError(
+                f"log store {str(self.path)!r}: load_range({start}, {stop}) cannot keep its "
+                f"rows in the memory region: the loaded ranges not yet released and this one "
+                f"cover {pinned} rows and a step needs room for {room} more (the largest "
+                f"batch stepped since the store was opened), {pinned + room} in all, but "
+                f"the region holds {self.slots} rows (memory={self.memory_bytes} bytes). "
+                f"Nothing was changed. Release a range first (dsa_core.release_range), "
+                f"load smaller ranges, or reopen the "
+                f"store with memory={need} or more (dsa_core.region_memory(state, "
+                f"{pinned + room})); for partition-ordered training dsa_core.buckets.fit "
+                "chooses P and c that fit")
+        pool.pin_range(start, stop)
+        self._stats["range_loads"] += 1
+        self._job_seq += 1
+        job = plan_job(self._job_seq, start, stop, pool.loc, self._segments, self.init,
+                       self._records_offset)
+        if job.files or job.ready or job.fresh is not None:
+            if self._loader is None or self._loader.pid != os.getpid():
+                self._jobs.clear()  # a forked child: its parent's loads are not its own
+            self._loader = loader_for(self._loader, self.stride, self.dtype, self.init)
+            self._jobs[job.id] = job
+            self._loader.submit(job)
+
+    def release_range(self, start: int, stop: int) -> int:
+        """End the load of ``[start, stop)`` (the equal active range, else every active
+        range inside it) and :meth:`release` its rows that no other active range holds:
+        unpinned, the dirty ones sealed in row order, their slots freed. A load of it still
+        in flight stops; what it read is not installed. Returns the rows released."""
+        self._require_writable()
+        self._install_loaded()
+        self._raise_load_error()
+        for job in self._jobs.values():
+            if start <= job.start and job.stop <= stop:
+                job.cancelled = True
+        pool = self._pool
+        pool.unpin_range(start, stop)
+        rows = np.arange(start, stop, dtype=np.int64)
+        if pool.ranges:
+            rows = rows[~pool.in_ranges(rows)]
+        return pool.release(rows, self._commit.seal_all)
+
+    def wait_ranges(self) -> None:
+        """Wait until every load in flight is read and installed; then raise the error an
+        earlier load met, once."""
+        self._require_open()
+        self._install_loaded(wait_for=set(self._jobs))
+        self._raise_load_error()
+
+    def _records_offset(self, seg: Segment) -> int:
+        return segment_geometry(seg.n, self.stride, self.dtype.itemsize)[2]
+
+    def _raise_load_error(self) -> None:
+        err, self._load_error = self._load_error, None
+        if err is not None:
+            raise err
+
+    def _wait_loads_of(self, rows: Any) -> None:
+        """Install what the loads have read; if ``rows`` miss rows of a range still loading,
+        wait for that load (and install it) first."""
+        self._install_loaded()
+        if not self._jobs:
+            return
+        r = np.asarray(rows)
+        if r.dtype.kind not in "iu" or r.ndim != 1:
+            return  # the pool's check says what is wrong
+        r = r[(r >= 0) & (r < self.num_rows)]
+        miss = r[self._pool.loc[r] >= 0]
+        if not miss.shape[0]:
+            return
+        waits = {j.id for j in self._jobs.values() if not j.cancelled
+                 and ((miss >= j.start) & (miss < j.stop)).any()}
+        if waits:
+            self._install_loaded(wait_for=waits)
+
+    def _install_loaded(self, wait_for: set[int] | None = None) -> None:
+        """Install the chunks the loader has read (``Pool.install_loaded``); with
+        ``wait_for``, wait until those jobs are done. An install that fails (making room
+        for it failed, a record read again was damaged) is kept for the next range call:
+        a load never makes a step fail."""
+        ld = self._loader
+        if not self._jobs or ld is None or ld.pid != os.getpid():
+            return
+        while True:
+            items = ld.poll()
+            if not items:
+                if not wait_for or not (wait_for & self._jobs.keys()):
+                    return
+                items = [ld.get()]
+            for jid, rows, locs, rec in items:
+                if rows is None:  # the job's end (rec: its error, or None)
+                    self._jobs.pop(jid, None)
+                    if rec is not None and self._load_error is None:
+                        self._load_error = rec
+                    continue
+                try:
+                    self._pool.install_loaded(rows, locs, rec, self._commit.make_room)
+                except Exception as exc:
+                    if self._load_error is None:
+                        self._load_error = exc
+                finally:
+                    ld.done_with()
+
+    def _stop_loader(self) -> None:
+        ld, self._loader = self._loader, None
+        self._jobs.clear()
+        if ld is not None and ld.pid == os.getpid():
+            ld.close()
 
     # -- flushing -------------------------------------------------------------------------
     def flush(self, count: int | None = None) -> None:
@@ -397,6 +551,17 @@ class LogEngine:
             if st["sealed_records"] else 0.0,
             "misses": st["misses"],
             "acquires": st["acquires"],
+            "evicted_clean": st["evicted_clean"],
+            "range_loads": st["range_loads"],
+            "range_records": st["range_records"],
+            "range_rereads": st["range_rereads"],
+            "range_reads": 0 if self._loader is None else self._loader.stats["reads"],
+            "range_read_bytes": 0 if self._loader is None
+            else self._loader.stats["read_bytes"],
+            "range_mapped_records": 0 if self._loader is None
+            else self._loader.stats["mapped_records"],
+            "range_pinned": self._pool.range_pinned,
+            "range_pins_dropped": st["range_pins_dropped"],
             "total_user_bytes": t_user,
             "total_written_bytes": t_written,
             "total_file_bytes_written": tot["file_bytes_written"],
@@ -418,6 +583,7 @@ class LogEngine:
     def _stop_threads(self) -> None:
         """Stop this process's writer and cleaning-read threads (a forked child's are its
         parent's: left alone)."""
+        self._stop_loader()
         self._segments.stop_writer()
         self._cleaner.stop()
 

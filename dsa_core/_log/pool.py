@@ -7,8 +7,9 @@ In memory
     (0: never written, the row reads as its initial record, ``_init``). Per slot:
     ``slot_row`` (-1 when free), ``slot_disk`` (the location of the row's newest on-disk
     record, 0 if none; it may be older than the slot when the slot is dirty), ``dirty``, a
-    CLOCK reference bit, the pin mark of the current :meth:`Pool.acquire` and the mark of
-    the seal a slot is going into, and the free-slot stack.
+    CLOCK reference bit, the pin mark (the current :meth:`Pool.acquire`'s epoch, or
+    ``RANGE_PIN``: held by a loaded range) and the mark of the seal a slot is going into,
+    and the free-slot stack.
 Acquiring
     :meth:`Pool.acquire` makes the rows of a batch resident and dirty. When the free slots do
     not cover its misses, the caller's ``make_room`` runs (``commit``): :meth:`Pool.evict`
@@ -19,6 +20,15 @@ Acquiring
 Reading
     :meth:`Pool.read` copies records without changing residency: from the region, from the
     segments, or the initial record of a never-written row.
+Range pins
+    A range loaded with ``dsa_core.load_range`` (``ranges``: the log engine's range loads)
+    is *active* until its ``release_range``: every slot holding a row of an active range is
+    pinned (``pin == RANGE_PIN``), so CLOCK never picks it, until the release. Records read
+    ahead for a range are put into free slots by :meth:`Pool.install_loaded`, clean, and
+    only where the row still lies at the location that was read (a row that became
+    resident, or moved since, is never overwritten with an older record). Should a batch
+    not fit beside the pinned slots (a caller that skipped ``load_range``'s check), the
+    range pins yield (``range_pins_dropped``): a step never fails because of a load.
 
 The pool never writes a file: sealing is ``commit``'s, with the slots and marks kept here.
 """
@@ -40,7 +50,9 @@ from .budget import check_memory
 from .format import Segment, SegmentError
 from .segments import Segments
 
-__all__ = ["Pool", "gather_records"]
+__all__ = ["RANGE_PIN", "Pool", "gather_records"]
+
+RANGE_PIN = -1  # ``pin`` of a slot held by an active loaded range (epochs are > 0)
 
 
 @njit(cache=True, nogil=True)
@@ -48,11 +60,12 @@ def _evict(target, hand, slot_row, slot_disk, ref, dirty, pin, epoch, mark, ep, 
            nfree, victims):
     """CLOCK until ``nfree + victims >= target``; returns ``(hand, nfree, n_victims)``.
 
-    Slots pinned by this call (``pin == epoch``) or already chosen (``mark == ep``) are
-    skipped; a referenced slot loses its bit and is passed over once. A clean victim is freed
-    at once (its row points at its on-disk record again); a dirty one is marked ``ep`` and
-    returned in ``victims`` for the seal. ``n_victims < 0``: the target cannot be met (the
-    caller asked for more than the unpinned slots), nothing more was chosen.
+    Slots pinned by this call (``pin == epoch``) or by a loaded range (``pin < 0``) or
+    already chosen (``mark == ep``) are skipped; a referenced slot loses its bit and is
+    passed over once. A clean victim is freed at once (its row points at its on-disk record
+    again); a dirty one is marked ``ep`` and returned in ``victims`` for the seal.
+    ``n_victims < 0``: the target cannot be met (the caller asked for more than the unpinned
+    slots), nothing more was chosen.
     """
     S = slot_row.shape[0]
     nv = 0
@@ -66,7 +79,7 @@ def _evict(target, hand, slot_row, slot_disk, ref, dirty, pin, epoch, mark, ep, 
         if hand == S:
             hand = 0
         r = slot_row[s]
-        if r < 0 or pin[s] == epoch or mark[s] == ep:
+        if r < 0 or pin[s] == epoch or pin[s] < 0 or mark[s] == ep:
             continue
         if ref[s]:
             ref[s] = 0
@@ -136,6 +149,8 @@ class Pool:
         self.epoch = 0       # one per acquire: pins
         self.seal_epoch = 0  # one per seal: marks the slots going into it
         self.loc = np.zeros(self.num_rows, np.int64)
+        self.ranges: list[tuple[int, int]] = []  # active loaded ranges, in load order
+        self.range_pinned = 0                    # slots with pin == RANGE_PIN
 
     def check_batch(self, batch: int) -> None:
         """Raise ``ValueError`` unless the region holds a batch of ``batch`` rows."""
@@ -211,11 +226,18 @@ class Pool:
         hit = lr < 0
         hslots = -lr[hit] - 1
         slots[hit] = hslots
-        self.pin[hslots] = self.epoch
+        hpin = self.pin[hslots]
+        ranged = hpin < 0  # held by a loaded range: stays so (and stays pinned)
+        self.pin[hslots[~ranged]] = self.epoch
         miss = np.flatnonzero(~hit)
         need = miss.shape[0]
         if need > self.nfree:
-            make_room(need, n - need)
+            pinned = n - need + self.range_pinned - int(np.count_nonzero(ranged))
+            if need > self.slots - pinned:  # the loaded ranges leave no room: they yield
+                self.drop_range_pins()
+                self.pin[hslots] = self.epoch  # this call's hits stay pinned
+                pinned = n - need
+            make_room(need, pinned)
         mrows = rows[miss]
         old = self.loc[mrows]  # read again: cleaning during the seal may have moved them
         top = self.nfree
@@ -233,6 +255,10 @@ class Pool:
         self.slot_row[mslots] = mrows
         self.slot_disk[mslots] = old
         self.loc[mrows] = -mslots - 1
+        if self.ranges:  # rows of a loaded range read before its load came: pinned too
+            held = mslots[self.in_ranges(mrows)]
+            self.pin[held] = RANGE_PIN
+            self.range_pinned += held.shape[0]
         slots[miss] = mslots
         self.ref[slots] = 1
         self.dirty[slots] = 1  # last: a seal inside this call may have cleaned a hit
@@ -302,9 +328,117 @@ class Pool:
         self.loc[self.slot_row[slots]] = self.slot_disk[slots]
         self.slot_row[slots] = -1
         self.ref[slots] = 0
+        held = self.pin[slots] < 0
+        if held.any():
+            self.pin[slots[held]] = 0
+            self.range_pinned -= int(np.count_nonzero(held))
         k = slots.shape[0]
         self.free[self.nfree:self.nfree + k] = slots
         self.nfree += k
+
+    # -- range pins and loaded records (``ranges``) --------------------------------------------
+    def in_ranges(self, rows: np.ndarray, ranges=None) -> np.ndarray:
+        """Whether each of ``rows`` lies in one of ``ranges`` (default: the active ones)."""
+        held = np.zeros(rows.shape[0], bool)
+        for lo, hi in self.ranges if ranges is None else ranges:
+            held |= (rows >= lo) & (rows < hi)
+        return held
+
+    def pinned_with(self, start: int, stop: int) -> int:
+        """Rows the active ranges and ``[start, stop)`` cover together (their union)."""
+        spans = sorted([*self.ranges, (start, stop)])
+        total, end = 0, -1
+        for lo, hi in spans:
+            if hi <= end:
+                continue
+            total += hi - max(lo, end)
+            end = hi
+        return total
+
+    def pin_range(self, start: int, stop: int) -> None:
+        """``[start, stop)`` becomes active: its resident rows are pinned from now on, and so
+        are its rows that become resident, until :meth:`unpin_range`."""
+        self.ranges.append((start, stop))
+        lr = self.loc[start:stop]
+        slots = -lr[lr < 0] - 1
+        slots = slots[self.pin[slots] >= 0]
+        self.pin[slots] = RANGE_PIN
+        self.range_pinned += slots.shape[0]
+
+    def unpin_range(self, start: int, stop: int) -> None:
+        """``[start, stop)`` is released: the active range equal to it (else every active
+        range inside it) ends; its rows that no other active range holds are unpinned."""
+        if (start, stop) in self.ranges:
+            self.ranges.remove((start, stop))
+        else:
+            self.ranges = [(lo, hi) for lo, hi in self.ranges if not start <= lo <= hi <= stop]
+        lr = self.loc[start:stop]
+        res = np.flatnonzero(lr < 0)
+        slots = -lr[res] - 1
+        free = (self.pin[slots] < 0) & ~self.in_ranges(res + start)
+        self.pin[slots[free]] = 0
+        self.range_pinned -= int(np.count_nonzero(free))
+
+    def drop_range_pins(self) -> None:
+        """Unpin every slot (the ranges stay active: rows read later are pinned again)."""
+        held = self.pin < 0
+        self.pin[held] = 0
+        self.range_pinned = 0
+        self.stats["range_pins_dropped"] += 1
+
+    def install_loaded(self, rows: np.ndarray, locs: np.ndarray, records: np.ndarray,
+                       make_room: Callable[[int, int], None]) -> int:
+        """Put the records read ahead for an active range into free slots, clean and pinned.
+
+        ``records[i]`` is the record that lay at location ``locs[i]`` of ``rows[i]`` (0: its
+        initial record) when it was read. A row is installed only if it is in an active
+        range and not resident; one that still lies at ``locs[i]`` takes ``records[i]``,
+        one that moved meanwhile (a seal, the cleaner) is read again from where it lies now:
+        no resident record (maybe dirty) is overwritten, none goes stale. Returns the rows
+        installed; fewer than asked when the free and unpinned slots run out (the rest are
+        read when a step needs them).
+        """
+        if not rows.shape[0]:
+            return 0
+        want = np.flatnonzero((self.loc[rows] >= 0) & self.in_ranges(rows))
+        if not want.shape[0]:
+            return 0
+        need = want.shape[0]
+        if need > self.nfree:
+            room = self.slots - self.range_pinned
+            if room > self.nfree:
+                self.epoch += 1  # pins nothing: a new epoch no slot carries
+                make_room(min(need, room), self.range_pinned)
+            # making room seals and may clean: rows can have moved (never become resident)
+            want = want[self.loc[rows[want]] >= 0][:self.nfree]
+            need = want.shape[0]
+            if not need:
+                return 0
+        r = rows[want]
+        now = self.loc[r]
+        top = self.nfree
+        slots = self.free[top - need:top][::-1].copy()
+        same = now == locs[want]
+        moved = np.flatnonzero(~same)
+        if moved.shape[0]:  # an error here (a damaged record) changes nothing: the slots
+            ondisk = moved[now[moved] > 0]  # are still on the free stack
+            self.segments.read_into(now[ondisk], self.region, slots[ondisk])
+            fresh = moved[now[moved] == 0]
+            self.initial_into(r[fresh], self.region, slots[fresh])
+        keep = np.flatnonzero(same)
+        self.region[slots[keep]] = records[want[keep]]
+        self.nfree = top - need
+        self.slot_row[slots] = r
+        self.slot_disk[slots] = now
+        self.loc[r] = -slots - 1
+        self.dirty[slots] = 0
+        self.ref[slots] = 1
+        self.pin[slots] = RANGE_PIN
+        self.range_pinned += need
+        st = self.stats
+        st["range_records"] += need
+        st["range_rereads"] += moved.shape[0]
+        return need
 
     # -- a reader's commit log ----------------------------------------------------------------
     def install(self, rows: np.ndarray, records: np.ndarray) -> None:
@@ -357,4 +491,8 @@ class Pool:
             problems.append("the free-slot stack does not list exactly the unused slots")
         if self.dirty[self.slot_row < 0].any():
             problems.append("free slots are marked dirty")
+        held = self.pin < 0
+        if int(np.count_nonzero(held)) != self.range_pinned or (self.slot_row[held] < 0).any():
+            problems.append(f"{int(np.count_nonzero(held))} slots are pinned by loaded ranges "
+                            f"(some free?), {self.range_pinned} counted")
         return problems, True

@@ -314,20 +314,30 @@ class LogStore:
         return float((self.engine.loc[rows] < 0).mean())
 
     def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
-        """A load reads the range's on-disk records ahead (the read-ahead thread; ``step``
-        then copies them into the region without waiting), a release seals the range's
-        dirty records in row order and frees its slots, at once (the caller's thread)."""
-        if stop == start:
+        """A load (``LogEngine.load_range``) pins the range's rows in the region and reads
+        its on-disk records sequentially on the store's range-load thread; they are
+        installed at the next step, range call or wait. A release
+        (``LogEngine.release_range``) unpins them, seals the range's dirty records in row
+        order and frees its slots, at once (the caller's thread). A read-only open has no
+        region to load into: a load only reads the records ahead into the page cache, a
+        release does nothing."""
+        if self.mode != "r+":
+            if kind == "load" and stop > start:
+                self._read_ahead(np.arange(start, stop, dtype=np.int64), wait)
             return
-        rows = np.arange(start, stop, dtype=np.int64)
         if kind == "load":
-            self._read_ahead(rows, wait)
-        elif self.mode == "r+":
-            self.engine.release(rows)
+            if stop > start:
+                self.engine.load_range(start, stop)
+            if wait:
+                self.engine.wait_ranges()
+        else:
+            self.engine.release_range(start, stop)
 
     def wait_ranges(self) -> None:
         if self.closed:
             raise closed_error(self)
+        if self.mode == "r+":
+            self.engine.wait_ranges()
         ra = self._readahead
         if ra is not None and ra.pid == os.getpid():
             ra.join()
@@ -358,6 +368,13 @@ class LogStore:
             "write_amplification_note": "written / updated (below 1: the region absorbed "
             "repeated updates of the same rows)",
             "summary": f"log store ({nseg} segment{'' if nseg == 1 else 's'})",
+            **{k: s[k] for k in ("range_loads", "range_records", "range_reads",
+                                 "range_read_bytes", "range_mapped_records", "range_rereads",
+                                 "range_pins_dropped", "misses")},
+            "range_note": "this open's range loads (load_range): rows put into the region, "
+            "the sequential reads (syscalls, bytes), scattered records read through the "
+            "mappings, rows read again because they moved, pins given up for a batch; "
+            "misses: rows steps read from disk",
         }
 
     def verify(self) -> list[str]:

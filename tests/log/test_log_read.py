@@ -91,12 +91,16 @@ def test_prefetch_and_releases_racing_steps_give_identical_records(tmp_path, spa
     for name, hints in (("plain", False), ("hinted", True)):
         s = _create(tmp_path / name, slots=2 * B, space_ratio=space_ratio)
         feed = dsa_core.prefetched(s, batches, ahead=3) if hints else batches
+        held = []  # loaded ranges: at most two of 30 rows beside a batch of 64 in 128 slots
         for k, (idx, g) in enumerate(feed):
             s = dsa_core.step(s, idx, g)
             if hints and k % 7 == 0:
                 lo = (k * 97) % N
-                dsa_core.release_range(s, lo, min(N, lo + 500))
-                dsa_core.load_range(s, (lo + 500) % N, min(N, (lo + 500) % N + 300))
+                dsa_core.release_range(s, lo, min(N, lo + 500))  # any rows, loaded or not
+                if len(held) == 2:
+                    dsa_core.release_range(s, *held.pop(0))
+                held.append(((lo + 500) % N, min(N, (lo + 500) % N + 30)))
+                dsa_core.load_range(s, *held[-1])
         dsa_core.wait_ranges(s)
         assert s.store.engine.verify() == []
         runs.append(s)

@@ -156,9 +156,14 @@ def test_hints_change_no_value_and_residency_counts_region_rows(tmp_path):
     res = dsa_core.residency(b, np.arange(N))
     assert res < 1.0  # the region is smaller than the table
     dsa_core.prefetch(b, np.arange(N), wait=True)
-    dsa_core.load_range(b, 0, N, wait=True)
-    dsa_core.wait_ranges(b)
     assert dsa_core.residency(b, np.arange(N)) == res  # read-ahead: the region is unchanged
+    k = b.store.engine.slots - 1  # no step yet: a load must leave room for one row
+    dsa_core.load_range(b, 0, k, wait=True)
+    dsa_core.wait_ranges(b)
+    assert dsa_core.residency(b, np.arange(k)) == 1.0  # a load loads (and pins)
+    with pytest.raises(ValueError, match=r"cannot keep its rows.*Nothing was changed"):
+        dsa_core.load_range(b, k, N)  # more than the region holds: refused
+    np.testing.assert_array_equal(records(b), before)
     dsa_core.release_range(b, 0, N, wait=True)
     assert dsa_core.residency(b, np.arange(N)) == 0.0  # a release empties the region
     np.testing.assert_array_equal(records(b), before)
@@ -184,7 +189,8 @@ def test_buckets_with_a_log_store(tmp_path):
     rng = np.random.default_rng(0)
     edges = rng.integers(0, N, (600, 2))
     plan = buckets.plan(edges, N, partitions=4, buffer=2, seed=1)
-    mem = log_memory(LAYOUT, 120)
+    # c + 1 partitions of N / 4 rows beside a batch of 32 edges with 2 negatives each
+    mem = log_memory(LAYOUT, 3 * (N // 4) + 32 * 4)
     runs = []
     for name, use in (("with", True), ("without", False)):
         s = dsa_core.create(tmp_path / name, N, D, init=parity_init(), storage="log", memory=mem)

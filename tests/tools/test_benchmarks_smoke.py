@@ -108,23 +108,31 @@ def test_benchmark_smoke(name, bench_env, tmp_path, capsys):
     if result is not None:  # and written
         assert json.loads((bench_env / f"{result}.json").read_text())["rows"], out[-3000:]
 
-def test_buckets_ooc_smoke(bench_env, tmp_path, capsys):
-    """The partition-ordered benchmark end to end at tiny size: both phases train, the bucket
-    phase steps exactly the edges of the buckets it finished, the results go to the workdir
-    (never benchmarks/results) and the scratch directory is removed."""
+@pytest.mark.parametrize("storage", ["auto", "log"])
+def test_buckets_ooc_smoke(bench_env, tmp_path, capsys, storage):
+    """The partition-ordered benchmark end to end at tiny size, on the store "auto" picks (in
+    place at this size) and on a log store: the three phases train (random order, bucket
+    order, the bucket order in RAM), the bucket phases step exactly the edges of the buckets
+    they finished, the results go to the workdir (never benchmarks/results) and the scratch
+    directory is removed."""
     from benchmarks import buckets_ooc
 
     results = ROOT / "benchmarks" / "results"
     before = {p.name: p.stat().st_mtime_ns for p in results.glob("buckets_ooc*")}
-    buckets_ooc.main(["--smoke", "--workdir", str(tmp_path)])
-    assert "bucket order / random order" in capsys.readouterr().out
+    buckets_ooc.main(["--smoke", "--storage", storage, "--workdir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "bucket order / random order" in printed and "in RAM" in printed
     out = json.loads((tmp_path / "buckets_ooc_20000x16.json").read_text())
-    rnd, bkt = out["rows"]
-    assert (rnd["phase"], bkt["phase"]) == ("random", "bucket")
+    rnd, bkt, ram = out["rows"]
+    assert (rnd["phase"], bkt["phase"], ram["phase"]) == ("random", "bucket", "ram")
+    assert out["meta"]["storage"] == ("inplace" if storage == "auto" else "log")
+    assert bool(out["meta"]["open_kw"]["train"]) == (storage == "log")  # a region is sized
     assert rnd["steps"] > 0 and rnd["edges_done"] > 0 and rnd["loads"] == 0
-    assert bkt["steps"] > 0 and bkt["loads"] > 0 and bkt["buckets_done"] >= 1
-    assert bkt["edges_done"] == bkt["edges_expected"]
-    assert bkt["row_updates"] == bkt["edges_done"] * (2 + bkt["negatives"])
+    for b in (bkt, ram):
+        assert b["steps"] > 0 and b["loads"] > 0 and b["buckets_done"] >= 1
+        assert b["edges_done"] == b["edges_expected"]
+        assert b["row_updates"] == b["edges_done"] * (2 + b["negatives"])
+        assert b["read_ios_per_edge"] >= 0 and "majfaults" in b
     assert out["meta"]["bucketing"]["edges"] == bkt["num_edges"]
     assert not (tmp_path / "dsa_buckets_ooc_20000x16").exists()
     after = {p.name: p.stat().st_mtime_ns for p in results.glob("buckets_ooc*")}

@@ -1,0 +1,103 @@
+"""Partition-ordered training with ``stores=[...]`` on both storage kinds: the partitions of the
+buffer are in memory while their buckets train, and the trained values are those of the same
+loop without stores.
+
+In place "in memory" is the page cache (``dsa_core.residency``: mincore of the mapping); on a
+log store it is the region, where the loaded partitions are pinned: no step misses a row of
+them and none is evicted (the engine's ``misses`` and ``range_pins_dropped`` counters).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import log_memory
+
+import dsa_core
+from dsa_core import buckets
+
+N, D, P, C, B, K = 4000, 16, 4, 2, 100, 2
+
+
+def _edges(E=4000, seed=0):
+    return np.random.default_rng(seed).integers(0, N, size=(E, 2))
+
+
+def _store(kind, path, slots=None):
+    layout = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
+    if kind == "inplace":
+        s = dsa_core.create(path, N, D, init="normal", seed=3, lr=0.05, storage="inplace",
+                            access="disk")
+    else:
+        held = slots or min(C + 1, P) * (N // P) + B * (2 + K)
+        s = dsa_core.create(path, N, D, init="normal", seed=3, lr=0.05, storage="log",
+                            memory=log_memory(layout, held))
+    # every row written once, then handed back: each load reads from disk
+    for lo in range(0, N, 400):  # in batches no larger than the training's
+        s = dsa_core.step(s, np.arange(lo, lo + 400), np.full((400, D), 1e-3, np.float32))
+    dsa_core.release_range(s, 0, N, wait=True)
+    return s
+
+
+def _grads(b):
+    ids = np.concatenate([b.edges[:, 0], b.edges[:, 1], b.negatives.ravel()])
+    g = np.random.default_rng(int(ids.sum()) % 2**32).standard_normal((ids.shape[0], D))
+    return ids, g.astype(np.float32)
+
+
+def test_the_buffer_is_in_memory_while_its_buckets_train(kind, tmp_path):
+    p = buckets.plan(_edges(), N, partitions=P, buffer=C, seed=1)
+    s = _store(kind, tmp_path / "s")
+    order = p.order(0)
+    rows = [np.arange(p.bounds[q], p.bounds[q + 1]) for q in range(P)]
+    if kind == "log":
+        eng = s.store.engine
+        assert eng.slots < N  # out of core: the region holds less than the table
+        misses = eng.stats()["misses"]
+    it = p.batches(B, negatives=K, stores=[s])
+    for b in it:
+        if kind == "inplace":
+            dsa_core.wait_ranges(s)  # the page cache is filled in the background
+        s = dsa_core.step(s, *_grads(b))
+        for q in order.buffers[b.position[1]]:
+            assert dsa_core.residency(s, rows[q]) == 1.0, (q, b.position)
+    if kind == "log":
+        st = eng.stats()
+        assert st["misses"] == misses  # no step read a row: each was loaded before it
+        assert st["range_pins_dropped"] == 0 and st["range_loads"] == it.loads > 0
+        assert eng.verify() == []
+    dsa_core.close(s)
+
+
+@pytest.mark.parametrize("mix", ["bucket", "buffer"])
+def test_values_are_identical_with_and_without_stores(kind, tmp_path, mix):
+    p = buckets.plan(_edges(seed=2), N, partitions=P, buffer=C, seed=2)
+    out = []
+    for name, use in (("with", True), ("without", False)):
+        s = _store(kind, tmp_path / name)
+        for b in p.batches(B, negatives=K, epochs=2, stores=[s] if use else (), mix=mix):
+            s = dsa_core.step(s, *_grads(b))
+        dsa_core.wait_ranges(s)
+        out.append(s)
+    a, b = (dsa_core.read_records(s, np.arange(N)) for s in out)
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    for s in out:
+        dsa_core.close(s)
+
+
+def test_a_log_region_too_small_for_the_buffer_is_refused_up_front(tmp_path):
+    p = buckets.plan(_edges(), N, partitions=P, buffer=C)
+    s = _store("log", tmp_path / "s", slots=2 * (N // P))
+    with pytest.raises(ValueError) as e:
+        p.batches(B, negatives=K, stores=[s])
+    msg = str(e.value)
+    need = dsa_core.region_memory(s, 3 * (N // P) + B * (2 + K))
+    for part in ("3 partitions at once", "c = 2 resident and the next one read ahead",
+                 f"memory={need}", "partitions=8 or more", "dsa_core.buckets.fit"):
+        assert part in msg, (part, msg)
+    assert s.store.engine.stats()["range_loads"] == 0  # nothing was loaded
+    p8 = buckets.plan(_edges(), N, partitions=8, buffer=C)
+    for b in p8.batches(B, negatives=K, stores=[s]):  # as the message says: it fits
+        s = dsa_core.step(s, *_grads(b))
+    assert s.store.engine.stats()["range_pins_dropped"] == 0
+    dsa_core.close(s)
