@@ -363,6 +363,14 @@ class LogEngine:
         store's life (every writer's counters as of its last flush, plus this open's):
         ``total_user_bytes``, ``total_written_bytes`` (seals and cleaning),
         ``total_file_bytes_written``, ``total_write_amplification``.
+
+        Cleaning (``cleaner``): ``space_bound_records`` is the most records the live
+        segments may hold after a seal (``space_ratio x live_records`` plus
+        ``clean_slack_records``, the slack the store may run above ``space_ratio`` while
+        cleaning reads are in flight); ``clean_waits`` counts the seals that waited for
+        cleaning reads (only past the slack) and ``clean_wait_s`` the seconds they waited
+        (``total_clean_waits``, ``total_clean_wait_s``: over the store's life);
+        ``clean_read_bytes`` / ``clean_read_requests``: what the cleaning reads read.
         """
         self._require_open()
         st, rb = self._stats, self.rec_bytes
@@ -372,6 +380,7 @@ class LogEngine:
         tot = self._commit.totals()
         t_written = (tot["sealed_records"] + tot["cleaned_records"]) * rb
         t_user = tot["user_records"] * rb
+        clean_read = self._cleaner.read_counts()
         return {
             "segments": len(segs.segs),
             "segment_records": int(segs.total_records),
@@ -401,6 +410,14 @@ class LogEngine:
             "total_written_bytes": t_written,
             "total_file_bytes_written": tot["file_bytes_written"],
             "total_write_amplification": t_written / t_user if t_user else 0.0,
+            "space_bound_records": self._cleaner.bound(),
+            "clean_slack_records": self._cleaner.slack,
+            "clean_waits": st["clean_waits"],
+            "clean_wait_s": st["clean_wait_us"] / 1e6,
+            "clean_read_bytes": clean_read[0],
+            "clean_read_requests": clean_read[1],
+            "total_clean_waits": tot["clean_waits"],
+            "total_clean_wait_s": tot["clean_wait_us"] / 1e6,
         }
 
     def verify(self) -> list[str]:
