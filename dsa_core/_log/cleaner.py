@@ -24,13 +24,15 @@ What a seal cleans (:meth:`Cleaner.choose`)
     waits are counted (``stats``: ``clean_waits`` seals that waited, ``clean_wait_us``).
 Reading ahead (:meth:`Cleaner.read_ahead`)
     At the end of every seal that leaves the segments within ``READ_LEAD_UNITS`` seal units
-    of the bound, the next victims' live records (live either way: on disk or behind a
-    resident slot, so that a row evicted clean meanwhile is covered) are handed to
-    ``read.CleaningReads``, which reads them in a background thread, one request of at most
-    ``CLEAN_READ_BYTES`` at a time, into buffers of at most ``CLEAN_HELD_BYTES`` in all. The
-    reads are paced by the seals: a seal starts reads for what the next seals will clean. A
-    victim with more than ``WHOLE_MAX`` bytes of live records is not read ahead; a seal that
-    must clean it copies through the segment's mapping after a read-ahead hint.
+    of the bound, the next victims' live records (on disk, or behind a *clean* resident slot:
+    the row may leave the region before the clean; a dirty slot's record is never copied
+    from the file) are handed to ``read.CleaningReads``, which reads them in a background
+    thread, one request of at most ``CLEAN_READ_BYTES`` at a time (dead records between
+    live ones read through up to ``CLEAN_GAP_BYTES``), into buffers of at most
+    ``CLEAN_HELD_BYTES`` in all. Paced by the seals: each seal starts the reads of the
+    victims that the next ``1 + AHEAD_SEALS`` seals will clean. A victim with more than
+    ``WHOLE_MAX`` bytes of live records is not read ahead; a seal that must clean it copies
+    through the segment's mapping after a read-ahead hint.
 
 The cleaner only reads: the seal writes, moves the locations and frees the victims.
 """
@@ -49,13 +51,14 @@ from .pool import Pool
 from .read import CleaningReads, advise
 from .segments import Segments
 
-__all__ = ["CLEAN_UNITS", "POLICIES", "READ_LEAD_UNITS", "SLACK_UNITS", "Cleaner", "Copy"]
+__all__ = ["AHEAD_SEALS", "CLEAN_UNITS", "POLICIES", "READ_LEAD_UNITS", "SLACK_UNITS",
+           "Cleaner", "Copy"]
 
 CLEAN_UNITS = 2  # a seal copies at most this many seal units of records from ready victims
 SLACK_UNITS = 4  # the segments may exceed space_ratio x live by this many seal units
 READ_LEAD_UNITS = 2  # reads ahead start this many seal units below the bound
 POLICIES = ("greedy", "cost-benefit")
-MAX_AHEAD = 8  # reads a seal starts at most
+AHEAD_SEALS = 1  # reads ahead cover the next seal and this many more
 
 
 @njit(cache=True, nogil=True)
@@ -85,13 +88,17 @@ def _scan_segment(seg_rows, base, loc, slot_disk, mark, ep, out_k, out_slots):
 
 
 @njit(cache=True, nogil=True)
-def _live_records(seg_rows, base, loc, slot_disk, out):
-    """The live records of one segment, on disk or behind a resident slot: ``out[:n]``."""
+def _live_records(seg_rows, base, loc, slot_disk, dirty, out):
+    """The live records of one segment that a seal cleaning it later may copy from it:
+    ``out[:n]``. Those on disk, and those behind a *clean* resident slot (the row may leave
+    the region before the clean, pointing at its record again). A dirty slot's record is
+    never copied: the slot is in the region at the clean (its record comes from there), or
+    it was sealed before (its record is dead)."""
     n = 0
     for k in range(seg_rows.shape[0]):
         L = base + k
         lr = loc[seg_rows[k]]
-        if lr == L or (lr < 0 and slot_disk[-lr - 1] == L):
+        if lr == L or (lr < 0 and slot_disk[-lr - 1] == L and dirty[-lr - 1] == 0):
             out[n] = k
             n += 1
     return n
@@ -124,6 +131,8 @@ class Cleaner:
         # the engine's counters (commit.Commit shares its own; these are counted here)
         self.stats = {"clean_waits": 0, "clean_wait_us": 0}
         self.read_base = [0, 0]  # bytes and requests of reads objects already closed
+        self.victim_records = 0  # records of the segments cleaned (what whole reads read)
+        self.fallbacks = 0  # copies through the mapping for lack of a record read ahead
 
     # -- the bound ----------------------------------------------------------------------------
     def excess(self, n_seal: int = 0, n_new_loc: int = 0) -> float:
@@ -186,7 +195,9 @@ class Cleaner:
         idx = np.searchsorted(ks0, ks)
         if ks.shape[0] and (idx[-1] >= ks0.shape[0] or not np.array_equal(ks0[idx], ks)):
             # pragma: no cover - a live record not read ahead: impossible (a live record
-            # never comes back); the mapping holds the same bytes
+            # never comes back, a dirty slot's is never copied); the mapping holds the
+            # same bytes. Counted: the tests require none
+            self.fallbacks += 1
             r.release(seg.id)
             return Copy(seg, ks, seg.records, ks, False)
         return Copy(seg, ks, buf, idx, True)
@@ -212,6 +223,7 @@ class Cleaner:
             nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.loc,
                                    pool.slot_disk, pool.mark, ep, out_k, out_s)
             copies.append(self._source(seg, out_k[:nk].copy()))
+            self.victim_records += seg.n
             res.append(out_s[:ns].copy())
             taken.add(sid)
             return nk + ns
@@ -252,30 +264,39 @@ class Cleaner:
 
     # -- reading ahead --------------------------------------------------------------------------
     def read_ahead(self) -> int:
-        """Start reading the next seals' victims, if the segments are near the bound; returns
-        the reads started."""
+        """Start reading the victims of the next seals, if the segments are near the bound;
+        returns the reads started.
+
+        Paced by the seals: victims in order, until the records they would free cover what
+        the next ``1 + AHEAD_SEALS`` seals of a seal unit each would add above the bound
+        (victims read already, or in memory, count first), within the buffers' room."""
         segs, pool = self.segments, self.pool
-        if not segs.segs or self.excess() <= -READ_LEAD_UNITS * pool.seal_unit:
+        excess = self.excess()
+        if not segs.segs or excess <= -READ_LEAD_UNITS * pool.seal_unit:
             return 0
+        need = excess + (1 + AHEAD_SEALS) * pool.seal_unit
         r = self._reader()
         started = 0
         for sid in self.order().tolist():
-            if started >= MAX_AHEAD:
+            if need <= 0:
                 break
+            frees = int(segs.seg_n[sid] - segs.live[sid])
             if sid in segs.pending or r.has(sid):
+                need -= frees
                 continue
-            nbytes = int(segs.live[sid]) * segs.rec_bytes  # its live records, exactly
+            nbytes = int(segs.live[sid]) * segs.rec_bytes  # its live records, at most
             if nbytes > _read.WHOLE_MAX:
                 continue
             if r.held + nbytes > r.held_bytes:
-                break  # the buffers are full: the next seals' reads come first
+                break  # the buffers are full: the reads of the next seals come first
             seg = segs.segs[sid]
             out = np.empty(seg.n, np.int64)
             n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.loc, pool.slot_disk,
-                              out)
+                              pool.dirty, out)
             if not r.ahead(sid, seg.path, self._offset(seg), out[:n].copy(), pool.stride,
                            pool.dtype):
                 break
+            need -= frees
             started += 1
         return started
 

@@ -65,7 +65,7 @@ SAMPLE = 16         # misses probed with mincore before deciding to issue read-a
 WHOLE_MAX = 32 << 20         # a segment's live records read into a buffer up to this many bytes
 CLEAN_HELD_BYTES = 2 * WHOLE_MAX  # buffers of the reads held (done or running) at most
 CLEAN_READ_BYTES = 4 << 20   # one cleaning read request at most; one at a time
-CLEAN_GAP_BYTES = 1 << 20    # dead bytes between two live records read through, not skipped
+CLEAN_GAP_BYTES = 256 << 10  # dead bytes between two live records read through, not skipped
 
 
 
@@ -197,7 +197,7 @@ def read_plan(ks: np.ndarray, rec_bytes: int, gap: int | None = None,
     of requests ``(k_lo, k_hi, i_lo, i_hi)``, each one ``pread`` of the records
     ``[k_lo, k_hi)``, which hold ``ks[i_lo:i_hi]``.
 
-    Two wanted records fewer than ``gap`` bytes of unwanted ones apart share a request (the
+    Two wanted records at most ``gap`` bytes of unwanted ones apart share a request (the
     records between are read through: one larger read costs the disk less than two);
     ``gap=None`` reads from the first wanted record to the last in one span. A request holds
     at most ``max(1, chunk // rec_bytes)`` records (``chunk=None``: no limit), so the disk
@@ -216,7 +216,7 @@ def read_plan(ks: np.ndarray, rec_bytes: int, gap: int | None = None,
         cuts = np.empty(0, np.int64)
     else:
         dead = (ks[1:] - ks[:-1] - 1) * rec_bytes
-        cuts = np.flatnonzero(dead >= gap) + 1
+        cuts = np.flatnonzero(dead > gap) + 1
     per = 1 << 62 if chunk is None else max(1, int(chunk) // rec_bytes)
     plan = []
     for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
@@ -339,6 +339,14 @@ class CleaningReads:
                 self.forget(sid)  # read again below: its error, if any, is the one raised
         out = np.empty((ks.shape[0], stride), dtype)
         return self._read(path, offset, ks, out, None), ks
+
+    def join(self) -> None:
+        """Wait until every read started is done (a deterministic benchmark, tests)."""
+        for r in list(self._reads.values()):
+            try:
+                r.fut.result()
+            except OSError:
+                pass  # get reads it again, and raises its error
 
     def release(self, sid: int) -> None:
         r = self._reads.pop(sid, None)
