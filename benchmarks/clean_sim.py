@@ -1,6 +1,6 @@
 """What cleaning a log store costs, counted (not timed): victim choice and what is read.
 
-    python -m benchmarks.clean_sim                 # uniform and Zipf ids, both policies, 4 read plans
+    python -m benchmarks.clean_sim             # uniform and Zipf ids, both policies, 4 read plans
     python -m benchmarks.clean_sim --smoke         # seconds; CI runs this so the code never rots
 
 Runs the real log engine (``dsa_core._log``) on a small store aged to its space bound (the

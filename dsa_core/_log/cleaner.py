@@ -30,9 +30,10 @@ Reading ahead (:meth:`Cleaner.read_ahead`)
     thread, one request of at most ``CLEAN_READ_BYTES`` at a time (dead records between
     live ones read through up to ``CLEAN_GAP_BYTES``), into buffers of at most
     ``CLEAN_HELD_BYTES`` in all. Paced by the seals: each seal starts the reads of the
-    victims that the next ``1 + AHEAD_SEALS`` seals will clean. A victim with more than
-    ``WHOLE_MAX`` bytes of live records is not read ahead; a seal that must clean it copies
-    through the segment's mapping after a read-ahead hint.
+    victims that the next ``1 + AHEAD_SEALS`` seals will clean. A seal past the slack that
+    needs a victim not read ahead reads it itself into a buffer within the same room; a
+    victim with more than ``WHOLE_MAX`` bytes of live records, or one that would not fit
+    the room, is copied through the segment's mapping after a read-ahead hint.
 
 The cleaner only reads: the seal writes, moves the locations and frees the victims.
 """
@@ -181,26 +182,30 @@ class Cleaner:
         return r is not None and r.pid == os.getpid() and r.ready(sid)
 
     def _source(self, seg: Segment, ks: np.ndarray) -> Copy:
-        """Where the seal copies the records ``ks`` of ``seg`` from (waiting for, or doing,
-        a read that is not done)."""
+        """Where the seal copies the records ``ks`` of ``seg`` from (waiting for a read that
+        is not done, or reading now)."""
         if seg.id in self.segments.pending:
             return Copy(seg, ks, seg.records, ks, False)
-        pool = self.pool
+        pool, rb = self.pool, self.segments.rec_bytes
         r = self._reader()
-        if not r.has(seg.id) and ks.shape[0] * self.segments.rec_bytes > _read.WHOLE_MAX:
-            advise(self.segments.seg_addr[seg.id] + ks * self.segments.rec_bytes,
-                   self.segments.rec_bytes)  # too large for a buffer: through the mapping
-            return Copy(seg, ks, seg.records, ks, False)
-        buf, ks0 = r.get(seg.id, seg.path, self._offset(seg), ks, pool.stride, pool.dtype)
-        idx = np.searchsorted(ks0, ks)
-        if ks.shape[0] and (idx[-1] >= ks0.shape[0] or not np.array_equal(ks0[idx], ks)):
+        got = r.get(seg.id)
+        if got is not None:
+            buf, ks0 = got
+            idx = np.searchsorted(ks0, ks)
+            if not ks.shape[0] or (idx[-1] < ks0.shape[0] and np.array_equal(ks0[idx], ks)):
+                return Copy(seg, ks, buf, idx, True)
             # pragma: no cover - a live record not read ahead: impossible (a live record
-            # never comes back, a dirty slot's is never copied); the mapping holds the
-            # same bytes. Counted: the tests require none
+            # never comes back, a dirty slot's is never copied). Counted: the tests
+            # require none; read again below
             self.fallbacks += 1
             r.release(seg.id)
-            return Copy(seg, ks, seg.records, ks, False)
-        return Copy(seg, ks, buf, idx, True)
+        if ks.shape[0] * rb <= _read.WHOLE_MAX:
+            buf = r.now(seg.id, seg.path, self._offset(seg), ks, pool.stride, pool.dtype)
+            if buf is not None:
+                return Copy(seg, ks, buf, np.arange(ks.shape[0]), True)
+        # too large for the buffers' room: through the mapping, after a read-ahead hint
+        advise(self.segments.seg_addr[seg.id] + ks * rb, rb)
+        return Copy(seg, ks, seg.records, ks, False)
 
     def choose(self, n_seal: int, n_new_loc: int, ep: int) -> tuple[list[np.ndarray],
                                                                     list[Copy]]:
@@ -287,7 +292,7 @@ class Cleaner:
             nbytes = int(segs.live[sid]) * segs.rec_bytes  # its live records, at most
             if nbytes > _read.WHOLE_MAX:
                 continue
-            if r.held + nbytes > r.held_bytes:
+            if not r.room(nbytes):
                 break  # the buffers are full: the reads of the next seals come first
             seg = segs.segs[sid]
             out = np.empty(seg.n, np.int64)

@@ -1,12 +1,13 @@
 """The commit protocol of a log store: seals, flushes, checkpoints and the commit log.
 
 Seals
-    :meth:`Commit.seal` appends dirty slots, with the cleaner's copies (``cleaner``), to a
-    new immutable segment in one sequential write: a seal of at most ``BEHIND_BYTES`` is
-    gathered into a buffer and written in the background (``writer``; the segment is
-    *pending* until then, ``segments``), a larger one (a flush, a range release) is
-    streamed to its file at once. Then the rows point at the new segment, the records it
-    supersedes are dead, and a segment left without a live record is dropped.
+    :meth:`Commit.seal` appends dirty slots, with the cleaner's copies (``cleaner``: the
+    live records of its victims, read in the background), to a new immutable segment in one
+    sequential write: a seal of at most ``BEHIND_BYTES`` is gathered into a buffer and
+    written in the background (``writer``; the segment is *pending* until then,
+    ``segments``), a larger one (a flush, a range release) is streamed to its file at once.
+    Then the rows point at the new segment, the records it supersedes are dead, and a
+    segment left without a live record is dropped.
     :meth:`Commit.make_room` is the pool's eviction: CLOCK victims (``pool``), the dirty ones
     sealed together, so each seal is one large write of about ``seal_unit`` records.
 Durability
@@ -65,8 +66,9 @@ from .writer import WriteJob
 
 __all__ = ["BEHIND_BYTES", "TOTALS", "Commit", "name_wal"]
 
-# seals up to this size (its records, the cleaning copies, the last cleaned segment taken
-# whole) are written in the background; larger ones (a flush, a range release) at once
+# seals up to this size (its records and the cleaning copies, at most CLEAN_UNITS seal units
+# of them unless a seal past the cleaner's slack copies more) are written in the background;
+# larger ones (a flush, a range release, such a seal) at once
 BEHIND_BYTES = (2 + CLEAN_UNITS) * SEAL_BYTES
 _CHUNK_BYTES = 8 << 20   # records per pwrite of a seal
 # write counters kept over the store's life (committed with every flush, "totals")

@@ -11,8 +11,9 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
   by ``writer``; the live segments are ``segments``');
 * an **index** maps each row to the newest record of it in a segment (or to nothing: the
   row then reads as its deterministic initial record, ``_init``);
-* a **cleaner** (``cleaner``) copies the still-live records of the emptiest segments into
-  the next seal so that the segments hold at most ``space_ratio`` times the live records;
+* a **cleaner** (``cleaner``) copies the still-live records of the emptiest segments, read
+  in the background, into the next seals so that the segments hold about ``space_ratio``
+  times the live records (at most that plus a slack);
 * a **flush** seals every dirty slot, fsyncs the new segments, writes a new index generation
   and commits a new manifest (``commit``; ``format`` describes the files); ``durability=
   "step"`` stores also append every step to a commit log (``wal``);
@@ -44,8 +45,8 @@ Concurrency
     inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
     Three kinds of background threads only do I/O on buffers and files the engine hands them: the
     segment writer (``writer``: writes sealed segments; a segment is readable from its
-    buffer until written), the cleaning reads (``read.CleaningReads``: read a segment to be
-    cleaned whole, one seal ahead) and, for ``LogStore``, the read-ahead of future batches
+    buffer until written), the cleaning reads (``read.CleaningReads``: read the live records
+    of the next seals' victims into buffers) and, for ``LogStore``, the read-ahead of future batches
     (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never

@@ -20,12 +20,15 @@ limit) instead of one read at a time.
 * :class:`ReadAhead` does it in a background thread for the rows of a *future* batch
   (``dsa_core.prefetch`` / ``prefetched`` on a log store), so that the reads overlap the
   current step.
-* :class:`CleaningReads` reads a segment that cleaning is about to copy from *whole*, with
-  large sequential ``pread`` s into a buffer, one seal ahead in a background thread. Copying
-  its live records out of the mapping instead faulted one 4 KiB page at a time whenever the
+* :class:`CleaningReads` reads the live records of the segments cleaning will copy from,
+  in a background thread, with sequential ``pread`` s into buffers of their own (one
+  request of at most ``CLEAN_READ_BYTES`` at a time, so that the disk's queue serves the
+  steps first; dead stretches up to ``CLEAN_GAP_BYTES`` read through, longer ones skipped:
+  :func:`read_plan`), at most ``CLEAN_HELD_BYTES`` of buffers in all. Copying the live
+  records out of the mapping instead faulted one 4 KiB page at a time whenever the
   read-ahead pages had been reclaimed again, which under a memory cap they mostly were: out
   of core (4M x 128 under a 1 GiB cgroup) a seal that cleaned spent ~0.35 s in such faults.
-  :func:`advise_whole` remains for segments too large for a buffer.
+  The cleaner (``cleaner``) decides what is read and when.
 
 Hints never change a value: the records are still copied from the mappings, under the
 engine's own control, so a hint that is late, early or wrong (a location that moved since)
@@ -248,12 +251,14 @@ class CleaningReads:
     of their own, ``(len(ks), stride)``: the requests of :func:`read_plan` (``gap``,
     ``chunk``), issued one after another by the thread, so that cleaning keeps at most one
     read of at most ``chunk`` bytes in the disk's queue and the steps' random reads keep
-    theirs. It returns False (nothing started) when the buffers held would exceed
-    ``held_bytes``. ``ready(sid)``: that read is done. ``get`` returns ``(buffer, ks)`` of a
-    read, waiting for it if it is still running, or reads the given records now, on the
-    caller's thread, when none was started (or it failed: the failure of the read now, if
-    any, is the one raised). ``release`` ends the use of a read's buffer, ``forget`` drops a
-    read not needed any more (a running one ends on its own; its buffer is dropped then).
+    theirs. ``now`` reads on the caller's thread instead (a seal that must not wait for the
+    queue). Both refuse (False, None: nothing read) when the buffers held would exceed
+    ``held_bytes``; a buffer counts until ``release`` (its records were copied) or
+    ``forget`` (not needed: a running read ends on its own, its buffer counted until then).
+    ``ready(sid)``: that read is done; ``get(sid)``: ``(buffer, ks)``, waiting for it.
+
+    Memory: at most ``held_bytes`` of buffers, plus the thread's request buffer (``chunk``
+    bytes) and, during :meth:`now`, one more of the caller's.
 
     A segment file is immutable once written, so a buffer read at any time holds exactly its
     records. ``bytes_read`` and ``requests`` count what was read (both threads). Created per
@@ -268,7 +273,8 @@ class CleaningReads:
         self.gap = CLEAN_GAP_BYTES if gap is None else int(gap)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsa-log-clean-read")
         self._reads: dict[int, _Read] = {}
-        self.held = 0  # bytes of the buffers of the reads held
+        self._dropping: list[_Read] = []  # forgotten while running: counted until they end
+        self.held = 0  # bytes of the buffers of the reads held (and of those running)
         self.bytes_read = 0
         self.requests = 0
         self._count = threading.Lock()
@@ -305,21 +311,47 @@ class CleaningReads:
             self._scratch = np.empty(self.chunk, np.uint8)
         return self._read(path, offset, ks, out, self._scratch)
 
+    def _purge(self) -> None:
+        """Stop counting the buffers of forgotten reads that have ended."""
+        if self._dropping:
+            ended = [r for r in self._dropping if r.fut.done()]
+            for r in ended:
+                self._dropping.remove(r)
+                self.held -= r.out.nbytes
+
+    def room(self, nbytes: int) -> bool:
+        """Whether a buffer of ``nbytes`` more stays within ``held_bytes``."""
+        self._purge()
+        return self.held + nbytes <= self.held_bytes
+
     def ahead(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
               dtype) -> bool:
         if sid in self._reads:
             return True
-        nbytes = ks.shape[0] * stride * np.dtype(dtype).itemsize
-        if self.held + nbytes > self.held_bytes:
+        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
             return False
         out = np.empty((ks.shape[0], stride), dtype)
         try:
             fut = self._pool.submit(self._run, path, offset, ks, out)
-        except RuntimeError:  # the pool is shut (interpreter exit): get reads it
+        except RuntimeError:  # the pool is shut (interpreter exit): read now instead
             return False
         self._reads[sid] = _Read(ks, out, fut)
-        self.held += nbytes
+        self.held += out.nbytes
         return True
+
+    def now(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
+            dtype) -> np.ndarray | None:
+        """Read the records ``ks`` on the caller's thread into a buffer held as a read of
+        ``sid`` (``release`` it); None, nothing read, when it would exceed ``held_bytes``."""
+        self.forget(sid)
+        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
+            return None
+        out = self._read(path, offset, ks, np.empty((ks.shape[0], stride), dtype), None)
+        fut: Future = Future()
+        fut.set_result(out)
+        self._reads[sid] = _Read(ks, out, fut)
+        self.held += out.nbytes
+        return out
 
     def has(self, sid: int) -> bool:
         """A read of ``sid`` was started (done or not)."""
@@ -329,16 +361,18 @@ class CleaningReads:
         r = self._reads.get(sid)
         return r is not None and r.fut.done()
 
-    def get(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
-            dtype) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, sid: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(buffer, ks)`` of the read of ``sid``, waiting for it if it runs; None when
+        there is none, or it failed (it is dropped: read again with :meth:`now`, whose
+        error, if any, is the one raised)."""
         r = self._reads.get(sid)
-        if r is not None:
-            try:
-                return r.fut.result(), r.ks
-            except OSError:
-                self.forget(sid)  # read again below: its error, if any, is the one raised
-        out = np.empty((ks.shape[0], stride), dtype)
-        return self._read(path, offset, ks, out, None), ks
+        if r is None:
+            return None
+        try:
+            return r.fut.result(), r.ks
+        except OSError:
+            self.forget(sid)
+            return None
 
     def join(self) -> None:
         """Wait until every read started is done (a deterministic benchmark, tests)."""
@@ -346,23 +380,29 @@ class CleaningReads:
             try:
                 r.fut.result()
             except OSError:
-                pass  # get reads it again, and raises its error
+                pass  # get drops it, and reading it again raises its error
 
     def release(self, sid: int) -> None:
+        """The buffer of ``sid``'s read is not used any more."""
         r = self._reads.pop(sid, None)
         if r is not None:
             self.held -= r.out.nbytes
 
     def forget(self, sid: int) -> None:
+        """Drop a read not needed any more; a running one ends on its own, and its buffer
+        counts until then."""
         r = self._reads.pop(sid, None)
         if r is not None:
-            r.fut.cancel()  # a read already running ends on its own; its buffer is dropped
-            self.held -= r.out.nbytes
+            if r.fut.cancel() or r.fut.done():
+                self.held -= r.out.nbytes
+            else:
+                self._dropping.append(r)
 
     def close(self) -> None:
         for sid in list(self._reads):
             self.forget(sid)
         self._pool.shutdown(wait=True)
+        self._purge()
 
 
 def _pread_full(fd: int, view: memoryview, offset: int, path: Path) -> None:

@@ -103,7 +103,7 @@ def _slow_reads(monkeypatch, seconds=0.002):
 
 
 # -- exactness, the bound, the waits -------------------------------------------------------------
-@pytest.mark.parametrize("regime", ["ready", "slow", "never-ready"])
+@pytest.mark.parametrize("regime", ["ready", "slow", "never-ready", "no-room"])
 @pytest.mark.parametrize("dist,policy", [("uniform", "greedy"), ("zipf", "cost-benefit")])
 def test_cleaning_is_exact_and_bounded_whatever_the_reads(tmp_path, monkeypatch, regime, dist,
                                                           policy):
@@ -111,6 +111,8 @@ def test_cleaning_is_exact_and_bounded_whatever_the_reads(tmp_path, monkeypatch,
         _never_ready(monkeypatch)
     elif regime == "slow":
         _slow_reads(monkeypatch)
+    elif regime == "no-room":  # no buffer: nothing read ahead, every victim via its mapping
+        monkeypatch.setattr(_read, "CLEAN_HELD_BYTES", 0)
     eng = _create(tmp_path / "s", policy=policy)
     bound = _Bound(eng)
     ref = eng.read(np.arange(N))
@@ -121,9 +123,11 @@ def test_cleaning_is_exact_and_bounded_whatever_the_reads(tmp_path, monkeypatch,
     if regime == "ready":  # every victim read ahead and done: no seal waited
         assert st["clean_waits"] == 0 and st["clean_wait_s"] == 0.0
         assert st["clean_read_bytes"] > 0
-    if regime == "never-ready":  # every clean went past the slack and waited
+    if regime in ("never-ready", "no-room"):  # every clean went past the slack and waited
         assert st["clean_waits"] > 10 and st["clean_wait_s"] > 0.0
         assert bound.worst > -st["clean_slack_records"]  # it did run into the slack
+    if regime == "no-room":
+        assert st["clean_read_bytes"] == 0
     assert st["total_clean_waits"] == st["clean_waits"]
     eng.close()
     eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(_lay(), SLOTS))

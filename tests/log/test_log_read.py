@@ -14,7 +14,6 @@ import pytest
 
 import dsa_core
 from helpers import log_memory, records
-from dsa_core import _log
 from dsa_core._log import read as _log_read
 
 N, D = 3000, 8
@@ -268,32 +267,38 @@ def test_cleaning_reads_buffers_failures_and_bounds(tmp_path):
     r = _log_read.CleaningReads(held_bytes=40 * 24, chunk=5 * 24, gap=2 * 24)
     try:
         ks = np.array([0, 1, 2, 7, 30, 31, 33, 63], np.int64)
+        assert r.get(1) is None  # none started
         assert r.ahead(1, f, 100, ks, 6, np.float32)
-        r._reads[1].fut.result()
+        r.join()
         assert r.ready(1) and r.held == ks.shape[0] * 24
-        buf, ks0 = r.get(1, f, 100, ks, 6, np.float32)  # from the read ahead
+        buf, ks0 = r.get(1)  # from the read ahead
         np.testing.assert_array_equal(buf, recs[ks])
         assert ks0 is ks
-        assert r.requests == len(_log_read.read_plan(ks, 24, 2 * 24, 5 * 24))
-        assert r.bytes_read == sum((k1 - k0) * 24 for k0, k1, _, _ in
-                                   _log_read.read_plan(ks, 24, 2 * 24, 5 * 24))
+        plan = _log_read.read_plan(ks, 24, 2 * 24, 5 * 24)
+        assert r.requests == len(plan)  # one request per piece, each at most 5 records
+        assert r.bytes_read == sum((k1 - k0) * 24 for k0, k1, _, _ in plan)
         r.release(1)
         assert r.held == 0 and not r.has(1)
-        again, _ = r.get(1, f, 100, ks[:2], 6, np.float32)  # none ahead: read now
+        again = r.now(1, f, 100, ks[:2], 6, np.float32)  # read on this thread, held
         np.testing.assert_array_equal(again, recs[:2])
+        assert r.ready(1) and r.held == 2 * 24
+        r.release(1)
         many = np.arange(30, dtype=np.int64)
         assert r.ahead(2, f, 100, many, 6, np.float32)
         assert not r.ahead(3, f, 100, many[:11], 6, np.float32)  # past held_bytes: refused
+        assert r.now(3, f, 100, many[:11], 6, np.float32) is None
         assert r.ahead(3, f, 100, many[:10], 6, np.float32) and r.held == 40 * 24
         r.forget(2)
-        assert r.held == 10 * 24 and not r.has(2)
+        r.join()
+        assert r.room(30 * 24) and r.held == 10 * 24 and not r.has(2)
         gone = tmp_path / "gone"
         gone.write_bytes(f.read_bytes())
         r.ahead(5, gone, 100, ks, 6, np.float32)
-        r._reads[5].fut.result()  # read before the file went: still its records
+        r.join()  # read before the file went: still its records
         os.unlink(gone)
-        np.testing.assert_array_equal(r.get(5, gone, 100, ks, 6, np.float32)[0], recs[ks])
+        np.testing.assert_array_equal(r.get(5)[0], recs[ks])
         with pytest.raises(FileNotFoundError):  # a failed read is not hidden
-            r.get(6, gone, 100, ks, 6, np.float32)
+            r.now(6, gone, 100, ks, 6, np.float32)
+        assert not r.has(6)
     finally:
         r.close()
