@@ -19,8 +19,9 @@
    the higher of the two QD32 figures (a throttled probe cannot flatter the ratio).
 
 An aged log store (one whose every seal cleans): ``--clean off`` runs the log modes with
-cleaning off (the space bound out of reach: the store grows by what the run writes), so that
-the steps' reads with and without cleaning running can be compared on the same store;
+cleaning off (the space bound out of reach: the store grows by what the run writes, so run it
+after the runs with cleaning, or on a copy), so that the steps' reads with and without
+cleaning running can be compared on the same store;
 ``--clean-read-bytes`` sets the largest cleaning read request (one at a time; default 4 MiB).
 Each log run prints the timed steps' misses per second (the steps' record reads), what
 cleaning read (MiB/s, requests) and how often and how long seals waited for it.
@@ -437,7 +438,9 @@ def main(argv=None):
                     help="bfloat16: m stored as bfloat16 (docs/algorithms.md §6)")
     ap.add_argument("--clean", choices=("on", "off"), default="on",
                     help="log store: off runs with cleaning off (the store grows by what the "
-                         "run writes), to compare the steps' reads with and without it")
+                         "run writes, past its space bound: the next run with cleaning waits "
+                         "in its first seals until the store is back within it; run it last "
+                         "or on a copy), to compare the steps' reads with and without it")
     ap.add_argument("--clean-read-bytes", type=int, default=0,
                     help="log store: the largest cleaning read request (default: the "
                          "engine's, 4 MiB; one request at a time)")

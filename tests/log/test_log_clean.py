@@ -54,11 +54,25 @@ def _create(path, ratio=1.5, policy="greedy"):
 
 
 class _Bound:
-    """Wraps an engine's seals: after each one the live segments must be within the bound."""
+    """Wraps an engine's seals: after each one the live segments must be within the bound,
+    and a seal may have waited for cleaning only if it would have left them past the
+    slack."""
 
     def __init__(self, eng):
-        self.eng, self.seals, self.worst = eng, 0, -10**9
+        self.eng, self.seals, self.worst, self.waited = eng, 0, -10**9, 0
         real = eng._commit.seal
+        choose = eng._cleaner.choose
+
+        def checked_choose(n_seal, n_new_loc, ep):
+            c = eng._cleaner
+            before, waits = c.excess(n_seal, n_new_loc), c.stats["clean_waits"]
+            out = choose(n_seal, n_new_loc, ep)
+            if c.stats["clean_waits"] > waits:
+                self.waited += 1
+                assert before > c.slack, (before, c.slack)  # only past the slack
+            return out
+
+        eng._cleaner.choose = checked_choose
 
         def seal(*a, **k):
             real(*a, **k)
@@ -123,6 +137,7 @@ def test_cleaning_is_exact_and_bounded_whatever_the_reads(tmp_path, monkeypatch,
     if regime == "ready":  # every victim read ahead and done: no seal waited
         assert st["clean_waits"] == 0 and st["clean_wait_s"] == 0.0
         assert st["clean_read_bytes"] > 0
+    assert bound.waited == st["clean_waits"]
     if regime in ("never-ready", "no-room"):  # every clean went past the slack and waited
         assert st["clean_waits"] > 10 and st["clean_wait_s"] > 0.0
         assert bound.worst > -st["clean_slack_records"]  # it did run into the slack
