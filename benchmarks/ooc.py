@@ -396,7 +396,7 @@ def tune_cleaning(st, args) -> None:
     if args.clean_read_bytes:  # read by the cleaning reads when they start (first clean)
         _log_read.CLEAN_READ_BYTES = int(args.clean_read_bytes)
     if args.clean == "off":  # the bound out of reach: no seal cleans, nothing is read
-        st.store.engine._cleaner.space_ratio = float("inf")
+        st.store.engine._cleaner.space_ratio = 1e9
 
 
 def find_memcap() -> Path | None:
