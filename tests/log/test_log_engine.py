@@ -430,7 +430,8 @@ def test_space_bound_after_ten_passes(tmp_path, ratio):
     st = eng.stats()
     rb = eng.rec_bytes
     seg_rec_bytes = st["segment_records"] * rb
-    assert seg_rec_bytes <= ratio * st["live_bytes"] + eng.seal_unit * rb, st
+    # within the slack the store may run above space_ratio while cleaning reads are in flight
+    assert seg_rec_bytes <= ratio * st["live_bytes"] + st["clean_slack_records"] * rb, st
     assert st["pending_delete"] == 0 and eng.verify() == []
     on_disk = sum(p.stat().st_size for p in eng.path.glob("seg-*.dsl"))
     assert on_disk == st["segment_bytes"]  # no dead file left after the flush
