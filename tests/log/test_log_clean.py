@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -312,7 +313,7 @@ def test_kill_inside_a_cleaning_seal_reopens_at_the_last_flush(tmp_path, point, 
     refs = _references()
     path = tmp_path / "s"
     _create(path).close()
-    rng = np.random.default_rng(abs(hash((point, never_ready))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{point}:{never_ready}".encode()))
     count, kills = 0, 0
     for _ in range(4):
         nth = int(rng.integers(1, 25))
