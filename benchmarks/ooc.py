@@ -18,6 +18,14 @@
 4. Measures the QD32 read rate again after the runs; ``vs_qd32_reads`` is the rows/s over
    the higher of the two QD32 figures (a throttled probe cannot flatter the ratio).
 
+An aged log store (one whose every seal cleans): ``--clean off`` runs the log modes with
+cleaning off (the space bound out of reach: the store grows by what the run writes, so run it
+after the runs with cleaning, or on a copy), so that the steps' reads with and without
+cleaning running can be compared on the same store;
+``--clean-read-bytes`` sets the largest cleaning read request (one at a time; default 4 MiB).
+Each log run prints the timed steps' misses per second (the steps' record reads), what
+cleaning read (MiB/s, requests) and how often and how long seals waited for it.
+
 ``--kernel-stacks`` (root only) also samples where the run's threads wait in the kernel
 (``/proc/self/task/*/stack`` every 0.2 s) and prints the most frequent top frames: a disk-bound
 run shows reads in flight (``filemap_read_folio``) and a full device queue (``blk_mq_get_tag``).
@@ -288,6 +296,7 @@ def child(args) -> None:
         probe = LogProbe(st, Path(args.store).parent / f"logprobe_{os.getpid()}.log")
     elif args.mode in ("log", "logprefetch"):
         st = dsa_core.open(args.store, memory=args.log_memory)
+        tune_cleaning(st, args)
     else:
         st = dsa_core.open(args.store)
     if args.mode == "plain":
@@ -302,10 +311,11 @@ def child(args) -> None:
     write_behind = args.mode == "pipeline"
     for j in range(min(ahead, len(ids))):
         dsa_core.prefetch(st, ids[j])
-    t_start, io0, sampler = None, (0, 0), None
+    t_start, io0, sampler, ls0 = None, (0, 0), None, None
     for k in range(len(ids)):
         if k == args.warmup:
             t_start, io0 = time.perf_counter(), disk_ios()
+            ls0 = st.store.engine.stats() if st.storage == "log" else None
             if args.kernel_stacks:
                 sampler = StackSampler().start()
         j = k + ahead
@@ -335,6 +345,18 @@ def child(args) -> None:
     if probe is not None:
         probe.close()
     log_stats = st.store.engine.stats() if st.storage == "log" else None
+    # the timed steps' own figures: misses (the steps' random reads of records), cleaning
+    if log_stats is not None and ls0 is not None and wall > 0:
+        log_stats["timed"] = {
+            "misses_per_s": (log_stats["misses"] - ls0["misses"]) / wall,
+            "clean_read_mb_per_s": (log_stats["clean_read_bytes"] - ls0["clean_read_bytes"])
+            / wall / 2**20,
+            "clean_read_requests": log_stats["clean_read_requests"]
+            - ls0["clean_read_requests"],
+            "clean_waits": log_stats["clean_waits"] - ls0["clean_waits"],
+            "clean_wait_s": log_stats["clean_wait_s"] - ls0["clean_wait_s"],
+            "cleaned_segments": log_stats["cleaned_segments"] - ls0["cleaned_segments"],
+            "seals": log_stats["seals"] - ls0["seals"]}
     t_close = time.perf_counter()
     dsa_core.close(st)  # the final flush: the in-place store's dirty pages, the log's region
     wall_flush = wall + time.perf_counter() - t_close
@@ -364,6 +386,17 @@ def child(args) -> None:
         "log_stats": log_stats,
         "kernel_stacks": stacks,
     }))
+
+
+def tune_cleaning(st, args) -> None:
+    """The log store's cleaning for this run (``--clean``, ``--clean-read-bytes``): the steps'
+    reads with and without cleaning running, and with other cleaning request sizes."""
+    from dsa_core._log import read as _log_read
+
+    if args.clean_read_bytes:  # read by the cleaning reads when they start (first clean)
+        _log_read.CLEAN_READ_BYTES = int(args.clean_read_bytes)
+    if args.clean == "off":  # the bound out of reach: no seal cleans, nothing is read
+        st.store.engine._cleaner.space_ratio = 1e9
 
 
 def find_memcap() -> Path | None:
@@ -403,6 +436,14 @@ def main(argv=None):
                          "records at dim 128")
     ap.add_argument("--first-moment", choices=("full", "bfloat16"), default="full",
                     help="bfloat16: m stored as bfloat16 (docs/algorithms.md §6)")
+    ap.add_argument("--clean", choices=("on", "off"), default="on",
+                    help="log store: off runs with cleaning off (the store grows by what the "
+                         "run writes, past its space bound: the next run with cleaning waits "
+                         "in its first seals until the store is back within it; run it last "
+                         "or on a copy), to compare the steps' reads with and without it")
+    ap.add_argument("--clean-read-bytes", type=int, default=0,
+                    help="log store: the largest cleaning read request (default: the "
+                         "engine's, 4 MiB; one request at a time)")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=float, default=10.0)
@@ -458,7 +499,8 @@ def main(argv=None):
                "--mode", mode, "--dist", dist, "--steps", str(a.steps), "--warmup",
                str(a.warmup), "--batch", str(a.batch), "--max-seconds", str(a.max_seconds),
                "--hit-every", str(a.hit_every), "--ahead", str(a.ahead),
-               "--log-memory", str(a.log_memory),
+               "--log-memory", str(a.log_memory), "--clean", a.clean,
+               "--clean-read-bytes", str(a.clean_read_bytes),
                # fresh ids for every run, also across invocations (--keep reuses the stores):
                # a log store lays records out in the order they leave its region, so
                # replaying an earlier run's batches would read them sequentially and flatter it
@@ -479,6 +521,7 @@ def main(argv=None):
                     "first_moment": a.first_moment,
                     "ahead": read_ahead(mode, a.ahead),
                     "log_memory": a.log_memory if mode.startswith("log") else "",
+                    "clean": a.clean if mode.startswith("log") else "",
                     "memcap": peak[-1] if peak else ""})
         results.append(res)
         print(f"  {dist:<7} {mode:<8} {res['rows_per_s']:>10,.0f} rows/s  p50 "
@@ -493,7 +536,16 @@ def main(argv=None):
             ls = res["log_stats"]
             print(f"    log: write amplification {ls['write_amplification']:.2f}, "
                   f"{ls['seals']} seals, {ls['cleaned_segments']} segments cleaned, "
-                  f"space used {ls['space_used']:.2f}x live", flush=True)
+                  f"space used {ls['space_used']:.2f}x live (bound "
+                  f"{ls['space_bound_records'] / max(ls['live_records'], 1):.2f}x)",
+                  flush=True)
+            tm = ls.get("timed")
+            if tm:
+                print(f"    timed steps: {tm['misses_per_s']:,.0f} misses/s (the steps' "
+                      f"record reads), cleaning {tm['cleaned_segments']} segments in "
+                      f"{tm['seals']} seals, read {tm['clean_read_mb_per_s']:.1f} MiB/s in "
+                      f"{tm['clean_read_requests']} requests; seals waited for cleaning "
+                      f"{tm['clean_waits']} times, {tm['clean_wait_s']:.2f} s", flush=True)
         if res.get("kernel_stacks"):
             ks = res["kernel_stacks"]
             print(f"    where the threads were ({ks['samples']} samples; idle threads left out):")
@@ -509,8 +561,8 @@ def main(argv=None):
         # the disk I/Os per second the run caused, reads and writes together
         res["disk_ios_per_s"] = res["rows_per_s"] * (res["reads_per_row"] + res["writes_per_row"])
     print()
-    print_table(results, ["rows", "dist", "mode", "second_moment", "first_moment", "align",
-                          "ahead", "rows_per_s", "vs_qd32_reads", "reads_per_row",
+    print_table(results, ["rows", "dist", "mode", "clean", "second_moment", "first_moment",
+                          "align", "ahead", "rows_per_s", "vs_qd32_reads", "reads_per_row",
                           "writes_per_row", "rows_per_s_with_flush", "vs_qd32_reads_with_flush",
                           "writes_per_row_with_flush", "rss_anon_max_mb", "disk_ios_per_s",
                           "p50_ms", "p99_ms", "hit_rate", "steps", "memory"])

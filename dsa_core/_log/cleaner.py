@@ -1,35 +1,65 @@
 """The cleaner of a log store: keeps the segments' records within ``space_ratio`` of the live.
 
 A record is live when its row's location (``loc``, or the ``slot_disk`` of a resident row)
-points at it. Every seal (``commit``) first asks :meth:`Cleaner.choose`: when the records
-of all segments would exceed ``space_ratio`` times the rows that have a location, the
-segments with the lowest live fraction are cleaned: their live records join the seal
-unchanged (a resident row's newest record comes from its slot) until the bound holds or
-``CLEAN_UNITS * max(seal_unit, records sealed)`` records have moved (the last segment is
-taken whole), so that no single seal stalls for long; the next seal continues.
+points at it. A live record never comes back once dead (a row's location only moves to a
+newer record), so the live records of a segment at any moment are a subset of those at any
+earlier moment.
 
-The records to copy come from :meth:`Cleaner.source`: a segment read whole into a buffer
-with sequential reads (``read.CleaningReads``), started one seal ahead in a background
-thread for the next seal's candidates (:meth:`Cleaner.read_ahead_next`); a pending
-segment's records are in memory already; one larger than ``WHOLE_MAX`` is read through its
-mapping, with read-ahead. The cleaner only reads: the seal writes and moves the locations.
+What a seal cleans (:meth:`Cleaner.choose`)
+    With ``excess`` = the records the segments would hold after the seal minus
+    ``space_ratio`` times the rows that have a location, a seal with ``excess > 0`` cleans
+    victims (segments with a dead record, in the order of ``policy``: the lowest live
+    fraction first, or LFS's cost-benefit ``age * (1 - u) / (1 + u)``): their live records
+    join the seal unchanged (a resident row's newest record comes from its slot), which
+    frees the whole victim. It takes only victims whose live records are **already in
+    memory** (read in the background, or a segment still being written), until the bound
+    holds or ``CLEAN_UNITS * max(seal_unit, records sealed)`` records have moved. So the
+    store may run above ``space_ratio`` while cleaning reads are in flight, by at most
+    ``slack`` = ``SLACK_UNITS`` seal units of records: only a seal that would leave more than
+    that **waits**, taking victims whether read or not (waiting for their reads, or reading
+    them now) until ``excess <= slack``, with no cap. That is a hard bound: after every seal
+    the live segments hold at most ``space_ratio * live + slack`` records (records superseded
+    by a seal of more than ``(space_ratio - 1) * live + slack`` rows at once, a batch that is
+    a large part of a small table, excepted: they are cleaned by the seals after it). The
+    waits are counted (``stats``: ``clean_waits`` seals that waited, ``clean_wait_us``).
+Reading ahead (:meth:`Cleaner.read_ahead`)
+    At the end of every seal that leaves the segments within ``READ_LEAD_UNITS`` seal units
+    of the bound, the next victims' live records (on disk, or behind a *clean* resident slot:
+    the row may leave the region before the clean; a dirty slot's record is never copied
+    from the file) are handed to ``read.CleaningReads``, which reads them in a background
+    thread, one request of at most ``CLEAN_READ_BYTES`` at a time (dead records between
+    live ones read through up to ``CLEAN_GAP_BYTES``), into buffers of at most
+    ``CLEAN_HELD_BYTES`` in all. Paced by the seals: each seal starts the reads of the
+    victims that the next ``1 + AHEAD_SEALS`` seals will clean. A seal past the slack that
+    needs a victim not read ahead reads it itself into a buffer within the same room; a
+    victim with more than ``WHOLE_MAX`` bytes of live records, or one that would not fit
+    the room, is copied through the segment's mapping after a read-ahead hint.
+
+The cleaner only reads: the seal writes, moves the locations and frees the victims.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 from numba import njit
 
-from .format import Segment, segment_geometry
+from . import read as _read
+from .format import Segment, crash_point, segment_geometry
 from .pool import Pool
-from .read import WHOLE_MAX, CleaningReads, advise_whole
+from .read import CleaningReads, advise
 from .segments import Segments
 
-__all__ = ["CLEAN_UNITS", "Cleaner"]
+__all__ = ["AHEAD_SEALS", "CLEAN_UNITS", "POLICIES", "READ_LEAD_UNITS", "SLACK_UNITS",
+           "Cleaner", "Copy"]
 
-CLEAN_UNITS = 2  # a seal copies at most this many seal units of records for cleaning
+CLEAN_UNITS = 2  # a seal copies at most this many seal units of records from ready victims
+SLACK_UNITS = 4  # the segments may exceed space_ratio x live by this many seal units
+READ_LEAD_UNITS = 2  # reads ahead start this many seal units below the bound
+POLICIES = ("greedy", "cost-benefit")
+AHEAD_SEALS = 1  # reads ahead cover the next seal and this many more
 
 
 @njit(cache=True, nogil=True)
@@ -37,7 +67,7 @@ def _scan_segment(seg_rows, base, loc, slot_disk, mark, ep, out_k, out_slots):
     """The live records of one segment (locations ``base + k``): returns ``(nk, ns)``.
 
     ``out_k[:nk]``: records whose row is not resident and points at them (to be copied from
-    the mapping). ``out_slots[:ns]``: resident slots whose ``slot_disk`` points at them and
+    the segment). ``out_slots[:ns]``: resident slots whose ``slot_disk`` points at them and
     that are not already in the seal (``mark != ep``; they are marked now): their newest
     record comes from the region.
     """
@@ -58,81 +88,230 @@ def _scan_segment(seg_rows, base, loc, slot_disk, mark, ep, out_k, out_slots):
     return nk, ns
 
 
+@njit(cache=True, nogil=True)
+def _live_records(seg_rows, base, loc, slot_disk, dirty, out):
+    """The live records of one segment that a seal cleaning it later may copy from it:
+    ``out[:n]``. Those on disk, and those behind a *clean* resident slot (the row may leave
+    the region before the clean, pointing at its record again). A dirty slot's record is
+    never copied: the slot is in the region at the clean (its record comes from there), or
+    it was sealed before (its record is dead)."""
+    n = 0
+    for k in range(seg_rows.shape[0]):
+        L = base + k
+        lr = loc[seg_rows[k]]
+        if lr == L or (lr < 0 and slot_disk[-lr - 1] == L and dirty[-lr - 1] == 0):
+            out[n] = k
+            n += 1
+    return n
+
+
+class Copy:
+    """One victim of a seal: its live records ``ks`` (not resident) are ``records[idx]``."""
+
+    __slots__ = ("idx", "ks", "records", "seg", "buffered")
+
+    def __init__(self, seg: Segment, ks: np.ndarray, records: np.ndarray, idx: np.ndarray,
+                 buffered: bool):
+        self.seg, self.ks, self.records, self.idx = seg, ks, records, idx
+        self.buffered = buffered  # from a CleaningReads buffer (released after the seal)
+
+
 class Cleaner:
     """Chooses the segments a seal cleans and reads their records (module docstring)."""
 
-    def __init__(self, pool: Pool, segments: Segments, space_ratio: float):
+    def __init__(self, pool: Pool, segments: Segments, space_ratio: float,
+                 policy: str = "greedy"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.pool = pool
         self.segments = segments
         self.space_ratio = space_ratio
-        self.reads: CleaningReads | None = None  # segments read whole for cleaning
-        self.next_clean: list[int] = []  # the next seal's cleaning candidates, read ahead
+        self.policy = policy
+        self.slack = SLACK_UNITS * pool.seal_unit
+        self.reads: CleaningReads | None = None  # this process's cleaning reads
+        # the engine's counters (commit.Commit shares its own; these are counted here)
+        self.stats = {"clean_waits": 0, "clean_wait_us": 0}
+        self.read_base = [0, 0]  # bytes and requests of reads objects already closed
+        self.victim_records = 0  # records of the segments cleaned (what whole reads read)
+        self.fallbacks = 0  # copies through the mapping for lack of a record read ahead
 
-    def choose(self, n_seal: int, n_new_loc: int, ep: int):
-        """The segments to clean in a seal of ``n_seal`` records (``n_new_loc`` of them rows
-        without a location yet) marked ``ep``: ``(resident slots, [(seg, ks), ...])``."""
-        segs, pool = self.segments, self.pool
-        self.next_clean = []
-        live_after = segs.live_total + n_new_loc
-        excess = segs.total_records + n_seal - self.space_ratio * live_after
-        res: list[np.ndarray] = []
-        copies: list[tuple[Segment, np.ndarray]] = []
-        if excess <= -2 * pool.seal_unit or not segs.segs:
-            return res, copies
+    # -- the bound ----------------------------------------------------------------------------
+    def excess(self, n_seal: int = 0, n_new_loc: int = 0) -> float:
+        """Records above ``space_ratio x live`` after a seal of ``n_seal`` records (cleaning
+        nothing), ``n_new_loc`` of them rows without a location yet."""
+        segs = self.segments
+        return (segs.total_records + n_seal
+                - self.space_ratio * (segs.live_total + n_new_loc))
+
+    def bound(self) -> int:
+        """The most records the live segments hold after any seal (module docstring)."""
+        return int(self.space_ratio * self.segments.live_total) + self.slack
+
+    def order(self) -> np.ndarray:
+        """The segments with a dead record, best victim first (``policy``)."""
+        segs = self.segments
         ids = np.fromiter(segs.segs, np.int64, len(segs.segs))
-        frac = segs.live[ids] / segs.seg_n[ids]
-        order = ids[np.argsort(frac, kind="stable")].tolist()
-        cap = CLEAN_UNITS * max(pool.seal_unit, n_seal)
-        moved = 0
-        for i, sid in enumerate(order):
+        live, n = segs.live[ids], segs.seg_n[ids]
+        keep = live < n
+        ids, live, n = ids[keep], live[keep], n[keep]
+        u = live / n
+        if self.policy == "greedy":
+            key = u
+        else:  # LFS: the benefit (free space x its age) over the cost (read + write the live)
+            age = (segs.next_segment - ids).astype(np.float64)
+            key = -(age * (1.0 - u) / (1.0 + u))
+        return ids[np.argsort(key, kind="stable")]
+
+    # -- a seal's victims -------------------------------------------------------------------
+    def _reader(self) -> CleaningReads:
+        r = self.reads
+        if r is None or r.pid != os.getpid():  # a forked child's is its parent's
+            r = self.reads = CleaningReads()
+        return r
+
+    def _offset(self, seg: Segment) -> int:
+        pool = self.pool
+        return segment_geometry(seg.n, pool.stride, pool.dtype.itemsize)[2]
+
+    def ready(self, sid: int) -> bool:
+        """The live records of segment ``sid`` are in memory: a pending write's buffer, or a
+        cleaning read that is done."""
+        if sid in self.segments.pending:
+            return True
+        r = self.reads
+        return r is not None and r.pid == os.getpid() and r.ready(sid)
+
+    def _source(self, seg: Segment, ks: np.ndarray) -> Copy:
+        """Where the seal copies the records ``ks`` of ``seg`` from (waiting for a read that
+        is not done, or reading now)."""
+        if seg.id in self.segments.pending:
+            return Copy(seg, ks, seg.records, ks, False)
+        pool, rb = self.pool, self.segments.rec_bytes
+        r = self._reader()
+        got = r.get(seg.id)
+        if got is not None:
+            buf, ks0 = got
+            idx = np.searchsorted(ks0, ks)
+            if not ks.shape[0] or (idx[-1] < ks0.shape[0] and np.array_equal(ks0[idx], ks)):
+                return Copy(seg, ks, buf, idx, True)
+            # pragma: no cover - a live record not read ahead: impossible (a live record
+            # never comes back, a dirty slot's is never copied). Counted: the tests
+            # require none; read again below
+            self.fallbacks += 1
+            r.release(seg.id)
+        if ks.shape[0] * rb <= _read.WHOLE_MAX:
+            buf = r.now(seg.id, seg.path, self._offset(seg), ks, pool.stride, pool.dtype)
+            if buf is not None:
+                return Copy(seg, ks, buf, np.arange(ks.shape[0]), True)
+        # too large for the buffers' room: through the mapping, after a read-ahead hint
+        advise(self.segments.seg_addr[seg.id] + ks * rb, rb)
+        return Copy(seg, ks, seg.records, ks, False)
+
+    def choose(self, n_seal: int, n_new_loc: int, ep: int) -> tuple[list[np.ndarray],
+                                                                    list[Copy]]:
+        """The victims of a seal of ``n_seal`` records (``n_new_loc`` of them rows without a
+        location yet) marked ``ep``: ``(resident slots, copies)`` (module docstring)."""
+        segs, pool = self.segments, self.pool
+        excess = self.excess(n_seal, n_new_loc)
+        res: list[np.ndarray] = []
+        copies: list[Copy] = []
+        if excess <= 0 or not segs.segs:
+            return res, copies
+        order = self.order().tolist()
+        taken: set[int] = set()
+
+        def take(sid: int) -> int:
+            """Clean ``sid``: returns the records it frees (net of its copies)."""
             seg = segs.segs[sid]
-            if excess <= 0 or moved >= cap or segs.live[sid] >= seg.n:
-                # done (a fully live segment frees nothing, nor any after it). The next
-                # seal's candidates are read ahead once this seal is done (commit), so that
-                # its copies find them in memory instead of waiting for the disk
-                self.next_clean = [nxt for nxt in order[i:i + max(1, len(copies))]
-                                   if segs.live[nxt] < segs.seg_n[nxt]]
-                break
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
             nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.loc,
                                    pool.slot_disk, pool.mark, ep, out_k, out_s)
-            copies.append((seg, out_k[:nk]))
-            res.append(out_s[:ns])
-            moved += nk + ns
-            excess -= seg.n - (nk + ns)
+            copies.append(self._source(seg, out_k[:nk].copy()))
+            self.victim_records += seg.n
+            res.append(out_s[:ns].copy())
+            taken.add(sid)
+            return nk + ns
+
+        cap = CLEAN_UNITS * max(pool.seal_unit, n_seal)
+        moved = 0
+        for sid in order:  # victims already in memory: no wait
+            if excess <= 0 or moved >= cap:
+                break
+            if self.ready(sid):
+                m = take(sid)
+                moved += m
+                excess -= segs.seg_n[sid] - m
+        if excess > self.slack:  # past the slack: wait for (or do) the reads
+            waited, any_wait = 0.0, False
+            for sid in order:
+                if excess <= self.slack:
+                    break
+                if sid in taken:
+                    continue
+                crash_point("clean-wait")
+                t0 = time.perf_counter()
+                was_ready = self.ready(sid)
+                m = take(sid)
+                if not was_ready:
+                    waited += time.perf_counter() - t0
+                    any_wait = True
+                excess -= segs.seg_n[sid] - m
+            if any_wait:
+                self.stats["clean_waits"] += 1
+                self.stats["clean_wait_us"] += int(waited * 1e6)
         return res, copies
 
-    def source(self, seg: Segment, now: bool = True) -> np.ndarray | None:
-        """The records of ``seg``, which cleaning copies from: read whole into a buffer with
-        sequential reads (``now=False``: start that read in the background, for the next
-        seal). A pending segment's records are in memory already; one too large for a buffer
-        is read through its mapping, with read-ahead (read)."""
-        if seg.id in self.segments.pending or seg.records.nbytes > WHOLE_MAX:
-            if seg.id not in self.segments.pending:
-                advise_whole(seg.records)
-            return seg.records
+    def done_with(self, copy: Copy) -> None:
+        """The seal has copied (and committed to its segment) the records of ``copy``."""
+        if copy.buffered:
+            self.reads.release(copy.seg.id)
+
+    # -- reading ahead --------------------------------------------------------------------------
+    def read_ahead(self) -> int:
+        """Start reading the victims of the next seals, if the segments are near the bound;
+        returns the reads started.
+
+        Paced by the seals: victims in order, until the records they would free cover what
+        the next ``1 + AHEAD_SEALS`` seals of a seal unit each would add above the bound
+        (victims read already, or in memory, count first), within the buffers' room."""
+        segs, pool = self.segments, self.pool
+        excess = self.excess()
+        if not segs.segs or excess <= -READ_LEAD_UNITS * pool.seal_unit:
+            return 0
+        need = excess + (1 + AHEAD_SEALS) * pool.seal_unit
+        r = self._reader()
+        started = 0
+        for sid in self.order().tolist():
+            if need <= 0:
+                break
+            frees = int(segs.seg_n[sid] - segs.live[sid])
+            if sid in segs.pending or r.has(sid):
+                need -= frees
+                continue
+            nbytes = int(segs.live[sid]) * segs.rec_bytes  # its live records, at most
+            if nbytes > _read.WHOLE_MAX:
+                continue
+            if not r.room(nbytes):
+                break  # the buffers are full: the reads of the next seals come first
+            seg = segs.segs[sid]
+            out = np.empty(seg.n, np.int64)
+            n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.loc, pool.slot_disk,
+                              pool.dirty, out)
+            if not r.ahead(sid, seg.path, self._offset(seg), out[:n].copy(), pool.stride,
+                           pool.dtype):
+                break
+            need -= frees
+            started += 1
+        return started
+
+    def read_counts(self) -> tuple[int, int]:
+        """Bytes and requests the cleaning reads of this open have read."""
+        b, q = self.read_base
         r = self.reads
-        if r is None or r.pid != os.getpid():
-            r = self.reads = CleaningReads()
-        pool = self.pool
-        off = segment_geometry(seg.n, pool.stride, pool.dtype.itemsize)[2]
-        shape = (seg.n, pool.stride)
-        if now:
-            return r.records(seg.id, seg.path, off, shape, pool.dtype)
-        r.ahead(seg.id, seg.path, off, shape, pool.dtype)
-        return None
-
-    def done_with(self, records: np.ndarray, seg: Segment) -> None:
-        """The seal has copied from ``records`` (what :meth:`source` gave for ``seg``)."""
-        if records is not seg.records:
-            self.reads.release(records)
-
-    def read_ahead_next(self) -> None:
-        """Start reading the next seal's candidates (into the buffers just released)."""
-        for nxt in self.next_clean:
-            if nxt in self.segments.segs:
-                self.source(self.segments.segs[nxt], now=False)
+        if r is not None and r.pid == os.getpid():
+            b, q = b + r.bytes_read, q + r.requests
+        return b, q
 
     def forget(self, sid: int) -> None:
         """Segment ``sid`` died: a read ahead of it is not needed."""
@@ -143,4 +322,6 @@ class Cleaner:
         """Stop this process's cleaning-read thread (a forked child's is its parent's)."""
         r, self.reads = self.reads, None
         if r is not None and r.pid == os.getpid():
+            self.read_base[0] += r.bytes_read
+            self.read_base[1] += r.requests
             r.close()

@@ -1,12 +1,13 @@
 """The commit protocol of a log store: seals, flushes, checkpoints and the commit log.
 
 Seals
-    :meth:`Commit.seal` appends dirty slots, with the cleaner's copies (``cleaner``), to a
-    new immutable segment in one sequential write: a seal of at most ``BEHIND_BYTES`` is
-    gathered into a buffer and written in the background (``writer``; the segment is
-    *pending* until then, ``segments``), a larger one (a flush, a range release) is
-    streamed to its file at once. Then the rows point at the new segment, the records it
-    supersedes are dead, and a segment left without a live record is dropped.
+    :meth:`Commit.seal` appends dirty slots, with the cleaner's copies (``cleaner``: the
+    live records of its victims, read in the background), to a new immutable segment in one
+    sequential write: a seal of at most ``BEHIND_BYTES`` is gathered into a buffer and
+    written in the background (``writer``; the segment is *pending* until then,
+    ``segments``), a larger one (a flush, a range release) is streamed to its file at once.
+    Then the rows point at the new segment, the records it supersedes are dead, and a
+    segment left without a live record is dropped.
     :meth:`Commit.make_room` is the pool's eviction: CLOCK victims (``pool``), the dirty ones
     sealed together, so each seal is one large write of about ``seal_unit`` records.
 Durability
@@ -65,13 +66,14 @@ from .writer import WriteJob
 
 __all__ = ["BEHIND_BYTES", "TOTALS", "Commit", "name_wal"]
 
-# seals up to this size (its records, the cleaning copies, the last cleaned segment taken
-# whole) are written in the background; larger ones (a flush, a range release) at once
+# seals up to this size (its records and the cleaning copies, at most CLEAN_UNITS seal units
+# of them unless a seal past the cleaner's slack copies more) are written in the background;
+# larger ones (a flush, a range release, such a seal) at once
 BEHIND_BYTES = (2 + CLEAN_UNITS) * SEAL_BYTES
 _CHUNK_BYTES = 8 << 20   # records per pwrite of a seal
 # write counters kept over the store's life (committed with every flush, "totals")
 TOTALS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
-          "file_bytes_written")
+          "file_bytes_written", "clean_waits", "clean_wait_us")
 
 
 def name_wal(manifest: dict[str, Any], wal: WalWriter | None) -> None:
@@ -111,6 +113,10 @@ class Commit:
                  cleaner: Cleaner, stats: dict[str, int]):
         self.path = path
         self.pool, self.segments, self.cleaner, self.stats = pool, segments, cleaner, stats
+        for k in TOTALS:  # the cleaner counts its waits in the same counters
+            stats.setdefault(k, 0)
+        stats.update((k, stats[k] + v) for k, v in cleaner.stats.items())
+        cleaner.stats = stats
         self.count = int(manifest["count"])
         self.meta = dict(manifest.get("meta", {}))
         # no index file (None): no row has been written yet, every row reads as its initial
@@ -169,8 +175,8 @@ class Commit:
             crash_point("clean")
         rslots = np.concatenate([slots, *res]) if res else slots
         m = rslots.shape[0]
-        crow = [seg.rows[ks] for seg, ks in copies]
-        n = m + sum(ks.shape[0] for _, ks in copies)
+        crow = [c.seg.rows[c.ks] for c in copies]
+        n = m + sum(c.ks.shape[0] for c in copies)
         if n == 0:
             return
         sid = segs.next_segment
@@ -178,22 +184,25 @@ class Commit:
             raise OverflowError(f"log store {str(self.path)!r} ran out of segment ids")
         rows = np.concatenate([pool.slot_row[rslots], *crow]) if crow else pool.slot_row[rslots]
         steps = np.concatenate([np.full(m, self.count, np.int64),
-                                *[seg.steps[ks] for seg, ks in copies]])
-        # each cleaned segment read whole, sequentially (read ahead by the previous seal)
-        src = [cleaner.source(seg, now=True) for seg, _ in copies]
+                                *[c.seg.steps[c.ks] for c in copies]])
         path = self.path / seg_name(sid)
         rec_bytes, stride, dtype = segs.rec_bytes, pool.stride, pool.dtype
+        # the victims' live records are in memory (cleaner: read in the background), or
+        # in their segment's mapping; each copy is checked against its sums first
         if n * rec_bytes <= BEHIND_BYTES:
             # write-behind (writer): gather the records into a buffer of the segment's
             # own, which serves its reads until the file is written and mapped
             recs = segs.seal_buffer(n)
             gather_records(pool.region, rslots, recs)
             off = m
-            for rec, (seg, ks) in zip(src, copies, strict=True):
-                recs[off:off + ks.shape[0]] = rec[ks]
-                check_records(seg, ks, recs[off:off + ks.shape[0]])  # never copy damage
-                off += ks.shape[0]
+            for c in copies:
+                k = c.ks.shape[0]
+                recs[off:off + k] = c.records[c.idx]
+                check_records(c.seg, c.ks, recs[off:off + k])  # never copy damage
+                off += k
             recs.flags.writeable = False  # as the mapping that replaces it
+            if copies:
+                crash_point("clean-copied")
             segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count))
             size = segment_geometry(n, stride, dtype.itemsize)[3]
             segs.add(Segment(sid, n, path, rows, steps, recs, size))
@@ -203,16 +212,16 @@ class Commit:
             def blocks():
                 for lo in range(0, m, chunk):
                     yield pool.region[rslots[lo:lo + chunk]]
-                for rec, (seg, ks) in zip(src, copies, strict=True):
-                    for lo in range(0, ks.shape[0], chunk):
-                        blk = rec[ks[lo:lo + chunk]]
-                        check_records(seg, ks[lo:lo + chunk], blk)  # never copy damage
+                for c in copies:
+                    for lo in range(0, c.ks.shape[0], chunk):
+                        blk = c.records[c.idx[lo:lo + chunk]]
+                        check_records(c.seg, c.ks[lo:lo + chunk], blk)  # never copy damage
                         yield blk
 
             size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count)
             segs.map(path, sid, n)
-        for rec, (seg, _) in zip(src, copies, strict=True):
-            cleaner.done_with(rec, seg)
+        for c in copies:  # a failed seal keeps them: its retry finds them read
+            cleaner.done_with(c)
         segs.sealed(sid, n)
         self.index_dirty = True
         crash_point("sealed")
@@ -224,23 +233,23 @@ class Commit:
         pool.slot_disk[rslots] = newloc[:m]
         pool.dirty[rslots] = 0
         off = m
-        for (seg, ks), r in zip(copies, crow, strict=True):
-            old.append(np.int64((seg.id << 32) + 1) + ks)
-            pool.loc[r] = newloc[off:off + ks.shape[0]]
-            off += ks.shape[0]
+        for c, r in zip(copies, crow, strict=True):
+            old.append(np.int64((c.seg.id << 32) + 1) + c.ks)
+            pool.loc[r] = newloc[off:off + c.ks.shape[0]]
+            off += c.ks.shape[0]
         dead = np.concatenate(old)
         gone = segs.kill(dead[dead > 0] - 1)
         if gone:
             for sid_gone in gone:
                 cleaner.forget(sid_gone)
             segs.drop(gone)
-        for seg, _ in copies:  # a cleaned segment has no live record left
-            if segs.live[seg.id] != 0:  # pragma: no cover - an engine bug
-                raise RuntimeError(f"log store {str(self.path)!r}: cleaned segment {seg.id} "
-                                   f"still has {segs.live[seg.id]} live records")
+        for c in copies:  # a cleaned segment has no live record left
+            if segs.live[c.seg.id] != 0:  # pragma: no cover - an engine bug
+                raise RuntimeError(f"log store {str(self.path)!r}: cleaned segment "
+                                   f"{c.seg.id} still has {segs.live[c.seg.id]} live records")
         if evict:
             pool.free_slots(slots)
-        cleaner.read_ahead_next()
+        cleaner.read_ahead()  # the next seals' victims, in the background
         st = self.stats
         st["seals"] += 1
         st["cleaned_segments"] += len(copies)

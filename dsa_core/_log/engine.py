@@ -11,8 +11,9 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
   by ``writer``; the live segments are ``segments``');
 * an **index** maps each row to the newest record of it in a segment (or to nothing: the
   row then reads as its deterministic initial record, ``_init``);
-* a **cleaner** (``cleaner``) copies the still-live records of the emptiest segments into
-  the next seal so that the segments hold at most ``space_ratio`` times the live records;
+* a **cleaner** (``cleaner``) copies the still-live records of the emptiest segments, read
+  in the background, into the next seals so that the segments hold about ``space_ratio``
+  times the live records (at most that plus a slack);
 * a **flush** seals every dirty slot, fsyncs the new segments, writes a new index generation
   and commits a new manifest (``commit``; ``format`` describes the files); ``durability=
   "step"`` stores also append every step to a commit log (``wal``);
@@ -44,11 +45,11 @@ Concurrency
     inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
     Four kinds of background threads only do I/O on buffers and files the engine hands them:
     the segment writer (``writer``: writes sealed segments; a segment is readable from its
-    buffer until written), the cleaning reads (``read.CleaningReads``: read a segment to be
-    cleaned whole, one seal ahead), the range loads (``ranges.Loader``: read a loaded
-    range's records into staging buffers, which :meth:`LogEngine.acquire` and the range
-    calls install in the caller's thread) and, for ``LogStore``, the read-ahead of future
-    batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
+    buffer until written), the cleaning reads (``read.CleaningReads``: read the live records
+    of the next seals' victims into buffers), the range loads (``ranges.Loader``: read a
+    loaded range's records into staging buffers, which :meth:`LogEngine.acquire` and the
+    range calls install in the caller's thread) and, for ``LogStore``, the read-ahead of
+    future batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
     write.
@@ -517,6 +518,14 @@ class LogEngine:
         store's life (every writer's counters as of its last flush, plus this open's):
         ``total_user_bytes``, ``total_written_bytes`` (seals and cleaning),
         ``total_file_bytes_written``, ``total_write_amplification``.
+
+        Cleaning (``cleaner``): ``space_bound_records`` is the most records the live
+        segments may hold after a seal (``space_ratio x live_records`` plus
+        ``clean_slack_records``, the slack the store may run above ``space_ratio`` while
+        cleaning reads are in flight); ``clean_waits`` counts the seals that waited for
+        cleaning reads (only past the slack) and ``clean_wait_s`` the seconds they waited
+        (``total_clean_waits``, ``total_clean_wait_s``: over the store's life);
+        ``clean_read_bytes`` / ``clean_read_requests``: what the cleaning reads read.
         """
         self._require_open()
         st, rb = self._stats, self.rec_bytes
@@ -526,6 +535,7 @@ class LogEngine:
         tot = self._commit.totals()
         t_written = (tot["sealed_records"] + tot["cleaned_records"]) * rb
         t_user = tot["user_records"] * rb
+        clean_read = self._cleaner.read_counts()
         return {
             "segments": len(segs.segs),
             "segment_records": int(segs.total_records),
@@ -566,6 +576,14 @@ class LogEngine:
             "total_written_bytes": t_written,
             "total_file_bytes_written": tot["file_bytes_written"],
             "total_write_amplification": t_written / t_user if t_user else 0.0,
+            "space_bound_records": self._cleaner.bound(),
+            "clean_slack_records": self._cleaner.slack,
+            "clean_waits": st["clean_waits"],
+            "clean_wait_s": st["clean_wait_us"] / 1e6,
+            "clean_read_bytes": clean_read[0],
+            "clean_read_requests": clean_read[1],
+            "total_clean_waits": tot["clean_waits"],
+            "total_clean_wait_s": tot["clean_wait_us"] / 1e6,
         }
 
     def verify(self) -> list[str]:

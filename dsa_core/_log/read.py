@@ -20,12 +20,15 @@ limit) instead of one read at a time.
 * :class:`ReadAhead` does it in a background thread for the rows of a *future* batch
   (``dsa_core.prefetch`` / ``prefetched`` on a log store), so that the reads overlap the
   current step.
-* :class:`CleaningReads` reads a segment that cleaning is about to copy from *whole*, with
-  large sequential ``pread`` s into a buffer, one seal ahead in a background thread. Copying
-  its live records out of the mapping instead faulted one 4 KiB page at a time whenever the
+* :class:`CleaningReads` reads the live records of the segments cleaning will copy from,
+  in a background thread, with sequential ``pread`` s into buffers of their own (one
+  request of at most ``CLEAN_READ_BYTES`` at a time, so that the disk's queue serves the
+  steps first; dead stretches up to ``CLEAN_GAP_BYTES`` read through, longer ones skipped:
+  :func:`read_plan`), at most ``CLEAN_HELD_BYTES`` of buffers in all. Copying the live
+  records out of the mapping instead faulted one 4 KiB page at a time whenever the
   read-ahead pages had been reclaimed again, which under a memory cap they mostly were: out
   of core (4M x 128 under a 1 GiB cgroup) a seal that cleaned spent ~0.35 s in such faults.
-  :func:`advise_whole` remains for segments too large for a buffer.
+  The cleaner (``cleaner``) decides what is read and when.
 
 Hints never change a value: the records are still copied from the mappings, under the
 engine's own control, so a hint that is late, early or wrong (a location that moved since)
@@ -35,6 +38,7 @@ mappings stay valid until it has run.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -54,11 +58,17 @@ from .._os import (
     preadv_all,
 )
 
-__all__ = ["MADV_RANDOM", "MADV_WILLNEED", "PAGE", "CleaningReads", "ReadAhead", "advise",
-           "advise_whole", "hint_uncached", "read_file_into", "record_spans", "sample_uncached"]
+__all__ = ["CLEAN_GAP_BYTES", "CLEAN_HELD_BYTES", "CLEAN_READ_BYTES", "MADV_RANDOM",
+           "MADV_WILLNEED", "PAGE", "WHOLE_MAX", "CleaningReads", "ReadAhead", "advise",
+           "advise_whole", "hint_uncached", "read_file_into", "read_plan", "record_spans",
+           "sample_uncached"]
 
 SAMPLE = 16         # misses probed with mincore before deciding to issue read-ahead
-WHOLE_MAX = 256 << 20  # cleaning reads a segment whole into a buffer up to this many bytes
+# cleaning reads (CleaningReads): what they may hold and how they meet the disk
+WHOLE_MAX = 32 << 20         # a segment's live records read into a buffer up to this many bytes
+CLEAN_HELD_BYTES = 2 * WHOLE_MAX  # buffers of the reads held (done or running) at most
+CLEAN_READ_BYTES = 4 << 20   # one cleaning read request at most; one at a time
+CLEAN_GAP_BYTES = 256 << 10  # dead bytes between two live records read through, not skipped
 
 
 
@@ -184,68 +194,222 @@ def read_file_into(path: Path, offset: int, out: np.ndarray) -> np.ndarray:
     return out
 
 
-class CleaningReads:
-    """Whole-segment reads for cleaning: one background thread, buffers reused.
+def read_plan(ks: np.ndarray, rec_bytes: int, gap: int | None = None,
+              chunk: int | None = None) -> list[tuple[int, int, int, int]]:
+    """How cleaning reads the records ``ks`` (sorted record numbers of one segment): a list
+    of requests ``(k_lo, k_hi, i_lo, i_hi)``, each one ``pread`` of the records
+    ``[k_lo, k_hi)``, which hold ``ks[i_lo:i_hi]``.
 
-    ``ahead(sid, path, offset, shape, dtype)`` starts reading a segment's records (``shape``
-    ``(n, stride)`` at byte ``offset`` of its file) into a buffer (at most ``keep`` such reads
-    are held: the oldest goes first); ``records`` returns them,
-    from that read if one was started (waiting for it), else read now; ``release`` hands a
-    buffer back for reuse; ``forget`` drops a read not needed any more (the segment died).
-    A segment file is immutable once written, so a buffer read at any time holds exactly
-    its records. A read ahead that fails (the file was deleted meanwhile) is done again
-    by ``records``, whose own failure is raised. Created per process (``pid``).
+    Two wanted records at most ``gap`` bytes of unwanted ones apart share a request (the
+    records between are read through: one larger read costs the disk less than two);
+    ``gap=None`` reads from the first wanted record to the last in one span. A request holds
+    at most ``max(1, chunk // rec_bytes)`` records (``chunk=None``: no limit), so the disk
+    never sees a cleaning read larger than ``chunk`` bytes.
+
+    >>> read_plan(np.array([0, 1, 2, 9]), 100, gap=200, chunk=250)
+    [(0, 2, 0, 2), (2, 3, 2, 3), (9, 10, 3, 4)]
+    >>> read_plan(np.array([0, 1, 2, 9]), 100)
+    [(0, 10, 0, 4)]
+    """
+    n = ks.shape[0]
+    if not n:
+        return []
+    ks = np.asarray(ks, np.int64)
+    if gap is None:
+        cuts = np.empty(0, np.int64)
+    else:
+        dead = (ks[1:] - ks[:-1] - 1) * rec_bytes
+        cuts = np.flatnonzero(dead > gap) + 1
+    per = 1 << 62 if chunk is None else max(1, int(chunk) // rec_bytes)
+    plan = []
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
+        k_lo, k_end = int(ks[a]), int(ks[b - 1]) + 1
+        while k_lo < k_end:
+            k_hi = min(k_lo + per, k_end)
+            i_lo = int(np.searchsorted(ks, k_lo))
+            i_hi = int(np.searchsorted(ks, k_hi))
+            if i_hi > i_lo:  # a chunk of the span may hold no wanted record: not read
+                plan.append((k_lo, k_hi, i_lo, i_hi))
+            k_lo = k_hi
+    return plan
+
+
+class _Read:
+    """One segment's records read (or being read) for cleaning."""
+
+    __slots__ = ("fut", "ks", "out")
+
+    def __init__(self, ks: np.ndarray, out: np.ndarray, fut: Future):
+        self.ks, self.out, self.fut = ks, out, fut
+
+
+class CleaningReads:
+    """Reads of the records cleaning will copy, in one background thread, one request at a time.
+
+    ``ahead(sid, path, offset, ks, stride, dtype)`` starts reading the records ``ks`` (sorted
+    record numbers) of a segment file whose records start at byte ``offset`` into a buffer
+    of their own, ``(len(ks), stride)``: the requests of :func:`read_plan` (``gap``,
+    ``chunk``), issued one after another by the thread, so that cleaning keeps at most one
+    read of at most ``chunk`` bytes in the disk's queue and the steps' random reads keep
+    theirs. ``now`` reads on the caller's thread instead (a seal that must not wait for the
+    queue). Both refuse (False, None: nothing read) when the buffers held would exceed
+    ``held_bytes``; a buffer counts until ``release`` (its records were copied) or
+    ``forget`` (not needed: a running read ends on its own, its buffer counted until then).
+    ``ready(sid)``: that read is done; ``get(sid)``: ``(buffer, ks)``, waiting for it.
+
+    Memory: at most ``held_bytes`` of buffers, plus the thread's request buffer (``chunk``
+    bytes) and, during :meth:`now`, one more of the caller's.
+
+    A segment file is immutable once written, so a buffer read at any time holds exactly its
+    records. ``bytes_read`` and ``requests`` count what was read (both threads). Created per
+    process (``pid``).
     """
 
-    def __init__(self, keep: int = 2, spares: int = 2):
+    def __init__(self, held_bytes: int | None = None, chunk: int | None = None,
+                 gap: int | None = None):
         self.pid = os.getpid()
-        self._keep = keep  # reads ahead kept at most (a seal cleans about CLEAN_UNITS)
+        self.held_bytes = CLEAN_HELD_BYTES if held_bytes is None else int(held_bytes)
+        self.chunk = CLEAN_READ_BYTES if chunk is None else int(chunk)
+        self.gap = CLEAN_GAP_BYTES if gap is None else int(gap)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsa-log-clean-read")
-        self._ahead: dict[int, Future] = {}
-        self._spare: list[np.ndarray] = []
-        self._spares = spares
+        self._reads: dict[int, _Read] = {}
+        self._dropping: list[_Read] = []  # forgotten while running: counted until they end
+        self.held = 0  # bytes of the buffers of the reads held (and of those running)
+        self.bytes_read = 0
+        self.requests = 0
+        self._count = threading.Lock()
+        self._scratch: np.ndarray | None = None  # the thread's, for requests with gaps
 
-    def _buffer(self, shape: tuple[int, int], dtype) -> np.ndarray:
-        nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
-        for i, buf in enumerate(self._spare):
-            if buf.nbytes >= nbytes:
-                return self._spare.pop(i)[:nbytes].view(dtype).reshape(shape)
-        return np.empty(nbytes, np.uint8).view(dtype).reshape(shape)
+    def _read(self, path: Path, offset: int, ks: np.ndarray, out: np.ndarray,
+              scratch: np.ndarray | None) -> np.ndarray:
+        """Read the records ``ks`` into ``out`` (rows in ``ks`` order); returns ``out``."""
+        rec = out.shape[1] * out.dtype.itemsize
+        plan = read_plan(ks, rec, self.gap, self.chunk)
+        flat = out.reshape(-1).view(np.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for k_lo, k_hi, i_lo, i_hi in plan:
+                nbytes = (k_hi - k_lo) * rec
+                if i_hi - i_lo == k_hi - k_lo:  # every record wanted: straight into out
+                    _pread_full(fd, memoryview(flat[i_lo * rec:i_hi * rec]),
+                                offset + k_lo * rec, path)
+                else:
+                    if scratch is None or scratch.nbytes < nbytes:
+                        scratch = np.empty(max(nbytes, self.chunk), np.uint8)
+                    _pread_full(fd, memoryview(scratch[:nbytes]), offset + k_lo * rec, path)
+                    blk = scratch[:nbytes].view(out.dtype).reshape(k_hi - k_lo, -1)
+                    out[i_lo:i_hi] = blk[ks[i_lo:i_hi] - k_lo]
+                with self._count:
+                    self.bytes_read += nbytes
+                    self.requests += 1
+        finally:
+            os.close(fd)
+        return out
 
-    def ahead(self, sid: int, path: Path, offset: int, shape: tuple[int, int], dtype) -> None:
-        if sid not in self._ahead:
-            while len(self._ahead) >= self._keep:  # the oldest was not cleaned after all
-                self.forget(next(iter(self._ahead)))
+    def _run(self, path: Path, offset: int, ks: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if self._scratch is None:  # the thread's own request buffer, reused
+            self._scratch = np.empty(self.chunk, np.uint8)
+        return self._read(path, offset, ks, out, self._scratch)
+
+    def _purge(self) -> None:
+        """Stop counting the buffers of forgotten reads that have ended."""
+        if self._dropping:
+            ended = [r for r in self._dropping if r.fut.done()]
+            for r in ended:
+                self._dropping.remove(r)
+                self.held -= r.out.nbytes
+
+    def room(self, nbytes: int) -> bool:
+        """Whether a buffer of ``nbytes`` more stays within ``held_bytes``."""
+        self._purge()
+        return self.held + nbytes <= self.held_bytes
+
+    def ahead(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
+              dtype) -> bool:
+        if sid in self._reads:
+            return True
+        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
+            return False
+        out = np.empty((ks.shape[0], stride), dtype)
+        try:
+            fut = self._pool.submit(self._run, path, offset, ks, out)
+        except RuntimeError:  # the pool is shut (interpreter exit): read now instead
+            return False
+        self._reads[sid] = _Read(ks, out, fut)
+        self.held += out.nbytes
+        return True
+
+    def now(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
+            dtype) -> np.ndarray | None:
+        """Read the records ``ks`` on the caller's thread into a buffer held as a read of
+        ``sid`` (``release`` it); None, nothing read, when it would exceed ``held_bytes``."""
+        self.forget(sid)
+        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
+            return None
+        out = self._read(path, offset, ks, np.empty((ks.shape[0], stride), dtype), None)
+        fut: Future = Future()
+        fut.set_result(out)
+        self._reads[sid] = _Read(ks, out, fut)
+        self.held += out.nbytes
+        return out
+
+    def has(self, sid: int) -> bool:
+        """A read of ``sid`` was started (done or not)."""
+        return sid in self._reads
+
+    def ready(self, sid: int) -> bool:
+        r = self._reads.get(sid)
+        return r is not None and r.fut.done()
+
+    def get(self, sid: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(buffer, ks)`` of the read of ``sid``, waiting for it if it runs; None when
+        there is none, or it failed (it is dropped: read again with :meth:`now`, whose
+        error, if any, is the one raised)."""
+        r = self._reads.get(sid)
+        if r is None:
+            return None
+        try:
+            return r.fut.result(), r.ks
+        except OSError:
+            self.forget(sid)
+            return None
+
+    def join(self) -> None:
+        """Wait until every read started is done (a deterministic benchmark, tests)."""
+        for r in list(self._reads.values()):
             try:
-                fut = self._pool.submit(read_file_into, path, offset,
-                                        self._buffer(shape, dtype))
-            except RuntimeError:  # the pool is shut (interpreter exit): records reads it
-                return
-            self._ahead[sid] = fut
-
-    def records(self, sid: int, path: Path, offset: int, shape: tuple[int, int],
-                dtype) -> np.ndarray:
-        fut = self._ahead.pop(sid, None)
-        if fut is not None:
-            try:
-                return fut.result()
+                r.fut.result()
             except OSError:
-                pass  # read again below: its error, if any, is the one raised
-        return read_file_into(path, offset, self._buffer(shape, dtype))
+                pass  # get drops it, and reading it again raises its error
 
-    def release(self, buf: np.ndarray) -> None:
-        base = buf.base
-        while base is not None and base.base is not None:
-            base = base.base
-        if len(self._spare) < self._spares and isinstance(base, np.ndarray) and base.ndim == 1:
-            self._spare.append(base)
+    def release(self, sid: int) -> None:
+        """The buffer of ``sid``'s read is not used any more."""
+        r = self._reads.pop(sid, None)
+        if r is not None:
+            self.held -= r.out.nbytes
 
     def forget(self, sid: int) -> None:
-        fut = self._ahead.pop(sid, None)
-        if fut is not None:
-            fut.cancel()  # a read already running ends on its own; its buffer is dropped
+        """Drop a read not needed any more; a running one ends on its own, and its buffer
+        counts until then."""
+        r = self._reads.pop(sid, None)
+        if r is not None:
+            if r.fut.cancel() or r.fut.done():
+                self.held -= r.out.nbytes
+            else:
+                self._dropping.append(r)
 
     def close(self) -> None:
-        self._ahead.clear()
-        self._spare.clear()
+        for sid in list(self._reads):
+            self.forget(sid)
         self._pool.shutdown(wait=True)
+        self._purge()
+
+
+def _pread_full(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done, total = 0, len(view)
+    while done < total:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"{str(path)!r} ended at byte {offset + done}, "
+                          f"{total - done} bytes short of the records to clean")
+        done += n

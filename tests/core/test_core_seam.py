@@ -263,10 +263,12 @@ def _private_core_imports(path: Path) -> list[str]:
 # (coalescing, the kernel); benchmarks/ooc.py's experiment modes change the store's paging
 # ("plain") and write a log beside it ("logprobe"); benchmarks/record_checks.py turns the
 # log store's record checks off for its baseline (no public switch on purpose);
-# benchmarks/write_path.py times the log store's record sums beside the writes of a seal. The
+# benchmarks/write_path.py times the log store's record sums beside the writes of a seal;
+# benchmarks/clean_sim.py drives the log engine to count what its cleaner copies and reads. The
 # tests are white-box tests of the core. Everything else uses the public API.
 INTERNALS_ON_PURPOSE = {"benchmarks/breakdown.py", "benchmarks/ooc.py",
-                        "benchmarks/record_checks.py", "benchmarks/write_path.py"}
+                        "benchmarks/record_checks.py", "benchmarks/write_path.py",
+                        "benchmarks/clean_sim.py"}
 
 
 @pytest.mark.parametrize("folder", ["adapters", "examples", "benchmarks"])

@@ -430,7 +430,8 @@ def test_space_bound_after_ten_passes(tmp_path, ratio):
     st = eng.stats()
     rb = eng.rec_bytes
     seg_rec_bytes = st["segment_records"] * rb
-    assert seg_rec_bytes <= ratio * st["live_bytes"] + eng.seal_unit * rb, st
+    # within the slack the store may run above space_ratio while cleaning reads are in flight
+    assert seg_rec_bytes <= ratio * st["live_bytes"] + st["clean_slack_records"] * rb, st
     assert st["pending_delete"] == 0 and eng.verify() == []
     on_disk = sum(p.stat().st_size for p in eng.path.glob("seg-*.dsl"))
     assert on_disk == st["segment_bytes"]  # no dead file left after the flush
@@ -536,9 +537,9 @@ def test_reader_keeps_its_flush_while_the_writer_moves_on(tmp_path):
 
 # -- crashes ---------------------------------------------------------------------------------
 CRASH_ROWS, CRASH_STEPS, CRASH_FLUSH, CRASH_BATCH = 2000, 90, 10, 80
-CRASH_POINTS = ("seal-rows", "seal-chunk", "seal-header", "sealed", "clean", "flush-sealed",
-                "flush-synced", "flush-index", "flush-committed", "flush-deleted", "ckpt-link",
-                "ckpt-staged", "open-clean")
+CRASH_POINTS = ("seal-rows", "seal-chunk", "seal-header", "sealed", "clean", "clean-copied",
+                "flush-sealed", "flush-synced", "flush-index", "flush-committed",
+                "flush-deleted", "ckpt-link", "ckpt-staged", "open-clean")
 # inside a logged step's append, at the flushes' log rotation, during the replay at open
 WAL_POINTS = ("wal-append", "wal-payload", "wal-written", "wal-synced", "wal-started",
               "wal-retired", "wal-replayed")
@@ -570,7 +571,7 @@ def _pick_kill(rng, count: int, logged: bool, pending: int) -> tuple[str, int]:
             return point, int(rng.integers(1, CRASH_STEPS - count + 1))
         if point in ("wal-started", "wal-retired") and flushes:
             return point, int(rng.integers(1, flushes + 1))
-        if point.startswith("seal") or point == "clean":
+        if point.startswith(("seal", "clean")):
             return point, int(rng.integers(1, 30))
         if point.startswith("flush") and flushes:
             return point, int(rng.integers(1, (flushes + 1) // (2 if "deleted" in point
