@@ -27,14 +27,15 @@ memory that has been free a while is backed again by the host on its first touch
 32 MiB segment into such pages took ~100 ms of CPU, into recycled ones ~10 ms). (``flush``
 still fsyncs.)
 
-The window is at most ``CACHE_MAX`` (256 MiB). Growing the page cache is what a write
-costs most: ``benchmarks/write_path.py`` measured 115 ms of CPU to write 32 MiB into pages
-the page cache takes for the first time on the project's VM, 11.7 ms into pages just freed.
-A window of 12.5% of a large machine's memory (GiBs) took ~100 segments to fill, each of
-them growing the cache; once it is full every segment reuses the pages the oldest one's
-drop frees, so a small window gets there after a few segments. Each job's CPU time (the
-thread's own, ``time.thread_time``) is counted: ``SegmentWriter.cpu_s`` / ``jobs``, the
-store's ``stats()`` (``dsa info``).
+The window is at most ``CACHE_MAX``: one seal unit (32 MiB), the newest segment. Growing
+the page cache is what a write costs most: ``benchmarks/write_path.py`` measured 115 ms of
+CPU to write 32 MiB into pages the page cache takes for the first time on the project's VM,
+11.7 ms into pages just freed. A window of 12.5% of a large machine's memory (GiBs) grew the
+cache with every segment for ~100 segments, and the longer a freed page waits before a new
+segment takes it, the less its reuse saves (``python -m benchmarks.write_path --store``
+compares the writer's CPU per segment with the old window and with this one). Each job's
+CPU time (the thread's own, ``time.thread_time``) is counted: ``SegmentWriter.cpu_s`` /
+``jobs``, shown by the store's ``stats()`` (``dsa info``).
 
 A write that fails is retried once, synchronously, by the next seal or flush of the engine
 (the records are still in the buffer); if the retry fails too, that seal or flush raises
@@ -61,7 +62,7 @@ __all__ = ["CACHE_MAX", "DEPTH", "SegmentWriter", "WriteJob"]
 # writes queued or running at once; a seal beyond that waits for the oldest (segments: the
 # buffers, pending or spare, are at most budget.WRITE_BUFFERS, which this equals)
 DEPTH = WRITE_BUFFERS
-CACHE_MAX = 8 * SEAL_BYTES  # the window of written segments kept in the page cache, at most
+CACHE_MAX = SEAL_BYTES  # the window of written segments kept in the page cache, at most
 
 
 class WriteJob:
