@@ -57,13 +57,14 @@ SMOKES = {
     "warm_step": (["--smoke"], None, "p50_ms"),  # prints its median only  # writes no result files in smoke
     "pykeen_parity": (["--smoke"], "pykeen_parity_smoke", "max_abs_dw"),
     "write_path": (["--smoke"], "write_path_smoke", "ms_per_mib"),
+    "memory_budget": (["--smoke"], "memory_budget_smoke", "aged_over_base_mib"),
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
            "log_warm": "--workdir", "options_cost": "--workdir", "decay_quality": "--workdir",
            "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir",
            "durability": "--dir", "group_flush": "--dir", "pykeen_parity": "--workdir",
-           "write_path": "--workdir"}
+           "write_path": "--workdir", "memory_budget": "--workdir"}
 
 
 @pytest.fixture
