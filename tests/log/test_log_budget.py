@@ -8,7 +8,9 @@ buffers' share.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 import tracemalloc
@@ -251,3 +253,38 @@ def test_the_write_path_allocates_within_the_budget(tmp_path):
     allowed = parts["write_buffers"] + parts["staging"] + 8 * n + steps_own
     assert peak <= allowed, (peak, parts)
     dsa_core.close(s)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("nth", [2, 7])
+def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path, nth):
+    """kill -9 (a crash point in the writer thread's nth record block) while the writer
+    lags and seals wait for its oldest write: the store reopens exactly at its last flush,
+    without the unfinished segments (garbage for the writer's open)."""
+    s = _train(_create(tmp_path / "k", space_ratio=1.2), 30)
+    dsa_core.close(s)
+    r = dsa_core.open(tmp_path / "k", mode="r")
+    want = records(r)
+    dsa_core.close(r)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            real_write = _log_writer.write_segment
+
+            def slow_write(*a, **kw):
+                time.sleep(0.01)
+                return real_write(*a, **kw)
+
+            _log_writer.write_segment = slow_write
+            _log.format.set_crash("seal-chunk", nth)
+            s2 = dsa_core.open(tmp_path / "k", memory=budget.memory_for(_layout(), 3 * B))
+            _train(s2, 100, seed=5)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    r = dsa_core.open(tmp_path / "k", memory=budget.memory_for(_layout(), 3 * B))
+    assert r.count == 30
+    np.testing.assert_array_equal(records(r), want)
+    assert r.store.engine.verify() == []
+    dsa_core.close(r)
