@@ -288,3 +288,16 @@ def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path
     np.testing.assert_array_equal(records(r), want)
     assert r.store.engine.verify() == []
     dsa_core.close(r)
+
+
+def test_an_index_written_in_pieces_is_the_same_file(tmp_path):
+    """``format.write_index`` takes the index whole or in pieces: same bytes, same CRC
+    (a flush may then write it without a second copy of it in memory)."""
+    from dsa_core._log import format as _log_format
+
+    idx = np.random.default_rng(0).integers(0, 1 << 40, 300_001).astype(np.int64)
+    crc = _log_format.write_index(tmp_path / "a", idx)
+    pieces = (idx[lo:lo + 65_536] for lo in range(0, idx.shape[0], 65_536))
+    assert _log_format.write_index(tmp_path / "b", pieces) == crc
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == idx.tobytes()
+    np.testing.assert_array_equal(_log_format.read_index(tmp_path / "b", idx.shape[0], crc), idx)
