@@ -31,7 +31,7 @@ import numpy as np
 from .._os import fsync_path
 from .._paging import memory_limit
 from . import format as _format
-from .budget import WRITE_BUFFERS, behind_records
+from .budget import STAGING_CHUNK, WRITE_BUFFERS, behind_records
 from .format import Segment, check_records, crash_point, map_segment, seg_name
 from .read import hint_uncached
 from .writer import CACHE_MAX, SegmentWriter, WriteJob
@@ -57,6 +57,7 @@ class Segments:
         # the largest seal written behind, and the size of every write buffer (budget)
         self.behind_records = behind_records(seal_unit)
         self.behind_bytes = self.behind_records * self.rec_bytes
+        self.read_chunk = max(1, STAGING_CHUNK // self.rec_bytes)  # records per copy (read_into)
         self.next_segment = next_segment
         self.segs: dict[int, Segment] = {}          # live segments (>= 1 live record), mapped
         self.live = np.zeros(16, np.int64)          # live records per segment id
@@ -137,8 +138,10 @@ class Segments:
         """``out[out_idx[i]] = record at locs[i]`` (locations > 0; columns ``cols``), one pass
         per segment in record order. Every record copied out of a segment file is checked
         against its sum first (``format.check_records``): a damaged one raises
-        ``SegmentError`` naming the file and the row, and nothing is copied into ``out``
-        from that segment."""
+        ``SegmentError`` naming the file and the row (``out`` is then partly written: both
+        callers drop it). Records are copied out of a segment file in pieces of at most
+        ``budget.STAGING_CHUNK`` bytes (the seal staging's share of the budget), however many
+        of a batch lie in one segment."""
         if not locs.shape[0]:
             return
         order = np.argsort(locs, kind="stable")
@@ -155,12 +158,16 @@ class Segments:
             if seg is None:  # pragma: no cover - an engine bug: verify() would report it
                 raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
                                    f"segment {sid}, which is not live; run verify()")
-            if seg.sums is None or not _format.CHECK_RECORDS:  # in memory (or the baseline
-                out[out_idx[order[a:b]]] = seg.records[ks[a:b], cols]  # of the benchmark)
-                continue
-            blk = seg.records[ks[a:b]]  # whole records: the bytes checked are those served
-            check_records(seg, ks[a:b], blk)
-            out[out_idx[order[a:b]]] = blk[:, cols]
+            # in memory (or the baseline of the benchmark): nothing to check
+            check = seg.sums is not None and _format.CHECK_RECORDS
+            for lo in range(a, b, self.read_chunk):
+                hi = min(b, lo + self.read_chunk)
+                if not check:
+                    out[out_idx[order[lo:hi]]] = seg.records[ks[lo:hi], cols]
+                    continue
+                blk = seg.records[ks[lo:hi]]  # whole records: the bytes checked are served
+                check_records(seg, ks[lo:hi], blk)
+                out[out_idx[order[lo:hi]]] = blk[:, cols]
 
     def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
         """The addresses of the records at ``locs`` (locations > 0) and their segments."""
