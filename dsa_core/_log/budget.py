@@ -25,7 +25,15 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
 ``staging``
     what a seal allocates besides: one chunk of a streamed seal (``STAGING_CHUNK``, or the
     region if smaller) and ``SEAL_META`` bytes per record of a written-behind seal (its row
-    ids, steps, new locations, the file's rows/steps part and per-record sums).
+    ids, steps, new locations, the file's rows/steps part and per-record sums). Misses are
+    copied out of a segment in pieces of the same size (``segments.read_into``).
+
+Who keeps to it: the segment table holds at most ``WRITE_BUFFERS`` write buffers
+(``segments``) and copies misses in pieces; ``commit`` must write behind only seals of at
+most ``Segments.behind_bytes`` (it still uses its own ``BEHIND_BYTES``, 128 MiB), and the
+cleaner must hold at most ``CLEAN_BUFFERS`` whole-segment buffers of that size at once
+(it reads every segment a seal cleans whole, and one seal ahead): until they do, a large
+batch or an aged store can take more than this split says.
 
 :func:`split` gives the parts for a budget, :func:`slots_for` the slots ``S`` (the largest
 region whose parts all fit), :func:`memory_for` the smallest budget whose region holds a
