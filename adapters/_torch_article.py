@@ -131,8 +131,9 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         rows on indexing instead of being numpy views (below). A store reopened from
         ``disk_dir`` must be of the kind asked for.
     memory : int or str, optional
-        ``storage="log"`` only: the region budget of **each** table's store, bytes or a
-        string such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
+        ``storage="log"`` only: the memory budget of **each** table's store (index,
+        buffers and region), bytes or a string such as ``"4GiB"`` (default: the core's).
+        Refused with ``storage="inplace"``.
 
     Attributes
     ----------

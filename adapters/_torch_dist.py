@@ -477,7 +477,8 @@ class ShardedDiskEmbedding(nn.Module):
         kind asked for; ``python -m adapters.torch_reshard ... --storage KIND`` rewrites a
         checkpoint as the other kind.
     memory : int or str, optional
-        ``storage="log"`` only: the region budget of **this rank's shard store**, bytes or
+        ``storage="log"`` only: the memory budget of **this rank's shard store** (index,
+        buffers and region: docs/storage.md, "Memory"), bytes or
         a string such as ``"4GiB"`` (default: the core's, 25% of this process's memory at
         most). Each rank passes its own (it is not compared across ranks); the unique rows
         a shard receives in one step must fit in it. Refused with ``storage="inplace"``.

@@ -260,8 +260,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
         only; resumed stores must be of the kind asked for. A
         DiskEmbedding's parameter keeps its module's store, whatever its kind.
     memory : int or str, optional
-        ``storage="log"`` only: the region budget of **each** own store, bytes or a string
-        such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
+        ``storage="log"`` only: the memory budget of **each** own store (index, buffers
+        and region), bytes or a string such as ``"4GiB"`` (default: the core's). Refused
+        with ``storage="inplace"``.
     keep_snapshots : int, default 3
         How many :meth:`state_dict` snapshots of each store this optimizer keeps (in
         ``.dsa-snapshots/`` beside the store; older ones are deleted when a new one is

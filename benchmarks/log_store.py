@@ -150,9 +150,12 @@ def bench_checkpoint(a, root: Path) -> list[dict]:
 
 def bench_passes(a, root: Path) -> list[dict]:
     n, d, b = a.pass_rows, a.dim, a.batch
-    rec = 3 * d * 4
+    # memory= pays for the index and the buffers too: the budget whose region holds the
+    # share of the rows (a region of that share of the state)
+    lay = {"num_rows": n, "stride": 3 * d, "dtype": "float32"}
     s = dsa_core.create(root / "passes", n, d, init="normal", storage="log",
-                        memory=int(a.pass_memory_share * n * rec), space_ratio=a.space_ratio)
+                        memory=dsa_core.region_memory(lay, max(b, int(a.pass_memory_share * n))),
+                        space_ratio=a.space_ratio)
     rng = np.random.default_rng(1)
     g = rng.standard_normal((b, d)).astype(np.float32)
     out = []

@@ -49,7 +49,11 @@ def main(argv=None):
             if opt == "bf16": kw = dict(first_moment="bfloat16")
             rng = np.random.default_rng(k)
             init = (rng.uniform(-0.1, 0.1, (N, D))).astype(dt)
-            mem = {"memory": 200 * D * 3 * 8 + N * 8 + 200 * 200} if storage == "log" else {}
+            # a region of 200 slots of the widest record (3 x D float64 + 2 counters), its
+            # index and buffers (memory= pays for them all)
+            mem = {"memory": dsa_core.region_memory(
+                {"num_rows": N, "stride": 3 * D + 2, "dtype": "float64"}, 200)} \
+                if storage == "log" else {}
             s = dsa_core.create(f"{tmp}/s{k}", N, D, curvature=c, dtype=dt, durability=dur,
                                 weights=(wmode == "w"), init=init if wmode == "w" else None,
                                 storage=storage, **mem, **kw)

@@ -58,7 +58,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks it runs")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.rows, a.dim, a.memory, a.batch, a.batches, a.rounds = 6000, 16, "160KiB", 256, 3, 1
+        a.rows, a.dim, a.memory, a.batch, a.batches, a.rounds = 6000, 16, "400KiB", 256, 3, 1
 
     import dsa_core
     from dsa_core._log import format as log_format

@@ -5,7 +5,8 @@
 
 Counts the dsa_core source files whose Python functions one warm ``dsa_core.step`` calls
 (with ``sys.setprofile``) and the hops between files, on an in-place store and on a log store
-whose 1 MiB region is full (the step evicts and seals). Numba kernels count as one call each.
+whose region (752 slots of a 2 MiB budget) is full (the step evicts and seals). Numba kernels
+count as one call each.
 """
 import argparse
 import sys
@@ -49,7 +50,7 @@ def main(argv=None):
         return st, files, hops
 
     with tempfile.TemporaryDirectory() as tmp:
-        for storage, mem in (("inplace", None), ("log", 1 << 20)):
+        for storage, mem in (("inplace", None), ("log", 2 << 20)):
             st = dsa_core.create(f"{tmp}/{storage}", 20000, 64, storage=storage, memory=mem,
                                  init="uniform", progress=False)
             rng = np.random.default_rng(0)

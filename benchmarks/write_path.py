@@ -21,14 +21,29 @@ bytes, and the alternatives for the write itself:
 each without and with the ``fsync`` that makes the segment durable. Medians over
 ``--rounds``; the kept files are deleted at the end (disk: ``2 x rounds`` files at most).
 Writes ``benchmarks/results/write_path.{json,csv}``.
+
+``--store`` measures the log store's own segment writer instead: a store of ``--rows`` x
+``--dim`` stepped with uniform batches of ``--batch`` rows until ``--segments`` segments
+have been written, and the CPU time of the writer thread (``time.thread_time`` around each
+write, as ``SegmentWriter.cpu_s`` counts it) divided by the segments it wrote. Twice, each
+in a child process, the stores of both kept until the end (neither reuses the other's freed
+pages): with the page-cache window of written segments as before issue 28 (12.5% of the
+memory the process may use, uncapped: GiBs on a large machine, every segment grows the page
+cache until it is full) and as now (capped at ``writer.CACHE_MAX``, 32 MiB)::
+
+    python -m benchmarks.write_path --store                      # 1M x 128, 96 segments
+    python -m benchmarks.write_path --store --rows 10000000 --memory 4GiB
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -55,15 +70,83 @@ def _median_ms(fn, rounds: int) -> float:
     return float(np.median(ts) * 1e3)
 
 
+def _store_child(a) -> None:
+    """One store run (``--store-child``): prints a JSON line with the writer's CPU."""
+    import dsa_core
+    from dsa_core._log import segments
+
+    segments.CACHE_MAX = a.cache_max  # the window's cap (writer.CACHE_MAX)
+    s = dsa_core.create(os.path.join(a.workdir, a.name), a.rows, a.dim, storage="log",
+                        memory=a.memory)
+    eng = s.store.engine
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((a.batch, a.dim)).astype(np.float32)
+    t0, steps = time.perf_counter(), 0
+    while eng._writer is None or eng._writer.jobs < a.segments:
+        s = dsa_core.step(s, rng.choice(a.rows, a.batch, replace=False), g)
+        steps += 1
+    eng._segments.settle(block=True)
+    w = eng._writer
+    out = {"cache_bytes": w.cache_bytes, "segments": w.jobs, "steps": steps,
+           "seal_mib": round(eng.seal_unit * eng.rec_bytes / 2**20, 2),
+           "writer_cpu_ms_per_segment": round(1e3 * w.cpu_s / w.jobs, 2),
+           "wall_s": round(time.perf_counter() - t0, 2)}
+    eng.abandon()  # the files stay until the parent removes them
+    print(json.dumps(out))
+
+
+def _store(a) -> list[dict]:
+    """Both windows, each in a child process (see the module docstring)."""
+    from dsa_core._log import writer
+
+    root = tempfile.mkdtemp(prefix="dsa_write_path_store_", dir=a.workdir)
+    rows = []
+    try:
+        for what, cap in (("window uncapped (before)", 1 << 62),
+                          ("window capped (now)", writer.CACHE_MAX)):
+            cmd = [sys.executable, "-m", "benchmarks.write_path", "--store-child",
+                   "--cache-max", str(cap), "--name", f"s{len(rows)}", "--workdir", root,
+                   "--rows", str(a.rows), "--dim", str(a.dim), "--batch", str(a.batch),
+                   "--memory", str(a.memory), "--segments", str(a.segments)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+            rows.append({"what": what, **json.loads(res.stdout.strip().splitlines()[-1])})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_table(rows, ["what", "cache_bytes", "segments", "seal_mib",
+                       "writer_cpu_ms_per_segment", "wall_s"])
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=32, help="bytes written per round, in MiB")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--workdir", default=None, help="where the files go (default: TMPDIR)")
     ap.add_argument("--smoke", action="store_true", help="1 MiB, 2 rounds: checks it runs")
+    ap.add_argument("--store", action="store_true",
+                    help="the log store's writer thread: CPU per segment, before and now")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16_384)
+    ap.add_argument("--memory", default="1GiB", help="the store's memory= (--store)")
+    ap.add_argument("--segments", type=int, default=96, help="segments to write (--store)")
+    ap.add_argument("--store-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cache-max", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--name", default="s", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.store_child:
+        _store_child(a)
+        return []
     if a.smoke:
         a.mib, a.rounds = 1, 2
+        a.rows, a.dim, a.batch, a.memory, a.segments = 20_000, 8, 512, "2MiB", 4
+    if a.store:
+        rows = _store(a)
+        write_results("write_path_store_smoke" if a.smoke else "write_path_store", rows,
+                      {"machine": machine(), "args": vars(a)})
+        return rows
     size = a.mib << 20
     from dsa_core._log.sums import record_sums
 
@@ -124,6 +207,10 @@ def main(argv=None) -> list[dict]:
     print_table(rows, ["what", "mib", "median_ms", "ms_per_mib"])
     write_results("write_path_smoke" if a.smoke else "write_path", rows,
                   {"machine": machine(), "args": vars(a)})
+    if a.smoke:  # the store's part too, at tiny size
+        store_rows = _store(a)
+        write_results("write_path_store_smoke", store_rows, {"machine": machine(),
+                                                             "args": vars(a)})
     return rows
 
 

@@ -489,11 +489,14 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         on an in-place store (named inits are computed when a row is first read, an array
         is written at create, in chunks).
     memory : int or str, optional
-        ``storage="log"`` only: the budget of the in-memory region, bytes or a string such
-        as ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` (SI k/M/G/T, IEC Ki/Mi/Gi/Ti). Default: 25%
+        ``storage="log"`` only: all the memory the store keeps, bytes or a string such
+        as ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` (SI k/M/G/T, IEC Ki/Mi/Gi/Ti): its index
+        (16 bytes per row), the buffers of its background writes and of cleaning (growing
+        with the region, up to about 270 MiB together) and, with the rest, its in-memory
+        region (docs/storage.md, "Memory"; ``dsa info`` shows the split). Default: 25%
         of the memory this process may use (cgroup-aware), at most what the whole table
         needs, at least what a batch of 4096 rows needs. A step's unique rows must fit in
-        the region (a clear error says by how much to raise it). Remembered in bytes
+        the region (a clear error names the budget that would hold them). Remembered in bytes
         (recorded in the manifest): :func:`open` uses it unless given another one.
     space_ratio : float > 1, optional
         ``storage="log"`` only: the bound on its segment files' records as a multiple of

@@ -1,13 +1,46 @@
-"""The memory budget of a log store's region: how many record slots ``memory_bytes`` pays for.
+"""The memory budget of a log store: what ``memory_bytes`` pays for, and the region it leaves.
 
-The budget pays for the in-memory index (``loc``: 8 bytes per row of the table) first, then
-for the slots: ``S = (memory_bytes - 8 * num_rows) // (stride * itemsize + SLOT_OVERHEAD)``
-with ``SLOT_OVERHEAD = 42`` bytes (five int64 and two uint8 arrays per slot, ``pool``). On
-top of the budget: per segment a few counters and its read-only mapping (page cache,
-reclaimable), and during a seal the records of one write chunk (at most 8 MiB) or of one
-background seal (``commit``) plus a few int64 per sealed record (row ids, steps,
-locations). A batch of ``M`` rows needs ``S >= M``: :func:`check_memory` says by how much to
-raise the budget.
+``memory_bytes`` (``memory=``) is all the anonymous memory the store's data takes, not only
+its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
+(``u = min(S // 8, SEAL_BYTES // record bytes)``, at least 1), into:
+
+``index``
+    ``loc``: 8 bytes per row of the table, always in memory; plus 8 bytes per row for the
+    index generation that a flush builds as a whole array before writing it
+    (``Pool.disk_locations``). At open the index is read into memory before any slot of
+    the region has been touched, so the open's own copies fit in the region's share.
+``region``
+    ``S * (record bytes + SLOT_OVERHEAD)``: the slots' records and their bookkeeping
+    (``SLOT_OVERHEAD = 42``: five int64 and two uint8 arrays per slot, ``pool``).
+``write_buffers``
+    ``WRITE_BUFFERS`` buffers of ``BEHIND_UNITS * u`` records each: a seal up to that size is
+    gathered into a buffer and written in the background (``writer``); the segment table
+    holds at most ``WRITE_BUFFERS`` of them, written, being written or spare (``segments``).
+    A larger seal (a flush, a range release, a large batch's eviction) is streamed to its
+    file instead, from the region in chunks.
+``cleaning_buffers``
+    ``CLEAN_BUFFERS`` buffers of ``BEHIND_UNITS * u`` records: the segments that cleaning
+    reads whole (``read.CleaningReads``); a larger segment is copied through its mapping
+    (page cache, which is not charged: it is reclaimable).
+``staging``
+    what a seal allocates besides: one chunk of a streamed seal (``STAGING_CHUNK``, or the
+    region if smaller) and ``SEAL_META`` bytes per record of a written-behind seal (its row
+    ids, steps, new locations, the file's rows/steps part and per-record sums). Misses are
+    copied out of a segment in pieces of the same size (``segments.read_into``).
+
+Who keeps to it: the segment table holds at most ``WRITE_BUFFERS`` write buffers
+(``segments``) and copies misses in pieces; ``commit`` must write behind only seals of at
+most ``Segments.behind_bytes`` (it still uses its own ``BEHIND_BYTES``, 128 MiB), and the
+cleaner must hold at most ``CLEAN_BUFFERS`` whole-segment buffers of that size at once
+(it reads every segment a seal cleans whole, and one seal ahead): until they do, a large
+batch or an aged store can take more than this split says.
+
+:func:`split` gives the parts for a budget, :func:`slots_for` the slots ``S`` (the largest
+region whose parts all fit), :func:`memory_for` the smallest budget whose region holds a
+batch (``S >= batch``), and :func:`check_memory` the error a too-small budget raises: what
+must hold, what came, and the budget (or the batch) that would work. Not charged: the
+interpreter and the libraries, the page cache of the segment files (reclaimable), and the
+caller's own arrays (a batch's ids and gradients).
 """
 
 from __future__ import annotations
@@ -16,11 +49,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SEAL_BYTES", "SLOT_OVERHEAD", "check_memory", "check_memory_bytes", "memory_for",
-           "seal_unit_for", "slots_for"]
+__all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "INDEX_BYTES", "SEAL_BYTES", "SEAL_META",
+           "SLOT_OVERHEAD", "STAGING_CHUNK", "WRITE_BUFFERS", "behind_records",
+           "check_memory", "check_memory_bytes", "describe", "memory_for", "seal_unit_for",
+           "slots_for", "split"]
 
 SLOT_OVERHEAD = 42       # bytes per slot besides its record: see the module docstring
 SEAL_BYTES = 32 << 20    # a seal unit holds at most this many bytes of records
+INDEX_BYTES = 8 + 8      # per row: ``loc``, and the index generation a flush builds
+BEHIND_UNITS = 2         # a seal of at most this many seal units is written behind
+WRITE_BUFFERS = 2        # seal buffers held at once (= writer.DEPTH: written or spare)
+CLEAN_BUFFERS = 2        # whole-segment buffers of cleaning reads held at once
+STAGING_CHUNK = 8 << 20  # records per pwrite of a streamed seal (commit's chunk)
+SEAL_META = 64           # bytes per record of a seal besides its record (module docstring)
 
 
 def _rec_bytes(layout: dict[str, Any]) -> int:
@@ -28,19 +69,8 @@ def _rec_bytes(layout: dict[str, Any]) -> int:
 
 
 def _index_bytes(layout: dict[str, Any]) -> int:
-    """The in-memory index (``loc``): 8 bytes per row of the table, paid from the budget."""
-    return 8 * int(layout.get("num_rows", 0))
-
-
-def slots_for(layout: dict[str, Any], memory_bytes: int) -> int:
-    """Record slots of the region that ``memory_bytes`` pays for (see the module docstring)."""
-    return max(0, int(memory_bytes) - _index_bytes(layout)) // (_rec_bytes(layout)
-                                                                + SLOT_OVERHEAD)
-
-
-def memory_for(layout: dict[str, Any], batch: int) -> int:
-    """The smallest ``memory_bytes`` whose region holds ``batch`` records (with the index)."""
-    return int(batch) * (_rec_bytes(layout) + SLOT_OVERHEAD) + _index_bytes(layout)
+    """The in-memory index (``loc``) and a flush's copy of it, paid from the budget."""
+    return INDEX_BYTES * int(layout.get("num_rows", 0))
 
 
 def seal_unit_for(slots: int, rec_bytes: int) -> int:
@@ -48,38 +78,112 @@ def seal_unit_for(slots: int, rec_bytes: int) -> int:
     return max(1, min(slots // 8, SEAL_BYTES // rec_bytes))
 
 
+def behind_records(seal_unit: int) -> int:
+    """The largest seal (records) gathered into a buffer and written in the background."""
+    return BEHIND_UNITS * int(seal_unit)
+
+
+def split(layout: dict[str, Any], memory_bytes: int, slots: int | None = None
+          ) -> dict[str, int]:
+    """The parts of ``memory_bytes`` (module docstring), in bytes, for the largest region
+    they allow (or for ``slots`` slots): ``index``, ``region``, ``write_buffers``,
+    ``cleaning_buffers``, ``staging``, ``total`` (their sum, at most ``memory_bytes`` when
+    ``slots`` is not given), ``slots`` and ``seal_unit`` (records)."""
+    S = slots_for(layout, memory_bytes) if slots is None else int(slots)
+    rb = _rec_bytes(layout)
+    u = seal_unit_for(S, rb)
+    behind = behind_records(u) * rb
+    parts = {"index": _index_bytes(layout), "region": S * (rb + SLOT_OVERHEAD),
+             "write_buffers": WRITE_BUFFERS * behind, "cleaning_buffers": CLEAN_BUFFERS * behind,
+             "staging": min(STAGING_CHUNK, S * rb) + SEAL_META * behind_records(u)}
+    parts["total"] = sum(parts.values())
+    parts["slots"], parts["seal_unit"] = S, u
+    return parts
+
+
+def _cost(layout: dict[str, Any], slots: int) -> int:
+    return split(layout, 0, slots)["total"]
+
+
+def slots_for(layout: dict[str, Any], memory_bytes: int) -> int:
+    """Record slots of the region that ``memory_bytes`` pays for: the largest ``S`` whose
+    parts (module docstring) add up to at most ``memory_bytes``; 0 if not even one fits."""
+    m = int(memory_bytes)
+    lo, hi = 0, max(0, m) // (_rec_bytes(layout) + SLOT_OVERHEAD) + 1  # cost(hi) > m
+    if _cost(layout, 1) > m:
+        return 0
+    lo = 1
+    while hi - lo > 1:  # cost(lo) <= m < cost(hi); cost grows with S
+        mid = (lo + hi) // 2
+        if _cost(layout, mid) <= m:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def memory_for(layout: dict[str, Any], batch: int) -> int:
+    """The smallest ``memory_bytes`` whose region holds ``batch`` records (at least one),
+    every other part included."""
+    return _cost(layout, max(1, int(batch)))
+
+
+def _mib(n: int) -> str:
+    """``n`` bytes for a reader: MiB, or KiB / bytes when small."""
+    if n >= 1 << 20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 1 << 10 else f"{n} bytes"
+
+
+def describe(parts: dict[str, int]) -> str:
+    """One line naming the parts of a :func:`split`."""
+    return (f"index {_mib(parts['index'])}, region {_mib(parts['region'])} "
+            f"({parts['slots']} slots), write buffers {_mib(parts['write_buffers'])}, "
+            f"cleaning buffers {_mib(parts['cleaning_buffers'])}, seal staging "
+            f"{_mib(parts['staging'])}")
+
+
 def check_memory(layout: dict[str, Any], memory_bytes: int, batch: int) -> None:
     """Raise ``ValueError`` unless a region of ``memory_bytes`` holds a batch of ``batch`` rows.
 
     >>> lay = {"num_rows": 100, "stride": 12, "dtype": "float32"}
-    >>> check_memory(lay, 800 + 90 * 10, 10)
-    >>> check_memory(lay, 900, 10)
+    >>> need = memory_for(lay, 10)
+    >>> check_memory(lay, need, 10)
+    >>> check_memory(lay, need - 1, 10)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: memory budget holds 1 records, a batch needs 10: raise the budget (memory=)
-    to at least 1700 bytes (0.00 MiB: 90 bytes per record slot, plus 800 for the index of
-    the table's 100 rows)
+    ValueError: memory budget holds 9 records, a batch needs 10: raise the budget (memory=) to at
+    least 3492 bytes (3.4 KiB), or pass batches of at most 9 rows. memory=3491 (3.4 KiB) ...
     """
-    have, per = slots_for(layout, memory_bytes), _rec_bytes(layout) + SLOT_OVERHEAD
+    have = slots_for(layout, memory_bytes)
     if batch > have:
         need = memory_for(layout, batch)
-        raise ValueError(f"memory budget holds {have} records, a batch needs {batch}: raise "
-                         f"the budget (memory=) to at least {need} bytes ({need / 2**20:.2f} "
-                         f"MiB: {per} bytes per record slot, plus {_index_bytes(layout)} for "
-                         f"the index of the table's {int(layout.get('num_rows', 0))} rows)")
+        rows = int(layout.get("num_rows", 0))
+        raise ValueError(
+            f"memory budget holds {have} records, a batch needs {batch}: raise the budget "
+            f"(memory=) to at least {need} bytes ({_mib(need)}), or pass batches of at most "
+            f"{have} rows. memory={int(memory_bytes)} ({_mib(int(memory_bytes))}) covers "
+            f"everything the store keeps in memory, its region of one slot per row of a "
+            f"batch and the rest; at {need} bytes: {describe(split(layout, need))} (the "
+            f"index: {INDEX_BYTES} bytes per row of the table's {rows}; the write and the "
+            f"cleaning buffers grow with the region, up to "
+            f"{_mib(WRITE_BUFFERS * BEHIND_UNITS * SEAL_BYTES)} each)")
 
 
 def check_memory_bytes(memory_bytes: Any, layout: dict[str, Any]) -> int:
     """``memory_bytes`` as an int, or a clear error unless it is an int that pays for the
-    index and at least one slot."""
+    index, the buffers and at least one slot (the smallest budget that works)."""
     if isinstance(memory_bytes, (bool, np.bool_)) or not isinstance(memory_bytes,
                                                                     (int, np.integer)):
-        raise TypeError(f"memory_bytes must be an int (bytes of the in-memory region), got "
-                        f"{type(memory_bytes).__name__}")
+        raise TypeError(f"memory_bytes must be an int (bytes of memory the store may take), "
+                        f"got {type(memory_bytes).__name__}")
     need = memory_for(layout, 1)
     if memory_bytes < need:
-        raise ValueError(f"memory_bytes must pay for the index and at least one record slot "
-                         f"({need} bytes: 8 per row of the table, a {_rec_bytes(layout)}-byte "
-                         f"record + {SLOT_OVERHEAD} bytes of bookkeeping), got "
-                         f"{memory_bytes}; give the store more memory")
+        raise ValueError(f"memory_bytes must pay for the index and at least one record slot, "
+                         f"with its buffers: at least {need} bytes ({_mib(need)}), the "
+                         "smallest budget that works for this table "
+                         f"({describe(split(layout, need))}; "
+                         f"{INDEX_BYTES} bytes per row of the table for the index, a "
+                         f"{_rec_bytes(layout)}-byte record + {SLOT_OVERHEAD} bytes per slot), "
+                         f"got {memory_bytes}; give the store more memory")
     return int(memory_bytes)

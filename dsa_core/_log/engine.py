@@ -26,10 +26,12 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
 place of the row ids, then sets ``eng.count``; ``gather``/export use :meth:`LogEngine.read`.
 
 Memory budget
-    ``memory_bytes`` pays for the index (8 bytes per row) and the slots (``budget``); a batch
-    of ``M`` rows needs ``S >= M``: :func:`check_memory` (called by :func:`create` and
-    :func:`open` with ``max_batch``, and by every :meth:`LogEngine.acquire`) says by how much
-    to raise the budget.
+    ``memory_bytes`` is everything the store keeps in memory (``budget``): the index (8 bytes
+    per row, and 8 more for the copy a flush writes), the write buffers of the background
+    seals, the cleaning reads' buffers and a seal's staging (all sized from the seal unit),
+    and the region's ``S`` slots with what is left. A batch of ``M`` rows needs ``S >= M``:
+    :func:`check_memory` (called by :func:`create` and :func:`open` with ``max_batch``, and
+    by every :meth:`LogEngine.acquire`) names the budget that would hold it.
 Durability
     Only :meth:`LogEngine.flush` (and :meth:`LogEngine.checkpoint`, :meth:`LogEngine.close`)
     make anything durable, and every committed step of a store with a commit log: unlike the
@@ -658,7 +660,8 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
     layout : dict
         A record layout (``dsa_core._layout.make_layout``).
     memory_bytes : int
-        Budget of the in-memory region (see the module docstring for what it pays for).
+        All the memory the store keeps: the index, the buffers and the region (``budget``;
+        :func:`memory_for` gives the smallest that holds a batch).
     init, init_scale, seed, ball_maxnorm
         The deterministic initial weights (``_init``): ``"zeros"``, ``"normal"``
         (``N(0, init_scale**2)``) or ``"uniform"`` (``U(-init_scale, init_scale)``); rows
@@ -746,7 +749,7 @@ def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
     lay = check_layout(manifest["layout"])
     if mode == "r+" and memory_bytes is None:
         raise ValueError("memory_bytes is required to open a log store for writing (mode="
-                         "'r+'): the budget of its in-memory region")
+                         "'r+'): the memory it may keep (index, buffers and region)")
     if memory_bytes is not None:
         memory_bytes = check_memory_bytes(memory_bytes, lay)
         if max_batch is not None:

@@ -476,16 +476,22 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
 
 
 # -- index generations ---------------------------------------------------------------------
-def write_index(path: Path, index: np.ndarray) -> int:
-    """Write an index generation sequentially and fsync it; returns its CRC32."""
-    index = np.ascontiguousarray(index, np.int64)
-    crc = 0
+def write_index(path: Path, index) -> int:
+    """Write an index generation sequentially and fsync it; returns its CRC32.
+
+    ``index``: the int64 locations of every row, as one array or as an iterable of arrays
+    written one after the other (so that a flush need not build a second whole index in
+    memory: ``budget`` charges that copy until it does not)."""
+    parts = [index] if isinstance(index, np.ndarray) else index
+    crc, pos = 0, 0
     with _new_file(path) as fd:
-        raw = memoryview(index).cast("B")
-        for off in range(0, raw.nbytes, _IO_CHUNK):
-            blk = raw[off:off + _IO_CHUNK]
-            pwrite_all(fd, blk, off)
-            crc = zlib.crc32(blk, crc)
+        for part in parts:
+            raw = memoryview(np.ascontiguousarray(part, np.int64)).cast("B")
+            for off in range(0, raw.nbytes, _IO_CHUNK):
+                blk = raw[off:off + _IO_CHUNK]
+                pwrite_all(fd, blk, pos)
+                pos += blk.nbytes
+                crc = zlib.crc32(blk, crc)
         os.fsync(fd)
     return crc
 

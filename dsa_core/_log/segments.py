@@ -16,6 +16,9 @@ Background writes (``writer``): a seal small enough is handed to this process's
 :class:`~.writer.SegmentWriter`. Until written it is *pending* (``pending``): its records
 are read from the seal's buffer, which :meth:`Segments.settle` replaces by the file's
 mapping (same bytes) once the write is done, and keeps for the next seals (``spare``).
+Those buffers are part of the memory budget (``budget``): each holds ``behind_records``
+records, and at most ``budget.WRITE_BUFFERS`` of them exist at once, pending or spare; a
+seal that needs one while that many are pending waits for the oldest write first.
 """
 
 from __future__ import annotations
@@ -28,15 +31,16 @@ import numpy as np
 from .._os import fsync_path
 from .._paging import memory_limit
 from . import format as _format
+from .budget import STAGING_CHUNK, WRITE_BUFFERS, behind_records
 from .format import Segment, check_records, crash_point, map_segment, seg_name
 from .read import hint_uncached
-from .writer import DEPTH, SegmentWriter, WriteJob
+from .writer import CACHE_MAX, SegmentWriter, WriteJob
 
 __all__ = ["CACHE_SHARE", "LOW32", "Segments"]
 
 # written segments whose pages stay in the page cache (the newest, as one window): this share
-# of the memory the process may use (_paging.memory_limit, cgroup-aware); older ones are
-# dropped (writer)
+# of the memory the process may use (_paging.memory_limit, cgroup-aware), at most
+# writer.CACHE_MAX; older ones are dropped (writer)
 CACHE_SHARE = 0.125
 LOW32 = np.int64(0xFFFFFFFF)
 
@@ -50,6 +54,10 @@ class Segments:
         self.stride, self.dtype = stride, dtype
         self.rec_bytes = stride * dtype.itemsize
         self.seal_unit = seal_unit
+        # the largest seal written behind, and the size of every write buffer (budget)
+        self.behind_records = behind_records(seal_unit)
+        self.behind_bytes = self.behind_records * self.rec_bytes
+        self.read_chunk = max(1, STAGING_CHUNK // self.rec_bytes)  # records per copy (read_into)
         self.next_segment = next_segment
         self.segs: dict[int, Segment] = {}          # live segments (>= 1 live record), mapped
         self.live = np.zeros(16, np.int64)          # live records per segment id
@@ -130,8 +138,10 @@ class Segments:
         """``out[out_idx[i]] = record at locs[i]`` (locations > 0; columns ``cols``), one pass
         per segment in record order. Every record copied out of a segment file is checked
         against its sum first (``format.check_records``): a damaged one raises
-        ``SegmentError`` naming the file and the row, and nothing is copied into ``out``
-        from that segment."""
+        ``SegmentError`` naming the file and the row (``out`` is then partly written: both
+        callers drop it). Records are copied out of a segment file in pieces of at most
+        ``budget.STAGING_CHUNK`` bytes (the seal staging's share of the budget), however many
+        of a batch lie in one segment."""
         if not locs.shape[0]:
             return
         order = np.argsort(locs, kind="stable")
@@ -148,12 +158,16 @@ class Segments:
             if seg is None:  # pragma: no cover - an engine bug: verify() would report it
                 raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
                                    f"segment {sid}, which is not live; run verify()")
-            if seg.sums is None or not _format.CHECK_RECORDS:  # in memory (or the baseline
-                out[out_idx[order[a:b]]] = seg.records[ks[a:b], cols]  # of the benchmark)
-                continue
-            blk = seg.records[ks[a:b]]  # whole records: the bytes checked are those served
-            check_records(seg, ks[a:b], blk)
-            out[out_idx[order[a:b]]] = blk[:, cols]
+            # in memory (or the baseline of the benchmark): nothing to check
+            check = seg.sums is not None and _format.CHECK_RECORDS
+            for lo in range(a, b, self.read_chunk):
+                hi = min(b, lo + self.read_chunk)
+                if not check:
+                    out[out_idx[order[lo:hi]]] = seg.records[ks[lo:hi], cols]
+                    continue
+                blk = seg.records[ks[lo:hi]]  # whole records: the bytes checked are served
+                check_records(seg, ks[lo:hi], blk)
+                out[out_idx[order[lo:hi]]] = blk[:, cols]
 
     def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
         """The addresses of the records at ``locs`` (locations > 0) and their segments."""
@@ -199,7 +213,7 @@ class Segments:
         if w is None or w.pid != os.getpid():
             if w is None:
                 w = self.writer = SegmentWriter(
-                    cache_bytes=int(CACHE_SHARE * memory_limit()))
+                    cache_bytes=min(int(CACHE_SHARE * memory_limit()), CACHE_MAX))
             else:  # inherited through fork: its thread is the parent's
                 job.run()
                 if job.error is not None:
@@ -220,18 +234,42 @@ class Segments:
 
     def seal_buffer(self, n: int) -> np.ndarray:
         """An ``(n, stride)`` buffer for a background seal: a spare one when it is large
-        enough (fresh memory costs a page fault per page, as much as the copy itself)."""
-        for i, buf in enumerate(self.spare):
-            if buf.shape[0] >= n:
-                return self.spare.pop(i)[:n]
-        cap = max(n, self.seal_unit + self.seal_unit // 2)
+        enough (fresh memory costs a page fault per page, as much as the copy itself), else
+        a new one of ``behind_records`` records (or ``n``, if more). At most
+        ``WRITE_BUFFERS`` buffers exist at once (pending or spare, ``budget``): while that
+        many do, a spare too small is dropped, else the oldest pending write is waited for
+        and its buffer let go (its segment then reads from the file). Not reused: the seal
+        asking may still copy from it (cleaning a pending segment), so a new one is taken;
+        the old one is freed once nothing refers to it."""
+        while True:
+            for i, buf in enumerate(self.spare):
+                if buf.shape[0] >= n:
+                    return self.spare.pop(i)[:n]
+            if len(self.pending) + len(self.spare) < WRITE_BUFFERS:
+                break
+            if self.spare:
+                self.spare.pop(0)  # too small for this seal: freed, a larger one replaces it
+                continue
+            self.settle_oldest()
+        cap = max(n, self.behind_records)
         return np.empty((cap, self.stride), self.dtype)[:n]
 
     def reuse(self, records: np.ndarray) -> None:
-        """Keep the buffer behind a written segment's records for the next seals."""
+        """Keep the buffer behind a written segment's records for the next seals, unless
+        ``WRITE_BUFFERS`` are held already or it is larger than a write buffer (a seal
+        larger than ``behind_records`` that was written behind all the same: freed)."""
         base = records.base if records.base is not None else records
-        if len(self.spare) <= DEPTH and isinstance(base, np.ndarray) and base.ndim == 2:
+        if (len(self.pending) + len(self.spare) < WRITE_BUFFERS
+                and isinstance(base, np.ndarray) and base.ndim == 2
+                and base.shape[0] <= max(self.behind_records, 1)):
             self.spare.append(base)
+
+    def settle_oldest(self) -> None:
+        """Wait for the oldest pending write and map its segment (a failed write is
+        retried, as :meth:`settle` does); its buffer is not kept (:meth:`seal_buffer`)."""
+        sid = next(iter(self.pending))
+        self.wait_job(self.pending[sid])
+        self._settle_one(sid, self.pending[sid], keep=False)
 
     def settle(self, block: bool) -> None:
         """Map the segments whose background writes are done (all of them with ``block``).
@@ -245,16 +283,22 @@ class Segments:
                 if not block:
                     continue
                 self.wait_job(job)
+            self._settle_one(sid, job)
+
+    def _settle_one(self, sid: int, job: WriteJob, keep: bool = True) -> None:
+        """A finished write (retried once if it failed): map its segment, reuse its buffer
+        (``keep``)."""
+        if job.error is not None:
+            job.run()
             if job.error is not None:
-                job.run()
-                if job.error is not None:
-                    raise OSError(f"log store {str(self.path)!r}: writing segment {sid} "
-                                  f"failed ({job.error!r}); its records are kept in memory "
-                                  "and the next seal or flush tries again") from job.error
-            del self.pending[sid]
-            seg = self.segs.get(sid)
-            if seg is not None and seg.records is job.records:  # still live: map the file
-                self.map(job.path, sid, seg.n)
+                raise OSError(f"log store {str(self.path)!r}: writing segment {sid} "
+                              f"failed ({job.error!r}); its records are kept in memory "
+                              "and the next seal or flush tries again") from job.error
+        del self.pending[sid]
+        seg = self.segs.get(sid)
+        if seg is not None and seg.records is job.records:  # still live: map the file
+            self.map(job.path, sid, seg.n)
+        if keep:
             self.reuse(job.records)
 
     def stop_writer(self) -> None:

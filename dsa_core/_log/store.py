@@ -46,14 +46,16 @@ MIN_BATCH_ROWS = 4096        # the default budget always holds a batch of this m
 def region_memory(layout: Any, rows: int) -> int:
     """The smallest ``memory=`` of a log store whose region holds ``rows`` records.
 
-    ``layout`` is a ``State`` or its ``state.layout``. The budget pays for the index of the
-    table (8 bytes per row) first, then for each record slot (the record plus 42 bytes of
-    bookkeeping). One step's distinct rows must fit in the region.
+    ``layout`` is a ``State`` or its ``state.layout``. ``memory=`` is all the memory the
+    store keeps: the index of the table (16 bytes per row: the row locations and the copy a
+    flush writes), each record slot (the record plus 42 bytes of bookkeeping), and buffers
+    that grow with the region (background writes, cleaning reads, a seal's staging; at most
+    about 270 MiB together). One step's distinct rows must fit in the region.
 
     >>> import tempfile, dsa_core
     >>> s = dsa_core.create(tempfile.mkdtemp() + "/t", 1000, 8, storage="log", memory="1MiB")
     >>> need = dsa_core.region_memory(s, 100)
-    >>> need == 1000 * 8 + 100 * (s.layout["stride"] * 4 + 42)
+    >>> need > 1000 * 16 + 100 * (s.layout["stride"] * 4 + 42)  # the buffers come on top
     True
     >>> dsa_core.close(s)
     """
@@ -343,17 +345,34 @@ class LogStore:
             ra.join()
 
     def stats(self) -> dict[str, Any]:
-        """The region budget, segments, live and dead bytes, and the write counters over
-        the store's life (those every writer committed with its flushes), for ``dsa info``.
-        A read-only open has no region: the budget shown is the default a writer gets."""
+        """The memory budget and its parts, segments, live and dead bytes, and the write
+        counters over the store's life (those every writer committed with its flushes), for
+        ``dsa info``. A read-only open has no region: the budget shown is the default a
+        writer gets. ``writer_cpu_ms_per_segment``: the CPU time of this open's background
+        segment writer per segment it wrote (None before its first, or read-only)."""
         s = self.engine.stats()
         nseg = s["segments"]
+        mem = self.memory_bytes or self.settings.get("memory") or default_memory(self.layout)
+        parts = budget.split(self.layout, mem)
+        w = self.engine._segments.writer
+        jobs = 0 if w is None or w.pid != os.getpid() else w.jobs
         return {
-            "region_budget_bytes": self.memory_bytes or self.settings.get("memory")
-            or default_memory(self.layout),
+            "region_budget_bytes": mem,
             "region_budget_note": "what a writer opening it without memory= gets: the budget "
             "recorded at create or at the last open that passed memory=, else the default"
             if self.memory_bytes is None else "this open's budget",
+            "memory_index_bytes": parts["index"],
+            "memory_region_bytes": parts["region"],
+            "memory_write_buffers_bytes": parts["write_buffers"],
+            "memory_cleaning_buffers_bytes": parts["cleaning_buffers"],
+            "memory_staging_bytes": parts["staging"],
+            "memory_note": "memory= (the budget above) is all the memory the store keeps, in "
+            "these parts: the index (16 bytes per row: the row locations and a flush's copy), "
+            f"the region ({parts['slots']:,} record slots), the background writes' buffers, "
+            "the cleaning reads' buffers, and a seal's staging; the page cache of the segment "
+            "files comes on top (reclaimable)",
+            "region_slots": parts["slots"],
+            "writer_cpu_ms_per_segment": round(1e3 * w.cpu_s / jobs, 2) if jobs else None,
             "segments": nseg, "segment_bytes": s["segment_bytes"],
             "live_records": s["live_records"], "live_bytes": s["live_bytes"],
             "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],

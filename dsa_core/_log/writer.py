@@ -27,6 +27,16 @@ memory that has been free a while is backed again by the host on its first touch
 32 MiB segment into such pages took ~100 ms of CPU, into recycled ones ~10 ms). (``flush``
 still fsyncs.)
 
+The window is at most ``CACHE_MAX``: one seal unit (32 MiB), the newest segment. Growing
+the page cache is what a write costs most: ``benchmarks/write_path.py`` measured 115 ms of
+CPU to write 32 MiB into pages the page cache takes for the first time on the project's VM,
+11.7 ms into pages just freed. A window of 12.5% of a large machine's memory (GiBs) grew the
+cache with every segment for ~100 segments, and the longer a freed page waits before a new
+segment takes it, the less its reuse saves (``python -m benchmarks.write_path --store``
+compares the writer's CPU per segment with the old window and with this one). Each job's
+CPU time (the thread's own, ``time.thread_time``) is counted: ``SegmentWriter.cpu_s`` /
+``jobs``, shown by the store's ``stats()`` (``dsa info``).
+
 A write that fails is retried once, synchronously, by the next seal or flush of the engine
 (the records are still in the buffer); if the retry fails too, that seal or flush raises
 before it changes anything, and the segment stays pending, readable, for a later retry.
@@ -37,23 +47,28 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
 import numpy as np
 
 from .._os import wait_written_back
+from .budget import SEAL_BYTES, WRITE_BUFFERS
 from .format import write_segment
 
-__all__ = ["DEPTH", "SegmentWriter", "WriteJob"]
+__all__ = ["CACHE_MAX", "DEPTH", "SegmentWriter", "WriteJob"]
 
-DEPTH = 2  # writes queued or running at once; a seal beyond that waits for the oldest
+# writes queued or running at once; a seal beyond that waits for the oldest (segments: the
+# buffers, pending or spare, are at most budget.WRITE_BUFFERS, which this equals)
+DEPTH = WRITE_BUFFERS
+CACHE_MAX = SEAL_BYTES  # the window of written segments kept in the page cache, at most
 
 
 class WriteJob:
     """One segment to write: its file, rows, steps and records (an in-memory buffer)."""
 
-    __slots__ = ("count", "done", "dtype", "error", "path", "records", "rows", "sid",
+    __slots__ = ("count", "cpu_s", "done", "dtype", "error", "path", "records", "rows", "sid",
                  "size", "steps", "stride")
 
     def __init__(self, path: Path, sid: int, rows: np.ndarray, steps: np.ndarray,
@@ -64,6 +79,7 @@ class WriteJob:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.size = 0
+        self.cpu_s = 0.0  # CPU time of the thread that ran it, in run()
 
     def run(self, drop: bool = True) -> None:
         """Write the file now (in the calling thread); records the error instead of raising.
@@ -72,6 +88,7 @@ class WriteJob:
         a window of recent segments cached instead, and drops them later).
         """
         self.error = None
+        t0 = time.thread_time()
         try:
             self.size = write_segment(self.path, self.sid, self.rows, self.steps,
                                       [self.records], self.stride, self.dtype, self.count)
@@ -81,6 +98,7 @@ class WriteJob:
         except BaseException as exc:  # handed to the engine: its next seal or flush raises
             self.error = exc
         finally:
+            self.cpu_s += time.thread_time() - t0
             self.done.set()
 
 
@@ -113,6 +131,8 @@ class SegmentWriter:
         self.cache_bytes = int(cache_bytes)
         self._cached: deque[tuple[Path, int]] = deque()  # written, pages kept: oldest first
         self._held = 0
+        self.cpu_s = 0.0  # CPU time of this thread's jobs (write, checksums, cache drops)
+        self.jobs = 0
         self._slots = threading.Semaphore(DEPTH if depth is None else depth)
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="dsa-log-writer", daemon=True)
@@ -125,10 +145,13 @@ class SegmentWriter:
                 return
             try:
                 job.run(drop=False)
+                t0 = time.thread_time()
                 if job.error is None:
                     self._keep(job.path, job.size)
                 else:  # a retry by the engine writes it again, and drops it
                     _drop_cached(job.path)
+                self.cpu_s += job.cpu_s + time.thread_time() - t0
+                self.jobs += 1
             finally:
                 job = None
                 self._slots.release()

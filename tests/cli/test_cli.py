@@ -405,7 +405,8 @@ def test_convert_overwrite_and_live_writers(tmp_path, capsys):
 
 
 def test_info_and_verify_on_a_log_store(tmp_path, capsys):
-    _trained(tmp_path / "s", steps=30, storage="log", memory=2600)  # 30 slots: seals, cleaning
+    mem = 6316  # 30 slots (and their buffers): seals, cleaning
+    _trained(tmp_path / "s", steps=30, storage="log", memory=mem)
     assert main(["info", str(tmp_path / "s"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["storage"] == "log" and info["count"] == 30
@@ -413,10 +414,14 @@ def test_info_and_verify_on_a_log_store(tmp_path, capsys):
     assert info["live_bytes"] == info["live_records"] * info["record_bytes"] > 0
     assert info["dead_bytes"] >= 0 and info["space_used"] >= 1.0
     assert info["region_budget_bytes"] > 0 and "recorded" in info["region_budget_note"]
+    assert info["region_slots"] == 30 and info["memory_region_bytes"] > 0  # what memory= pays
+    assert sum(info[f"memory_{k}_bytes"] for k in ("index", "region", "write_buffers",
+                                                   "cleaning_buffers", "staging")) <= mem
+    assert "all the memory the store keeps" in info["memory_note"]
     assert info["written_bytes"] > 0 and info["updated_bytes"] > 0
     assert info["write_amplification"] == round(info["written_bytes"] / info["updated_bytes"], 4)
     # the counters are the store's life: a second writer's steps add to them
-    w = dsa_core.open(tmp_path / "s", memory=2600)
+    w = dsa_core.open(tmp_path / "s", memory=mem)
     w = dsa_core.step(w, np.arange(6), np.ones((6, 4), np.float32))
     dsa_core.close(w)
     assert main(["info", str(tmp_path / "s"), "--json"]) == 0

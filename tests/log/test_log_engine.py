@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from dsa_core import _init as _log_init, _layout, _log
+from dsa_core._log import budget
 from dsa_core._log import format as _log_format
 from dsa_core._log import wal as _log_wal
 from dsa_core import StoreLockedError
@@ -231,16 +232,24 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
 
 def test_region_accounting(tmp_path):
     lay = _layout_of("f32")
-    mem = 8 * lay["num_rows"] + 12345  # the index (8 B per row) is paid first
+    mem = 16 * lay["num_rows"] + 12345  # the index (8 B per row, and a flush's copy) first
     eng = _log.create(tmp_path / "s", lay, memory_bytes=mem)
     S = eng.slots
-    assert S == 12345 // (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
+    parts = budget.split(lay, mem)
+    assert S == parts["slots"] and eng.seal_unit == parts["seal_unit"]
+    assert parts["index"] == 16 * lay["num_rows"]
+    assert parts["region"] == S * (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
+    # the buffers: two write and two cleaning buffers of 2 seal units, a seal's staging
+    behind = 2 * eng.seal_unit * lay["stride"] * 4
+    assert parts["write_buffers"] == parts["cleaning_buffers"] == 2 * behind
+    assert parts["staging"] == min(8 << 20, S * lay["stride"] * 4) + 64 * 2 * eng.seal_unit
+    assert parts["total"] <= mem < budget.memory_for(lay, S + 1)
     per_slot = sum(getattr(eng._pool, a).nbytes for a in ("slot_row", "slot_disk", "pin", "mark",
                                                          "free", "dirty", "ref")) / S
     assert per_slot == _log.SLOT_OVERHEAD
     assert eng.loc.nbytes == 8 * lay["num_rows"]
     with pytest.raises(ValueError, match="must pay for the index and at least one record"):
-        _log.create(tmp_path / "t", lay, memory_bytes=8 * lay["num_rows"] + 100)
+        _log.create(tmp_path / "t", lay, memory_bytes=16 * lay["num_rows"] + 100)
     assert eng.region.shape == (S, lay["stride"]) and eng.region.nbytes == S * lay["stride"] * 4
     eng.close()
 
@@ -836,10 +845,10 @@ def test_many_kills_of_logged_steps(tmp_path):
 def test_memory_too_small_for_a_batch(tmp_path):
     lay = _layout_of("f32")
     need = _log.memory_for(lay, 11)
-    assert need == 11 * (lay["stride"] * 4 + _log.SLOT_OVERHEAD) + 8 * lay["num_rows"]
+    assert need == budget.split(lay, 0, 11)["total"]
     with pytest.raises(ValueError, match=r"memory budget holds 10 records, a batch needs 11: "
                                          f"raise the budget \\(memory=\\) to at least {need} bytes "
-                                         r".*plus \d+ for the index"):
+                                         r".*or pass batches of at most 10 rows.* index .*region"):
         _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 10), max_batch=11)
     assert not (tmp_path / "s").exists()  # refused before anything was written
     with pytest.raises(ValueError, match="must pay for the index and at least one record slot"):

@@ -192,13 +192,13 @@ def test_create_writes_nothing_of_the_table_size(tmp_path):
     """create is O(1): no index file until a row is written; rows read as their init."""
     n = 5_000_000
     s = dsa_core.create(tmp_path / "big", n, D, init="normal", seed=3, storage="log",
-                        memory="44MiB")  # 40 MB of index, the rest for the region
+                        memory="84MiB")  # 80 MB: the index and a flush's copy of it
     assert sorted(os.listdir(tmp_path / "big")) == ["manifest.json", "writer.lock"]
     rows = np.array([0, 17, n - 1])
     first = dsa_core.gather(s, rows)
     assert first.std() > 0
     dsa_core.close(s)
-    s = dsa_core.open(tmp_path / "big", memory="44MiB")
+    s = dsa_core.open(tmp_path / "big", memory="84MiB")
     np.testing.assert_array_equal(dsa_core.gather(s, rows), first)  # deterministic
     s = dsa_core.step(s, [17], np.ones((1, D), np.float32))
     dsa_core.close(s)

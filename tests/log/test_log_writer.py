@@ -75,6 +75,7 @@ def test_slow_background_writes_read_clean_and_drop_pending_segments(tmp_path, m
 
     monkeypatch.setattr(_log_writer, "write_segment", slow_write)
     monkeypatch.setattr(_log_writer, "DEPTH", 8)  # more segments pending at once
+    monkeypatch.setattr(_log.segments, "WRITE_BUFFERS", 8)  # (more buffers than the budget's)
     monkeypatch.setattr(_log.segments.Segments, "read_into", counting_read)
     monkeypatch.setattr(_log.segments.Segments, "drop", counting_drop)
     s = _train(_create(tmp_path / "behind", space_ratio=1.05))
@@ -179,5 +180,6 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     eng = s.store.engine
     assert eng._writer is not None
     segs = _log.segments
-    assert eng._writer.cache_bytes == int(segs.CACHE_SHARE * segs.memory_limit())
+    assert eng._writer.cache_bytes == min(int(segs.CACHE_SHARE * segs.memory_limit()),
+                                          _log_writer.CACHE_MAX)
     dsa_core.close(s)

@@ -39,7 +39,7 @@ def _batches(steps, seed=0, avoid=()):
 
 
 def _create(path, kind, durability="flush"):
-    kw = {"memory": "120KiB"} if kind == "log" else {}
+    kw = {"memory": "292KiB"} if kind == "log" else {}  # a region of 774 slots
     return dsa_core.create(path, N, D, storage=kind, init="normal", seed=3,
                            durability=durability, **kw)
 

@@ -1,0 +1,330 @@
+"""``memory=`` of a log store covers its buffers too (dsa_core._log.budget, issue 28).
+
+The parts add up to the budget; a batch too large for it is a clear error that names a
+budget that works; the write buffers never exceed their share, also when the writer lags
+or a write fails; the memory that numpy allocates during an aged run stays inside the
+buffers' share.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import tracemalloc
+import weakref
+
+import numpy as np
+import pytest
+
+import dsa_core
+from helpers import records
+from dsa_core import _log
+from dsa_core._log import budget
+from dsa_core._log import segments as _log_segments
+from dsa_core._log import writer as _log_writer
+
+N, D, B = 2000, 8, 64
+BIG = {"num_rows": 4_000_000, "stride": 388, "dtype": "float32"}  # 4M x 128, 1,552-B records
+
+
+def _layout():
+    return {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("lay", [_layout(), BIG, {"num_rows": 10, "stride": 1,
+                                                  "dtype": "float64"}])
+def test_the_parts_add_up_to_the_budget_and_memory_for_is_the_smallest(lay):
+    rb = lay["stride"] * np.dtype(lay["dtype"]).itemsize
+    for batch in (1, 7, 100, 4096, 65_536, 500_000):
+        need = budget.memory_for(lay, batch)
+        assert budget.slots_for(lay, need) >= batch > budget.slots_for(lay, need - 1)
+    for mem in (budget.memory_for(lay, 1), 3 << 20, 256 << 20, 1 << 30, 64 << 30):
+        if mem < budget.memory_for(lay, 1):
+            assert budget.slots_for(lay, mem) == 0
+            continue
+        p = budget.split(lay, mem)
+        assert p["total"] <= mem < budget.memory_for(lay, p["slots"] + 1)
+        assert p["total"] == sum(p[k] for k in ("index", "region", "write_buffers",
+                                                "cleaning_buffers", "staging"))
+        assert p["index"] == 16 * lay["num_rows"]
+        assert p["region"] == p["slots"] * (rb + budget.SLOT_OVERHEAD)
+        assert p["seal_unit"] == budget.seal_unit_for(p["slots"], rb)
+        # each kind of buffer: two of two seal units, at most 128 MiB together
+        assert p["write_buffers"] == p["cleaning_buffers"] == 4 * p["seal_unit"] * rb
+        assert p["write_buffers"] <= 4 * budget.SEAL_BYTES
+    # a large budget goes to the region: the buffers stop growing at 32 MiB seal units
+    big = budget.split(BIG, 64 << 30)
+    assert big["region"] > 0.99 * ((64 << 30) - big["index"]) - (300 << 20)
+
+
+def test_a_batch_too_large_for_the_budget_is_a_clear_error_naming_one_that_works(tmp_path):
+    lay = _layout()
+    mem = budget.memory_for(lay, 100)
+    s = dsa_core.create(tmp_path / "s", N, D, storage="log", memory=mem, init="normal", seed=1)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        s = dsa_core.step(s, rng.choice(N, 100, replace=False),
+                          rng.standard_normal((100, D)).astype(np.float32))
+    before = records(s)
+    ids = rng.choice(N, 101, replace=False)
+    g = rng.standard_normal((101, D)).astype(np.float32)
+    with pytest.raises(ValueError) as err:
+        dsa_core.step(s, ids, g)
+    msg = str(err.value)
+    # what must hold, what came, how to fix it, and what the budget pays for
+    assert "memory budget holds 100 records, a batch needs 101" in msg
+    assert "or pass batches of at most 100 rows" in msg
+    for part in ("index", "region", "write buffers", "cleaning buffers", "seal staging"):
+        assert part in msg
+    need = int(re.search(r"to at least (\d+) bytes", msg).group(1))
+    assert need == budget.memory_for(lay, 101)
+    np.testing.assert_array_equal(records(s), before)  # nothing of the step happened
+    dsa_core.close(s)
+    s = dsa_core.open(tmp_path / "s", memory=need)  # the budget the error named works
+    s = dsa_core.step(s, ids, g)
+    assert s.count == 6
+    dsa_core.close(s)
+    with pytest.raises(ValueError, match=f"at least {budget.memory_for(lay, 1)} bytes"):
+        dsa_core.create(tmp_path / "t", N, D, storage="log",
+                        memory=budget.memory_for(lay, 1) - 1)
+    with pytest.raises(ValueError, match="smallest budget that works for this table"):
+        _log.create(tmp_path / "t", s.layout, memory_bytes=budget.memory_for(lay, 1) - 1)
+
+
+def _track_buffers(monkeypatch):
+    """Weak references to every buffer the segment table allocates."""
+    made = []
+    real = np.empty
+
+    class _Numpy:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(*a, **kw):
+            x = real(*a, **kw)
+            made.append(weakref.ref(x))
+            return x
+
+    monkeypatch.setattr(_log_segments, "np", _Numpy())
+    return made
+
+
+def _train(s, steps, seed=1, hot=4 * B):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = rng.choice(hot, B, replace=False)
+        s = dsa_core.step(s, ids, rng.standard_normal((B, D)).astype(np.float32))
+    return s
+
+
+def _create(path, **kw):
+    init = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
+    return dsa_core.create(path, N, D, init=init, storage="log",
+                           memory=budget.memory_for(_layout(), 3 * B), **kw)
+
+
+def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, monkeypatch):
+    """A slow writer: seals wait for the oldest write rather than take a third buffer; the
+    records are those of a run that writes every seal at once."""
+    with monkeypatch.context() as m:
+        m.setattr(_log.commit, "BEHIND_BYTES", 0)  # the reference: no writer thread
+        s = _train(_create(tmp_path / "sync", space_ratio=1.2), 120)
+        want = records(s)
+        dsa_core.close(s)
+    made = _track_buffers(monkeypatch)
+    real_write = _log_writer.write_segment
+
+    def slow_write(*a, **kw):
+        time.sleep(0.01)
+        return real_write(*a, **kw)
+
+    monkeypatch.setattr(_log_writer, "write_segment", slow_write)
+    s = _create(tmp_path / "slow", space_ratio=1.2)
+    segs = s.store.engine._segments
+    # what commit writes behind here is at most a write buffer (budget.behind_records)
+    monkeypatch.setattr(_log.commit, "BEHIND_BYTES", segs.behind_bytes)
+    most, real_seal = [0], _log.commit.Commit.seal
+
+    def counting_seal(self, *a, **kw):
+        real_seal(self, *a, **kw)
+        alive = [r() for r in made if r() is not None]
+        most[0] = max(most[0], len(alive))
+        assert all(b.nbytes <= segs.behind_bytes for b in alive)
+
+    monkeypatch.setattr(_log.commit.Commit, "seal", counting_seal)
+    s = _train(s, 120)
+    assert s.store.engine.stats()["cleaned_segments"] > 0 and len(made) >= budget.WRITE_BUFFERS
+    assert most[0] == budget.WRITE_BUFFERS  # used, never exceeded
+    assert s.store.engine.verify() == []
+    np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
+    dsa_core.close(s)
+    r = dsa_core.open(tmp_path / "slow", mode="r")
+    np.testing.assert_array_equal(records(r), want)
+    dsa_core.close(r)
+
+
+def test_a_failed_write_found_by_a_waiting_seal_changes_nothing(tmp_path, monkeypatch):
+    """The seal that waits for the oldest write (both buffers pending) retries it when it
+    failed (a full disk); a second failure raises before the step changes anything, and the
+    same batch again ends as the reference."""
+    with monkeypatch.context() as m:
+        m.setattr(_log.commit, "BEHIND_BYTES", 0)
+        s = _train(_create(tmp_path / "sync", space_ratio=1.2), 100)
+        want = records(s)
+        dsa_core.close(s)
+    real_write = _log_writer.write_segment
+    fail = {"sid": None, "left": 0}
+    lock = threading.Lock()
+    waited = []
+    real_oldest = _log_segments.Segments.settle_oldest
+
+    def flaky_write(path, sid, *a, **kw):
+        time.sleep(0.01)  # the writer lags: seals wait for it
+        with lock:
+            if sid == fail["sid"] and fail["left"]:
+                fail["left"] -= 1
+                raise OSError(28, "No space left on device")
+        return real_write(path, sid, *a, **kw)
+
+    def counting_oldest(self):
+        waited.append(next(iter(self.pending)))
+        return real_oldest(self)
+
+    monkeypatch.setattr(_log_writer, "write_segment", flaky_write)
+    monkeypatch.setattr(_log_segments.Segments, "settle_oldest", counting_oldest)
+    s = _create(tmp_path / "flaky", space_ratio=1.2)
+    monkeypatch.setattr(_log.commit, "BEHIND_BYTES", s.store.engine._segments.behind_bytes)
+    rng = np.random.default_rng(1)
+    batches = [(rng.choice(4 * B, B, replace=False),
+                rng.standard_normal((B, D)).astype(np.float32)) for _ in range(100)]
+    k, failures = 0, 0
+    while k < len(batches):
+        if k in (30, 60):  # once: the retry succeeds; twice: the step raises
+            fail.update(sid=s.store.engine.next_segment, left=1 if k == 30 else 2)
+        before = s.count
+        try:
+            s = dsa_core.step(s, *batches[k])
+        except OSError as exc:
+            assert "the next seal or flush tries again" in str(exc)
+            failures += 1
+            assert s.current and s.count == before
+            continue
+        k += 1
+    assert failures == 1 and fail["left"] == 0 and waited
+    assert s.store.engine.verify() == []
+    np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
+    dsa_core.close(s)
+    r = dsa_core.open(tmp_path / "flaky", mode="r")
+    np.testing.assert_array_equal(records(r), want)
+    dsa_core.close(r)
+
+
+def test_the_write_path_allocates_within_the_budget(tmp_path):
+    """numpy's allocations during 300 steps and 3 flushes of a warm store, beyond what it
+    held before: at most the write buffers, the seal staging and a flush's index copy, plus
+    the steps' own arrays (tracemalloc counts numpy's data). Cleaning is off here
+    (``space_ratio`` large): the cleaning reads' buffers are ``read.CleaningReads``', whose
+    size the cleaner decides."""
+    n, d, b = 20_000, 16, 256
+    s = dsa_core.create(tmp_path / "s", n, d, storage="log", memory=3 << 20, space_ratio=50.0)
+    parts = budget.split(s.layout, 3 << 20)
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((b, d)).astype(np.float32)
+    for _ in range(100):  # warm: kernels compiled, region full, buffers allocated once
+        s = dsa_core.step(s, rng.choice(n, b, replace=False), g)
+    dsa_core.flush(s)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(300):
+            s = dsa_core.step(s, rng.choice(n, b, replace=False), g)
+            if i % 100 == 99:
+                dsa_core.flush(s)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    st = s.store.engine.stats()
+    assert st["seals"] > 20 and st["cleaned_segments"] == 0
+    steps_own = 4 * b * d * 4 + (64 << 10)  # a step's ids and gradients, Python objects
+    allowed = parts["write_buffers"] + parts["staging"] + 8 * n + steps_own
+    assert peak <= allowed, (peak, parts)
+    dsa_core.close(s)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("nth", [2, 7])
+def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path, nth):
+    """kill -9 (a crash point in the writer thread's nth record block) while the writer
+    lags and seals wait for its oldest write: the store reopens exactly at its last flush,
+    without the unfinished segments (garbage for the writer's open)."""
+    s = _train(_create(tmp_path / "k", space_ratio=1.2), 30)
+    dsa_core.close(s)
+    r = dsa_core.open(tmp_path / "k", mode="r")
+    want = records(r)
+    dsa_core.close(r)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            real_write = _log_writer.write_segment
+
+            def slow_write(*a, **kw):
+                time.sleep(0.01)
+                return real_write(*a, **kw)
+
+            _log_writer.write_segment = slow_write
+            _log.format.set_crash("seal-chunk", nth)
+            s2 = dsa_core.open(tmp_path / "k", memory=budget.memory_for(_layout(), 3 * B))
+            _train(s2, 100, seed=5)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    r = dsa_core.open(tmp_path / "k", memory=budget.memory_for(_layout(), 3 * B))
+    assert r.count == 30
+    np.testing.assert_array_equal(records(r), want)
+    assert r.store.engine.verify() == []
+    dsa_core.close(r)
+
+
+def test_an_index_written_in_pieces_is_the_same_file(tmp_path):
+    """``format.write_index`` takes the index whole or in pieces: same bytes, same CRC
+    (a flush may then write it without a second copy of it in memory)."""
+    from dsa_core._log import format as _log_format
+
+    idx = np.random.default_rng(0).integers(0, 1 << 40, 300_001).astype(np.int64)
+    crc = _log_format.write_index(tmp_path / "a", idx)
+    pieces = (idx[lo:lo + 65_536] for lo in range(0, idx.shape[0], 65_536))
+    assert _log_format.write_index(tmp_path / "b", pieces) == crc
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == idx.tobytes()
+    np.testing.assert_array_equal(_log_format.read_index(tmp_path / "b", idx.shape[0], crc), idx)
+
+
+def test_misses_are_copied_out_of_a_segment_in_bounded_pieces(tmp_path, monkeypatch):
+    """A batch whose misses all lie in one segment (a range written in order, read back)
+    is copied in pieces of at most ``read_chunk`` records; the values are those written."""
+    monkeypatch.setattr(_log_segments, "STAGING_CHUNK", 8 * 3 * D * 4)  # 8 records a piece
+    s = dsa_core.create(tmp_path / "s", N, D, storage="log", init="normal", seed=2,
+                        memory=budget.memory_for(_layout(), 4 * B))
+    assert s.store.engine._segments.read_chunk == 8
+    rng = np.random.default_rng(0)
+    for lo in range(0, 4 * B, B):  # rows [0, 4B) updated, then sealed in order
+        s = dsa_core.step(s, np.arange(lo, lo + B), rng.standard_normal((B, D)).astype(np.float32))
+    want = records(s)
+    s.store.engine.release(np.arange(4 * B))
+    pieces, real = [], _log.format.check_records
+
+    def counting(seg, ks, blk):
+        pieces.append(blk.shape[0])
+        return real(seg, ks, blk)
+
+    monkeypatch.setattr(_log_segments, "check_records", counting)
+    dsa_core.flush(s)  # the segments are files now, whose reads are checked
+    s.store.engine._segments.settle(block=True)
+    got = s.store.engine.read(np.arange(N))
+    np.testing.assert_array_equal(got, want)
+    assert pieces and max(pieces) <= 8 and sum(pieces) >= 4 * B
+    dsa_core.close(s)
