@@ -9,18 +9,24 @@ Trains the node embeddings of :mod:`examples.graph_buckets` (first-order LINE-st
 seed, with the same epochs, batch size, negatives per edge, lr and initial table:
 
 * ``random``: the edges shuffled every epoch, negatives uniform over all nodes;
-* ``bucket``: ``dsa_core.buckets.plan(...).batches(..., mix="bucket",
+* ``bucket``: ``dsa_core.buckets.plan(...).batches(..., mix="bucket", pool=0,
   stores=[emb.store])``: bucket by bucket in BETA order with a buffer of ``--buffer`` of
   ``--partitions`` partitions, each bucket's edges shuffled, negatives uniform over the
-  partitions in the buffer, each entering partition loaded and each leaving one released
-  in the background;
+  partitions in the buffer (``pool=0``: the negatives before the pool existed), each
+  entering partition loaded and each leaving one released in the background;
 * ``bucket_mixed``: the same order of buffer states with ``mix="buffer"``: the edges of all
   the buckets of one buffer state shuffled together, so consecutive batches are no longer
-  drawn from one bucket (same loads, same negatives' partitions).
+  drawn from one bucket (same loads, same negatives' partitions);
+* ``bucket_pool``: bucket by bucket with the library's default negatives (``pool=`` and
+  ``pool_share=`` not passed): each negative from a pool of rows drawn from all partitions
+  per buffer state with probability ``pool_share``, else from the buffer. ``--pool-arms``
+  adds arms with other ``pool_share[:pool]`` (``bucket_pool_s<share>_n<pool>``).
 
-``--mix bucket buffer`` (the default) runs both bucket arms; ``--mix bucket`` runs the
-first comparison only (``random`` and ``bucket``), whose figures do not depend on the other
-arms (every run is seeded on its own).
+``--mix bucket buffer`` (the default) runs both buffer-negative arms; ``--mix bucket`` runs
+the first comparison only (``random`` and ``bucket``), whose figures do not depend on the
+other arms (every run is seeded on its own); ``--mix`` alone runs none of them.
+``--pool-arms`` alone runs no pool arm; ``--no-graph`` skips the graph, ``--name`` names
+the result files.
 
 A seed fixes the graph, the held-out edges and non-edges and the initial table, so each seed
 is a paired comparison. Reported per seed: the AUC of the held-out edges against as many
@@ -45,11 +51,12 @@ the queries differs from ``random``). ``random`` and the bucket arms run at each
 there), and each order's lr is also chosen by its mean validation MRR over the seeds. It
 reports the filtered test MRR.
 
-The verdict printed last: is ``bucket_mixed`` within 2% of ``random`` on every seed, at the
+The verdicts printed last: is each bucket arm within 2% of ``random`` on every seed, at the
 random order's lr, on both tasks (the graph's one lr; the KG's lr that random order's
 validation MRR chooses)?
 
-Writes ``<out>/buckets_quality.{json,csv}`` (``<out>`` defaults to ``benchmarks/results``).
+Writes ``<out>/<name>.{json,csv}`` (``<out>`` defaults to ``benchmarks/results``, ``<name>``
+to ``buckets_quality``).
 """
 
 from __future__ import annotations
@@ -95,6 +102,20 @@ def pool_arm(spec: str) -> str:
 
 def _mix_of(arm: str) -> str | None:
     return BATCH_KW[arm]["mix"] if arm in BATCH_KW else None
+
+
+def _pool_of(arm: str, num_nodes: int) -> tuple:
+    """``(pool, pool_share)`` the arm's batches use on ``num_nodes`` rows (the library's
+    defaults where the arm passes none, as the iterator resolves them), for the result
+    rows; ``(None, None)`` for random order."""
+    if arm not in BATCH_KW:
+        return None, None
+    from dsa_core import buckets
+
+    kw = {k: v for k, v in BATCH_KW[arm].items() if k != "mix"}
+    it = buckets.plan(np.zeros((1, 2), np.int64), num_nodes, partitions=1).batches(
+        1, negatives=1, **kw)
+    return it.pool, it.pool_share
 
 
 def _loadavg() -> list[str]:
@@ -153,9 +174,8 @@ def one_run(cfg, workdir: Path, arm: str = "bucket") -> dict:
         order = arm
     row = {"seed": cfg.seed, "order": order,
            "mix": None if order == "random" else _mix_of(arm),
-           "pool": BATCH_KW[arm].get("pool", "default") if order != "random" else None,
-           "pool_share": (BATCH_KW[arm].get("pool_share", "default")
-                          if order != "random" else None),
+           "pool": _pool_of(arm, cfg.nodes)[0] if order != "random" else None,
+           "pool_share": _pool_of(arm, cfg.nodes)[1] if order != "random" else None,
            "auc": round(float(r["auc"]), 5),
            "auc_degree": round(float(r["auc_degree"]), 5),
            "loss_last": round(float(np.mean(r["losses"][-k:])), 5), "steps": r["steps"],
@@ -280,10 +300,9 @@ def kg_run(order: str, a, seed: int, kg, workdir: Path, lr: float) -> dict:
 
     m = _kg.evaluate(score, kg, "test")
     v = _kg.evaluate(score, kg, "valid")
-    kw = BATCH_KW.get(order, {})
     return {"seed": seed, "order": order, "mix": _mix_of(order),
-            "pool": kw.get("pool", "default") if kw else None,
-            "pool_share": kw.get("pool_share", "default") if kw else None, "lr": lr,
+            "pool": _pool_of(order, kg.num_entities)[0],
+            "pool_share": _pool_of(order, kg.num_entities)[1], "lr": lr,
             "mrr": round(m["mrr"], 5),
             "valid_mrr": round(v["mrr"], 5),
             "hits@1": round(m["hits@1"], 5), "hits@10": round(m["hits@10"], 5),

@@ -44,8 +44,8 @@ import dsa_core
 
 from . import _bucket_order, _paging, validation
 
-__all__ = ["DEFAULT_POOL", "DEFAULT_POOL_SHARE", "DEFAULT_RESERVE", "Batch", "BatchIterator", "Fit",
-           "Order", "Plan", "fit", "open_plan", "plan"]
+__all__ = ["DEFAULT_POOL", "DEFAULT_POOL_SHARE", "DEFAULT_RESERVE", "POOL_RATE", "Batch",
+           "BatchIterator", "Fit", "Order", "Plan", "fit", "open_plan", "plan"]
 
 _PLAN_FORMAT = "dsa_core.buckets.plan"
 _ITER_KIND = "dsa_core.buckets.BatchIterator"
@@ -53,10 +53,13 @@ _ITER_VERSION = 2  # 2: pool and pool_share (a version 1 state dict drew no pool
 # stream tags of the seeded generators, last and nonzero so that no two streams share a seed
 _ORDER, _SHUFFLE, _NEGATIVES, _POOL = 1, 2, 3, 4
 # The negatives' pool (Plan.batches' pool=, pool_share=): rows drawn from all partitions per
-# buffer state, and the share of each edge's negatives drawn from it; measured in
+# buffer state, and the share of each edge's negatives drawn from it. The default share (None)
+# is min(1, POOL_RATE * pool / num_nodes): a pool row is then drawn as a negative at most
+# POOL_RATE times as often, during its state, as a row is in random order. Measured in
 # docs/benchmarks.md ("Partition-ordered training: negatives from a pool").
 DEFAULT_POOL = 4096
-DEFAULT_POOL_SHARE = 0.5
+DEFAULT_POOL_SHARE = None
+POOL_RATE = 16
 
 
 # -- argument checks -----------------------------------------------------------------------
@@ -91,6 +94,9 @@ def _check_pool(pool: Any, share: Any, negatives: int, num_nodes: int) -> tuple[
     negative comes from a pool (no negatives, ``pool=0`` or ``pool_share=0``)."""
     pool = _int(pool, "pool", 0, " (rows in the negatives' pool; 0: negatives from the "
                 "buffer only)")
+    if share is None:  # the default: as much of the pool as keeps its rows' rate bounded
+        pool = min(pool, num_nodes)
+        share = min(1.0, POOL_RATE * pool / num_nodes)
     if isinstance(share, bool | np.bool_) or not isinstance(share, int | float | np.integer
                                                             | np.floating):
         raise TypeError(f"pool_share must be a number in [0, 1] (the probability that a "
@@ -227,7 +233,7 @@ class Plan:
     def batches(self, batch_size: int, *, negatives: int = 0, epoch: int = 0,
                 epochs: int = 1, stores: Sequence = (), start=None, mix: str = "bucket",
                 pad: bool = False, pool: int = DEFAULT_POOL,
-                pool_share: float = DEFAULT_POOL_SHARE) -> BatchIterator:
+                pool_share: float | None = DEFAULT_POOL_SHARE) -> BatchIterator:
         """Iterate over the edges buffer state by buffer state, ``epochs`` epochs from
         ``epoch``.
 
@@ -275,9 +281,14 @@ class Plan:
             (``dsa_core.prefetch``) while the current state trains: ``2 * pool`` rows of
             memory beside the partitions (``fit(..., pool=)`` counts them). ``0``: every
             negative from the buffer (the behaviour before the pool existed).
-        pool_share : float
+        pool_share : float or None
             In ``[0, 1]``: the probability that a negative comes from the pool (``0``: none
             does, as ``pool=0``; ``1``: all do, uniform over all nodes in expectation).
+            None (the default): ``min(1, POOL_RATE * min(pool, num_nodes) / num_nodes)``
+            with ``POOL_RATE = 16``: all negatives from the pool when it holds at least
+            1/16 of the nodes, else a share that keeps each pool row's rate as a negative,
+            during its state, at most 16 times what random order gives every row (a higher
+            rate cost quality in the measurements). ``it.pool_share`` is the share used.
 
         Returns
         -------

@@ -511,7 +511,7 @@ def test_resume_anywhere_reproduces_the_rest(mix, pad):
             next(it)
         sd = json.loads(json.dumps(it.state_dict()))  # JSON-able: ints, strs, pool_share
         assert all(isinstance(v, int | str) for k, v in sd.items() if k != "pool_share")
-        assert sd["pool_share"] == buckets.DEFAULT_POOL_SHARE
+        assert sd["pool_share"] == 1.0  # the default share: the pool holds all 200 rows
         assert (sd["epoch"], sd["bucket_index"], sd["batch_index"]) == it.position == pos[n]
         assert sd["mix"] == mix
         resumed = p.batches(64, **kw, start=sd)

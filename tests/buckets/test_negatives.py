@@ -105,9 +105,18 @@ def test_deterministic_per_seed_and_different_across_seeds():
     other = _plan(N=5000, E=8000, seed=3)
     assert not np.array_equal(next(iter(other.batches(128, negatives=4, pool=64))).pool,
                               a[0].pool)
-    # the default pool: min(DEFAULT_POOL, num_nodes) rows, here all of them on a small table
+    # the default pool: min(DEFAULT_POOL, num_nodes) rows, here all of them on a small
+    # table; the default share min(1, POOL_RATE * pool / num_nodes)
+    assert (buckets.DEFAULT_POOL, buckets.DEFAULT_POOL_SHARE, buckets.POOL_RATE) == (4096,
+                                                                                    None, 16)
     it = p.batches(128, negatives=4)
-    assert (it.pool, it.pool_share) == (buckets.DEFAULT_POOL, buckets.DEFAULT_POOL_SHARE)
+    assert (it.pool, it.pool_share) == (4096, 1.0)
+    big = buckets.plan(np.zeros((1, 2), np.int64), 200_000, partitions=8)
+    it = big.batches(128, negatives=4)
+    assert (it.pool, it.pool_share) == (4096, 16 * 4096 / 200_000)
+    it = big.batches(128, negatives=4, pool=20_000)
+    assert (it.pool, it.pool_share) == (20_000, 1.0)
+    assert big.batches(128, negatives=4, pool=20_000, pool_share=0.25).pool_share == 0.25
     small = _plan(N=300)
     b0 = next(iter(small.batches(128, negatives=4)))
     np.testing.assert_array_equal(b0.pool, np.arange(300))
@@ -175,7 +184,7 @@ def test_bad_arguments_are_refused_clearly():
         with pytest.raises(err, match=text):
             p.batches(64, negatives=2, pool=pool)
     for share, err in ((1.5, ValueError), (-0.1, ValueError), (math.nan, ValueError),
-                       ("0.5", TypeError), (True, TypeError), (None, TypeError)):
+                       ("0.5", TypeError), (True, TypeError), ("auto", TypeError)):
         with pytest.raises(err, match=r"pool_share must (lie in|be a number in) \[0, 1\]"):
             p.batches(64, negatives=2, pool_share=share)
     with pytest.raises(ValueError, match="pool must be an int >= 0"):
