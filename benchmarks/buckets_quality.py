@@ -86,10 +86,14 @@ BATCH_KW: dict[str, dict] = {
 
 
 def pool_arm(spec: str) -> str:
-    """The arm of a ``--pool-arms`` item: ``default`` (the library's defaults) or
-    ``SHARE[:ROWS]`` (``pool_share=SHARE``, ``pool=ROWS``, default rows the library's)."""
+    """The arm of a ``--pool-arms`` item: ``default`` (the library's defaults), ``mixed``
+    (the same with ``mix="buffer"``) or ``SHARE[:ROWS]`` (``pool_share=SHARE``,
+    ``pool=ROWS``, default rows the library's)."""
     if spec == "default":
         return POOL_ARM
+    if spec == "mixed":  # the default negatives with mix="buffer"
+        BATCH_KW[f"{POOL_ARM}_mixed"] = {"mix": "buffer"}
+        return f"{POOL_ARM}_mixed"
     from dsa_core import buckets
 
     share, _, rows = spec.partition(":")
@@ -373,9 +377,10 @@ def main(argv=None) -> None:
                     "(pool=0): mix='bucket' (arm 'bucket') and/or mix='buffer' (arm "
                     "'bucket_mixed'); none: pass the flag alone")
     ap.add_argument("--pool-arms", nargs="*", default=["default"],
-                    help="bucket-by-bucket arms with a negatives' pool: 'default' (arm "
-                    "'bucket_pool': plan.batches' defaults) or SHARE[:ROWS] (pool_share, "
-                    "pool; arm 'bucket_pool_s<SHARE>_n<ROWS>'); none: pass the flag alone")
+                    help="arms with a negatives' pool: 'default' (arm 'bucket_pool': "
+                    "plan.batches' defaults), 'mixed' (arm 'bucket_pool_mixed': the same with "
+                    "mix='buffer') or SHARE[:ROWS] (bucket by bucket with pool_share, pool; "
+                    "arm 'bucket_pool_s<SHARE>_n<ROWS>'); none: pass the flag alone")
     ap.add_argument("--kg", default="umls", help="a PyKEEN KG (umls, kinships, nations) "
                     "for the filtered-MRR comparison, or 'none'")
     ap.add_argument("--kg-lrs", nargs="+", type=float, default=[0.02, 0.01, 0.005],
