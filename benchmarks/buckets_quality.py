@@ -20,7 +20,8 @@ seed, with the same epochs, batch size, negatives per edge, lr and initial table
 * ``bucket_pool``: bucket by bucket with the library's default negatives (``pool=`` and
   ``pool_share=`` not passed): each negative from a pool of rows drawn from all partitions
   per buffer state with probability ``pool_share``, else from the buffer. ``--pool-arms``
-  adds arms with other ``pool_share[:pool]`` (``bucket_pool_s<share>_n<pool>``).
+  adds arms with other ``pool_share[:pool]`` (``bucket_pool_s<share>_n<pool>``) and, with
+  ``mixed``, the default negatives with ``mix="buffer"`` (``bucket_pool_mixed``).
 
 ``--mix bucket buffer`` (the default) runs both buffer-negative arms; ``--mix bucket`` runs
 the first comparison only (``random`` and ``bucket``), whose figures do not depend on the
