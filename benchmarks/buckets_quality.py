@@ -1,7 +1,9 @@
 """Partition-ordered (bucket) training against random order: held-out link-prediction quality.
 
-    python -m benchmarks.buckets_quality --no-timing-run --kg-diagnostics   # ~10 min
-    python -m benchmarks.buckets_quality --mix bucket   # the first comparison, ~8 min
+    python -m benchmarks.buckets_quality --no-timing-run --kg-diagnostics   # ~12 min
+    python -m benchmarks.buckets_quality --mix bucket   # the first comparison (+ the pool)
+    python -m benchmarks.buckets_quality --no-graph --kg kinships --kg-lrs 0.005 \
+        --kg-diagnostics --mix bucket --pool-arms default   # the pool on Kinships, ~8 min
     python -m benchmarks.buckets_quality --smoke        # seconds; the tests run this
 
 Trains the node embeddings of :mod:`examples.graph_buckets` (first-order LINE-style loss,
