@@ -1,7 +1,9 @@
 """Partition-ordered (bucket) training against random order: held-out link-prediction quality.
 
-    python -m benchmarks.buckets_quality --no-timing-run --kg-diagnostics   # ~10 min
-    python -m benchmarks.buckets_quality --mix bucket   # the first comparison, ~8 min
+    python -m benchmarks.buckets_quality --no-timing-run --kg-diagnostics   # ~12 min
+    python -m benchmarks.buckets_quality --mix bucket   # the first comparison (+ the pool)
+    python -m benchmarks.buckets_quality --no-graph --kg kinships --kg-lrs 0.005 \
+        --kg-diagnostics --mix bucket --pool-arms default   # the pool on Kinships, ~8 min
     python -m benchmarks.buckets_quality --smoke        # seconds; the tests run this
 
 Trains the node embeddings of :mod:`examples.graph_buckets` (first-order LINE-style loss,
@@ -9,18 +11,25 @@ Trains the node embeddings of :mod:`examples.graph_buckets` (first-order LINE-st
 seed, with the same epochs, batch size, negatives per edge, lr and initial table:
 
 * ``random``: the edges shuffled every epoch, negatives uniform over all nodes;
-* ``bucket``: ``dsa_core.buckets.plan(...).batches(..., mix="bucket",
+* ``bucket``: ``dsa_core.buckets.plan(...).batches(..., mix="bucket", pool=0,
   stores=[emb.store])``: bucket by bucket in BETA order with a buffer of ``--buffer`` of
   ``--partitions`` partitions, each bucket's edges shuffled, negatives uniform over the
-  partitions in the buffer, each entering partition loaded and each leaving one released
-  in the background;
+  partitions in the buffer (``pool=0``: the negatives before the pool existed), each
+  entering partition loaded and each leaving one released in the background;
 * ``bucket_mixed``: the same order of buffer states with ``mix="buffer"``: the edges of all
   the buckets of one buffer state shuffled together, so consecutive batches are no longer
-  drawn from one bucket (same loads, same negatives' partitions).
+  drawn from one bucket (same loads, same negatives' partitions);
+* ``bucket_pool``: bucket by bucket with the library's default negatives (``pool=`` and
+  ``pool_share=`` not passed): each negative from a pool of rows drawn from all partitions
+  per buffer state with probability ``pool_share``, else from the buffer. ``--pool-arms``
+  adds arms with other ``pool_share[:pool]`` (``bucket_pool_s<share>_n<pool>``) and, with
+  ``mixed``, the default negatives with ``mix="buffer"`` (``bucket_pool_mixed``).
 
-``--mix bucket buffer`` (the default) runs both bucket arms; ``--mix bucket`` runs the
-first comparison only (``random`` and ``bucket``), whose figures do not depend on the other
-arms (every run is seeded on its own).
+``--mix bucket buffer`` (the default) runs both buffer-negative arms; ``--mix bucket`` runs
+the first comparison only (``random`` and ``bucket``), whose figures do not depend on the
+other arms (every run is seeded on its own); ``--mix`` alone runs none of them.
+``--pool-arms`` alone runs no pool arm; ``--no-graph`` skips the graph, ``--name`` names
+the result files.
 
 A seed fixes the graph, the held-out edges and non-edges and the initial table, so each seed
 is a paired comparison. Reported per seed: the AUC of the held-out edges against as many
@@ -45,11 +54,12 @@ the queries differs from ``random``). ``random`` and the bucket arms run at each
 there), and each order's lr is also chosen by its mean validation MRR over the seeds. It
 reports the filtered test MRR.
 
-The verdict printed last: is ``bucket_mixed`` within 2% of ``random`` on every seed, at the
+The verdicts printed last: is each bucket arm within 2% of ``random`` on every seed, at the
 random order's lr, on both tasks (the graph's one lr; the KG's lr that random order's
 validation MRR chooses)?
 
-Writes ``<out>/buckets_quality.{json,csv}`` (``<out>`` defaults to ``benchmarks/results``).
+Writes ``<out>/<name>.{json,csv}`` (``<out>`` defaults to ``benchmarks/results``, ``<name>``
+to ``buckets_quality``).
 """
 
 from __future__ import annotations
@@ -66,11 +76,53 @@ import numpy as np
 from ._common import RESULTS, machine, print_table
 
 NAME = "buckets_quality"
-KG_ARMS = ("random", "bucket", "bucket_mixed", "bucket_global_neg", "bucket_all_resident")
-DIAGNOSTICS = KG_ARMS[3:]
+DIAGNOSTICS = ("bucket_global_neg", "bucket_all_resident")
 ARM_OF_MIX = {"bucket": "bucket", "buffer": "bucket_mixed"}   # --mix -> the arm's name
-MIX_OF_ARM = {"bucket": "bucket", "bucket_mixed": "buffer", "bucket_no_hints": "bucket",
-              "bucket_global_neg": "bucket", "bucket_all_resident": "bucket"}
+POOL_ARM = "bucket_pool"   # the library's defaults (pool=, pool_share= not passed)
+# each bucket arm's keywords of plan.batches (the buffer-only arms pass pool=0: the
+# negatives of the first comparison, before the pool existed); pool sweep arms are added by
+# pool_arm()
+BATCH_KW: dict[str, dict] = {
+    "bucket": {"mix": "bucket", "pool": 0}, "bucket_mixed": {"mix": "buffer", "pool": 0},
+    "bucket_global_neg": {"mix": "bucket", "pool": 0},
+    "bucket_all_resident": {"mix": "bucket", "pool": 0}, POOL_ARM: {"mix": "bucket"}}
+
+
+def pool_arm(spec: str) -> str:
+    """The arm of a ``--pool-arms`` item: ``default`` (the library's defaults), ``mixed``
+    (the same with ``mix="buffer"``) or ``SHARE[:ROWS]`` (``pool_share=SHARE``,
+    ``pool=ROWS``, default rows the library's)."""
+    if spec == "default":
+        return POOL_ARM
+    if spec == "mixed":  # the default negatives with mix="buffer"
+        BATCH_KW[f"{POOL_ARM}_mixed"] = {"mix": "buffer"}
+        return f"{POOL_ARM}_mixed"
+    from dsa_core import buckets
+
+    share, _, rows = spec.partition(":")
+    kw = {"mix": "bucket", "pool_share": float(share),
+          "pool": int(rows) if rows else buckets.DEFAULT_POOL}
+    name = f"{POOL_ARM}_s{kw['pool_share']:g}_n{kw['pool']}"
+    BATCH_KW[name] = kw
+    return name
+
+
+def _mix_of(arm: str) -> str | None:
+    return BATCH_KW[arm]["mix"] if arm in BATCH_KW else None
+
+
+def _pool_of(arm: str, num_nodes: int) -> tuple:
+    """``(pool, pool_share)`` the arm's batches use on ``num_nodes`` rows (the library's
+    defaults where the arm passes none, as the iterator resolves them), for the result
+    rows; ``(None, None)`` for random order."""
+    if arm not in BATCH_KW:
+        return None, None
+    from dsa_core import buckets
+
+    kw = {k: v for k, v in BATCH_KW[arm].items() if k != "mix"}
+    it = buckets.plan(np.zeros((1, 2), np.int64), num_nodes, partitions=1).batches(
+        1, negatives=1, **kw)
+    return it.pool, it.pool_share
 
 
 def _loadavg() -> list[str]:
@@ -80,29 +132,29 @@ def _loadavg() -> list[str]:
         return []
 
 
-class _MixedPlan:
-    """A ``dsa_core.buckets.Plan`` whose ``batches`` always pass ``mix=``: how the example's
-    training loop (which calls ``plan.batches(...)`` with the library's default) is run
-    with a given mix."""
+class _ArmPlan:
+    """A ``dsa_core.buckets.Plan`` whose ``batches`` always pass an arm's keywords
+    (``mix=``, ``pool=``, ...): how the example's training loop (which calls
+    ``plan.batches(...)`` with the library's defaults) is run as a given arm."""
 
-    def __init__(self, plan, mix: str) -> None:
-        self._plan, self._mix = plan, mix
+    def __init__(self, plan, kw: dict) -> None:
+        self._plan, self._kw = plan, kw
 
     def __getattr__(self, name):
         return getattr(self._plan, name)
 
     def batches(self, *args, **kwargs):
-        return self._plan.batches(*args, mix=self._mix, **kwargs)
+        return self._plan.batches(*args, **self._kw, **kwargs)
 
 
 @contextlib.contextmanager
-def _example_mix(gb, mix: str):
-    """``examples.graph_buckets`` making its plans with ``mix`` while the block runs."""
+def _example_arm(gb, kw: dict):
+    """``examples.graph_buckets`` batching its plans with ``kw`` while the block runs."""
     make = gb.make_plan
 
     def make_plan(cfg, train):
         plan = make(cfg, train)
-        return None if plan is None else _MixedPlan(plan, mix)
+        return None if plan is None else _ArmPlan(plan, kw)
 
     gb.make_plan = make_plan
     try:
@@ -111,11 +163,14 @@ def _example_mix(gb, mix: str):
         gb.make_plan = make
 
 
-def one_run(cfg, workdir: Path, mix: str = "bucket") -> dict:
+def one_run(cfg, workdir: Path, arm: str = "bucket") -> dict:
+    """One graph run: random order (``cfg.order``) or the bucket ``arm`` (without stores
+    given to the iterator when ``cfg.hints`` is off: then the row's order is
+    ``bucket_no_hints``)."""
     from examples import graph_buckets as gb
 
     with tempfile.TemporaryDirectory(prefix="dsa-bq-", dir=workdir) as tmp, \
-            _example_mix(gb, mix):
+            _example_arm(gb, BATCH_KW[arm]):
         r = gb.run(cfg, Path(tmp))
     k = max(1, len(r["losses"]) // 20)
     if cfg.order != "bucket":
@@ -123,14 +178,18 @@ def one_run(cfg, workdir: Path, mix: str = "bucket") -> dict:
     elif not cfg.hints:
         order = "bucket_no_hints"
     else:
-        order = ARM_OF_MIX[mix]
-    row = {"seed": cfg.seed, "order": order, "mix": None if order == "random" else mix,
+        order = arm
+    row = {"seed": cfg.seed, "order": order,
+           "mix": None if order == "random" else _mix_of(arm),
+           "pool": _pool_of(arm, cfg.nodes)[0] if order != "random" else None,
+           "pool_share": _pool_of(arm, cfg.nodes)[1] if order != "random" else None,
            "auc": round(float(r["auc"]), 5),
            "auc_degree": round(float(r["auc_degree"]), 5),
            "loss_last": round(float(np.mean(r["losses"][-k:])), 5), "steps": r["steps"],
            "partition_loads": r["loads"] if order != "random" else None,
            "train_s": round(r["seconds"]["train"], 2),
-           "plan_s": round(r["seconds"]["plan"], 2), "digest": r["digest"][:16]}
+           "plan_s": round(r["seconds"]["plan"], 2), "digest": r["digest"][:16],
+           "arm": arm if order == "bucket_no_hints" else None}
     return row
 
 
@@ -139,7 +198,8 @@ def summarise(rows: list[dict]) -> dict:
     comparison; ``bucket_mixed``: the same statistics under its own key)."""
     by = {(r["seed"], r["order"]): r for r in rows}
     seeds = sorted({r["seed"] for r in rows})
-    arms = [o for o in ("bucket", "bucket_mixed") if (seeds[0], o) in by]
+    arms = [o for o in dict.fromkeys(r["order"] for r in rows)
+            if o not in ("random", "bucket_no_hints")]
     out: dict = {"seeds": seeds}
     for o in arms:
         rel = _rel([by[s, o]["auc"] for s in seeds], [by[s, "random"]["auc"] for s in seeds])
@@ -158,8 +218,7 @@ def summarise(rows: list[dict]) -> dict:
     nh = by.get((seeds[0], "bucket_no_hints"))
     if nh is not None:
         out["no_hints_train_s"] = nh["train_s"]
-        out["no_hints_identical"] = (nh["digest"]
-                                     == by[seeds[0], ARM_OF_MIX[nh["mix"]]]["digest"])
+        out["no_hints_identical"] = nh["digest"] == by[seeds[0], nh["arm"]]["digest"]
     return out
 
 
@@ -213,7 +272,7 @@ def kg_run(order: str, a, seed: int, kg, workdir: Path, lr: float) -> dict:
             p, c = (2, 2) if order == "bucket_all_resident" else (a.kg_partitions, a.kg_buffer)
             plan = buckets.plan(queries, kg.num_entities, partitions=p, buffer=c, seed=seed)
             it = plan.batches(a.kg_batch, negatives=a.kg_neg, epochs=a.kg_epochs,
-                              stores=[ent.store], mix=MIX_OF_ARM[order])
+                              stores=[ent.store], **BATCH_KW[order])
             if order == "bucket_global_neg":
                 it = GlobalNegatives(it, kg.num_entities, seed)
         steps, t0 = 0, time.perf_counter()
@@ -248,7 +307,9 @@ def kg_run(order: str, a, seed: int, kg, workdir: Path, lr: float) -> dict:
 
     m = _kg.evaluate(score, kg, "test")
     v = _kg.evaluate(score, kg, "valid")
-    return {"seed": seed, "order": order, "mix": MIX_OF_ARM.get(order), "lr": lr,
+    return {"seed": seed, "order": order, "mix": _mix_of(order),
+            "pool": _pool_of(order, kg.num_entities)[0],
+            "pool_share": _pool_of(order, kg.num_entities)[1], "lr": lr,
             "mrr": round(m["mrr"], 5),
             "valid_mrr": round(v["mrr"], 5),
             "hits@1": round(m["hits@1"], 5), "hits@10": round(m["hits@10"], 5),
@@ -272,9 +333,10 @@ def summarise_kg(rows: list[dict], lrs: list[float]) -> dict:
     by = {(r["seed"], r["order"], r["lr"]): r for r in rows}
     seeds = sorted({r["seed"] for r in rows})
     out: dict = {"seeds": seeds, "lrs": lrs, "per_lr": {}}
+    all_arms = list(dict.fromkeys(r["order"] for r in rows))
     for lr in lrs:
         d = {}
-        for o in KG_ARMS:
+        for o in all_arms:
             if (seeds[0], o, lr) not in by:
                 continue
             v = np.array([by[s, o, lr]["mrr"] for s in seeds])
@@ -286,7 +348,8 @@ def summarise_kg(rows: list[dict], lrs: list[float]) -> dict:
                 d[o].update(_stats(_rel(v, [by[s, "random", lr]["mrr"] for s in seeds])))
         out["per_lr"][str(lr)] = d
     best = {}
-    arms = [o for o in ("random", "bucket", "bucket_mixed") if (seeds[0], o, lrs[0]) in by]
+    arms = ["random"] + [o for o in all_arms if o not in ("random", *DIAGNOSTICS)
+                         and all((seeds[0], o, lr) in by for lr in lrs)]
     for o in arms:
         best[o] = max(lrs, key=lambda lr, o=o: out["per_lr"][str(lr)][o]["valid_mrr_mean"])
     out["best_lr"] = best
@@ -312,9 +375,15 @@ def main(argv=None) -> None:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--buffer", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--mix", nargs="+", default=["bucket", "buffer"], choices=["bucket",
-                    "buffer"], help="the bucket arms: mix='bucket' (arm 'bucket') and/or "
-                    "mix='buffer' (arm 'bucket_mixed')")
+    ap.add_argument("--mix", nargs="*", default=["bucket", "buffer"], choices=["bucket",
+                    "buffer"], help="the bucket arms with every negative from the buffer "
+                    "(pool=0): mix='bucket' (arm 'bucket') and/or mix='buffer' (arm "
+                    "'bucket_mixed'); none: pass the flag alone")
+    ap.add_argument("--pool-arms", nargs="*", default=["default"],
+                    help="arms with a negatives' pool: 'default' (arm 'bucket_pool': "
+                    "plan.batches' defaults), 'mixed' (arm 'bucket_pool_mixed': the same with "
+                    "mix='buffer') or SHARE[:ROWS] (bucket by bucket with pool_share, pool; "
+                    "arm 'bucket_pool_s<SHARE>_n<ROWS>'); none: pass the flag alone")
     ap.add_argument("--kg", default="umls", help="a PyKEEN KG (umls, kinships, nations) "
                     "for the filtered-MRR comparison, or 'none'")
     ap.add_argument("--kg-lrs", nargs="+", type=float, default=[0.02, 0.01, 0.005],
@@ -334,13 +403,15 @@ def main(argv=None) -> None:
                     help="skip the bucket run without stores (seed 0)")
     ap.add_argument("--workdir", default=None, help="where the stores go (default: TMPDIR)")
     ap.add_argument("--out", default=str(RESULTS), help="directory of the result files")
+    ap.add_argument("--no-graph", action="store_true", help="skip the power-law graph")
+    ap.add_argument("--name", default=NAME, help="stem of the result files")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, two seeds (tests)")
     a = ap.parse_args(argv)
-    name = NAME
+    name = a.name
     if a.smoke:
         a.nodes, a.holdout, a.epochs, a.partitions, a.seeds = 3000, 300, 1, 4, 2
         a.kg_epochs, a.kg_dim, a.kg_lrs = 1, 16, [0.02, 0.01]
-        name = NAME + "_smoke"
+        name = a.name + "_smoke"
     import torch
 
     import dsa_core
@@ -355,35 +426,39 @@ def main(argv=None) -> None:
                      partitions=a.partitions, buffer=a.buffer, progress=False)
     load0, t0 = _loadavg(), time.perf_counter()
     rows = []
-    mixes = list(dict.fromkeys(a.mix))
-    for seed in range(a.seeds):
-        for order, mix in [("random", "bucket")] + [("bucket", m) for m in mixes]:
+    arms = list(dict.fromkeys([ARM_OF_MIX[m] for m in a.mix]
+                              + [pool_arm(x) for x in a.pool_arms]))
+    if not arms:
+        ap.error("no bucket arm: give --mix or --pool-arms a value")
+    for seed in range(0 if a.no_graph else a.seeds):
+        for order, arm in [("random", "bucket")] + [("bucket", m) for m in arms]:
             rows.append(one_run(dataclasses.replace(base, seed=seed, order=order), workdir,
-                                mix))
+                                arm))
             print(f"seed {seed} {rows[-1]['order']:12s}: AUC {rows[-1]['auc']:.4f}, "
                   f"{rows[-1]['steps']} steps, {rows[-1]['train_s']:.1f} s", flush=True)
-    if not a.no_timing_run:
+    if not (a.no_timing_run or a.no_graph):
         rows.append(one_run(dataclasses.replace(base, seed=0, order="bucket", hints=False),
-                            workdir, mixes[0]))
-        print(f"seed 0 {ARM_OF_MIX[mixes[0]]}, no stores given: {rows[-1]['train_s']:.1f} s",
+                            workdir, arms[0]))
+        print(f"seed 0 {arms[0]}, no stores given: {rows[-1]['train_s']:.1f} s",
               flush=True)
-    print()
-    print_table(rows, ["seed", "order", "mix", "auc", "auc_degree", "loss_last", "steps",
-                       "partition_loads", "train_s"])
-    s = summarise(rows)
+    s = summarise(rows) if rows else {}
     from dsa_core import buckets
 
     # the fewest partition loads of one epoch with this buffer (independent of the edges)
     lb = buckets.plan(np.zeros((1, 2), np.int64), a.nodes, partitions=a.partitions,
                       buffer=a.buffer).order(0).lower_bound
-    arms = [ARM_OF_MIX[m] for m in mixes]
-    print(f"\nAUC (mean ± sd over {len(s['seeds'])} seeds): " + ", ".join(
-        f"{o} {s[f'auc_{o}_mean']:.4f} ± {s[f'auc_{o}_std']:.4f}" for o in ["random", *arms]))
-    for o in arms:
-        x = s if o == "bucket" else s[f"{o}_vs_random"]
-        print(f"{o} vs random, relative: mean {x['rel_diff_mean']:+.2%}, sd "
-              f"{x['rel_diff_std']:.2%}, range [{x['rel_diff_min']:+.2%}, "
-              f"{x['rel_diff_max']:+.2%}]; within 2% on every seed: {x['within_2pct']}")
+    if rows:
+        print()
+        print_table(rows, ["seed", "order", "mix", "pool", "pool_share", "auc", "auc_degree",
+                           "loss_last", "steps", "partition_loads", "train_s"])
+        print(f"\nAUC (mean ± sd over {len(s['seeds'])} seeds): " + ", ".join(
+            f"{o} {s[f'auc_{o}_mean']:.4f} ± {s[f'auc_{o}_std']:.4f}"
+            for o in ["random", *arms]))
+        for o in arms:
+            x = s if o == "bucket" else s[f"{o}_vs_random"]
+            print(f"{o} vs random, relative: mean {x['rel_diff_mean']:+.2%}, sd "
+                  f"{x['rel_diff_std']:.2%}, range [{x['rel_diff_min']:+.2%}, "
+                  f"{x['rel_diff_max']:+.2%}]; within 2% on every seed: {x['within_2pct']}")
     if "no_hints_train_s" in s:
         print(f"{arms[0]} without stores (seed 0): {s['no_hints_train_s']:.1f} s of "
               f"training; final table bit-identical to the hinted run: "
@@ -409,8 +484,9 @@ def main(argv=None) -> None:
                           f"{kg_rows[-1]['mrr']:.4f} (valid {kg_rows[-1]['valid_mrr']:.4f}), "
                           f"{kg_rows[-1]['train_s']:.1f} s", flush=True)
             print()
-            print_table(kg_rows, ["seed", "lr", "order", "mix", "mrr", "valid_mrr", "hits@1",
-                                  "hits@10", "steps", "partition_loads", "train_s"])
+            print_table(kg_rows, ["seed", "lr", "order", "mix", "pool", "pool_share", "mrr",
+                                  "valid_mrr", "hits@1", "hits@10", "steps",
+                                  "partition_loads", "train_s"])
             kg_sum = summarise_kg(kg_rows, a.kg_lrs)
             print()
             for lr, d in kg_sum["per_lr"].items():
@@ -429,6 +505,18 @@ def main(argv=None) -> None:
                       f"{o} {b[o]:g}): {o} vs random {x['rel_diff_mean']:+.2%}, sd "
                       f"{x['rel_diff_std']:.2%}, range [{x['rel_diff_min']:+.2%}, "
                       f"{x['rel_diff_max']:+.2%}]")
+    verdicts = {}
+    for o in arms:  # within 2% of random on every seed, at random order's lr, on each task
+        g = (s if o == "bucket" else s.get(f"{o}_vs_random", {})).get("within_2pct")
+        k = None
+        if kg_sum is not None:
+            k = kg_sum[f"random_lr_{o}_vs_random"]["within_2pct"]
+        verdicts[o] = {"graph_within_2pct": g, "kg_within_2pct_at_random_lr": k}
+    if verdicts:
+        print("\nwithin 2% of random on every seed at random order's lr: " + "; ".join(
+            f"{o}: graph {v['graph_within_2pct']}, {a.kg} {v['kg_within_2pct_at_random_lr']}"
+            for o, v in verdicts.items())
+            + (f" (lr {kg_sum['best_lr']['random']:g})" if kg_sum is not None else ""))
     verdict = None
     if "bucket_mixed_vs_random" in s:
         graph_ok = s["bucket_mixed_vs_random"]["within_2pct"]
@@ -441,7 +529,7 @@ def main(argv=None) -> None:
               f"graph {graph_ok}, KG {kg_ok}"
               + (f" (lr {kg_sum['best_lr']['random']:g})" if kg_sum is not None else ""))
     meta = {"machine": machine(), "args": vars(a), "summary": s, "summary_kg": kg_sum,
-            "verdict_mixed": verdict,
+            "verdict_mixed": verdict, "verdicts": verdicts,
             "partition_loads_lower_bound_per_epoch": lb,
             "config": dataclasses.asdict(base), "dsa_core": dsa_core.__version__,
             "loadavg_start": load0, "loadavg_end": _loadavg(),

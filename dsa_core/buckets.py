@@ -44,13 +44,22 @@ import dsa_core
 
 from . import _bucket_order, _paging, validation
 
-__all__ = ["DEFAULT_RESERVE", "Batch", "BatchIterator", "Fit", "Order", "Plan", "fit", "open_plan",
-           "plan"]
+__all__ = ["DEFAULT_POOL", "DEFAULT_POOL_SHARE", "DEFAULT_RESERVE", "POOL_RATE", "Batch",
+           "BatchIterator", "Fit", "Order", "Plan", "fit", "open_plan", "plan"]
 
 _PLAN_FORMAT = "dsa_core.buckets.plan"
 _ITER_KIND = "dsa_core.buckets.BatchIterator"
+_ITER_VERSION = 2  # 2: pool and pool_share (a version 1 state dict drew no pool)
 # stream tags of the seeded generators, last and nonzero so that no two streams share a seed
-_ORDER, _SHUFFLE, _NEGATIVES = 1, 2, 3
+_ORDER, _SHUFFLE, _NEGATIVES, _POOL = 1, 2, 3, 4
+# The negatives' pool (Plan.batches' pool=, pool_share=): rows drawn from all partitions per
+# buffer state, and the share of each edge's negatives drawn from it. The default share (None)
+# is min(1, POOL_RATE * pool / num_nodes): a pool row is then drawn as a negative at most
+# POOL_RATE times as often, during its state, as a row is in random order. Measured in
+# docs/benchmarks.md ("Partition-ordered training: negatives from a pool").
+DEFAULT_POOL = 4096
+DEFAULT_POOL_SHARE = None
+POOL_RATE = 16
 
 
 # -- argument checks -----------------------------------------------------------------------
@@ -78,6 +87,28 @@ def _check_edges(edges: Any):
         raise TypeError(f"edges must hold integer node ids, got dtype {edges.dtype}; convert "
                         "them with edges.astype(np.int64) (after checking they are whole)")
     return edges
+
+
+def _check_pool(pool: Any, share: Any, negatives: int, num_nodes: int) -> tuple[int, float]:
+    """``(rows in the pool, share)`` as the iterator uses them: ``(0, 0.0)`` when no
+    negative comes from a pool (no negatives, ``pool=0`` or ``pool_share=0``)."""
+    pool = _int(pool, "pool", 0, " (rows in the negatives' pool; 0: negatives from the "
+                "buffer only)")
+    if share is None:  # the default: as much of the pool as keeps its rows' rate bounded
+        pool = min(pool, num_nodes)
+        share = min(1.0, POOL_RATE * pool / num_nodes)
+    if isinstance(share, bool | np.bool_) or not isinstance(share, int | float | np.integer
+                                                            | np.floating):
+        raise TypeError(f"pool_share must be a number in [0, 1] (the probability that a "
+                        f"negative comes from the pool), got {share!r} "
+                        f"({type(share).__name__})")
+    share = float(share)
+    if not 0.0 <= share <= 1.0:  # NaN fails too
+        raise ValueError(f"pool_share must lie in [0, 1] (the probability that a negative "
+                         f"comes from the pool), got {share!r}")
+    if not (negatives and pool and share):
+        return 0, 0.0
+    return min(pool, num_nodes), share
 
 
 # -- the plan ------------------------------------------------------------------------------
@@ -201,7 +232,8 @@ class Plan:
 
     def batches(self, batch_size: int, *, negatives: int = 0, epoch: int = 0,
                 epochs: int = 1, stores: Sequence = (), start=None, mix: str = "bucket",
-                pad: bool = False) -> BatchIterator:
+                pad: bool = False, pool: int = DEFAULT_POOL,
+                pool_share: float | None = DEFAULT_POOL_SHARE) -> BatchIterator:
         """Iterate over the edges buffer state by buffer state, ``epochs`` epochs from
         ``epoch``.
 
@@ -211,8 +243,9 @@ class Plan:
             Edges per batch (>= 1); the last batch of a bucket (``mix="bucket"``) or of a
             buffer state (``mix="buffer"``) may be shorter, unless ``pad``.
         negatives : int
-            Negative node ids drawn per edge (>= 0), i.i.d. uniform over the rows of the
-            partitions resident in the buffer.
+            Negative node ids drawn per edge (>= 0), i.i.d.: each from the pool with
+            probability ``pool_share``, else uniform over the rows of the partitions
+            resident in the buffer.
         epoch, epochs : int
             The first epoch (its number seeds the order and the shuffles) and how many.
         stores : sequence of dsa_core.State
@@ -238,12 +271,30 @@ class Plan:
             loss) by repeating its own edges with their negatives; ``Batch.weight`` is 0 on
             those rows. A weighted loss then has the gradients of the unpadded batch, and
             no id outside the real rows is touched.
+        pool : int
+            Rows in the negatives' pool (>= 0; at most ``num_nodes`` are used): for each
+            buffer state, ``min(pool, num_nodes)`` distinct rows drawn uniformly from all
+            partitions, the same for every batch of the state (``Batch.pool``, sorted). A
+            pool negative is uniform over the pool, so over the states uniform over all
+            nodes: it restores what negatives restricted to the buffer lose (docs/buckets.md,
+            "Negatives"). With stores, the iterator prefetches the next state's pool
+            (``dsa_core.prefetch``) while the current state trains: ``2 * pool`` rows of
+            memory beside the partitions (``fit(..., pool=)`` counts them). ``0``: every
+            negative from the buffer (the behaviour before the pool existed).
+        pool_share : float or None
+            In ``[0, 1]``: the probability that a negative comes from the pool (``0``: none
+            does, as ``pool=0``; ``1``: all do, uniform over all nodes in expectation).
+            None (the default): ``min(1, POOL_RATE * min(pool, num_nodes) / num_nodes)``
+            with ``POOL_RATE = 16``: all negatives from the pool when it holds at least
+            1/16 of the nodes, else a share that keeps each pool row's rate as a negative,
+            during its state, at most 16 times what random order gives every row (a higher
+            rate cost quality in the measurements). ``it.pool_share`` is the share used.
 
         Returns
         -------
         BatchIterator
             Yields :class:`Batch` ``(edges, negatives, bucket, position, partitions,
-            weight)``.
+            weight, pool)``.
 
         Examples
         --------
@@ -261,7 +312,8 @@ class Plan:
         ({128}, 1000)
         """
         return BatchIterator(self, batch_size, negatives=negatives, epoch=epoch,
-                             epochs=epochs, stores=stores, start=start, mix=mix, pad=pad)
+                             epochs=epochs, stores=stores, start=start, mix=mix, pad=pad,
+                             pool=pool, pool_share=pool_share)
 
 
 def _bounds(num_nodes: int, P: int) -> np.ndarray:
@@ -437,12 +489,16 @@ class Fit(NamedTuple):
         tables together.
     buffer_bytes : int
         What the iterator holds at once: ``min(c + 1, P)`` partitions (the buffer and the
-        one read ahead) plus one bucket's edges and their shuffle (``edge_bytes``).
+        one read ahead) plus one bucket's edges and their shuffle (``edge_bytes``) plus the
+        negatives' pools (``pool_bytes``).
     edge_bytes : int
         The edge term of ``buffer_bytes`` (0 when ``num_edges`` was not given).
     memory, reserve : int
         The memory it fitted into and the part of it left to the framework:
         ``buffer_bytes <= memory - reserve``.
+    pool_bytes : int
+        The pool term of ``buffer_bytes``: the records of ``min(2 * pool, num_rows)`` rows
+        (the current buffer state's pool and the next one's, read ahead).
     """
 
     partitions: int
@@ -452,12 +508,14 @@ class Fit(NamedTuple):
     edge_bytes: int
     memory: int
     reserve: int
+    pool_bytes: int = 0
 
     def __str__(self) -> str:
         mib = 1 << 20
         return (f"P = {self.partitions}, c = {self.buffer}: partitions of "
                 f"{self.partition_bytes / mib:,.1f} MiB, {self.buffer_bytes / mib:,.1f} MiB "
-                f"held (of which edges {self.edge_bytes / mib:,.1f} MiB) within memory "
+                f"held (of which edges {self.edge_bytes / mib:,.1f} MiB, negatives' pools "
+                f"{self.pool_bytes / mib:,.1f} MiB) within memory "
                 f"{self.memory / mib:,.0f} MiB - reserve {self.reserve / mib:,.0f} MiB")
 
 
@@ -514,7 +572,7 @@ def _tables(tables) -> tuple[int, int, int]:
 
 def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None = None,
         buffer: int | None = None, max_buffer: int = 8, num_edges: int = 0,
-        columns: int = 2, mix: str = "bucket") -> Fit:
+        columns: int = 2, mix: str = "bucket", pool: int = DEFAULT_POOL) -> Fit:
     """Choose P and c so that the partitions held during training fit in memory.
 
     Takes the largest buffer ``c`` in ``[2, max_buffer]`` (a larger buffer moves fewer
@@ -554,6 +612,11 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
         ``ceil(E / P**2) * (8 * columns + 8)`` bytes, count too (uniform buckets assumed;
         ``plan.bucket_sizes.max()`` is the real largest), ``min(c*c, P*P)`` buckets of
         them with ``mix="buffer"``.
+    pool : int
+        The ``pool=`` of ``plan.batches`` (default: its default): the records of
+        ``min(2 * pool, num_rows)`` rows count too, two pools being held at a buffer
+        state's end (the current one and the next one, read ahead). Pass 0 for
+        ``pool=0``, ``pool_share=0`` or ``negatives=0``.
 
     Returns
     -------
@@ -576,8 +639,8 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
     >>> f.partitions, f.buffer, f.buffer_bytes <= f.memory - f.reserve
     (37, 8, True)
     >>> print(f)
-    P = 37, c = 8: partitions of 395.9 MiB, 3,563.1 MiB held (of which edges 0.0 MiB) \
-within memory 4,096 MiB - reserve 512 MiB
+    P = 37, c = 8: partitions of 395.9 MiB, 3,575.1 MiB held (of which edges 0.0 MiB, \
+negatives' pools 12.0 MiB) within memory 4,096 MiB - reserve 512 MiB
     >>> fit([(10_000_000, 1536)], memory="4GiB", buffer=2)[:2]   # c fixed: P for it
     (13, 2)
     >>> p = plan(np.zeros((1, 2), np.int64), 10_000_000, partitions=f.partitions,
@@ -597,6 +660,7 @@ within memory 4,096 MiB - reserve 512 MiB
     cols = _int(columns, "columns", 2)
     if cols > 3:
         raise ValueError(f"columns must be 2 or 3 (the edges' columns), got {cols}")
+    pool_b = min(2 * _int(pool, "pool", 0), N) * rec  # this state's pool and the next's
     P_fixed = None if partitions is None else _int(partitions, "partitions", 1)
     c_fixed = None if buffer is None else _int(buffer, "buffer", 2)
     if P_fixed is not None and P_fixed > N:
@@ -615,7 +679,7 @@ within memory 4,096 MiB - reserve 512 MiB
         part = -(-N // P) * rec
         per_bucket = -(-E // (P * P))
         edge = per_bucket * (8 * cols + 8) * (1 if mix == "bucket" else min(c * c, P * P))
-        return part, min(c + 1, P) * part + edge, edge
+        return part, min(c + 1, P) * part + edge + pool_b, edge
 
     def smallest_P(c: int) -> int | None:
         """The smallest P >= c that fits with buffer c (None: none up to num_rows)."""
@@ -643,7 +707,7 @@ within memory 4,096 MiB - reserve 512 MiB
         P = smallest_P(c)
         if P is not None:
             part, buf, edge = need(P, c)
-            return Fit(P, c, part, buf, edge, total, held)
+            return Fit(P, c, part, buf, edge, total, held, pool_b)
     c = 2 if c_fixed is None else c_fixed
     P = N if P_fixed is None else P_fixed
     buf = need(P, c)[1]
@@ -660,6 +724,10 @@ within memory 4,096 MiB - reserve 512 MiB
 MIXES = ("bucket", "buffer")
 
 
+_NO_POOL = np.empty(0, np.int64)
+_NO_POOL.flags.writeable = False
+
+
 class Batch(NamedTuple):
     """One batch of :meth:`Plan.batches`.
 
@@ -671,8 +739,9 @@ class Batch(NamedTuple):
         ``pad=True``, ``b == batch_size`` always: the rows after the real ones repeat real
         rows (``weight`` 0).
     negatives : ndarray
-        ``(b, negatives)`` int64 node ids, uniform over the resident partitions' rows (a
-        padding row repeats the negatives of the row it copies).
+        ``(b, negatives)`` int64 node ids: each from ``pool`` with probability
+        ``pool_share``, else uniform over the resident partitions' rows (a padding row
+        repeats the negatives of the row it copies).
     bucket : tuple of int or None
         ``(i, j)`` with ``mix="bucket"``; None with ``mix="buffer"`` (the batch mixes the
         buckets of its buffer state).
@@ -682,9 +751,14 @@ class Batch(NamedTuple):
         state.
     partitions : tuple of int
         The partitions resident in the buffer for this batch (sorted); every id of
-        ``edges`` and ``negatives`` lies in them.
+        ``edges`` lies in them, and every negative in them or in ``pool``.
     weight : ndarray
         ``(b,)`` float32: 1 for a real edge, 0 for a padding row (all ones without padding).
+    pool : ndarray
+        ``(min(pool, num_nodes),)`` int64, sorted, read-only: the negatives' pool of this
+        batch's buffer state (rows from all partitions), the same array for every batch of
+        the state; empty without a pool (``pool=0``, ``pool_share=0`` or no negatives).
+        The rows a step may touch are those of ``partitions`` and these.
     """
 
     edges: np.ndarray
@@ -693,6 +767,7 @@ class Batch(NamedTuple):
     position: tuple
     partitions: tuple
     weight: np.ndarray
+    pool: np.ndarray = _NO_POOL
 
 
 _EXHAUSTED: Any = iter(())  # a closed iterator's generator
@@ -710,10 +785,13 @@ class BatchIterator:
     """
 
     def __init__(self, plan: Plan, batch_size, *, negatives=0, epoch=0, epochs=1,
-                 stores=(), start=None, mix="bucket", pad=False):
+                 stores=(), start=None, mix="bucket", pad=False, pool=DEFAULT_POOL,
+                 pool_share=DEFAULT_POOL_SHARE):
         self.plan = plan
         self.batch_size = _int(batch_size, "batch_size", 1)
         self.negatives = _int(negatives, "negatives", 0)
+        self.pool, self.pool_share = _check_pool(pool, pool_share, self.negatives,
+                                                 plan.num_nodes)
         self.epoch = _int(epoch, "epoch", 0)
         self.epochs = _int(epochs, "epochs", 0)
         if not isinstance(mix, str) or mix not in MIXES:
@@ -726,6 +804,7 @@ class BatchIterator:
         self.stores = _check_stores(stores, plan.num_nodes)
         _check_regions(self.stores, plan, self.batch_size, self.negatives)
         self._groups_of: dict[int, tuple] = {}
+        self._pools: dict[tuple, np.ndarray] = {}
         self._pos = self._start(start)
         self._len = self._count_from(self._pos)
         self.loads = 0
@@ -744,11 +823,12 @@ class BatchIterator:
 
     def _params(self) -> dict:
         p = self.plan
-        return {"kind": _ITER_KIND, "version": 1, "num_nodes": p.num_nodes,
+        return {"kind": _ITER_KIND, "version": _ITER_VERSION, "num_nodes": p.num_nodes,
                 "num_partitions": p.num_partitions, "buffer": p.buffer, "seed": p.seed,
                 "num_edges": p.num_edges, "columns": int(p.edges.shape[1]),
                 "buckets_crc32": zlib.crc32(p.offsets.astype("<i8").tobytes()),
-                "batch_size": self.batch_size, "negatives": self.negatives, "mix": self.mix}
+                "batch_size": self.batch_size, "negatives": self.negatives, "mix": self.mix,
+                "pool": self.pool, "pool_share": self.pool_share}
 
     def state_dict(self) -> dict:
         """JSON-able: the next batch's position and the parameters a resume must match."""
@@ -807,14 +887,26 @@ class BatchIterator:
                 raise ValueError("start must be a BatchIterator.state_dict() or a position "
                                  f"(epoch, bucket_index, batch_index), got a dict with keys "
                                  f"{sorted(start)}")
-            # a state dict saved before mix= existed was saved by the bucket-by-bucket order
-            start = {"mix": "bucket", **start}
+            saved_version = start.get("version")
+            if not isinstance(saved_version, int) or not 1 <= saved_version <= _ITER_VERSION:
+                raise ValueError(f"start was saved by another dsa_core (state dict version "
+                                 f"{saved_version!r}; this one reads 1 to {_ITER_VERSION}); "
+                                 "resume it with the dsa_core that saved it")
+            # a state dict saved before mix= existed was saved by the bucket-by-bucket order,
+            # one saved before pool= existed (version 1) drew every negative from the buffer
+            start = {"mix": "bucket", "pool": 0, "pool_share": 0.0, **start,
+                     "version": _ITER_VERSION}
             diff = [f"{key} {start.get(key)!r} != {val!r}" for key, val in mine.items()
                     if start.get(key) != val]
             if diff:
+                old = saved_version == 1 and (self.pool, self.pool_share) != (0, 0.0)
                 raise ValueError("start was saved by another plan or with other batch "
                                  f"parameters (saved != now): {'; '.join(diff)}; resume with "
-                                 "the plan, batch_size, negatives and mix it was saved with")
+                                 "the plan, batch_size, negatives, mix, pool and pool_share "
+                                 "it was saved with" + (
+                                     " (this state dict was saved before pool= existed, "
+                                     "with every negative from the buffer: pass pool=0 to "
+                                     "resume it)" if old else ""))
             start = (start["epoch"], start["bucket_index"], start["batch_index"])
         try:
             e, k, t = (_int(v, "start position", 0) for v in start)
@@ -873,6 +965,7 @@ class BatchIterator:
 
     def _batches(self) -> Iterator[Batch]:  # noqa: C901 - one walk over states and groups
         plan, B, K = self.plan, self.batch_size, self.negatives
+        S, share = self.pool, self.pool_share
         P, P2 = plan.num_partitions, plan.num_partitions ** 2
         bounds, end = plan.bounds, self.epoch + self.epochs
         by_bucket = self.mix == "bucket"
@@ -943,6 +1036,8 @@ class BatchIterator:
                         res = np.array(resident, np.int64)
                         rsz = bounds[res + 1] - bounds[res]
                         rcum = np.concatenate([[0], np.cumsum(rsz)])
+                        pool_ids = self._pool_rows(e, s)
+                        self._prefetch_pools(e, s, end, with_this=(e, k) == (e0, k0))
                     n = int(group_n[g])
                     if not n:
                         continue
@@ -960,6 +1055,10 @@ class BatchIterator:
                             u = rng.integers(0, rcum[-1], size=(b, K), dtype=np.int64)
                             at = np.searchsorted(rcum, u, side="right") - 1
                             neg = bounds[res[at]] + (u - rcum[at])
+                            if S:  # each negative from the pool with probability share
+                                from_pool = rng.random((b, K)) < share
+                                j = rng.integers(0, S, size=(b, K), dtype=np.int64)
+                                neg = np.where(from_pool, pool_ids[j], neg)
                         else:
                             neg = np.empty((b, 0), np.int64)
                         weight = np.ones(b, np.float32)
@@ -970,12 +1069,56 @@ class BatchIterator:
                             weight = np.concatenate([weight, np.zeros(B - b, np.float32)])
                         self._pos = ((e, k, t + 1) if t + 1 < nb else
                                      (e, k_hi, 0) if k_hi < P2 else (e + 1, 0, 0))
-                        yield Batch(batch, neg, bucket, (e, k, t), resident, weight)
+                        yield Batch(batch, neg, bucket, (e, k, t), resident, weight,
+                                    pool_ids)
                     del edges, perm
                 self._pos = (e + 1, 0, 0)
         finally:  # the end, close() or garbage collection: hand back what is held
             for p in sorted(loaded):
                 release(p, skip_closed=True)
+
+    # -- the negatives' pool -----------------------------------------------------------
+    def _pool_rows(self, e: int, s: int) -> np.ndarray:
+        """The pool of buffer state ``s`` of epoch ``e``: ``self.pool`` distinct rows drawn
+        uniformly from all partitions by a generator seeded by ``(seed, e, s)``, sorted
+        (read-only; cached: the two most recent). Empty without a pool."""
+        if not self.pool:
+            return _NO_POOL
+        got = self._pools.get((e, s))
+        if got is None:
+            N = self.plan.num_nodes
+            if self.pool >= N:
+                got = np.arange(N, dtype=np.int64)
+            else:
+                rng = np.random.default_rng([self.plan.seed, e, s, _POOL])
+                got = np.sort(rng.choice(N, size=self.pool, replace=False)).astype(np.int64)
+            got.flags.writeable = False
+            if len(self._pools) >= 2:  # this state's and the next one's
+                self._pools.pop(next(iter(self._pools)))
+            self._pools[e, s] = got
+        return got
+
+    def _prefetch_pools(self, e: int, s: int, end: int, with_this: bool) -> None:
+        """Ask each store to read ahead the pool of the state after ``(e, s)`` (and this
+        state's too with ``with_this``: at the first state, nobody asked before)."""
+        if not (self.pool and self.stores):
+            return
+        wanted = [(e, s)] if with_this else []
+        if self.pool >= self.plan.num_nodes:  # every row, every state: asked for once
+            self._prefetch_rows(wanted)
+            return
+        if s + 1 < len(self.plan._epoch_order(e)[2]):
+            wanted.append((e, s + 1))
+        elif e + 1 < end:
+            wanted.append((e + 1, 0))
+        self._prefetch_rows(wanted)
+
+    def _prefetch_rows(self, keys: list) -> None:
+        for key in keys:
+            rows = self._pool_rows(*key)
+            for st in self.stores:
+                if not st.store.closed:
+                    dsa_core.prefetch(st, rows)
 
     def _after(self, e: int, s: int, end: int) -> tuple[set, set]:
         """The two buffer states after state ``s`` of epoch ``e`` (crossing into the next
@@ -995,6 +1138,7 @@ class BatchIterator:
 
     def __repr__(self) -> str:
         return (f"BatchIterator(batch_size={self.batch_size}, negatives={self.negatives}, "
+                f"pool={self.pool}, pool_share={self.pool_share:g}, "
                 f"mix={self.mix!r}, pad={self.pad}, "
                 f"epochs [{self.epoch}, {self.epoch + self.epochs}), position={self._pos}, "
                 f"stores={len(self.stores)}, loads={self.loads})")

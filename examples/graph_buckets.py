@@ -20,9 +20,11 @@ the training step consumes their batches unchanged (it only reads ``batch.edges`
   contiguous ranges of rows and the edges into ``P x P`` buckets (PyTorch-BigGraph); its
   batches come bucket by bucket in an order that swaps few partitions in and out of a
   buffer of ``--buffer`` partitions, and negatives are drawn from the partitions in the
-  buffer. Given the embedding's store, the iterator reads each entering partition ahead of
-  use, sequentially (``dsa_core.load_range``), and writes each leaving one back
-  (``dsa_core.release_range``), so only ``buffer + 1`` partitions need to fit in memory.
+  buffer or from a small pool of rows of all partitions (the library's default
+  ``pool=``/``pool_share=``; docs/buckets.md, "Negatives"). Given the embedding's store,
+  the iterator reads each entering partition ahead of use, sequentially
+  (``dsa_core.load_range``), and writes each leaving one back (``dsa_core.release_range``),
+  so only ``buffer + 1`` partitions (and two small pools) need to fit in memory.
 
 Checkpoints: ``--checkpoint DIR`` writes ``opt.checkpoint(DIR, extra={"order":
 it.state_dict()})`` every ``--checkpoint-every`` steps and when training stops

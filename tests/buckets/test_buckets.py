@@ -210,7 +210,7 @@ def test_negatives_come_from_the_resident_partitions_and_cover_them():
     order = p.order(0)
     k = 16
     seen: dict[int, set] = {}
-    for b in p.batches(200, negatives=k, mix="bucket"):
+    for b in p.batches(200, negatives=k, mix="bucket", pool=0):  # the buffer's negatives only
         assert b.negatives.shape == (len(b.edges), k) and b.negatives.dtype == np.int64
         resident = order.buffers[b.position[1]]
         part = p.partition_of(b.negatives)
@@ -220,7 +220,8 @@ def test_negatives_come_from_the_resident_partitions_and_cover_them():
         assert parts == set(order.buffers[pos]), (pos, parts)
     # uniform over the union of rows: within a bucket's resident rows, no row is favoured
     q = buckets.plan(_edges(E=4000, N=N), N, partitions=P, buffer=c)
-    big = max(q.batches(4000, negatives=200, mix="bucket"), key=lambda b: len(b.edges))
+    big = max(q.batches(4000, negatives=200, mix="bucket", pool=0),
+              key=lambda b: len(b.edges))
     rows = np.concatenate([np.arange(q.bounds[r], q.bounds[r + 1])
                            for r in q.order(0).buffers[big.position[1]]])
     counts = np.bincount(big.negatives.ravel(), minlength=N)[rows]
@@ -242,7 +243,7 @@ def test_mix_buffer_shuffles_the_buckets_of_each_buffer_state_together(P, c, col
     e = _edges(cols=cols, seed=P)
     p = buckets.plan(e, 200, partitions=P, buffer=c, seed=1)
     B, K = 64, 3
-    it = p.batches(B, negatives=K, epoch=2, epochs=2, mix="buffer")
+    it = p.batches(B, negatives=K, epoch=2, epochs=2, mix="buffer", pool=0)
     n_batches = len(it)
     got = list(it)
     assert len(got) == n_batches
@@ -288,7 +289,7 @@ def test_mix_buffer_equals_random_order_when_everything_is_resident():
     the negatives are uniform over all nodes."""
     e = _edges(E=2000, N=200)
     p = buckets.plan(e, 200, partitions=3, buffer=4, seed=2)
-    got = list(p.batches(500, negatives=50, mix="buffer"))
+    got = list(p.batches(500, negatives=50, mix="buffer", pool=0))
     assert [b.position for b in got] == [(0, 0, t) for t in range(4)]
     assert all(b.partitions == (0, 1, 2) for b in got)
     assert len({(x, y) for x, y in p.partition_of(got[0].edges).tolist()}) == 9
@@ -460,7 +461,8 @@ def test_bucketing_and_iteration_stream_a_memmap(tmp_path):
         tracemalloc.stop()
     assert n == m == E
     bucket = int(p.bucket_sizes.max()) * (2 * 8 + 8)  # its int64 edges and its permutation
-    assert peak < 2 * bucket + (1 << 16) and peak < whole / 10, (peak, bucket, whole)
+    pools = 3 * 8 * min(buckets.DEFAULT_POOL, N)  # the negatives' pools (two cached)
+    assert peak < 2 * bucket + pools + (1 << 16) and peak < whole / 10, (peak, bucket, whole)
     # mixed over a buffer state: the edges of the state's buckets (c*c of them in the first
     # state, at most 2c - 1 in a later one), recounted from the order's resident sets
     order = p.order(0)
@@ -471,7 +473,7 @@ def test_bucketing_and_iteration_stream_a_memmap(tmp_path):
         per_state[key] = per_state.get(key, 0) + int(sizes[q])
     state = max(per_state.values()) * (2 * 8 + 8)
     assert state < whole / 5, (state, whole)
-    assert peak_mixed < 2 * state + (1 << 16), (peak_mixed, state, whole)
+    assert peak_mixed < 2 * state + pools + (1 << 16), (peak_mixed, state, whole)
 
 
 # -- resume ------------------------------------------------------------------------------
@@ -482,6 +484,7 @@ def _same(a, b):
         np.testing.assert_array_equal(x.edges, y.edges)
         np.testing.assert_array_equal(x.negatives, y.negatives)
         np.testing.assert_array_equal(x.weight, y.weight)
+        np.testing.assert_array_equal(x.pool, y.pool)
 
 
 @pytest.mark.parametrize(("mix", "pad"), [("bucket", False), ("buffer", False),
@@ -506,8 +509,9 @@ def test_resume_anywhere_reproduces_the_rest(mix, pad):
         it = p.batches(64, **kw)
         for _ in range(n):
             next(it)
-        sd = json.loads(json.dumps(it.state_dict()))  # JSON-able, ints and strs only
-        assert all(isinstance(v, int | str) for v in sd.values())
+        sd = json.loads(json.dumps(it.state_dict()))  # JSON-able: ints, strs, pool_share
+        assert all(isinstance(v, int | str) for k, v in sd.items() if k != "pool_share")
+        assert sd["pool_share"] == 1.0  # the default share: the pool holds all 200 rows
         assert (sd["epoch"], sd["bucket_index"], sd["batch_index"]) == it.position == pos[n]
         assert sd["mix"] == mix
         resumed = p.batches(64, **kw, start=sd)
@@ -560,7 +564,7 @@ def test_a_state_dict_of_another_plan_or_parameters_is_refused():
     _same(list(p.batches(64, negatives=2, mix="bucket", start=old)),
           list(p.batches(64, negatives=2, mix="bucket", start=sd)))
     with pytest.raises(ValueError, match=r"mix 'bucket' != 'buffer'; resume with the plan, "
-                       r"batch_size, negatives and mix it was saved with"):
+                       r"batch_size, negatives, mix, pool and pool_share it was saved with"):
         p.batches(64, negatives=2, mix="buffer", start=old)
     with pytest.raises(ValueError, match=r"start must be a BatchIterator.state_dict\(\)"):
         p.batches(64, start={"epoch": 0})
@@ -819,7 +823,8 @@ def test_close_hands_back_the_buffer_and_keeps_the_position(tmp_path):
     p = buckets.plan(_edges(E=4000, N=N), N, partitions=P, buffer=2, seed=1)
     s = dsa_core.create(tmp_path / "s", N, 64, access="disk")
     dsa_core.release_range(s, 0, N, wait=True)
-    with p.batches(100, negatives=2, stores=[s]) as it:
+    # pool=0: a pool of rows from all partitions (here: all of them) is prefetched, not loaded
+    with p.batches(100, negatives=2, stores=[s], pool=0) as it:
         seen = [next(it) for _ in range(7)]
         dsa_core.wait_ranges(s)
         held = dsa_core.residency(s, np.arange(N))
@@ -828,8 +833,8 @@ def test_close_hands_back_the_buffer_and_keeps_the_position(tmp_path):
     assert held >= 0.5 and dsa_core.residency(s, np.arange(N)) < 0.05
     assert it.position == pos and list(it) == []  # closed: nothing more, position kept
     it.close()  # twice is fine
-    rest = list(p.batches(100, negatives=2, start=it.state_dict()))
-    full = list(p.batches(100, negatives=2))
+    rest = list(p.batches(100, negatives=2, start=it.state_dict(), pool=0))
+    full = list(p.batches(100, negatives=2, pool=0))
     assert len(seen) + len(rest) == len(full)
     for a, b in zip(seen + rest, full, strict=True):
         np.testing.assert_array_equal(a.edges, b.edges)

@@ -2,7 +2,8 @@
 
 The oracle is the memory rule written out again here, independently of the module: the
 iterator holds ``min(c + 1, P)`` partitions of ``ceil(num_rows / P)`` rows of every table
-(the buffer and the one read ahead) plus one bucket's edges and their shuffle. A choice
+(the buffer and the one read ahead) plus one bucket's edges and their shuffle plus two
+negatives' pools (``min(2 * pool, num_rows)`` rows). A choice
 must fit in ``memory - reserve``, with P the smallest that fits for its c and c the largest
 in ``[2, max_buffer]`` that fits at all.
 """
@@ -20,8 +21,9 @@ from dsa_core import _paging, buckets
 MiB = 1 << 20
 
 
-def _held(N, rec, P, c, E=0, cols=2):
-    return min(c + 1, P) * -(-N // P) * rec + -(-E // (P * P)) * (8 * cols + 8)
+def _held(N, rec, P, c, E=0, cols=2, pool=buckets.DEFAULT_POOL):
+    return (min(c + 1, P) * -(-N // P) * rec + -(-E // (P * P)) * (8 * cols + 8)
+            + min(2 * pool, N) * rec)  # the negatives' pools: this state's and the next's
 
 
 GRID = list(itertools.product(
@@ -81,7 +83,7 @@ def test_fixed_partitions_or_buffer():
     g = buckets.fit([(N, rec)], memory=M, reserve=0, partitions=40, buffer=3)
     assert (g.partitions, g.buffer) == (40, 3)
     whole = buckets.fit([(N, rec)], memory=2 * M, reserve=0, partitions=1)  # all at once
-    assert (whole.partitions, whole.buffer, whole.buffer_bytes) == (1, 2, N * rec)
+    assert (whole.partitions, whole.buffer, whole.buffer_bytes) == (1, 2, _held(N, rec, 1, 2))
     with pytest.raises(ValueError, match=r"no P and c fit.*P = 2, c = 2; P = 2 given"):
         buckets.fit([(N, rec)], memory=M, reserve=0, partitions=2)
     with pytest.raises(ValueError, match="drop the fixed"):
@@ -108,7 +110,8 @@ def test_errors_say_what_and_how():
         buckets.fit([(1000, 8)], memory="256MiB")
     with pytest.raises(ValueError, match=r"no P and c fit: .*\(P = 1000000000, c = 2\) "
                                          r"needs 0.0 MiB"):
-        buckets.fit([(10**9, 1_536)], memory=513 * MiB + 3 * 1_536 - 1, reserve="513MiB")
+        buckets.fit([(10**9, 1_536)], memory=513 * MiB + 3 * 1_536 - 1, reserve="513MiB",
+                    pool=0)
     with pytest.raises(ValueError, match="same number of rows"):
         buckets.fit([(1000, 8), (999, 8)], memory="1GiB")
     with pytest.raises(ValueError, match="at least one table"):
@@ -150,10 +153,11 @@ def test_states_and_the_iterator_accept_the_choice(tmp_path):
     s = dsa_core.create(tmp_path / "s", N, D, storage="inplace")
     rec = s.layout["stride"] * s.dtype.itemsize
     assert rec == 3 * D * 4  # weights, m and v
-    M = 6 * -(-N // 10) * rec  # room for 6 partitions of P = 10
-    f = buckets.fit([s], memory=M, reserve=0, max_buffer=5)
-    assert (f.partitions, f.buffer) == (10, 5) and f == buckets.fit([(N, rec)], memory=M,
-                                                                      reserve=0, max_buffer=5)
+    M = 6 * -(-N // 10) * rec + 2 * 100 * rec  # 6 partitions of P = 10 and 2 pools of 100
+    f = buckets.fit([s], memory=M, reserve=0, max_buffer=5, pool=100)
+    assert (f.partitions, f.buffer) == (10, 5) and f == buckets.fit(
+        [(N, rec)], memory=M, reserve=0, max_buffer=5, pool=100)
+    assert f.pool_bytes == 200 * rec
     edges = np.random.default_rng(0).integers(0, N, size=(2_000, 2))
     p = buckets.plan(edges, N, partitions=f.partitions, buffer=f.buffer)
     held, most = set(), 0
@@ -172,14 +176,15 @@ def test_states_and_the_iterator_accept_the_choice(tmp_path):
     mp.setattr(dsa_core, "release_range", on_release)
     try:
         n = 0
-        for b in p.batches(256, negatives=2, stores=[s]):
+        for b in p.batches(256, negatives=2, stores=[s], pool=100):
+            assert len(b.pool) == 100
             most = max(most, len(held))
             n += len(b.edges)
     finally:
         mp.undo()
     dsa_core.wait_ranges(s)
     assert n == len(edges) and f.buffer <= most
-    assert most * f.partition_bytes <= f.buffer_bytes
+    assert most * f.partition_bytes + f.pool_bytes <= f.buffer_bytes
     dsa_core.close(s)
 
 

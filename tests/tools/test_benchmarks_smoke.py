@@ -153,4 +153,5 @@ def test_buckets_quality_smoke(bench_env, tmp_path, capsys):
     assert (tmp_path / "buckets_quality_smoke.csv").is_file()
     lines = (tmp_path / "buckets_quality_smoke.csv").read_text().splitlines()
     orders = {line.split(",")[lines[0].split(",").index("order")] for line in lines[1:]}
-    assert {"random", "bucket", "bucket_no_hints"} <= orders   # + the KG arms, with PyKEEN
+    # + the KG arms, with PyKEEN; bucket_pool: the library's default negatives (a pool)
+    assert {"random", "bucket", "bucket_mixed", "bucket_pool", "bucket_no_hints"} <= orders
