@@ -54,7 +54,9 @@ def test_the_buffer_is_in_memory_while_its_buckets_train(kind, tmp_path):
         eng = s.store.engine
         assert eng.slots < N  # out of core: the region holds less than the table
         misses = eng.stats()["misses"]
-    it = p.batches(B, negatives=K, stores=[s])
+    # pool=0: every negative from the buffer, so that no step needs a row outside it (the
+    # default pool's rows come from all partitions; they are prefetched, not loaded)
+    it = p.batches(B, negatives=K, stores=[s], pool=0)
     for b in it:
         if kind == "inplace":
             dsa_core.wait_ranges(s)  # the page cache is filled in the background
