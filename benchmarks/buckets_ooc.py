@@ -61,10 +61,11 @@ cache, dirty and writeback pages with its file refaults and major faults (sample
 ``dsa_core.buckets.fit([(nodes, record_bytes)], memory=cap, reserve=--reserve,
 num_edges=edges)`` (its largest c up to ``--max-buffer`` and the smallest P for it whose
 ``c + 1`` partitions and a bucket's edges fit in ``cap - reserve``); ``--partitions`` /
-``--buffer`` fix P or c (fit then chooses the other, or checks both). For a store whose region
-holds the partitions (a log store) the reserve also takes its index (8 bytes a row), a batch's
-rows and ``--store-extra`` (default 512 MiB) for its seal write-behind, cleaning and range-load
-buffers, which live beside the region.
+``--buffer`` fix P or c (fit then chooses the other, or checks both). A store whose region
+holds the partitions (a log store) is given to fit itself, with the batch size and the
+negatives: fit counts the ``memory=`` its region needs for ``c + 1`` partitions beside a
+batch's rows (``dsa_core.region_memory``: its index and its buffers included) instead of the
+partitions' records, and both training phases open the store with that ``memory=``.
 
 Writes ``benchmarks/results/buckets_ooc.{json,csv}`` for a run at the default sizes, otherwise
 ``<workdir>/buckets_ooc_<nodes>x<dim>.{json,csv}`` (``--results`` chooses the directory).
@@ -176,15 +177,24 @@ def record_bytes(dim: int) -> int:
 
 
 def choose_partitions(nodes: int, rec: int, cap: int, reserve: int, edges: int,
-                      max_buffer: int, partitions: int | None, buffer: int | None):
-    """(P, c, rule text) from ``dsa_core.buckets.fit`` (see the module doc)."""
+                      max_buffer: int, partitions: int | None, buffer: int | None,
+                      store: Path | None = None, batch: int = 0, k: int = 0):
+    """(P, c, rule text, the store's memory= or None) from ``dsa_core.buckets.fit`` (see the
+    module doc); ``store``: a store with a memory region (a log store), given to fit itself,
+    which sizes its ``memory=`` for ``c + 1`` partitions beside a batch's rows."""
+    import dsa_core
     from dsa_core import buckets
 
+    st = dsa_core.open(store) if store is not None else None
     try:
-        f = buckets.fit([(nodes, rec)], memory=cap, reserve=reserve, num_edges=edges,
-                        partitions=partitions, buffer=buffer, max_buffer=max_buffer)
+        f = buckets.fit([st if st is not None else (nodes, rec)], memory=cap, reserve=reserve,
+                        num_edges=edges, partitions=partitions, buffer=buffer,
+                        max_buffer=max_buffer, batch_size=batch, negatives=k)
     except ValueError as exc:
         raise SystemExit(f"dsa_core.buckets.fit found no P and c for this cap: {exc}") from None
+    finally:
+        if st is not None:
+            dsa_core.close(st)
     given = [f"{n} = {v}" for n, v in (("P", partitions), ("c", buffer)) if v is not None]
     table = nodes * rec
     rule = (f"rule: dsa_core.buckets.fit(memory={cap / 2**20:,.0f} MiB, reserve="
@@ -193,7 +203,7 @@ def choose_partitions(nodes: int, rec: int, cap: int, reserve: int, edges: int,
             f"{edges / f.partitions ** 2:,.0f} edges on average")
     if given:
         rule += f" ({', '.join(given)} from the command line)"
-    return f.partitions, f.buffer, rule
+    return f.partitions, f.buffer, rule, f.store_memory[0]
 
 
 def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool) -> str:
@@ -238,10 +248,12 @@ def has_region(path: Path) -> bool:
         dsa_core.close(st)
 
 
-def store_settings(path: Path, nodes: int, P: int, c: int, batch: int, k: int) -> dict:
+def store_settings(path: Path, nodes: int, P: int, c: int, batch: int, k: int,
+                   memory: int | None) -> dict:
     """The open keywords of the training phases: a store with a memory region of its own
-    gets the ``memory=`` the bucket order's iterator needs (``min(c + 1, P)`` partitions
-    beside ``batch * (2 + k)`` rows); an in-place store none. Also the in-RAM phase's."""
+    gets ``memory`` (fit's ``store_memory``: ``min(c + 1, P)`` partitions beside
+    ``batch * (2 + k)`` rows, what the bucket order's iterator needs); an in-place store
+    none. Also the in-RAM phase's."""
     import dsa_core
 
     st = dsa_core.open(path)
@@ -250,7 +262,8 @@ def store_settings(path: Path, nodes: int, P: int, c: int, batch: int, k: int) -
             return {"train": {}, "ram": {"access": "ram"}, "region_rows": 0}
         part = -(-nodes // P)
         rows = min(c + 1, P) * part + min(batch * (2 + k), nodes)
-        return {"train": {"memory": dsa_core.region_memory(st, rows)},
+        assert memory == dsa_core.region_memory(st, rows), (memory, rows)
+        return {"train": {"memory": memory},
                 "ram": {"memory": dsa_core.region_memory(st, nodes + min(batch * (2 + k),
                                                                          nodes))},
                 "region_rows": rows}
@@ -635,10 +648,6 @@ def main(argv=None):
     ap.add_argument("--reserve", default="512M",
                     help="fit's reserve: memory the training process needs besides the "
                          "partitions (default: fit's own)")
-    ap.add_argument("--store-extra", default="512M",
-                    help="added to the reserve for a store whose memory region holds the "
-                         "partitions (a log store): its seal write-behind, cleaning and "
-                         "range-load buffers (the index and a batch's rows are added too)")
     ap.add_argument("--max-buffer", type=int, default=8, help="fit's largest c")
     ap.add_argument("--partitions", type=int, default=None,
                     help="P (default: dsa_core.buckets.fit's)")
@@ -684,7 +693,6 @@ def main(argv=None):
     if a.smoke:
         a.nodes, a.dim, a.edges, a.cap, a.batch = 20_000, 16, 200_000, "256M", 512
         a.partitions, a.buffer, a.reserve = a.partitions or 8, a.buffer or 3, "128M"
-        a.store_extra = "32M"
         # no waiting for the disk: the smoke run checks the code, not the figures
         a.random_seconds, a.bucket_fraction, a.disk_seconds, a.quiet_seconds = 0.5, 0.25, 1, 0.0
     for name, v, lo in (("--nodes", a.nodes, 2), ("--dim", a.dim, 1), ("--edges", a.edges, 1),
@@ -731,19 +739,13 @@ def main(argv=None):
         print(f"table + state {table / 1e9:.2f} GB = {table / cap:.1f}x the cap ({a.cap}); "
               f"{label}", flush=True)
         reserve = parse_size(a.reserve)
-        if has_region(scratch / "store"):  # its region holds the partitions: its own
-            # buffers, its index and a batch's rows come on top of them
-            extra = parse_size(a.store_extra) + 8 * a.nodes \
-                + min(a.batch * (2 + a.negatives), a.nodes) * rec
-            print(f"a store with a memory region: fit's reserve {reserve / 2**20:,.0f} MiB + "
-                  f"{extra / 2**20:,.0f} MiB (--store-extra {a.store_extra} for its seal, "
-                  "cleaning and range-load buffers, its index, a batch's rows)", flush=True)
-            reserve += extra
-        a.partitions, a.buffer, rule = choose_partitions(
-            a.nodes, rec, cap, reserve, a.edges, a.max_buffer, *fixed)
+        region = scratch / "store" if has_region(scratch / "store") else None
+        a.partitions, a.buffer, rule, store_mem = choose_partitions(
+            a.nodes, rec, cap, reserve, a.edges, a.max_buffer, *fixed, store=region,
+            batch=a.batch, k=a.negatives)
         print(rule, flush=True)
         kw = store_settings(scratch / "store", a.nodes, a.partitions, a.buffer, a.batch,
-                            a.negatives)
+                            a.negatives, store_mem)
         if kw["train"]:
             print(f"{kind} store: both orders open it with memory={kw['train']['memory']:,} "
                   f"({kw['train']['memory'] / 2**20:,.0f} MiB: a region of "

@@ -499,6 +499,13 @@ class Fit(NamedTuple):
     pool_bytes : int
         The pool term of ``buffer_bytes``: the records of ``min(2 * pool, num_rows)`` rows
         (the current buffer state's pool and the next one's, read ahead).
+    store_memory : tuple of (int or None)
+        Per table, the ``memory=`` to open it with when it is a log store (whose region
+        holds the loaded partitions: ``dsa_core.region_memory(state, min(c + 1, P) *
+        ceil(num_rows / P) + batch_size * (2 + negatives))``, the index and the store's
+        buffers included); None for an in-place store or a ``(num_rows, record_bytes)``
+        pair, whose partitions are counted as page cache. Their sum is part of
+        ``buffer_bytes``.
     """
 
     partitions: int
@@ -509,13 +516,17 @@ class Fit(NamedTuple):
     memory: int
     reserve: int
     pool_bytes: int = 0
+    store_memory: tuple = ()
 
     def __str__(self) -> str:
         mib = 1 << 20
+        logs = [m for m in self.store_memory if m is not None]
+        stores = (f", log stores' memory= {', '.join(f'{m / mib:,.1f}' for m in logs)} MiB"
+                  if logs else "")
         return (f"P = {self.partitions}, c = {self.buffer}: partitions of "
                 f"{self.partition_bytes / mib:,.1f} MiB, {self.buffer_bytes / mib:,.1f} MiB "
                 f"held (of which edges {self.edge_bytes / mib:,.1f} MiB, negatives' pools "
-                f"{self.pool_bytes / mib:,.1f} MiB) within memory "
+                f"{self.pool_bytes / mib:,.1f} MiB{stores}) within memory "
                 f"{self.memory / mib:,.0f} MiB - reserve {self.reserve / mib:,.0f} MiB")
 
 
@@ -532,8 +543,9 @@ def _bytes(value: Any, name: str, allow_zero: bool = False) -> int:
         raise type(exc)(str(exc).replace("memory ", f"{name} ", 1)) from None
 
 
-def _tables(tables) -> tuple[int, int, int]:
-    """``(num_rows, record bytes of all tables per row, log regions' bytes)``."""
+def _tables(tables) -> tuple[int, int, int, list]:
+    """``(num_rows, record bytes per row of all tables, of the tables held as page cache,
+    [the tables with a memory region of their own (log stores), or None per table])``."""
     if isinstance(tables, dsa_core.State) or (isinstance(tables, tuple) and len(tables) == 2
                                               and not isinstance(tables[0], tuple | list)
                                               and not isinstance(tables[0], dsa_core.State)):
@@ -546,16 +558,20 @@ def _tables(tables) -> tuple[int, int, int]:
     if not tables:
         raise ValueError("tables must name at least one table: the States the iterator "
                          "loads (stores=[...]) or (num_rows, record_bytes) pairs")
-    rows, per_row, regions = [], 0, 0
+    rows, per_row, paged, regioned = [], 0, 0, []
     for n, t in enumerate(tables):
         if isinstance(t, dsa_core.State):
             if t.closed:
                 raise ValueError(f"tables[{n}] ({str(t.path)!r}) is closed; pass an open "
                                  "store or (num_rows, record_bytes)")
             rows.append(t.num_rows)
-            per_row += t.layout["stride"] * t.dtype.itemsize  # weights, m and v: a record
-            # memory the store holds besides the partitions (a log store's region; None in place)
-            regions += int(t.store.memory_bytes or 0)
+            b = t.layout["stride"] * t.dtype.itemsize  # weights, m and v: a record
+            per_row += b
+            # a store with a memory region of its own (a log store) holds the partitions it
+            # loads there; one without (in place) holds them as page cache
+            region = t.store.memory_bytes is not None
+            regioned.append(t if region else None)
+            paged += 0 if region else b
         else:
             try:
                 r, b = t
@@ -563,16 +579,20 @@ def _tables(tables) -> tuple[int, int, int]:
                 raise TypeError(f"tables[{n}] must be a dsa_core.State or a (num_rows, "
                                 f"record_bytes) pair, got {t!r}") from None
             rows.append(_int(r, f"tables[{n}] num_rows", 1))
-            per_row += _int(b, f"tables[{n}] record_bytes", 1)
+            b = _int(b, f"tables[{n}] record_bytes", 1)
+            per_row += b
+            paged += b
+            regioned.append(None)
     if len(set(rows)) != 1:
         raise ValueError("the tables must have the same number of rows (their rows are the "
                          f"node ids the partitions split), got num_rows {rows}")
-    return rows[0], per_row, regions
+    return rows[0], per_row, paged, regioned
 
 
 def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None = None,
         buffer: int | None = None, max_buffer: int = 8, num_edges: int = 0,
-        columns: int = 2, mix: str = "bucket", pool: int = DEFAULT_POOL) -> Fit:
+        columns: int = 2, mix: str = "bucket", pool: int = DEFAULT_POOL,
+        batch_size: int | None = None, negatives: int = 0) -> Fit:
     """Choose P and c so that the partitions held during training fit in memory.
 
     Takes the largest buffer ``c`` in ``[2, max_buffer]`` (a larger buffer moves fewer
@@ -587,9 +607,13 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
         The tables indexed by node id (the stores passed to ``plan.batches(stores=)``),
         all with the same ``num_rows``. A row of the buffer is a store's whole record,
         weights and Adam's moments: ``state.layout["stride"] * state.dtype.itemsize``
-        bytes (1,536 for a 128-dim float32 table), summed over the tables. A log store's
-        memory region (its ``memory=``) is added to ``reserve``; for out-of-core
-        partition-ordered training use in-place stores (docs/buckets.md).
+        bytes (1,536 for a 128-dim float32 table), summed over the tables. An in-place
+        store (or a pair) holds its partitions as page cache: their records count. A log
+        store holds them in its memory region: what counts is the ``memory=`` whose region
+        holds them beside one step's rows (``dsa_core.region_memory``: the index and the
+        store's buffers included), returned in ``Fit.store_memory`` -- reopen the store
+        with it (``dsa_core.open(path, memory=...)``); the ``memory=`` it has now does not
+        count.
     memory : int or str, optional
         The memory the process may use, bytes or a size string (``"8GiB"``). Default: the
         machine's physical memory capped by the process's memory cgroup(s)
@@ -617,12 +641,16 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
         ``min(2 * pool, num_rows)`` rows count too, two pools being held at a buffer
         state's end (the current one and the next one, read ahead). Pass 0 for
         ``pool=0``, ``pool_share=0`` or ``negatives=0``.
+    batch_size, negatives : int
+        The ``plan.batches`` arguments: a log store's region must hold one step's rows,
+        ``batch_size * (2 + negatives)`` node ids, beside the partitions. Required when a
+        table is a log store.
 
     Returns
     -------
     Fit
         ``(partitions, buffer, partition_bytes, buffer_bytes, edge_bytes, memory,
-        reserve)``; ``print(fit)`` says it in MiB.
+        reserve, pool_bytes, store_memory)``; ``print(fit)`` says it in MiB.
 
     Raises
     ------
@@ -652,7 +680,8 @@ negatives' pools 12.0 MiB) within memory 4,096 MiB - reserve 512 MiB
     """
     if mix not in MIXES:
         raise ValueError(f"mix must be 'bucket' or 'buffer', got {mix!r}")
-    N, rec, regions = _tables(tables)
+    N, rec, paged, regioned = _tables(tables)
+    logs = [t for t in regioned if t is not None]
     total = _bytes(_paging.memory_limit() if memory is None else memory, "memory")
     reserve = _bytes(reserve, "reserve", allow_zero=True)
     max_c = _int(max_buffer, "max_buffer", 2)
@@ -666,20 +695,30 @@ negatives' pools 12.0 MiB) within memory 4,096 MiB - reserve 512 MiB
     if P_fixed is not None and P_fixed > N:
         raise ValueError(f"partitions must be <= num_rows = {N} (each partition needs a "
                          f"row), got {P_fixed}")
-    held = reserve + regions
+    if logs and batch_size is None:
+        raise ValueError(f"tables {[str(t.path) for t in logs]} are log stores, whose memory "
+                         "region must hold one step's rows beside the partitions: pass "
+                         "batch_size= (and negatives=) as given to plan.batches")
+    step = min(_int(0 if batch_size is None else batch_size, "batch_size", 0)
+               * (2 + _int(negatives, "negatives", 0)), N)
+    held = reserve
     if held >= total:
-        what = f"reserve {reserve / 2**20:,.0f} MiB" + (
-            f" + log regions {regions / 2**20:,.0f} MiB" if regions else "")
-        raise ValueError(f"memory - reserve must leave room for the partitions: {what} "
-                         f">= memory {total / 2**20:,.0f} MiB; give more memory= or a "
-                         "smaller reserve=" + (" (or in-place stores)" if regions else ""))
+        raise ValueError(f"memory - reserve must leave room for the partitions: reserve "
+                         f"{reserve / 2**20:,.0f} MiB >= memory {total / 2**20:,.0f} MiB; "
+                         "give more memory= or a smaller reserve=")
     avail = total - held
+
+    def store_memory(P: int, c: int) -> tuple:
+        rows = min(c + 1, P) * -(-N // P) + step
+        return tuple(None if t is None else dsa_core.region_memory(t, max(rows, 1))
+                     for t in regioned)
 
     def need(P: int, c: int) -> tuple[int, int, int]:
         part = -(-N // P) * rec
         per_bucket = -(-E // (P * P))
         edge = per_bucket * (8 * cols + 8) * (1 if mix == "bucket" else min(c * c, P * P))
-        return part, min(c + 1, P) * part + edge + pool_b, edge
+        regions = sum(m for m in store_memory(P, c) if m is not None) if logs else 0
+        return part, min(c + 1, P) * -(-N // P) * paged + regions + edge + pool_b, edge
 
     def smallest_P(c: int) -> int | None:
         """The smallest P >= c that fits with buffer c (None: none up to num_rows)."""
@@ -707,7 +746,7 @@ negatives' pools 12.0 MiB) within memory 4,096 MiB - reserve 512 MiB
         P = smallest_P(c)
         if P is not None:
             part, buf, edge = need(P, c)
-            return Fit(P, c, part, buf, edge, total, held, pool_b)
+            return Fit(P, c, part, buf, edge, total, held, pool_b, store_memory(P, c))
     c = 2 if c_fixed is None else c_fixed
     P = N if P_fixed is None else P_fixed
     buf = need(P, c)[1]

@@ -188,8 +188,37 @@ def test_states_and_the_iterator_accept_the_choice(tmp_path):
     dsa_core.close(s)
 
 
-def test_a_log_store_region_counts_as_reserve(tmp_path):
-    s = dsa_core.create(tmp_path / "l", 1_000, 8, storage="log", memory="2MiB")
-    f = buckets.fit([s], memory="64MiB", reserve="1MiB")
-    assert f.reserve == MiB + 2 * MiB
+def test_a_log_store_gets_the_memory_its_region_needs(tmp_path):
+    """A log store holds the partitions in its region: fit returns the memory= that region
+    needs (index and buffers included) instead of counting its records as page cache, the
+    iterator accepts a store reopened with it, and one byte less is refused."""
+    N, D, B, K = 20_000, 8, 64, 2
+    s = dsa_core.create(tmp_path / "l", N, D, storage="log", memory="2MiB")
+    with pytest.raises(ValueError, match="batch_size="):
+        buckets.fit([s], memory="64MiB", reserve="1MiB")
+    f = buckets.fit([s], memory="64MiB", reserve="1MiB", batch_size=B, negatives=K, pool=0)
+    (m,) = f.store_memory
+    rows = min(f.buffer + 1, f.partitions) * -(-N // f.partitions) + B * (2 + K)
+    assert m == dsa_core.region_memory(s, rows)
+    assert f.buffer_bytes == m and f.buffer_bytes <= f.memory - f.reserve
+    assert f.reserve == MiB  # the store's present memory= does not count
+    assert "log stores' memory=" in str(f)
+    pair = buckets.fit([(N, s.layout["stride"] * 4)], memory="64MiB", reserve="1MiB", pool=0)
+    assert pair.store_memory == (None,)
     dsa_core.close(s)
+    edges = np.random.default_rng(0).integers(0, N, size=(3_000, 2))
+    p = buckets.plan(edges, N, partitions=f.partitions, buffer=f.buffer)
+    s = dsa_core.open(tmp_path / "l", memory=m - 1)
+    with pytest.raises(ValueError, match="memory="):
+        p.batches(B, negatives=K, stores=[s], pool=0)
+    dsa_core.close(s)
+    s = dsa_core.open(tmp_path / "l", memory=m)
+    for b in p.batches(B, negatives=K, stores=[s], pool=0):
+        s = dsa_core.step(s, *_ids_grads(b, D))
+    assert s.store.engine.stats()["range_pins_dropped"] == 0
+    dsa_core.close(s)
+
+
+def _ids_grads(b, D):
+    ids = np.concatenate([b.edges[:, 0], b.edges[:, 1], b.negatives.ravel()])
+    return ids, np.full((ids.shape[0], D), 1e-3, np.float32)
