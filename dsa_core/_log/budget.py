@@ -21,8 +21,8 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
     file instead, from the region in chunks.
 ``cleaning_buffers``
     what the cleaner's reads (``read.CleaningReads``) may hold, :func:`cleaning_limits`:
-    ``held`` = ``CLEAN_BUFFERS * whole`` bytes of buffers of the victims' live records, read
-    ahead or read by a seal (``whole`` = ``min(WHOLE_MAX, BEHIND_UNITS * u * record bytes)``:
+    ``held`` = ``CLEAN_BUFFERS * whole`` bytes of buffers of the victims' live records (and
+    their record numbers, 8 bytes each), read ahead or read by a seal (``whole`` = ``min(WHOLE_MAX, BEHIND_UNITS * u * record bytes)``:
     a victim with more live bytes than that is copied through its mapping, page cache, which
     is not charged: it is reclaimable), plus ``CLEAN_REQUESTS`` request buffers of
     ``request`` bytes (``min(CLEAN_READ_BYTES, whole // 8)`` in whole records, at least one:

@@ -310,7 +310,7 @@ class Cleaner:
             nbytes = int(segs.live[sid]) * segs.rec_bytes  # its live records, at most
             if nbytes > self.whole():
                 continue
-            if not r.room(nbytes):
+            if not r.room(nbytes + 8 * int(segs.live[sid])):  # its buffer and record numbers
                 break  # the buffers are full: the reads of the next seals come first
             seg = segs.segs[sid]
             out = np.empty(seg.n, np.int64)

@@ -246,12 +246,14 @@ def read_plan(ks: np.ndarray, rec_bytes: int, gap: int | None = None,
 
 
 class _Read:
-    """One segment's records read (or being read) for cleaning."""
+    """One segment's records read (or being read) for cleaning; ``nbytes``: what it holds
+    (its buffer and its record numbers)."""
 
-    __slots__ = ("fut", "ks", "out")
+    __slots__ = ("fut", "ks", "nbytes", "out")
 
     def __init__(self, ks: np.ndarray, out: np.ndarray, fut: Future):
         self.ks, self.out, self.fut = ks, out, fut
+        self.nbytes = out.nbytes + ks.nbytes
 
 
 class CleaningReads:
@@ -264,11 +266,11 @@ class CleaningReads:
     read of at most ``chunk`` bytes in the disk's queue and the steps' random reads keep
     theirs. ``now`` reads on the caller's thread instead (a seal that must not wait for the
     queue). Both refuse (False, None: nothing read) when the buffers held would exceed
-    ``held_bytes``; a buffer counts until ``release`` (its records were copied) or
+    ``held_bytes``; a read counts its buffer and its ``ks`` (8 bytes per record) until ``release`` (its records were copied) or
     ``forget`` (not needed: a running read ends on its own, its buffer counted until then).
     ``ready(sid)``: that read is done; ``get(sid)``: ``(buffer, ks)``, waiting for it.
 
-    Memory: at most ``held_bytes`` of buffers, plus the thread's request buffer and, during
+    Memory: at most ``held_bytes`` of buffers and their ``ks``, plus the thread's request buffer and, during
     :meth:`now`, one more of the caller's (each :attr:`request_bytes`: ``chunk`` in whole
     records, at least one; used only by a request with dead records between live ones).
     Nothing else of a record's size: the live records are picked out of a request buffer
@@ -338,7 +340,12 @@ class CleaningReads:
             ended = [r for r in self._dropping if r.fut.done()]
             for r in ended:
                 self._dropping.remove(r)
-                self.held -= r.out.nbytes
+                self.held -= r.nbytes
+
+    @staticmethod
+    def cost(ks: np.ndarray, stride: int, dtype) -> int:
+        """What a read of the records ``ks`` holds: its buffer and ``ks``."""
+        return ks.shape[0] * stride * np.dtype(dtype).itemsize + ks.nbytes
 
     def room(self, nbytes: int) -> bool:
         """Whether a buffer of ``nbytes`` more stays within ``held_bytes``."""
@@ -349,7 +356,7 @@ class CleaningReads:
               dtype) -> bool:
         if sid in self._reads:
             return True
-        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
+        if not self.room(self.cost(ks, stride, dtype)):
             return False
         out = np.empty((ks.shape[0], stride), dtype)
         try:
@@ -357,7 +364,7 @@ class CleaningReads:
         except RuntimeError:  # the pool is shut (interpreter exit): read now instead
             return False
         self._reads[sid] = _Read(ks, out, fut)
-        self.held += out.nbytes
+        self.held += self._reads[sid].nbytes
         return True
 
     def now(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
@@ -365,13 +372,13 @@ class CleaningReads:
         """Read the records ``ks`` on the caller's thread into a buffer held as a read of
         ``sid`` (``release`` it); None, nothing read, when it would exceed ``held_bytes``."""
         self.forget(sid)
-        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
+        if not self.room(self.cost(ks, stride, dtype)):
             return None
         out = self._read(path, offset, ks, np.empty((ks.shape[0], stride), dtype), None)
         fut: Future = Future()
         fut.set_result(out)
         self._reads[sid] = _Read(ks, out, fut)
-        self.held += out.nbytes
+        self.held += self._reads[sid].nbytes
         return out
 
     def has(self, sid: int) -> bool:
@@ -407,7 +414,7 @@ class CleaningReads:
         """The buffer of ``sid``'s read is not used any more."""
         r = self._reads.pop(sid, None)
         if r is not None:
-            self.held -= r.out.nbytes
+            self.held -= r.nbytes
 
     def forget(self, sid: int) -> None:
         """Drop a read not needed any more; a running one ends on its own, and its buffer
@@ -415,7 +422,7 @@ class CleaningReads:
         r = self._reads.pop(sid, None)
         if r is not None:
             if r.fut.cancel() or r.fut.done():
-                self.held -= r.out.nbytes
+                self.held -= r.nbytes
             else:
                 self._dropping.append(r)
 
