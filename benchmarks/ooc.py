@@ -22,7 +22,8 @@ An aged log store (one whose every seal cleans): ``--clean off`` runs the log mo
 cleaning off (the space bound out of reach: the store grows by what the run writes, so run it
 after the runs with cleaning, or on a copy), so that the steps' reads with and without
 cleaning running can be compared on the same store;
-``--clean-read-bytes`` sets the largest cleaning read request (one at a time; default 4 MiB).
+``--clean-read-bytes`` sets the largest cleaning read request (one at a time; default 4 MiB;
+it only lowers the store's own, ``budget.cleaning_limits``, which is at most 4 MiB).
 Each log run prints the timed steps' misses per second (the steps' record reads), what
 cleaning read (MiB/s, requests) and how often and how long seals waited for it.
 
@@ -443,7 +444,8 @@ def main(argv=None):
                          "or on a copy), to compare the steps' reads with and without it")
     ap.add_argument("--clean-read-bytes", type=int, default=0,
                     help="log store: the largest cleaning read request (default: the "
-                         "engine's, 4 MiB; one request at a time)")
+                         "engine's, at most 4 MiB, which this can only lower; one request "
+                         "at a time)")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=float, default=10.0)

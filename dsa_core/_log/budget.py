@@ -5,10 +5,11 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
 (``u = min(S // 8, SEAL_BYTES // record bytes)``, at least 1), into:
 
 ``index``
-    ``loc``: 8 bytes per row of the table, always in memory; plus 8 bytes per row for the
-    index generation that a flush builds as a whole array before writing it
-    (``Pool.disk_locations``). At open the index is read into memory before any slot of
-    the region has been touched, so the open's own copies fit in the region's share.
+    ``loc``: 8 bytes per row of the table, always in memory. A flush writes the next index
+    generation in pieces (``Pool.disk_location_chunks``), not as a second whole array: a
+    piece of :func:`index_piece_rows` rows fits in the staging share, which no seal uses
+    while a flush writes the index. At open the index is read into memory before any
+    slot of the region has been touched, so the open's own copies fit in the region's share.
 ``region``
     ``S * (record bytes + SLOT_OVERHEAD)``: the slots' records and their bookkeeping
     (``SLOT_OVERHEAD = 42``: five int64 and two uint8 arrays per slot, ``pool``).
@@ -19,21 +20,28 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
     A larger seal (a flush, a range release, a large batch's eviction) is streamed to its
     file instead, from the region in chunks.
 ``cleaning_buffers``
-    ``CLEAN_BUFFERS`` buffers of ``BEHIND_UNITS * u`` records: the segments that cleaning
-    reads whole (``read.CleaningReads``); a larger segment is copied through its mapping
-    (page cache, which is not charged: it is reclaimable).
+    what the cleaner's reads (``read.CleaningReads``) may hold, :func:`cleaning_limits`:
+    ``held`` = ``CLEAN_BUFFERS * whole`` bytes of buffers of the victims' live records (and
+    their record numbers, 8 bytes each), read ahead or read by a seal (``whole`` = ``min(WHOLE_MAX, BEHIND_UNITS * u * record bytes)``:
+    a victim with more live bytes than that is copied through its mapping, page cache, which
+    is not charged: it is reclaimable), plus ``CLEAN_REQUESTS`` request buffers of
+    ``request`` bytes (``min(CLEAN_READ_BYTES, whole // 8)`` in whole records, at least one:
+    the reading thread's, for a request with dead records between live ones, and a seal's
+    own read). At most 64 + 2 x 4 MiB.
 ``staging``
     what a seal allocates besides: one chunk of a streamed seal (``STAGING_CHUNK``, or the
     region if smaller) and ``SEAL_META`` bytes per record of a written-behind seal (its row
     ids, steps, new locations, the file's rows/steps part and per-record sums). Misses are
-    copied out of a segment in pieces of the same size (``segments.read_into``).
+    copied out of a segment in pieces of the same size (``segments.read_into``), and a
+    flush writes the index in pieces of at most that size (:func:`index_piece_rows`).
 
-Who keeps to it: the segment table holds at most ``WRITE_BUFFERS`` write buffers
-(``segments``) and copies misses in pieces; ``commit`` must write behind only seals of at
-most ``Segments.behind_bytes`` (it still uses its own ``BEHIND_BYTES``, 128 MiB), and the
-cleaner must hold at most ``CLEAN_BUFFERS`` whole-segment buffers of that size at once
-(it reads every segment a seal cleans whole, and one seal ahead): until they do, a large
-batch or an aged store can take more than this split says.
+Who keeps to it, each from the same function here: the segment table holds at most
+``WRITE_BUFFERS`` write buffers of ``behind_records(u)`` records (``segments``) and copies
+misses in pieces; ``commit`` writes behind only seals of at most ``Segments.behind_bytes``
+(larger ones are streamed in ``STAGING_CHUNK`` pieces) and copies cleaned records straight
+into the seal's buffer; the cleaner gives its reads the ``held`` and ``request`` of
+:func:`cleaning_limits` (``cleaner.Cleaner``), and ``CleaningReads`` refuses a read that
+would hold more (the victim is then copied through its mapping).
 
 :func:`split` gives the parts for a budget, :func:`slots_for` the slots ``S`` (the largest
 region whose parts all fit), :func:`memory_for` the smallest budget whose region holds a
@@ -49,17 +57,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "INDEX_BYTES", "SEAL_BYTES", "SEAL_META",
-           "SLOT_OVERHEAD", "STAGING_CHUNK", "WRITE_BUFFERS", "behind_records",
-           "check_memory", "check_memory_bytes", "describe", "memory_for", "seal_unit_for",
-           "slots_for", "split"]
+__all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "CLEAN_READ_BYTES", "CLEAN_REQUESTS",
+           "INDEX_BYTES", "SEAL_BYTES", "SEAL_META", "SLOT_OVERHEAD",
+           "STAGING_CHUNK", "WHOLE_MAX", "WRITE_BUFFERS", "behind_records", "check_memory",
+           "check_memory_bytes", "cleaning_limits", "describe", "index_piece_rows",
+           "memory_for",
+           "seal_unit_for", "slots_for", "split"]
 
 SLOT_OVERHEAD = 42       # bytes per slot besides its record: see the module docstring
 SEAL_BYTES = 32 << 20    # a seal unit holds at most this many bytes of records
-INDEX_BYTES = 8 + 8      # per row: ``loc``, and the index generation a flush builds
+INDEX_BYTES = 8          # per row: ``loc`` (a flush writes the index in pieces)
 BEHIND_UNITS = 2         # a seal of at most this many seal units is written behind
 WRITE_BUFFERS = 2        # seal buffers held at once (= writer.DEPTH: written or spare)
-CLEAN_BUFFERS = 2        # whole-segment buffers of cleaning reads held at once
+CLEAN_BUFFERS = 2        # victims' buffers of the largest size (whole) the cleaning reads hold
+WHOLE_MAX = 32 << 20     # live bytes of a victim read into a buffer at most (else mapped)
+CLEAN_READ_BYTES = 4 << 20  # one cleaning read request at most (the disk's queue: steps first)
+CLEAN_REQUESTS = 2       # request buffers: the reading thread's and a seal's own read
 STAGING_CHUNK = 8 << 20  # records per pwrite of a streamed seal (commit's chunk)
 SEAL_META = 64           # bytes per record of a seal besides its record (module docstring)
 
@@ -69,7 +82,7 @@ def _rec_bytes(layout: dict[str, Any]) -> int:
 
 
 def _index_bytes(layout: dict[str, Any]) -> int:
-    """The in-memory index (``loc``) and a flush's copy of it, paid from the budget."""
+    """The in-memory index (``loc``), paid from the budget."""
     return INDEX_BYTES * int(layout.get("num_rows", 0))
 
 
@@ -83,6 +96,31 @@ def behind_records(seal_unit: int) -> int:
     return BEHIND_UNITS * int(seal_unit)
 
 
+def index_piece_rows(slots: int, rec_bytes: int) -> int:
+    """Rows per piece of the index a flush writes: 8 bytes each, within a seal's staging
+    chunk (``min(STAGING_CHUNK, slots * rec_bytes)``, ``split``), at least one."""
+    return max(1, min(STAGING_CHUNK, int(slots) * int(rec_bytes)) // 8)
+
+
+def cleaning_limits(seal_unit: int, rec_bytes: int) -> dict[str, int]:
+    """What the cleaning reads of a store with seal unit ``seal_unit`` may hold, in bytes:
+    ``whole`` (a victim's live records read into one buffer at most), ``held`` (all the
+    buffers of the reads), ``request`` (one read request, whole records) and ``total``
+    (``held + CLEAN_REQUESTS * request``, the ``cleaning_buffers`` part of :func:`split`).
+
+    >>> cleaning_limits(1 << 20, 128)  # a large store: 2 x 32 MiB, requests of 4 MiB
+    {'whole': 33554432, 'held': 67108864, 'request': 4194304, 'total': 75497472}
+    >>> cleaning_limits(10, 96)  # a small one: two write buffers' worth, requests of 1 record
+    {'whole': 1920, 'held': 3840, 'request': 192, 'total': 4224}
+    """
+    rb = int(rec_bytes)
+    whole = min(WHOLE_MAX, behind_records(seal_unit) * rb)
+    request = max(1, min(CLEAN_READ_BYTES, whole // 8) // rb) * rb
+    held = CLEAN_BUFFERS * whole
+    return {"whole": whole, "held": held, "request": request,
+            "total": held + CLEAN_REQUESTS * request}
+
+
 def split(layout: dict[str, Any], memory_bytes: int, slots: int | None = None
           ) -> dict[str, int]:
     """The parts of ``memory_bytes`` (module docstring), in bytes, for the largest region
@@ -94,7 +132,8 @@ def split(layout: dict[str, Any], memory_bytes: int, slots: int | None = None
     u = seal_unit_for(S, rb)
     behind = behind_records(u) * rb
     parts = {"index": _index_bytes(layout), "region": S * (rb + SLOT_OVERHEAD),
-             "write_buffers": WRITE_BUFFERS * behind, "cleaning_buffers": CLEAN_BUFFERS * behind,
+             "write_buffers": WRITE_BUFFERS * behind,
+             "cleaning_buffers": cleaning_limits(u, rb)["total"],
              "staging": min(STAGING_CHUNK, S * rb) + SEAL_META * behind_records(u)}
     parts["total"] = sum(parts.values())
     parts["slots"], parts["seal_unit"] = S, u
@@ -153,7 +192,7 @@ def check_memory(layout: dict[str, Any], memory_bytes: int, batch: int) -> None:
     Traceback (most recent call last):
     ...
     ValueError: memory budget holds 9 records, a batch needs 10: raise the budget (memory=) to at
-    least 3492 bytes (3.4 KiB), or pass batches of at most 9 rows. memory=3491 (3.4 KiB) ...
+    least 2788 bytes (2.7 KiB), or pass batches of at most 9 rows. memory=2787 (2.7 KiB) ...
     """
     have = slots_for(layout, memory_bytes)
     if batch > have:
@@ -167,7 +206,8 @@ def check_memory(layout: dict[str, Any], memory_bytes: int, batch: int) -> None:
             f"batch and the rest; at {need} bytes: {describe(split(layout, need))} (the "
             f"index: {INDEX_BYTES} bytes per row of the table's {rows}; the write and the "
             f"cleaning buffers grow with the region, up to "
-            f"{_mib(WRITE_BUFFERS * BEHIND_UNITS * SEAL_BYTES)} each)")
+            f"{_mib(WRITE_BUFFERS * BEHIND_UNITS * SEAL_BYTES)} and "
+            f"{_mib(CLEAN_BUFFERS * WHOLE_MAX + CLEAN_REQUESTS * CLEAN_READ_BYTES)})")
 
 
 def check_memory_bytes(memory_bytes: Any, layout: dict[str, Any]) -> int:

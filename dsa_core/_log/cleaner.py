@@ -27,13 +27,18 @@ Reading ahead (:meth:`Cleaner.read_ahead`)
     of the bound, the next victims' live records (on disk, or behind a *clean* resident slot:
     the row may leave the region before the clean; a dirty slot's record is never copied
     from the file) are handed to ``read.CleaningReads``, which reads them in a background
-    thread, one request of at most ``CLEAN_READ_BYTES`` at a time (dead records between
-    live ones read through up to ``CLEAN_GAP_BYTES``), into buffers of at most
-    ``CLEAN_HELD_BYTES`` in all. Paced by the seals: each seal starts the reads of the
-    victims that the next ``1 + AHEAD_SEALS`` seals will clean. A seal past the slack that
-    needs a victim not read ahead reads it itself into a buffer within the same room; a
-    victim with more than ``WHOLE_MAX`` bytes of live records, or one that would not fit
-    the room, is copied through the segment's mapping after a read-ahead hint.
+    thread, one request of at most ``request`` bytes at a time (dead records between
+    live ones read through up to ``CLEAN_GAP_BYTES``), into buffers of at most ``held``
+    bytes in all. Paced by the seals: each seal starts the reads of the victims that the
+    next ``1 + AHEAD_SEALS`` seals will clean. A seal past the slack that needs a victim not
+    read ahead reads it itself into a buffer within the same room; a victim with more than
+    ``whole`` bytes of live records, or one that would not fit the room, is copied through
+    the segment's mapping after a read-ahead hint.
+Memory
+    ``whole``, ``held`` and ``request`` are the memory budget's (``budget.cleaning_limits``
+    of the store's seal unit, the ``cleaning_buffers`` part of ``budget.split``), capped by
+    ``read.WHOLE_MAX``, ``read.CLEAN_HELD_BYTES`` and ``read.CLEAN_READ_BYTES`` (which only
+    lower them): the reads hold at most ``held`` bytes of buffers and two request buffers.
 
 The cleaner only reads: the seal writes, moves the locations and frees the victims.
 """
@@ -47,6 +52,7 @@ import numpy as np
 from numba import njit
 
 from . import read as _read
+from .budget import cleaning_limits
 from .format import Segment, crash_point, segment_geometry
 from .pool import Pool
 from .read import CleaningReads, advise
@@ -128,6 +134,8 @@ class Cleaner:
         self.space_ratio = space_ratio
         self.policy = policy
         self.slack = SLACK_UNITS * pool.seal_unit
+        # what the reads may hold: the budget's share (module docstring, "Memory")
+        self.limits = cleaning_limits(pool.seal_unit, segments.rec_bytes)
         self.reads: CleaningReads | None = None  # this process's cleaning reads
         # the engine's counters (commit.Commit shares its own; these are counted here)
         self.stats = {"clean_waits": 0, "clean_wait_us": 0}
@@ -166,8 +174,15 @@ class Cleaner:
     def _reader(self) -> CleaningReads:
         r = self.reads
         if r is None or r.pid != os.getpid():  # a forked child's is its parent's
-            r = self.reads = CleaningReads()
+            lim = self.limits
+            r = self.reads = CleaningReads(
+                held_bytes=min(lim["held"], _read.CLEAN_HELD_BYTES),
+                chunk=min(lim["request"], _read.CLEAN_READ_BYTES))
         return r
+
+    def whole(self) -> int:
+        """The most live bytes of a victim read into a buffer (else: through its mapping)."""
+        return min(self.limits["whole"], _read.WHOLE_MAX)
 
     def _offset(self, seg: Segment) -> int:
         pool = self.pool
@@ -199,7 +214,7 @@ class Cleaner:
             # require none; read again below
             self.fallbacks += 1
             r.release(seg.id)
-        if ks.shape[0] * rb <= _read.WHOLE_MAX:
+        if ks.shape[0] * rb <= self.whole():
             buf = r.now(seg.id, seg.path, self._offset(seg), ks, pool.stride, pool.dtype)
             if buf is not None:
                 return Copy(seg, ks, buf, np.arange(ks.shape[0]), True)
@@ -266,6 +281,9 @@ class Cleaner:
         """The seal has copied (and committed to its segment) the records of ``copy``."""
         if copy.buffered:
             self.reads.release(copy.seg.id)
+            # the buffer is free once released: the seal keeps ``copy`` (its seg and ks)
+            # to the end, and starts the next reads before it ends
+            copy.records = copy.idx = None
 
     # -- reading ahead --------------------------------------------------------------------------
     def read_ahead(self) -> int:
@@ -290,9 +308,9 @@ class Cleaner:
                 need -= frees
                 continue
             nbytes = int(segs.live[sid]) * segs.rec_bytes  # its live records, at most
-            if nbytes > _read.WHOLE_MAX:
+            if nbytes > self.whole():
                 continue
-            if not r.room(nbytes):
+            if not r.room(nbytes + 8 * int(segs.live[sid])):  # its buffer and record numbers
                 break  # the buffers are full: the reads of the next seals come first
             seg = segs.segs[sid]
             out = np.empty(seg.n, np.int64)

@@ -3,8 +3,9 @@
 Seals
     :meth:`Commit.seal` appends dirty slots, with the cleaner's copies (``cleaner``: the
     live records of its victims, read in the background), to a new immutable segment in one
-    sequential write: a seal of at most ``BEHIND_BYTES`` is gathered into a buffer and
-    written in the background (``writer``; the segment is *pending* until then,
+    sequential write: a seal of at most ``min(BEHIND_BYTES, Segments.behind_bytes)`` (a
+    write buffer of the memory budget, ``budget``) is gathered into a buffer and written in
+    the background (``writer``; the segment is *pending* until then,
     ``segments``), a larger one (a flush, a range release) is streamed to its file at once.
     Then the rows point at the new segment, the records it supersedes are dead, and a
     segment left without a live record is dropped.
@@ -66,9 +67,10 @@ from .writer import WriteJob
 
 __all__ = ["BEHIND_BYTES", "TOTALS", "Commit", "name_wal"]
 
-# seals up to this size (its records and the cleaning copies, at most CLEAN_UNITS seal units
-# of them unless a seal past the cleaner's slack copies more) are written in the background;
-# larger ones (a flush, a range release, such a seal) at once
+# seals up to this size, and up to a write buffer of the memory budget
+# (Segments.behind_bytes, budget.behind_records), are written in the background; larger
+# ones (a flush, a range release, a seal with many cleaning copies) at once, in chunks.
+# A cap only (tests set it to 0: no writer thread); the budget's buffer is what binds.
 BEHIND_BYTES = (2 + CLEAN_UNITS) * SEAL_BYTES
 _CHUNK_BYTES = 8 << 20   # records per pwrite of a seal
 # write counters kept over the store's life (committed with every flush, "totals")
@@ -189,7 +191,7 @@ class Commit:
         rec_bytes, stride, dtype = segs.rec_bytes, pool.stride, pool.dtype
         # the victims' live records are in memory (cleaner: read in the background), or
         # in their segment's mapping; each copy is checked against its sums first
-        if n * rec_bytes <= BEHIND_BYTES:
+        if n * rec_bytes <= min(BEHIND_BYTES, segs.behind_bytes):
             # write-behind (writer): gather the records into a buffer of the segment's
             # own, which serves its reads until the file is written and mapped
             recs = segs.seal_buffer(n)
@@ -197,7 +199,9 @@ class Commit:
             off = m
             for c in copies:
                 k = c.ks.shape[0]
-                recs[off:off + k] = c.records[c.idx]
+                # straight into the buffer, no temporary of k records (mode="clip": with
+                # the default "raise", numpy buffers ``out``); idx is in range by construction
+                np.take(c.records, c.idx, axis=0, out=recs[off:off + k], mode="clip")
                 check_records(c.seg, c.ks, recs[off:off + k])  # never copy damage
                 off += k
             recs.flags.writeable = False  # as the mapping that replaces it
@@ -217,6 +221,7 @@ class Commit:
                         blk = c.records[c.idx[lo:lo + chunk]]
                         check_records(c.seg, c.ks[lo:lo + chunk], blk)  # never copy damage
                         yield blk
+                        blk = None  # one chunk at a time (staging): not held past its write
 
             size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count)
             segs.map(path, sid, n)
@@ -320,7 +325,7 @@ class Commit:
             gen += 1
             manifest["index"] = index_name(gen)
             manifest["index_crc32"] = write_index(self.path / index_name(gen),
-                                                  self.pool.disk_locations())
+                                                  self.pool.disk_location_chunks())
             crash_point("flush-index")
         new_wal = self._start_wal() if self.wal_on else None
         fsync_dir(self.path)  # the new files' names are durable before the manifest is

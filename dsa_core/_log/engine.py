@@ -27,8 +27,9 @@ place of the row ids, then sets ``eng.count``; ``gather``/export use :meth:`LogE
 
 Memory budget
     ``memory_bytes`` is everything the store keeps in memory (``budget``): the index (8 bytes
-    per row, and 8 more for the copy a flush writes), the write buffers of the background
-    seals, the cleaning reads' buffers and a seal's staging (all sized from the seal unit),
+    per row), the write buffers of the background seals, the cleaning reads' buffers and a
+    seal's staging (all sized from the seal unit, and given to the writer and the cleaner
+    from the same ``budget`` functions),
     and the region's ``S`` slots with what is left. A batch of ``M`` rows needs ``S >= M``:
     :func:`check_memory` (called by :func:`create` and :func:`open` with ``max_batch``, and
     by every :meth:`LogEngine.acquire`) names the budget that would hold it.

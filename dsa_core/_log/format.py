@@ -233,6 +233,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
             record_sums(blk, sums[done:done + blk.shape[0]])
             off += blk.nbytes
             done += blk.shape[0]
+            blk = None  # not held while the next block is built (one chunk at a time)
             crash_point("seal-chunk")
         if done != n:
             raise ValueError(f"segment {seg_id}: {done} records written, {n} announced")
@@ -481,7 +482,7 @@ def write_index(path: Path, index) -> int:
 
     ``index``: the int64 locations of every row, as one array or as an iterable of arrays
     written one after the other (so that a flush need not build a second whole index in
-    memory: ``budget`` charges that copy until it does not)."""
+    memory: ``Pool.disk_location_chunks``)."""
     parts = [index] if isinstance(index, np.ndarray) else index
     crc, pos = 0, 0
     with _new_file(path) as fd:
@@ -492,6 +493,7 @@ def write_index(path: Path, index) -> int:
                 pwrite_all(fd, blk, pos)
                 pos += blk.nbytes
                 crc = zlib.crc32(blk, crc)
+            part = raw = blk = None  # not held while the next piece is built
         os.fsync(fd)
     return crc
 

@@ -46,7 +46,7 @@ from .._coalesce import _dedup, gather_rows
 from .._init import InitSpec, initial_records
 from .._pool import run_chunked
 from ..validation import as_index
-from .budget import check_memory
+from .budget import check_memory, index_piece_rows
 from .format import Segment, SegmentError
 from .segments import Segments
 
@@ -193,8 +193,22 @@ class Pool:
         lr = self.loc[rows]
         return self.segments.addresses(lr[lr > 0])
 
+    def disk_location_chunks(self, rows: int | None = None):
+        """:meth:`disk_locations` in pieces of at most ``rows`` rows (default: the budget's
+        ``index_piece_rows``), one at a time: a flush writes them in turn, so the memory
+        budget charges no second whole index."""
+        if rows is None:
+            rows = index_piece_rows(self.slots, self.stride * self.dtype.itemsize)
+        for lo in range(0, self.num_rows, rows):
+            hi = min(lo + rows, self.num_rows)
+            out = np.empty(hi - lo, np.int64)
+            _disk_index(self.loc[lo:hi], self.slot_disk, out)
+            yield out
+            out = None  # not held while the next piece is built
+
     def disk_locations(self) -> np.ndarray:
-        """The on-disk location of every row (what the index file holds)."""
+        """The on-disk location of every row (what the index file holds), as one array
+        (recovery and checks; a flush writes :meth:`disk_location_chunks`)."""
         out = np.empty(self.num_rows, np.int64)
         _disk_index(self.loc, self.slot_disk, out)
         return out

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from . import budget as _budget
 from .._os import (
     MADV_RANDOM,
     MADV_WILLNEED,
@@ -64,10 +65,13 @@ __all__ = ["CLEAN_GAP_BYTES", "CLEAN_HELD_BYTES", "CLEAN_READ_BYTES", "MADV_RAND
            "sample_uncached"]
 
 SAMPLE = 16         # misses probed with mincore before deciding to issue read-ahead
-# cleaning reads (CleaningReads): what they may hold and how they meet the disk
-WHOLE_MAX = 32 << 20         # a segment's live records read into a buffer up to this many bytes
-CLEAN_HELD_BYTES = 2 * WHOLE_MAX  # buffers of the reads held (done or running) at most
-CLEAN_READ_BYTES = 4 << 20   # one cleaning read request at most; one at a time
+# cleaning reads (CleaningReads): what they may hold and how they meet the disk. The sizes
+# are the budget's (budget.cleaning_limits scales them down for a small store); these are
+# the defaults of a CleaningReads of its own, and caps the cleaner applies on top of the
+# budget's (lowering one here, as a test or a benchmark may, lowers what the cleaner uses)
+WHOLE_MAX = _budget.WHOLE_MAX  # a segment's live records read into a buffer up to this
+CLEAN_HELD_BYTES = _budget.CLEAN_BUFFERS * WHOLE_MAX  # buffers held (done or running) at most
+CLEAN_READ_BYTES = _budget.CLEAN_READ_BYTES  # one cleaning read request at most; one at a time
 CLEAN_GAP_BYTES = 256 << 10  # dead bytes between two live records read through, not skipped
 
 
@@ -92,6 +96,13 @@ def _advise_spans(lo, hi, advice):
         madvise_addr(a, b - a, advice)
         calls += 1
     return calls
+
+
+@njit(cache=True, nogil=True)
+def _pick_rows(blk, ks, k_lo, out):
+    """``out[i] = blk[ks[i] - k_lo]`` (byte rows), with no temporary."""
+    for i in range(ks.shape[0]):
+        out[i, :] = blk[ks[i] - k_lo, :]
 
 
 def record_spans(addrs: np.ndarray, rec_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -235,12 +246,14 @@ def read_plan(ks: np.ndarray, rec_bytes: int, gap: int | None = None,
 
 
 class _Read:
-    """One segment's records read (or being read) for cleaning."""
+    """One segment's records read (or being read) for cleaning; ``nbytes``: what it holds
+    (its buffer and its record numbers)."""
 
-    __slots__ = ("fut", "ks", "out")
+    __slots__ = ("fut", "ks", "nbytes", "out")
 
     def __init__(self, ks: np.ndarray, out: np.ndarray, fut: Future):
         self.ks, self.out, self.fut = ks, out, fut
+        self.nbytes = out.nbytes + ks.nbytes
 
 
 class CleaningReads:
@@ -253,12 +266,15 @@ class CleaningReads:
     read of at most ``chunk`` bytes in the disk's queue and the steps' random reads keep
     theirs. ``now`` reads on the caller's thread instead (a seal that must not wait for the
     queue). Both refuse (False, None: nothing read) when the buffers held would exceed
-    ``held_bytes``; a buffer counts until ``release`` (its records were copied) or
+    ``held_bytes``; a read counts its buffer and its ``ks`` (8 bytes per record) until ``release`` (its records were copied) or
     ``forget`` (not needed: a running read ends on its own, its buffer counted until then).
     ``ready(sid)``: that read is done; ``get(sid)``: ``(buffer, ks)``, waiting for it.
 
-    Memory: at most ``held_bytes`` of buffers, plus the thread's request buffer (``chunk``
-    bytes) and, during :meth:`now`, one more of the caller's.
+    Memory: at most ``held_bytes`` of buffers and their ``ks``, plus the thread's request buffer and, during
+    :meth:`now`, one more of the caller's (each :attr:`request_bytes`: ``chunk`` in whole
+    records, at least one; used only by a request with dead records between live ones).
+    Nothing else of a record's size: the live records are picked out of a request buffer
+    straight into their own buffer. ``budget.cleaning_limits`` sizes both for a store.
 
     A segment file is immutable once written, so a buffer read at any time holds exactly its
     records. ``bytes_read`` and ``requests`` count what was read (both threads). Created per
@@ -286,19 +302,20 @@ class CleaningReads:
         rec = out.shape[1] * out.dtype.itemsize
         plan = read_plan(ks, rec, self.gap, self.chunk)
         flat = out.reshape(-1).view(np.uint8)
+        rows = flat.reshape(-1, rec)
         fd = os.open(path, os.O_RDONLY)
         try:
             for k_lo, k_hi, i_lo, i_hi in plan:
-                nbytes = (k_hi - k_lo) * rec
+                nbytes = (k_hi - k_lo) * rec  # at most request_bytes (read_plan's chunk)
                 if i_hi - i_lo == k_hi - k_lo:  # every record wanted: straight into out
                     _pread_full(fd, memoryview(flat[i_lo * rec:i_hi * rec]),
                                 offset + k_lo * rec, path)
                 else:
                     if scratch is None or scratch.nbytes < nbytes:
-                        scratch = np.empty(max(nbytes, self.chunk), np.uint8)
+                        scratch = np.empty(self.request_bytes(rec), np.uint8)
                     _pread_full(fd, memoryview(scratch[:nbytes]), offset + k_lo * rec, path)
-                    blk = scratch[:nbytes].view(out.dtype).reshape(k_hi - k_lo, -1)
-                    out[i_lo:i_hi] = blk[ks[i_lo:i_hi] - k_lo]
+                    _pick_rows(scratch[:nbytes].reshape(k_hi - k_lo, rec), ks[i_lo:i_hi],
+                               np.int64(k_lo), rows[i_lo:i_hi])
                 with self._count:
                     self.bytes_read += nbytes
                     self.requests += 1
@@ -306,9 +323,15 @@ class CleaningReads:
             os.close(fd)
         return out
 
+    def request_bytes(self, rec_bytes: int) -> int:
+        """The largest request (and request buffer) for records of ``rec_bytes``: ``chunk``
+        in whole records, at least one (``read_plan``)."""
+        return max(1, self.chunk // rec_bytes) * rec_bytes
+
     def _run(self, path: Path, offset: int, ks: np.ndarray, out: np.ndarray) -> np.ndarray:
+        rec = out.shape[1] * out.dtype.itemsize
         if self._scratch is None:  # the thread's own request buffer, reused
-            self._scratch = np.empty(self.chunk, np.uint8)
+            self._scratch = np.empty(self.request_bytes(rec), np.uint8)
         return self._read(path, offset, ks, out, self._scratch)
 
     def _purge(self) -> None:
@@ -317,7 +340,12 @@ class CleaningReads:
             ended = [r for r in self._dropping if r.fut.done()]
             for r in ended:
                 self._dropping.remove(r)
-                self.held -= r.out.nbytes
+                self.held -= r.nbytes
+
+    @staticmethod
+    def cost(ks: np.ndarray, stride: int, dtype) -> int:
+        """What a read of the records ``ks`` holds: its buffer and ``ks``."""
+        return ks.shape[0] * stride * np.dtype(dtype).itemsize + ks.nbytes
 
     def room(self, nbytes: int) -> bool:
         """Whether a buffer of ``nbytes`` more stays within ``held_bytes``."""
@@ -328,7 +356,7 @@ class CleaningReads:
               dtype) -> bool:
         if sid in self._reads:
             return True
-        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
+        if not self.room(self.cost(ks, stride, dtype)):
             return False
         out = np.empty((ks.shape[0], stride), dtype)
         try:
@@ -336,7 +364,7 @@ class CleaningReads:
         except RuntimeError:  # the pool is shut (interpreter exit): read now instead
             return False
         self._reads[sid] = _Read(ks, out, fut)
-        self.held += out.nbytes
+        self.held += self._reads[sid].nbytes
         return True
 
     def now(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
@@ -344,13 +372,13 @@ class CleaningReads:
         """Read the records ``ks`` on the caller's thread into a buffer held as a read of
         ``sid`` (``release`` it); None, nothing read, when it would exceed ``held_bytes``."""
         self.forget(sid)
-        if not self.room(ks.shape[0] * stride * np.dtype(dtype).itemsize):
+        if not self.room(self.cost(ks, stride, dtype)):
             return None
         out = self._read(path, offset, ks, np.empty((ks.shape[0], stride), dtype), None)
         fut: Future = Future()
         fut.set_result(out)
         self._reads[sid] = _Read(ks, out, fut)
-        self.held += out.nbytes
+        self.held += self._reads[sid].nbytes
         return out
 
     def has(self, sid: int) -> bool:
@@ -386,7 +414,7 @@ class CleaningReads:
         """The buffer of ``sid``'s read is not used any more."""
         r = self._reads.pop(sid, None)
         if r is not None:
-            self.held -= r.out.nbytes
+            self.held -= r.nbytes
 
     def forget(self, sid: int) -> None:
         """Drop a read not needed any more; a running one ends on its own, and its buffer
@@ -394,7 +422,7 @@ class CleaningReads:
         r = self._reads.pop(sid, None)
         if r is not None:
             if r.fut.cancel() or r.fut.done():
-                self.held -= r.out.nbytes
+                self.held -= r.nbytes
             else:
                 self._dropping.append(r)
 

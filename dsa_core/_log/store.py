@@ -47,10 +47,10 @@ def region_memory(layout: Any, rows: int) -> int:
     """The smallest ``memory=`` of a log store whose region holds ``rows`` records.
 
     ``layout`` is a ``State`` or its ``state.layout``. ``memory=`` is all the memory the
-    store keeps: the index of the table (16 bytes per row: the row locations and the copy a
-    flush writes), each record slot (the record plus 42 bytes of bookkeeping), and buffers
-    that grow with the region (background writes, cleaning reads, a seal's staging; at most
-    about 270 MiB together). One step's distinct rows must fit in the region.
+    store keeps: the index of the table (8 bytes per row: the row locations), each record
+    slot (the record plus 42 bytes of bookkeeping), and buffers that grow with the region
+    (background writes, cleaning reads, a seal's staging; at most about 210-250 MiB
+    together, docs/storage.md "Memory"). One step's distinct rows must fit in the region.
 
     >>> import tempfile, dsa_core
     >>> s = dsa_core.create(tempfile.mkdtemp() + "/t", 1000, 8, storage="log", memory="1MiB")
@@ -367,7 +367,7 @@ class LogStore:
             "memory_cleaning_buffers_bytes": parts["cleaning_buffers"],
             "memory_staging_bytes": parts["staging"],
             "memory_note": "memory= (the budget above) is all the memory the store keeps, in "
-            "these parts: the index (16 bytes per row: the row locations and a flush's copy), "
+            "these parts: the index (8 bytes per row: the row locations), "
             f"the region ({parts['slots']:,} record slots), the background writes' buffers, "
             "the cleaning reads' buffers, and a seal's staging; the page cache of the segment "
             "files comes on top (reclaimable)",

@@ -405,7 +405,7 @@ def test_convert_overwrite_and_live_writers(tmp_path, capsys):
 
 
 def test_info_and_verify_on_a_log_store(tmp_path, capsys):
-    mem = 6316  # 30 slots (and their buffers): seals, cleaning
+    mem = 6092  # 30 slots (and their buffers): seals, cleaning
     _trained(tmp_path / "s", steps=30, storage="log", memory=mem)
     assert main(["info", str(tmp_path / "s"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

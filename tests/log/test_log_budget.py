@@ -49,12 +49,17 @@ def test_the_parts_add_up_to_the_budget_and_memory_for_is_the_smallest(lay):
         assert p["total"] <= mem < budget.memory_for(lay, p["slots"] + 1)
         assert p["total"] == sum(p[k] for k in ("index", "region", "write_buffers",
                                                 "cleaning_buffers", "staging"))
-        assert p["index"] == 16 * lay["num_rows"]
+        assert p["index"] == 8 * lay["num_rows"]
         assert p["region"] == p["slots"] * (rb + budget.SLOT_OVERHEAD)
         assert p["seal_unit"] == budget.seal_unit_for(p["slots"], rb)
-        # each kind of buffer: two of two seal units, at most 128 MiB together
-        assert p["write_buffers"] == p["cleaning_buffers"] == 4 * p["seal_unit"] * rb
+        # write buffers: two of two seal units, at most 128 MiB together
+        assert p["write_buffers"] == 4 * p["seal_unit"] * rb
         assert p["write_buffers"] <= 4 * budget.SEAL_BYTES
+        # cleaning: two victims' buffers of at most a write buffer (at most 32 MiB) and two
+        # request buffers of an eighth of that (at most 4 MiB, at least a record)
+        whole = min(32 << 20, 2 * p["seal_unit"] * rb)
+        request = max(rb, min(4 << 20, whole // 8) // rb * rb)
+        assert p["cleaning_buffers"] == 2 * whole + 2 * request <= 72 << 20
     # a large budget goes to the region: the buffers stop growing at 32 MiB seal units
     big = budget.split(BIG, 64 << 30)
     assert big["region"] > 0.99 * ((64 << 30) - big["index"]) - (300 << 20)
@@ -144,9 +149,7 @@ def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, mo
 
     monkeypatch.setattr(_log_writer, "write_segment", slow_write)
     s = _create(tmp_path / "slow", space_ratio=1.2)
-    segs = s.store.engine._segments
-    # what commit writes behind here is at most a write buffer (budget.behind_records)
-    monkeypatch.setattr(_log.commit, "BEHIND_BYTES", segs.behind_bytes)
+    segs = s.store.engine._segments  # commit writes behind at most a write buffer's seal
     most, real_seal = [0], _log.commit.Commit.seal
 
     def counting_seal(self, *a, **kw):
@@ -197,7 +200,6 @@ def test_a_failed_write_found_by_a_waiting_seal_changes_nothing(tmp_path, monkey
     monkeypatch.setattr(_log_writer, "write_segment", flaky_write)
     monkeypatch.setattr(_log_segments.Segments, "settle_oldest", counting_oldest)
     s = _create(tmp_path / "flaky", space_ratio=1.2)
-    monkeypatch.setattr(_log.commit, "BEHIND_BYTES", s.store.engine._segments.behind_bytes)
     rng = np.random.default_rng(1)
     batches = [(rng.choice(4 * B, B, replace=False),
                 rng.standard_normal((B, D)).astype(np.float32)) for _ in range(100)]
@@ -328,3 +330,31 @@ def test_misses_are_copied_out_of_a_segment_in_bounded_pieces(tmp_path, monkeypa
     np.testing.assert_array_equal(got, want)
     assert pieces and max(pieces) <= 8 and sum(pieces) >= 4 * B
     dsa_core.close(s)
+
+
+def test_a_flush_writes_the_index_in_pieces_within_the_staging_share(tmp_path, monkeypatch):
+    """The budget charges 8 bytes per row for the index: a flush never builds a second whole
+    index, it writes pieces of at most the staging chunk, which make up the same file."""
+    s = _train(_create(tmp_path / "s", space_ratio=1.2), 20)
+    eng = s.store.engine
+    pool = eng._pool
+    whole = pool.disk_locations()
+    rows = budget.index_piece_rows(pool.slots, eng.rec_bytes)
+    assert rows * 8 <= budget.split(_layout(), eng.memory_bytes)["staging"]
+    assert [p.shape[0] for p in pool.disk_location_chunks()] == [min(rows, N)]
+    pieces = list(pool.disk_location_chunks(300))  # pieces make up the same index
+    assert [p.shape[0] for p in pieces] == [300] * 6 + [200]
+    np.testing.assert_array_equal(np.concatenate(pieces), whole)
+
+    def no_whole_index(self):
+        raise AssertionError("a flush built the whole index")
+
+    monkeypatch.setattr(_log.pool.Pool, "disk_locations", no_whole_index)
+    s = _train(s, 5)
+    dsa_core.flush(s)
+    monkeypatch.undo()
+    want = records(s)
+    dsa_core.close(s)
+    r = dsa_core.open(tmp_path / "s", mode="r")  # the index file read back whole, CRC checked
+    np.testing.assert_array_equal(records(r), want)
+    dsa_core.close(r)

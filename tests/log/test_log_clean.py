@@ -13,13 +13,16 @@ import errno
 import os
 import shutil
 import signal
+import threading
 import time
+import weakref
 import zlib
 
 import numpy as np
 import pytest
 
 from dsa_core import _layout, _log
+from dsa_core._log import budget
 from dsa_core._log import cleaner as _cleaner
 from dsa_core._log import commit as _commit
 from dsa_core._log import format as _format
@@ -185,6 +188,53 @@ def test_reads_ahead_cover_what_cleaning_copies(tmp_path):
     assert c.fallbacks == 0 and st["clean_waits"] == 0
     assert 0 < st["clean_read_bytes"] < c.victim_records * eng.rec_bytes  # less than whole
     assert st["clean_read_requests"] > 0
+    eng.close()
+
+
+class _Tracked:
+    """``numpy`` for ``read``: every array its ``np.empty`` makes (the cleaning reads'
+    buffers and request buffers) is counted while it lives; ``peak``: the most at once."""
+
+    def __init__(self):
+        self.live = self.peak = self.made = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def _gone(self, nbytes):
+        with self._lock:
+            self.live -= nbytes
+
+    def empty(self, *a, **k):
+        arr = np.empty(*a, **k)
+        with self._lock:
+            self.live += arr.nbytes
+            self.peak = max(self.peak, self.live)
+            self.made += 1
+        weakref.finalize(arr, self._gone, arr.nbytes)
+        return arr
+
+
+@pytest.mark.parametrize("regime", ["ready", "slow"])
+def test_cleaning_reads_stay_within_the_budgets_share(tmp_path, monkeypatch, regime):
+    """At a small budget, on a store aged to its bound, what the cleaning reads hold at any
+    moment (buffers read ahead or by a seal, and request buffers) is at most the
+    ``cleaning_buffers`` part of the budget's split."""
+    tracked = _Tracked()
+    monkeypatch.setattr(_read, "np", tracked)
+    if regime == "slow":  # reads still running when seals come: read now, forgotten reads
+        _slow_reads(monkeypatch)
+    eng = _create(tmp_path / "s")
+    share = budget.split(_lay(), eng.memory_bytes)["cleaning_buffers"]
+    assert share < _read.CLEAN_HELD_BYTES // 1000  # far below the cleaner's own defaults
+    ref = eng.read(np.arange(N))
+    _train(eng, ref, 1, 241, "uniform", join=regime == "ready", flush_every=60)
+    st = eng.stats()
+    assert st["cleaned_segments"] > 20 and st["clean_read_bytes"] > 0, st
+    assert st["clean_read_requests"] > st["cleaned_segments"]  # request buffers were used
+    assert tracked.made > 20 and 0 < tracked.peak <= share, (tracked.peak, share)
+    assert eng.verify() == []
     eng.close()
 
 

@@ -232,16 +232,24 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
 
 def test_region_accounting(tmp_path):
     lay = _layout_of("f32")
-    mem = 16 * lay["num_rows"] + 12345  # the index (8 B per row, and a flush's copy) first
+    mem = 8 * lay["num_rows"] + 12345  # the index (8 B per row) first
     eng = _log.create(tmp_path / "s", lay, memory_bytes=mem)
     S = eng.slots
     parts = budget.split(lay, mem)
     assert S == parts["slots"] and eng.seal_unit == parts["seal_unit"]
-    assert parts["index"] == 16 * lay["num_rows"]
+    assert parts["index"] == 8 * lay["num_rows"]
     assert parts["region"] == S * (lay["stride"] * 4 + _log.SLOT_OVERHEAD)
-    # the buffers: two write and two cleaning buffers of 2 seal units, a seal's staging
-    behind = 2 * eng.seal_unit * lay["stride"] * 4
-    assert parts["write_buffers"] == parts["cleaning_buffers"] == 2 * behind
+    # the buffers: two write buffers of 2 seal units; cleaning: two of those and two
+    # request buffers (an eighth of one, at least a record); a seal's staging
+    rb = lay["stride"] * 4
+    behind = 2 * eng.seal_unit * rb
+    assert parts["write_buffers"] == 2 * behind
+    assert parts["cleaning_buffers"] == 2 * behind + 2 * max(rb, behind // 8 // rb * rb)
+    # the cleaner's reads are given exactly that share
+    lim = eng._cleaner.limits
+    assert lim["held"] + 2 * lim["request"] == parts["cleaning_buffers"]
+    r = eng._cleaner._reader()
+    assert r.held_bytes == lim["held"] and r.request_bytes(rb) == lim["request"]
     assert parts["staging"] == min(8 << 20, S * lay["stride"] * 4) + 64 * 2 * eng.seal_unit
     assert parts["total"] <= mem < budget.memory_for(lay, S + 1)
     per_slot = sum(getattr(eng._pool, a).nbytes for a in ("slot_row", "slot_disk", "pin", "mark",
@@ -249,7 +257,7 @@ def test_region_accounting(tmp_path):
     assert per_slot == _log.SLOT_OVERHEAD
     assert eng.loc.nbytes == 8 * lay["num_rows"]
     with pytest.raises(ValueError, match="must pay for the index and at least one record"):
-        _log.create(tmp_path / "t", lay, memory_bytes=16 * lay["num_rows"] + 100)
+        _log.create(tmp_path / "t", lay, memory_bytes=8 * lay["num_rows"] + 100)
     assert eng.region.shape == (S, lay["stride"]) and eng.region.nbytes == S * lay["stride"] * 4
     eng.close()
 

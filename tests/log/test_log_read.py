@@ -268,13 +268,13 @@ def test_cleaning_reads_buffers_failures_and_bounds(tmp_path):
     np.testing.assert_array_equal(_log_read.read_file_into(f, 100, out), recs[:3])
     with pytest.raises(OSError, match="bytes short"):  # a truncated file is an error
         _log_read.read_file_into(f, 101 + recs.nbytes, out)
-    r = _log_read.CleaningReads(held_bytes=40 * 24, chunk=5 * 24, gap=2 * 24)
+    r = _log_read.CleaningReads(held_bytes=40 * 32, chunk=5 * 24, gap=2 * 24)
     try:
         ks = np.array([0, 1, 2, 7, 30, 31, 33, 63], np.int64)
         assert r.get(1) is None  # none started
         assert r.ahead(1, f, 100, ks, 6, np.float32)
         r.join()
-        assert r.ready(1) and r.held == ks.shape[0] * 24
+        assert r.ready(1) and r.held == ks.shape[0] * (24 + 8)  # records and their numbers
         buf, ks0 = r.get(1)  # from the read ahead
         np.testing.assert_array_equal(buf, recs[ks])
         assert ks0 is ks
@@ -285,16 +285,16 @@ def test_cleaning_reads_buffers_failures_and_bounds(tmp_path):
         assert r.held == 0 and not r.has(1)
         again = r.now(1, f, 100, ks[:2], 6, np.float32)  # read on this thread, held
         np.testing.assert_array_equal(again, recs[:2])
-        assert r.ready(1) and r.held == 2 * 24
+        assert r.ready(1) and r.held == 2 * 32
         r.release(1)
         many = np.arange(30, dtype=np.int64)
         assert r.ahead(2, f, 100, many, 6, np.float32)
         assert not r.ahead(3, f, 100, many[:11], 6, np.float32)  # past held_bytes: refused
         assert r.now(3, f, 100, many[:11], 6, np.float32) is None
-        assert r.ahead(3, f, 100, many[:10], 6, np.float32) and r.held == 40 * 24
+        assert r.ahead(3, f, 100, many[:10], 6, np.float32) and r.held == 40 * 32
         r.forget(2)
         r.join()
-        assert r.room(30 * 24) and r.held == 10 * 24 and not r.has(2)
+        assert r.room(30 * 32) and r.held == 10 * 32 and not r.has(2)
         gone = tmp_path / "gone"
         gone.write_bytes(f.read_bytes())
         r.ahead(5, gone, 100, ks, 6, np.float32)
