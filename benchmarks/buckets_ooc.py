@@ -558,7 +558,8 @@ def child_bucket(args, ram: bool = False) -> dict:
     t0 = time.perf_counter()
     io0, mf0 = disk_counters(), majfaults()
     stop = t0 + args.seconds if args.seconds > 0 else float("inf")
-    it = plan.batches(args.batch, negatives=args.negatives, stores=[st])
+    pool = {} if args.pool is None else {"pool": args.pool}
+    it = plan.batches(args.batch, negatives=args.negatives, stores=[st], **pool)
     buckets_done = 0
     for b in it:
         st, loss, r = skipgram_step(dsa_core, st, b.edges, b.negatives, args.lr)
@@ -617,6 +618,8 @@ def run_child(phase: str, a, scratch: Path, memcap: Path | None, capped: bool,
            "--chunk-edges", str(a.chunk_edges),
            "--seconds", str(a.random_seconds if phase == "random" else a.bucket_seconds),
            "--open-kw", json.dumps(open_kw or {})]
+    if a.pool is not None:
+        cmd += ["--pool", str(a.pool)]
     if capped:
         cmd = ["bash", str(memcap), a.cap, *cmd]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -649,6 +652,8 @@ def main(argv=None):
                     help="fit's reserve: memory the training process needs besides the "
                          "partitions (default: fit's own)")
     ap.add_argument("--max-buffer", type=int, default=8, help="fit's largest c")
+    ap.add_argument("--pool", type=int, default=None,
+                    help="plan.batches' pool= (the negatives' pool; default: the library's)")
     ap.add_argument("--partitions", type=int, default=None,
                     help="P (default: dsa_core.buckets.fit's)")
     ap.add_argument("--buffer", type=int, default=None,
