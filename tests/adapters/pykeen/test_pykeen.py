@@ -216,7 +216,7 @@ def _three_trainings(tmp: Path, how: str):
     return out
 
 
-@pytest.mark.parametrize("how", ["ram", "disk"])
+@pytest.mark.parametrize("how", [pytest.param("ram", marks=pytest.mark.slow), "disk"])
 def test_second_train_starts_afresh_and_continue_goes_on_as_sparseadam(tmp_path, how):
     base = _three_trainings(tmp_path / "b", "sparseadam")
     got = _three_trainings(tmp_path / how, how)

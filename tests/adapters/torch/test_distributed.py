@@ -714,7 +714,8 @@ def test_public_seams_only():
                     (name, ast.unparse(node))
 
 
-def test_two_and_three_processes(tmp_path):
+@pytest.mark.slow  # 36 s: three gloo launches; test_two_processes_log_shards_match_inplace
+def test_two_and_three_processes(tmp_path):  # keeps two processes in the default suite
     """2 and 3 gloo processes == one process; exact resume; refusal; dead rank; reshard."""
     import dsa_core
     from adapters.torch_dist import read_manifest
