@@ -31,7 +31,7 @@ __all__ = ["MADV_PAGEOUT", "MADV_POPULATE_READ", "MADV_RANDOM", "MADV_WILLNEED",
            "PAGE", "POSIX_FADV_WILLNEED", "SYNC_FILE_RANGE_WAIT_AFTER",
            "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory",
            "fadvise_fd", "fsync_path", "libc", "madvise_addr", "mincore_addr", "mmap_fn",
-           "munmap_fn", "preadv_all", "pwrite_all", "pwritev_all", "start_writeback",
+           "munmap_fn", "preadv_all", "preadv_fd", "pwrite_all", "pwritev_all", "start_writeback",
            "sync_file_range", "wait_written_back"]
 
 # the memory page size: the unit of madvise/mincore spans (4096 on x86-64)
@@ -154,12 +154,19 @@ def preadv_all(path: Path, offset: int, view: memoryview) -> None:
     (sequential ``preadv`` s); a file shorter than that is an ``OSError``."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        done, total = 0, len(view)
-        while done < total:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, f"{str(path)!r} ended at byte {offset + done}, "
-                              f"{total - done} bytes short of its records")
-            done += n
+        preadv_fd(fd, view, offset, path)
     finally:
         os.close(fd)
+
+
+def preadv_fd(fd: int, view: memoryview, offset: int, path: Path,
+              what: str = "its records") -> None:
+    """:func:`preadv_all` on an open descriptor ``fd`` of ``path`` (named in the error, which
+    says the file is ``... bytes short of <what>``)."""
+    done, total = 0, len(view)
+    while done < total:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"{str(path)!r} ended at byte {offset + done}, "
+                          f"{total - done} bytes short of {what}")
+        done += n

@@ -38,7 +38,6 @@ mappings stay valid until it has run.
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import threading
@@ -57,6 +56,7 @@ from .._os import (
     madvise_addr,
     mincore_addr,
     preadv_all,
+    preadv_fd,
 )
 
 __all__ = ["CLEAN_GAP_BYTES", "CLEAN_HELD_BYTES", "CLEAN_READ_BYTES", "MADV_RANDOM",
@@ -434,10 +434,4 @@ class CleaningReads:
 
 
 def _pread_full(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    done, total = 0, len(view)
-    while done < total:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"{str(path)!r} ended at byte {offset + done}, "
-                          f"{total - done} bytes short of the records to clean")
-        done += n
+    preadv_fd(fd, view, offset, path, "the records to clean")
