@@ -160,13 +160,15 @@ def preadv_all(path: Path, offset: int, view: memoryview) -> None:
 
 
 def preadv_fd(fd: int, view: memoryview, offset: int, path: Path,
-              what: str = "its records") -> None:
+              what: str = "its records") -> int:
     """:func:`preadv_all` on an open descriptor ``fd`` of ``path`` (named in the error, which
-    says the file is ``... bytes short of <what>``)."""
-    done, total = 0, len(view)
+    says the file is ``... bytes short of <what>``); returns the ``preadv`` calls made."""
+    done, total, calls = 0, len(view), 0
     while done < total:
         n = os.preadv(fd, [view[done:]], offset + done)
+        calls += 1
         if n <= 0:
             raise OSError(errno.EIO, f"{str(path)!r} ended at byte {offset + done}, "
                           f"{total - done} bytes short of {what}")
         done += n
+    return calls

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._init import InitSpec, initial_records
+from .._os import preadv_fd
 from .format import Segment, check_records
 from .read import advise
 
@@ -260,14 +261,8 @@ class Loader:
         dense = k1 - k0 == ks.shape[0]
         dst = out if dense else np.empty((k1 - k0, self.stride), self.dtype)
         view = memoryview(dst).cast("B")
-        done, total = 0, len(view)
-        while done < total:
-            got = os.preadv(fd, [view[done:]], pos + done)
-            self.stats["reads"] += 1
-            if got <= 0:
-                raise OSError(f"{str(seg.path)!r} ended at byte {pos + done}, "
-                              f"{total - done} bytes short of its records")
-            done += got
+        total = len(view)
+        self.stats["reads"] += preadv_fd(fd, view, pos, seg.path)
         self.stats["read_bytes"] += total
         if not dense:
             np.take(dst, ks - k0, axis=0, out=out)
