@@ -1203,24 +1203,6 @@ def _check_stores(stores, num_nodes: int) -> tuple:
     return stores
 
 
-def _region_rows(store, memory: int) -> int:
-    """The most rows a region of ``memory`` bytes holds: the largest ``r`` with
-    ``region_memory(store, r) <= memory`` (0 if none; the buffers grow with the region, so
-    the inverse is searched, not divided)."""
-    if dsa_core.region_memory(store, 1) > memory:
-        return 0
-    lo, hi = 1, 2
-    while dsa_core.region_memory(store, hi) <= memory:
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:  # region_memory(lo) <= memory < region_memory(hi)
-        mid = (lo + hi) // 2
-        if dsa_core.region_memory(store, mid) <= memory:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def _check_regions(stores: tuple, plan: Plan, batch_size: int, negatives: int) -> None:
     """Each store that keeps loaded rows in a memory region of its own (a log store: its
     ``memory_bytes``) must hold what the iterator loads at once -- the ``c`` resident
@@ -1239,7 +1221,7 @@ def _check_regions(stores: tuple, plan: Plan, batch_size: int, negatives: int) -
         need = dsa_core.region_memory(s, held + step)
         if have < need:
             mib = 1 << 20
-            slots = _region_rows(s, have)
+            slots = s.store.max_batch()  # the rows its region holds
             part = (slots - step) // k  # rows per partition that would fit
             c = plan.buffer
             smaller = (f"plan with partitions={-(-plan.num_nodes // part)} or more (buffer="
