@@ -335,6 +335,23 @@ class LogStore:
         else:
             self.engine.release_range(start, stop)
 
+    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
+        """:meth:`submit_range` for the sorted unique ``rows`` (``LogEngine.load_rows``,
+        ``LogEngine.release_rows``): pinned in the region beside the ranges, their records
+        read from where they lie; released at once, the dirty ones sealed in row order. A
+        read-only open reads them ahead into the page cache; a release does nothing."""
+        if self.mode != "r+":
+            if kind == "load" and rows.shape[0]:
+                self._read_ahead(rows, wait)
+            return
+        if kind == "load":
+            if rows.shape[0]:
+                self.engine.load_rows(rows)
+            if wait:
+                self.engine.wait_ranges()
+        else:
+            self.engine.release_rows(rows)
+
     def wait_ranges(self) -> None:
         if self.closed:
             raise closed_error(self)
