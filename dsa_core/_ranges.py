@@ -172,7 +172,10 @@ def release_range(state: Any, start: int, stop: int, *, wait: bool = False) -> N
 
 def _check_rows(st, rows: Any) -> np.ndarray:
     """The row set as the engines take it: sorted, unique int64 ids in ``[0, num_rows)``."""
-    arr = as_index(rows, st.num_rows, "rows")
+    arr = np.asarray(rows)
+    if arr.shape == (0,):  # [] reads as float64: no row, whatever the dtype
+        arr = arr.astype(np.int64)
+    arr = as_index(arr, st.num_rows, "rows")
     if arr.shape[0] > 1 and not (arr[1:] > arr[:-1]).all():
         arr = np.unique(arr)
     return arr

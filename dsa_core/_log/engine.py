@@ -300,7 +300,7 @@ class LogEngine:
         self._install_loaded()
         self._raise_load_error()
         pool = self._pool
-        self._check_pins(f"load_range({start}, {stop})", "ranges", "this one",
+        self._check_pins(f"load_range({start}, {stop})", "ranges and row sets", "this one",
                          pool.pinned_with(start, stop))
         pool.pin_range(start, stop)
         self._stats["range_loads"] += 1

@@ -123,3 +123,57 @@ def test_a_log_region_too_small_for_the_buffer_is_refused_up_front(tmp_path):
     st = s.store.engine.stats()
     assert st["range_pins_dropped"] == 0 and st["row_loads"] > 0
     dsa_core.close(s)
+
+
+def test_the_default_pool_is_in_a_log_region_while_its_state_trains(tmp_path):
+    """The negatives' pools (the default pool=, a proper subset of the nodes here) are loaded
+    into a small log store's region beside the partitions: every step finds its rows there
+    (no miss, no pin given up), each pool is resident while its state trains, and the batch
+    stream and the trained values are those of the same loop without stores."""
+    n, P8, d = 24_000, 8, 4
+    layout = {"num_rows": n, "stride": 3 * d, "dtype": "float32"}
+    edges = np.random.default_rng(5).integers(0, n, size=(6_000, 2))
+    p = buckets.plan(edges, n, partitions=P8, buffer=C, seed=4)
+    assert buckets.DEFAULT_POOL * 4 < n
+    slots = min(C + 1, P8) * (n // P8) + 2 * buckets.DEFAULT_POOL + B * (2 + K)
+    mem = log_memory(layout, slots)
+    out, streams = [], []
+    for name, use in (("with", True), ("without", False)):
+        s = dsa_core.create(tmp_path / name, n, d, init="normal", seed=3, lr=0.05,
+                            storage="log", memory=mem)
+        for lo in range(0, n, 400):  # every row written once, then handed back
+            s = dsa_core.step(s, np.arange(lo, lo + 400), np.full((400, d), 1e-3, np.float32))
+        dsa_core.release_range(s, 0, n, wait=True)
+        eng = s.store.engine
+        assert eng.slots < n
+        misses = eng.stats()["misses"]
+        it = p.batches(B, negatives=K, stores=[s] if use else ())
+        assert it.pool == buckets.DEFAULT_POOL
+        stream = []
+        for b in it:
+            stream.append((b.position, b.edges, b.negatives, b.pool, b.weight, b.partitions))
+            ids = np.concatenate([b.edges[:, 0], b.edges[:, 1], b.negatives.ravel()])
+            g = np.random.default_rng(int(ids.sum()) % 2**32).standard_normal((ids.shape[0], d))
+            s = dsa_core.step(s, ids, g.astype(np.float32))
+            if use:
+                assert dsa_core.residency(s, b.pool) == 1.0, b.position
+        st = eng.stats()
+        if use:
+            assert st["misses"] == misses  # no step read a pool row (or any row) itself
+            assert st["range_pins_dropped"] == 0
+            assert st["row_loads"] == len({bt[3].tobytes() for bt in stream}) > 2
+            assert st["range_pinned"] == 0  # everything released at the end
+            assert eng.verify() == []
+        else:
+            assert st["misses"] > misses
+        streams.append(stream)
+        out.append(s)
+    assert len(streams[0]) == len(streams[1])
+    for x, y in zip(*streams, strict=True):
+        assert x[0] == y[0] and x[5] == y[5]
+        for u, v in zip(x[1:5], y[1:5], strict=True):
+            np.testing.assert_array_equal(u, v)
+    a, b = (dsa_core.read_records(s, np.arange(n)) for s in out)
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    for s in out:
+        dsa_core.close(s)
