@@ -50,8 +50,8 @@ Concurrency
     the segment writer (``writer``: writes sealed segments; a segment is readable from its
     buffer until written), the cleaning reads (``read.CleaningReads``: read the live records
     of the next seals' victims into buffers), the range loads (``ranges.Loader``: read a
-    loaded range's records into staging buffers, which :meth:`LogEngine.acquire` and the
-    range calls install in the caller's thread) and, for ``LogStore``, the read-ahead of
+    loaded range's or row set's records into staging buffers, which :meth:`LogEngine.acquire`
+    and the range calls install in the caller's thread) and, for ``LogStore``, the read-ahead of
     future batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
@@ -290,9 +290,10 @@ class LogEngine:
         ones). No value changes: a row resident before its record arrives (maybe dirty) is
         kept as it is, one that moved meanwhile is read again from where it lies.
 
-        Raises ``ValueError``, changing nothing, unless the rows of the active ranges and
-        this one, plus the largest batch stepped since this open (at least 1; rows written
-        with :meth:`write` do not count), fit in the region; and first the error of an
+        Raises ``ValueError``, changing nothing, unless the rows of the active ranges and row
+        sets (:meth:`load_rows`) and this one -- their union --, plus the largest batch
+        stepped since this open (at least 1; rows written with :meth:`write` do not count),
+        fit in the region; and first the error of an
         earlier load that failed, once. A larger batch stepped later still steps: the pins
         yield to it (``range_pins_dropped`` counts that).
         """
@@ -362,8 +363,9 @@ class LogEngine:
     def release_range(self, start: int, stop: int) -> int:
         """End the load of ``[start, stop)`` (the equal active range, else every active
         range inside it) and :meth:`release` its rows that no other active range holds:
-        unpinned, the dirty ones sealed in row order, their slots freed. A load of it still
-        in flight stops; what it read is not installed. Returns the rows released."""
+        unpinned, the dirty ones sealed in row order, their slots freed; rows of an active row
+        set stay. A load of it still in flight stops; what it read is not installed. Returns
+        the rows released."""
         self._require_writable()
         self._install_loaded()
         self._raise_load_error()

@@ -404,10 +404,11 @@ class LogStore:
             "write_amplification_note": "written / updated (below 1: the region absorbed "
             "repeated updates of the same rows)",
             "summary": f"log store ({nseg} segment{'' if nseg == 1 else 's'})",
-            **{k: s[k] for k in ("range_loads", "range_records", "range_reads",
+            **{k: s[k] for k in ("range_loads", "row_loads", "range_records", "range_reads",
                                  "range_read_bytes", "range_mapped_records", "range_rereads",
                                  "range_pins_dropped", "misses")},
-            "range_note": "this open's range loads (load_range): rows put into the region, "
+            "range_note": "this open's range and row-set loads (load_range, load_rows): rows "
+            "put into the region, "
             "the sequential reads (syscalls, bytes), scattered records read through the "
             "mappings, rows read again because they moved, pins given up for a batch; "
             "misses: rows steps read from disk",
