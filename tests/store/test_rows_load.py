@@ -280,7 +280,7 @@ N, D, B = {N}, {D}, {B}
 kind, durability = {kind!r}, {durability!r}
 rng = np.random.default_rng(0)
 kw = dict(storage="log", memory=dsa_core.region_memory(
-    {{"num_rows": N, "stride": 3 * D, "dtype": "float32"}}, 2500)) if kind == "log" else \\
+    {{"num_rows": N, "stride": 3 * D, "dtype": "float32"}}, {slots})) if kind == "log" else \\
     dict(storage="inplace", access="disk")
 s = dsa_core.create({path!r}, N, D, init="normal", durability=durability, **kw)
 def steps(s, n, rows):
@@ -294,12 +294,12 @@ dsa_core.flush(s)
 np.save({flushed!r}, dsa_core.read_records(s, np.arange(N)))
 a = np.arange(0, N, 7)
 dsa_core.load_rows(s, a)
-if kind == "log" or durability == "step":  # an in-place store stepped since its last flush
-    s = steps(s, 10, a)                     # is refused at open (an unclean stop)
-dsa_core.load_rows(s, np.arange(3, N, 5))   # in flight, maybe
-if kind == "log" or durability == "step":
-    s = steps(s, 3, np.arange(3, N, 5))
+stepped = kind == "log" or durability == "step"  # an in-place store stepped since its last
+if stepped:                                      # flush is refused at open (an unclean stop)
+    s = steps(s, 13, a[:3000])  # (they wait for the load)
+dsa_core.release_rows(s, a)
 np.save({live!r}, dsa_core.read_records(s, np.arange(N)))
+dsa_core.load_rows(s, np.arange(3, N, 5))  # scattered, mostly never written: in flight
 print("loaded", s.count, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -308,18 +308,20 @@ os.kill(os.getpid(), signal.SIGKILL)
 @pytest.mark.parametrize("durability", ["flush", "step"])
 def test_kill_9_with_a_row_load_in_flight(tmp_path, kind, durability):
     """``durability="flush"``: exactly the last flush; ``"step"``: exactly the last step."""
+    n, slots = 200_000, 45_000  # rows enough for the last load to take a while
     script = textwrap.dedent(_SCRIPT.format(
-        N=N, D=D, B=B, kind=kind, durability=durability, path=str(tmp_path / "s"),
-        flushed=str(tmp_path / "flushed.npy"), live=str(tmp_path / "live.npy")))
+        N=n, D=D, B=B, kind=kind, durability=durability, path=str(tmp_path / "s"),
+        slots=slots, flushed=str(tmp_path / "flushed.npy"), live=str(tmp_path / "live.npy")))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     stepped = kind == "log" or durability == "step"
     live = 43 if stepped else 30
     assert proc.stdout.split() == ["loaded", str(live)]
-    kw = {"memory": log_memory(LAYOUT, 2500)} if kind == "log" else {}
+    lay = {"num_rows": n, "stride": 3 * D, "dtype": "float32"}
+    kw = {"memory": log_memory(lay, slots)} if kind == "log" else {}
     s = dsa_core.open(tmp_path / "s", **kw)
-    got, count = records(s), s.count
+    got, count = dsa_core.read_records(s, np.arange(n)), s.count
     if kind == "log":
         assert s.store.engine.verify() == []
     dsa_core.close(s)
@@ -329,3 +331,6 @@ def test_kill_9_with_a_row_load_in_flight(tmp_path, kind, durability):
     else:
         assert count == live
         np.testing.assert_array_equal(got, np.load(tmp_path / "live.npy"))
+    if stepped:  # the steps since the flush changed rows: the two states differ
+        assert not np.array_equal(np.load(tmp_path / "flushed.npy"),
+                                  np.load(tmp_path / "live.npy"))
