@@ -178,6 +178,9 @@ def _check_rows(st, rows: Any) -> np.ndarray:
     arr = as_index(arr, st.num_rows, "rows")
     if arr.shape[0] > 1 and not (arr[1:] > arr[:-1]).all():
         arr = np.unique(arr)
+    elif arr is rows:  # the engine keeps the set: never the caller's array, which may change
+        arr = arr.copy()
+    arr.flags.writeable = False
     return arr
 
 

@@ -334,3 +334,15 @@ def test_kill_9_with_a_row_load_in_flight(tmp_path, kind, durability):
     if stepped:  # the steps since the flush changed rows: the two states differ
         assert not np.array_equal(np.load(tmp_path / "flushed.npy"),
                                   np.load(tmp_path / "live.npy"))
+
+
+def test_the_store_keeps_its_own_copy_of_a_loaded_set(tmp_path):
+    """A caller that reuses its array after ``load_rows`` changes nothing the store holds."""
+    s = _create(tmp_path / "log", "log", slots=900)
+    rows = np.arange(100, 400, dtype=np.int64)  # sorted, unique, int64: taken as it is
+    dsa_core.load_rows(s, rows, wait=True)
+    rows[:] = np.arange(1000, 1300)  # the caller's buffer, refilled
+    dsa_core.release_rows(s, np.arange(100, 400))  # the set loaded is the one released
+    assert _stats(s)["range_pinned"] == 0 and s.store.engine._pool.row_sets == []
+    assert s.store.engine.verify() == []
+    dsa_core.close(s)
