@@ -32,8 +32,9 @@ Steps of the run:
    pages, a log store's records sealed in row order, as after an epoch) and the edges (uniform
    random (source, destination) pairs, an int32 memmap in the scratch directory). A store
    with a memory region of its own (a log store) is opened by both training phases with the
-   ``memory=`` the bucket order's iterator needs (``c + 1`` partitions beside a batch's rows:
-   what its error message asks a user to set); the same for both orders.
+   ``memory=`` the bucket order's iterator needs (``c + 1`` partitions and two negatives'
+   pools beside a batch's rows: what its error message asks a user to set); the same for
+   both orders.
 2. Buckets the edges (``buckets.plan(..., out=scratch)``) in a child process under the memory
    cap, timed on its own, before any timed phase.
 3. Measures the disk once it is quiet: sequential reads (1 MiB, ``O_DIRECT``) and 4 KiB random
@@ -63,9 +64,10 @@ num_edges=edges)`` (its largest c up to ``--max-buffer`` and the smallest P for 
 ``c + 1`` partitions and a bucket's edges fit in ``cap - reserve``); ``--partitions`` /
 ``--buffer`` fix P or c (fit then chooses the other, or checks both). A store whose region
 holds the partitions (a log store) is given to fit itself, with the batch size and the
-negatives: fit counts the ``memory=`` its region needs for ``c + 1`` partitions beside a
-batch's rows (``dsa_core.region_memory``: its index and its buffers included) instead of the
-partitions' records, and both training phases open the store with that ``memory=``.
+negatives: fit counts the ``memory=`` its region needs for ``c + 1`` partitions and the two
+negatives' pools the iterator loads (``--pool``) beside a batch's rows
+(``dsa_core.region_memory``: its index and its buffers included) instead of the partitions'
+records, and both training phases open the store with that ``memory=``.
 
 Writes ``benchmarks/results/buckets_ooc.{json,csv}`` for a run at the default sizes, otherwise
 ``<workdir>/buckets_ooc_<nodes>x<dim>.{json,csv}`` (``--results`` chooses the directory).
@@ -178,10 +180,12 @@ def record_bytes(dim: int) -> int:
 
 def choose_partitions(nodes: int, rec: int, cap: int, reserve: int, edges: int,
                       max_buffer: int, partitions: int | None, buffer: int | None,
-                      store: Path | None = None, batch: int = 0, k: int = 0):
+                      store: Path | None = None, batch: int = 0, k: int = 0,
+                      pool: int | None = None):
     """(P, c, rule text, the store's memory= or None) from ``dsa_core.buckets.fit`` (see the
     module doc); ``store``: a store with a memory region (a log store), given to fit itself,
-    which sizes its ``memory=`` for ``c + 1`` partitions beside a batch's rows."""
+    which sizes its ``memory=`` for ``c + 1`` partitions and two negatives' pools beside a
+    batch's rows."""
     import dsa_core
     from dsa_core import buckets
 
@@ -189,7 +193,8 @@ def choose_partitions(nodes: int, rec: int, cap: int, reserve: int, edges: int,
     try:
         f = buckets.fit([st if st is not None else (nodes, rec)], memory=cap, reserve=reserve,
                         num_edges=edges, partitions=partitions, buffer=buffer,
-                        max_buffer=max_buffer, batch_size=batch, negatives=k)
+                        max_buffer=max_buffer, batch_size=batch, negatives=k,
+                        pool=pool_rows(pool, k))
     except ValueError as exc:
         raise SystemExit(f"dsa_core.buckets.fit found no P and c for this cap: {exc}") from None
     finally:
@@ -248,20 +253,29 @@ def has_region(path: Path) -> bool:
         dsa_core.close(st)
 
 
+def pool_rows(pool: int | None, k: int) -> int:
+    """The negatives' pool the iterator draws (``--pool``, else the library's default; none
+    without negatives)."""
+    from dsa_core import buckets
+
+    return 0 if not k else buckets.DEFAULT_POOL if pool is None else pool
+
+
 def store_settings(path: Path, nodes: int, P: int, c: int, batch: int, k: int,
-                   memory: int | None) -> dict:
+                   memory: int | None, pool: int | None = None) -> dict:
     """The open keywords of the training phases: a store with a memory region of its own
-    gets ``memory`` (fit's ``store_memory``: ``min(c + 1, P)`` partitions beside
-    ``batch * (2 + k)`` rows, what the bucket order's iterator needs); an in-place store
-    none. Also the in-RAM phase's."""
+    gets ``memory`` (fit's ``store_memory``: ``min(c + 1, P)`` partitions and two negatives'
+    pools, the current state's and the next one's, beside ``batch * (2 + k)`` rows, what the
+    bucket order's iterator loads); an in-place store none. Also the in-RAM phase's."""
     import dsa_core
 
     st = dsa_core.open(path)
     try:
         if st.store.memory_bytes is None:
             return {"train": {}, "ram": {"access": "ram"}, "region_rows": 0}
-        part = -(-nodes // P)
-        rows = min(c + 1, P) * part + min(batch * (2 + k), nodes)
+        parts = min(c + 1, P) * -(-nodes // P)
+        pools = min(2 * pool_rows(pool, k), max(nodes - parts, 0))
+        rows = parts + pools + min(batch * (2 + k), nodes)
         assert memory == dsa_core.region_memory(st, rows), (memory, rows)
         return {"train": {"memory": memory},
                 "ram": {"memory": dsa_core.region_memory(st, nodes + min(batch * (2 + k),
@@ -747,15 +761,15 @@ def main(argv=None):
         region = scratch / "store" if has_region(scratch / "store") else None
         a.partitions, a.buffer, rule, store_mem = choose_partitions(
             a.nodes, rec, cap, reserve, a.edges, a.max_buffer, *fixed, store=region,
-            batch=a.batch, k=a.negatives)
+            batch=a.batch, k=a.negatives, pool=a.pool)
         print(rule, flush=True)
         kw = store_settings(scratch / "store", a.nodes, a.partitions, a.buffer, a.batch,
-                            a.negatives, store_mem)
+                            a.negatives, store_mem, a.pool)
         if kw["train"]:
             print(f"{kind} store: both orders open it with memory={kw['train']['memory']:,} "
                   f"({kw['train']['memory'] / 2**20:,.0f} MiB: a region of "
-                  f"{kw['region_rows']:,} rows, c + 1 partitions beside a batch's rows, as "
-                  "the iterator requires)", flush=True)
+                  f"{kw['region_rows']:,} rows, c + 1 partitions and two negatives' pools "
+                  "beside a batch's rows, as the iterator requires)", flush=True)
         ram_ok = not a.no_ram and mem_available() > 1.1 * table + (1 << 30)
         if not a.no_ram and not ram_ok:
             print(f"no in-RAM phase: {mem_available() / 2**30:.1f} GiB available, the table "

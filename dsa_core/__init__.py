@@ -24,7 +24,7 @@ from ._log.store import region_memory
 from ._paging import ACCESS_MODES, check_access, paging_limits
 from ._pool import get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
-from ._ranges import load_range, release_range, wait_ranges
+from ._ranges import load_range, load_rows, release_range, release_rows, wait_ranges
 from ._state import (
     StaleStateError,
     State,
@@ -81,6 +81,7 @@ __all__ = [
     "join",
     "get_num_threads",
     "load_range",
+    "load_rows",
     "open",
     "paging_limits",
     "prefetch",
@@ -89,6 +90,7 @@ __all__ = [
     "read_records",
     "region_memory",
     "release_range",
+    "release_rows",
     "remove",
     "residency",
     "restore",

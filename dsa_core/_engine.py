@@ -167,6 +167,17 @@ class Engine(Protocol):
         range's changes back sequentially and give its memory back. ``wait``: return once
         done. Never changes a value."""
 
+    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
+        """:meth:`submit_range` for a row set: ``rows`` sorted, unique, checked ids (maybe
+        none). ``kind="load"``: bring their records into the engine's memory in the
+        background, from where they lie (in place: their pages into the page cache, read at
+        queue depth; a log store: its region, pinned -- beside the loaded ranges -- until
+        the release; a ``ValueError``, before anything changes, when the union of what is
+        loaded cannot fit). ``kind="release"``: give that memory back (a log store: the
+        rows no other active load holds are unpinned, the dirty ones sealed, their slots
+        freed; in place: nothing is dropped). ``wait``: return once done. Never changes a
+        value."""
+
     def wait_ranges(self) -> None:
         """Until every load and release submitted so far is done; then raise the first
         error one met in the background, once."""

@@ -25,7 +25,8 @@ Order(P=4, c=2, buckets=16, loads=7, lower_bound=7)
 (1000, 5)
 
 With stores (``plan.batches(..., stores=[state])``) the iterator issues the loads and
-releases of each store's partitions itself. The user guide is ``docs/buckets.md``.
+releases of each store's partitions itself, and of the negatives' pools
+(``dsa_core.load_rows`` / ``dsa_core.release_rows``). The user guide is ``docs/buckets.md``.
 """
 
 from __future__ import annotations
@@ -277,10 +278,13 @@ class Plan:
             partitions, the same for every batch of the state (``Batch.pool``, sorted). A
             pool negative is uniform over the pool, so over the states uniform over all
             nodes: it restores what negatives restricted to the buffer lose (docs/buckets.md,
-            "Negatives"). With stores, the iterator prefetches the next state's pool
-            (``dsa_core.prefetch``) while the current state trains: ``2 * pool`` rows of
-            memory beside the partitions (``fit(..., pool=)`` counts them). ``0``: every
-            negative from the buffer (the behaviour before the pool existed).
+            "Negatives"). With stores, the iterator loads each state's pool with
+            ``dsa_core.load_rows`` (a log store pins it in its region like a partition) a
+            state ahead -- the next state's while the current one trains, both at the first
+            -- and releases it (``dsa_core.release_rows``) when its state ends: ``2 * pool``
+            rows of memory beside the partitions (``fit(..., pool=)`` counts them; a log
+            store's region must hold them, or the iterator refuses it up front). ``0``:
+            every negative from the buffer (the behaviour before the pool existed).
         pool_share : float or None
             In ``[0, 1]``: the probability that a negative comes from the pool (``0``: none
             does, as ``pool=0``; ``1``: all do, uniform over all nodes in expectation).
@@ -497,14 +501,16 @@ class Fit(NamedTuple):
         The memory it fitted into and the part of it left to the framework:
         ``buffer_bytes <= memory - reserve``.
     pool_bytes : int
-        The pool term of ``buffer_bytes``: the records of ``min(2 * pool, num_rows)`` rows
-        (the current buffer state's pool and the next one's, read ahead).
+        The pool term of ``buffer_bytes``: the records, in the tables held as page cache,
+        of ``min(2 * pool, num_rows)`` rows (the current buffer state's pool and the next
+        one's, loaded ahead). A log store's pools are in its ``store_memory``.
     store_memory : tuple of (int or None)
         Per table, the ``memory=`` to open it with when it is a log store (whose region
-        holds the loaded partitions: ``dsa_core.region_memory(state, min(c + 1, P) *
-        ceil(num_rows / P) + batch_size * (2 + negatives))``, the index and the store's
-        buffers included); None for an in-place store or a ``(num_rows, record_bytes)``
-        pair, whose partitions are counted as page cache. Their sum is part of
+        holds the loaded partitions and the two loaded pools: ``dsa_core.region_memory(
+        state, H + min(2 * pool, num_rows - H) + batch_size * (2 + negatives))`` with
+        ``H = min(c + 1, P) * ceil(num_rows / P)``, the index and the store's buffers
+        included); None for an in-place store or a ``(num_rows, record_bytes)`` pair,
+        whose partitions are counted as page cache. Their sum is part of
         ``buffer_bytes``.
     """
 
@@ -637,10 +643,12 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
         ``plan.bucket_sizes.max()`` is the real largest), ``min(c*c, P*P)`` buckets of
         them with ``mix="buffer"``.
     pool : int
-        The ``pool=`` of ``plan.batches`` (default: its default): the records of
-        ``min(2 * pool, num_rows)`` rows count too, two pools being held at a buffer
-        state's end (the current one and the next one, read ahead). Pass 0 for
-        ``pool=0``, ``pool_share=0`` or ``negatives=0``.
+        The ``pool=`` of ``plan.batches`` (default: its default): two pools are held at
+        once (this buffer state's and the next one's, loaded ahead), so the records of
+        ``min(2 * pool, num_rows)`` rows of the tables held as page cache count too, and a
+        log store's ``store_memory`` holds ``2 * pool`` more rows in its region (at most the
+        rows outside the partitions). Pass 0 for ``pool=0``, ``pool_share=0`` or
+        ``negatives=0``.
     batch_size, negatives : int
         The ``plan.batches`` arguments: a log store's region must hold one step's rows,
         ``batch_size * (2 + negatives)`` node ids, beside the partitions. Required when a
@@ -689,7 +697,8 @@ negatives' pools 12.0 MiB) within memory 4,096 MiB - reserve 512 MiB
     cols = _int(columns, "columns", 2)
     if cols > 3:
         raise ValueError(f"columns must be 2 or 3 (the edges' columns), got {cols}")
-    pool_b = min(2 * _int(pool, "pool", 0), N) * rec  # this state's pool and the next's
+    pool = _int(pool, "pool", 0)
+    pool_b = min(2 * pool, N) * paged  # this state's pool and the next's, as page cache
     P_fixed = None if partitions is None else _int(partitions, "partitions", 1)
     c_fixed = None if buffer is None else _int(buffer, "buffer", 2)
     if P_fixed is not None and P_fixed > N:
@@ -708,8 +717,9 @@ negatives' pools 12.0 MiB) within memory 4,096 MiB - reserve 512 MiB
                          "give more memory= or a smaller reserve=")
     avail = total - held
 
-    def store_memory(P: int, c: int) -> tuple:
-        rows = min(c + 1, P) * -(-N // P) + step
+    def store_memory(P: int, c: int) -> tuple:  # a log store's region holds the pools too
+        parts = min(c + 1, P) * -(-N // P)
+        rows = parts + _pool_rows_held(pool, parts, N) + step
         return tuple(None if t is None else dsa_core.region_memory(t, max(rows, 1))
                      for t in regioned)
 
@@ -841,7 +851,7 @@ class BatchIterator:
             raise TypeError(f"pad must be True or False, got {pad!r} ({type(pad).__name__})")
         self.pad = bool(pad)
         self.stores = _check_stores(stores, plan.num_nodes)
-        _check_regions(self.stores, plan, self.batch_size, self.negatives)
+        _check_regions(self.stores, plan, self.batch_size, self.negatives, self.pool)
         self._groups_of: dict[int, tuple] = {}
         self._pools: dict[tuple, np.ndarray] = {}
         self._pos = self._start(start)
@@ -1010,6 +1020,7 @@ class BatchIterator:
         by_bucket = self.mix == "bucket"
         e0, k0, t0 = self._pos
         loaded: set[int] = set()  # partitions loaded (or being) and not released since
+        pools: dict = {}  # negatives' pools loaded (or being) and not released: key -> rows
 
         def load(p):
             loaded.add(p)
@@ -1051,10 +1062,19 @@ class BatchIterator:
                         target = min(ahead & loaded or ahead, default=None)
                         for p in sorted(loaded - here - {target}):
                             release(p)
+                        # the negatives' pools: this state's (loaded a state ahead, or now at
+                        # the first) and the next state's, loaded now; the ended state's goes
+                        keep = self._pool_keys(e, s, end)
+                        for key in [key for key in pools if key not in keep]:
+                            self._pool_hint(dsa_core.release_rows, pools.pop(key))
                         for p in sorted(here - loaded):
                             load(p)
                         if target is not None and target not in loaded:
                             load(target)
+                        for key in keep:
+                            if key not in pools:
+                                pools[key] = self._pool_rows(*key)
+                                self._pool_hint(dsa_core.load_rows, pools[key])
                         # bucket by bucket, when each partition leaving at the next swap is
                         # last needed (by its edges, or by every batch's negatives); the one
                         # the swap after brings back is kept instead. Mixed over the state,
@@ -1076,7 +1096,6 @@ class BatchIterator:
                         rsz = bounds[res + 1] - bounds[res]
                         rcum = np.concatenate([[0], np.cumsum(rsz)])
                         pool_ids = self._pool_rows(e, s)
-                        self._prefetch_pools(e, s, end, with_this=(e, k) == (e0, k0))
                     n = int(group_n[g])
                     if not n:
                         continue
@@ -1115,6 +1134,8 @@ class BatchIterator:
         finally:  # the end, close() or garbage collection: hand back what is held
             for p in sorted(loaded):
                 release(p, skip_closed=True)
+            for rows in pools.values():
+                self._pool_hint(dsa_core.release_rows, rows, skip_closed=True)
 
     # -- the negatives' pool -----------------------------------------------------------
     def _pool_rows(self, e: int, s: int) -> np.ndarray:
@@ -1137,27 +1158,26 @@ class BatchIterator:
             self._pools[e, s] = got
         return got
 
-    def _prefetch_pools(self, e: int, s: int, end: int, with_this: bool) -> None:
-        """Ask each store to read ahead the pool of the state after ``(e, s)`` (and this
-        state's too with ``with_this``: at the first state, nobody asked before)."""
+    def _pool_keys(self, e: int, s: int, end: int) -> list:
+        """The pools the stores hold from buffer state ``(e, s)`` on: this state's and the
+        next one's (none past the end), as keys of :meth:`_pool_rows`; none without stores
+        or a pool. A pool of every row is the same at every state: held once."""
         if not (self.pool and self.stores):
-            return
-        wanted = [(e, s)] if with_this else []
-        if self.pool >= self.plan.num_nodes:  # every row, every state: asked for once
-            self._prefetch_rows(wanted)
-            return
+            return []
+        if self.pool >= self.plan.num_nodes:
+            return [(self.epoch, 0)]  # every row: any key gives them
+        keys = [(e, s)]
         if s + 1 < len(self.plan._epoch_order(e)[2]):
-            wanted.append((e, s + 1))
+            keys.append((e, s + 1))
         elif e + 1 < end:
-            wanted.append((e + 1, 0))
-        self._prefetch_rows(wanted)
+            keys.append((e + 1, 0))
+        return keys
 
-    def _prefetch_rows(self, keys: list) -> None:
-        for key in keys:
-            rows = self._pool_rows(*key)
-            for st in self.stores:
-                if not st.store.closed:
-                    dsa_core.prefetch(st, rows)
+    def _pool_hint(self, fn, rows: np.ndarray, skip_closed: bool = False) -> None:
+        """``fn`` (``dsa_core.load_rows`` / ``release_rows``) of a pool on every store."""
+        for st in self.stores:
+            if not (skip_closed and st.store.closed):
+                fn(st, rows)
 
     def _after(self, e: int, s: int, end: int) -> tuple[set, set]:
         """The two buffer states after state ``s`` of epoch ``e`` (crossing into the next
@@ -1203,16 +1223,21 @@ def _check_stores(stores, num_nodes: int) -> tuple:
     return stores
 
 
-def _check_regions(stores: tuple, plan: Plan, batch_size: int, negatives: int) -> None:
+def _check_regions(stores: tuple, plan: Plan, batch_size: int, negatives: int,
+                   pool: int = 0) -> None:
     """Each store that keeps loaded rows in a memory region of its own (a log store: its
     ``memory_bytes``) must hold what the iterator loads at once -- the ``c`` resident
-    partitions and the one read ahead, ``min(c + 1, P)`` of the largest -- beside one step's
-    rows (``batch_size * (2 + negatives)`` node ids at most); else say what to set, before
-    anything is loaded. A store without a region (in place: the page cache) is not checked
-    here (``fit`` sizes P and c for it)."""
+    partitions and the one read ahead, ``min(c + 1, P)`` of the largest, and the negatives'
+    pools of two buffer states (this one's and the next one's, ``2 * pool`` rows, at most
+    the rows outside the partitions) -- beside one step's rows (``batch_size * (2 +
+    negatives)`` node ids at most); else say what to set, before anything is loaded. A store
+    without a region (in place: the page cache) is not checked here (``fit`` sizes P and c
+    for it)."""
     sizes = np.sort(np.diff(plan.bounds))[::-1]
     k = min(plan.buffer + 1, plan.num_partitions)
-    held = int(sizes[:k].sum())
+    parts = int(sizes[:k].sum())
+    pools = _pool_rows_held(pool, parts, plan.num_nodes)
+    held = parts + pools
     step = min(batch_size * (2 + negatives), plan.num_nodes)
     for n, s in enumerate(stores):
         have = s.store.memory_bytes
@@ -1222,16 +1247,30 @@ def _check_regions(stores: tuple, plan: Plan, batch_size: int, negatives: int) -
         if have < need:
             mib = 1 << 20
             slots = s.store.max_batch()  # the rows its region holds
-            part = (slots - step) // k  # rows per partition that would fit
+            part = (slots - step - 2 * pool) // k  # rows per partition that would fit
             c = plan.buffer
             smaller = (f"plan with partitions={-(-plan.num_nodes // part)} or more (buffer="
                        f"{c}), " if part >= 1 and -(-plan.num_nodes // part) >= c else "")
+            with_pools = "" if not pool else (
+                f" and the negatives' pools of two buffer states (this one's and the next "
+                f"one's: 2 * pool = {2 * pool:,} rows" + (
+                    f", of which only the {pools:,} outside the partitions count)"
+                    if pools < 2 * pool else ")"))
+            fewer = ("pass a smaller pool= (pool=0: every negative from the buffer), "
+                     if pool else "")
             raise ValueError(
                 f"stores[{n}] ({str(s.path)!r}) keeps the partitions it loads in a memory "
                 f"region of {have / mib:,.1f} MiB (memory={have}: {slots:,} rows), but this "
                 f"iteration holds {k} partitions at once (c = {c} resident and the next one "
-                f"read ahead: {held:,} rows) beside one step's rows (batch_size * (2 + "
-                f"negatives) = {step:,}): that needs memory={need} ({need / mib:,.1f} MiB). "
+                f"read ahead: {parts:,} rows){with_pools}, {held:,} rows in all, beside one "
+                f"step's rows (batch_size * (2 + negatives) = {step:,}): that needs "
+                f"memory={need} ({need / mib:,.1f} MiB). "
                 f"Reopen the store with dsa_core.open(path, memory={need}) or more, "
-                f"{smaller}or take a smaller batch; dsa_core.buckets.fit chooses P and c "
-                "for the memory the process may use")
+                f"{smaller}{fewer}or take a smaller batch; dsa_core.buckets.fit (pass it "
+                "pool=) chooses P and c for the memory the process may use")
+
+
+def _pool_rows_held(pool: int, parts: int, num_rows: int) -> int:
+    """The rows two negatives' pools of ``pool`` rows add to ``parts`` partition rows held
+    in a region: ``2 * pool``, at most the rows outside the partitions."""
+    return min(2 * pool, max(num_rows - parts, 0))

@@ -1,4 +1,5 @@
-"""Range load / release of an in-place store: its ``submit_range`` and ``wait_ranges``.
+"""Range load / release of an in-place store: its ``submit_range``, ``submit_rows`` and
+``wait_ranges``.
 
 The public calls (``dsa_core.load_range`` / ``release_range`` / ``wait_ranges``) check their
 arguments in ``dsa_core._ranges`` and hand the range to the store; this module is what an
@@ -14,6 +15,11 @@ before it is needed and written back **sequentially** when it is done:
   store (``MADV_RANDOM``: its faults read 4 KiB each) is read with large ``pread`` calls on a
   private descriptor first; a "ram" store is populated through the mapping alone, whose
   huge-page read-ahead reads and maps 2 MiB folios.
+- ``load_rows`` (a row set, e.g. partition-ordered training's negatives' pool): the pages of
+  the rows asked for at once (``POSIX_FADV_WILLNEED``, at queue depth), then mapped
+  (``MADV_POPULATE_READ``) on the same thread, in the same queue as the ranges;
+  ``release_rows`` does nothing beyond reporting errors (and waiting, with ``wait=True``): the
+  pages stay cached until the kernel reclaims them (``submit_mapped_rows``).
 - ``release_range``: ``sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`` writes the dirty
   pages of the range in file order; then ``madvise(MADV_PAGEOUT)`` on the mapped range and
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the byte range let the kernel drop the (now clean)
@@ -45,18 +51,22 @@ from typing import Any
 
 from .._engine import closed_error
 from .._layout import HEADER_BYTES
+import numpy as np
+
 from .._os import (
     MADV_PAGEOUT,
     MADV_POPULATE_READ,
     PAGE,
+    POSIX_FADV_WILLNEED,
     SYNC_FILE_RANGE_WAIT_AFTER,
     SYNC_FILE_RANGE_WAIT_BEFORE,
     SYNC_FILE_RANGE_WRITE,
     madvise_addr,
 )
 from .._os import sync_file_range as _sync_file_range
+from .readahead import _advise_rows
 
-__all__ = ["RangeWorker", "submit_mapped", "wait_mapped"]
+__all__ = ["RangeWorker", "page_runs", "submit_mapped", "submit_mapped_rows", "wait_mapped"]
 
 LOAD_CHUNK = 8 << 20      # bytes per pread of a load (one reused buffer)
 RELEASE_CHUNK = 64 << 20  # bytes written back and dropped per release step
@@ -70,14 +80,17 @@ _closed_error = closed_error
 
 
 class _Request:
-    __slots__ = ("kind", "start", "stop", "huge", "done")
+    __slots__ = ("kind", "start", "stop", "huge", "done", "rows")
 
-    def __init__(self, kind: str, start: int, stop: int, huge: bool = False):
+    def __init__(self, kind: str, start: int, stop: int, huge: bool = False, rows=None):
         self.kind, self.start, self.stop = kind, start, stop
         self.huge = huge  # the store is mapped "ram" (huge folios): load through the mapping
+        self.rows = rows  # kind "rows": the sorted unique rows of a load_rows
         self.done = threading.Event()
 
     def __repr__(self) -> str:
+        if self.kind == "rows":
+            return f"load_rows({self.rows.shape[0]:,} rows in [{self.start}, {self.stop}))"
         name = {"load": "load_range", "release": "release_range"}.get(self.kind, self.kind)
         return f"{name}(rows [{self.start}, {self.stop}))"
 
@@ -134,8 +147,8 @@ class RangeWorker:
         self._thread.start()
 
     # -- caller side -------------------------------------------------------------------------
-    def submit(self, kind: str, start: int, stop: int, st) -> _Request:
-        req = _Request(kind, start, stop, getattr(st, "access", "") == "ram")
+    def submit(self, kind: str, start: int, stop: int, st, rows=None) -> _Request:
+        req = _Request(kind, start, stop, getattr(st, "access", "") == "ram", rows)
         with self._cv:
             if self._stopping:
                 raise _closed_error(st)
@@ -190,6 +203,8 @@ class RangeWorker:
                         self._load(req.start, req.stop, req.huge)
                     elif req.kind == "release":
                         self._release(req.start, req.stop)
+                    elif req.kind == "rows":
+                        self._load_rows(req.rows)
                 except BaseException as exc:  # reported by the next call on this store
                     with self._cv:
                         if self._error is None:
@@ -257,6 +272,36 @@ class RangeWorker:
                 self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
             off = end
 
+    def _load_rows(self, rows) -> None:
+        """Read the pages of the sorted unique ``rows`` in: every page run asked for at once
+        (``POSIX_FADV_WILLNEED``, the read-ahead's ``_advise_rows``: reads at queue depth),
+        then each run mapped (``MADV_POPULATE_READ``, which waits for its pages), or read
+        with ``pread`` where the kernel cannot populate; done when every page is cached."""
+        if not rows.shape[0]:
+            return
+        _advise_rows(self._fd, rows, HEADER_BYTES, self._rec, PAGE, POSIX_FADV_WILLNEED,
+                     False)
+        lo, hi = page_runs(rows, self._rec)
+        lo, hi = lo * PAGE, np.minimum(hi * PAGE, self._map_end)
+        buf = None
+        for n in range(lo.shape[0]):
+            if self._stopping:
+                return
+            off, end = int(lo[n]), int(hi[n])
+            if self._can_populate:
+                self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
+            if not self._can_populate:  # read them (the page cache keeps them)
+                end = min(end, self._file_bytes)
+                if buf is None or len(buf) < end - off:
+                    buf = memoryview(bytearray(max(end - off, PAGE)))
+                pos = off
+                while pos < end:
+                    k = os.preadv(self._fd, [buf[:end - pos]], pos)
+                    if k <= 0:
+                        break
+                    pos += k
+            self.loaded_bytes += end - off
+
     def _inner(self, start: int, stop: int) -> tuple[int, int]:
         """The file bytes of rows [start, stop), narrowed inward to whole pages: the pages
         that hold no byte of a row outside the range (those a release may drop)."""
@@ -320,6 +365,45 @@ def submit_mapped(st: Any, kind: str, start: int, stop: int, wait: bool) -> None
         req.done.wait()
         w.raise_error()
 
+
+
+def page_runs(rows, rec_bytes: int):
+    """``(lo, hi)``: the runs of consecutive file pages ``[lo, hi)`` (page numbers) that hold
+    the records of the sorted ``rows``, neighbouring and shared pages merged."""
+    start = HEADER_BYTES + rows.astype(np.int64) * rec_bytes
+    first = start // PAGE
+    last = (start + rec_bytes - 1) // PAGE + 1  # exclusive; non-decreasing as rows are sorted
+    new = np.ones(rows.shape[0], bool)
+    new[1:] = first[1:] > last[:-1]  # a gap of at least one page before this record
+    heads = np.flatnonzero(new)
+    tails = np.append(heads[1:], rows.shape[0]) - 1
+    return first[heads], last[tails]
+
+
+def submit_mapped_rows(st: Any, kind: str, rows, wait: bool) -> None:
+    """The row-set calls of an in-place store (its ``submit_rows``). A load is queued on
+    the range thread (``RangeWorker._load_rows``: the rows' pages read into the page cache
+    and mapped). A release drops nothing: the rows' pages stay cached like any page a step
+    touched, until the kernel reclaims them -- dropping a scattered row's page would drop
+    the rows sharing it too (of a loaded partition, say), and the page cache writes the
+    changes back by itself; ``wait`` waits for the requests queued before it."""
+    if kind != "load":
+        if wait:
+            wait_mapped(st)
+            return
+        w = _worker(st, create=False)
+        if w is not None:
+            w.raise_error()
+        return
+    w = _worker(st, create=rows.shape[0] > 0)
+    if w is not None:
+        w.raise_error()
+    if not rows.shape[0] or w is None:
+        return
+    req = w.submit("rows", int(rows[0]), int(rows[-1]) + 1, st, rows)
+    if wait:
+        req.done.wait()
+        w.raise_error()
 
 
 def wait_mapped(st: Any) -> None:

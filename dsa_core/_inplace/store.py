@@ -66,7 +66,7 @@ from .._layout import (
 from .._paging import _RAM_STORES, auto_access, check_access
 from .._pool import run_chunked
 from .readahead import Prefetcher, mapped_residency
-from .ranges import submit_mapped, wait_mapped
+from .ranges import submit_mapped, submit_mapped_rows, wait_mapped
 from .._settings import remembered
 from ..validation import check_memory_arg
 
@@ -657,6 +657,9 @@ class Store:
 
     def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
         submit_mapped(self, kind, start, stop, wait)
+
+    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
+        submit_mapped_rows(self, kind, rows, wait)
 
     def wait_ranges(self) -> None:
         wait_mapped(self)

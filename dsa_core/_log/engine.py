@@ -50,8 +50,8 @@ Concurrency
     the segment writer (``writer``: writes sealed segments; a segment is readable from its
     buffer until written), the cleaning reads (``read.CleaningReads``: read the live records
     of the next seals' victims into buffers), the range loads (``ranges.Loader``: read a
-    loaded range's records into staging buffers, which :meth:`LogEngine.acquire` and the
-    range calls install in the caller's thread) and, for ``LogStore``, the read-ahead of
+    loaded range's or row set's records into staging buffers, which :meth:`LogEngine.acquire`
+    and the range calls install in the caller's thread) and, for ``LogStore``, the read-ahead of
     future batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
@@ -102,7 +102,7 @@ __all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "gather_recor
 
 _STATS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
           "file_bytes_written", "acquires", "misses", "evicted_clean", "range_loads",
-          "range_records", "range_rereads", "range_pins_dropped")
+          "range_records", "range_rereads", "range_pins_dropped", "row_loads")
 
 
 def _forward(component: str, name: str, doc: str) -> property:
@@ -290,9 +290,10 @@ class LogEngine:
         ones). No value changes: a row resident before its record arrives (maybe dirty) is
         kept as it is, one that moved meanwhile is read again from where it lies.
 
-        Raises ``ValueError``, changing nothing, unless the rows of the active ranges and
-        this one, plus the largest batch stepped since this open (at least 1; rows written
-        with :meth:`write` do not count), fit in the region; and first the error of an
+        Raises ``ValueError``, changing nothing, unless the rows of the active ranges and row
+        sets (:meth:`load_rows`) and this one -- their union --, plus the largest batch
+        stepped since this open (at least 1; rows written with :meth:`write` do not count),
+        fit in the region; and first the error of an
         earlier load that failed, once. A larger batch stepped later still steps: the pins
         yield to it (``range_pins_dropped`` counts that).
         """
@@ -300,26 +301,58 @@ class LogEngine:
         self._install_loaded()
         self._raise_load_error()
         pool = self._pool
-        pinned = pool.pinned_with(start, stop)
+        self._check_pins(f"load_range({start}, {stop})", "ranges and row sets", "this one",
+                         pool.pinned_with(start, stop))
+        pool.pin_range(start, stop)
+        self._stats["range_loads"] += 1
+        self._submit_job(start, stop)
+
+    def load_rows(self, rows: np.ndarray) -> None:
+        """Bring the sorted unique ``rows`` (checked ids, at least one) into the region and
+        keep them there until :meth:`release_rows`: :meth:`load_range` for a row set.
+
+        The set is *active* from now on, beside the ranges (``Pool.row_sets``): its resident
+        rows are pinned, its other rows' records are read in the background from where they
+        lie (per segment in file order; scattered records at queue depth) and installed,
+        clean and pinned, as a range's are. Refused as :meth:`load_range` (``ValueError``,
+        nothing changed) unless the union of the active ranges, the active row sets and
+        these rows, plus the largest batch stepped since this open, fits in the region.
+        """
+        self._require_writable()
+        self._install_loaded()
+        self._raise_load_error()
+        pool = self._pool
+        n = rows.shape[0]
+        self._check_pins(f"load_rows of {n:,} rows", "ranges and row sets", "these rows",
+                         pool.pinned_with(rows=rows))
+        pool.pin_rows(rows)
+        self._stats["row_loads"] += 1
+        self._submit_job(int(rows[0]), int(rows[-1]) + 1, rows)
+
+    def _check_pins(self, what: str, loads: str, this: str, pinned: int) -> None:
+        """Refuse a load whose ``pinned`` rows (the union of what stays loaded with it) and
+        the largest batch do not fit in the region (a ``ValueError`` that says what to set);
+        nothing has changed yet."""
         room = max(self._max_batch, 1)
         if pinned + room > self.slots:
             need = memory_for(self.layout, pinned + room)
             raise ValueError(
-                f"log store {str(self.path)!r}: load_range({start}, {stop}) cannot keep its "
-                f"rows in the memory region: the loaded ranges not yet released and this one "
+                f"log store {str(self.path)!r}: {what} cannot keep its "
+                f"rows in the memory region: the loaded {loads} not yet released and {this} "
                 f"cover {pinned} rows and a step needs room for {room} more (the largest "
                 f"batch stepped since the store was opened), {pinned + room} in all, but "
                 f"the region holds {self.slots} rows (memory={self.memory_bytes} bytes). "
-                f"Nothing was changed. Release a range first (dsa_core.release_range), "
-                f"load smaller ranges, or reopen the "
-                f"store with memory={need} or more (dsa_core.region_memory(state, "
+                f"Nothing was changed. Release a range or row set first "
+                f"(dsa_core.release_range, dsa_core.release_rows), load fewer rows, or "
+                f"reopen the store with memory={need} or more (dsa_core.region_memory(state, "
                 f"{pinned + room})); for partition-ordered training dsa_core.buckets.fit "
                 "chooses P and c that fit")
-        pool.pin_range(start, stop)
-        self._stats["range_loads"] += 1
+
+    def _submit_job(self, start: int, stop: int, rows: np.ndarray | None = None) -> None:
+        """Plan the reads of a load just made active and queue them on the loader."""
         self._job_seq += 1
-        job = plan_job(self._job_seq, start, stop, pool.loc, self._segments, self.init,
-                       self._records_offset)
+        job = plan_job(self._job_seq, start, stop, self._pool.loc, self._segments, self.init,
+                       self._records_offset, rows)
         if job.files or job.ready or job.fresh is not None:
             if self._loader is None or self._loader.pid != os.getpid():
                 self._jobs.clear()  # a forked child: its parent's loads are not its own
@@ -330,18 +363,37 @@ class LogEngine:
     def release_range(self, start: int, stop: int) -> int:
         """End the load of ``[start, stop)`` (the equal active range, else every active
         range inside it) and :meth:`release` its rows that no other active range holds:
-        unpinned, the dirty ones sealed in row order, their slots freed. A load of it still
-        in flight stops; what it read is not installed. Returns the rows released."""
+        unpinned, the dirty ones sealed in row order, their slots freed; rows of an active row
+        set stay. A load of it still in flight stops; what it read is not installed. Returns
+        the rows released."""
         self._require_writable()
         self._install_loaded()
         self._raise_load_error()
         for job in self._jobs.values():
-            if start <= job.start and job.stop <= stop:
+            if job.rows is None and start <= job.start and job.stop <= stop:
                 job.cancelled = True
         pool = self._pool
         pool.unpin_range(start, stop)
         rows = np.arange(start, stop, dtype=np.int64)
-        if pool.ranges:
+        if pool.loads_active:
+            rows = rows[~pool.in_ranges(rows)]
+        return pool.release(rows, self._commit.seal_all)
+
+    def release_rows(self, rows: np.ndarray) -> int:
+        """End the load of the sorted unique ``rows`` (the equal active row set, else every
+        active row set inside them) and :meth:`release` those of them that no active range
+        or row set still holds: unpinned, the dirty ones sealed together in row order,
+        their slots freed. A load of an ended set still in flight stops. Returns the rows
+        released."""
+        self._require_writable()
+        self._install_loaded()
+        self._raise_load_error()
+        pool = self._pool
+        ended = pool.unpin_rows(rows)
+        for job in self._jobs.values():
+            if job.rows is not None and any(job.rows is r for r in ended):
+                job.cancelled = True
+        if pool.loads_active:
             rows = rows[~pool.in_ranges(rows)]
         return pool.release(rows, self._commit.seal_all)
 
@@ -373,8 +425,7 @@ class LogEngine:
         miss = r[self._pool.loc[r] >= 0]
         if not miss.shape[0]:
             return
-        waits = {j.id for j in self._jobs.values() if not j.cancelled
-                 and ((miss >= j.start) & (miss < j.stop)).any()}
+        waits = {j.id for j in self._jobs.values() if not j.cancelled and j.covers(miss).any()}
         if waits:
             self._install_loaded(wait_for=waits)
 
@@ -575,6 +626,7 @@ class LogEngine:
             else self._loader.stats["mapped_records"],
             "range_pinned": self._pool.range_pinned,
             "range_pins_dropped": st["range_pins_dropped"],
+            "row_loads": st["row_loads"],
             "total_user_bytes": t_user,
             "total_written_bytes": t_written,
             "total_file_bytes_written": tot["file_bytes_written"],

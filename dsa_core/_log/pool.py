@@ -30,6 +30,12 @@ Range pins
     not fit beside the pinned slots (a caller that skipped ``load_range``'s check), the
     range pins yield (``range_pins_dropped``): a step never fails because of a load.
 
+    A row set loaded with ``dsa_core.load_rows`` is pinned the same way until its
+    ``release_rows``: ``row_sets`` holds the active sets (sorted unique arrays, one per
+    load), ``row_union`` their union; :meth:`Pool.in_ranges` and :meth:`Pool.pinned_with`
+    count the union of the active ranges and row sets (``searchsorted`` on sorted arrays),
+    so a row held by both stays pinned until neither holds it.
+
 The pool never writes a file: sealing is ``commit``'s, with the slots and marks kept here.
 """
 
@@ -52,7 +58,46 @@ from .segments import Segments
 
 __all__ = ["RANGE_PIN", "Pool", "gather_records"]
 
-RANGE_PIN = -1  # ``pin`` of a slot held by an active loaded range (epochs are > 0)
+RANGE_PIN = -1  # ``pin`` of a slot held by an active loaded range or row set (epochs > 0)
+_NO_ROWS = np.empty(0, np.int64)
+
+
+def _merged(spans) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, hi)``: the union of the ``(start, stop)`` spans as sorted disjoint spans."""
+    spans = sorted((lo, hi) for lo, hi in spans if hi > lo)
+    out: list[list[int]] = []
+    for lo, hi in spans:
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    arr = np.array(out, np.int64).reshape(-1, 2)
+    return arr[:, 0].copy(), arr[:, 1].copy()
+
+
+def _in_spans(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Whether each of ``rows`` lies in one of the sorted disjoint spans ``[lo, hi)``."""
+    if not lo.shape[0]:
+        return np.zeros(rows.shape[0], bool)
+    k = np.searchsorted(lo, rows, side="right") - 1
+    return (k >= 0) & (rows < hi[np.maximum(k, 0)])
+
+
+def _in_sorted(rows: np.ndarray, sorted_rows: np.ndarray) -> np.ndarray:
+    """Whether each of ``rows`` is one of the sorted ``sorted_rows``."""
+    if not sorted_rows.shape[0]:
+        return np.zeros(rows.shape[0], bool)
+    k = np.minimum(np.searchsorted(sorted_rows, rows), sorted_rows.shape[0] - 1)
+    return sorted_rows[k] == rows
+
+
+def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The union of two sorted unique row arrays (sorted, unique)."""
+    if not a.shape[0]:
+        return b
+    if not b.shape[0]:
+        return a
+    return np.union1d(a, b)
 
 
 @njit(cache=True, nogil=True)
@@ -150,6 +195,8 @@ class Pool:
         self.seal_epoch = 0  # one per seal: marks the slots going into it
         self.loc = np.zeros(self.num_rows, np.int64)
         self.ranges: list[tuple[int, int]] = []  # active loaded ranges, in load order
+        self.row_sets: list[np.ndarray] = []     # active loaded row sets (sorted, unique)
+        self.row_union = _NO_ROWS                # their union (sorted, unique)
         self.range_pinned = 0                    # slots with pin == RANGE_PIN
 
     def check_batch(self, batch: int) -> None:
@@ -269,7 +316,7 @@ class Pool:
         self.slot_row[mslots] = mrows
         self.slot_disk[mslots] = old
         self.loc[mrows] = -mslots - 1
-        if self.ranges:  # rows of a loaded range read before its load came: pinned too
+        if self.loads_active:  # rows of an active load read before its load came: pinned
             held = mslots[self.in_ranges(mrows)]
             self.pin[held] = RANGE_PIN
             self.range_pinned += held.shape[0]
@@ -351,23 +398,50 @@ class Pool:
         self.nfree += k
 
     # -- range pins and loaded records (``ranges``) --------------------------------------------
-    def in_ranges(self, rows: np.ndarray, ranges=None) -> np.ndarray:
-        """Whether each of ``rows`` lies in one of ``ranges`` (default: the active ones)."""
-        held = np.zeros(rows.shape[0], bool)
-        for lo, hi in self.ranges if ranges is None else ranges:
-            held |= (rows >= lo) & (rows < hi)
-        return held
+    @property
+    def loads_active(self) -> bool:
+        """Whether a loaded range or row set is active (its rows are pinned)."""
+        return bool(self.ranges or self.row_sets)
 
-    def pinned_with(self, start: int, stop: int) -> int:
-        """Rows the active ranges and ``[start, stop)`` cover together (their union)."""
-        spans = sorted([*self.ranges, (start, stop)])
-        total, end = 0, -1
-        for lo, hi in spans:
-            if hi <= end:
-                continue
-            total += hi - max(lo, end)
-            end = hi
+    def in_ranges(self, rows: np.ndarray, ranges=None) -> np.ndarray:
+        """Whether each of ``rows`` lies in one of ``ranges`` (default: the active ranges and
+        row sets). Sorted arrays and ``searchsorted``: no Python loop over rows."""
+        if ranges is None:
+            lo, hi = _merged(self.ranges)
+            held = _in_spans(rows, lo, hi)
+            if self.row_union.shape[0]:
+                held |= _in_sorted(rows, self.row_union)
+            return held
+        lo, hi = _merged(ranges)
+        return _in_spans(rows, lo, hi)
+
+    def pinned_with(self, start: int = 0, stop: int = 0, rows: np.ndarray | None = None
+                    ) -> int:
+        """Rows the active ranges and row sets cover together with ``[start, stop)`` and
+        the sorted unique ``rows`` (their union)."""
+        lo, hi = _merged([*self.ranges, (start, stop)])
+        total = int((hi - lo).sum())
+        extra = self.row_union if rows is None else _union(self.row_union, rows)
+        if extra.shape[0]:
+            total += int(np.count_nonzero(~_in_spans(extra, lo, hi)))
         return total
+
+    def _pin_resident(self, rows: np.ndarray) -> None:
+        """Pin the slots of the resident ones of ``rows`` that are not pinned yet."""
+        lr = self.loc[rows]
+        slots = -lr[lr < 0] - 1
+        slots = slots[self.pin[slots] >= 0]
+        self.pin[slots] = RANGE_PIN
+        self.range_pinned += slots.shape[0]
+
+    def _unpin_free(self, rows: np.ndarray) -> None:
+        """Unpin the resident ones of ``rows`` that no active range or row set holds."""
+        lr = self.loc[rows]
+        res = np.flatnonzero(lr < 0)
+        slots = -lr[res] - 1
+        free = (self.pin[slots] < 0) & ~self.in_ranges(rows[res])
+        self.pin[slots[free]] = 0
+        self.range_pinned -= int(np.count_nonzero(free))
 
     def pin_range(self, start: int, stop: int) -> None:
         """``[start, stop)`` becomes active: its resident rows are pinned from now on, and so
@@ -381,7 +455,8 @@ class Pool:
 
     def unpin_range(self, start: int, stop: int) -> None:
         """``[start, stop)`` is released: the active range equal to it (else every active
-        range inside it) ends; its rows that no other active range holds are unpinned."""
+        range inside it) ends; its rows that no other active range or row set holds are
+        unpinned."""
         if (start, stop) in self.ranges:
             self.ranges.remove((start, stop))
         else:
@@ -392,6 +467,30 @@ class Pool:
         free = (self.pin[slots] < 0) & ~self.in_ranges(res + start)
         self.pin[slots[free]] = 0
         self.range_pinned -= int(np.count_nonzero(free))
+
+    def pin_rows(self, rows: np.ndarray) -> None:
+        """The sorted unique ``rows`` become an active row set: pinned like a range's rows
+        (resident ones now, the others as they become resident) until :meth:`unpin_rows`."""
+        self.row_sets.append(rows)
+        self.row_union = _union(self.row_union, rows)
+        self._pin_resident(rows)
+
+    def unpin_rows(self, rows: np.ndarray) -> list[np.ndarray]:
+        """The sorted unique ``rows`` are released: the active row set equal to them (else
+        every active row set inside them) ends; their rows that no other active range or row
+        set holds are unpinned. Returns the row sets that ended."""
+        same = [n for n, r in enumerate(self.row_sets) if np.array_equal(r, rows)]
+        if same:
+            ended = [same[0]]
+        else:
+            ended = [n for n, r in enumerate(self.row_sets)
+                     if r.shape[0] and _in_sorted(r, rows).all()]
+        gone = [self.row_sets[n] for n in ended]
+        self.row_sets = [r for n, r in enumerate(self.row_sets) if n not in ended]
+        self.row_union = (np.unique(np.concatenate(self.row_sets)) if self.row_sets
+                          else _NO_ROWS)
+        self._unpin_free(rows)
+        return gone
 
     def drop_range_pins(self) -> None:
         """Unpin every slot (the ranges stay active: rows read later are pinned again)."""

@@ -1,5 +1,9 @@
 """Range loads of a log store: a range's on-disk records read sequentially, in the background.
 
+(Row sets -- ``dsa_core.load_rows``, ``LogEngine.load_rows`` -- are loaded the same way: the
+plan is built from the rows' locations, and their records, scattered over the segments, are
+mostly read through the scattered-records path below, at queue depth.)
+
 ``dsa_core.load_range(state, start, stop)`` on a log store (``LogEngine.load_range``) plans,
 in the caller's thread, where the records of the range's non-resident rows lie: per segment,
 the record indices sorted (records that were sealed together lie together: a partition
@@ -58,7 +62,9 @@ STAGED = 4              # staging chunks held at once (read, not installed yet)
 
 @dataclass
 class Job:
-    """One ``load_range``: where its records lie (built by :func:`plan_job`)."""
+    """One ``load_range`` or ``load_rows``: where its records lie (built by
+    :func:`plan_job`). ``[start, stop)`` bounds its rows; ``rows`` is the sorted row set of
+    a ``load_rows`` (None for a range: every row of ``[start, stop)``)."""
 
     id: int
     start: int
@@ -69,23 +75,43 @@ class Job:
         default_factory=list)    # (rows, locs, records) copied already (pending segments)
     fresh: np.ndarray | None = None  # rows never written: their initial records
     cancelled: bool = False
+    rows: np.ndarray | None = None
+
+    def covers(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` is one of this job's rows."""
+        inside = (rows >= self.start) & (rows < self.stop)
+        if self.rows is None or not inside.any():
+            return inside
+        k = np.minimum(np.searchsorted(self.rows, rows), self.rows.shape[0] - 1)
+        return inside & (self.rows[k] == rows)
 
 
 def plan_job(job_id: int, start: int, stop: int, loc: np.ndarray, segments, init: InitSpec,
-             rec_off) -> Job:
-    """The reads of the non-resident rows of ``[start, stop)`` (``loc``: the pool's row
-    locations; ``rec_off(seg)``: where a segment's records start in its file)."""
-    job = Job(job_id, start, stop)
-    lr = loc[start:stop]
+             rec_off, rows: np.ndarray | None = None) -> Job:
+    """The reads of the non-resident rows of ``[start, stop)`` -- or, given ``rows`` (sorted,
+    unique, non-empty: a ``load_rows``), of those rows, with ``[start, stop)`` their bounds
+    -- (``loc``: the pool's row locations; ``rec_off(seg)``: where a segment's records start
+    in its file). Per segment the records are read in file order, whatever the rows."""
+    job = Job(job_id, start, stop, rows=rows)
+    if rows is None:
+        lr = loc[start:stop]
+
+        def ids(k):
+            return k + start
+    else:
+        lr = loc[rows]
+
+        def ids(k):
+            return rows[k]
     on = np.flatnonzero(lr > 0)
     never = np.flatnonzero(lr == 0)
     if never.shape[0]:
-        job.fresh = never + start
+        job.fresh = ids(never)
     if on.shape[0]:
         locs = lr[on]
         order = np.argsort(locs, kind="stable")
         locs = locs[order]
-        rows = on[order] + start
+        rws = ids(on[order])
         used = locs - 1
         sids = used >> 32
         ks = used & np.int64(0xFFFFFFFF)
@@ -94,9 +120,9 @@ def plan_job(job_id: int, start: int, stop: int, loc: np.ndarray, segments, init
             sid = int(sids[a])
             seg = segments.segs[sid]
             if sid in segments.pending or seg.sums is None:  # in memory: copy it now
-                job.ready.append((rows[a:b], locs[a:b], seg.records[ks[a:b]]))
+                job.ready.append((rws[a:b], locs[a:b], seg.records[ks[a:b]]))
             else:
-                job.files.append((seg, rec_off(seg), ks[a:b], rows[a:b], locs[a:b]))
+                job.files.append((seg, rec_off(seg), ks[a:b], rws[a:b], locs[a:b]))
     return job
 
 

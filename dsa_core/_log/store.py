@@ -335,6 +335,23 @@ class LogStore:
         else:
             self.engine.release_range(start, stop)
 
+    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
+        """:meth:`submit_range` for the sorted unique ``rows`` (``LogEngine.load_rows``,
+        ``LogEngine.release_rows``): pinned in the region beside the ranges, their records
+        read from where they lie; released at once, the dirty ones sealed in row order. A
+        read-only open reads them ahead into the page cache; a release does nothing."""
+        if self.mode != "r+":
+            if kind == "load" and rows.shape[0]:
+                self._read_ahead(rows, wait)
+            return
+        if kind == "load":
+            if rows.shape[0]:
+                self.engine.load_rows(rows)
+            if wait:
+                self.engine.wait_ranges()
+        else:
+            self.engine.release_rows(rows)
+
     def wait_ranges(self) -> None:
         if self.closed:
             raise closed_error(self)
@@ -387,10 +404,11 @@ class LogStore:
             "write_amplification_note": "written / updated (below 1: the region absorbed "
             "repeated updates of the same rows)",
             "summary": f"log store ({nseg} segment{'' if nseg == 1 else 's'})",
-            **{k: s[k] for k in ("range_loads", "range_records", "range_reads",
+            **{k: s[k] for k in ("range_loads", "row_loads", "range_records", "range_reads",
                                  "range_read_bytes", "range_mapped_records", "range_rereads",
                                  "range_pins_dropped", "misses")},
-            "range_note": "this open's range loads (load_range): rows put into the region, "
+            "range_note": "this open's range and row-set loads (load_range, load_rows): rows "
+            "put into the region, "
             "the sequential reads (syscalls, bytes), scattered records read through the "
             "mappings, rows read again because they moved, pins given up for a batch; "
             "misses: rows steps read from disk",

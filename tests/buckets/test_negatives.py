@@ -217,24 +217,42 @@ def test_fit_counts_two_pools():
                        partitions=base.partitions, pool=0) == base._replace(memory=tight)
 
 
-def test_with_stores_the_pools_are_prefetched_a_state_ahead(tmp_path, monkeypatch):
+def test_with_stores_the_pools_are_loaded_a_state_ahead_and_released(tmp_path, monkeypatch):
     N = 2000
     p = _plan(N=N, P=5, c=2, E=3000)
     s = dsa_core.create(tmp_path / "s", N, 4, storage="inplace")
-    asked: list[np.ndarray] = []
-    real = dsa_core.prefetch
-    monkeypatch.setattr(dsa_core, "prefetch",
-                        lambda st, rows, **kw: (asked.append(np.array(rows)), real(st, rows)))
+    calls: list[tuple[str, bytes]] = []
+    for name in ("load_rows", "release_rows"):
+        real = getattr(dsa_core, name)
+        monkeypatch.setattr(dsa_core, name, lambda st, rows, _n=name, _f=real, **kw: (
+            calls.append((_n, np.array(rows).tobytes())), _f(st, rows, **kw)))
     order = p.order(0)
     states = [b for n, b in enumerate(order.buffers) if n == 0 or order.buffers[n - 1] != b]
     got = list(p.batches(100, negatives=3, stores=[s], pool=30, mix="buffer"))
     dsa_core.wait_ranges(s)
     pools = list(dict.fromkeys(b.pool.tobytes() for b in got))
-    assert len(pools) == len(states)
-    # the first state's pool, then at each state the next one's, before its first batch
-    assert [a.tobytes() for a in asked] == pools
-    asked.clear()
+    assert len(pools) == len(states) > 2
+    # the first state's pool and the next one's; then at each state the next one's, after
+    # the ended state's is released; at the end the last one's is released
+    want = [("load_rows", pools[0]), ("load_rows", pools[1])]
+    for n in range(1, len(pools)):
+        want.append(("release_rows", pools[n - 1]))
+        if n + 1 < len(pools):
+            want.append(("load_rows", pools[n + 1]))
+    want.append(("release_rows", pools[-1]))
+    assert calls == want
+    calls.clear()
     list(p.batches(100, negatives=3, pool=30))  # no stores: nothing asked
     list(p.batches(100, negatives=0, stores=[s]))  # no negatives: no pool
-    assert asked == []
+    assert calls == []
+    # a pool of every row is the same at every state: loaded once, released at the end
+    it = p.batches(100, negatives=3, stores=[s], pool=N, epochs=2)
+    list(it)
+    every = np.arange(N).tobytes()
+    assert calls == [("load_rows", every), ("release_rows", every)]
+    calls.clear()
+    # stopped early: close() releases the pools held, like the partitions
+    with p.batches(100, negatives=3, stores=[s], pool=30) as it:
+        next(it)
+    assert [c[0] for c in calls] == ["load_rows", "load_rows", "release_rows", "release_rows"]
     dsa_core.close(s)

@@ -189,12 +189,13 @@ def test_buckets_with_a_log_store(tmp_path):
     rng = np.random.default_rng(0)
     edges = rng.integers(0, N, (600, 2))
     plan = buckets.plan(edges, N, partitions=4, buffer=2, seed=1)
-    # c + 1 partitions of N / 4 rows beside a batch of 32 edges with 2 negatives each
-    mem = log_memory(LAYOUT, 3 * (N // 4) + 32 * 4)
+    # c + 1 partitions of N / 4 rows and two negatives' pools of 20 rows beside a batch of 32
+    # edges with 2 negatives each
+    mem = log_memory(LAYOUT, 3 * (N // 4) + 2 * 20 + 32 * 4)
     runs = []
     for name, use in (("with", True), ("without", False)):
         s = dsa_core.create(tmp_path / name, N, D, init=parity_init(), storage="log", memory=mem)
-        it = plan.batches(32, negatives=2, stores=[s] if use else ())
+        it = plan.batches(32, negatives=2, stores=[s] if use else (), pool=20)
         for bt in it:
             ids = np.concatenate([bt.edges[:, 0], bt.edges[:, 1], bt.negatives.ravel()])
             g = np.ones((ids.shape[0], D), np.float32) * 0.1
