@@ -55,7 +55,7 @@ from . import read as _read
 from .budget import cleaning_limits
 from .format import Segment, crash_point, segment_geometry
 from .pool import Pool
-from .read import CleaningReads, advise
+from .read import CleaningReads, advise, advise_whole
 from .segments import Segments
 
 __all__ = ["AHEAD_SEALS", "CLEAN_UNITS", "POLICIES", "READ_LEAD_UNITS", "SLACK_UNITS",
@@ -109,6 +109,14 @@ def _live_records(seg_rows, base, loc, slot_disk, dirty, out):
             out[n] = k
             n += 1
     return n
+
+
+def _rows_ahead(seg: Segment) -> None:
+    """Ask for a victim's row ids all at once before scanning them: the segment is mapped
+    ``MADV_RANDOM`` (``format.map_segment``), so a scan of an uncached one would fault its
+    pages in one 4 KiB read at a time."""
+    if seg.sums is not None:  # in a file (a pending segment's are in memory)
+        advise_whole(seg.rows)
 
 
 class Copy:
@@ -238,6 +246,7 @@ class Cleaner:
         def take(sid: int) -> int:
             """Clean ``sid``: returns the records it frees (net of its copies)."""
             seg = segs.segs[sid]
+            _rows_ahead(seg)
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
             nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.loc,
@@ -313,6 +322,7 @@ class Cleaner:
             if not r.room(nbytes + 8 * int(segs.live[sid])):  # its buffer and record numbers
                 break  # the buffers are full: the reads of the next seals come first
             seg = segs.segs[sid]
+            _rows_ahead(seg)
             out = np.empty(seg.n, np.int64)
             n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.loc, pool.slot_disk,
                               pool.dirty, out)

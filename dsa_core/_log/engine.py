@@ -204,11 +204,13 @@ class LogEngine:
         self._pool.check_batch(batch)
 
     # -- reading ----------------------------------------------------------------------------
-    def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
+    def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """Where the on-disk records of ``rows`` (checked ids) lie, for read-ahead.
 
-        Returns ``(addresses, segments)``: the mapped address of the newest record of each
-        row that is neither resident nor never written, and the segments they lie in (hold
+        Returns ``(addresses, sums, segments)``: the mapped address of the newest record of
+        each row that is neither resident nor never written, the mapped addresses of those
+        records' sums that lie in a file (a read record is checked against its sum), and
+        the segments they lie in (hold
         them while the hint runs: their mappings stay valid). A hint only (``read``): a row
         that moves or becomes resident afterwards is still read correctly.
         """

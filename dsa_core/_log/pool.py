@@ -234,7 +234,7 @@ class Pool:
         self.initial_into(rows[never], out, never, cols)
         return out
 
-    def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
+    def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """Where the on-disk records of ``rows`` (checked ids) lie (see
         ``LogEngine.readahead``)."""
         lr = self.loc[rows]

@@ -143,12 +143,16 @@ def sample_uncached(addrs: np.ndarray, rec_bytes: int, k: int = SAMPLE) -> bool:
     return False
 
 
-def hint_uncached(addrs: np.ndarray, rec_bytes: int) -> int:
-    """Read ahead the records at ``addrs`` if a sample of them is not cached; returns the
+def hint_uncached(addrs: np.ndarray, rec_bytes: int, sums: np.ndarray | None = None) -> int:
+    """Read ahead the records at ``addrs`` if a sample of them is not cached, and then the
+    8-byte sums at ``sums`` too (each read record is checked against its sum); returns the
     syscalls made (0: the sample was cached, nothing issued)."""
     if addrs.shape[0] < 2 or not sample_uncached(addrs, rec_bytes):
         return 0
-    return advise(addrs, rec_bytes)
+    calls = advise(addrs, rec_bytes)
+    if sums is not None and sums.shape[0]:
+        calls += advise(sums, 8)
+    return calls
 
 
 class ReadAhead:
@@ -176,8 +180,8 @@ class ReadAhead:
             try:
                 if task is None:
                     return
-                addrs, _keep = task
-                self.calls += hint_uncached(addrs, self.rec_bytes)
+                addrs, sums, _keep = task
+                self.calls += hint_uncached(addrs, self.rec_bytes, sums)
                 self.tasks += 1
             except OSError:  # pragma: no cover - a hint that fails changes nothing
                 pass
@@ -185,9 +189,10 @@ class ReadAhead:
                 task = None
                 self._q.task_done()
 
-    def submit(self, addrs: np.ndarray, keep) -> None:
+    def submit(self, addrs: np.ndarray, keep, sums: np.ndarray | None = None) -> None:
+        """Queue the hint of the records at ``addrs`` (and of their sums at ``sums``)."""
         if addrs.shape[0]:
-            self._q.put((addrs, keep))
+            self._q.put((addrs, sums, keep))
 
     def join(self) -> None:
         self._q.join()

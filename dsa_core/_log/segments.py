@@ -63,6 +63,7 @@ class Segments:
         self.live = np.zeros(16, np.int64)          # live records per segment id
         self.seg_n = np.zeros(16, np.int64)         # records per segment id
         self.seg_addr = np.zeros(16, np.int64)      # address of its mapped records, 0: none
+        self.sum_addr = np.zeros(16, np.int64)      # address of its mapped sums, 0: none
         self.total_records = 0                      # records of the live segments
         self.live_total = 0                         # rows with an on-disk location
         self.committed: set[int] = set()            # segments the last manifest lists
@@ -77,7 +78,7 @@ class Segments:
         """Grow the per-id arrays to hold ``seg_id``."""
         if seg_id >= self.live.shape[0]:
             size = max(2 * self.live.shape[0], seg_id + 1)
-            for name in ("live", "seg_n", "seg_addr"):
+            for name in ("live", "seg_n", "seg_addr", "sum_addr"):
                 old = getattr(self, name)
                 new = np.zeros(size, np.int64)
                 new[:old.shape[0]] = old
@@ -88,11 +89,14 @@ class Segments:
         its records start."""
         seg = self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype, version)
         self.seg_addr[sid] = seg.records.__array_interface__["data"][0]
+        # a version-1 segment's sums are computed in memory: nothing of them to read
+        self.sum_addr[sid] = seg.sums.__array_interface__["data"][0] if version >= 2 else 0
 
     def add(self, seg: Segment) -> None:
         """A segment whose records are in memory (a pending write's buffer)."""
         self.segs[seg.id] = seg
         self.seg_addr[seg.id] = seg.records.__array_interface__["data"][0]
+        self.sum_addr[seg.id] = 0
 
     def sealed(self, sid: int, n: int) -> None:
         """Count the new segment ``sid`` of ``n`` records, all live, not yet fsync'd."""
@@ -118,6 +122,7 @@ class Segments:
         for sid in ids:
             seg = self.segs.pop(sid)
             self.seg_addr[sid] = 0
+            self.sum_addr[sid] = 0
             job = self.pending.pop(sid, None)
             if job is not None:  # let its write end before the file goes
                 self.wait_job(job)
@@ -150,7 +155,8 @@ class Segments:
         ks = used & LOW32
         # queue the reads of records not in the page cache all at once (queue depth), then
         # copy: the copy waits only for reads already in flight (read)
-        hint_uncached(self.seg_addr[sids] + ks * self.rec_bytes, self.rec_bytes)
+        hint_uncached(self.seg_addr[sids] + ks * self.rec_bytes, self.rec_bytes,
+                      self.sum_addresses(sids, ks))
         cuts = np.flatnonzero(sids[1:] != sids[:-1]) + 1
         for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), sids.shape[0]], strict=True):
             sid = int(sids[a])
@@ -169,12 +175,24 @@ class Segments:
                 check_records(seg, ks[lo:hi], blk)
                 out[out_idx[order[lo:hi]]] = blk[:, cols]
 
-    def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, list[Segment]]:
-        """The addresses of the records at ``locs`` (locations > 0) and their segments."""
+    def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
+        """The addresses of the records at ``locs`` (locations > 0), of their sums (those
+        read from a file: :meth:`sum_addresses`) and their segments."""
         used = locs - 1
         sids = used >> 32
-        addrs = self.seg_addr[sids] + (used & LOW32) * self.rec_bytes
-        return addrs, [self.segs[int(s)] for s in np.unique(sids)]
+        ks = used & LOW32
+        addrs = self.seg_addr[sids] + ks * self.rec_bytes
+        return (addrs, self.sum_addresses(sids, ks),
+                [self.segs[int(s)] for s in np.unique(sids)])
+
+    def sum_addresses(self, sids: np.ndarray, ks: np.ndarray) -> np.ndarray:
+        """The mapped addresses of the sums of records ``ks`` of segments ``sids`` whose
+        sums lie in their file (8 bytes each), to read ahead with the records: a record read
+        from a file is checked against its sum, and a sum not in the page cache is one more
+        read (``format.map_segment``)."""
+        base = self.sum_addr[sids]
+        on = base != 0
+        return base[on] + ks[on] * 8
 
     def check_rows_of_records(self, disk: np.ndarray) -> list[str]:
         """Each located row's record must carry that row's id (one pass per segment)."""

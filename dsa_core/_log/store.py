@@ -207,8 +207,8 @@ class LogStore:
         ra = self._readahead
         if ra is None or ra.pid != os.getpid():  # none yet, or the parent's (fork)
             ra = self._readahead = ReadAhead(self.engine.rec_bytes)
-        addrs, keep = self.engine.readahead(rows)
-        ra.submit(addrs, keep)
+        addrs, sums, keep = self.engine.readahead(rows)
+        ra.submit(addrs, keep, sums)
         if wait:
             ra.join()
 

@@ -56,8 +56,9 @@ def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
     gc.collect()  # unmap the reader's segments: the kernel keeps pages that are mapped
     s = dsa_core.open(tmp_path / "log", memory=log_memory(s.layout, 500))
     rows = np.arange(0, N, 7)
-    addrs, keep = s.store.engine.readahead(rows)
+    addrs, sums, keep = s.store.engine.readahead(rows)
     assert addrs.shape[0] == rows.shape[0] and keep  # all on disk, none resident
+    assert sums.shape[0] == rows.shape[0]  # and every record's sum lies in its file
     _evict_segments(tmp_path / "log")
     if not _log_read.sample_uncached(addrs, s.store.engine.rec_bytes):
         pytest.skip("this filesystem keeps the pages cached (tmpfs?): nothing to read ahead")
@@ -306,3 +307,42 @@ def test_cleaning_reads_buffers_failures_and_bounds(tmp_path):
         assert not r.has(6)
     finally:
         r.close()
+
+def test_a_fault_on_a_segment_reads_its_own_page_only(tmp_path):
+    """The whole segment file is mapped MADV_RANDOM -- its rows and sums as well as its
+    records: a fault on one record's sum must not read around it (with the device's
+    read-ahead, up to several MiB of the file per fault; out of core on an aged store those
+    reads thrashed the page cache, 2.6 reads per updated row instead of ~1)."""
+    from dsa_core._log import format as _format
+    from dsa_core._os import PAGE, mincore_addr
+
+    n_rows = 40_000  # a segment of several MiB: room for read-around to show
+    s = dsa_core.create(tmp_path / "log", n_rows, D, storage="log")
+    s = dsa_core.step(s, np.arange(n_rows), np.ones((n_rows, D), np.float32))
+    dsa_core.close(s)
+    segs = sorted(p for p in (tmp_path / "log").iterdir() if p.name.startswith("seg-"))
+    path = max(segs, key=lambda p: p.stat().st_size)
+    size = path.stat().st_size
+    gc.collect()
+    _evict_segments(tmp_path / "log")
+    rec = 3 * D * 4
+    n = next(m for m in range(1, n_rows + 1)
+             if _format.segment_geometry(m, 3 * D, 4)[3] == size)
+    seg = _format.map_segment(path, 1, n, 3 * D, np.dtype(np.float32))
+    base = np.asarray(seg.records).__array_interface__["data"][0] - \
+        _format.segment_geometry(n, 3 * D, 4)[2]
+    pages = -(-size // PAGE)
+    vec = np.zeros(pages, np.uint8)
+
+    def resident():
+        assert mincore_addr(base, pages * PAGE, vec.ctypes.data) == 0
+        return int((vec & 1).sum())
+
+    if resident():
+        pytest.skip("this filesystem keeps the pages cached (tmpfs?): nothing is read")
+    assert n * rec > 64 * PAGE
+    _ = int(seg.sums[n // 2]), int(seg.rows[n // 3])  # two faults, away from the records
+    _ = float(seg.records[n // 2, 0])
+    assert resident() <= 3 * 2  # each fault its own page (and a neighbour at most)
+    del seg
+    gc.collect()
