@@ -204,8 +204,8 @@ class StackSampler:
     """Where this process's threads wait in the kernel: ``/proc/self/task/*/stack`` every
     ``period`` s (root only; otherwise it samples nothing).
 
-    Counts the top two kernel frames of each thread per sample (``inner<caller``), or
-    ``(user space)`` for a thread outside the kernel, leaving out threads idle in a futex
+    Counts, per thread name, the top four kernel frames of each thread per sample
+    (``name: inner<caller<...``), or ``(user space)`` for a thread outside the kernel, leaving out threads idle in a futex
     (pool workers between jobs) and the sampler itself.
     """
 
@@ -222,12 +222,15 @@ class StackSampler:
         self._stop.set()
         self._thread.join()
         top = sorted(self.counts.items(), key=lambda kv: -kv[1])
-        return {"samples": self.samples, "top": top[:12]}
+        return {"samples": self.samples, "top": top[:16]}
 
     def _run(self):
         me = threading.get_native_id()
         while not self._stop.wait(self.period):
             self.samples += 1
+            threads = {t.native_id: t for t in threading.enumerate()}
+            names = {n: t.name for n, t in threads.items()}
+            frames = sys._current_frames()
             for task in Path("/proc/self/task").iterdir():
                 if int(task.name) == me:
                     continue
@@ -238,7 +241,17 @@ class StackSampler:
                 fns = [ln.split()[1].split("+")[0] for ln in lines if len(ln.split()) > 1]
                 if fns and fns[0].startswith("futex"):
                     continue
-                key = "<".join(fns[:2]) if fns else "(user space)"
+                who = names.get(int(task.name), "other")
+                key = who + ": " + ("<".join(fns[:4]) if fns else "(user space)")
+                t = threads.get(int(task.name))
+                f = frames.get(t.ident) if t is not None else None
+                where = []
+                while f is not None and len(where) < 3:  # the innermost dsa_core frames
+                    if "dsa_core" in f.f_code.co_filename:
+                        where.append(f"{Path(f.f_code.co_filename).name}:{f.f_lineno}")
+                    f = f.f_back
+                if where:
+                    key += " @ " + " < ".join(where)
                 self.counts[key] = self.counts.get(key, 0) + 1
 
 
