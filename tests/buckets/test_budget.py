@@ -222,3 +222,58 @@ def test_a_log_store_gets_the_memory_its_region_needs(tmp_path):
 def _ids_grads(b, D):
     ids = np.concatenate([b.edges[:, 0], b.edges[:, 1], b.negatives.ravel()])
     return ids, np.full((ids.shape[0], D), 1e-3, np.float32)
+
+
+_MEMCAP = "/work/shared/tools/memcap"  # runs a command in a memory cgroup (root only)
+_TRAIN_UNDER_CAP = """
+import sys, numpy as np, dsa_core
+from dsa_core import buckets
+kind, where = sys.argv[1], sys.argv[2]
+N, D, B, K = 1_000_000, 64, 1024, 2          # 0.77 GB of [w | m | v]: 1.5x the cap
+s = dsa_core.create(where + "/t", N, D, storage=kind, memory="64MiB" if kind == "log" else None)
+f = buckets.fit([s], reserve="256MiB", batch_size=B, negatives=K)  # memory=: the cgroup's
+print(f.memory, f.partitions, f.buffer, f.store_memory, flush=True)
+if kind == "log":
+    dsa_core.close(s)
+    s = dsa_core.open(where + "/t", memory=f.store_memory[0])
+edges = np.random.default_rng(0).integers(0, N, size=(400_000, 2))
+it = buckets.plan(edges, N, partitions=f.partitions, buffer=f.buffer).batches(
+    B, negatives=K, stores=[s])
+states, steps, last = 0, 0, None
+for b in it:
+    if b.partitions != last:
+        states, last = states + 1, b.partitions
+        if states > 3:
+            break
+    ids = np.concatenate([b.edges.ravel(), b.negatives.ravel()])
+    s = dsa_core.step(s, ids, np.full((ids.shape[0], D), 1e-3, np.float32))
+    steps += 1
+it.close()
+dsa_core.close(s)
+print("ok", steps, states, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["inplace", "log"])
+@pytest.mark.skipif(not __import__("os").access(_MEMCAP, __import__("os").X_OK)
+                    or __import__("os").geteuid() != 0,
+                    reason="memcap needs root and a writable memory cgroup")
+def test_the_choice_trains_under_a_real_cgroup(tmp_path, kind):
+    """fit's P and c (memory= read from the cgroup, a reserve for the interpreter) train
+    three buffer states of a table 1.5x larger than a real 512 MiB memory cgroup, with the
+    default negatives' pool, without the cgroup killing the process."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ,
+               PYTHONPATH=str(__import__("pathlib").Path(dsa_core.__file__).parents[1]))
+    r = subprocess.run([_MEMCAP, "512M", sys.executable, "-c", _TRAIN_UNDER_CAP, kind,
+                        str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode and "no writable memory cgroup" in r.stderr:
+        pytest.skip(r.stderr.strip())
+    assert r.returncode == 0, (r.stdout, r.stderr)  # 137: killed by the cgroup
+    first, last = r.stdout.split("\n")[0].split(), r.stdout.split()[-3:]
+    assert int(first[0]) == 512 * MiB  # fit read the cgroup's limit
+    assert last[0] == "ok" and int(last[2]) == 4 and int(last[1]) > 0
