@@ -49,10 +49,10 @@ import threading
 import weakref
 from typing import Any
 
-from .._engine import closed_error
-from .._layout import HEADER_BYTES
 import numpy as np
 
+from .._engine import closed_error
+from .._layout import HEADER_BYTES
 from .._os import (
     MADV_PAGEOUT,
     MADV_POPULATE_READ,

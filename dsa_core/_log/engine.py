@@ -303,8 +303,7 @@ class LogEngine:
         self._install_loaded()
         self._raise_load_error()
         pool = self._pool
-        self._check_pins(f"load_range({start}, {stop})", "ranges and row sets", "this one",
-                         pool.pinned_with(start, stop))
+        self._check_pins(f"load_range({start}, {stop})", "this one", pool.pinned_with(start, stop))
         pool.pin_range(start, stop)
         self._stats["range_loads"] += 1
         self._submit_job(start, stop)
@@ -325,13 +324,12 @@ class LogEngine:
         self._raise_load_error()
         pool = self._pool
         n = rows.shape[0]
-        self._check_pins(f"load_rows of {n:,} rows", "ranges and row sets", "these rows",
-                         pool.pinned_with(rows=rows))
+        self._check_pins(f"load_rows of {n:,} rows", "these rows", pool.pinned_with(rows=rows))
         pool.pin_rows(rows)
         self._stats["row_loads"] += 1
         self._submit_job(int(rows[0]), int(rows[-1]) + 1, rows)
 
-    def _check_pins(self, what: str, loads: str, this: str, pinned: int) -> None:
+    def _check_pins(self, what: str, this: str, pinned: int) -> None:
         """Refuse a load whose ``pinned`` rows (the union of what stays loaded with it) and
         the largest batch do not fit in the region (a ``ValueError`` that says what to set);
         nothing has changed yet."""
@@ -339,8 +337,8 @@ class LogEngine:
         if pinned + room > self.slots:
             need = memory_for(self.layout, pinned + room)
             raise ValueError(
-                f"log store {str(self.path)!r}: {what} cannot keep its "
-                f"rows in the memory region: the loaded {loads} not yet released and {this} "
+                f"log store {str(self.path)!r}: {what} cannot keep its rows in the memory "
+                f"region: the loaded ranges and row sets not yet released and {this} "
                 f"cover {pinned} rows and a step needs room for {room} more (the largest "
                 f"batch stepped since the store was opened), {pinned + room} in all, but "
                 f"the region holds {self.slots} rows (memory={self.memory_bytes} bytes). "

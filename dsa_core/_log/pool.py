@@ -454,11 +454,7 @@ class Pool:
         """``[start, stop)`` becomes active: its resident rows are pinned from now on, and so
         are its rows that become resident, until :meth:`unpin_range`."""
         self.ranges.append((start, stop))
-        lr = self.loc[start:stop]
-        slots = -lr[lr < 0] - 1
-        slots = slots[self.pin[slots] >= 0]
-        self.pin[slots] = RANGE_PIN
-        self.range_pinned += slots.shape[0]
+        self._pin_resident(np.arange(start, stop, dtype=np.int64))
 
     def unpin_range(self, start: int, stop: int) -> None:
         """``[start, stop)`` is released: the active range equal to it (else every active
@@ -468,12 +464,7 @@ class Pool:
             self.ranges.remove((start, stop))
         else:
             self.ranges = [(lo, hi) for lo, hi in self.ranges if not start <= lo <= hi <= stop]
-        lr = self.loc[start:stop]
-        res = np.flatnonzero(lr < 0)
-        slots = -lr[res] - 1
-        free = (self.pin[slots] < 0) & ~self.in_ranges(res + start)
-        self.pin[slots[free]] = 0
-        self.range_pinned -= int(np.count_nonzero(free))
+        self._unpin_free(np.arange(start, stop, dtype=np.int64))
 
     def pin_rows(self, rows: np.ndarray) -> None:
         """The sorted unique ``rows`` become an active row set: pinned like a range's rows
