@@ -33,7 +33,9 @@ Reading ahead (:meth:`Cleaner.read_ahead`)
     next ``1 + AHEAD_SEALS`` seals will clean. A seal past the slack that needs a victim not
     read ahead reads it itself into a buffer within the same room; a victim with more than
     ``whole`` bytes of live records, or one that would not fit the room, is copied through
-    the segment's mapping after a read-ahead hint.
+    the segment's mapping after a read-ahead hint. The ids, steps and sums of the
+    ``HINT_SEGMENTS`` victims after those are asked for (``MADV_WILLNEED``) one seal
+    before their scan, which then finds them in memory instead of waiting for the disk.
 Memory
     ``whole``, ``held`` and ``request`` are the memory budget's (``budget.cleaning_limits``
     of the store's seal unit, the ``cleaning_buffers`` part of ``budget.split``), capped by
@@ -58,14 +60,15 @@ from .pool import Pool
 from .read import CleaningReads, advise, advise_whole
 from .segments import Segments
 
-__all__ = ["AHEAD_SEALS", "CLEAN_UNITS", "POLICIES", "READ_LEAD_UNITS", "SLACK_UNITS",
-           "Cleaner", "Copy"]
+__all__ = ["AHEAD_SEALS", "CLEAN_UNITS", "HINT_SEGMENTS", "POLICIES", "READ_LEAD_UNITS",
+           "SLACK_UNITS", "Cleaner", "Copy"]
 
 CLEAN_UNITS = 2  # a seal copies at most this many seal units of records from ready victims
 SLACK_UNITS = 4  # the segments may exceed space_ratio x live by this many seal units
 READ_LEAD_UNITS = 2  # reads ahead start this many seal units below the bound
 POLICIES = ("greedy", "cost-benefit")
 AHEAD_SEALS = 1  # reads ahead cover the next seal and this many more
+HINT_SEGMENTS = 2  # victims after those read ahead whose ids are asked for a seal early
 
 
 @njit(cache=True, nogil=True)
@@ -112,11 +115,14 @@ def _live_records(seg_rows, base, loc, slot_disk, dirty, out):
 
 
 def _rows_ahead(seg: Segment) -> None:
-    """Ask for a victim's row ids all at once before scanning them: the segment is mapped
-    ``MADV_RANDOM`` (``format.map_segment``), so a scan of an uncached one would fault its
-    pages in one 4 KiB read at a time."""
+    """Ask for a victim's row ids, steps and sums all at once before a scan reads the ids
+    and a seal copies the ids, steps and sums of its live records: the segment is mapped
+    ``MADV_RANDOM`` (``format.map_segment``), so each would otherwise fault its pages in one
+    4 KiB read at a time, on the step's thread."""
     if seg.sums is not None:  # in a file (a pending segment's are in memory)
         advise_whole(seg.rows)
+        advise_whole(seg.steps)
+        advise_whole(seg.sums)
 
 
 class Copy:
@@ -309,8 +315,14 @@ class Cleaner:
         need = excess + (1 + AHEAD_SEALS) * pool.seal_unit
         r = self._reader()
         started = 0
-        for sid in self.order().tolist():
+        order = self.order().tolist()
+        for i, sid in enumerate(order):
             if need <= 0:
+                # the victims after these: their ids, steps and sums asked for now, so that
+                # the next seal's scan of them finds them in memory, not on the disk
+                for later in order[i:i + HINT_SEGMENTS]:
+                    if later not in segs.pending and not r.has(later):
+                        _rows_ahead(segs.segs[later])
                 break
             frees = int(segs.seg_n[sid] - segs.live[sid])
             if sid in segs.pending or r.has(sid):

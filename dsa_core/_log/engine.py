@@ -88,8 +88,9 @@ from .format import (
     Segment,
     SegmentError,
     parse_name,
-    segment_geometry,
     read_manifest,
+    segment_geometry,
+    unmap_pending,
     write_manifest,
 )
 from .pool import Pool, gather_records
@@ -670,6 +671,7 @@ class LogEngine:
         self._stop_threads()
         self.closed = True
         self._segments.segs.clear()
+        unmap_pending()  # the segments no array uses any more are unmapped on return
         if self._lockfd >= 0:
             os.close(self._lockfd)
             self._lockfd = -1
@@ -683,6 +685,7 @@ class LogEngine:
         self._stop_threads()  # its segment files are garbage for the next open
         self.closed = True
         self._segments.segs.clear()
+        unmap_pending()
         self._commit.close_wal()
         if self._lockfd >= 0:
             os.close(self._lockfd)

@@ -245,6 +245,88 @@ def test_a_policy_outside_the_list_is_refused(tmp_path):
     eng.close()
 
 
+# -- the mappings of cleaned segments --------------------------------------------------------------
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _mapped(store) -> set[str]:
+    """The files of ``store`` that this process maps."""
+    prefix = str(store) + os.sep
+    return {line.split(prefix, 1)[1].strip() for line in
+            _read_text("/proc/self/maps").splitlines() if prefix in line}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_cleaned_segments_are_unmapped_off_the_steps_thread(tmp_path, monkeypatch):
+    """A segment that seals leave without a live record is unmapped by the unmapper thread,
+    never by the thread that steps (there ``munmap`` of a segment took 25-120 ms, out of
+    core); once that thread has run, no dropped segment is still mapped, and ``close``
+    returns with nothing of the store mapped."""
+    threads = []
+    real = _format.munmap_fn
+
+    def munmap(addr, size):
+        threads.append(threading.current_thread().name)
+        return real(addr, size)
+
+    monkeypatch.setattr(_format, "munmap_fn", munmap)  # taken by each mapping when made
+    eng = _create(tmp_path / "s")
+    ref = eng.read(np.arange(N))
+    _train(eng, ref, 1, 121, "uniform", flush_every=40)
+    assert eng.stats()["cleaned_segments"] > 10
+    _format.unmap_pending()
+    assert threads and set(threads) == {"dsa-log-unmap"}, threads
+    live = {_format.seg_name(sid) for sid in eng._segments.segs}
+    assert _mapped(tmp_path / "s") <= live
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    eng.close()
+    assert _mapped(tmp_path / "s") == set()
+
+
+def test_victims_ids_are_asked_for_a_seal_before_their_scan(tmp_path, monkeypatch):
+    """The ids (steps, sums) of the victims after those read ahead are hinted one seal before
+    the next seal scans them: a scan of ids still on the disk waits for them on the step's
+    thread, a page at a time (the segments are mapped MADV_RANDOM)."""
+    eng = _create(tmp_path / "s")
+    seals = [0]
+    real_seal = eng._commit.seal
+
+    def seal(*a, **k):
+        seals[0] += 1
+        return real_seal(*a, **k)
+
+    eng._commit.seal = seal
+
+    def sid_of(rows) -> int | None:
+        return next((sid for sid, sg in eng._segments.segs.items() if sg.rows is rows), None)
+
+    first_hint: dict[int, int] = {}
+    scans: list[tuple[int, int]] = []
+    real_advise, real_live = _cleaner.advise_whole, _cleaner._live_records
+
+    def advise(arr, *a):
+        sid = sid_of(arr)
+        if sid is not None:
+            first_hint.setdefault(sid, seals[0])
+        return real_advise(arr, *a)
+
+    def live(rows, *a):
+        scans.append((sid_of(rows), seals[0]))
+        return real_live(rows, *a)
+
+    monkeypatch.setattr(_cleaner, "advise_whole", advise)
+    monkeypatch.setattr(_cleaner, "_live_records", live)
+    ref = eng.read(np.arange(N))
+    _train(eng, ref, 1, 121, "uniform", flush_every=40)
+    later = scans[10:]  # the first victims: cleaning starts, nothing could be hinted yet
+    early = [sid for sid, at in later if first_hint.get(sid, at) < at]
+    assert len(later) > 40 and len(early) >= 0.8 * len(later), (len(early), len(later))
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    eng.close()
+
+
 # -- a full disk during a cleaning seal ----------------------------------------------------------
 @pytest.mark.parametrize("path", ["behind", "streamed"])
 def test_full_disk_during_a_cleaning_seal(tmp_path, monkeypatch, path):
