@@ -55,14 +55,21 @@ NATIONS_TRAIN = 1592  # training triples of Nations
 @pytest.fixture(scope="module", autouse=True)
 def _frozen_heap():
     """PyKEEN's training loop calls ``gc.collect()`` after every epoch (and after its sub-batch
-    probe); in a test process holding torch, PyKEEN and the earlier tests' objects each call
-    took ~0.5 s, most of this module's time. The objects that exist before this module's tests
-    (collected first) go to the permanent generation, so those calls scan only what the tests
-    make; nothing else changes, and they are unfrozen after the module."""
-    gc.collect()
-    gc.freeze()
+    probe); in a test process holding torch, torch._dynamo, PyKEEN and earlier tests' objects
+    each call took ~0.5 s, most of this module's time. Before each test of this module the
+    objects that survive a collection go to the permanent generation (gc.freeze, see
+    ``_refrozen``), so those calls scan only what the test makes; nothing else changes, and
+    everything is unfrozen (and collectable again) after the module. torch._dynamo, which
+    torch's first optimizer imports, is imported before, not inside, the first test."""
+    import torch._dynamo  # noqa: F401
     yield
     gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _refrozen(_frozen_heap):
+    gc.collect()
+    gc.freeze()
 
 
 def _steps(epochs: int, batch: int) -> int:
