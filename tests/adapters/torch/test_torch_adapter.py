@@ -426,15 +426,29 @@ def test_state_dict_round_trip_is_bit_exact(tmp_path):
 
 
 _RESUME_SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch, torch._dynamo
     sys.path.insert(0, {repo!r})
     sys.path.insert(0, {repo!r} + "/tests")  # helpers
     sys.path.insert(0, {repo!r} + "/tests/adapters/torch")  # this module
     from adapters.torch import DiskSparseAdam
     from test_torch_adapter import _fresh, _run
-    phase, root = sys.argv[1], sys.argv[2]
+    root, modes = sys.argv[1], sys.argv[2:]
+    # one interpreter start: each phase is a process forked from this one (before any torch
+    # or dsa_core computation, so no thread pool exists yet; torch._dynamo, which the first
+    # optimizer imports, is imported above once) that runs the code below the loop as a
+    # script's main code, and so ends as a script ends; the second starts after the first
+    # ended
+    for phase in ("first", "second"):
+        pid = os.fork()
+        if pid == 0:
+            break
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            sys.exit(f"the {{phase}} phase ended with status {{os.waitstatus_to_exitcode(status)}}")
+    else:
+        sys.exit(0)
     kept = []  # the first phase's optimizers live until the interpreter exits
-    for mode in sys.argv[3:]:  # each mode in its own directory, with its own optimizer
+    for mode in modes:  # each mode in its own directory, with its own optimizer
         d = root + "/" + mode
         emb = _fresh()
         opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=d + "/opt", resume=True)
@@ -462,14 +476,14 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
     """5 steps in one process that ends without close(), 5 more in a new one: the weights,
     count and moments of 10 uninterrupted steps, bit for bit -- whether the new process loads
     the optimizer's state dict ("load") or only reopens its state_dir ("state_dir_only").
-    One pair of processes runs both modes, each in its own directory."""
+    One pair of processes runs both modes, each in its own directory (both forked from one
+    interpreter start, the second after the first ended)."""
     script = tmp_path / "resume.py"
     script.write_text(_RESUME_SCRIPT.format(repo=str(REPO)))
     modes = ["load", "state_dir_only"]
-    for phase in ("first", "second"):
-        r = subprocess.run([sys.executable, str(script), phase, str(tmp_path), *modes],
-                           check=False, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), *modes],
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
     emb = _fresh()
     opt = DiskSparseAdam(emb.parameters(), lr=0.02, state_dir=tmp_path / "ref")
     _run(opt, emb, 10, 0)
