@@ -276,11 +276,12 @@ def test_a_rebuild_without_the_token_or_a_second_optimizer_is_refused(tmp_path):
 # -- process ends ---------------------------------------------------------------------------
 # One interpreter start serves the three tests: CHILD imports torch, PyKEEN, torch._dynamo
 # (which the first optimizer imports) and the adapter, then forks one process per request
-# ("run ROOT MODE" on its stdin; it answers "pid N"), before any torch or dsa_core
-# computation (no thread pool exists yet). The forked process leaves the request loop and runs
-# the training below as a script's main code, its stdout and stderr in ROOT/out and ROOT/err,
-# so it ends as a script ends: at the end of the code (an interpreter exit), by an uncaught
-# KeyboardInterrupt, or killed. "wait N" answers "status CODE" (a Popen-style return code).
+# ("run ROOT MODE" on its stdin; it answers "pid N"), before any torch computation (torch's
+# thread pool does not exist yet; numba's registries are loaded by a plain kernel). The
+# forked process leaves the request loop and runs the training below as a script's main code,
+# its stdout and stderr in ROOT/out and ROOT/err, so it ends as a script ends: at the end of
+# the code (an interpreter exit), by an uncaught KeyboardInterrupt, or killed. "wait N"
+# answers "status CODE" (a Popen-style return code).
 CHILD = textwrap.dedent("""
     import gc, logging, os, signal, sys, time, torch, torch._dynamo
     logging.disable(logging.WARNING)
@@ -289,13 +290,16 @@ CHILD = textwrap.dedent("""
     from pykeen.training import SLCWATrainingLoop
     from pykeen.training.callbacks import TrainingCallback
     from adapters import pykeen as dsa
+    from dsa_core.validation import as_index
+    as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
+    # kernel (not parallel): no numba thread starts
     gc.collect()
     gc.freeze()  # PyKEEN's gc.collect() after each epoch then skips the imported modules
     mode = None
     while mode is None:
         req = sys.stdin.readline().split()
-        if not req:
-            sys.exit(0)
+        if not req:  # this process opened no store; its interpreter teardown takes seconds
+            os._exit(0)
         if req[0] == "wait":
             _, status = os.waitpid(int(req[1]), 0)
             print("status", os.waitstatus_to_exitcode(status), flush=True)

@@ -432,9 +432,12 @@ _RESUME_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {repo!r} + "/tests/adapters/torch")  # this module
     from adapters.torch import DiskSparseAdam
     from test_torch_adapter import _fresh, _run
+    from dsa_core.validation import as_index
+    as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
+    # kernel (not parallel): no numba thread starts
     root, modes = sys.argv[1], sys.argv[2:]
     # one interpreter start: each phase is a process forked from this one (before any torch
-    # or dsa_core computation, so no thread pool exists yet; torch._dynamo, which the first
+    # computation, so torch's thread pool does not exist yet; torch._dynamo, which the first
     # optimizer imports, is imported above once) that runs the code below the loop as a
     # script's main code, and so ends as a script ends; the second starts after the first
     # ended
@@ -446,7 +449,7 @@ _RESUME_SCRIPT = textwrap.dedent("""
         if os.waitstatus_to_exitcode(status) != 0:
             sys.exit(f"the {{phase}} phase ended with status {{os.waitstatus_to_exitcode(status)}}")
     else:
-        sys.exit(0)
+        os._exit(0)  # this process opened no store; its interpreter teardown would take ~2 s
     kept = []  # the first phase's optimizers live until the interpreter exits
     for mode in modes:  # each mode in its own directory, with its own optimizer
         d = root + "/" + mode

@@ -160,7 +160,7 @@ def test_module_state_dict_is_a_checkpoint(tmp_path, kind):
 
 
 CHILD = textwrap.dedent("""
-    import sys
+    import os, sys
     sys.path.insert(0, sys.argv[2])
     sys.path.insert(0, sys.argv[3])  # tests/: helpers
     sys.path.insert(0, sys.argv[3] + "/adapters/torch")  # this module
@@ -178,6 +178,8 @@ CHILD = textwrap.dedent("""
                                      for s in stores(opt)])
         run(emb, lin, opt, sched, batches(8, seed=5))
         opt.close(); emb.close()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)  # every store is closed; the interpreter teardown would take ~2 s
 """)
 
 
@@ -353,9 +355,12 @@ KILL_CHILD = textwrap.dedent("""
     from pathlib import Path
     import numpy as np, torch, torch._dynamo, dsa_core
     from test_torch_snapshots import batches, build, patch_cut, run, stores
+    from dsa_core.validation import as_index
+    as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
+    # kernel (not parallel): no numba thread starts
     # one interpreter start for every case: each case is a process forked from this one
-    # before it ran any torch or dsa_core computation (torch._dynamo, which the first
-    # optimizer imports, is imported here once)
+    # before it ran any torch computation (torch's thread pool does not exist yet;
+    # torch._dynamo, which the first optimizer imports, is imported here once)
     for case in sys.argv[4:]:
         kind, where = case.split("-")
         pid = os.fork()
@@ -381,6 +386,7 @@ KILL_CHILD = textwrap.dedent("""
                 os._exit(1)
         _, status = os.waitpid(pid, 0)
         print("status", case, os.waitstatus_to_exitcode(status), flush=True)
+    os._exit(0)  # this process opened no store; its interpreter teardown would take ~2 s
 """)
 
 KILL_CASES = [f"{kind}-{where}" for kind in KINDS for where in ("copy", "commit")]
