@@ -352,8 +352,7 @@ class _Child:
         self.forker.stdin.write(request + "\n")
         self.forker.stdin.flush()
         line = self.forker.stdout.readline()
-        assert line.startswith(answer + " "), (line, self.forker.poll() is not None
-                                               and self.forker.stderr.read())
+        assert line.startswith(answer + " "), (line, self.forker.err.read_text())
         return line.split()[1]
 
     def err(self) -> str:
@@ -363,8 +362,9 @@ class _Child:
         """The epoch-2 line: (count, sum of the weights) of each table."""
         deadline = time.monotonic() + 120
         while True:
+            ended = self._ended()  # before the read: the text of an ended process is whole
             text = (self.root / "out").read_text()
-            if "\n" in text or time.monotonic() > deadline or self._ended():
+            if "\n" in text or ended or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         line = text.partition("\n")[0]
@@ -397,15 +397,17 @@ class _Child:
 
 
 @pytest.fixture(scope="module")
-def forker():
+def forker(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    err = tmp_path_factory.mktemp("forker") / "err"  # a file: a full pipe would block it
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=f, text=True, env=env)
+    proc.err = err
     yield proc
     proc.stdin.close()
     proc.wait(timeout=60)
     proc.stdout.close()
-    proc.stderr.close()
 
 
 @pytest.fixture
