@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import signal
@@ -48,6 +50,26 @@ logging.getLogger("torch_max_mem").setLevel(logging.ERROR)
 TRAIN = dict(num_epochs=2, batch_size=128, use_tqdm=False, pin_memory=False)
 EVAL = dict(slice_size=5, use_tqdm=False)
 NATIONS_TRAIN = 1592  # training triples of Nations
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """PyKEEN's training loop calls ``gc.collect()`` after every epoch (and after its sub-batch
+    probe); in a test process holding torch, torch._dynamo, PyKEEN and earlier tests' objects
+    each call took ~0.5 s, most of this module's time. Before each test of this module the
+    objects that survive a collection go to the permanent generation (gc.freeze, see
+    ``_refrozen``), so those calls scan only what the test makes; nothing else changes, and
+    everything is unfrozen (and collectable again) after the module. torch._dynamo, which
+    torch's first optimizer imports, is imported before, not inside, the first test."""
+    import torch._dynamo  # noqa: F401
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def _refrozen(_frozen_heap):
+    gc.collect()
+    gc.freeze()
 
 
 def _steps(epochs: int, batch: int) -> int:
@@ -252,15 +274,43 @@ def test_a_rebuild_without_the_token_or_a_second_optimizer_is_refused(tmp_path):
 
 
 # -- process ends ---------------------------------------------------------------------------
+# One interpreter start serves the three tests: CHILD imports torch, PyKEEN, torch._dynamo
+# (which the first optimizer imports) and the adapter, then forks one process per request
+# ("run ROOT MODE" on its stdin; it answers "pid N"), before any torch computation (torch's
+# thread pool does not exist yet; numba's registries are loaded by a plain kernel). The
+# forked process leaves the request loop and runs the training below as a script's main code,
+# its stdout and stderr in ROOT/out and ROOT/err, so it ends as a script ends: at the end of
+# the code (an interpreter exit), by an uncaught KeyboardInterrupt, or killed. "wait N"
+# answers "status CODE" (a Popen-style return code).
 CHILD = textwrap.dedent("""
-    import logging, os, signal, sys, time, torch
+    import gc, logging, os, signal, sys, time, torch, torch._dynamo
     logging.disable(logging.WARNING)
     from pykeen.datasets import Nations
     from pykeen.models import TransE
     from pykeen.training import SLCWATrainingLoop
     from pykeen.training.callbacks import TrainingCallback
     from adapters import pykeen as dsa
-    root, mode = sys.argv[1], sys.argv[2]
+    from dsa_core.validation import as_index
+    as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
+    # kernel (not parallel): no numba thread starts
+    gc.collect()
+    gc.freeze()  # PyKEEN's gc.collect() after each epoch then skips the imported modules
+    mode = None
+    while mode is None:
+        req = sys.stdin.readline().split()
+        if not req:  # this process opened no store; its interpreter teardown takes seconds
+            os._exit(0)
+        if req[0] == "wait":
+            _, status = os.waitpid(int(req[1]), 0)
+            print("status", os.waitstatus_to_exitcode(status), flush=True)
+            continue
+        pid = os.fork()
+        if pid:
+            print("pid", pid, flush=True)
+            continue
+        root, mode = req[1], req[2]
+        for fd, name in ((0, os.devnull), (1, root + "/out"), (2, root + "/err")):
+            os.dup2(os.open(name, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT), fd)
     tf = Nations().training
     torch.manual_seed(0)
     # both store kinds in one run: the entity table in place, the relation table a log store
@@ -291,18 +341,88 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _child(tmp: Path, mode: str) -> subprocess.Popen:
+class _Child:
+    """A process forked by CHILD's interpreter (see above) to train in ``root`` in ``mode``."""
+
+    def __init__(self, forker: subprocess.Popen, root: Path, mode: str):
+        self.forker, self.root, self.returncode = forker, root, None
+        self.pid = int(self._ask(f"run {root} {mode}", "pid"))
+
+    def _ask(self, request: str, answer: str) -> str:
+        self.forker.stdin.write(request + "\n")
+        self.forker.stdin.flush()
+        line = self.forker.stdout.readline()
+        assert line.startswith(answer + " "), (line, self.forker.err.read_text())
+        return line.split()[1]
+
+    def err(self) -> str:
+        return (self.root / "err").read_text()
+
+    def reported(self) -> list[tuple[int, float]]:
+        """The epoch-2 line: (count, sum of the weights) of each table."""
+        deadline = time.monotonic() + 120
+        while True:
+            ended = self._ended()  # before the read: the text of an ended process is whole
+            text = (self.root / "out").read_text()
+            if "\n" in text or ended or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        line = text.partition("\n")[0]
+        assert line.startswith("epoch2"), (text, self.err())
+        v = line.split()[1:]
+        return [(int(v[0]), float(v[1])), (int(v[2]), float(v[3]))]
+
+    def _ended(self) -> bool:
+        """Exited (a zombie until waited for) or gone."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = int(self._ask(f"wait {self.pid}", "status"))
+        return self.returncode
+
+    def kill(self) -> None:
+        """A child that outlives a failure would hold the stores (and sleep 600 s)."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.wait()
+
+
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(tmp), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    err = tmp_path_factory.mktemp("forker") / "err"  # a file: a full pipe would block it
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=f, text=True, env=env)
+    proc.err = err
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+    proc.stdout.close()
 
 
-def _reported(proc) -> list[tuple[int, float]]:
-    line = proc.stdout.readline()
-    assert line.startswith("epoch2"), (line, proc.stderr.read() if proc.poll() is not None
-                                       else "")
-    v = line.split()[1:]
-    return [(int(v[0]), float(v[1])), (int(v[2]), float(v[3]))]
+@pytest.fixture
+def child(forker, tmp_path):
+    """``child(mode)`` starts the training in ``mode``; killed at the end if still running."""
+    made = []
+
+    def start(mode: str) -> _Child:
+        (tmp_path / "out").touch()
+        made.append(_Child(forker, tmp_path, mode))
+        return made[-1]
+
+    yield start
+    for c in made:
+        c.kill()
 
 
 def _check_stores(tmp: Path, reported: list[tuple[int, float]]) -> None:
@@ -321,38 +441,30 @@ def _check_stores(tmp: Path, reported: list[tuple[int, float]]) -> None:
                                 overwrite=True).close()
 
 
-def test_forgotten_close_flushes(tmp_path):
-    proc = _child(tmp_path, "forget")
-    reported = _reported(proc)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+def test_forgotten_close_flushes(tmp_path, child):
+    proc = child("forget")
+    reported = proc.reported()
+    assert proc.wait() == 0, proc.err()
     assert [c for c, _ in reported] == [_steps(2, 64)] * 2
     _check_stores(tmp_path, reported)
 
 
-def test_ctrl_c_leaves_clean_stores(tmp_path):
-    proc = _child(tmp_path, "int")
-    try:
-        reported = _reported(proc)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:  # a child that outlives a failure would fail the next test (unraisable warnings)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+def test_ctrl_c_leaves_clean_stores(tmp_path, child):
+    proc = child("int")
+    reported = proc.reported()
+    proc.signal(signal.SIGINT)
+    assert proc.wait() != 0 and "KeyboardInterrupt" in proc.err()
     _check_stores(tmp_path, reported)
 
 
-def test_kill9_keeps_every_flushed_step(tmp_path):
-    proc = _child(tmp_path, "kill")
+def test_kill9_keeps_every_flushed_step(tmp_path, child):
+    proc = child("kill")
     try:
-        reported = _reported(proc)
+        reported = proc.reported()
         time.sleep(0.2)
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+        proc.signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
     _check_stores(tmp_path, reported)
 
 
