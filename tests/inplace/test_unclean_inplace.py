@@ -15,7 +15,9 @@ cache: these tests see what the next process sees after ``kill -9`` or an OOM ki
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
 import shutil
@@ -29,9 +31,11 @@ from pathlib import Path
 import crash_worker as cw
 import numpy as np
 import pytest
-from helpers import KINDS, Worker, run_worker
+from crash_server import CrashServer
+from helpers import KINDS, run_worker
 
 import dsa_core
+import dsa_core.__main__ as dsa_cli
 
 REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
@@ -77,10 +81,18 @@ def manifest_count(path: Path) -> int:
     return json.loads((path / "manifest.json").read_text())["count"]
 
 
+def dsa(*args) -> subprocess.CompletedProcess:
+    """``python -m dsa_core ARGS`` run in this process (the CLI's ``main``: the same code
+    without an interpreter that imports dsa_core and numba per call; tests/cli runs the
+    command itself): its exit status and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = dsa_cli.main([str(a) for a in args])
+    return subprocess.CompletedProcess(["dsa", *args], rc, out.getvalue(), "")
+
+
 def verify(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsa_core", "verify", str(path), "--quiet"],
-                          capture_output=True, text=True, cwd=REPO, check=False,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    return dsa("verify", path, "--quiet")
 
 
 def check_refused(path: Path, count: int) -> None:
@@ -94,7 +106,16 @@ def check_refused(path: Path, count: int) -> None:
             assert words in msg, (words, msg)
 
 
-def kill_trials(tmp: Path, kind: str, trials: int, seed: int, every: int = 7,
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The workers that end by SIGKILL or os._exit, forked from one warm interpreter
+    (tests/crash_server.py); a normal interpreter exit runs a real one (helpers.run_worker)."""
+    srv = CrashServer(tmp_path_factory.mktemp("crash_runs"))
+    yield srv
+    srv.close()
+
+
+def kill_trials(server, tmp: Path, kind: str, trials: int, seed: int, every: int = 7,
                 window: float = 0.3, probe_every: int = 0) -> Counter:
     """SIGKILL a worker that flushes every ``every`` steps at a random moment; the store must
     reopen exactly at its last flush (a multiple of ``every``, at least the last flush the
@@ -106,7 +127,7 @@ def kill_trials(tmp: Path, kind: str, trials: int, seed: int, every: int = 7,
         for k in range(trials):
             store = tmp / f"s{k}"
             make_store(store, kind)
-            w = Worker("flushk", store, "--every", every)
+            w = server.start("flushk", store, "--every", every)
             assert w.expect("open") == 0
             time.sleep(rng.uniform(0.0, window))
             lines = w.kill()
@@ -150,8 +171,9 @@ def kill_trials(tmp: Path, kind: str, trials: int, seed: int, every: int = 7,
 
 
 # -- random kills ------------------------------------------------------------------------------
-def test_sigkill_reopens_exact_or_refused_few(tmp_path, kind):
-    stats = kill_trials(tmp_path, kind, trials=3, seed=1 + KINDS.index(kind), probe_every=2)
+def test_sigkill_reopens_exact_or_refused_few(server, tmp_path, kind):
+    stats = kill_trials(server, tmp_path, kind, trials=3, seed=1 + KINDS.index(kind),
+                        probe_every=2)
     print(f"\n{kind}: {dict(stats)}")
     assert stats["steps flushed"] > 0  # the kills landed while the worker trained
     if kind == "log":
@@ -161,9 +183,9 @@ def test_sigkill_reopens_exact_or_refused_few(tmp_path, kind):
 
 
 @pytest.mark.slow
-def test_sigkill_reopens_exact_or_refused_many(tmp_path, kind):
-    stats = kill_trials(tmp_path, kind, trials=30, seed=10 + KINDS.index(kind), window=0.5,
-                        probe_every=5)
+def test_sigkill_reopens_exact_or_refused_many(server, tmp_path, kind):
+    stats = kill_trials(server, tmp_path, kind, trials=30, seed=10 + KINDS.index(kind),
+                        window=0.5, probe_every=5)
     print(f"\n{kind}: {dict(stats)}")
     if kind == "log":
         assert stats["exact at the last flush"] == 30
@@ -175,12 +197,13 @@ def test_sigkill_reopens_exact_or_refused_many(tmp_path, kind):
 
 # -- deterministic ends ------------------------------------------------------------------------
 @pytest.mark.parametrize("end", [pytest.param("kill", marks=pytest.mark.slow), "os_exit"])
-def test_stop_after_steps_past_a_flush(tmp_path, kind, end):
+def test_stop_after_steps_past_a_flush(server, tmp_path, kind, end):
     """Steps 1..10, a flush at 7, then SIGKILL or os._exit: exact at 7, or refused.
-    (SIGKILL at random moments by default: the trials above.)"""
+    (SIGKILL at random moments by default: the trials above.) Both ends skip every exit
+    handler: a child forked by the server stops as a process of its own would."""
     store = tmp_path / "s"
     make_store(store, kind)
-    rc, lines, err = run_worker("flushk", store, "--every", 7, "--steps", 10, "--end", end)
+    rc, lines, err = server.run("flushk", store, "--every", 7, "--steps", 10, "--end", end)
     assert rc == (-signal.SIGKILL if end == "kill" else 0), err
     assert lines[-2:] == [["flush", "7"], ["done", "10"]]
     ref = Reference(tmp_path, kind)
@@ -190,9 +213,8 @@ def test_stop_after_steps_past_a_flush(tmp_path, kind, end):
             r = verify(store)
             assert r.returncode == 1, r.stdout
             assert "unclean stop: the manifest says count 7" in r.stdout
-            info = subprocess.run([sys.executable, "-m", "dsa_core", "info", "--json",
-                                   str(store)], capture_output=True, text=True, check=True,
-                                  cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            info = dsa("info", "--json", store)
+            assert info.returncode == 0
             assert json.loads(info.stdout)["unclean_stop"] is True
             s = dsa_core.open(store, unclean="accept")
             assert s.count == 7 and s.store.unclean

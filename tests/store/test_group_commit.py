@@ -3,11 +3,12 @@
 * In process: an exception in the second table's update, or a Ctrl-C that arrives between
   the two tables, leaves both tables as they were (or both stepped): ``DiskSparseAdam``
   over two tables, ``dsa_core.step_many`` and the JAX transform, both store kinds.
-* kill -9 in a subprocess between two tables' flushes (and between their step commits with
+* kill -9 in a child process between two tables' flushes (and between their step commits with
   ``durability="step"``): the tables reopen at the same step, or a resume refuses them
   (``GroupMismatchError``, ``UncleanStopError``): never one step apart, silently.
 * Ctrl-C at random moments of a two-table torch loop on log stores (20k x 16 each, a flush
-  every 5 steps): every resume is in step and equal to an uninterrupted run at that count.
+  every 5 steps): every resume is in step and equal to an uninterrupted run at that count
+  (by default one Ctrl-C at a chosen step, a pair of each kind in one interpreter).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from crash_server import CrashServer
 
 import dsa_core
 
@@ -313,6 +315,16 @@ def test_deferred_sigint_holds_one_ctrl_c_and_yields_to_a_second():
 
 
 # -- kill -9 between two tables' commits -------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The workers killed with kill -9 run forked from one warm interpreter that has imported
+    dsa_core (tests/crash_server.py): an interpreter and dsa_core's import saved per run. The
+    Ctrl-C loops below end with a normal interpreter exit (its exit flush): real interpreters."""
+    srv = CrashServer(tmp_path_factory.mktemp("crash_runs"))
+    yield srv
+    srv.close()
+
+
 CORE_WORKER = r'''
 import json, os, signal, sys, numpy as np, dsa_core
 cfg = json.loads(sys.argv[1])
@@ -372,7 +384,7 @@ def _reference_rows(cfg: dict, steps: int) -> list[np.ndarray]:
     return out
 
 
-def _kill_trial(tmp_path: Path, kind: str, durability: str, point: str, arm_at: int,
+def _kill_trial(server, tmp_path: Path, kind: str, durability: str, point: str, arm_at: int,
                 nth: int = 1) -> str:
     """Run the worker until it kills itself; then resume the pair. Returns what happened:
     "same <count>" (equal to an uninterrupted run at that count) or "refused"."""
@@ -380,9 +392,8 @@ def _kill_trial(tmp_path: Path, kind: str, durability: str, point: str, arm_at: 
     root.mkdir()
     cfg = dict(root=str(root), kind=kind, durability=durability, point=point,
                arm_at=arm_at, nth=nth, steps=12, flush_every=4, rows=300)
-    r = subprocess.run([sys.executable, "-c", CORE_WORKER, json.dumps(cfg)], env=_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stdout, r.stderr)
+    rc, lines, err = server.run(json.dumps(cfg), code=CORE_WORKER)
+    assert rc == -signal.SIGKILL, (rc, lines, err)
     try:
         a = dsa_core.open(root / "a")
         b = dsa_core.open(root / "b")
@@ -405,24 +416,24 @@ def _kill_trial(tmp_path: Path, kind: str, durability: str, point: str, arm_at: 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_kill_between_two_tables_flushes(tmp_path, kind):
+def test_kill_between_two_tables_flushes(server, tmp_path, kind):
     """kill -9 after the group committed, before the second table installed its commit:
     both reopen at the flush (the second rolled forward). In place the rows of a table
     stepped since its flush make it refuse instead, as ever."""
-    got = _kill_trial(tmp_path, kind, "flush", "install", arm_at=7)  # the flush at step 8
+    got = _kill_trial(server, tmp_path, kind, "flush", "install", arm_at=7)  # the flush at step 8
     assert got == "same 8"
-    got = _kill_trial(tmp_path, kind, "flush", "prepare", arm_at=7)  # before the commit
+    got = _kill_trial(server, tmp_path, kind, "flush", "prepare", arm_at=7)  # before the commit
     assert got == ("same 4" if kind == "log" else "refused")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_kill_between_two_tables_step_commits(tmp_path, kind):
+def test_kill_between_two_tables_step_commits(server, tmp_path, kind):
     """durability='step': kill -9 after the first table committed step 6 durably, before
     the second did: the resume refuses (never one step apart, silently)."""
-    assert _kill_trial(tmp_path, kind, "step", "commit_step", arm_at=5) == "refused"
+    assert _kill_trial(server, tmp_path, kind, "step", "commit_step", arm_at=5) == "refused"
     # killed after the group recorded step 6, before any table committed it: both at 5,
     # the record says 6: refused too (safe, never mixed)
-    assert _kill_trial(tmp_path, kind, "step", "commit_step_a", arm_at=5) == "refused"
+    assert _kill_trial(server, tmp_path, kind, "step", "commit_step_a", arm_at=5) == "refused"
 
 
 TORCH_KILL_WORKER = r'''
@@ -454,13 +465,12 @@ for step in range(1, 11):
 '''
 
 
-def test_torch_kill_between_two_tables_flushes_resumes_in_step(tmp_path):
+def test_torch_kill_between_two_tables_flushes_resumes_in_step(server, tmp_path):
     """The issue's case: two DiskEmbeddings (log stores) and one DiskSparseAdam, kill -9
     between the two tables' flushes; the resume is at one step for both, or refused."""
     cfg = dict(root=str(tmp_path), rows=500)
-    r = subprocess.run([sys.executable, "-c", TORCH_KILL_WORKER, json.dumps(cfg)], env=_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    rc, _, err = server.run(json.dumps(cfg), code=TORCH_KILL_WORKER)
+    assert rc == -signal.SIGKILL, (rc, err)
     kw = dict(storage="log", memory="1MiB")
     e1 = DiskEmbedding(500, 8, state_dir=tmp_path / "centre", resume=True, **kw)
     e2 = DiskEmbedding(500, 8, state_dir=tmp_path / "context", resume=True, **kw)
@@ -484,24 +494,27 @@ CTRL_C_WORKER = r'''
 import json, os, signal, sys, torch, dsa_core
 from adapters.torch import DiskEmbedding, DiskSparseAdam
 cfg = json.loads(sys.argv[1])
-kw = dict(storage=cfg["kind"], memory=cfg["memory"]) if cfg["kind"] == "log" else \
-    dict(storage=cfg["kind"])
-e1 = DiskEmbedding(cfg["rows"], 16, state_dir=cfg["root"] + "/centre", seed=1, **kw)
-e2 = DiskEmbedding(cfg["rows"], 16, state_dir=cfg["root"] + "/context", seed=2, **kw)
-opt = DiskSparseAdam(list(e1.parameters()) + list(e2.parameters()), lr=0.05)
-gen = torch.Generator().manual_seed(0)
+pairs = []  # one two-table loop per kind, stepped in turn (they share the interpreter)
+for kind in cfg["kinds"]:
+    kw = dict(storage=kind, memory=cfg["memory"]) if kind == "log" else dict(storage=kind)
+    root = cfg["root"] + "/" + kind
+    e1 = DiskEmbedding(cfg["rows"], 16, state_dir=root + "/centre", seed=1, **kw)
+    e2 = DiskEmbedding(cfg["rows"], 16, state_dir=root + "/context", seed=2, **kw)
+    opt = DiskSparseAdam(list(e1.parameters()) + list(e2.parameters()), lr=0.05)
+    pairs.append((e1, e2, opt, torch.Generator().manual_seed(0)))
 for step in range(1, cfg["steps"] + 1):
-    i = torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen)
-    j = torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen)
-    (e1(i) * e2(j)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    if step % 5 == 0:
-        opt.flush()
+    for e1, e2, opt, gen in pairs:
+        i = torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen)
+        j = torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen)
+        (e1(i) * e2(j)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 5 == 0:
+            opt.flush()
     print(step, flush=True)
     if step == cfg["sigint_at"]:  # a Ctrl-C at a chosen moment (else: from the parent)
         os.kill(os.getpid(), signal.SIGINT)
-# never closed: Ctrl-C ends the loop, the exit flushes the group
+# never closed: Ctrl-C ends the loop, the exit flushes the groups
 '''
 
 
@@ -530,16 +543,17 @@ def _torch_reference(rows: int, memory: str, steps: int, root: Path,
 
 
 def _ctrl_c_trial(root: Path, delay: float | None, rows: int = 20_000, memory: str = "600KiB",
-                  sigint_at: int = -1, batch: int = 512, kind: str = "log",
-                  sig: int = signal.SIGINT) -> str:
+                  sigint_at: int = -1, batch: int = 512, kinds: tuple = ("log",),
+                  sig: int = signal.SIGINT) -> dict[str, str]:
     """One Ctrl-C (``sig=SIGKILL``: a kill -9) ``delay`` seconds into the loop (or right
-    after step ``sigint_at``); ``memory``: a log store's region, small enough that the stores
-    clean (the exit flush then reads segments ahead on a thread pool). Returns ``"same N"``
-    (both tables resumed at step N, bit-equal to an uninterrupted run of N steps) or
-    ``"refused"`` (the resume refused: tables apart, or an in-place store stopped uncleanly)."""
+    after step ``sigint_at``) of one interpreter that trains a pair of tables of each of
+    ``kinds``; ``memory``: a log store's region, small enough that the stores clean (the exit
+    flush then reads segments ahead on a thread pool). Returns per kind ``"same N"`` (both
+    tables resumed at step N, bit-equal to an uninterrupted run of N steps) or ``"refused"``
+    (the resume refused: tables apart, or an in-place store stopped uncleanly)."""
     root.mkdir()
     cfg = dict(root=str(root), rows=rows, memory=memory, sigint_at=sigint_at, batch=batch,
-               kind=kind, steps=400 if delay is None else 100_000)  # the signal ends it
+               kinds=list(kinds), steps=400 if delay is None else 100_000)  # the signal ends it
     p = subprocess.Popen([sys.executable, "-c", CTRL_C_WORKER, json.dumps(cfg)], env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = p.stdout.readline()  # stepping has begun
@@ -553,6 +567,15 @@ def _ctrl_c_trial(root: Path, delay: float | None, rows: int = 20_000, memory: s
     else:
         assert "KeyboardInterrupt" in err or p.returncode == 0, err
         assert "failed" not in err, err
+    # the last step printed (the next one may have completed before its print)
+    last = int((first + out).split()[-1])
+    return {kind: _resume_pair(root / kind, kind, rows, memory, batch, sig, last)
+            for kind in kinds}
+
+
+def _resume_pair(root: Path, kind: str, rows: int, memory: str, batch: int, sig: int,
+                 last: int) -> str:
+    """Resume one kind's pair of :func:`_ctrl_c_trial` (``last``: the last step printed)."""
     kw = _loop_kw(kind, memory)
     try:
         e1 = DiskEmbedding(rows, 16, state_dir=root / "centre", resume=True, **kw)
@@ -571,8 +594,7 @@ def _ctrl_c_trial(root: Path, delay: float | None, rows: int = 20_000, memory: s
             return "refused"
         assert e1.store.count == e2.store.count
         n = e1.store.count
-        last = int((first + out).split()[-1])  # the last step printed (the next one may
-        if sig == signal.SIGKILL:                # have completed before its print)
+        if sig == signal.SIGKILL:
             assert n % 5 == 0 and n <= last + 1, (n, last)  # the last flush
         else:
             assert n in (last, last + 1), (n, last)
@@ -587,13 +609,13 @@ def _ctrl_c_trial(root: Path, delay: float | None, rows: int = 20_000, memory: s
     return f"same {n}"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_ctrl_c_two_table_loop_resumes_in_step(tmp_path, kind):
+def test_ctrl_c_two_table_loop_resumes_in_step(tmp_path):
     """One Ctrl-C after step 32 of a loop that flushes every 5, a log store's cleaning
-    (smaller tables; the slow variant runs 8 at random moments at 20k x 16, and kill -9s)."""
+    (smaller tables; the slow variant runs 8 at random moments at 20k x 16, and kill -9s):
+    a pair of tables of each kind in one interpreter (one torch start for both kinds)."""
     got = _ctrl_c_trial(tmp_path / "t0", None, rows=2000, memory="160KiB", sigint_at=32,
-                        batch=128, kind=kind)
-    assert got == "same 32"
+                        batch=128, kinds=KINDS)
+    assert got == {kind: "same 32" for kind in KINDS}
 
 
 @pytest.mark.slow
@@ -604,8 +626,8 @@ def test_two_table_loop_random_interruption_trials(tmp_path, kind, sig):
     that flushes every 5 steps, both kinds: every resume is in step and bit-equal to an
     uninterrupted run at that count, or refused. The outcomes are printed (``-s``)."""
     rng = np.random.default_rng(int(time.time()))
-    outcomes = [_ctrl_c_trial(tmp_path / f"t{k}", float(rng.uniform(0.05, 3.0)), kind=kind,
-                              sig=sig) for k in range(8)]
+    outcomes = [_ctrl_c_trial(tmp_path / f"t{k}", float(rng.uniform(0.05, 3.0)), kinds=(kind,),
+                              sig=sig)[kind] for k in range(8)]
     print(f"{kind} {signal.Signals(sig).name} trials:", outcomes)
     assert all(o.startswith("same") or o == "refused" for o in outcomes), outcomes
     if kind == "log" or sig == signal.SIGINT:  # these always resume (in-place + kill: refused
@@ -614,11 +636,11 @@ def test_two_table_loop_random_interruption_trials(tmp_path, kind, sig):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_kill_random_points_trials(tmp_path, kind):
+def test_kill_random_points_trials(server, tmp_path, kind):
     """kill -9 at every install / prepare / step commit of the second table in turn."""
     for durability, point in (("flush", "install"), ("flush", "prepare"),
                               ("step", "commit_step"), ("step", "commit_step_a")):
         for nth in (1, 2):
-            got = _kill_trial(tmp_path, kind, durability, point, arm_at=0, nth=nth)
+            got = _kill_trial(server, tmp_path, kind, durability, point, arm_at=0, nth=nth)
             print(f"kill {kind} {durability} {point}:{nth}: {got}")
             assert got.startswith("same") or got == "refused", got

@@ -1,9 +1,10 @@
 """Reliability: checkpoints, journaled steps under SIGKILL, one writer, disk space, reopening.
 
-* Crash harness: ``tests/crash_worker.py`` trains in a subprocess on batches that are a pure
-  function of the step number; the test SIGKILLs it (at random moments, or at a chosen point
-  of the commit protocol), reopens the store and compares it, bit for bit, with a store
-  replayed for ``count`` steps without crashes (:class:`Replay`). A few trials run by
+* Crash harness: ``tests/crash_worker.py`` trains in a child process (forked from one warm
+  interpreter: tests/crash_server.py) on batches that are a pure function of the step
+  number; the test SIGKILLs it (at random moments, or at a chosen point of the commit
+  protocol), reopens the store and compares it, bit for bit, with a store replayed for
+  ``count`` steps without crashes (:class:`Replay`). A few trials run by
   default; ``-m slow`` runs >= 100 per scenario.
 * Checkpoints of the core and of both adapters: resume exactly, refuse to clobber.
 * Space: stores on a 4 MiB tmpfs (skipped where mounting is not allowed).
@@ -26,7 +27,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import Worker, run_worker
+from crash_server import CrashServer
 
 import dsa_core
 
@@ -46,7 +46,15 @@ REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
 
 
-# -- the crash harness (Worker, run_worker: tests/helpers.py) ------------------------------
+# -- the crash harness (tests/crash_server.py: crash_worker.py runs forked from one warm
+# interpreter per module; every run here ends by SIGKILL or after dsa_core.close) -------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = CrashServer(tmp_path_factory.mktemp("crash_runs"))
+    yield srv
+    srv.close()
+
+
 class Replay:
     """A store stepped through crash_worker.batch(1..count) without any crash (the oracle)."""
 
@@ -89,7 +97,7 @@ def new_step_store(path: Path, curvature: float = 0.0) -> None:
                                    **cw.STORE_KW))
 
 
-def step_trials(tmp: Path, trials: int, seed: int, curvature: float, window: float,
+def step_trials(server, tmp: Path, trials: int, seed: int, curvature: float, window: float,
                 probe_every: int) -> Counter:
     """(a) kill a journaled training process at random moments; after every kill the store
     must open to exactly a completed step. The next worker resumes by reopening."""
@@ -101,7 +109,7 @@ def step_trials(tmp: Path, trials: int, seed: int, curvature: float, window: flo
     last = 0
     try:
         for k in range(trials):
-            w = Worker("train", store)
+            w = server.start("train", store)
             opened = w.expect("open")
             assert opened == last  # the previous trial's reopen left exactly that count
             if k % probe_every == 0:
@@ -142,7 +150,7 @@ def step_trials(tmp: Path, trials: int, seed: int, curvature: float, window: flo
     return stats
 
 
-def ckpt_trials(tmp: Path, trials: int, seed: int, window: float, every: int = 4,
+def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every: int = 4,
                 mode: str = "ckpt") -> Counter:
     """(b) kill a process that trains and checkpoints at random moments: the checkpoint is
     either absent (none ever completed) or complete, at a multiple of ``every``, at least the
@@ -157,7 +165,7 @@ def ckpt_trials(tmp: Path, trials: int, seed: int, window: float, every: int = 4
     claimed = last = 0
     try:
         for _ in range(trials):
-            w = Worker(mode, live, dest, "--every", every)
+            w = server.start(mode, live, dest, "--every", every)
             assert w.expect("open") == last  # resumed from the checkpoint
             time.sleep(rng.uniform(0.0, window))
             for line in w.kill():
@@ -228,8 +236,8 @@ def check_torch_checkpoint(dest: Path) -> dsa_core.State:
 
 # -- (a) journaled stores killed mid-training ------------------------------------------------
 @pytest.mark.parametrize("curvature", [0.0, 1.0])
-def test_sigkill_journaled_training_few(tmp_path, curvature):
-    stats = step_trials(tmp_path, trials=2, seed=int(curvature), curvature=curvature,
+def test_sigkill_journaled_training_few(server, tmp_path, curvature):
+    stats = step_trials(server, tmp_path, trials=2, seed=int(curvature), curvature=curvature,
                         window=0.25, probe_every=1)
     assert stats["trials"] == 2
     assert stats["final count"] > 0
@@ -237,9 +245,9 @@ def test_sigkill_journaled_training_few(tmp_path, curvature):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("curvature", [0.0, 1.0])
-def test_sigkill_journaled_training_many(tmp_path, curvature):
-    stats = step_trials(tmp_path, trials=60, seed=100 + int(curvature), curvature=curvature,
-                        window=0.3, probe_every=10)
+def test_sigkill_journaled_training_many(server, tmp_path, curvature):
+    stats = step_trials(server, tmp_path, trials=60, seed=100 + int(curvature),
+                        curvature=curvature, window=0.3, probe_every=10)
     print(f"\njournaled training, c={curvature}: {dict(stats)}")
     assert stats["trials"] == 60
     # the kills did land inside steps, and rollbacks of half-written rows were needed
@@ -248,30 +256,30 @@ def test_sigkill_journaled_training_many(tmp_path, curvature):
 
 
 # -- (b) checkpoints killed mid-checkpoint ----------------------------------------------------
-def test_sigkill_during_checkpoints_few(tmp_path):
-    stats = ckpt_trials(tmp_path, trials=3, seed=7, window=0.15)
+def test_sigkill_during_checkpoints_few(server, tmp_path):
+    stats = ckpt_trials(server, tmp_path, trials=3, seed=7, window=0.15)
     assert stats["trials"] + stats["no checkpoint yet"] == 3
 
 
 @pytest.mark.slow
-def test_sigkill_during_checkpoints_many(tmp_path):
-    stats = ckpt_trials(tmp_path, trials=120, seed=8, window=0.15)
+def test_sigkill_during_checkpoints_many(server, tmp_path):
+    stats = ckpt_trials(server, tmp_path, trials=120, seed=8, window=0.15)
     print(f"\ncheckpoints: {dict(stats)}")
     assert stats["trials"] + stats["no checkpoint yet"] == 120
     assert stats["kills leaving a ckpt.tmp-* leftover"] > 10  # kills inside checkpoints
     assert stats["checkpoints advanced"] > 10
 
 
-def test_sigkill_during_torch_checkpoints_few(tmp_path):
+def test_sigkill_during_torch_checkpoints_few(server, tmp_path):
     pytest.importorskip("torch")
-    stats = ckpt_trials(tmp_path, trials=1, seed=9, window=0.4, mode="torch-ckpt")
+    stats = ckpt_trials(server, tmp_path, trials=1, seed=9, window=0.4, mode="torch-ckpt")
     assert stats["trials"] + stats["no checkpoint yet"] == 1
 
 
 @pytest.mark.slow
-def test_sigkill_during_torch_checkpoints_many(tmp_path):
+def test_sigkill_during_torch_checkpoints_many(server, tmp_path):
     pytest.importorskip("torch")
-    stats = ckpt_trials(tmp_path, trials=25, seed=10, window=0.4, mode="torch-ckpt")
+    stats = ckpt_trials(server, tmp_path, trials=25, seed=10, window=0.4, mode="torch-ckpt")
     print(f"\ntorch checkpoints: {dict(stats)}")
     assert stats["trials"] + stats["no checkpoint yet"] == 25
     assert stats["checkpoints advanced"] > 5
@@ -292,11 +300,11 @@ STEP_POINTS = {
 
 
 @pytest.mark.parametrize("point", list(STEP_POINTS))
-def test_kill_at_each_point_of_a_journaled_step(tmp_path, point):
+def test_kill_at_each_point_of_a_journaled_step(server, tmp_path, point):
     count_after, torn_expected = STEP_POINTS[point]
     store = tmp_path / "store"
     new_step_store(store)
-    rc, lines, err = run_worker("train", store, "--steps", 50, "--kill-at", point,
+    rc, lines, err = server.run("train", store, "--steps", 50, "--kill-at", point,
                                 "--kill-step", KILL_STEP)
     assert rc == -signal.SIGKILL, err
     assert lines == [["open", "0"]]
@@ -317,18 +325,18 @@ def test_kill_at_each_point_of_a_journaled_step(tmp_path, point):
     ref.close()
 
 
-def test_kill_during_recovery_then_resume(tmp_path):
+def test_kill_during_recovery_then_resume(server, tmp_path):
     """A kill inside open's rollback (before the journal is removed) is harmless: the next
     open rolls back again; training then resumes to the same bytes as the replay."""
     store = tmp_path / "store"
     new_step_store(store)
-    rc, _, err = run_worker("train", store, "--kill-at", "kernel", "--kill-step", KILL_STEP)
+    rc, _, err = server.run("train", store, "--kill-at", "kernel", "--kill-step", KILL_STEP)
     assert rc == -signal.SIGKILL, err
-    rc, lines, err = run_worker("train", store, "--kill-at", "recover")
+    rc, lines, err = server.run("train", store, "--kill-at", "recover")
     assert rc == -signal.SIGKILL, err
     assert lines == []  # died inside dsa_core.open
     assert journal_pending(store, KILL_STEP - 1)
-    rc, lines, err = run_worker("train", store, "--steps", KILL_STEP + 5)
+    rc, lines, err = server.run("train", store, "--steps", KILL_STEP + 5)
     assert rc == 0, err
     assert lines == [["open", str(KILL_STEP - 1)], ["done", str(KILL_STEP + 5)]]
     ref = Replay(tmp_path / "ref").to(KILL_STEP + 5)
@@ -350,9 +358,9 @@ CKPT_POINTS = [
 
 
 @pytest.mark.parametrize(("point", "at", "expect"), CKPT_POINTS)
-def test_kill_at_each_point_of_a_checkpoint(tmp_path, point, at, expect):
+def test_kill_at_each_point_of_a_checkpoint(server, tmp_path, point, at, expect):
     live, dest = tmp_path / "live", tmp_path / "ckpt"
-    rc, lines, err = run_worker("ckpt", live, dest, "--every", 4, "--steps", 40,
+    rc, lines, err = server.run("ckpt", live, dest, "--every", 4, "--steps", 40,
                                 "--kill-at", point, "--kill-step", at)
     assert rc == -signal.SIGKILL, err
     assert lines[-1] == (["open", "0"] if at == 4 else ["ckpt", "4"])
@@ -373,7 +381,7 @@ def test_kill_at_each_point_of_a_checkpoint(tmp_path, point, at, expect):
         return
     # the next run resumes from the checkpoint and carries on to the same bytes
     shutil.rmtree(tmp_path / leftovers[0])
-    rc, lines, err = run_worker("ckpt", live, dest, "--every", 4, "--steps", 12)
+    rc, lines, err = server.run("ckpt", live, dest, "--every", 4, "--steps", 12)
     assert rc == 0, err
     assert lines[0] == ["open", str(expect)] and lines[-1] == ["done", "12"]
     snap = dsa_core.open(dest, mode="r")
@@ -795,17 +803,15 @@ FULL_FS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_steps_on_a_full_filesystem_do_not_sigbus(tmp_path):
+def test_steps_on_a_full_filesystem_do_not_sigbus(server, tmp_path):
     with small_fs(tmp_path / "fs") as fs:
         n = 15_000  # 2.9 MB of 4 MiB
         s = dsa_core.create(fs / "s", n, D, **cw.STORE_KW)
         dsa_core.close(s)
         filler = fill(fs)
-        r = subprocess.run([sys.executable, "-c", FULL_FS_SCRIPT, str(fs / "s"), str(filler),
-                            str(REPO / "tests")],
-                           capture_output=True, text=True, timeout=300, check=False)
-        assert r.returncode == 0, f"rc {r.returncode} (SIGBUS is -7):\n{r.stderr}"
-        assert r.stdout.split("\n")[:2] == ["flush ENOSPC", "done 20"]
+        rc, lines, err = server.run(fs / "s", filler, REPO / "tests", code=FULL_FS_SCRIPT)
+        assert rc == 0, f"rc {rc} (SIGBUS is -7):\n{err}"
+        assert [" ".join(x) for x in lines[:2]] == ["flush ENOSPC", "done 20"]
         ref = dsa_core.create(tmp_path / "ref", n, D, **cw.STORE_KW)
         for t in range(1, 21):
             ref = dsa_core.step(ref, *cw.batch(t, num_rows=n))
@@ -872,16 +878,14 @@ SHORT_JOURNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_short_journal_write_on_a_nearly_full_filesystem_is_safe(tmp_path):
+def test_short_journal_write_on_a_nearly_full_filesystem_is_safe(server, tmp_path):
     with small_fs(tmp_path / "fs") as fs:
         n = 15_000
         s = dsa_core.create(fs / "s", n, D, durability="step", **cw.STORE_KW)
         dsa_core.close(s)
         filler = fill(fs)
-        r = subprocess.run([sys.executable, "-c", SHORT_JOURNAL_SCRIPT, str(fs / "s"),
-                            str(filler), str(REPO / "tests")],
-                           capture_output=True, text=True, timeout=300, check=False)
-        assert r.returncode == -signal.SIGKILL, r.stderr
+        rc, lines, err = server.run(fs / "s", filler, REPO / "tests", code=SHORT_JOURNAL_SCRIPT)
+        assert rc == -signal.SIGKILL, err
         filler.unlink()
         s = dsa_core.open(fs / "s")
         ref = dsa_core.create(tmp_path / "ref", n, D, **cw.STORE_KW)
@@ -889,7 +893,7 @@ def test_short_journal_write_on_a_nearly_full_filesystem_is_safe(tmp_path):
         same = s.store.data.tobytes() == ref.store.data.tobytes()
         dsa_core.close(s)
         dsa_core.close(ref)
-        assert same, f"count {s.count}, rows differ from the replay ({r.stdout.strip()})"
+        assert same, f"count {s.count}, rows differ from the replay ({lines})"
 
 
 # -- property: reopening changes nothing ---------------------------------------------------------
