@@ -10,6 +10,10 @@
 
 Plain helpers (records, digests, log budgets, the crash harness, ...) are in helpers.py.
 
+The objects that exist once the tests are collected (torch, JAX, PyKEEN and the test modules
+imported) are frozen out of the garbage collector's way (``gc.freeze``): a full collection
+in a process holding them took ~0.3-0.5 s, and the automatic ones come often in a long run.
+
 The Ctrl-C tests need Python's own SIGINT handler: a shell that starts a job in the background
 (``make test &``, some CI runners) starts it with SIGINT ignored, which Python then keeps and
 every child process inherits, so a SIGINT would do nothing. The handler is put back here, in
@@ -18,6 +22,7 @@ the test process and (through it) in every process a test starts.
 
 from __future__ import annotations
 
+import gc
 import math
 import signal
 from collections.abc import Callable
@@ -131,3 +136,10 @@ def store_digest() -> Callable[[Path], dict[str, str]]:
 def kind(request) -> str:
     """The storage kind of a behaviour test: every test that takes it runs on both kinds."""
     return request.param
+
+
+def pytest_collection_finish(session) -> None:
+    """Collected: everything imported so far goes to the permanent generation (module
+    docstring); what the tests make is collected as before."""
+    gc.collect()
+    gc.freeze()
