@@ -32,7 +32,7 @@ __all__ = ["MADV_PAGEOUT", "MADV_POPULATE_READ", "MADV_RANDOM", "MADV_WILLNEED",
            "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory",
            "fadvise_fd", "fsync_path", "libc", "madvise_addr", "mincore_addr", "mmap_fn",
            "munmap_fn", "preadv_all", "preadv_fd", "pwrite_all", "pwritev_all", "start_writeback",
-           "sync_file_range", "wait_written_back"]
+           "sync_file_range", "wait_written_back", "write_back"]
 
 # the memory page size: the unit of madvise/mincore spans (4096 on x86-64)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -99,19 +99,26 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
         pass
 
 
+def write_back(fd: int, offset: int = 0, nbytes: int = 0, path: Path | None = None) -> None:
+    """Write ``nbytes`` bytes of the file from ``offset`` (0: to its end) back and wait until
+    they are on the disk (``sync_file_range`` ``WAIT_BEFORE | WRITE | WAIT_AFTER``: data only,
+    no metadata, no disk cache flush). A wait only: does nothing where the call is missing (a
+    later fsync still makes them durable). ``path`` names the file in the error."""
+    if sync_file_range is None:  # pragma: no cover - not Linux
+        return
+    if sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE
+                       | SYNC_FILE_RANGE_WAIT_AFTER) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"writing {str(path or fd)!r} back failed: {os.strerror(err)}")
+
+
 def wait_written_back(path: Path) -> None:
-    """Wait until the pages of the file ``path`` are on the disk (``sync_file_range``
-    ``WAIT_BEFORE | WRITE | WAIT_AFTER``: data only, no metadata, no disk cache flush). A
-    wait only: does nothing where the call is missing (a later fsync still makes them
-    durable)."""
+    """:func:`write_back` of the whole file ``path``."""
     if sync_file_range is None:  # pragma: no cover - not Linux
         return
     fd = os.open(path, os.O_RDONLY)
     try:
-        if sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE
-                           | SYNC_FILE_RANGE_WAIT_AFTER) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"writing {str(path)!r} back failed: {os.strerror(err)}")
+        write_back(fd, path=path)
     finally:
         os.close(fd)
 

@@ -81,6 +81,7 @@ from .._os import (
     munmap_fn,
     pwrite_all,
     start_writeback,
+    write_back,
 )
 from .checks import check_count, check_init_settings, check_layout
 from .sums import record_sums
@@ -196,7 +197,8 @@ def sums_offset(n: int, stride: int, itemsize: int) -> int:
 
 # -- segments --------------------------------------------------------------------------------
 def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
-                  chunks, stride: int, dtype: np.dtype, count: int) -> int:
+                  chunks, stride: int, dtype: np.dtype, count: int,
+                  paced: bool = False) -> int:
     """Write one segment file; returns its size in bytes.
 
     ``rows``/``steps``: int64 ``(n,)``. ``chunks``: an iterable of C-contiguous record blocks
@@ -204,7 +206,9 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
     each with one ``pwrite``. The file is created exclusively (a leftover of that name is
     unlinked first: only our own name goes, a checkpoint's hard link keeps its inode), sized
     with ``ftruncate``, filled, and its write-back started; the caller fsyncs it before a
-    manifest refers to it. On any error the partial file is removed.
+    manifest refers to it. On any error the partial file is removed. ``paced``: each block
+    is on the disk before the next is written (``write_back``), so that the device never
+    holds more than a block of this file's writes in its queue (the background writer).
     """
     n = int(rows.shape[0])
     if not 0 < n < MAX_SEGMENT_RECORDS:
@@ -232,6 +236,8 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
             if done + blk.shape[0] > n:
                 raise ValueError(f"segment {seg_id}: more than the {n} records announced")
             pwrite_all(fd, blk, off)
+            if paced:
+                write_back(fd, off, blk.nbytes, path)
             crc = zlib.crc32(blk, crc)
             record_sums(blk, sums[done:done + blk.shape[0]])
             off += blk.nbytes

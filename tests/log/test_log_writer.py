@@ -187,3 +187,33 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     assert eng._writer.cache_bytes == min(int(segs.CACHE_SHARE * segs.memory_limit()),
                                           _log_writer.CACHE_MAX)
     dsa_core.close(s)
+
+
+def test_a_segment_is_written_back_a_block_at_a_time(tmp_path, monkeypatch):
+    """The background writer puts a segment's records on the disk ``PACE_BYTES`` at a time,
+    each block written back before the next is written (the steps' reads queue behind one
+    block of writes at most, not a whole segment's): the blocks cover the records in order,
+    none larger than the pace, and the file is byte for byte the one written at once."""
+    waits = []
+    real = _log_format.write_back
+
+    def write_back(fd, offset=0, nbytes=0, path=None):
+        waits.append((offset, nbytes))
+        return real(fd, offset, nbytes, path)
+
+    monkeypatch.setattr(_log_format, "write_back", write_back)
+    monkeypatch.setattr(_log_writer, "PACE_BYTES", 4096)
+    rng = np.random.default_rng(3)
+    n, stride = 100, 3 * D
+    rows, steps = rng.permutation(N)[:n].astype(np.int64), np.full(n, 7, np.int64)
+    recs = rng.standard_normal((n, stride)).astype(np.float32)
+    job = _log_writer.WriteJob(tmp_path / "paced.dsl", 5, rows, steps, recs, 7)
+    job.run()
+    assert job.error is None
+    rec_off = _log_format.segment_geometry(n, stride, 4)[2]
+    per = 4096 // (stride * 4)
+    assert [w[0] for w in waits] == [rec_off + lo * stride * 4 for lo in range(0, n, per)]
+    assert all(0 < w[1] <= 4096 for w in waits) and sum(w[1] for w in waits) == recs.nbytes
+    _log_format.write_segment(tmp_path / "once.dsl", 5, rows, steps, [recs], stride,
+                              np.dtype(np.float32), 7)
+    assert (tmp_path / "paced.dsl").read_bytes() == (tmp_path / "once.dsl").read_bytes()
