@@ -60,13 +60,15 @@ SMOKES = {
     "write_path": (["--smoke"], "write_path_smoke", "ms_per_mib"),
     "clean_sim": (["--smoke"], "clean_sim_smoke", "read_per_user"),
     "memory_budget": (["--smoke"], "memory_budget_smoke", "aged_over_base_mib"),
+    "seal_tail": (["--smoke"], "seal_tail_smoke", "sealing_median_ms"),
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
            "log_warm": "--workdir", "options_cost": "--workdir", "decay_quality": "--workdir",
            "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir",
            "durability": "--dir", "group_flush": "--dir", "pykeen_parity": "--workdir",
-           "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir"}
+           "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
+           "seal_tail": "--workdir"}
 
 
 @pytest.fixture
