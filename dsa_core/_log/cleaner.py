@@ -316,13 +316,10 @@ class Cleaner:
         r = self._reader()
         started = 0
         order = self.order().tolist()
+        stop = len(order)  # where the reads stopped: the victims after them are hinted
         for i, sid in enumerate(order):
             if need <= 0:
-                # the victims after these: their ids, steps and sums asked for now, so that
-                # the next seal's scan of them finds them in memory, not on the disk
-                for later in order[i:i + HINT_SEGMENTS]:
-                    if later not in segs.pending and not r.has(later):
-                        _rows_ahead(segs.segs[later])
+                stop = i
                 break
             frees = int(segs.seg_n[sid] - segs.live[sid])
             if sid in segs.pending or r.has(sid):
@@ -332,6 +329,7 @@ class Cleaner:
             if nbytes > self.whole():
                 continue
             if not r.room(nbytes + 8 * int(segs.live[sid])):  # its buffer and record numbers
+                stop = i
                 break  # the buffers are full: the reads of the next seals come first
             seg = segs.segs[sid]
             _rows_ahead(seg)
@@ -340,9 +338,15 @@ class Cleaner:
                               pool.dirty, out)
             if not r.ahead(sid, seg.path, self._offset(seg), out[:n].copy(), pool.stride,
                            pool.dtype):
+                stop = i
                 break
             need -= frees
             started += 1
+        # the victims after these (enough read, or no room left): their ids, steps and sums
+        # asked for now, so that the next seal's scan of them finds them in memory
+        for later in order[stop:stop + HINT_SEGMENTS]:
+            if later not in segs.pending and not r.has(later):
+                _rows_ahead(segs.segs[later])
         return started
 
     def read_counts(self) -> tuple[int, int]:

@@ -425,22 +425,24 @@ class _Unmapper:
     the step's thread. There ``munmap`` of a 24 MiB segment took 25-120 ms in the kernel
     (``strace -T``, out of core at a 25% region, while the read-ahead and cleaning threads
     read), the largest single part of a seal step. Queued here, the step goes on at once.
-    A forked child (its parent's thread is not in it) unmaps in the calling thread.
+    A child forked after the thread started (its parent's thread is not in it) unmaps in the
+    calling thread.
     :func:`unmap_pending` waits until every queued mapping is gone (an engine's ``close``).
     """
 
     def __init__(self):
-        self.pid = -1
+        self.pid = -1  # the process whose thread runs (-1: none started yet)
         self.q: queue.SimpleQueue | None = None
-        self.lock = threading.Lock()
+        # reentrant: a collection inside _start may drop another mapping in the same thread
+        self.lock = threading.RLock()
 
-    def _start(self) -> queue.SimpleQueue:
+    def _start(self, pid: int) -> queue.SimpleQueue:
         with self.lock:
-            if self.pid != os.getpid():
+            if self.pid != pid:
                 q: queue.SimpleQueue = queue.SimpleQueue()
                 threading.Thread(target=self._run, args=(q,), name="dsa-log-unmap",
                                  daemon=True).start()
-                self.q, self.pid = q, os.getpid()
+                self.q, self.pid = q, pid
         return self.q
 
     @staticmethod
@@ -453,8 +455,12 @@ class _Unmapper:
                 fn(addr, size)
 
     def put(self, addr: int, size: int, fn) -> None:
+        pid = os.getpid()
+        if self.pid not in (pid, -1):  # a forked child: its parent's thread is not here
+            fn(addr, size)
+            return
         try:
-            q = self.q if self.pid == os.getpid() else self._start()
+            q = self.q if self.pid == pid else self._start(pid)
             q.put((addr, size, fn))
         except Exception:  # pragma: no cover - interpreter shutdown, no thread to start
             fn(addr, size)

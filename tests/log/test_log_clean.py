@@ -285,6 +285,40 @@ def test_cleaned_segments_are_unmapped_off_the_steps_thread(tmp_path, monkeypatc
     assert _mapped(tmp_path / "s") == set()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_unmaps_in_its_own_thread(tmp_path, monkeypatch):
+    """A child forked after the unmapping thread started has no such thread: its segments
+    are unmapped by the thread that drops them, and its close does not wait for a thread
+    that is not there."""
+    calls = []
+    real = _format.munmap_fn
+
+    def munmap(addr, size):
+        calls.append(threading.current_thread().name)
+        return real(addr, size)
+
+    monkeypatch.setattr(_format, "munmap_fn", munmap)
+    eng = _create(tmp_path / "parent")
+    _train(eng, eng.read(np.arange(N)), 1, 61, "uniform")
+    eng.close()
+    assert calls and set(calls) == {"dsa-log-unmap"}  # the parent's thread runs
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            calls.clear()
+            child = _create(tmp_path / "child")
+            ref = child.read(np.arange(N))
+            _train(child, ref, 1, 61, "uniform")
+            ok = np.array_equal(child.read(np.arange(N)), ref)
+            child.close()
+            code = 0 if ok and calls and set(calls) == {"MainThread"} else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_victims_ids_are_asked_for_a_seal_before_their_scan(tmp_path, monkeypatch):
     """The ids (steps, sums) of the victims after those read ahead are hinted one seal before
     the next seal scans them: a scan of ids still on the disk waits for them on the step's
@@ -319,7 +353,9 @@ def test_victims_ids_are_asked_for_a_seal_before_their_scan(tmp_path, monkeypatc
     monkeypatch.setattr(_cleaner, "advise_whole", advise)
     monkeypatch.setattr(_cleaner, "_live_records", live)
     ref = eng.read(np.arange(N))
-    _train(eng, ref, 1, 121, "uniform", flush_every=40)
+    # the reads joined every step: which victims are read when a seal comes is then the
+    # same in every run (a busy machine otherwise leaves more of them unread)
+    _train(eng, ref, 1, 121, "uniform", join=True, flush_every=40)
     later = scans[10:]  # the first victims: cleaning starts, nothing could be hinted yet
     early = [sid for sid, at in later if first_hint.get(sid, at) < at]
     assert len(later) > 40 and len(early) >= 0.8 * len(later), (len(early), len(later))
