@@ -433,6 +433,7 @@ class _Unmapper:
     def __init__(self):
         self.pid = -1  # the process whose thread runs (-1: none started yet)
         self.q: queue.SimpleQueue | None = None
+        self.thread: threading.Thread | None = None
         # reentrant: a collection inside _start may drop another mapping in the same thread
         self.lock = threading.RLock()
 
@@ -440,9 +441,10 @@ class _Unmapper:
         with self.lock:
             if self.pid != pid:
                 q: queue.SimpleQueue = queue.SimpleQueue()
-                threading.Thread(target=self._run, args=(q,), name="dsa-log-unmap",
-                                 daemon=True).start()
-                self.q, self.pid = q, pid
+                t = threading.Thread(target=self._run, args=(q,), name="dsa-log-unmap",
+                                     daemon=True)
+                t.start()
+                self.q, self.thread, self.pid = q, t, pid
         return self.q
 
     @staticmethod
@@ -451,8 +453,11 @@ class _Unmapper:
             addr, size, fn = q.get()
             if addr is None:  # a drain marker: size is its event
                 size.set()
-            else:
+                continue
+            try:
                 fn(addr, size)
+            except Exception:  # pragma: no cover - a failed munmap only leaves it mapped;
+                pass           # the thread must go on serving the queue and the drains
 
     def put(self, addr: int, size: int, fn) -> None:
         pid = os.getpid()
@@ -469,7 +474,9 @@ class _Unmapper:
         if self.pid == os.getpid() and self.q is not None:
             done = threading.Event()
             self.q.put((None, done, None))
-            done.wait()
+            while not done.wait(1.0):  # never a hang on a thread that is gone
+                if not self.thread.is_alive():  # pragma: no cover - interpreter shutdown
+                    return
 
 
 _UNMAPPER = _Unmapper()

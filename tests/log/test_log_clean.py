@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,25 +247,17 @@ def test_a_policy_outside_the_list_is_refused(tmp_path):
 
 
 # -- the mappings of cleaned segments --------------------------------------------------------------
-def _read_text(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
 def _mapped(store) -> set[str]:
     """The files of ``store`` that this process maps."""
     prefix = str(store) + os.sep
     return {line.split(prefix, 1)[1].strip() for line in
-            _read_text("/proc/self/maps").splitlines() if prefix in line}
+            Path("/proc/self/maps").read_text().splitlines() if prefix in line}
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
-def test_cleaned_segments_are_unmapped_off_the_steps_thread(tmp_path, monkeypatch):
-    """A segment that seals leave without a live record is unmapped by the unmapper thread,
-    never by the thread that steps (there ``munmap`` of a segment took 25-120 ms, out of
-    core); once that thread has run, no dropped segment is still mapped, and ``close``
-    returns with nothing of the store mapped."""
-    threads = []
+@pytest.fixture
+def munmaps(monkeypatch) -> list[str]:
+    """The names of the threads that unmap the segments mapped from now on, in order."""
+    threads: list[str] = []
     real = _format.munmap_fn
 
     def munmap(addr, size):
@@ -272,12 +265,21 @@ def test_cleaned_segments_are_unmapped_off_the_steps_thread(tmp_path, monkeypatc
         return real(addr, size)
 
     monkeypatch.setattr(_format, "munmap_fn", munmap)  # taken by each mapping when made
+    return threads
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_cleaned_segments_are_unmapped_off_the_steps_thread(tmp_path, munmaps):
+    """A segment that seals leave without a live record is unmapped by the unmapper thread,
+    never by the thread that steps (there ``munmap`` of a segment took 25-120 ms, out of
+    core); once that thread has run, no dropped segment is still mapped, and ``close``
+    returns with nothing of the store mapped."""
     eng = _create(tmp_path / "s")
     ref = eng.read(np.arange(N))
     _train(eng, ref, 1, 121, "uniform", flush_every=40)
     assert eng.stats()["cleaned_segments"] > 10
     _format.unmap_pending()
-    assert threads and set(threads) == {"dsa-log-unmap"}, threads
+    assert munmaps and set(munmaps) == {"dsa-log-unmap"}, munmaps
     live = {_format.seg_name(sid) for sid in eng._segments.segs}
     assert _mapped(tmp_path / "s") <= live
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
@@ -286,18 +288,11 @@ def test_cleaned_segments_are_unmapped_off_the_steps_thread(tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_unmaps_in_its_own_thread(tmp_path, monkeypatch):
+def test_a_forked_child_unmaps_in_its_own_thread(tmp_path, munmaps):
     """A child forked after the unmapping thread started has no such thread: its segments
     are unmapped by the thread that drops them, and its close does not wait for a thread
     that is not there."""
-    calls = []
-    real = _format.munmap_fn
-
-    def munmap(addr, size):
-        calls.append(threading.current_thread().name)
-        return real(addr, size)
-
-    monkeypatch.setattr(_format, "munmap_fn", munmap)
+    calls = munmaps
     eng = _create(tmp_path / "parent")
     _train(eng, eng.read(np.arange(N)), 1, 61, "uniform")
     eng.close()
