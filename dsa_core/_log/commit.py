@@ -207,8 +207,9 @@ class Commit:
             recs.flags.writeable = False  # as the mapping that replaces it
             if copies:
                 crash_point("clean-copied")
-            segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count))
             size = segment_geometry(n, stride, dtype.itemsize)[3]
+            segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count,
+                                       segs.take_spare(size)))
             segs.add(Segment(sid, n, path, rows, steps, recs, size))
         else:  # a large seal (a flush, a range release): streamed in chunks, written now
             chunk = max(1, _CHUNK_BYTES // rec_bytes)
@@ -223,7 +224,9 @@ class Commit:
                         yield blk
                         blk = None  # one chunk at a time (staging): not held past its write
 
-            size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count)
+            size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count,
+                                 recycle=segs.take_spare(
+                                     segment_geometry(n, stride, dtype.itemsize)[3]))
             segs.map(path, sid, n)
         for c in copies:  # a failed seal keeps them: its retry finds them read
             cleaner.done_with(c)

@@ -563,11 +563,14 @@ class LogEngine:
         their files' bytes with headers and padding); ``live_records``/``live_bytes``: rows
         with an on-disk record (record bytes); ``dead_bytes``: record bytes of superseded
         records in live segments; ``pending_delete``: dead segments whose files wait for
-        the next commit; ``space_used``: ``segment_records / live_records``;
-        ``slots``/``slots_used``/``slots_dirty``; ``sealed_bytes`` (updated records written
-        by seals), ``cleaned_bytes`` (records copied by cleaning), ``file_bytes_written``
-        (everything appended, headers and padding included), ``user_bytes`` (records handed
-        out by acquire: ``len(rows) * record bytes`` per call); ``write_amplification`` =
+        the next commit; ``spare_segments``/``spare_bytes``: dead files kept for the next
+        seals to overwrite (at most ``segments.SPARE_SEGMENTS``, deleted by ``close``);
+        ``recycled_segments``: seals written over one, this open; ``space_used``:
+        ``segment_records / live_records``; ``slots``/``slots_used``/``slots_dirty``;
+        ``sealed_bytes`` (updated records written by seals), ``cleaned_bytes`` (records
+        copied by cleaning), ``file_bytes_written`` (everything appended, headers and
+        padding included), ``user_bytes`` (records handed out by acquire: ``len(rows) *
+        record bytes`` per call); ``write_amplification`` =
         ``(sealed_bytes + cleaned_bytes) / user_bytes`` and ``cleaning_overhead`` =
         ``(sealed_bytes + cleaned_bytes) / sealed_bytes``. ``total_*``: the same over the
         store's life (every writer's counters as of its last flush, plus this open's):
@@ -599,6 +602,9 @@ class LogEngine:
             "live_bytes": int(segs.live_total) * rb,
             "dead_bytes": int(segs.total_records - segs.live_total) * rb,
             "pending_delete": len(segs.doomed),
+            "spare_segments": len(segs.spares),
+            "spare_bytes": int(sum(n for _, n in segs.spares)),
+            "recycled_segments": segs.recycled,
             "space_used": segs.total_records / segs.live_total if segs.live_total else 0.0,
             "space_ratio": self.space_ratio,
             "slots": self.slots,
@@ -670,6 +676,7 @@ class LogEngine:
         self._commit.close_wal()
         self._stop_threads()
         self.closed = True
+        self._segments.delete_spares()
         self._segments.segs.clear()
         unmap_pending()  # the segments no array uses any more are unmapped on return
         if self._lockfd >= 0:
@@ -684,6 +691,7 @@ class LogEngine:
             return
         self._stop_threads()  # its segment files are garbage for the next open
         self.closed = True
+        self._segments.delete_spares()
         self._segments.segs.clear()
         unmap_pending()
         self._commit.close_wal()

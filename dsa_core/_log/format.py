@@ -198,7 +198,7 @@ def sums_offset(n: int, stride: int, itemsize: int) -> int:
 # -- segments --------------------------------------------------------------------------------
 def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
                   chunks, stride: int, dtype: np.dtype, count: int,
-                  paced: bool = False) -> int:
+                  paced: bool = False, recycle: Path | None = None) -> int:
     """Write one segment file; returns its size in bytes.
 
     ``rows``/``steps``: int64 ``(n,)``. ``chunks``: an iterable of C-contiguous record blocks
@@ -209,6 +209,8 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
     manifest refers to it. On any error the partial file is removed. ``paced``: each block
     is on the disk before the next is written (``write_back``), so that the device never
     holds more than a block of this file's writes in its queue (the background writer).
+    ``recycle``: a dead segment file of this writer's that no manifest ever listed, renamed
+    to ``path`` and overwritten instead of creating a new file (``_new_file``).
     """
     n = int(rows.shape[0])
     if not 0 < n < MAX_SEGMENT_RECORDS:
@@ -221,7 +223,7 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
     with_pad[:n] = rows
     with_pad[(steps_off - rows_off) // 8:(steps_off - rows_off) // 8 + n] = steps
     sums = np.empty(n, np.uint64)
-    with _new_file(path) as fd:
+    with _new_file(path, recycle) as (fd, reused):
         os.ftruncate(fd, size)
         pwrite_all(fd, with_pad, rows_off)
         crash_point("seal-rows")
@@ -246,7 +248,11 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
             crash_point("seal-chunk")
         if done != n:
             raise ValueError(f"segment {seg_id}: {done} records written, {n} announced")
-        pwrite_all(fd, sums, sums_offset(n, stride, itemsize))
+        s_off = sums_offset(n, stride, itemsize)
+        pwrite_all(fd, sums, s_off)
+        if reused:  # the padding after the records and after the sums, as a new file's
+            pwrite_all(fd, np.zeros(s_off - off, np.uint8), off)
+            pwrite_all(fd, np.zeros(size - s_off - sums.nbytes, np.uint8), s_off + sums.nbytes)
         head = _HEAD.pack(SEG_MAGIC, seg_id, n, stride, itemsize, int(count),
                           zlib.crc32(rows), zlib.crc32(steps), crc)
         head += _HCRC.pack(zlib.crc32(head))
@@ -258,16 +264,41 @@ def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
 
 
 @contextlib.contextmanager
-def _new_file(path: Path):
-    """A descriptor of a fresh ``path`` (a leftover of that name is replaced), opened for
-    writing; closed at the end, and the partial file removed if the block raises."""
+def _new_file(path: Path, recycle: Path | None = None):
+    """``(fd, reused)``: a descriptor of a fresh ``path`` (a leftover of that name is
+    replaced), opened for writing, and whether it is ``recycle`` 's file; closed at the end,
+    and the partial file removed if the block raises.
+
+    ``recycle``: an old file of ours to rename to ``path`` and overwrite (its blocks stay
+    allocated: no block is freed, so no discard reaches the disk, and none is allocated).
+    Its header is zeroed first, so that until the new header is written it reads as torn,
+    as a new file would. A file gone, or linked elsewhere (a hard link made since: never
+    overwritten), is passed over for a new one.
+    """
+    fd = -1
+    if recycle is not None:
+        try:
+            os.replace(recycle, path)
+            fd = os.open(path, os.O_WRONLY)
+            if os.fstat(fd).st_nlink != 1:
+                os.close(fd)
+                fd = -1
+            else:
+                pwrite_all(fd, np.zeros(_HEAD_ALL, np.uint8), 0)
+                crash_point("seal-recycled")
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+    reused = fd >= 0
+    if fd < 0:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        yield fd
+        yield fd, reused
     except BaseException:
         os.close(fd)
         try:
@@ -567,7 +598,7 @@ def write_index(path: Path, index) -> int:
     memory: ``Pool.disk_location_chunks``)."""
     parts = [index] if isinstance(index, np.ndarray) else index
     crc, pos = 0, 0
-    with _new_file(path) as fd:
+    with _new_file(path) as (fd, _):
         for part in parts:
             raw = memoryview(np.ascontiguousarray(part, np.int64)).cast("B")
             for off in range(0, raw.nbytes, _IO_CHUNK):

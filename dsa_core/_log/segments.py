@@ -9,8 +9,16 @@ an address without a lookup. ``total_records`` counts the records of the live se
 
 The files' lifecycle: ``unsynced`` (written since the last flush: fsync'd by the next),
 ``committed`` (listed by the last manifest), ``doomed`` (of those, dead: deleted right after
-the next manifest that no longer lists them is committed). A segment nobody lists is deleted
-as soon as it dies.
+the next manifest that no longer lists them is committed). A segment no manifest ever listed
+is private to this writer: when it dies its file becomes a *spare* (``spares``, at most
+``SPARE_SEGMENTS``; past that it is deleted), which a later seal renames and overwrites
+instead of creating a file (``take_spare``). Deleting a file frees its blocks, and on a
+filesystem mounted with ``discard`` that sends the disk a discard of the whole file when the
+journal commits: measured on this project's VM, a 27 MiB discard held the disk for 14 ms to
+1 s, and the steps' reads queued behind it. A spare keeps its dead name, which no manifest
+lists, so a crash leaves it to the next open's cleanup; ``close`` deletes the spares. A
+committed segment is never reused: a reader (``mode="r"``) or a checkpoint may still use the
+file under the manifest it read.
 
 Background writes (``writer``): a seal small enough is handed to this process's
 :class:`~.writer.SegmentWriter`. Until written it is *pending* (``pending``): its records
@@ -36,13 +44,16 @@ from .format import Segment, check_records, crash_point, map_segment, seg_name
 from .read import hint_uncached
 from .writer import CACHE_MAX, SegmentWriter, WriteJob
 
-__all__ = ["CACHE_SHARE", "LOW32", "Segments"]
+__all__ = ["CACHE_SHARE", "LOW32", "SPARE_SEGMENTS", "Segments"]
 
 # written segments whose pages stay in the page cache (the newest, as one window): this share
 # of the memory the process may use (_paging.memory_limit, cgroup-aware), at most
 # writer.CACHE_MAX; older ones are dropped (writer)
 CACHE_SHARE = 0.125
 LOW32 = np.int64(0xFFFFFFFF)
+# dead, never-committed segment files kept for the next seals to overwrite (module docstring);
+# 0: every dead file is deleted
+SPARE_SEGMENTS = 8
 
 
 class Segments:
@@ -72,6 +83,9 @@ class Segments:
         self.pending: dict[int, WriteJob] = {}      # segments still being written (writer)
         self.writer: SegmentWriter | None = None
         self.spare: list[np.ndarray] = []           # seal buffers to reuse (no page faults)
+        self.spares: list[tuple[Path, int]] = []    # dead files to overwrite: (path, bytes)
+        self.spares_pid = os.getpid()               # whose they are (a forked child: not its)
+        self.recycled = 0                           # segment files overwritten, this open
 
     # -- the table ---------------------------------------------------------------------------
     def ensure_id(self, seg_id: int) -> None:
@@ -132,10 +146,47 @@ class Segments:
                 self.doomed.add(sid)
             else:
                 self.unsynced.discard(sid)
-                try:
-                    os.unlink(seg.path)
-                except FileNotFoundError:  # pragma: no cover
-                    pass
+                self.retire(seg.path, seg.nbytes)
+
+    # -- spare files ---------------------------------------------------------------------------
+    def retire(self, path: Path, nbytes: int) -> None:
+        """A dead segment file no manifest ever listed: keep it as a spare, or delete it when
+        ``SPARE_SEGMENTS`` are kept already (or in a forked child, whose files are not its
+        own to reuse)."""
+        if (len(self.spares) < SPARE_SEGMENTS and self.spares_pid == os.getpid()
+                and path.exists()):  # a failed write left no file
+            self.spares.append((path, int(nbytes)))
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # pragma: no cover
+            pass
+
+    def take_spare(self, nbytes: int) -> Path | None:
+        """A spare file for a segment of ``nbytes``, removed from the spares; None if there
+        is none. The largest not larger (the file grows: no block freed), else the smallest
+        (cut to size: only its tail's blocks are freed)."""
+        if not self.spares or self.spares_pid != os.getpid():
+            return None
+        below = [i for i, (_, n) in enumerate(self.spares) if n <= nbytes]
+        if below:
+            i = max(below, key=lambda j: self.spares[j][1])
+        else:
+            i = min(range(len(self.spares)), key=lambda j: self.spares[j][1])
+        self.recycled += 1
+        return self.spares.pop(i)[0]
+
+    def delete_spares(self) -> None:
+        """Delete the spare files (at close: nothing of the store is left but what its
+        manifest lists)."""
+        spares, self.spares = self.spares, []
+        if self.spares_pid != os.getpid():
+            return
+        for path, _ in spares:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     # -- reading -------------------------------------------------------------------------------
     def read_into(self, locs: np.ndarray, out: np.ndarray, out_idx: np.ndarray,

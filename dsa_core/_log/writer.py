@@ -78,12 +78,13 @@ PACE_BYTES = 4 << 20
 class WriteJob:
     """One segment to write: its file, rows, steps and records (an in-memory buffer)."""
 
-    __slots__ = ("count", "cpu_s", "done", "dtype", "error", "path", "records", "rows", "sid",
-                 "size", "steps", "stride")
+    __slots__ = ("count", "cpu_s", "done", "dtype", "error", "path", "records", "recycle",
+                 "rows", "sid", "size", "steps", "stride")
 
     def __init__(self, path: Path, sid: int, rows: np.ndarray, steps: np.ndarray,
-                 records: np.ndarray, count: int):
+                 records: np.ndarray, count: int, recycle: Path | None = None):
         self.path, self.sid, self.rows, self.steps = path, sid, rows, steps
+        self.recycle = recycle  # a dead file to overwrite (format.write_segment), used once
         self.records, self.count = records, int(count)
         self.stride, self.dtype = records.shape[1], records.dtype
         self.done = threading.Event()
@@ -103,8 +104,10 @@ class WriteJob:
             k = max(1, PACE_BYTES // (self.stride * self.dtype.itemsize)) if PACE_BYTES else 0
             blocks = ([self.records[lo:lo + k] for lo in range(0, self.rows.shape[0], k)] if k
                       else [self.records])
+            recycle, self.recycle = self.recycle, None  # a retry writes a new file
             self.size = write_segment(self.path, self.sid, self.rows, self.steps, blocks,
-                                      self.stride, self.dtype, self.count, paced=bool(k))
+                                      self.stride, self.dtype, self.count, paced=bool(k),
+                                      recycle=recycle)
             wait_written_back(self.path)
             if drop:
                 _drop_cached(self.path)

@@ -28,6 +28,7 @@ from dsa_core._log import cleaner as _cleaner
 from dsa_core._log import commit as _commit
 from dsa_core._log import format as _format
 from dsa_core._log import read as _read
+from dsa_core._log import segments as _segments
 
 N, DIM, BATCH, SLOTS = 3000, 8, 100, 400
 
@@ -420,11 +421,102 @@ def test_full_disk_during_a_cleaning_seal(tmp_path, monkeypatch, path):
     eng.close()
 
 
+# -- dead segment files overwritten, not deleted --------------------------------------------------
+def _seg_files(path) -> set[str]:
+    return {f.name for f in Path(path).glob("seg-*.dsl")}
+
+
+@pytest.fixture
+def deleted(monkeypatch) -> list[str]:
+    """The names of the segment files deleted from now on (``os.unlink``, Path.unlink)."""
+    names: list[str] = []
+    real = os.unlink
+
+    def unlink(path, *a, **k):
+        if Path(path).name.startswith("seg-"):
+            names.append(Path(path).name)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)  # Path.unlink calls os.unlink
+    return names
+
+
+@pytest.mark.parametrize("spares", [_segments.SPARE_SEGMENTS, 0])
+def test_dead_private_segments_are_overwritten_not_deleted(tmp_path, monkeypatch, deleted,
+                                                           spares):
+    """A segment that dies before any manifest listed it keeps its file as a spare, which a
+    later seal renames and overwrites: between flushes an aged store deletes (and so makes
+    the disk discard) few segment files. The values stay exact, the directory holds the
+    live segments and the spares, and ``close`` leaves only what the manifest lists."""
+    monkeypatch.setattr(_segments, "SPARE_SEGMENTS", spares)
+    eng = _create(tmp_path / "s")
+    ref = eng.read(np.arange(N))
+    _train(eng, ref, 1, 101, "uniform")  # aged: every seal cleans
+    eng.flush()
+    before = eng.stats()
+    deleted.clear()
+    _train(eng, ref, 101, 301, "uniform", check_every=50)
+    st = eng.stats()
+    seals = st["seals"] - before["seals"]
+    recycled = st["recycled_segments"] - before["recycled_segments"]
+    assert st["cleaned_segments"] - before["cleaned_segments"] > 50
+    segs = eng._segments
+    assert st["spare_segments"] == len(segs.spares) <= spares
+    assert _seg_files(tmp_path / "s") == (  # live, dead that the manifest lists, spares
+        {_format.seg_name(sid) for sid in set(segs.segs) | segs.doomed}
+        | {p.name for p, _ in segs.spares})
+    if spares:
+        assert recycled > seals // 2, (recycled, seals)
+        # deleted: the spares past the cap and the dead segments the last flush committed
+        assert len(deleted) < recycled // 2, (len(deleted), recycled)
+    else:
+        assert recycled == 0 and len(deleted) > seals // 2
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    assert eng.verify() == []
+    eng.close()
+    manifest = _format.read_manifest(tmp_path / "s")
+    assert _seg_files(tmp_path / "s") == {_format.seg_name(int(i)) for i in
+                                          manifest["segments"]}
+    eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(_lay(), SLOTS))
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    eng.close()
+
+
+def test_committed_segments_are_never_overwritten(tmp_path):
+    """Files a manifest listed are never reused, only deleted: a reader opened at a flush and
+    a checkpoint made there still read exactly that flush's values after the writer has
+    cleaned every segment of it (and reused other dead files meanwhile)."""
+    eng = _create(tmp_path / "s")
+    ref = eng.read(np.arange(N))
+    _train(eng, ref, 1, 81, "uniform")
+    eng.flush()
+    at_flush = ref.copy()
+    listed = set(eng._segments.committed)
+    eng.checkpoint(tmp_path / "ck")
+    reader = _log.open(tmp_path / "s", mode="r")
+    before = eng.stats()["recycled_segments"]
+    t = 81
+    while listed & set(eng._segments.segs):  # until every segment of that flush is dead
+        _train(eng, ref, t, t + 20, "uniform")
+        t += 20
+        assert t < 2000, "the flush's segments never died"
+    _train(eng, ref, t, t + 20, "uniform")
+    assert eng.stats()["recycled_segments"] > before
+    np.testing.assert_array_equal(reader.read(np.arange(N)), at_flush)
+    assert reader.verify() == []
+    reader.close()
+    eng.close()
+    ck = _log.open(tmp_path / "ck", mode="r")
+    np.testing.assert_array_equal(ck.read(np.arange(N)), at_flush)
+    assert ck.verify() == []
+    ck.close()
+
+
 # -- kill -9 inside a cleaning seal ---------------------------------------------------------------
 STEPS, FLUSH = 120, 10
 
 
-def _child(path, point: str, nth: int, never_ready: bool) -> None:
+def _child(path, point: str, nth: int, never_ready: bool, flush: int = FLUSH) -> None:
     code = 1
     try:
         if never_ready:  # every clean waits: the waiting path's crash points are reached
@@ -436,7 +528,7 @@ def _child(path, point: str, nth: int, never_ready: bool) -> None:
             slots = eng.acquire(rows)
             eng.region[slots] = _update(eng.region[slots], t, rows)
             eng.count = t
-            if t % FLUSH == 0:
+            if t % flush == 0:
                 eng.flush()
         eng.close()
         code = 0
@@ -447,13 +539,13 @@ def _child(path, point: str, nth: int, never_ready: bool) -> None:
         os._exit(code)
 
 
-def _references() -> dict[int, np.ndarray]:
+def _references(flush: int = FLUSH) -> dict[int, np.ndarray]:
     eng_init = _log_init_records()
     ref, out = eng_init.copy(), {0: eng_init.copy()}
     for t in range(1, STEPS + 1):
         rows = _rows(t, "uniform")
         ref[rows] = _update(ref[rows], t, rows)
-        if t % FLUSH == 0:
+        if t % flush == 0:
             out[t] = ref.copy()
     return out
 
@@ -467,13 +559,16 @@ def _log_init_records() -> np.ndarray:
     return _init.initial_records(np.arange(N), spec)
 
 
-@pytest.mark.parametrize("point,never_ready", [("clean", False), ("clean-copied", False),
-                                               ("clean-wait", True), ("clean", True),
-                                               ("clean-copied", True)])
-def test_kill_inside_a_cleaning_seal_reopens_at_the_last_flush(tmp_path, point, never_ready):
+@pytest.mark.parametrize("point,never_ready,flush", [
+    ("clean", False, FLUSH), ("clean-copied", False, FLUSH), ("clean-wait", True, FLUSH),
+    ("clean", True, FLUSH), ("clean-copied", True, FLUSH),
+    # a seal written over a dead segment's file (flushes far apart: such files are many)
+    ("seal-recycled", False, 40), ("seal-chunk", False, 40)])
+def test_kill_inside_a_cleaning_seal_reopens_at_the_last_flush(tmp_path, point, never_ready,
+                                                               flush):
     if not hasattr(os, "fork"):
         pytest.skip("needs os.fork")
-    refs = _references()
+    refs = _references(flush)
     path = tmp_path / "s"
     _create(path).close()
     rng = np.random.default_rng(zlib.crc32(f"{point}:{never_ready}".encode()))
@@ -482,7 +577,7 @@ def test_kill_inside_a_cleaning_seal_reopens_at_the_last_flush(tmp_path, point, 
         nth = int(rng.integers(1, 25))
         pid = os.fork()
         if pid == 0:
-            _child(path, point, nth, never_ready)
+            _child(path, point, nth, never_ready, flush)
         _, status = os.waitpid(pid, 0)
         killed = os.WIFSIGNALED(status)
         if killed:

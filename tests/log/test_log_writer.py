@@ -217,3 +217,79 @@ def test_a_segment_is_written_back_a_block_at_a_time(tmp_path, monkeypatch):
     _log_format.write_segment(tmp_path / "once.dsl", 5, rows, steps, [recs], stride,
                               np.dtype(np.float32), 7)
     assert (tmp_path / "paced.dsl").read_bytes() == (tmp_path / "once.dsl").read_bytes()
+
+
+def _segment_args(n=100, seed=3):
+    rng = np.random.default_rng(seed)
+    stride = 3 * D
+    rows, steps = rng.permutation(N)[:n].astype(np.int64), np.full(n, 7, np.int64)
+    return rows, steps, rng.standard_normal((n, stride)).astype(np.float32), stride
+
+
+@pytest.mark.parametrize("old_n", [40, 100, 160])  # the spare smaller, as large, larger
+def test_a_segment_written_over_a_spare_is_the_segment_written_fresh(tmp_path, old_n):
+    """A seal written over a dead segment's file (renamed, overwritten in place, grown or
+    cut to size) keeps that file's inode and is byte for byte the file written fresh; the
+    spare's name is gone."""
+    f32 = np.dtype(np.float32)
+    o_rows, o_steps, o_recs, stride = _segment_args(old_n, seed=9)
+    _log_format.write_segment(tmp_path / "old.dsl", 2, o_rows, o_steps, [o_recs], stride,
+                              f32, 3)
+    inode = os.stat(tmp_path / "old.dsl").st_ino
+    rows, steps, recs, _ = _segment_args()
+    job = _log_writer.WriteJob(tmp_path / "new.dsl", 5, rows, steps, recs, 7,
+                               recycle=tmp_path / "old.dsl")
+    job.run()
+    assert job.error is None and job.recycle is None
+    assert not (tmp_path / "old.dsl").exists()
+    assert os.stat(tmp_path / "new.dsl").st_ino == inode
+    _log_format.write_segment(tmp_path / "fresh.dsl", 5, rows, steps, [recs], stride, f32, 7)
+    assert (tmp_path / "new.dsl").read_bytes() == (tmp_path / "fresh.dsl").read_bytes()
+    seg = _log_format.map_segment(tmp_path / "new.dsl", 5, 100, stride, f32)
+    np.testing.assert_array_equal(seg.records, recs)
+
+
+def test_a_spare_linked_elsewhere_is_never_overwritten(tmp_path):
+    """A spare that has a second name (a hard link, as a checkpoint makes) is passed over:
+    the seal goes to a new file and the linked bytes stay as they were."""
+    f32 = np.dtype(np.float32)
+    o_rows, o_steps, o_recs, stride = _segment_args(seed=9)
+    _log_format.write_segment(tmp_path / "old.dsl", 2, o_rows, o_steps, [o_recs], stride,
+                              f32, 3)
+    os.link(tmp_path / "old.dsl", tmp_path / "kept.dsl")
+    kept = (tmp_path / "kept.dsl").read_bytes()
+    rows, steps, recs, _ = _segment_args()
+    _log_format.write_segment(tmp_path / "new.dsl", 5, rows, steps, [recs], stride, f32, 7,
+                              recycle=tmp_path / "old.dsl")
+    assert (tmp_path / "kept.dsl").read_bytes() == kept
+    assert os.stat(tmp_path / "new.dsl").st_ino != os.stat(tmp_path / "kept.dsl").st_ino
+    seg = _log_format.map_segment(tmp_path / "new.dsl", 5, 100, stride, f32)
+    np.testing.assert_array_equal(seg.records, recs)
+
+
+def test_a_full_disk_while_overwriting_a_spare_leaves_no_file(tmp_path, monkeypatch):
+    """ENOSPC in the middle of a seal written over a spare: the error is the job's, the
+    half-overwritten file is removed under both names, and the retry writes a new file."""
+    f32 = np.dtype(np.float32)
+    o_rows, o_steps, o_recs, stride = _segment_args(seed=9)
+    _log_format.write_segment(tmp_path / "old.dsl", 2, o_rows, o_steps, [o_recs], stride,
+                              f32, 3)
+    real, calls = _log_format.pwrite_all, []
+
+    def pwrite_all(fd, buf, off):
+        calls.append(off)
+        if len(calls) == 3:  # the header zeroed, the row ids written, then the disk is full
+            raise OSError(28, "No space left on device (injected)")
+        return real(fd, buf, off)
+
+    monkeypatch.setattr(_log_format, "pwrite_all", pwrite_all)
+    rows, steps, recs, _ = _segment_args()
+    job = _log_writer.WriteJob(tmp_path / "new.dsl", 5, rows, steps, recs, 7,
+                               recycle=tmp_path / "old.dsl")
+    job.run()
+    assert isinstance(job.error, OSError) and job.error.errno == 28
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    job.run()  # the engine's retry, with room again
+    assert job.error is None
+    seg = _log_format.map_segment(tmp_path / "new.dsl", 5, 100, stride, f32)
+    np.testing.assert_array_equal(seg.records, recs)
