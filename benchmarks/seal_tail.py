@@ -16,7 +16,11 @@ and p99, the median step that sealed against the median one that did not, and th
 Switches for A/B runs of the choices this measured (each restores the old behaviour):
 ``--pace-mib 0`` (the writer writes a segment at once), ``--no-hints`` (victims' ids not
 hinted a seal early), ``--inline-unmap`` (segments unmapped in the thread that drops them),
-``--seal-mib`` (a smaller seal unit than 32 MiB).
+``--seal-mib`` (a smaller seal unit than 32 MiB), ``--no-recycle`` (every dead segment file
+deleted instead of kept for the next seals to overwrite). Where the workdir's block device
+has a ``stat`` file in ``/sys/dev/block``, the discards the disk served during each step are
+counted too (a filesystem mounted with ``discard`` sends one when a deleted file's blocks
+are freed).
 
 Run::
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import shutil
 import tempfile
 import time
@@ -80,22 +85,38 @@ def _inline_del(self):  # the old _ReadOnlyMap.__del__: unmapped by whoever drop
         self._addr = 0
 
 
+def _disk_stat_file(path: Path) -> Path | None:
+    """The ``stat`` file of the block device holding ``path`` (None where there is none)."""
+    dev = os.stat(path).st_dev
+    f = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return f if f.is_file() and len(f.read_text().split()) >= 15 else None
+
+
+def _discard_ms(stat: Path | None) -> int:
+    """Milliseconds the device has spent on discards since boot (0 without a stat file)."""
+    return int(stat.read_text().split()[14]) if stat is not None else 0
+
+
 def run(a) -> list[dict]:
     saved = [(_writer, "PACE_BYTES", _writer.PACE_BYTES),
              (_cleaner, "HINT_SEGMENTS", _cleaner.HINT_SEGMENTS),
              (_budget, "SEAL_BYTES", _budget.SEAL_BYTES),
+             (_segments, "SPARE_SEGMENTS", _segments.SPARE_SEGMENTS),
              (_format._ReadOnlyMap, "__del__", _format._ReadOnlyMap.__del__)]
     _writer.PACE_BYTES = int(a.pace_mib * (1 << 20))
     if a.no_hints:
         _cleaner.HINT_SEGMENTS = 0
     if a.seal_mib:
         _budget.SEAL_BYTES = int(a.seal_mib * (1 << 20))
+    if a.no_recycle:
+        _segments.SPARE_SEGMENTS = 0
     if a.inline_unmap:
         _format._ReadOnlyMap.__del__ = _inline_del
     acc: dict[str, float] = collections.defaultdict(float)
     saved += _timed(acc)
     root = Path(tempfile.mkdtemp(prefix="dsa_seal_tail_", dir=a.workdir))
     n, d, b = a.rows, a.dim, a.batch
+    disk = _disk_stat_file(root)
     st = dsa_core.create(root / "log", n, d, lr=1e-3, init="normal", storage="log",
                          memory=int(n * (3 * d * 4 + 64) * a.share), progress=False)
     try:
@@ -109,13 +130,15 @@ def run(a) -> list[dict]:
             st = dsa_core.step(st, idx, g)
         eng = st.store.engine
         work = [rng.integers(0, n, b) for _ in range(a.steps)]
-        times, sealed, parts = [], [], []
+        times, sealed, parts, discard = [], [], [], []
         for idx in dsa_core.prefetched(st, work):
             s0 = eng.stats()["seals"]
             acc.clear()
+            d0 = _discard_ms(disk)
             t0 = time.perf_counter()
             st = dsa_core.step(st, idx, g)
             times.append(time.perf_counter() - t0)
+            discard.append(_discard_ms(disk) - d0)
             sealed.append(eng.stats()["seals"] > s0)
             parts.append(dict(acc))
         stats = eng.stats()
@@ -132,15 +155,24 @@ def run(a) -> list[dict]:
            "mean_ms": float(t.mean()), "p50_ms": float(np.median(t)),
            "p90_ms": float(np.percentile(t, 90)), "p99_ms": float(np.percentile(t, 99)),
            "p99_over_p50": float(np.percentile(t, 99) / np.median(t)),
+           "max_ms": float(t.max()), "steps_over_100ms": int((t > 100).sum()),
            "sealing_steps": int(s.sum()),
            "sealing_median_ms": float(np.median(t[s])) if s.any() else float("nan"),
            "other_median_ms": float(np.median(t[~s])) if (~s).any() else float("nan"),
            "clean_waits": int(stats["clean_waits"]), "cleaned_segments":
-           int(stats["cleaned_segments"]), "space_used": float(stats["space_used"])}
+           int(stats["cleaned_segments"]), "space_used": float(stats["space_used"]),
+           "recycled_segments": int(stats["recycled_segments"]),
+           "disk_discard_ms": float(sum(discard)) if disk else float("nan")}
     for _, _, label in PARTS:
         v = np.array([p.get(label, 0.0) for p in parts]) * 1e3
         row[f"{label}_sealing_ms"] = float(v[s].mean()) if s.any() else 0.0
         row[f"{label}_other_ms"] = float(v[~s].mean()) if (~s).any() else 0.0
+    worst = np.argsort(t)[::-1][:5]
+    row["worst"] = "; ".join(
+        f"{t[i]:.0f} ms" + (" seal" if s[i] else "")
+        + (f" (disk discarding {discard[i]:.0f} ms)" if discard[i] else "") + "".join(
+            f" {k}={v * 1e3:.0f}" for k, v in sorted(parts[i].items(), key=lambda kv: -kv[1])[:3])
+        for i in worst)
     return [row]
 
 
@@ -156,6 +188,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-hints", action="store_true")
     ap.add_argument("--inline-unmap", action="store_true")
     ap.add_argument("--seal-mib", type=float, default=0.0)
+    ap.add_argument("--no-recycle", action="store_true",
+                    help="delete every dead segment file (no spares to overwrite)")
     ap.add_argument("--workdir", default=None, help="where the store goes (default: a temp dir)")
     ap.add_argument("--name", default=None, help="results name (default: seal_tail)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
@@ -163,8 +197,10 @@ def main(argv=None) -> None:
     if a.smoke:
         a.rows, a.dim, a.batch, a.steps, a.age_passes = 20_000, 16, 256, 40, 2.0
     rows = run(a)
-    print_table(rows, ["mean_ms", "p50_ms", "p90_ms", "p99_ms", "sealing_median_ms",
-                       "other_median_ms", "clean_waits"])
+    print_table(rows, ["mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "sealing_median_ms",
+                       "other_median_ms", "clean_waits", "recycled_segments",
+                       "disk_discard_ms"])
+    print("slowest steps (top parts, ms):", rows[0]["worst"])
     print_table([{"part": label, "sealing step ms": rows[0][f"{label}_sealing_ms"],
                   "other step ms": rows[0][f"{label}_other_ms"]} for _, _, label in PARTS],
                 ["part", "sealing step ms", "other step ms"])
