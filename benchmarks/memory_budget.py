@@ -116,6 +116,7 @@ def main(argv=None) -> list[dict]:
                     help="updates as a multiple of the rows (2+: aged to the space bound)")
     ap.add_argument("--workdir", default=None, help="where the stores go (default: TMPDIR)")
     ap.add_argument("--smoke", action="store_true", help="20k x 16 rows, seconds")
+    ap.add_argument("--name", default=None, help="results file name (default: memory_budget)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -143,7 +144,7 @@ def main(argv=None) -> list[dict]:
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
     print_table(rows, ["memory_mib", "batch", "base_anon_mib", "fresh_over_base_mib",
                        "aged_over_base_mib", "aged_over_memory_mib", "space_used", "refused"])
-    write_results("memory_budget_smoke" if a.smoke else "memory_budget", rows,
+    write_results("memory_budget_smoke" if a.smoke else (a.name or "memory_budget"), rows,
                   {"machine": machine(), "args": vars(a)})
     return rows
 

@@ -23,7 +23,9 @@ cleaning off (the space bound out of reach: the store grows by what the run writ
 after the runs with cleaning, or on a copy), so that the steps' reads with and without
 cleaning running can be compared on the same store;
 ``--clean-read-bytes`` sets the largest cleaning read request (one at a time; default 4 MiB;
-it only lowers the store's own, ``budget.cleaning_limits``, which is at most 4 MiB).
+it only lowers the store's own, ``budget.cleaning_limits``, which is at most 4 MiB);
+``--clean-gap-bytes`` the dead stretch between live records that a cleaning read reads
+through rather than skips (default 256 KiB; 0: the live records alone).
 Each log run prints the timed steps' misses per second (the steps' record reads), what
 cleaning read (MiB/s, requests) and how often and how long seals waited for it.
 
@@ -403,12 +405,15 @@ def child(args) -> None:
 
 
 def tune_cleaning(st, args) -> None:
-    """The log store's cleaning for this run (``--clean``, ``--clean-read-bytes``): the steps'
-    reads with and without cleaning running, and with other cleaning request sizes."""
+    """The log store's cleaning for this run (``--clean``, ``--clean-read-bytes``,
+    ``--clean-gap-bytes``): the steps' reads with and without cleaning running, and with
+    other cleaning request sizes and gaps."""
     from dsa_core._log import read as _log_read
 
     if args.clean_read_bytes:  # read by the cleaning reads when they start (first clean)
         _log_read.CLEAN_READ_BYTES = int(args.clean_read_bytes)
+    if args.clean_gap_bytes >= 0:  # idem: dead bytes read through between live records
+        _log_read.CLEAN_GAP_BYTES = int(args.clean_gap_bytes)
     if args.clean == "off":  # the bound out of reach: no seal cleans, nothing is read
         st.store.engine._cleaner.space_ratio = 1e9
 
@@ -459,6 +464,10 @@ def main(argv=None):
                     help="log store: the largest cleaning read request (default: the "
                          "engine's, at most 4 MiB, which this can only lower; one request "
                          "at a time)")
+    ap.add_argument("--clean-gap-bytes", type=int, default=-1,
+                    help="log store: dead bytes between two live records that a cleaning "
+                         "read reads through rather than skips (default: the engine's, "
+                         "256 KiB; 0 reads the live records alone)")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=float, default=10.0)
@@ -516,6 +525,7 @@ def main(argv=None):
                "--hit-every", str(a.hit_every), "--ahead", str(a.ahead),
                "--log-memory", str(a.log_memory), "--clean", a.clean,
                "--clean-read-bytes", str(a.clean_read_bytes),
+               "--clean-gap-bytes", str(a.clean_gap_bytes),
                # fresh ids for every run, also across invocations (--keep reuses the stores):
                # a log store lays records out in the order they leave its region, so
                # replaying an earlier run's batches would read them sequentially and flatter it
