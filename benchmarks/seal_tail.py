@@ -18,9 +18,9 @@ Switches for A/B runs of the choices this measured (each restores the old behavi
 hinted a seal early), ``--inline-unmap`` (segments unmapped in the thread that drops them),
 ``--seal-mib`` (a smaller seal unit than 32 MiB), ``--no-recycle`` (every dead segment file
 deleted instead of kept for the next seals to overwrite). Where the workdir's block device
-has a ``stat`` file in ``/sys/dev/block``, the discards the disk served during each step are
-counted too (a filesystem mounted with ``discard`` sends one when a deleted file's blocks
-are freed).
+has a ``stat`` file in ``/sys/dev/block``, the time the disk spent on discards during each
+step is counted too (the whole device's, not this process's alone; a filesystem mounted with
+``discard`` sends one when a deleted file's blocks are freed).
 
 Run::
 
