@@ -589,6 +589,9 @@ def test_kill_inside_a_cleaning_seal_reopens_at_the_last_flush(tmp_path, point, 
         else:
             assert os.WEXITSTATUS(status) == 0, (point, nth)
         eng = _log.open(path, memory_bytes=_log.memory_for(_lay(), SLOTS))
+        # the killed writer's spares, half-written and unlisted segments are gone
+        assert _seg_files(path) == {_format.seg_name(int(i)) for i in
+                                    _format.read_manifest(path)["segments"]}, (point, nth)
         assert eng.count in refs and eng.count >= count, (point, nth, eng.count)
         np.testing.assert_array_equal(eng.read(np.arange(N)), refs[eng.count],
                                       err_msg=f"{point}:{nth} at {eng.count}")
