@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 # It brings pandas, scikit-learn, optuna, class-resolver, ... (about 45 s and 300 MB more).
 PYKEEN := pykeen==1.11.1
 
-# pytest-xdist workers: the suite waits on subprocesses and the disk about half of the time,
-# so two workers on two cores take it from 6.5 to 4.5 min (docs/benchmarks.md, suite time)
+# pytest-xdist workers: the suite waits on subprocesses and the disk part of the time, so two
+# workers on two cores finish it well before one does (docs/benchmarks.md, suite time)
 WORKERS ?= 2
 
 .PHONY: setup test test-all demo bench clean
