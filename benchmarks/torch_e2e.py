@@ -68,6 +68,10 @@ def _worker(args) -> dict:
 
     torch.manual_seed(0)
     dsa_core.warmup(("float32",))
+    if args.pace_mib >= 0:  # an A/B of the log store's segment writer (writer.PACE_BYTES)
+        from dsa_core._log import writer as _log_writer
+
+        _log_writer.PACE_BYTES = int(args.pace_mib * (1 << 20))
     items = batches(args.rows, args.batch, args.warmup + args.steps, args.dist, seed=1)
     dev = torch.device(args.device)
     target = torch.randn(args.dim).to(dev)
@@ -224,6 +228,7 @@ def _child(impl: str, args, share: float = 1.0) -> dict:
     cmd += ["--second-moment", args.second_moment, "--first-moment", args.first_moment]
     if args.dir:
         cmd += ["--dir", args.dir]
+    cmd += ["--pace-mib", str(args.pace_mib)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"{impl} worker failed:\n{r.stderr}")
@@ -260,6 +265,9 @@ def main(argv=None) -> None:
                     help="run every worker after the first in this process (the smoke test: "
                          "an interpreter instead of one per worker; their memory columns then "
                          "describe the shared process)")
+    ap.add_argument("--pace-mib", type=float, default=-1.0,
+                    help="log stores: the segment writer's pace in MiB (0: a segment written "
+                         "at once; default: the engine's, 4)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--log-share", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
