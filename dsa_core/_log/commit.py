@@ -189,6 +189,7 @@ class Commit:
                                 *[c.seg.steps[c.ks] for c in copies]])
         path = self.path / seg_name(sid)
         rec_bytes, stride, dtype = segs.rec_bytes, pool.stride, pool.dtype
+        size = segment_geometry(n, stride, dtype.itemsize)[3]  # the file's bytes
         # the victims' live records are in memory (cleaner: read in the background), or
         # in their segment's mapping; each copy is checked against its sums first
         if n * rec_bytes <= min(BEHIND_BYTES, segs.behind_bytes):
@@ -207,7 +208,6 @@ class Commit:
             recs.flags.writeable = False  # as the mapping that replaces it
             if copies:
                 crash_point("clean-copied")
-            size = segment_geometry(n, stride, dtype.itemsize)[3]
             segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count,
                                        segs.take_spare(size)))
             segs.add(Segment(sid, n, path, rows, steps, recs, size))
@@ -224,9 +224,8 @@ class Commit:
                         yield blk
                         blk = None  # one chunk at a time (staging): not held past its write
 
-            size = write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count,
-                                 recycle=segs.take_spare(
-                                     segment_geometry(n, stride, dtype.itemsize)[3]))
+            write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count,
+                          recycle=segs.take_spare(size))
             segs.map(path, sid, n)
         for c in copies:  # a failed seal keeps them: its retry finds them read
             cleaner.done_with(c)

@@ -157,10 +157,7 @@ class Segments:
                 and path.exists()):  # a failed write left no file
             self.spares.append((path, int(nbytes)))
             return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:  # pragma: no cover
-            pass
+        path.unlink(missing_ok=True)
 
     def take_spare(self, nbytes: int) -> Path | None:
         """A spare file for a segment of ``nbytes``, removed from the spares; None if there
@@ -183,10 +180,7 @@ class Segments:
         if self.spares_pid != os.getpid():
             return
         for path, _ in spares:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            path.unlink(missing_ok=True)
 
     # -- reading -------------------------------------------------------------------------------
     def read_into(self, locs: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
