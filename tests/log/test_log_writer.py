@@ -189,6 +189,22 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     dsa_core.close(s)
 
 
+def _segment_args(n=100, seed=3):
+    """Row ids, steps, records and stride of an ``n``-record segment."""
+    rng = np.random.default_rng(seed)
+    stride = 3 * D
+    rows, steps = rng.permutation(N)[:n].astype(np.int64), np.full(n, 7, np.int64)
+    return rows, steps, rng.standard_normal((n, stride)).astype(np.float32), stride
+
+
+def _spare(path, n=100):
+    """A dead segment file of ``n`` records at ``path`` (other rows and records than
+    ``_segment_args()``'s), to be written over."""
+    rows, steps, recs, stride = _segment_args(n, seed=9)
+    _log_format.write_segment(path, 2, rows, steps, [recs], stride, np.dtype(np.float32), 3)
+    return path
+
+
 def test_a_segment_is_written_back_a_block_at_a_time(tmp_path, monkeypatch):
     """The background writer puts a segment's records on the disk ``PACE_BYTES`` at a time,
     each block written back before the next is written (the steps' reads queue behind one
@@ -203,10 +219,8 @@ def test_a_segment_is_written_back_a_block_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_log_format, "write_back", write_back)
     monkeypatch.setattr(_log_writer, "PACE_BYTES", 4096)
-    rng = np.random.default_rng(3)
-    n, stride = 100, 3 * D
-    rows, steps = rng.permutation(N)[:n].astype(np.int64), np.full(n, 7, np.int64)
-    recs = rng.standard_normal((n, stride)).astype(np.float32)
+    rows, steps, recs, stride = _segment_args()
+    n = rows.shape[0]
     job = _log_writer.WriteJob(tmp_path / "paced.dsl", 5, rows, steps, recs, 7)
     job.run()
     assert job.error is None
@@ -219,24 +233,14 @@ def test_a_segment_is_written_back_a_block_at_a_time(tmp_path, monkeypatch):
     assert (tmp_path / "paced.dsl").read_bytes() == (tmp_path / "once.dsl").read_bytes()
 
 
-def _segment_args(n=100, seed=3):
-    rng = np.random.default_rng(seed)
-    stride = 3 * D
-    rows, steps = rng.permutation(N)[:n].astype(np.int64), np.full(n, 7, np.int64)
-    return rows, steps, rng.standard_normal((n, stride)).astype(np.float32), stride
-
-
 @pytest.mark.parametrize("old_n", [40, 100, 160])  # the spare smaller, as large, larger
 def test_a_segment_written_over_a_spare_is_the_segment_written_fresh(tmp_path, old_n):
     """A seal written over a dead segment's file (renamed, overwritten in place, grown or
     cut to size) keeps that file's inode and is byte for byte the file written fresh; the
     spare's name is gone."""
     f32 = np.dtype(np.float32)
-    o_rows, o_steps, o_recs, stride = _segment_args(old_n, seed=9)
-    _log_format.write_segment(tmp_path / "old.dsl", 2, o_rows, o_steps, [o_recs], stride,
-                              f32, 3)
-    inode = os.stat(tmp_path / "old.dsl").st_ino
-    rows, steps, recs, _ = _segment_args()
+    inode = os.stat(_spare(tmp_path / "old.dsl", old_n)).st_ino
+    rows, steps, recs, stride = _segment_args()
     job = _log_writer.WriteJob(tmp_path / "new.dsl", 5, rows, steps, recs, 7,
                                recycle=tmp_path / "old.dsl")
     job.run()
@@ -253,12 +257,9 @@ def test_a_spare_linked_elsewhere_is_never_overwritten(tmp_path):
     """A spare that has a second name (a hard link, as a checkpoint makes) is passed over:
     the seal goes to a new file and the linked bytes stay as they were."""
     f32 = np.dtype(np.float32)
-    o_rows, o_steps, o_recs, stride = _segment_args(seed=9)
-    _log_format.write_segment(tmp_path / "old.dsl", 2, o_rows, o_steps, [o_recs], stride,
-                              f32, 3)
-    os.link(tmp_path / "old.dsl", tmp_path / "kept.dsl")
+    os.link(_spare(tmp_path / "old.dsl"), tmp_path / "kept.dsl")
     kept = (tmp_path / "kept.dsl").read_bytes()
-    rows, steps, recs, _ = _segment_args()
+    rows, steps, recs, stride = _segment_args()
     _log_format.write_segment(tmp_path / "new.dsl", 5, rows, steps, [recs], stride, f32, 7,
                               recycle=tmp_path / "old.dsl")
     assert (tmp_path / "kept.dsl").read_bytes() == kept
@@ -270,10 +271,7 @@ def test_a_spare_linked_elsewhere_is_never_overwritten(tmp_path):
 def test_a_full_disk_while_overwriting_a_spare_leaves_no_file(tmp_path, monkeypatch):
     """ENOSPC in the middle of a seal written over a spare: the error is the job's, the
     half-overwritten file is removed under both names, and the retry writes a new file."""
-    f32 = np.dtype(np.float32)
-    o_rows, o_steps, o_recs, stride = _segment_args(seed=9)
-    _log_format.write_segment(tmp_path / "old.dsl", 2, o_rows, o_steps, [o_recs], stride,
-                              f32, 3)
+    _spare(tmp_path / "old.dsl")
     real, calls = _log_format.pwrite_all, []
 
     def pwrite_all(fd, buf, off):
@@ -283,7 +281,7 @@ def test_a_full_disk_while_overwriting_a_spare_leaves_no_file(tmp_path, monkeypa
         return real(fd, buf, off)
 
     monkeypatch.setattr(_log_format, "pwrite_all", pwrite_all)
-    rows, steps, recs, _ = _segment_args()
+    rows, steps, recs, stride = _segment_args()
     job = _log_writer.WriteJob(tmp_path / "new.dsl", 5, rows, steps, recs, 7,
                                recycle=tmp_path / "old.dsl")
     job.run()
@@ -291,5 +289,5 @@ def test_a_full_disk_while_overwriting_a_spare_leaves_no_file(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     job.run()  # the engine's retry, with room again
     assert job.error is None
-    seg = _log_format.map_segment(tmp_path / "new.dsl", 5, 100, stride, f32)
+    seg = _log_format.map_segment(tmp_path / "new.dsl", 5, 100, stride, np.dtype(np.float32))
     np.testing.assert_array_equal(seg.records, recs)
