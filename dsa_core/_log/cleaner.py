@@ -29,7 +29,9 @@ Reading ahead (:meth:`Cleaner.read_ahead`)
     from the file) are handed to ``read.CleaningReads``, which reads them in a background
     thread, one request of at most ``request`` bytes at a time (dead records between
     live ones read through up to ``CLEAN_GAP_BYTES``), into buffers of at most ``held``
-    bytes in all. Paced by the seals: each seal starts the reads of the victims that the
+    bytes in all, resting between requests (``read.CLEAN_DUTY``: the disk serves the steps
+    first) until the next seal, which lets the reads it finds unfinished run without rests.
+    Paced by the seals: each seal starts the reads of the victims that the
     next ``1 + AHEAD_SEALS`` seals will clean. A seal past the slack that needs a victim not
     read ahead reads it itself into a buffer within the same room; a victim with more than
     ``whole`` bytes of live records, or one that would not fit the room, is copied through
@@ -153,7 +155,9 @@ class Cleaner:
         self.reads: CleaningReads | None = None  # this process's cleaning reads
         # the engine's counters (commit.Commit shares its own; these are counted here)
         self.stats = {"clean_waits": 0, "clean_wait_us": 0}
-        self.read_base = [0, 0]  # bytes and requests of reads objects already closed
+        # bytes, requests, seconds of requests and of pacing rests of the reads objects
+        # already closed
+        self.read_base = [0, 0, 0.0, 0.0]
         self.victim_records = 0  # records of the segments cleaned (what whole reads read)
         self.fallbacks = 0  # copies through the mapping for lack of a record read ahead
 
@@ -309,6 +313,8 @@ class Cleaner:
         the next ``1 + AHEAD_SEALS`` seals of a seal unit each would add above the bound
         (victims read already, or in memory, count first), within the buffers' room."""
         segs, pool = self.segments, self.pool
+        if self.reads is not None and self.reads.pid == os.getpid():
+            self.reads.hurry_all()  # the reads of earlier seals: the next seal needs them
         excess = self.excess()
         if not segs.segs or excess <= -READ_LEAD_UNITS * pool.seal_unit:
             return 0
@@ -349,13 +355,15 @@ class Cleaner:
                 _rows_ahead(segs.segs[later])
         return started
 
-    def read_counts(self) -> tuple[int, int]:
-        """Bytes and requests the cleaning reads of this open have read."""
-        b, q = self.read_base
+    def read_counts(self) -> tuple[int, int, float, float]:
+        """Bytes and requests the cleaning reads of this open have read, the seconds their
+        requests took and the seconds the reading thread rested (pacing)."""
+        b, q, busy, rested = self.read_base
         r = self.reads
         if r is not None and r.pid == os.getpid():
-            b, q = b + r.bytes_read, q + r.requests
-        return b, q
+            b, q, busy, rested = (b + r.bytes_read, q + r.requests, busy + r.busy,
+                                  rested + r.rested)
+        return b, q, busy, rested
 
     def forget(self, sid: int) -> None:
         """Segment ``sid`` died: a read ahead of it is not needed."""
@@ -366,6 +374,8 @@ class Cleaner:
         """Stop this process's cleaning-read thread (a forked child's is its parent's)."""
         r, self.reads = self.reads, None
         if r is not None and r.pid == os.getpid():
+            r.close()
             self.read_base[0] += r.bytes_read
             self.read_base[1] += r.requests
-            r.close()
+            self.read_base[2] += r.busy
+            self.read_base[3] += r.rested

@@ -583,7 +583,10 @@ class LogEngine:
         cleaning reads are in flight); ``clean_waits`` counts the seals that waited for
         cleaning reads (only past the slack) and ``clean_wait_s`` the seconds they waited
         (``total_clean_waits``, ``total_clean_wait_s``: over the store's life);
-        ``clean_read_bytes`` / ``clean_read_requests``: what the cleaning reads read.
+        ``clean_read_bytes`` / ``clean_read_requests``: what the cleaning reads read;
+        ``clean_read_s``: the seconds their requests took (the disk time cleaning took from
+        the steps, at most); ``clean_rest_s``: the seconds the reading thread rested between
+        requests (its pacing, ``read.CLEAN_DUTY``).
         """
         self._require_open()
         st, rb = self._stats, self.rec_bytes
@@ -644,6 +647,8 @@ class LogEngine:
             "clean_wait_s": st["clean_wait_us"] / 1e6,
             "clean_read_bytes": clean_read[0],
             "clean_read_requests": clean_read[1],
+            "clean_read_s": clean_read[2],
+            "clean_rest_s": clean_read[3],
             "total_clean_waits": tot["clean_waits"],
             "total_clean_wait_s": tot["clean_wait_us"] / 1e6,
         }

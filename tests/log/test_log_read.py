@@ -308,6 +308,67 @@ def test_cleaning_reads_buffers_failures_and_bounds(tmp_path):
     finally:
         r.close()
 
+def test_cleaning_reads_are_paced_off_the_disk(tmp_path, monkeypatch):
+    """The reading thread rests ``t * (1 - CLEAN_DUTY) / CLEAN_DUTY`` after a request that
+    took ``t`` (out of core, unpaced cleaning reads ran back to back after each seal and
+    the steps' reads waited twice as long): the records are the same, a read on the
+    caller's thread (``now``: a seal that must not wait) is not paced, and ``close`` ends
+    a rest at once. The disk is a 20 ms sleep per request here, so the bounds hold on a
+    loaded machine too (a slower request only lengthens the rest after it)."""
+    import time
+
+    recs = (np.arange(64 * 6, dtype=np.float32).reshape(64, 6) % 251)
+    f = tmp_path / "seg"
+    f.write_bytes(b"h" * 100 + recs.tobytes())
+    real = _log_read._pread_full
+
+    def slow(*a):
+        time.sleep(0.02)
+        real(*a)
+
+    monkeypatch.setattr(_log_read, "_pread_full", slow)
+    ks = np.arange(0, 64, 2, dtype=np.int64)  # 32 records, in requests of 8 records
+    for duty, rests in ((1.0, 0), (0.5, 3)):
+        monkeypatch.setattr(_log_read, "CLEAN_DUTY", duty)
+        r = _log_read.CleaningReads(held_bytes=64 * 32, chunk=16 * 24, gap=24)
+        try:
+            t0 = time.perf_counter()
+            assert r.ahead(1, f, 100, ks, 6, np.float32)
+            r.join()
+            wall = time.perf_counter() - t0
+            assert r.requests == 4
+            np.testing.assert_array_equal(r.get(1)[0], recs[ks])
+            if not rests:
+                assert r.rested == 0.0
+            else:  # a rest of at least one request's time before each request but the first
+                assert r.rested >= rests * 0.02 * 0.95 and wall >= 4 * 0.02 + rests * 0.019
+            rested = r.rested
+            np.testing.assert_array_equal(r.now(2, f, 100, ks, 6, np.float32), recs[ks])
+            assert r.rested == rested  # the caller's own read is not paced
+        finally:
+            r.close()
+    monkeypatch.setattr(_log_read, "CLEAN_DUTY", 0.01)  # a rest of 99 requests' time (~2 s)
+    # ends the rests: the next seal (hurry_all), a seal waiting for a read queued behind
+    # another (get), close
+    for end in ("hurry_all", "get", "close"):
+        r = _log_read.CleaningReads(held_bytes=64 * 32, chunk=16 * 24, gap=24)
+        try:
+            assert r.ahead(1, f, 100, ks, 6, np.float32)
+            assert r.ahead(2, f, 100, ks[:8], 6, np.float32)  # queued behind the first
+            time.sleep(0.1)  # the first request done, resting before the second
+            t0 = time.perf_counter()
+            if end == "hurry_all":
+                r.hurry_all()
+                r.join()
+            elif end == "get":
+                np.testing.assert_array_equal(r.get(2)[0], recs[ks[:8]])
+            else:
+                r.close()
+            assert time.perf_counter() - t0 < 1.0, end
+        finally:
+            r.close()
+
+
 def test_a_fault_on_a_segment_reads_its_own_page_only(tmp_path):
     """The whole segment file is mapped MADV_RANDOM -- its rows and sums as well as its
     records: a fault on one record's sum must not read around it (with the device's
