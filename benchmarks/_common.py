@@ -65,6 +65,16 @@ def disk_ios() -> tuple[int, int]:
         return 0, 0
 
 
+def disk_stat_file(path) -> Path | None:
+    """The ``stat`` file of the block device holding ``path`` (None where there is none):
+    ``/sys/dev/block/M:m/stat``, the kernel's counters of that device (``Documentation/
+    ABI/stable/sysfs-block``: reads, merges, sectors, ms reading, the same for writes, in
+    flight, ms busy, ms queued, then discards)."""
+    dev = os.stat(path).st_dev
+    f = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return f if f.is_file() and len(f.read_text().split()) >= 15 else None
+
+
 def wait_disk_quiet(max_seconds: float = 120.0, window: float = 2.0,
                     ios_per_s: float = 200.0) -> float:
     """Wait until the disks do fewer than ``ios_per_s`` I/Os per second over ``window`` s.

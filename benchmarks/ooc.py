@@ -6,8 +6,8 @@
 
 1. Creates (or reuses, ``--keep``) a store whose every page has really been written.
 2. Measures the disk once it is quiet (no writeback of an earlier run in progress): 4 KiB
-   random reads at queue depth 1 and 32 (fio if installed, else a pread loop with O_DIRECT and
-   threads).
+   random reads at queue depth 1 and 32 (fio if installed, else O_DIRECT preads from threads
+   in up to 4 processes); with a log mode, QD32 also over the log store's own segment files.
 3. For each mode and id distribution, evicts the store from the page cache, waits for the disk
    to be quiet, then runs the training loop in a child process inside a memory cgroup
    (a cgroup v2 ``memory.max``: page cache + anonymous memory capped). Without a
@@ -16,7 +16,10 @@
    system-wide): reads and writes per updated row, and the disk I/Os per second they add up
    to. Writes still dirty in the cache when the timed steps end are not counted.
 4. Measures the QD32 read rate again after the runs; ``vs_qd32_reads`` is the rows/s over
-   the higher of the two QD32 figures (a throttled probe cannot flatter the ratio).
+   the higher of the two QD32 figures (a throttled probe cannot flatter the ratio), and
+   ``vs_qd32_own_files`` the same over the higher of the two probes of the log store's files
+   (an aged log store's files hold ``space_ratio`` times its live records: its misses spread
+   over twice the disk a fresh store's do).
 
 An aged log store (one whose every seal cleans): ``--clean off`` runs the log modes with
 cleaning off (the space bound out of reach: the store grows by what the run writes, so run it
@@ -66,6 +69,7 @@ import numpy as np
 from ._common import (
     batches,
     disk_ios,
+    disk_stat_file,
     machine,
     print_table,
     wait_disk_quiet,
@@ -139,10 +143,11 @@ def rss_anon_mb() -> float:
 
 
 # -- the disk ----------------------------------------------------------------------------------
-def disk_fio(file: Path, qd: int, seconds: float) -> float | None:
+def disk_fio(file: Path | list[Path], qd: int, seconds: float) -> float | None:
     if not shutil.which("fio"):
         return None
-    cmd = ["fio", "--name=r", f"--filename={file}", "--rw=randread", "--bs=4k", "--direct=1",
+    files = ":".join(str(f) for f in file) if isinstance(file, list) else str(file)
+    cmd = ["fio", "--name=r", f"--filename={files}", "--rw=randread", "--bs=4k", "--direct=1",
            "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based",
            "--readonly", "--output-format=json"]
     try:
@@ -153,37 +158,67 @@ def disk_fio(file: Path, qd: int, seconds: float) -> float | None:
         return None
 
 
-def disk_pread(file: Path, qd: int, seconds: float) -> float:
-    """4 KiB O_DIRECT random preads from ``qd`` threads (pread releases the GIL)."""
-    size = os.path.getsize(file)
-    pages = size // 4096
-    stop = time.perf_counter() + seconds
-    counts = [0] * qd
+_PREAD_WORKER = r"""
+import mmap, os, sys, threading, time
+files, pages, threads, start, seconds, seed = (sys.argv[1].split("\n"),
+    [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), float(sys.argv[4]),
+    float(sys.argv[5]), int(sys.argv[6]))
+import random
+ends, tot = [], 0
+for n in pages:
+    tot += n
+    ends.append(tot)
+import bisect
+counts = [0] * threads
 
-    def worker(k):
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        buf = mmap.mmap(-1, 4096)  # page-aligned buffer for O_DIRECT
-        rng = np.random.default_rng(k)
-        offs = rng.integers(0, pages, 1 << 16) * 4096
-        i = 0
-        try:
-            while time.perf_counter() < stop:
-                os.preadv(fd, [buf], int(offs[i & 0xFFFF]))
-                i += 1
-        finally:
-            os.close(fd)
-        counts[k] = i
+def worker(k):
+    fds = [os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) for f in files]
+    buf = mmap.mmap(-1, 4096)  # page-aligned, as O_DIRECT needs
+    rng = random.Random(seed * 1000 + k)
+    todo = []
+    for _ in range(1 << 14):
+        p = rng.randrange(tot)
+        j = bisect.bisect_right(ends, p)
+        todo.append((fds[j], (p - (ends[j] - pages[j])) * 4096))
+    while time.time() < start:
+        time.sleep(0.001)
+    stop, i = start + seconds, 0
+    while time.time() < stop:
+        fd, off = todo[i & 0x3FFF]
+        os.preadv(fd, [buf], off)
+        i += 1
+    counts[k] = i
 
-    th = [threading.Thread(target=worker, args=(k,)) for k in range(qd)]
-    t0 = time.perf_counter()
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
+th = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+for t in th:
+    t.start()
+for t in th:
+    t.join()
+print(sum(counts))
+"""
 
 
-def measure_disk(file: Path, seconds: float, qds=(1, 32)) -> dict:
+def disk_pread(file: Path | list[Path], qd: int, seconds: float) -> float:
+    """4 KiB O_DIRECT random preads at queue depth ``qd``: ``qd`` threads spread over up to 4
+    processes (threads of one process contend for its interpreter lock and drew about half
+    the disk's rate on 2 cores), all counting over the same ``seconds``.
+
+    Over one file, or over several (a log store's segment files): every page of them
+    equally likely, so the reads spread over the disk as a uniform step's misses do.
+    """
+    files = [str(f) for f in (file if isinstance(file, list) else [file])]
+    pages = [os.path.getsize(f) // 4096 for f in files]
+    procs = min(4, qd)
+    start = time.time() + 1.0  # after every worker has started
+    workers = [subprocess.Popen(
+        [sys.executable, "-c", _PREAD_WORKER, "\n".join(files), ",".join(map(str, pages)),
+         str(qd // procs + (k < qd % procs)), repr(start), repr(seconds), str(k)],
+        stdout=subprocess.PIPE, text=True) for k in range(procs)]
+    total = sum(int(w.communicate(timeout=seconds + 60)[0]) for w in workers)
+    return total / seconds
+
+
+def measure_disk(file: Path | list[Path], seconds: float, qds=(1, 32), what: str = "") -> dict:
     out = {}
     for qd in qds:
         iops = disk_fio(file, qd, seconds)
@@ -192,8 +227,15 @@ def measure_disk(file: Path, seconds: float, qds=(1, 32)) -> dict:
             iops, tool = disk_pread(file, qd, seconds), "pread"
         out[f"qd{qd}_iops"] = iops
         out["disk_tool"] = tool
-        print(f"disk: 4 KiB random read QD{qd}: {iops:,.0f} IOPS ({tool})", flush=True)
+        print(f"disk: 4 KiB random read QD{qd}{what}: {iops:,.0f} IOPS ({tool})", flush=True)
     return out
+
+
+def log_files(path: Path) -> list[Path]:
+    """The files a log store's reads land in: the segment files its manifest lists."""
+    with open(path / "manifest.json") as f:
+        segments = json.load(f)["segments"]
+    return [path / f"seg-{int(s):08d}.dsl" for s in segments]
 
 
 # -- one run (child process) ---------------------------------------------------------------------
@@ -322,6 +364,18 @@ def child(args) -> None:
     grads = [rng.standard_normal((args.batch, st.dim), dtype=np.float32) for _ in range(4)]
     dsa_core.warmup(("float32",))
     times, hits, all_times, rss = [], [], [], [rss_anon_mb()]
+    # a log store's seal counter (a step that sealed: its seal and its cleaning were on it)
+    seals = (lambda: st.store.engine._stats["seals"]) if st.storage == "log" else (lambda: 0)
+    sealed = []
+    # the store's disk, per timed step: reads, KiB read, ms reading, MiB written
+    stat = disk_stat_file(args.store)
+    per_step = []
+
+    def counters():
+        if stat is None:
+            return None
+        x = stat.read_text().split()
+        return np.array([int(x[0]), int(x[2]) // 2, int(x[3]), int(x[6])], np.int64)
     deadline = time.perf_counter() + args.max_seconds
     ahead = read_ahead(args.mode, args.ahead)
     write_behind = args.mode == "pipeline"
@@ -340,6 +394,8 @@ def child(args) -> None:
             hits.append(dsa_core.residency(st, ids[j]))
         if ahead and j < len(ids):
             dsa_core.prefetch(st, ids[j])
+        n_seals = seals()
+        c0 = counters() if k >= args.warmup else None
         t0 = time.perf_counter()
         if probe is not None:
             probe.step(ids[k], grads[k % 4])
@@ -351,6 +407,9 @@ def child(args) -> None:
         all_times.append(dt)
         if k >= args.warmup:
             times.append(dt)
+            sealed.append(seals() != n_seals)
+            if c0 is not None:
+                per_step.append(counters() - c0)
         if k % args.hit_every == 0:
             rss.append(rss_anon_mb())
         if time.perf_counter() > deadline:
@@ -369,6 +428,8 @@ def child(args) -> None:
             / wall / 2**20,
             "clean_read_requests": log_stats["clean_read_requests"]
             - ls0["clean_read_requests"],
+            "clean_read_s": log_stats["clean_read_s"] - ls0["clean_read_s"],
+            "clean_rest_s": log_stats["clean_rest_s"] - ls0["clean_rest_s"],
             "clean_waits": log_stats["clean_waits"] - ls0["clean_waits"],
             "clean_wait_s": log_stats["clean_wait_s"] - ls0["clean_wait_s"],
             "cleaned_segments": log_stats["cleaned_segments"] - ls0["cleaned_segments"],
@@ -381,10 +442,21 @@ def child(args) -> None:
     if warm_only:
         times, wall = all_times, float(np.sum(all_times))
     ts = np.asarray(times) if times else np.asarray([np.nan])
+    sl = np.asarray(sealed[:len(times)], dtype=bool) if not warm_only else np.zeros(0, bool)
+    if sl.shape[0] != ts.shape[0]:
+        sl = np.zeros(ts.shape[0], bool)
     print(json.dumps({
         "steps": len(times), "warmup_only": warm_only,
         "rows_per_s": len(times) * args.batch / wall if times else 0.0,
         "p50_ms": float(np.median(ts)) * 1e3, "p99_ms": float(np.percentile(ts, 99)) * 1e3,
+        "mean_ms": float(np.mean(ts)) * 1e3, "p90_ms": float(np.percentile(ts, 90)) * 1e3,
+        # the steps that sealed (log stores: a seal, and cleaning when the store is at its
+        # bound, ran inside them) against the others: where an aged store's time goes
+        "seal_steps": int(sl.sum()),
+        "seal_step_mean_ms": float(np.mean(ts[sl])) * 1e3 if sl.any() else float("nan"),
+        "other_step_mean_ms": float(np.mean(ts[~sl])) * 1e3 if (~sl).any() else float("nan"),
+        "seal_steps_share_of_time": float(ts[sl].sum() / ts.sum()) if sl.any() else 0.0,
+        **disk_by_step(per_step, sl),
         "hit_rate": float(np.mean(hits)) if hits else float("nan"),
         "hit_rate_final": float(np.mean(hits[len(hits) // 2:])) if hits else float("nan"),
         "timed_out": bool(time.perf_counter() > deadline),
@@ -404,16 +476,37 @@ def child(args) -> None:
     }))
 
 
+def disk_by_step(per_step: list, sealed: np.ndarray) -> dict:
+    """The disk's counters (the whole device's) per timed step, in the steps that sealed
+    and in the others: read I/Os and KiB per step, the mean time a read took (ms spent
+    reading over reads completed: its wait in the queue included), MiB written per step."""
+    if not per_step or len(per_step) != sealed.shape[0]:
+        return {}
+    c = np.asarray(per_step, np.float64)
+    out = {}
+    for name, m in (("seal", sealed), ("other", ~sealed)):
+        if not m.any():
+            continue
+        x = c[m]
+        out[f"{name}_step_reads"] = float(x[:, 0].mean())
+        out[f"{name}_step_read_kib"] = float(x[:, 1].mean())
+        out[f"{name}_step_read_ms"] = float(x[:, 2].sum() / max(1.0, x[:, 0].sum()))
+        out[f"{name}_step_write_mib"] = float(x[:, 3].mean() * 512 / 2**20)
+    return out
+
+
 def tune_cleaning(st, args) -> None:
     """The log store's cleaning for this run (``--clean``, ``--clean-read-bytes``,
-    ``--clean-gap-bytes``): the steps' reads with and without cleaning running, and with
-    other cleaning request sizes and gaps."""
+    ``--clean-gap-bytes``, ``--clean-duty``): the steps' reads with and without cleaning
+    running, and with other cleaning request sizes, gaps and pacing."""
     from dsa_core._log import read as _log_read
 
     if args.clean_read_bytes:  # read by the cleaning reads when they start (first clean)
         _log_read.CLEAN_READ_BYTES = int(args.clean_read_bytes)
     if args.clean_gap_bytes >= 0:  # idem: dead bytes read through between live records
         _log_read.CLEAN_GAP_BYTES = int(args.clean_gap_bytes)
+    if args.clean_duty > 0:  # the share of the time the cleaning reads may hold the disk
+        _log_read.CLEAN_DUTY = float(args.clean_duty)
     if args.clean == "off":  # the bound out of reach: no seal cleans, nothing is read
         st.store.engine._cleaner.space_ratio = 1e9
 
@@ -468,6 +561,9 @@ def main(argv=None):
                     help="log store: dead bytes between two live records that a cleaning "
                          "read reads through rather than skips (default: the engine's, "
                          "256 KiB; 0 reads the live records alone)")
+    ap.add_argument("--clean-duty", type=float, default=0.0,
+                    help="log modes: the share of the time the cleaning reads may hold the "
+                         "disk (1: unpaced; default: the store's, read.CLEAN_DUTY)")
     ap.add_argument("--max-seconds", type=float, default=240.0,
                     help="stop a run after this long (the plain mode needs hours otherwise)")
     ap.add_argument("--disk-seconds", type=float, default=10.0)
@@ -509,6 +605,11 @@ def main(argv=None):
     waited = wait_disk_quiet(a.quiet_seconds)
     print(f"disk quiet after {waited:.0f} s")
     disk = measure_disk(store / "rows.dsa", a.disk_seconds)
+    logs = any(m.startswith("log") for m in a.modes)
+    if logs:  # the same reads over the log store's own files, where its misses land
+        disk["log_files_qd32_iops"] = measure_disk(
+            log_files(log_store), a.disk_seconds, qds=(32,),
+            what=" over the log store's segment files")["qd32_iops"]
     memcap = find_memcap()
     capped = cgroup_ok(memcap)
     label = f"cap {a.cap}" if capped else "cold (evicted, no cgroup)"
@@ -526,6 +627,7 @@ def main(argv=None):
                "--log-memory", str(a.log_memory), "--clean", a.clean,
                "--clean-read-bytes", str(a.clean_read_bytes),
                "--clean-gap-bytes", str(a.clean_gap_bytes),
+               "--clean-duty", str(a.clean_duty),
                # fresh ids for every run, also across invocations (--keep reuses the stores):
                # a log store lays records out in the order they leave its region, so
                # replaying an earlier run's batches would read them sequentially and flatter it
@@ -547,6 +649,7 @@ def main(argv=None):
                     "ahead": read_ahead(mode, a.ahead),
                     "log_memory": a.log_memory if mode.startswith("log") else "",
                     "clean": a.clean if mode.startswith("log") else "",
+                    "clean_duty": a.clean_duty if mode.startswith("log") else "",
                     "memcap": peak[-1] if peak else ""})
         results.append(res)
         print(f"  {dist:<7} {mode:<8} {res['rows_per_s']:>10,.0f} rows/s  p50 "
@@ -557,6 +660,18 @@ def main(argv=None):
               f"rows/s, {res['reads_per_row_with_flush']:.2f} r + "
               f"{res['writes_per_row_with_flush']:.3f} w; RssAnon max "
               f"{res['rss_anon_max_mb']:.0f} MiB", flush=True)
+        if res["seal_steps"]:
+            print(f"    {res['seal_steps']} steps sealed: {res['seal_step_mean_ms']:.1f} ms "
+                  f"each on average, the others {res['other_step_mean_ms']:.1f} ms; "
+                  f"{res['seal_steps_share_of_time']:.0%} of the time", flush=True)
+            if "seal_step_reads" in res and "other_step_reads" in res:
+                print("    the disk per step, sealed / other: "
+                      f"{res['seal_step_reads']:,.0f} / {res['other_step_reads']:,.0f} reads, "
+                      f"{res['seal_step_read_kib'] / 1024:.1f} / "
+                      f"{res['other_step_read_kib'] / 1024:.1f} MiB read, "
+                      f"{res['seal_step_read_ms']:.2f} / {res['other_step_read_ms']:.2f} ms a "
+                      f"read, {res['seal_step_write_mib']:.1f} / "
+                      f"{res['other_step_write_mib']:.1f} MiB written", flush=True)
         if res.get("log_stats"):
             ls = res["log_stats"]
             print(f"    log: write amplification {ls['write_amplification']:.2f}, "
@@ -569,7 +684,8 @@ def main(argv=None):
                 print(f"    timed steps: {tm['misses_per_s']:,.0f} misses/s (the steps' "
                       f"record reads), cleaning {tm['cleaned_segments']} segments in "
                       f"{tm['seals']} seals, read {tm['clean_read_mb_per_s']:.1f} MiB/s in "
-                      f"{tm['clean_read_requests']} requests; seals waited for cleaning "
+                      f"{tm['clean_read_requests']} requests taking {tm['clean_read_s']:.1f} s "
+                      f"(resting {tm['clean_rest_s']:.1f} s); seals waited for cleaning "
                       f"{tm['clean_waits']} times, {tm['clean_wait_s']:.2f} s", flush=True)
         if res.get("kernel_stacks"):
             ks = res["kernel_stacks"]
@@ -580,14 +696,24 @@ def main(argv=None):
     after = measure_disk(store / "rows.dsa", a.disk_seconds, qds=(32,))
     disk["qd32_iops_after"] = after["qd32_iops"]
     qd32 = max(disk["qd32_iops"], disk["qd32_iops_after"])
+    if logs:
+        disk["log_files_qd32_iops_after"] = measure_disk(
+            log_files(log_store), a.disk_seconds, qds=(32,),
+            what=" over the log store's segment files")["qd32_iops"]
+        own = max(disk["log_files_qd32_iops"], disk["log_files_qd32_iops_after"])
     for res in results:
         res["vs_qd32_reads"] = res["rows_per_s"] / qd32
+        # a log store's rate against the disk's rate over its own files (an aged store's
+        # files take space_ratio x the live records, spread wider over the disk)
+        res["vs_qd32_own_files"] = res["rows_per_s"] / own if res["mode"].startswith("log") \
+            else float("nan")
         res["vs_qd32_reads_with_flush"] = res["rows_per_s_with_flush"] / qd32
         # the disk I/Os per second the run caused, reads and writes together
         res["disk_ios_per_s"] = res["rows_per_s"] * (res["reads_per_row"] + res["writes_per_row"])
     print()
     print_table(results, ["rows", "dist", "mode", "clean", "second_moment", "first_moment",
-                          "align", "ahead", "rows_per_s", "vs_qd32_reads", "reads_per_row",
+                          "align", "ahead", "rows_per_s", "vs_qd32_reads", "vs_qd32_own_files",
+                          "reads_per_row",
                           "writes_per_row", "rows_per_s_with_flush", "vs_qd32_reads_with_flush",
                           "writes_per_row_with_flush", "rss_anon_max_mb", "disk_ios_per_s",
                           "p50_ms", "p99_ms", "hit_rate", "steps", "memory"])

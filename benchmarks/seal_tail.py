@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 import tempfile
 import time
@@ -50,7 +49,7 @@ from dsa_core._log import pool as _pool
 from dsa_core._log import segments as _segments
 from dsa_core._log import writer as _writer
 
-from ._common import machine, print_table, write_results
+from ._common import disk_stat_file, machine, print_table, write_results
 
 PARTS = [(_commit.Commit, "seal", "seal"), (_pool.Pool, "evict", "evict"),
          (_commit, "gather_records", "gather"), (_cleaner.Cleaner, "choose", "choose"),
@@ -85,13 +84,6 @@ def _inline_del(self):  # the old _ReadOnlyMap.__del__: unmapped by whoever drop
         self._addr = 0
 
 
-def _disk_stat_file(path: Path) -> Path | None:
-    """The ``stat`` file of the block device holding ``path`` (None where there is none)."""
-    dev = os.stat(path).st_dev
-    f = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
-    return f if f.is_file() and len(f.read_text().split()) >= 15 else None
-
-
 def _discard_ms(stat: Path | None) -> int:
     """Milliseconds the device has spent on discards since boot (0 without a stat file)."""
     return int(stat.read_text().split()[14]) if stat is not None else 0
@@ -116,7 +108,7 @@ def run(a) -> list[dict]:
     saved += _timed(acc)
     root = Path(tempfile.mkdtemp(prefix="dsa_seal_tail_", dir=a.workdir))
     n, d, b = a.rows, a.dim, a.batch
-    disk = _disk_stat_file(root)
+    disk = disk_stat_file(root)
     st = dsa_core.create(root / "log", n, d, lr=1e-3, init="normal", storage="log",
                          memory=int(n * (3 * d * 4 + 64) * a.share), progress=False)
     try:
