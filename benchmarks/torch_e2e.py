@@ -72,6 +72,10 @@ def _worker(args) -> dict:
         from dsa_core._log import writer as _log_writer
 
         _log_writer.PACE_BYTES = int(args.pace_mib * (1 << 20))
+    if args.cache_mib >= 0:  # an A/B of the window of written segments kept in the page cache
+        from dsa_core._log import segments as _log_segments
+
+        _log_segments.CACHE_MAX = int(args.cache_mib * (1 << 20))
     items = batches(args.rows, args.batch, args.warmup + args.steps, args.dist, seed=1)
     dev = torch.device(args.device)
     target = torch.randn(args.dim).to(dev)
@@ -228,7 +232,7 @@ def _child(impl: str, args, share: float = 1.0) -> dict:
     cmd += ["--second-moment", args.second_moment, "--first-moment", args.first_moment]
     if args.dir:
         cmd += ["--dir", args.dir]
-    cmd += ["--pace-mib", str(args.pace_mib)]
+    cmd += ["--pace-mib", str(args.pace_mib), "--cache-mib", str(args.cache_mib)]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"{impl} worker failed:\n{r.stderr}")
@@ -268,6 +272,9 @@ def main(argv=None) -> None:
     ap.add_argument("--pace-mib", type=float, default=-1.0,
                     help="log stores: the segment writer's pace in MiB (0: a segment written "
                          "at once; default: the engine's, 4)")
+    ap.add_argument("--cache-mib", type=float, default=-1.0,
+                    help="log stores: the most MiB of written segments kept in the page cache "
+                         "(default: the engine's, one seal unit; capped by 1/8 of memory)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--log-share", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

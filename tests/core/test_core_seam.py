@@ -267,7 +267,8 @@ def _private_core_imports(path: Path) -> list[str]:
 # benchmarks/clean_sim.py drives the log engine to count what its cleaner copies and reads;
 # benchmarks/seal_tail.py times the parts of a seal and switches the writer's pace, the
 # cleaner's hints and the unmapping thread off for its A/B runs; benchmarks/torch_e2e.py's
-# --pace-mib sets the log store's writer pace for an A/B (its default run uses none). The
+# --pace-mib and --cache-mib set the log store's writer pace and its window of cached
+# segments for an A/B (its default run uses neither). The
 # tests are white-box tests of the core. Everything else uses the public API.
 INTERNALS_ON_PURPOSE = {"benchmarks/breakdown.py", "benchmarks/ooc.py",
                         "benchmarks/record_checks.py", "benchmarks/write_path.py",
