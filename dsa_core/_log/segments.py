@@ -18,7 +18,10 @@ journal commits: measured on this project's VM, a 27 MiB discard held the disk f
 1 s, and the steps' reads queued behind it. A spare keeps its dead name, which no manifest
 lists, so a crash leaves it to the next open's cleanup; ``close`` deletes the spares. A
 committed segment is never reused: a reader (``mode="r"``) or a checkpoint may still use the
-file under the manifest it read.
+file under the manifest it read. Nor is a spare whose mapping something in this process
+still holds (a range load's thread reading the segment as it died): overwriting or cutting
+that file under a live mapping would hand the reader other bytes, or kill the process with
+SIGBUS past the new end (seen once in CI); it waits until the mapping is gone.
 
 Background writes (``writer``): a seal small enough is handed to this process's
 :class:`~.writer.SegmentWriter`. Until written it is *pending* (``pending``): its records
@@ -32,6 +35,7 @@ seal that needs one while that many are pending waits for the oldest write first
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +58,16 @@ LOW32 = np.int64(0xFFFFFFFF)
 # dead, never-committed segment files kept for the next seals to overwrite (module docstring);
 # 0: every dead file is deleted
 SPARE_SEGMENTS = 8
+
+
+def _mapping_of(arr):
+    """The file mapping (``format._ReadOnlyMap``) under a mapped segment's array, else None
+    (a segment still in its write buffer)."""
+    while arr is not None:
+        if isinstance(arr, _format._ReadOnlyMap):
+            return arr
+        arr = getattr(arr, "base", None)
+    return None
 
 
 class Segments:
@@ -84,6 +98,7 @@ class Segments:
         self.writer: SegmentWriter | None = None
         self.spare: list[np.ndarray] = []           # seal buffers to reuse (no page faults)
         self.spares: list[tuple[Path, int]] = []    # dead files to overwrite: (path, bytes)
+        self.spare_maps: dict[Path, weakref.ref] = {}  # a spare's old mapping, while it lives
         self.spares_pid = os.getpid()               # whose they are (a forked child: not its)
         self.recycled = 0                           # segment files overwritten, this open
 
@@ -146,18 +161,31 @@ class Segments:
                 self.doomed.add(sid)
             else:
                 self.unsynced.discard(sid)
-                self.retire(seg.path, seg.nbytes)
+                self.retire(seg.path, seg.nbytes, _mapping_of(seg.records))
 
     # -- spare files ---------------------------------------------------------------------------
-    def retire(self, path: Path, nbytes: int) -> None:
+    def retire(self, path: Path, nbytes: int, mapping=None) -> None:
         """A dead segment file no manifest ever listed: keep it as a spare, or delete it when
         ``SPARE_SEGMENTS`` are kept already (or in a forked child, whose files are not its
-        own to reuse)."""
+        own to reuse). ``mapping``: the file's mapping (``format._ReadOnlyMap``), if it was
+        mapped: the spare is not taken while anything still holds it."""
         if (len(self.spares) < SPARE_SEGMENTS and self.spares_pid == os.getpid()
                 and path.exists()):  # a failed write left no file
             self.spares.append((path, int(nbytes)))
+            if mapping is not None:
+                self.spare_maps[path] = weakref.ref(mapping)
             return
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # a mapping still held keeps the old file's pages
+
+    def _spare_free(self, path: Path) -> bool:
+        """Nothing in this process holds the old mapping of spare ``path`` any more."""
+        ref = self.spare_maps.get(path)
+        if ref is None:
+            return True
+        if ref() is None:
+            del self.spare_maps[path]
+            return True
+        return False
 
     def take_spare(self, nbytes: int) -> Path | None:
         """A spare file for a segment of ``nbytes``, removed from the spares; None if there
@@ -165,18 +193,23 @@ class Segments:
         (cut to size: only its tail's blocks are freed)."""
         if not self.spares or self.spares_pid != os.getpid():
             return None
-        below = [i for i, (_, n) in enumerate(self.spares) if n <= nbytes]
+        free = [i for i, (p, _) in enumerate(self.spares) if self._spare_free(p)]
+        if not free:
+            return None
+        below = [i for i in free if self.spares[i][1] <= nbytes]
         if below:
             i = max(below, key=lambda j: self.spares[j][1])
         else:
-            i = min(range(len(self.spares)), key=lambda j: self.spares[j][1])
+            i = min(free, key=lambda j: self.spares[j][1])
         self.recycled += 1
+        self.spare_maps.pop(self.spares[i][0], None)
         return self.spares.pop(i)[0]
 
     def delete_spares(self) -> None:
         """Delete the spare files (at close: nothing of the store is left but what its
         manifest lists)."""
         spares, self.spares = self.spares, []
+        self.spare_maps.clear()
         if self.spares_pid != os.getpid():
             return
         for path, _ in spares:

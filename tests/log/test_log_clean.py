@@ -485,6 +485,47 @@ def test_dead_private_segments_are_overwritten_not_deleted(tmp_path, monkeypatch
     eng.close()
 
 
+def test_a_spare_is_not_overwritten_while_its_mapping_is_held(tmp_path, monkeypatch):
+    """A dead segment whose mapping something in this process still holds (a range load's
+    thread reading it as it died) is not overwritten: its bytes stay its own (checked
+    against its sums) and its file is not cut under the mapping (SIGBUS in CI once). Once
+    the mapping is let go the spare is reused again, and the values stay exact."""
+    eng = _create(tmp_path / "s")
+    ref = eng.read(np.arange(N))
+    _train(eng, ref, 1, 101, "uniform")  # aged: every seal cleans
+    eng.flush()
+    held, taken = [], []
+    real_drop, real_take = _segments.Segments.drop, _segments.Segments.take_spare
+
+    def drop(self, ids):  # hold each dying segment, as a range load's job does
+        held.extend(self.segs[i] for i in ids)
+        real_drop(self, ids)
+
+    def take_spare(self, nbytes):
+        path = real_take(self, nbytes)
+        taken.append(path)
+        return path
+
+    monkeypatch.setattr(_segments.Segments, "drop", drop)
+    monkeypatch.setattr(_segments.Segments, "take_spare", take_spare)
+    _train(eng, ref, 101, 201, "uniform")
+    mapped = [sg for sg in held if _segments._mapping_of(sg.records) is not None]
+    paths = {sg.path for sg in mapped}
+    assert len(mapped) > 10  # real mappings of dead files were held
+    assert not paths & set(taken)  # none of their files reused
+    for sg in mapped:  # every byte still the segment's own
+        _format.check_records(sg, np.arange(sg.n), np.asarray(sg.records))
+    monkeypatch.setattr(_segments.Segments, "drop", real_drop)
+    held.clear()
+    mapped.clear()
+    taken.clear()
+    _train(eng, ref, 201, 301, "uniform")
+    assert paths & set(taken)  # let go: the spares that waited are reused
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    assert eng.verify() == []
+    eng.close()
+
+
 def test_committed_segments_are_never_overwritten(tmp_path):
     """Files a manifest listed are never reused, only deleted: a reader opened at a flush and
     a checkpoint made there still read exactly that flush's values after the writer has
