@@ -317,7 +317,6 @@ class CleaningReads:
         self.requests = 0
         self._count = threading.Lock()
         self._scratch: np.ndarray | None = None  # the thread's, for requests with gaps
-        self._closing = False  # close: the reads still running are not paced
         self.rested = 0.0  # seconds the reading thread rested (pacing, CLEAN_DUTY)
         self.busy = 0.0  # seconds the requests took (both threads)
         self._rest_until = 0.0  # the thread's next paced request starts no earlier
@@ -364,7 +363,7 @@ class CleaningReads:
         the previous one, which took ``t`` (time without a request counts as rest), unless
         ``hurry`` is set (then, or once it is set)."""
         wait = self._rest_until - time.perf_counter()
-        if wait > 0 and not self._closing and not hurry.is_set():
+        if wait > 0 and not hurry.is_set():
             t0 = time.perf_counter()
             hurry.wait(wait)
             self.rested += time.perf_counter() - t0
@@ -485,8 +484,7 @@ class CleaningReads:
                 self._dropping.append(r)
 
     def close(self) -> None:
-        self._closing = True  # a read still running ends without its rests
-        self.hurry_all()
+        self.hurry_all()  # a read still running ends without its rests
         for sid in list(self._reads):
             self.forget(sid)
         self._pool.shutdown(wait=True)
