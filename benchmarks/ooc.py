@@ -159,16 +159,12 @@ def disk_fio(file: Path | list[Path], qd: int, seconds: float) -> float | None:
 
 
 _PREAD_WORKER = r"""
-import mmap, os, sys, threading, time
+import bisect, itertools, mmap, os, random, sys, threading, time
 files, pages, threads, start, seconds, seed = (sys.argv[1].split("\n"),
     [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), float(sys.argv[4]),
     float(sys.argv[5]), int(sys.argv[6]))
-import random
-ends, tot = [], 0
-for n in pages:
-    tot += n
-    ends.append(tot)
-import bisect
+ends = list(itertools.accumulate(pages))
+tot = ends[-1]
 counts = [0] * threads
 
 def worker(k):
@@ -233,9 +229,9 @@ def measure_disk(file: Path | list[Path], seconds: float, qds=(1, 32), what: str
 
 def log_files(path: Path) -> list[Path]:
     """The files a log store's reads land in: the segment files its manifest lists."""
-    with open(path / "manifest.json") as f:
-        segments = json.load(f)["segments"]
-    return [path / f"seg-{int(s):08d}.dsl" for s in segments]
+    from dsa_core._log.format import read_manifest, seg_name
+
+    return [path / seg_name(int(s)) for s in read_manifest(path)["segments"]]
 
 
 # -- one run (child process) ---------------------------------------------------------------------
@@ -442,9 +438,8 @@ def child(args) -> None:
     if warm_only:
         times, wall = all_times, float(np.sum(all_times))
     ts = np.asarray(times) if times else np.asarray([np.nan])
-    sl = np.asarray(sealed[:len(times)], dtype=bool) if not warm_only else np.zeros(0, bool)
-    if sl.shape[0] != ts.shape[0]:
-        sl = np.zeros(ts.shape[0], bool)
+    # one entry per timed step (none counted when only the warm-up ran)
+    sl = np.zeros(ts.shape[0], bool) if warm_only or not times else np.asarray(sealed, bool)
     print(json.dumps({
         "steps": len(times), "warmup_only": warm_only,
         "rows_per_s": len(times) * args.batch / wall if times else 0.0,
