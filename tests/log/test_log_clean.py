@@ -526,6 +526,47 @@ def test_a_spare_is_not_overwritten_while_its_mapping_is_held(tmp_path, monkeypa
     eng.close()
 
 
+def test_a_forked_child_neither_takes_nor_deletes_the_parents_spares(tmp_path):
+    """The spare files belong to the process that kept them: a child forked while the store
+    has spares (a data-loader worker, say) takes none of them for a seal of its own, deletes
+    a dead file of its own instead of keeping it, and its ``delete_spares`` leaves the
+    parent's files alone. The parent then goes on reusing them, exactly."""
+    eng = _create(tmp_path / "s")
+    ref = eng.read(np.arange(N))
+    _train(eng, ref, 1, 101, "uniform")  # aged: every seal cleans
+    eng.flush()
+    _train(eng, ref, 101, 161, "uniform")
+    segs = eng._segments
+    spares = [p for p, _ in segs.spares]
+    assert spares  # the parent keeps some
+    own = tmp_path / "s" / _format.seg_name(10**6)  # a dead file of the child's own
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            own.write_bytes(b"x" * 4096)
+            took = segs.take_spare(4096)
+            segs.retire(own, 4096)
+            kept = [p for p, _ in segs.spares]
+            segs.delete_spares()
+            code = 0 if (took is None and not own.exists() and kept == spares
+                         and all(p.exists() for p in spares)) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(p.exists() for p in spares) and [p for p, _ in segs.spares] == spares
+    before = eng.stats()["recycled_segments"]
+    _train(eng, ref, 161, 221, "uniform")
+    assert eng.stats()["recycled_segments"] > before  # the parent still reuses them
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    assert eng.verify() == []
+    eng.close()
+    manifest = _format.read_manifest(tmp_path / "s")
+    assert _seg_files(tmp_path / "s") == {_format.seg_name(int(i)) for i in
+                                          manifest["segments"]}
+
+
 def test_committed_segments_are_never_overwritten(tmp_path):
     """Files a manifest listed are never reused, only deleted: a reader opened at a flush and
     a checkpoint made there still read exactly that flush's values after the writer has
