@@ -429,6 +429,16 @@ def _seg_files(path) -> set[str]:
     return {f.name for f in Path(path).glob("seg-*.dsl")}
 
 
+def _close_exact(eng, ref, path) -> None:
+    """The values are ``ref`` and consistent; closed, the directory holds exactly the
+    segment files its manifest lists (no spare, no dead file left)."""
+    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
+    assert eng.verify() == []
+    eng.close()
+    manifest = _format.read_manifest(path)
+    assert _seg_files(path) == {_format.seg_name(int(i)) for i in manifest["segments"]}
+
+
 @pytest.fixture
 def deleted(monkeypatch) -> list[str]:
     """The names of the segment files deleted from now on (``os.unlink``, Path.unlink)."""
@@ -474,12 +484,7 @@ def test_dead_private_segments_are_overwritten_not_deleted(tmp_path, monkeypatch
         assert len(deleted) < recycled // 2, (len(deleted), recycled)
     else:
         assert recycled == 0 and len(deleted) > seals // 2
-    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
-    assert eng.verify() == []
-    eng.close()
-    manifest = _format.read_manifest(tmp_path / "s")
-    assert _seg_files(tmp_path / "s") == {_format.seg_name(int(i)) for i in
-                                          manifest["segments"]}
+    _close_exact(eng, ref, tmp_path / "s")
     eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(_lay(), SLOTS))
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
     eng.close()
@@ -559,12 +564,7 @@ def test_a_forked_child_neither_takes_nor_deletes_the_parents_spares(tmp_path):
     before = eng.stats()["recycled_segments"]
     _train(eng, ref, 161, 221, "uniform")
     assert eng.stats()["recycled_segments"] > before  # the parent still reuses them
-    np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
-    assert eng.verify() == []
-    eng.close()
-    manifest = _format.read_manifest(tmp_path / "s")
-    assert _seg_files(tmp_path / "s") == {_format.seg_name(int(i)) for i in
-                                          manifest["segments"]}
+    _close_exact(eng, ref, tmp_path / "s")
 
 
 def test_committed_segments_are_never_overwritten(tmp_path):
