@@ -466,6 +466,8 @@ def child(args) -> None:
         "writes_per_row_with_flush": (io2[1] - io0[1]) / (len(times) * args.batch)
         if times else 0.0,
         "rss_anon_max_mb": float(np.nanmax(rss)),
+        # part of that RssAnon: this script's list of every batch's ids (not the store's)
+        "batch_ids_mb": sum(b.nbytes for b in ids) / 2**20,
         "log_stats": log_stats,
         "kernel_stacks": stacks,
     }))
@@ -654,7 +656,8 @@ def main(argv=None):
               f"final flush ({res['flush_s']:.1f} s) {res['rows_per_s_with_flush']:,.0f} "
               f"rows/s, {res['reads_per_row_with_flush']:.2f} r + "
               f"{res['writes_per_row_with_flush']:.3f} w; RssAnon max "
-              f"{res['rss_anon_max_mb']:.0f} MiB", flush=True)
+              f"{res['rss_anon_max_mb']:.0f} MiB (the batch ids "
+              f"{res['batch_ids_mb']:.0f} MiB of it)", flush=True)
         if res["seal_steps"]:
             print(f"    {res['seal_steps']} steps sealed: {res['seal_step_mean_ms']:.1f} ms "
                   f"each on average, the others {res['other_step_mean_ms']:.1f} ms; "
