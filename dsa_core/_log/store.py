@@ -403,6 +403,11 @@ class LogStore:
             if s["total_user_bytes"] else None,
             "write_amplification_note": "written / updated (below 1: the region absorbed "
             "repeated updates of the same rows)",
+            "clean_waits": s["total_clean_waits"],
+            "clean_wait_s": round(s["total_clean_wait_s"], 3),
+            "clean_waits_note": "seals that waited for the cleaner's reads, and how long, over "
+            "the store's life (as of each writer's last flush): a seal waits only when the "
+            "segments would otherwise pass space_ratio",
             "summary": f"log store ({nseg} segment{'' if nseg == 1 else 's'})",
             **{k: s[k] for k in ("range_loads", "row_loads", "range_records", "range_reads",
                                  "range_read_bytes", "range_mapped_records", "range_rereads",

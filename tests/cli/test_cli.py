@@ -404,6 +404,23 @@ def test_convert_overwrite_and_live_writers(tmp_path, capsys):
     dsa_core.close(w)
 
 
+def test_info_reports_the_seals_that_waited_for_cleaning(tmp_path, capsys, monkeypatch):
+    """A seal that waits for the cleaner's reads is counted, committed with the flush and
+    shown by `dsa info` over the store's life (here no read is ever ready in time, so every
+    seal that must clean past the slack waits)."""
+    from dsa_core._log import cleaner
+
+    monkeypatch.setattr(cleaner.Cleaner, "ready", lambda self, sid: False)
+    _trained(tmp_path / "s", steps=200, storage="log", memory=6092, space_ratio=1.5)
+    assert main(["info", str(tmp_path / "s"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["clean_waits"] > 0 and info["clean_wait_s"] >= 0.0
+    st = dsa_core.open(tmp_path / "s", mode="r")
+    total = st.store.engine.stats()["total_clean_waits"]
+    dsa_core.close(st)
+    assert info["clean_waits"] == total
+
+
 def test_info_and_verify_on_a_log_store(tmp_path, capsys):
     mem = 6092  # 30 slots (and their buffers): seals, cleaning
     _trained(tmp_path / "s", steps=30, storage="log", memory=mem)
@@ -436,6 +453,7 @@ def test_info_and_verify_on_a_log_store(tmp_path, capsys):
     assert f"segments: {info['segments']}" in out
     assert main(["info", str(tmp_path)]) == 0
     assert f"log store ({info['segments']} segments)" in capsys.readouterr().out
+    assert info["clean_waits"] == 0 and "space_ratio" in info["clean_waits_note"]
     assert main(["verify", str(tmp_path / "s"), "--quiet"]) == 0
     assert "segment and index CRCs checked" in capsys.readouterr().out
     # a damaged index: verify says so (exit 1) instead of failing to open
