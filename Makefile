@@ -21,11 +21,19 @@ setup: $(STAMP)
 # torch>=2.1). Which build pip takes depends on the indexes it uses: on Linux, PyPI's torch is
 # the CUDA build (several GB); for the CPU build, add PyTorch's CPU index:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
+#
+# pip byte-compiles what it installs on one core; the last line compiles it on every core
+# instead (13-34 s less on 2 cores, docs/benchmarks.md). The .pyc files matter: where
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing writes them later,
+# and every interpreter the tests start would compile torch's sources again. A file that
+# does not compile (torch ships one for Python 3.12 only) is left to import time, as pip
+# leaves it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[torch,jax,test,bench,pykeen]" "$(PYKEEN)" torch==2.13.0
+	$(PY) -m pip install -q --no-compile --upgrade pip
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e ".[torch,jax,test,bench,pykeen]" "$(PYKEEN)" torch==2.13.0
+	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	touch $(STAMP)
 
 test: $(STAMP)
