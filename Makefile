@@ -22,18 +22,20 @@ setup: $(STAMP)
 # the CUDA build (several GB); for the CPU build, add PyTorch's CPU index:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 #
-# pip byte-compiles what it installs on one core; the last line compiles it on every core
+# pip byte-compiles what it installs on one core; COMPILE_ALL compiles it on every core
 # instead (13-34 s less on 2 cores, docs/benchmarks.md). The .pyc files matter: where
 # PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing writes them later,
 # and every interpreter the tests start would compile torch's sources again. A file that
 # does not compile (torch ships one for Python 3.12 only) is left to import time, as pip
 # leaves it.
+COMPILE_ALL := import compileall, sysconfig; \
+	compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile --upgrade pip
 	$(PY) -m pip install -q --no-compile torch==2.13.0
 	$(PY) -m pip install -q --no-compile -e ".[torch,jax,test,bench,pykeen]" "$(PYKEEN)" torch==2.13.0
-	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
+	$(PY) -c "$(COMPILE_ALL)"
 	touch $(STAMP)
 
 test: $(STAMP)
