@@ -453,7 +453,8 @@ def test_info_and_verify_on_a_log_store(tmp_path, capsys):
     assert f"segments: {info['segments']}" in out
     assert main(["info", str(tmp_path)]) == 0
     assert f"log store ({info['segments']} segments)" in capsys.readouterr().out
-    assert info["clean_waits"] == 0 and "space_ratio" in info["clean_waits_note"]
+    # whether a seal waited here depends on timing; the test above forces waits
+    assert "space_ratio" in info["clean_waits_note"]
     assert main(["verify", str(tmp_path / "s"), "--quiet"]) == 0
     assert "segment and index CRCs checked" in capsys.readouterr().out
     # a damaged index: verify says so (exit 1) instead of failing to open
