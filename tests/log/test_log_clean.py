@@ -540,10 +540,12 @@ def test_a_forked_child_neither_takes_nor_deletes_the_parents_spares(tmp_path):
     ref = eng.read(np.arange(N))
     _train(eng, ref, 1, 101, "uniform")  # aged: every seal cleans
     eng.flush()
-    _train(eng, ref, 101, 161, "uniform")
-    segs = eng._segments
+    segs, t = eng._segments, 101
+    while not segs.spares:  # until the parent keeps some (seals take them as they come)
+        _train(eng, ref, t, t + 20, "uniform")
+        t += 20
+        assert t < 1000, "no dead private segment was kept as a spare"
     spares = [p for p, _ in segs.spares]
-    assert spares  # the parent keeps some
     own = tmp_path / "s" / _format.seg_name(10**6)  # a dead file of the child's own
     pid = os.fork()
     if pid == 0:
@@ -562,7 +564,7 @@ def test_a_forked_child_neither_takes_nor_deletes_the_parents_spares(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
     assert all(p.exists() for p in spares) and [p for p, _ in segs.spares] == spares
     before = eng.stats()["recycled_segments"]
-    _train(eng, ref, 161, 221, "uniform")
+    _train(eng, ref, t, t + 60, "uniform")
     assert eng.stats()["recycled_segments"] > before  # the parent still reuses them
     _close_exact(eng, ref, tmp_path / "s")
 
