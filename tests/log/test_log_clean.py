@@ -429,14 +429,18 @@ def _seg_files(path) -> set[str]:
     return {f.name for f in Path(path).glob("seg-*.dsl")}
 
 
+def _listed_files(path) -> set[str]:
+    """The names of the segment files the store's manifest lists."""
+    return {_format.seg_name(int(i)) for i in _format.read_manifest(path)["segments"]}
+
+
 def _close_exact(eng, ref, path) -> None:
     """The values are ``ref`` and consistent; closed, the directory holds exactly the
     segment files its manifest lists (no spare, no dead file left)."""
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
     assert eng.verify() == []
     eng.close()
-    manifest = _format.read_manifest(path)
-    assert _seg_files(path) == {_format.seg_name(int(i)) for i in manifest["segments"]}
+    assert _seg_files(path) == _listed_files(path)
 
 
 @pytest.fixture
@@ -674,8 +678,7 @@ def test_kill_inside_a_cleaning_seal_reopens_at_the_last_flush(tmp_path, point, 
             assert os.WEXITSTATUS(status) == 0, (point, nth)
         eng = _log.open(path, memory_bytes=_log.memory_for(_lay(), SLOTS))
         # the killed writer's spares, half-written and unlisted segments are gone
-        assert _seg_files(path) == {_format.seg_name(int(i)) for i in
-                                    _format.read_manifest(path)["segments"]}, (point, nth)
+        assert _seg_files(path) == _listed_files(path), (point, nth)
         assert eng.count in refs and eng.count >= count, (point, nth, eng.count)
         np.testing.assert_array_equal(eng.read(np.arange(N)), refs[eng.count],
                                       err_msg=f"{point}:{nth} at {eng.count}")
