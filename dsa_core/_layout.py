@@ -51,6 +51,12 @@ A store is a directory holding two files:
     has none and is read as before; the next flush adds it). It is replaced atomically
     (temporary file, fsync, rename, fsync of the directory) on every flush.
 
+``undo.dsa`` (only with ``durability="flush"``, while a writer has changed rows since a flush)
+    The old records of the rows changed since the last flush, not synced: after a process
+    stops between flushes (SIGTERM, kill -9, an OOM kill) a writer's ``open`` on the same
+    boot writes them back, so the store reopens exactly at its last flush
+    (``_inplace.undo``). Emptied at a clean close.
+
 ``journal.dsa`` (only with ``durability="step"``)
     The undo record of the step in progress: ``b"DSAJRNL1" | count_before | n | crc32`` then
     the ``n`` row ids (int64) and their records as they were before the step. See
@@ -86,6 +92,7 @@ DATA_FILE = "rows.dsa"
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = "writer.lock"
 JOURNAL_FILE = "journal.dsa"
+UNDO_FILE = "undo.dsa"  # the old records of the rows changed since the last flush (_inplace.undo)
 
 __all__ = [
     "DATA_FILE",
@@ -100,6 +107,7 @@ __all__ = [
     "SECOND_MOMENTS",
     "UNCLEAN_MARK",
     "UNCLEAN_OFFSET",
+    "UNDO_FILE",
     "counter_dtype",
     "header_bytes",
     "header_crc",

@@ -243,7 +243,7 @@ class State(NamedTuple):
         if not st.data.flags.writeable:
             raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
                              "with dsa_core.open(path) (mode='r+', the writer) to set its moments")
-        st.mark_unclean()
+        st.before_change_range(0, self.num_rows)  # the marker, and the old records (undo)
         if not st.m_bf16:
             self.exp_avg[...] = m
             return

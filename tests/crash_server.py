@@ -37,6 +37,7 @@ sys.path[:0] = [sys.argv[1], sys.argv[2]]      # tests/ (crash_worker), the chec
 import numpy, dsa_core, crash_worker
 dsa_core.warmup(("float32",), readonly=False)  # the kernels every crash_worker mode steps with
 worker = sys.argv[3]
+exec(sys.argv[4])  # what the runs import beside (e.g. torch: imported once, not per run)
 reply = sys.stdout
 print("ready", flush=True)
 for line in sys.stdin:
@@ -97,12 +98,12 @@ for line in sys.stdin:
 class CrashServer:
     """One warm interpreter that forks ``crash_worker.py`` runs (see the module docstring)."""
 
-    def __init__(self, scratch: Path):
+    def __init__(self, scratch: Path, preload: str = ""):
         self.scratch = Path(scratch)
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.runs = 0
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER, str(TESTS), str(REPO), str(WORKER)],
+            [sys.executable, "-c", SERVER, str(TESTS), str(REPO), str(WORKER), preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         assert self._reply() == "ready"
 
@@ -185,11 +186,12 @@ class Job:
             return True
         return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
-    def kill(self) -> list[list[str]]:
-        """SIGKILL it (it must still be running); returns the lines printed meanwhile."""
-        os.kill(self.pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+    def kill(self, sig: int = signal.SIGKILL) -> list[list[str]]:
+        """SIGKILL it (or send ``sig``, whose default action ends it: SIGTERM); it must still be
+        running. Returns the lines printed meanwhile."""
+        os.kill(self.pid, sig)  # not reaped yet: the pid is still this child's
         rc, err = self.wait(60)
-        assert rc == -signal.SIGKILL, f"worker ended by itself (rc {rc}) before the kill:\n{err}"
+        assert rc == -sig, f"worker ended by itself (rc {rc}) before the signal:\n{err}"
         return self.lines()[self.seen:]
 
     def wait(self, timeout: float = 300.0) -> tuple[int, str]:

@@ -24,8 +24,9 @@ Modes
     tests/inplace/test_unclean_inplace.py): ``dsa_core.open``, then steps ``count + 1 .. N`` with
     ``dsa_core.flush`` after every ``K``-th step (``flush <count>`` printed after each).
     Then ``--end``: ``close`` (``dsa_core.close``), ``exit`` (a normal interpreter exit
-    without ``close``), ``os_exit`` (``os._exit(0)``: no exit handlers) or ``kill`` (SIGKILL
-    itself).
+    without ``close``), ``os_exit`` (``os._exit(0)``: no exit handlers), ``kill`` (SIGKILL
+    itself), ``sigterm`` (SIGTERM itself, its default action: what preemption sends) or
+    ``sigterm_exit`` (SIGTERM after a handler that calls ``sys.exit(143)``).
 
 ``--kill-at POINT --kill-step K`` makes the worker SIGKILL itself at a chosen point of the
 journaled commit protocol of step ``K`` (or of a checkpoint), see :data:`KILL_POINTS`.
@@ -38,6 +39,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -230,6 +232,16 @@ def flushk(store: str, steps: int, every: int, end: str) -> None:
         os._exit(0)
     elif end == "kill":
         _die()
+    elif end == "sigterm":  # the default action: the process ends, no exit handler runs
+        sys.stdout.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+    elif end == "sigterm_exit":  # the docs' recipe: SIGTERM as a normal exit (flushes)
+        KEEP.append(state)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
     else:  # "exit": the interpreter exits with the store open, its State still referenced
         KEEP.append(state)
 
@@ -320,7 +332,8 @@ def main(argv=None) -> None:
     ap.add_argument("--curvature", type=float, default=0.0)
     ap.add_argument("--kill-at", choices=KILL_POINTS)
     ap.add_argument("--kill-step", type=int, default=0)
-    ap.add_argument("--end", choices=["close", "exit", "os_exit", "kill"], default="close")
+    ap.add_argument("--end", choices=["close", "exit", "os_exit", "kill", "sigterm",
+                                            "sigterm_exit"], default="close")
     a = ap.parse_args(argv)
     if a.kill_at:
         KILL_AT.append(a.kill_at)

@@ -7,15 +7,16 @@ is garbage-collected.) Read-only opens take no lock. The bytes are described in
 ``_layout``; the paging advice comes from ``_paging``.
 
 Crash recovery with ``durability="flush"``: the rows reach the file whenever the kernel
-writes the mapped pages back, so after ``kill -9`` the rows may mix steps after the last
-flush with the manifest's count. Exactness at the last flush would need the old bytes of
-every row changed since the flush made durable before its page may be written back, an
-fdatasync in nearly every step (what ``durability="step"`` pays, 76x the plain step,
-docs/storage.md). Instead the header's unclean marker (:meth:`Store.mark_unclean`) is made
-durable once per flush interval, before its first row changes, and cleared by the flush
-that makes the rows durable; ``open`` refuses a marked store that no writer holds
-(:class:`UncleanStopError`) unless told ``unclean="accept"``. A store never closed is
-flushed when it is garbage-collected or at interpreter exit (:func:`_flush_unclosed`).
+writes the mapped pages back, so after a process stops between flushes (SIGTERM, kill -9, an
+OOM kill) the rows may mix steps after the last flush with the manifest's count. The header's
+unclean marker (:meth:`Store.mark_unclean`) is made durable once per flush interval, before
+its first row changes, and cleared by the flush that makes the rows durable. Before each
+row's first change in an interval its old record goes to the undo file (``undo.py``: page
+cache only, never synced). A writer's ``open`` of a marked store that no writer holds writes
+those records back when the undo file was written on this boot, and so reopens exactly at
+the last flush; after a power cut or a reboot (or without a usable undo file) ``open``
+refuses it (:class:`UncleanStopError`) unless told ``unclean="accept"``. A store never
+closed is flushed when it is garbage-collected or at interpreter exit (:func:`_flush_unclosed`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from .._layout import (
     MANIFEST_FILE,
     UNCLEAN_MARK,
     UNCLEAN_OFFSET,
+    UNDO_FILE,
     counter_dtype,
     header_bytes,
     header_crc,
@@ -67,6 +69,7 @@ from .._paging import _RAM_STORES, auto_access, check_access
 from .._pool import run_chunked
 from .readahead import Prefetcher, mapped_residency
 from .ranges import submit_mapped, submit_mapped_rows, wait_mapped
+from . import undo as _undo
 from .._settings import remembered
 from ..validation import check_memory_arg
 
@@ -79,8 +82,10 @@ UNCLEAN_CHOICES = ("refuse", "accept")  # open(..., unclean=): what to do with a
 
 
 class UncleanStopError(RuntimeError):
-    """The store was stepped after its last flush and its writer ended without a flush or
-    close (kill -9, power loss, ``os._exit``): its rows may mix later steps with its count."""
+    """The store was stepped after its last flush, its writer ended without a flush or close,
+    and its rows cannot be put back at the last flush (the machine restarted since, so the
+    undo record of the interval cannot be trusted, or there is none): its rows may mix later
+    steps with its count."""
 
 
 def check_unclean(unclean: str) -> str:
@@ -93,21 +98,24 @@ def check_unclean(unclean: str) -> str:
     return unclean
 
 
-def _unclean_message(path: Path, count: int) -> str:
+def _unclean_message(path: Path, count: int, reason: str = "") -> str:
     p = str(path)
+    why = (f" Its rows cannot be put back at count {count}: {reason}." if reason else "")
     return (
         f"store {p!r} was not stopped cleanly: it was stepped after its last flush (count "
         f"{count}, the count its manifest holds) and the process ended before the next flush "
-        "or close (kill -9, an OOM kill, power loss, os._exit). Its rows may mix the steps "
-        f"after {count} with those of step {count}, so training on from count {count} would "
+        "or close (SIGTERM, kill -9, an OOM kill, os._exit, power loss)." + why + " Its rows "
+        f"may mix the steps after {count} with those of step {count}, so training on from "
+        f"count {count} would "
         "silently continue from a mixed state. Either restore it from a checkpoint: "
         f"`s = dsa_core.open({p!r}, unclean='accept'); "
         "s = dsa_core.restore(s, dsa_core.open(CHECKPOINT, mode='r'))` (or replace the "
         "directory with a copy of the checkpoint); or accept the rows as they are: "
         f"`dsa_core.open({p!r}, unclean='accept')` (the next flush or close clears this "
         "mark; `dsa_core.close(dsa_core.open(path, unclean='accept'))` does it once, for an "
-        "adapter's resume). Stores created with durability='step' reopen exactly at their "
-        "last step after such a stop, log stores (storage='log') at their last flush.")
+        "adapter's resume, or pass unclean='accept' to the adapter). Stores created with "
+        "durability='step' reopen exactly at their last step even after a power cut, log "
+        "stores (storage='log') at their last flush.")
 
 
 def _writer_alive(directory: Path) -> bool:
@@ -134,7 +142,8 @@ class _Files:
     through this object, so that it does not keep the ``Store`` itself alive.
     """
 
-    __slots__ = ("path", "fd", "jfd", "lockfd", "mm", "count", "marked", "prepared")
+    __slots__ = ("path", "fd", "jfd", "lockfd", "mm", "count", "marked", "prepared", "undo",
+                 "flushed")
 
     def __init__(self, path: Path):
         self.path = path
@@ -143,6 +152,8 @@ class _Files:
         self.count: int | None = None  # None until create/open know it: nothing to flush
         self.marked = False  # the unclean marker is set on disk (rows may be past the count)
         self.prepared: dict[str, Any] | None = None  # a group's prepared manifest (_group)
+        self.undo: _undo.UndoLog | None = None  # r+, durability="flush": the undo file
+        self.flushed: int | None = None  # the manifest's count (what the undo restores)
 
     def clear_mark(self) -> None:
         """Zero the unclean marker (not synced: a lost clear errs on the side of refusing)."""
@@ -163,6 +174,9 @@ class _Files:
                 os.close(fd)
 
     def release(self) -> None:
+        if self.undo is not None:
+            self.undo.close()
+            self.undo = None
         for name in ("jfd", "fd", "lockfd"):  # the lock goes last
             fd = getattr(self, name)
             if fd >= 0:
@@ -194,10 +208,14 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
             if f.marked or int(manifest["count"]) != f.count:
                 f.mm.flush()  # msync: every row written so far is on disk
                 f.void_journal()
+                if f.undo is not None:
+                    f.undo.synced(f.count)
                 manifest["count"] = int(f.count)
                 _layout.write_manifest(f.path, manifest)
                 f.clear_mark()
                 os.fdatasync(f.fd)
+            if f.undo is not None:
+                f.undo.discard()
     except Exception as exc:  # nowhere to raise to: say so (and exit non-zero, _exit)
         _exit.report(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}")
     finally:
@@ -309,15 +327,18 @@ class Store:
             self._mm.madvise(mmap.MADV_RANDOM)
         self.access = resolved
 
-    def _map(self) -> None:
+    def _map(self, private: bool = False) -> None:
+        """Map the file (``private``: a read-only open's copy-on-write mapping, into which an
+        unclean stop's undo records are written back without changing the file)."""
         writable = self.mode == "r+"
         self._mm = mmap.mmap(self._fd, self.nbytes,
-                             access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+                             access=mmap.ACCESS_WRITE if writable else
+                             mmap.ACCESS_COPY if private else mmap.ACCESS_READ)
         self.advise(self.access_request)
         arr = np.frombuffer(self._mm, dtype=self.dtype,
                             count=self.num_rows * self.stride, offset=HEADER_BYTES)
         self.data = arr.reshape(self.num_rows, self.stride)
-        if not writable:
+        if not writable and not private:
             self.data.flags.writeable = False
         self.counters = self.data.view(counter_dtype(self.dtype))
 
@@ -345,6 +366,7 @@ class Store:
             os.pwrite(st._fd, header_bytes(layout), 0)
             st._map()
             st.count = 0
+            st._f.flushed = 0
             st._watch()
         except BaseException:
             st._release()
@@ -405,21 +427,48 @@ class Store:
             if not has_crc and mode == "r+":  # a header from before its CRC: add it
                 os.pwrite(st._fd, header_crc(head), HEADER_CRC_OFFSET)
             marked = head[UNCLEAN_OFFSET:HEADER_BYTES] == UNCLEAN_MARK
+            verdict = None
             # read-only beside a live writer: the mark is that writer's interval, no stop
             if marked and (mode == "r+" or not _writer_alive(st.path)):
-                if unclean == "refuse":
-                    raise UncleanStopError(_unclean_message(st.path, count if count is not None
-                                                            else "unknown"))
-                st.unclean = True
-                st._f.marked = mode == "r+"
-            st._map()
+                verdict = (_undo.inspect(st.path, count, st.num_rows, st.stride, st.dtype)
+                           if count is not None else
+                           _undo.Verdict("refuse", "the manifest's count is unknown"))
+                if verdict.kind == "refuse":
+                    if unclean == "refuse":
+                        raise UncleanStopError(_unclean_message(
+                            st.path, count if count is not None else "unknown",
+                            verdict.reason))
+                    st.unclean = True
+                    st._f.marked = mode == "r+"
+                    if mode == "r+":  # the rows taken as they are: no undo goes back to them
+                        _undo.discard(st.path)
+                    verdict = None
+            st._map(private=verdict is not None and mode == "r")
+            if verdict is not None:
+                st._recover(verdict)
             if count is not None:
                 st.count = int(count)
+                st._f.flushed = int(count)
             st._watch()
         except BaseException:
             st._release()
             raise
         return st
+
+    def _recover(self, verdict: _undo.Verdict) -> None:
+        """Put an unclean stop's rows back at the manifest's count (:func:`_undo.inspect`
+        said how). A writer writes the undo records back, syncs them, clears the marker and
+        empties the undo file (a kill on the way repeats the same at the next open); a
+        reader writes them into its private mapping only."""
+        verdict.apply(self.data)
+        if self.mode != "r+":
+            self.data.flags.writeable = False
+            return
+        self._mm.flush()
+        os.fdatasync(self._fd)
+        os.pwrite(self._fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+        os.fdatasync(self._fd)
+        _undo.discard(self.path)
 
     def _watch(self) -> None:
         """Flush this store if it is never closed (r+ only): see :func:`_flush_unclosed`."""
@@ -440,9 +489,27 @@ class Store:
         f = self._f
         if f.marked:
             return
+        if f.undo is None and _undo.ENABLED:
+            f.undo = _undo.UndoLog(self.path, self.num_rows,
+                                   self.stride * self.dtype.itemsize)
+        if f.undo is not None:  # the interval's undo header (page cache), then the marker
+            f.undo.begin(f.flushed if f.flushed is not None else self.count)
         os.pwrite(f.fd, UNCLEAN_MARK, UNCLEAN_OFFSET)
         os.fdatasync(f.fd)
         f.marked = True
+
+    def before_change(self, rows: np.ndarray) -> None:
+        """Before the unique ``rows`` change (``durability="flush"``): the marker, then the
+        old records of those not yet saved since the last flush (the undo file)."""
+        self.mark_unclean()
+        if self._f.undo is not None:
+            self._f.undo.save(self.data, rows)
+
+    def before_change_range(self, lo: int, hi: int) -> None:
+        """:meth:`before_change` of the rows ``lo:hi``."""
+        self.mark_unclean()
+        if self._f.undo is not None:
+            self._f.undo.save_range(self.data, lo, hi)
 
     def mark_clean(self) -> None:
         """Clear the unclean marker: the rows are synced and the manifest holds their count
@@ -536,7 +603,7 @@ class Store:
             if rows.shape[0]:
                 self._undo = (rows, self.journal_write(rows, count))
         elif rows.shape[0]:
-            self.mark_unclean()  # once per flush interval: durable before any row changes
+            self.before_change(rows)  # marker once per interval; old records once per row
         return self.data, rows
 
     def commit_step(self, t: int, meta: dict[str, Any]) -> None:
@@ -564,14 +631,14 @@ class Store:
         return self.data[rows] if cols is None else self.data[rows, cols]
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:
-        self.mark_unclean()
+        self.before_change(rows)
         self.data[rows] = records
 
     def read_range(self, lo: int, hi: int) -> np.ndarray:
         return self.data[lo:hi]
 
     def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
-        self.mark_unclean()
+        self.before_change_range(lo, hi)
         self.data[lo:hi] = records
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
@@ -583,7 +650,10 @@ class Store:
         self._not_in_doubt()
         self.sync()
         self.journal_void()  # a stale undo record must never roll back flushed rows
+        if self._f.undo is not None:
+            self._f.undo.synced(count)  # a stop before the marker's clear: rows exact
         _layout.write_manifest(self.path, self.manifest(count, meta))
+        self._f.flushed = int(count)
         self.mark_clean()  # rows synced, count written: no unclean stop from here
 
     # -- a commit of several stores together (dsa_core._group) -------------------------
@@ -601,6 +671,8 @@ class Store:
         self._not_in_doubt()
         self.sync()
         self.journal_void()
+        if self._f.undo is not None:
+            self._f.undo.synced(count)
         manifest = self.manifest(count, meta)
         self._f.prepared = manifest
         return dict(manifest)
@@ -611,6 +683,7 @@ class Store:
         manifest = self._f.prepared
         _layout.write_manifest(self.path, manifest, durable)
         self._f.prepared = None
+        self._f.flushed = int(manifest["count"])
         self.mark_clean()
 
     def cancel_commit(self) -> None:
@@ -687,6 +760,8 @@ class Store:
         if self._ranges is not None:  # drops queued range requests, joins the thread
             self._ranges.close()
         self.sync()
+        if self._f.undo is not None and not self._f.marked:
+            self._f.undo.discard()  # flushed: nothing to undo
         self.closed = True
         if self.data is not None:
             self.data.flags.writeable = False
@@ -772,7 +847,7 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
         probe = Store(directory, layout, "r+")
         probe._lock()
         probe._release()
-        for name in (MANIFEST_FILE, DATA_FILE, JOURNAL_FILE):
+        for name in (MANIFEST_FILE, DATA_FILE, JOURNAL_FILE, UNDO_FILE):
             (directory / name).unlink(missing_ok=True)
     store = Store.create_file(directory, layout, settings.get("access", "auto"))
     store.settings = dict(settings)
@@ -860,10 +935,10 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
 
 
 def owns_file(name: str) -> bool:
-    """One of an in-place store's own files (the data file, the journal). Not the data
-    file's temporary: alone, it is what an interrupted ``create`` leaves, which the next
-    ``create`` replaces."""
-    return name in (DATA_FILE, JOURNAL_FILE)
+    """One of an in-place store's own files (the data file, the journal, the undo file).
+    Not the data file's temporary: alone, it is what an interrupted ``create`` leaves, which
+    the next ``create`` replaces."""
+    return name in (DATA_FILE, JOURNAL_FILE, UNDO_FILE)
 
 
 def read_group_ref(directory: Path) -> dict[str, Any] | None:
@@ -885,6 +960,7 @@ def roll_forward(directory: Path, payload: dict[str, Any]) -> None:
             os.fdatasync(dfd)
         finally:
             os.close(dfd)
+        _undo.discard(directory)  # the group's rows are synced: nothing to undo
     finally:
         os.close(fd)
 

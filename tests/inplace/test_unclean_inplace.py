@@ -1,11 +1,15 @@
-"""A store stopped between a step and the next flush never reopens silently mixed.
+"""A store stopped between a step and the next flush reopens exactly at that flush, or is
+refused; never silently mixed.
 
 With ``durability="flush"`` an in-place store's rows reach its file whenever the kernel writes
 the mapped pages back, so after ``kill -9`` they may hold steps past the manifest's count. Its
 header's unclean marker (set durably before the first row of a flush interval changes,
-cleared by the flush) makes ``open`` refuse such a store (``UncleanStopError``) unless told
-``unclean="accept"``; ``dsa verify`` reports it. A log store reopens exactly at its last
-flush. Either way: exact at the last flush, or refused; never a mix.
+cleared by the flush) says so, and its undo file (the old record of each row changed in the
+interval, in the page cache) puts the rows back at the last flush when the next open runs on
+the same boot: both kinds reopen exactly at their last flush after a process dies. After a
+reboot (simulated here by another boot id: ``rebooted``) the undo file is not trusted and
+``open`` refuses the store (``UncleanStopError``) unless told ``unclean="accept"``; ``dsa
+verify`` reports it. A log store reopens exactly at its last flush either way.
 
 The kill trials run ``tests/crash_worker.py flushk`` (flush every K steps) in a subprocess,
 SIGKILL it at random moments and compare what reopens, bit for bit, with a replay of that
@@ -36,6 +40,7 @@ from helpers import KINDS, run_worker
 
 import dsa_core
 import dsa_core.__main__ as dsa_cli
+from dsa_core._inplace import undo as undo_file
 
 REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
@@ -95,6 +100,23 @@ def verify(path: Path) -> subprocess.CompletedProcess:
     return dsa("verify", path, "--quiet")
 
 
+@pytest.fixture
+def rebooted(monkeypatch):
+    """The machine restarted since the files were written (another boot id): an undo file
+    kept in the page cache is then not trusted, as after a power cut."""
+    monkeypatch.setattr(undo_file, "boot_id", lambda: "another-boot")
+
+
+def is_marked(path: Path) -> bool:
+    """The data file's unclean marker is set (a writer changed rows since its last flush);
+    False for a log store (no such file)."""
+    if not (path / "rows.dsa").is_file():
+        return False
+    with open(path / "rows.dsa", "rb") as f:
+        f.seek(4096 - 8)
+        return f.read(8) == b"DSAUNCLN"
+
+
 def check_refused(path: Path, count: int) -> None:
     """``open`` refuses the store in both modes with the message the user needs."""
     for mode in ("r+", "r"):
@@ -116,10 +138,11 @@ def server(tmp_path_factory):
 
 
 def kill_trials(server, tmp: Path, kind: str, trials: int, seed: int, every: int = 7,
-                window: float = 0.3, probe_every: int = 0) -> Counter:
+                window: float = 0.3, probe_every: int = 0, reboot=None) -> Counter:
     """SIGKILL a worker that flushes every ``every`` steps at a random moment; the store must
     reopen exactly at its last flush (a multiple of ``every``, at least the last flush the
-    worker reported) or be refused; never at a count with rows of later steps."""
+    worker reported), or, after ``reboot`` (a monkeypatch: the boot id changes before the
+    reopen), be refused; never at a count with rows of later steps."""
     rng = np.random.default_rng(seed)
     ref = Reference(tmp, kind)
     stats = Counter()
@@ -133,6 +156,10 @@ def kill_trials(server, tmp: Path, kind: str, trials: int, seed: int, every: int
             lines = w.kill()
             reported = max([int(x[1]) for x in lines if x[0] == "flush"], default=0)
             stats["steps flushed"] += reported
+            if kind == "inplace" and is_marked(store):
+                stats["killed inside an interval"] += 1
+            if reboot is not None:
+                reboot.setattr(undo_file, "boot_id", lambda: "another-boot")
             try:
                 s = dsa_core.open(store)
             except dsa_core.UncleanStopError:
@@ -149,13 +176,20 @@ def kill_trials(server, tmp: Path, kind: str, trials: int, seed: int, every: int
                     mixed = all_records(s) != ref.at(count)
                     stats["accepted rows that differ from the replay"] += mixed
                     dsa_core.close(s)  # flushes: the mark is cleared
+                    if reboot is not None:
+                        reboot.undo()
                     s = dsa_core.open(store)
                     assert s.count == count and not s.store.unclean
                     dsa_core.close(s)
                     assert verify(store).returncode == 0
                     stats["verified and accepted"] += 1
+                if reboot is not None:
+                    reboot.undo()
                 shutil.rmtree(store)
                 continue
+            finally:
+                if reboot is not None:
+                    reboot.undo()
             count = s.count
             assert count % every == 0 and count >= reported, (count, reported)
             assert all_records(s) == ref.at(count), (
@@ -171,21 +205,40 @@ def kill_trials(server, tmp: Path, kind: str, trials: int, seed: int, every: int
 
 
 # -- random kills ------------------------------------------------------------------------------
-def test_sigkill_reopens_exact_or_refused_few(server, tmp_path, kind):
-    stats = kill_trials(server, tmp_path, kind, trials=3, seed=1 + KINDS.index(kind),
-                        probe_every=2)
+def test_sigkill_reopens_exact_few(server, tmp_path, kind):
+    """A process death is no power cut: both kinds reopen exactly at the last flush."""
+    stats = kill_trials(server, tmp_path, kind, trials=3, seed=1 + KINDS.index(kind))
     print(f"\n{kind}: {dict(stats)}")
     assert stats["steps flushed"] > 0  # the kills landed while the worker trained
+    assert stats["exact at the last flush"] == 3
+    if kind == "inplace":  # a kill lands inside a flush interval nearly always
+        assert stats["killed inside an interval"] >= 1
+
+
+def test_sigkill_then_reboot_reopens_exact_or_refused_few(server, tmp_path, kind, monkeypatch):
+    stats = kill_trials(server, tmp_path, kind, trials=3, seed=1 + KINDS.index(kind),
+                        probe_every=2, reboot=monkeypatch)
+    print(f"\n{kind}: {dict(stats)}")
     if kind == "log":
         assert stats["exact at the last flush"] == 3
-    else:  # a kill lands inside a flush interval nearly always (the flushes are ms apart)
+    else:
         assert stats["refused"] >= 1 and stats["verified and accepted"] >= 1
 
 
 @pytest.mark.slow
-def test_sigkill_reopens_exact_or_refused_many(server, tmp_path, kind):
+def test_sigkill_reopens_exact_many(server, tmp_path, kind):
     stats = kill_trials(server, tmp_path, kind, trials=30, seed=10 + KINDS.index(kind),
-                        window=0.5, probe_every=5)
+                        window=0.5)
+    print(f"\n{kind}: {dict(stats)}")
+    assert stats["exact at the last flush"] == 30
+    if kind == "inplace":
+        assert stats["killed inside an interval"] >= 20
+
+
+@pytest.mark.slow
+def test_sigkill_then_reboot_reopens_exact_or_refused_many(server, tmp_path, kind, monkeypatch):
+    stats = kill_trials(server, tmp_path, kind, trials=30, seed=10 + KINDS.index(kind),
+                        window=0.5, probe_every=5, reboot=monkeypatch)
     print(f"\n{kind}: {dict(stats)}")
     if kind == "log":
         assert stats["exact at the last flush"] == 30
@@ -196,16 +249,51 @@ def test_sigkill_reopens_exact_or_refused_many(server, tmp_path, kind):
 
 
 # -- deterministic ends ------------------------------------------------------------------------
-@pytest.mark.parametrize("end", [pytest.param("kill", marks=pytest.mark.slow), "os_exit"])
+@pytest.mark.parametrize("end", [pytest.param("kill", marks=pytest.mark.slow), "os_exit",
+                                 "sigterm"])
 def test_stop_after_steps_past_a_flush(server, tmp_path, kind, end):
-    """Steps 1..10, a flush at 7, then SIGKILL or os._exit: exact at 7, or refused.
-    (SIGKILL at random moments by default: the trials above.) Both ends skip every exit
-    handler: a child forked by the server stops as a process of its own would."""
+    """Steps 1..10, a flush at 7, then SIGKILL, SIGTERM or os._exit: exact at 7, both
+    kinds; the undo file is emptied by the recovery. (SIGKILL at random moments by default:
+    the trials above.) These ends skip every exit handler: a child forked by the server
+    stops as a process of its own would."""
+    store = tmp_path / "s"
+    make_store(store, kind)
+    rc, lines, err = server.run("flushk", store, "--every", 7, "--steps", 10, "--end", end)
+    want = {"kill": -signal.SIGKILL, "sigterm": -signal.SIGTERM, "os_exit": 0}[end]
+    assert rc == want, err
+    assert lines[-2:] == [["flush", "7"], ["done", "10"]]
+    assert is_marked(store) == (kind == "inplace")
+    assert verify(store).returncode == 0  # recoverable on this boot: no problem
+    ref = Reference(tmp_path, kind)
+    try:
+        r = dsa_core.open(store, mode="r")  # a reader puts the rows back in its own copy
+        assert r.count == 7 and all_records(r) == ref.at(7)
+        dsa_core.close(r)
+        assert is_marked(store) == (kind == "inplace")  # the reader changed no file
+        s = dsa_core.open(store)
+        assert s.count == 7 and all_records(s) == ref.at(7)
+        assert not getattr(s.store, "unclean", False)
+        for t in range(8, 11):  # trains on to the same rows as the run without a stop
+            s = dsa_core.step(s, *cw.batch(t))
+        assert all_records(s) == ref.at(10)
+        dsa_core.close(s)
+        assert not is_marked(store)
+        if kind == "inplace":
+            assert (store / "undo.dsa").stat().st_size == 0  # a clean close empties it
+    finally:
+        ref.close()
+
+
+@pytest.mark.parametrize("end", [pytest.param("kill", marks=pytest.mark.slow), "os_exit"])
+def test_stop_after_steps_past_a_flush_then_reboot(server, tmp_path, kind, end, monkeypatch):
+    """As above, but the machine restarted before the reopen: exact at 7 (log), or refused
+    (in place: its undo file lived in the page cache)."""
     store = tmp_path / "s"
     make_store(store, kind)
     rc, lines, err = server.run("flushk", store, "--every", 7, "--steps", 10, "--end", end)
     assert rc == (-signal.SIGKILL if end == "kill" else 0), err
     assert lines[-2:] == [["flush", "7"], ["done", "10"]]
+    monkeypatch.setattr(undo_file, "boot_id", lambda: "another-boot")
     ref = Reference(tmp_path, kind)
     try:
         if kind == "inplace":
@@ -254,6 +342,21 @@ def test_normal_exit_without_close_reopens_at_the_last_step(tmp_path, kind):
     assert verify(store).returncode == 0
 
 
+def test_sigterm_as_a_normal_exit_flushes(tmp_path, kind):
+    """The docs' recipe for a final flush on SIGTERM: a handler that calls sys.exit."""
+    store = tmp_path / "s"
+    make_store(store, kind)
+    rc, lines, err = run_worker("flushk", store, "--every", 7, "--steps", 10,
+                                "--end", "sigterm_exit")
+    assert rc == 143 and err == "", (rc, err)
+    assert lines[-1] == ["done", "10"]
+    s = dsa_core.open(store)
+    ref = Reference(tmp_path, kind)
+    assert s.count == 10 and all_records(s) == ref.at(10)
+    dsa_core.close(s)
+    ref.close()
+
+
 def test_garbage_collected_state_is_flushed_and_released(tmp_path, kind):
     store = tmp_path / "s"
     make_store(store, kind)
@@ -284,7 +387,7 @@ os._exit(0)  # the parent stops uncleanly
 """
 
 
-def test_forked_child_never_flushes_the_parents_store(tmp_path):
+def test_forked_child_never_flushes_the_parents_store(tmp_path, monkeypatch):
     store = tmp_path / "s"
     make_store(store, "inplace")
     r = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(store), str(REPO / "tests")],
@@ -293,7 +396,14 @@ def test_forked_child_never_flushes_the_parents_store(tmp_path):
     assert r.returncode == 0 and r.stdout == "child 0\n", r.stderr
     assert r.stderr == ""
     assert manifest_count(store) == 0  # the child wrote no manifest and cleared no mark
-    check_refused(store, 0)
+    assert is_marked(store) and (store / "undo.dsa").stat().st_size > 0  # nor emptied the undo
+    snapshot_files(store, tmp_path / "copy")
+    monkeypatch.setattr(undo_file, "boot_id", lambda: "another-boot")
+    check_refused(tmp_path / "copy", 0)
+    monkeypatch.undo()
+    s = dsa_core.open(store)  # the parent's step undone: the rows of count 0
+    assert s.count == 0 and all_records(s) == INIT_RECORDS(tmp_path)
+    dsa_core.close(s)
 
 
 # -- the marker in process (a copy of a live store's files is what a kill leaves) ---------------
@@ -303,16 +413,33 @@ def snapshot_files(src: Path, dest: Path) -> Path:
     return dest
 
 
-def test_create_open_flush_and_close_leave_clean_stores(tmp_path):
+def INIT_RECORDS(tmp: Path) -> bytes:
+    """The records of a new store (count 0)."""
+    make_store(tmp / "init", "inplace")
+    s = dsa_core.open(tmp / "init", mode="r")
+    out = all_records(s)
+    dsa_core.close(s)
+    return out
+
+
+def test_create_open_flush_and_close_leave_clean_stores(tmp_path, monkeypatch):
     s = dsa_core.create(tmp_path / "s", N, D, init="normal", progress=False)
     dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c0")))  # after create
     s = dsa_core.step(s, *cw.batch(1))
     dsa_core.flush(s)
+    at1 = all_records(s)
     dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c1")))  # after a flush
     s = dsa_core.step(s, np.zeros(0, np.int64), np.zeros((0, D), np.float32))  # no row
     dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c2")))
     s = dsa_core.step(s, *cw.batch(3))
-    check_refused(snapshot_files(s.path, tmp_path / "c3"), 1)
+    snapshot_files(s.path, tmp_path / "c3")
+    snapshot_files(s.path, tmp_path / "c4")
+    c3 = dsa_core.open(tmp_path / "c3")  # the same boot: back at the flush, exactly
+    assert c3.count == 1 and all_records(c3) == at1 != all_records(s)
+    dsa_core.close(c3)
+    monkeypatch.setattr(undo_file, "boot_id", lambda: "another-boot")
+    check_refused(tmp_path / "c4", 1)  # after a reboot: refused
+    monkeypatch.undo()
     ro = dsa_core.open(s.path, mode="r")  # a reader beside the live writer: no stop
     dsa_core.close(ro)
     dsa_core.close(s)
@@ -321,14 +448,25 @@ def test_create_open_flush_and_close_leave_clean_stores(tmp_path):
     dsa_core.close(again)
 
 
-def test_whole_record_writes_mark_the_store(tmp_path):
-    """write_records and restore change rows outside a step: a stop before the flush that
-    follows them is an unclean stop too."""
-    s = dsa_core.create(tmp_path / "s", N, D, progress=False)
+def test_whole_record_writes_mark_the_store(tmp_path, monkeypatch):
+    """write_records, restore and set_exp_avg change rows outside a step: a stop before the
+    flush that follows them is an unclean stop too, undone on the same boot."""
+    s = dsa_core.create(tmp_path / "s", N, D, progress=False, init="normal")
+    at0 = all_records(s)
     dsa_core.write_records(s, [3], np.ones((1, s.layout["stride"]), np.float32))
-    check_refused(snapshot_files(s.path, tmp_path / "c1"), 0)
+    snapshot_files(s.path, tmp_path / "c0")
+    s.set_exp_avg(np.full((N, D), 0.5, np.float32))
+    snapshot_files(s.path, tmp_path / "c1")
+    snapshot_files(s.path, tmp_path / "c2")
+    for c in ("c0", "c1"):
+        back = dsa_core.open(tmp_path / c)
+        assert back.count == 0 and all_records(back) == at0
+        dsa_core.close(back)
+    monkeypatch.setattr(undo_file, "boot_id", lambda: "another-boot")
+    check_refused(tmp_path / "c2", 0)
+    monkeypatch.undo()
     s = dsa_core.set_count(s, 0)  # flushes
-    dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c2")))
+    dsa_core.close(dsa_core.open(snapshot_files(s.path, tmp_path / "c3")))
     dsa_core.close(s)
 
 

@@ -1,0 +1,290 @@
+"""The undo file of an in-place store: the old records of the rows changed since the last flush.
+
+With ``durability="flush"`` an in-place store's rows reach its file whenever the kernel writes
+the mapped pages back. A process that ends between two flushes (SIGTERM, kill -9, an OOM kill,
+``os._exit``) leaves rows of later steps in the file (or in the page cache, which outlives the
+process) beside the manifest's count. To reopen exactly at the last flush, the old bytes of
+every row changed since that flush must outlive the process too: before a row's first change
+in a flush interval, its record is appended to ``undo.dsa``. That write goes to the page cache
+and is **not synced**: the page cache outlives the process but not the machine, so the file is
+trusted only when the boot that wrote it is the current one (the kernel's boot id). After a
+power cut or a reboot the store is refused as before (``UncleanStopError``).
+
+Layout (all little-endian)::
+
+    header (4096 B) : b"DSAUNDO1" | boot id (36 ASCII bytes, zero-padded to 40) | u64 epoch
+                      | i64 base count | i64 synced count | u32 flags | u32 crc32 of the
+                      bytes before it | zero padding
+    block           : b"DSAUBLK1" | u64 epoch | u64 n | u32 crc32 of the 24 bytes before it
+                      | 4 zeros | n int64 row ids | n records (the store's stride and dtype)
+
+``base``: the manifest count the blocks restore the rows to; ``epoch``: a random number drawn
+when the interval begins, which every block of the interval repeats (the file is reused, not
+truncated: blocks of an older interval past the end fail this check). A block's body is
+written before its head, and the rows only change after both: a head that checks out names
+a complete body. ``synced``: the count whose rows a flush has synced before writing its
+manifest (-1 until then): a process that dies between that manifest and the marker's clear
+leaves rows that are exactly the manifest's. ``flags`` bit 0: the interval changed rows
+without saving them (the undo write failed, e.g. a full disk): a stop is refused as before.
+
+Recovery (:func:`inspect` and :meth:`Verdict.apply`) writes the saved records back, syncs the
+data file and clears the store's marker: repeated after a kill during recovery it does the
+same again. The file's pages are reused from one interval to the next (writing into cached
+pages costs a fraction of allocating new ones) and the file is truncated at a clean close.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .._layout import UNDO_FILE
+
+__all__ = ["UndoLog", "Verdict", "boot_id", "discard", "inspect"]
+
+MAGIC = b"DSAUNDO1"
+BLOCK_MAGIC = b"DSAUBLK1"
+_HEAD = struct.Struct("<8s40sQqqI")   # magic, boot id, epoch, base, synced, flags (+ crc)
+_BLOCK = struct.Struct("<8sQQ")       # magic, epoch, n (+ crc, 4 zeros)
+HEADER_BYTES = 4096
+BLOCK_HEAD = _BLOCK.size + 8
+INCOMPLETE = 1  # flags: rows changed without their undo (the write failed)
+ENABLED = True  # False: no undo file (benchmarks/undo_cost.py's A/B only; stops are refused)
+_BOOT_FILE = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> str:
+    """This boot's id (Linux); "" where the kernel does not say (the file is then never
+    trusted)."""
+    try:
+        with open(_BOOT_FILE, "rb") as f:
+            return f.read().strip().decode("ascii", "replace")[:40]
+    except OSError:
+        return ""
+
+
+def _header(boot: str, epoch: int, base: int, synced: int, flags: int) -> bytes:
+    head = _HEAD.pack(MAGIC, boot.encode("ascii", "replace")[:40], epoch, base, synced, flags)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def _block_head(epoch: int, n: int) -> bytes:
+    head = _BLOCK.pack(BLOCK_MAGIC, epoch, n)
+    return head + struct.pack("<I", zlib.crc32(head)) + bytes(4)
+
+
+class UndoLog:
+    """The writer's side: one open ``undo.dsa`` of one store (``r+``, ``durability="flush"``).
+
+    :meth:`begin` starts a flush interval (before the store's marker is set), :meth:`save`
+    appends the records of rows not yet saved in the interval (before they change),
+    :meth:`synced` records a flush's synced count, :meth:`discard` empties the file (a
+    clean close).
+    """
+
+    def __init__(self, path: Path, num_rows: int, record_bytes: int):
+        self.file = Path(path) / UNDO_FILE
+        self.num_rows = num_rows
+        self.record_bytes = record_bytes
+        self.fd = -1
+        self.epoch = 0
+        self.base = -1
+        self.end = HEADER_BYTES   # where the next block goes
+        self.incomplete = False
+        self.saved: np.ndarray | None = None  # bool per row: saved in this interval
+        self.nsaved = 0
+        self._ids = np.empty(0, np.int64)
+        self._buf: np.ndarray | None = None
+        self._boot = ""
+
+    # -- the interval -------------------------------------------------------------------
+    def begin(self, base: int) -> None:
+        """A new interval whose blocks restore the rows to count ``base``. A header that
+        cannot be written marks nothing: the interval is then incomplete (a stop refused)."""
+        if self.saved is None:
+            self.saved = np.zeros(self.num_rows, np.bool_)
+        elif self.nsaved:
+            self.saved.fill(False)
+        self.nsaved = 0
+        self.epoch = int.from_bytes(os.urandom(8), "little")
+        self.base = int(base)
+        self.end = HEADER_BYTES
+        self.incomplete = False
+        self._boot = boot_id()
+        try:
+            if self.fd < 0:
+                self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            self._write_header(-1)
+        except OSError:
+            self.incomplete = True
+
+    def _write_header(self, synced: int) -> None:
+        head = _header(self._boot, self.epoch, self.base, synced,
+                       INCOMPLETE if self.incomplete else 0)
+        if os.pwrite(self.fd, head, 0) != len(head):
+            raise OSError(errno.ENOSPC, "short write of the undo header")
+
+    def _fail(self) -> None:
+        """The interval goes on without undo: say so in the header (a stop is refused)."""
+        self.incomplete = True
+        try:
+            self._write_header(-1)
+        except OSError:
+            # the header still names this interval without the flag, and its blocks end
+            # before the rows that were not saved: drop the header's magic instead
+            try:
+                os.pwrite(self.fd, bytes(8), 0)
+            except OSError:
+                pass
+
+    def save(self, data: np.ndarray, rows: np.ndarray) -> None:
+        """Append the records ``data[rows]`` of the rows not saved yet in this interval
+        (``rows``: unique ids). Before those rows change."""
+        if self.incomplete or rows.shape[0] == 0:
+            return
+        new = rows[~self.saved[rows]]
+        if new.shape[0]:
+            self._append(data, new)
+
+    def save_range(self, data: np.ndarray, lo: int, hi: int) -> None:
+        """:meth:`save` of the rows ``lo:hi``, in bounded chunks."""
+        if self.incomplete:
+            return
+        step = max(1, (16 << 20) // max(1, self.record_bytes))
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            new = a + np.flatnonzero(~self.saved[a:b])
+            if new.shape[0]:
+                self._append(data, new)
+            if self.incomplete:
+                return
+
+    def _append(self, data: np.ndarray, new: np.ndarray) -> None:
+        n = new.shape[0]
+        if self._buf is None or self._buf.shape[0] < n or self._buf.shape[1] != data.shape[1]:
+            cap = max(n, 256)
+            self._buf = np.empty((cap, data.shape[1]), data.dtype)
+            self._ids = np.empty(cap, np.int64)
+        ids, rec = self._ids[:n], self._buf[:n]
+        ids[...] = new
+        np.take(data, new, axis=0, out=rec)
+        body = n * (8 + self.record_bytes)
+        try:
+            # the body first, then the head that makes it count
+            if os.pwritev(self.fd, [ids.data, rec.data], self.end + BLOCK_HEAD) != body:
+                raise OSError(errno.ENOSPC, "short write of an undo block")
+            head = _block_head(self.epoch, n)
+            if os.pwrite(self.fd, head, self.end) != len(head):
+                raise OSError(errno.ENOSPC, "short write of an undo block head")
+        except OSError:
+            self._fail()
+            return
+        self.end += BLOCK_HEAD + body
+        self.saved[new] = True
+        self.nsaved += n
+
+    def synced(self, count: int) -> None:
+        """A flush synced the rows at ``count`` and is about to write its manifest."""
+        if self.fd < 0 or self.base < 0:
+            return
+        try:
+            self._write_header(int(count))
+        except OSError:
+            pass  # a stop in the manifest's window is then refused, as before
+
+    def discard(self) -> None:
+        """Empty the file (a clean close: the rows are flushed, nothing to undo)."""
+        if self.fd >= 0:
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
+        self.base = -1
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Verdict:
+    """What an unclean stop's undo file says (:func:`inspect`): ``kind`` is ``"apply"``
+    (``ids``/``records`` restore the rows to the manifest's count), ``"exact"`` (the rows are
+    the manifest's already: a flush synced them) or ``"refuse"`` (``reason`` says why)."""
+
+    def __init__(self, kind: str, reason: str = "", ids=None, records=None):
+        self.kind, self.reason, self.ids, self.records = kind, reason, ids, records
+
+    def apply(self, data: np.ndarray) -> None:
+        """Write the saved records back into ``data`` (the mapped rows)."""
+        if self.kind == "apply" and self.ids is not None and self.ids.shape[0]:
+            data[self.ids] = self.records
+
+
+def inspect(directory: Path, count: int, num_rows: int, stride: int,
+            dtype: np.dtype) -> Verdict:
+    """Read ``undo.dsa`` of a store found marked with no writer; ``count`` is its manifest's."""
+    path = Path(directory) / UNDO_FILE
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return Verdict("refuse", "it has no undo record (a store written by a dsa_core "
+                       "before undo records)")
+    except OSError as exc:
+        return Verdict("refuse", f"its undo record could not be read ({exc})")
+    if len(raw) < _HEAD.size + 4 or raw[:8] != MAGIC:
+        return Verdict("refuse", "its undo record is empty or unreadable")
+    fields = raw[:_HEAD.size]
+    if struct.unpack_from("<I", raw, _HEAD.size)[0] != zlib.crc32(fields):
+        return Verdict("refuse", "its undo record's header is damaged")
+    _, boot, epoch, base, synced, flags = _HEAD.unpack(fields)
+    now = boot_id()
+    if not now or boot.rstrip(b"\0").decode("ascii", "replace") != now:
+        return Verdict("refuse", "the machine restarted since (power loss or reboot: the "
+                       "undo record lived in the page cache and cannot be trusted)")
+    if synced >= 0 and synced == count:
+        return Verdict("exact")
+    if base != count:
+        return Verdict("refuse", f"its undo record belongs to count {base}, not to the "
+                       f"manifest's {count}")
+    if flags & INCOMPLETE:
+        return Verdict("refuse", "rows changed that could not be saved to its undo record "
+                       "(a write to undo.dsa failed, e.g. a full disk)")
+    itemsize = np.dtype(dtype).itemsize
+    rec_bytes = stride * itemsize
+    ids, recs, off = [], [], HEADER_BYTES
+    while off + BLOCK_HEAD <= len(raw):
+        head = raw[off:off + _BLOCK.size]
+        magic, e, n = _BLOCK.unpack(head)
+        crc = struct.unpack_from("<I", raw, off + _BLOCK.size)[0]
+        if magic != BLOCK_MAGIC or e != epoch or crc != zlib.crc32(head):
+            break
+        body = n * (8 + rec_bytes)
+        if off + BLOCK_HEAD + body > len(raw):
+            break
+        start = off + BLOCK_HEAD
+        bid = np.frombuffer(raw, np.int64, n, start)
+        if n and (bid.min() < 0 or bid.max() >= num_rows):
+            return Verdict("refuse", "its undo record names rows outside the table (damaged)")
+        ids.append(bid)
+        recs.append(np.frombuffer(raw, dtype, n * stride, start + 8 * n).reshape(n, stride))
+        off = start + body
+    if not ids:
+        return Verdict("apply", ids=np.empty(0, np.int64),
+                       records=np.empty((0, stride), dtype))
+    return Verdict("apply", ids=np.concatenate(ids), records=np.concatenate(recs))
+
+
+def discard(directory: Path) -> None:
+    """Empty a store's undo file, if any (after a recovery or an accepted unclean stop)."""
+    path = Path(directory) / UNDO_FILE
+    try:
+        os.truncate(path, 0)
+    except FileNotFoundError:
+        pass
