@@ -43,7 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .._coalesce import gather_rows
 from .._layout import UNDO_FILE
+from .._pool import run_chunked
 
 __all__ = ["UndoLog", "Verdict", "boot_id", "discard", "inspect"]
 
@@ -172,7 +174,8 @@ class UndoLog:
             self._ids = np.empty(cap, np.int64)
         ids, rec = self._ids[:n], self._buf[:n]
         ids[...] = new
-        np.take(data, new, axis=0, out=rec)
+        # the kernels' threaded gather (prefetching rows ahead): ~2x np.take's random reads
+        run_chunked(gather_rows, (data, ids, 0, rec), n, max(16, 16384 // data.shape[1]))
         body = n * (8 + self.record_bytes)
         try:
             # the body first, then the head that makes it count

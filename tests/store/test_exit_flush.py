@@ -137,13 +137,14 @@ def test_failed_exit_flush_says_so_and_exits_nonzero(tmp_path):
     assert "No space left on device" in r.stderr
     for cfg in cfgs:
         assert "flushing unclosed" in r.stderr and cfg["path"] in r.stderr, r.stderr
-    last_flush = cfgs[0]["steps"] // cfgs[0]["flush_every"] * cfgs[0]["flush_every"]
-    s = dsa_core.open(cfgs[0]["path"], mode="r")  # the log store: exactly its last flush
-    try:
-        assert s.count == last_flush
-        got = dsa_core.read_records(s, np.arange(ROWS))
-    finally:
-        dsa_core.close(s)
-    np.testing.assert_array_equal(got, _reference(tmp_path / "ref-log", cfgs[0], last_flush))
-    with pytest.raises(dsa_core.UncleanStopError):  # in place: rows past the count, refused
-        dsa_core.open(cfgs[1]["path"], mode="r")
+    for cfg in cfgs:  # both kinds: exactly the last flush (in place: from its undo file)
+        last_flush = cfg["steps"] // cfg["flush_every"] * cfg["flush_every"]
+        for mode in ("r", "r+"):
+            s = dsa_core.open(cfg["path"], mode=mode)
+            try:
+                assert s.count == last_flush
+                got = dsa_core.read_records(s, np.arange(ROWS))
+            finally:
+                dsa_core.close(s)
+            np.testing.assert_array_equal(
+                got, _reference(tmp_path / f"ref-{cfg['kind']}-{mode}", cfg, last_flush))
