@@ -199,6 +199,8 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
                 f.clear_mark()
                 os.fdatasync(f.fd)
     except Exception as exc:  # nowhere to raise to: say so (and exit non-zero, _exit)
+        if _exit.store_removed(f.path, f.lockfd):
+            return  # the user deleted the store (a TemporaryDirectory): nothing to lose
         _exit.report(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}")
     finally:
         f.release()

@@ -147,3 +147,64 @@ def test_failed_exit_flush_says_so_and_exits_nonzero(tmp_path):
     np.testing.assert_array_equal(got, _reference(tmp_path / "ref-log", cfgs[0], last_flush))
     with pytest.raises(dsa_core.UncleanStopError):  # in place: rows past the count, refused
         dsa_core.open(cfgs[1]["path"], mode="r")
+
+
+GONE = r'''
+import os, shutil, sys, tempfile, numpy as np, dsa_core
+
+
+def train(path, kind):
+    s = dsa_core.create(path, 50, 4, storage=kind, init="normal", seed=1)
+    return dsa_core.step(s, np.arange(5), np.ones((5, 4), np.float32))
+
+
+case, base = sys.argv[1], sys.argv[2]
+keep = []
+for kind in ("inplace", "log"):
+    if case == "gone":
+        with tempfile.TemporaryDirectory(dir=base) as d:  # left without close: deleted
+            keep.append(train(os.path.join(d, "t"), kind))
+        path = os.path.join(base, kind + "-recreated")
+        keep.append(train(path, kind))
+        shutil.rmtree(path)
+        os.mkdir(path)  # deleted and recreated empty: still nothing to lose
+        path = os.path.join(base, kind + "-collected")
+        s = train(path, kind)
+        shutil.rmtree(path)
+        del s  # the garbage-collection flush of a deleted store
+    else:  # "moved": a real store, no longer at its path: its steps are lost, say so
+        path = os.path.join(base, kind)
+        keep.append(train(path, kind))
+        os.rename(path, path + "-moved")
+print("trained", case, flush=True)
+# no close: the interpreter's exit flushes whatever is left
+'''
+
+
+def _run_gone(tmp_path: Path, case: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", GONE, case, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_exit_flush_of_a_deleted_store_is_no_failure(tmp_path):
+    """Both kinds: a store left open in a TemporaryDirectory (deleted at the end of the
+    ``with``), one whose directory was deleted and recreated empty, and one deleted then
+    garbage-collected: nothing can be lost, so the process prints nothing and exits 0, and
+    the empty directory stays empty (no partial store is written into it)."""
+    r = _run_gone(tmp_path, "gone")
+    assert "trained gone" in r.stdout, r.stderr
+    assert r.stderr == "" and r.returncode == 0, (r.returncode, r.stderr)
+    for kind in ("inplace", "log"):
+        assert os.listdir(tmp_path / f"{kind}-recreated") == []
+        assert not (tmp_path / f"{kind}-collected").exists()
+
+
+def test_exit_flush_of_a_moved_store_still_fails(tmp_path):
+    """Both kinds: a store whose directory was moved away is real (its lock file is still
+    linked), so its exit flush is not skipped: it fails, says so and exits 1."""
+    r = _run_gone(tmp_path, "moved")
+    assert "trained moved" in r.stdout, r.stderr
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    for kind in ("inplace", "log"):
+        assert f"flushing unclosed" in r.stderr and str(tmp_path / kind) in r.stderr, r.stderr
