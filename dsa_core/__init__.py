@@ -20,6 +20,7 @@ the returned value. The core never imports torch or jax; ``adapters.torch`` and
 from . import validation
 from ._files import read_json, staged_dir, write_json
 from ._layout import FORMAT_VERSION
+from ._log.engine import ForkedReadError
 from ._log.store import region_memory
 from ._paging import ACCESS_MODES, check_access, paging_limits
 from ._pool import get_num_threads, set_num_threads
@@ -59,6 +60,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACCESS_MODES",
     "FORMAT_VERSION",
+    "ForkedReadError",
     "GROUP_FILE",
     "Group",
     "GroupCommitError",

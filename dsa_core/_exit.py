@@ -29,7 +29,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EXIT_STATUS_ON_FAILURE", "failed", "report", "watch", "watch_group"]
+__all__ = ["EXIT_STATUS_ON_FAILURE", "failed", "report", "store_removed", "watch",
+           "watch_group"]
 
 EXIT_STATUS_ON_FAILURE = 1
 
@@ -62,6 +63,32 @@ def report(message: str) -> None:
     if _exiting[0]:
         _failures.append(message)
     print(message, file=sys.stderr, flush=True)
+
+
+def store_removed(path: Any, lockfd: int, manifest: str = "manifest.json") -> bool:
+    """Was the store opened at ``path`` deleted since it was opened? Then its exit flush has
+    nothing to save and is no failure (``_flush_unclosed`` of both kinds).
+
+    True only when both hold:
+
+    * the writer lock file this open holds (``lockfd``: ``writer.lock``, inside the store's
+      directory) has been unlinked (``st_nlink == 0``): the store's directory was deleted,
+      as ``shutil.rmtree`` or the end of a ``tempfile.TemporaryDirectory`` do;
+    * ``path`` holds no ``manifest`` now: the path is gone, or an empty directory was made
+      there since (a new directory, even one that reuses the old inode number, holds no
+      manifest).
+
+    A store that was moved (its lock file is still linked, elsewhere) or whose manifest is
+    still at ``path`` is never taken for removed: its flush runs, or says why it failed.
+    """
+    if lockfd < 0:
+        return False
+    try:
+        if os.fstat(lockfd).st_nlink > 0:
+            return False
+    except OSError:  # not ours to judge: let the flush say what is wrong
+        return False
+    return not os.path.lexists(os.path.join(os.fspath(path), manifest))
 
 
 def failed() -> bool:

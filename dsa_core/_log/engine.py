@@ -60,6 +60,7 @@ Concurrency
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import time
@@ -98,8 +99,66 @@ from .ranges import Job, Loader, loader_for, plan_job
 from .recovery import install_log, load, lock, log_entries, remove_garbage, replay_log, verify
 from .segments import Segments
 
-__all__ = ["SLOT_OVERHEAD", "LogEngine", "check_memory", "create", "gather_records",
-           "memory_for", "open", "remove", "slots_for"]
+__all__ = ["SLOT_OVERHEAD", "ForkGuard", "ForkedReadError", "LogEngine", "check_memory",
+           "create", "gather_records", "memory_for", "open", "remove", "slots_for"]
+
+
+class ForkedReadError(RuntimeError):
+    """A process forked from a log store's writer read the store after the writer changed
+    rows: its copy of the writer's memory region is older than the store."""
+
+
+class ForkGuard:
+    """What a process forked from a log store's writer checks before and after each read.
+
+    A log store's current rows live in the writer's memory region (and its index of the
+    segments); a forked child (a data-loader worker) holds a copy of both as of the fork. An
+    in-place store has no such problem (its rows are a shared mapping of the file).
+    ``version`` is an 8-byte counter in a shared anonymous mapping (``mmap(-1, 8)`` is
+    ``MAP_SHARED | MAP_ANONYMOUS``: the child and the parent see one counter), bumped by the
+    writer whenever rows are about to change (:meth:`bump`: every step, write, restore) and
+    before a dead segment file is overwritten (a child's index may still point into it).
+    ``seen`` is each process's own copy: in the writer always equal to ``version``, in a
+    child the value at the fork. They differ only in a child whose parent changed the store
+    since the fork, whose reads then raise :class:`ForkedReadError` (:meth:`check`); a child
+    whose parent changed nothing (evaluation workers forked after training) reads.
+
+    Cost to the writer: a bump is one add and one 8-byte store into a page that stays
+    resident, once per step (twice for a logged step), against the step's own work of
+    microseconds at least; a read compares two integers (the process id is asked only on a
+    mismatch). Nothing is written to disk.
+    """
+
+    __slots__ = ("version", "seen", "pid")
+
+    def __init__(self) -> None:
+        self.version = memoryview(mmap.mmap(-1, 8)).cast("q")
+        self.seen = 0
+        self.pid = os.getpid()
+
+    def bump(self) -> None:
+        self.seen = self.version[0] = self.version[0] + 1
+
+    def check(self, path: Path) -> None:
+        v = self.version[0]
+        if v == self.seen:
+            return
+        if os.getpid() == self.pid:  # the writer: a forked child bumped (its own copy's)
+            self.seen = v
+            return
+        raise ForkedReadError(
+            f"log store {str(path)!r}: this process (pid {os.getpid()}) was forked from the "
+            f"process that opened it for writing (pid {self.pid}), which has changed rows "
+            "(or, sealing rows changed before the fork, rewritten a segment file) since the "
+            "fork. A log store's current rows live in the memory region of the training "
+            "process, which a forked process (a DataLoader worker, say) cannot see: it holds "
+            "a copy as of the fork, and reading it would return older rows. Workers forked "
+            "right after a dsa_core.flush read until the training process changes rows. "
+            "Read rows in the training process (pass workers ids "
+            "only, and gather in the main process), or dsa_core.flush(state) and open the "
+            "store with mode='r' in the worker (it reads the last flush), or use "
+            "storage='inplace' for a table that fits in memory (its mapping is shared with "
+            "forked processes)")
 
 _STATS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
           "file_bytes_written", "acquires", "misses", "evicted_clean", "range_loads",
@@ -187,6 +246,10 @@ class LogEngine:
         self._job_seq = 0
         self._load_error: BaseException | None = None
         self._max_batch = 0
+        # readers forked from this writer: a shared version (``ForkGuard``) that rows
+        # changes and segment-file reuse bump, and reads check
+        self._fork = ForkGuard() if mode == "r+" else None
+        self._segments.on_recycle = None if self._fork is None else self._fork.bump
 
     # -- guards ---------------------------------------------------------------------------
     def _require_open(self) -> None:
@@ -203,6 +266,16 @@ class LogEngine:
     def check_batch(self, batch: int) -> None:
         """Raise ``ValueError`` unless the region holds a batch of ``batch`` rows."""
         self._pool.check_batch(batch)
+
+    def _changed(self) -> None:
+        """Rows are about to change (a step, a write, a restore): see :class:`ForkGuard`."""
+        if self._fork is not None:
+            self._fork.bump()
+
+    def _check_fork(self) -> None:
+        """Refuse a read in a process forked from this writer after it changed the store."""
+        if self._fork is not None:
+            self._fork.check(self.path)
 
     # -- reading ----------------------------------------------------------------------------
     def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
@@ -228,7 +301,10 @@ class LogEngine:
         columns.
         """
         self._require_open()
-        return self._pool.read(rows, cols)
+        self._check_fork()
+        out = self._pool.read(rows, cols)
+        self._check_fork()  # the rows read were the store's rows until now
+        return out
 
     # -- acquiring ----------------------------------------------------------------------------
     def acquire(self, rows: Any, *, load: bool = True, check: bool = True) -> np.ndarray:
@@ -250,6 +326,7 @@ class LogEngine:
         other rows, never one of ``rows``. The returned array is the caller's.
         """
         self._require_writable()
+        self._changed()
         if self._jobs:
             self._wait_loads_of(rows)
         try:
@@ -267,6 +344,7 @@ class LogEngine:
         """
         self._require_writable()
         self._install_loaded()
+        self._changed()
         self._pool.write(rows, records, self._commit.make_room)
 
     def release(self, rows: Any) -> int:
@@ -549,6 +627,7 @@ class LogEngine:
         generation), so the failed step is never replayed.
         """
         self._require_writable()
+        self._changed()
         self._commit.commit_step(t, rows, slots, records)
 
     def wal_bytes(self) -> int:

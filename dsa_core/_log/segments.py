@@ -101,6 +101,8 @@ class Segments:
         self.spare_maps: dict[Path, weakref.ref] = {}  # a spare's old mapping, while it lives
         self.spares_pid = os.getpid()               # whose they are (a forked child: not its)
         self.recycled = 0                           # segment files overwritten, this open
+        self.on_recycle = None  # called before a spare is handed out (LogEngine: a forked
+        #                         child may still map that file: its reads must refuse)
 
     # -- the table ---------------------------------------------------------------------------
     def ensure_id(self, seg_id: int) -> None:
@@ -202,6 +204,8 @@ class Segments:
         else:
             i = min(free, key=lambda j: self.spares[j][1])
         self.recycled += 1
+        if self.on_recycle is not None:
+            self.on_recycle()
         self.spare_maps.pop(self.spares[i][0], None)
         return self.spares.pop(i)[0]
 

@@ -96,13 +96,36 @@ def _flush_unclosed(engine: log_engine.LogEngine, pid: int) -> None:
     holds a copy of the region and must never write the parent's store. At exit it runs
     before Python shuts its thread pools down (``_exit``: a cleaning read still works); a
     failure is printed to stderr and makes the exit status non-zero.
+
+    A store whose directory was deleted since it was opened (a ``TemporaryDirectory``
+    left without ``close``; ``_exit.store_removed``) has nothing to save: it is let go
+    without a flush and without a word -- a flush would write a partial store into an empty
+    directory made at the same path since. If only its lock file was removed, or the
+    directory was replaced by another holding a manifest, it is not flushed into whatever
+    is there now, and that is reported as a failure.
     """
     if os.getpid() != pid:
         return
     try:
-        if not engine.closed:
-            engine.close()  # flushes, then releases the writer lock
+        if engine.closed:
+            return
+        lockfd = engine._lockfd
+        if _exit.store_removed(engine.path, lockfd, MANIFEST_FILE):
+            engine.abandon()  # the user deleted the store: nothing to lose
+            return
+        if lockfd >= 0 and os.fstat(lockfd).st_nlink == 0:
+            engine.abandon()
+            raise FileNotFoundError(
+                f"the writer lock file this store held was deleted since it was opened, and "
+                f"{str(engine.path)!r} now holds a manifest.json: another store (or this one "
+                "with its writer.lock removed). Not flushing into it. Close stores before "
+                "deleting or replacing their directories")
+        engine.close()  # flushes, then releases the writer lock
     except Exception as exc:  # nowhere to raise to: say so
+        if not engine.closed and _exit.store_removed(engine.path, engine._lockfd,
+                                                     MANIFEST_FILE):
+            engine.abandon()  # deleted while it flushed: nothing to lose either
+            return
         _exit.report(f"dsa_core: flushing unclosed log store {str(engine.path)!r} failed, "
                      f"its steps since the last flush are lost: {exc!r}")
 

@@ -148,3 +148,91 @@ def test_failed_exit_flush_says_so_and_exits_nonzero(tmp_path):
                 dsa_core.close(s)
             np.testing.assert_array_equal(
                 got, _reference(tmp_path / f"ref-{cfg['kind']}-{mode}", cfg, last_flush))
+
+
+GONE = r'''
+import os, shutil, sys, tempfile, numpy as np, dsa_core
+
+
+def train(path, kind):
+    s = dsa_core.create(path, 50, 4, storage=kind, init="normal", seed=1)
+    return dsa_core.step(s, np.arange(5), np.ones((5, 4), np.float32))
+
+
+case, base = sys.argv[1], sys.argv[2]
+keep = []
+for kind in ("inplace", "log"):
+    if case == "gone":
+        with tempfile.TemporaryDirectory(dir=base) as d:  # left without close: deleted
+            keep.append(train(os.path.join(d, "t"), kind))
+        path = os.path.join(base, kind + "-recreated")
+        keep.append(train(path, kind))
+        shutil.rmtree(path)
+        os.mkdir(path)  # deleted and recreated empty: still nothing to lose
+        path = os.path.join(base, kind + "-collected")
+        s = train(path, kind)
+        shutil.rmtree(path)
+        del s  # the garbage-collection flush of a deleted store
+    elif case == "replaced":  # deleted, and another store made at its path
+        path = os.path.join(base, kind)
+        keep.append(train(path, kind))
+        shutil.rmtree(path)
+        dsa_core.close(dsa_core.create(path, 50, 4, storage=kind, seed=9))
+    else:  # "moved": a real store, no longer at its path: its steps are lost, say so
+        path = os.path.join(base, kind)
+        keep.append(train(path, kind))
+        os.rename(path, path + "-moved")
+print("trained", case, flush=True)
+# no close: the interpreter's exit flushes whatever is left
+'''
+
+
+def _run_gone(tmp_path: Path, case: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", GONE, case, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_exit_flush_of_a_deleted_store_is_no_failure(tmp_path):
+    """Both kinds: a store left open in a TemporaryDirectory (deleted at the end of the
+    ``with``), one whose directory was deleted and recreated empty, and one deleted then
+    garbage-collected: nothing can be lost, so the process prints nothing and exits 0, and
+    the empty directory stays empty (no partial store is written into it)."""
+    r = _run_gone(tmp_path, "gone")
+    assert "trained gone" in r.stdout, r.stderr
+    assert r.stderr == "" and r.returncode == 0, (r.returncode, r.stderr)
+    for kind in ("inplace", "log"):
+        assert os.listdir(tmp_path / f"{kind}-recreated") == []
+        assert not (tmp_path / f"{kind}-collected").exists()
+
+
+def test_exit_flush_of_a_moved_store_still_fails(tmp_path):
+    """Both kinds: a store whose directory was moved away is real (its lock file is still
+    linked), so its exit flush is not skipped: it fails, says so and exits 1."""
+    r = _run_gone(tmp_path, "moved")
+    assert "trained moved" in r.stdout, r.stderr
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    for kind in ("inplace", "log"):
+        assert f"flushing unclosed" in r.stderr and str(tmp_path / kind) in r.stderr, r.stderr
+
+
+def test_exit_flush_never_writes_into_another_store_at_its_path(tmp_path):
+    """Both kinds: a store deleted while open, and a new store created at its path: the old
+    one's exit flush must not write its rows or count into the new one (it used to: the new
+    store silently became the old one's partial state, or took its count). It says so and
+    exits 1; the new store reopens as created."""
+    r = _run_gone(tmp_path, "replaced")
+    assert "trained replaced" in r.stdout, r.stderr
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Not flushing into it" in r.stderr and "another store now stands" in r.stderr, \
+        r.stderr
+    for kind in ("inplace", "log"):
+        s = dsa_core.open(tmp_path / kind, mode="r")
+        try:
+            assert s.count == 0
+            want = dsa_core.create(tmp_path / f"ref-{kind}", 50, 4, storage=kind, seed=9)
+            np.testing.assert_array_equal(dsa_core.read_records(s, np.arange(50)),
+                                          dsa_core.read_records(want, np.arange(50)))
+            dsa_core.close(want)
+        finally:
+            dsa_core.close(s)
