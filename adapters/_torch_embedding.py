@@ -17,7 +17,7 @@ from torch import nn
 import dsa_core
 from dsa_core import validation
 
-from ._storage import STORAGE_DEFAULT, zero_weight_row
+from ._storage import STORAGE_DEFAULT, check_unclean_arg, zero_weight_row
 from ._torch_common import (
     SharedState,
     check_reopen,
@@ -426,6 +426,13 @@ class DiskEmbedding(nn.Module):
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string
         such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
+    unclean : "refuse" or "accept", default "refuse"
+        ``resume=True`` only: what a store left unclean does (its writer ended between
+        flushes and its rows could not be brought back to the last flush: the machine
+        restarted, or its undo record was unavailable). ``"refuse"``: raise
+        ``dsa_core.UncleanStopError`` naming the cause and the remedy, nothing changed.
+        ``"accept"``: open its rows as they are; follow with ``opt.load_checkpoint(CKPT)`` or
+        :meth:`load_checkpoint` to go back to a checkpoint.
     keep_snapshots : int, default 3
         How many snapshots of the table its module ``state_dict()`` keeps (in
         ``.dsa-snapshots/`` beside ``state_dir``; older ones are deleted when a new one is
@@ -522,13 +529,15 @@ class DiskEmbedding(nn.Module):
                  second_moment: str = "elementwise", first_moment: str = "full",
                  nonfinite: str | None = None, per_row_step: bool = False,
                  decay_missed_steps: bool = False, storage: str = STORAGE_DEFAULT,
-                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP):
+                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP,
+                 unclean: str = "refuse"):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
         keep_snapshots = check_keep(keep_snapshots, what)
+        unclean = check_unclean_arg(unclean, what)
         storage, memory = check_storage_args(storage, memory, access, what)
         dt = np_dtype(dtype, "DiskEmbedding")
         check_device(device, dtype, what)  # before anything is created on disk
@@ -549,7 +558,7 @@ class DiskEmbedding(nn.Module):
                   "curvature": c, "weights": True, "what": what,
                   "second_moment": second_moment, "first_moment": first_moment,
                   "storage": storage, **rows}
-        count = None if overwrite else peek_existing(path, **expect)
+        count = None if overwrite else peek_existing(path, unclean=unclean, **expect)
         if count is not None and not resume:
             raise FileExistsError(
                 f"{what}: state_dir {str(path)!r} already holds a store ({num_embeddings} x "
@@ -559,7 +568,7 @@ class DiskEmbedding(nn.Module):
                 "replace it with a new table")
         try:
             if count is not None:
-                state = reopen(path, access=access, memory=memory, **expect)
+                state = reopen(path, access=access, memory=memory, unclean=unclean, **expect)
             else:
                 state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
                                      init_scale, seed, padding_idx, overwrite, progress,

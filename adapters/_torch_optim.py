@@ -16,7 +16,7 @@ import torch
 import dsa_core
 from dsa_core import validation
 
-from ._storage import STORAGE_DEFAULT
+from ._storage import STORAGE_DEFAULT, check_unclean_arg
 from ._torch_common import (
     DirLock,
     SharedState,
@@ -278,6 +278,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
         ``storage="log"`` only: the memory budget of **each** own store (index, buffers
         and region), bytes or a string such as ``"4GiB"`` (default: the core's). Refused
         with ``storage="inplace"``.
+    unclean : "refuse" or "accept", default "refuse"
+        ``resume=True`` only: what a store left unclean does (its writer ended between
+        flushes and its rows could not be brought back to the last flush: the machine
+        restarted, or its undo record was unavailable). ``"refuse"``: raise
+        ``dsa_core.UncleanStopError`` naming the cause and the remedy, nothing changed.
+        ``"accept"``: open its rows as they are (``dsa_core.open``'s ``unclean``); follow
+        with :meth:`load_checkpoint` to go back to a checkpoint.
     keep_snapshots : int, default 3
         How many :meth:`state_dict` snapshots of each store this optimizer keeps (in
         ``.dsa-snapshots/`` beside the store; older ones are deleted when a new one is
@@ -399,9 +406,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
                  second_moment: str | None = None, first_moment: str | None = None,
                  nonfinite: str | None = None, per_row_step: bool | None = None,
                  decay_missed_steps: bool | None = None, storage: str = STORAGE_DEFAULT,
-                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP):
+                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP,
+                 unclean: str = "refuse"):
         check_torch_hparams(lr, betas, eps, weight_decay, decoupled_weight_decay)
         what = "DiskSparseAdam"
+        self._unclean = check_unclean_arg(unclean, what)
         self._keep_snapshots = check_keep(keep_snapshots, what)
         validation.check_weight_decay(weight_decay, what=what)
         for name, flag in (("per_row_step", per_row_step),
@@ -589,7 +598,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                       "first_moment": self._first_moment or "full",
                       "storage": self._storage, **self._row_options()}
                 expect.append(kw)
-                found.append(None if self._overwrite else peek_existing(path, **kw))
+                found.append(None if self._overwrite
+                             else peek_existing(path, unclean=self._unclean, **kw))
             old = [(e[3].name, n) for e, n in zip(own, found) if n is not None]
             if old and not self._resume:
                 listed = ", ".join(f"{name} (step {n})" for name, n in old[:4])
@@ -603,7 +613,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
             states = []
             for k, (gi, pj, p, path, dt, c) in enumerate(own):  # pass 2: open or create
                 if found[k] is not None:
-                    st = reopen(path, access=self._access, memory=self._memory, **expect[k])
+                    st = reopen(path, access=self._access, memory=self._memory,
+                                unclean=self._unclean, **expect[k])
                 else:
                     lr, betas, eps, maximize, wd, decoupled = _group_hparams(
                         self.param_groups[gi])
