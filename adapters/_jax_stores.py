@@ -18,7 +18,13 @@ import numpy as np
 import dsa_core
 from dsa_core import validation
 
-from ._storage import STORAGE_DEFAULT, check_kind, check_storage_args
+from ._storage import (
+    STORAGE_DEFAULT,
+    check_kind,
+    check_storage_args,
+    check_unclean_arg,
+    unclean_error,
+)
 
 __all__ = ["create_store"]
 
@@ -36,7 +42,8 @@ _OWN_ARGS = ("overwrite", "access", "storage", "memory")  # create_store's own h
 
 def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
                  overwrite: bool = False, access: str = "auto", storage: str = STORAGE_DEFAULT,
-                 memory: int | str | None = None, **create_args: Any) -> dsa_core.State:
+                 memory: int | str | None = None, unclean: str = "refuse",
+                 **create_args: Any) -> dsa_core.State:
     """Create the store of one table at ``path``; with ``resume=True``, reopen the one there.
 
     The first call of a training script and every later one can be the same line: without
@@ -57,6 +64,11 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
         store must match the call (below); its weights are kept and ``init`` is ignored.
     overwrite : bool, default False
         Replace an existing store with a fresh one (refused while another writer holds it).
+    unclean : "refuse" or "accept", default "refuse"
+        ``resume=True`` only: a store left unclean (its writer ended between flushes and its
+        rows could not be brought back to the last flush) raises
+        ``dsa_core.UncleanStopError`` naming the cause and the remedy, or with ``"accept"``
+        opens with its rows as they are (then ``restore(tx.init(stores), CKPT)``).
     access : "auto", "ram" or "disk"
         How the store is paged (``dsa_core.create``/``open``); ``"auto"`` only for a log
         store.
@@ -145,11 +157,16 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
                         "arguments of dsa_core.create "
                         f"{sorted(set(_CREATE_ARGS) - set(_OWN_ARGS))}")
     storage, memory = check_storage_args(storage, memory, access, _WHAT)
+    unclean = check_unclean_arg(unclean, _WHAT)
     if resume:
-        try:
-            probe = dsa_core.open(path, mode="r")  # read-only: a mismatch leaves it untouched
+        remedy = ("create_store(..., resume=True, unclean=\"accept\"), then "
+                  "adapters.jax.restore(tx.init(stores), CKPT)")
+        try:  # read-only: a mismatch leaves it untouched
+            probe = dsa_core.open(path, mode="r", unclean=unclean)
         except FileNotFoundError:
             probe = None  # nothing to resume: a fresh store (a damaged one: create says so)
+        except dsa_core.UncleanStopError as exc:
+            raise unclean_error(exc, _WHAT, path, remedy) from None
         if probe is not None:
             try:
                 check_kind(probe, storage,
@@ -158,7 +175,11 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
                 hparams = _hparams(probe, create_args)
             finally:
                 dsa_core.close(probe)
-            return dsa_core.open(path, access=access, memory=memory)._replace(**hparams)
+            try:
+                st = dsa_core.open(path, access=access, memory=memory, unclean=unclean)
+            except dsa_core.UncleanStopError as exc:
+                raise unclean_error(exc, _WHAT, path, remedy) from None
+            return st._replace(**hparams)
     try:
         return dsa_core.create(path, num_rows, dim, overwrite=overwrite, access=access,
                                storage=storage, memory=memory, **create_args)

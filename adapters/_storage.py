@@ -19,7 +19,8 @@ import numpy as np
 import dsa_core
 from dsa_core import validation
 
-__all__ = ["STORAGE_DEFAULT", "check_kind", "check_storage_args", "zero_weight_row"]
+__all__ = ["STORAGE_DEFAULT", "check_kind", "check_storage_args", "check_unclean_arg",
+           "unclean_error", "zero_weight_row"]
 
 STORAGE_DEFAULT = "auto"
 """The store kind an adapter creates when none is asked for (``dsa_core.create``'s kinds)."""
@@ -73,3 +74,24 @@ def zero_weight_row(state: dsa_core.State, row: int) -> None:
     o = state.layout["w"]
     rec[:, o:o + state.dim] = 0
     dsa_core.write_records(state, np.array([row], np.int64), rec)
+
+
+def check_unclean_arg(unclean: Any, what: str) -> str:
+    """``unclean=``: ``"refuse"`` (the default) or ``"accept"``, as ``dsa_core.open``."""
+    if unclean not in ("refuse", "accept"):
+        raise ValueError(f"{what}: unclean must be 'refuse' (the default: a store left "
+                         "unclean is refused) or 'accept' (open its rows as they are), got "
+                         f"{unclean!r}")
+    return unclean
+
+
+def unclean_error(exc: Exception, what: str, path: Any, remedy: str) -> Exception:
+    """The core's ``UncleanStopError`` at a resume, said at the adapter's level: the cause
+    and the adapter's remedy (``remedy``: how to go back to a checkpoint)."""
+    return dsa_core.UncleanStopError(
+        f"{what}: the store at {str(path)!r} was left unclean: its writer process ended "
+        "between flushes (SIGTERM, kill -9, an OOM kill, power loss) and its rows could not "
+        "be brought back to the last flush (the machine restarted (power loss) or the "
+        "store's undo record was unavailable), so they may hold steps past its count. "
+        f"Nothing was changed. To go back to a checkpoint: {remedy}. To take the rows as "
+        f"they are: pass unclean=\"accept\". (dsa_core: {exc})")

@@ -17,7 +17,7 @@ import torch
 
 import dsa_core
 
-from ._storage import check_kind, check_storage_args
+from ._storage import check_kind, check_storage_args, unclean_error
 
 __all__ = [
     "DirLock",
@@ -295,7 +295,12 @@ def row_options(state: dsa_core.State) -> dict[str, bool]:
             "decay_missed_steps": bool(state.decay_missed_steps)}
 
 
-def peek_existing(path: Path, **expect: Any) -> int | None:
+_REMEDY = ("build it again with resume=True, unclean=\"accept\", then load your checkpoint: "
+           "opt.load_checkpoint(CKPT) (a DiskEmbedding alone: emb.load_checkpoint(CKPT))")
+
+
+def peek_existing(path: Path, unclean: str = "refuse", remedy: str | None = None,
+                  **expect: Any) -> int | None:
     """The step count of the store at ``path``, or None if there is none; writes nothing.
 
     The store is opened read-only (no lock, no journal recovery) and checked with
@@ -305,9 +310,12 @@ def peek_existing(path: Path, **expect: Any) -> int | None:
     store there then raises ``FileExistsError`` with advice if a data file is in the way.
     """
     try:
-        snap = dsa_core.open(path, mode="r")
+        snap = dsa_core.open(path, mode="r", unclean=unclean)
     except FileNotFoundError:
         return None
+    except dsa_core.UncleanStopError as exc:
+        raise unclean_error(exc, expect.get("what", "resume"), path, remedy or (
+            _REMEDY)) from None
     try:
         check_existing(snap, **expect)
         return int(snap.count)
@@ -316,7 +324,7 @@ def peek_existing(path: Path, **expect: Any) -> int | None:
 
 
 def reopen(path: Path, *, access: str = "auto", memory: int | None = None,
-           **expect: Any) -> dsa_core.State:
+           unclean: str = "refuse", **expect: Any) -> dsa_core.State:
     """Open the store at ``path`` for writing (resume) and check it again once locked.
 
     ``memory`` is the region budget of a log store (``dsa_core.open``'s ``memory``; None
@@ -324,7 +332,11 @@ def reopen(path: Path, *, access: str = "auto", memory: int | None = None,
     ``dsa_core.StoreLockedError``; a mismatch closes it again and raises ``ValueError``
     (see :func:`check_existing`).
     """
-    state = dsa_core.open(path, access=access, memory=memory)
+    try:
+        state = dsa_core.open(path, access=access, memory=memory, unclean=unclean)
+    except dsa_core.UncleanStopError as exc:
+        raise unclean_error(exc, expect.get("what", "resume"), path,
+                            _REMEDY) from None
     try:
         check_existing(state, **expect)
     except BaseException:

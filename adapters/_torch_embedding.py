@@ -17,7 +17,7 @@ from torch import nn
 import dsa_core
 from dsa_core import validation
 
-from ._storage import STORAGE_DEFAULT, zero_weight_row
+from ._storage import STORAGE_DEFAULT, check_unclean_arg, zero_weight_row
 from ._torch_common import (
     SharedState,
     check_reopen,
@@ -32,7 +32,18 @@ from ._torch_common import (
     row_options,
     set_columns,
 )
-from ._torch_snapshots import DEFAULT_KEEP, check_keep, open_saved, open_snapshot, release, take
+from ._torch_snapshots import (
+    DEFAULT_KEEP,
+    all_records,
+    check_keep,
+    check_rows,
+    open_saved,
+    open_snapshot,
+    release,
+    restore_from,
+    rows_fit,
+    take,
+)
 
 __all__ = ["DiskEmbedding", "DiskWeight"]
 
@@ -415,6 +426,13 @@ class DiskEmbedding(nn.Module):
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string
         such as ``"4GiB"`` (default: the core's). Refused with ``storage="inplace"``.
+    unclean : "refuse" or "accept", default "refuse"
+        ``resume=True`` only: what a store left unclean does (its writer ended between
+        flushes and its rows could not be brought back to the last flush: the machine
+        restarted, or its undo record was unavailable). ``"refuse"``: raise
+        ``dsa_core.UncleanStopError`` naming the cause and the remedy, nothing changed.
+        ``"accept"``: open its rows as they are; follow with ``opt.load_checkpoint(CKPT)`` or
+        :meth:`load_checkpoint` to go back to a checkpoint.
     keep_snapshots : int, default 3
         How many snapshots of the table its module ``state_dict()`` keeps (in
         ``.dsa-snapshots/`` beside ``state_dir``; older ones are deleted when a new one is
@@ -511,13 +529,15 @@ class DiskEmbedding(nn.Module):
                  second_moment: str = "elementwise", first_moment: str = "full",
                  nonfinite: str | None = None, per_row_step: bool = False,
                  decay_missed_steps: bool = False, storage: str = STORAGE_DEFAULT,
-                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP):
+                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP,
+                 unclean: str = "refuse"):
         super().__init__()
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
         keep_snapshots = check_keep(keep_snapshots, what)
+        unclean = check_unclean_arg(unclean, what)
         storage, memory = check_storage_args(storage, memory, access, what)
         dt = np_dtype(dtype, "DiskEmbedding")
         check_device(device, dtype, what)  # before anything is created on disk
@@ -538,7 +558,7 @@ class DiskEmbedding(nn.Module):
                   "curvature": c, "weights": True, "what": what,
                   "second_moment": second_moment, "first_moment": first_moment,
                   "storage": storage, **rows}
-        count = None if overwrite else peek_existing(path, **expect)
+        count = None if overwrite else peek_existing(path, unclean=unclean, **expect)
         if count is not None and not resume:
             raise FileExistsError(
                 f"{what}: state_dir {str(path)!r} already holds a store ({num_embeddings} x "
@@ -548,7 +568,7 @@ class DiskEmbedding(nn.Module):
                 "replace it with a new table")
         try:
             if count is not None:
-                state = reopen(path, access=access, memory=memory, **expect)
+                state = reopen(path, access=access, memory=memory, unclean=unclean, **expect)
             else:
                 state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
                                      init_scale, seed, padding_idx, overwrite, progress,
@@ -820,7 +840,9 @@ class DiskEmbedding(nn.Module):
                "padding_idx": self.padding_idx, "mode": self.mode,
                "second_moment": st.second_moment, "first_moment": st.first_moment,
                **row_options(st)}
-        if self._keep_snapshots:
+        if self._keep_snapshots and rows_fit(st):
+            out["rows"] = "in_state_dict"  # the weight beside it, the rest of each record here
+        elif self._keep_snapshots:
             out["state_snapshot"] = take(st, "emb", self._keep_snapshots)
         return out
 
@@ -837,6 +859,9 @@ class DiskEmbedding(nn.Module):
         return release(st.path, "emb", keep)
 
     def set_extra_state(self, state: Any) -> None:
+        self._set_extra_state(state, None)
+
+    def _set_extra_state(self, state: Any, weight: Any) -> None:
         """Check that a saved manifest describes this table; restore the snapshot it names.
 
         Shape, dtype, curvature, moment layout and per-row options must match. A manifest
@@ -876,6 +901,11 @@ class DiskEmbedding(nn.Module):
                 + ", ".join(f"{k}={have_ro[k]}" for k in bad) + "; build it with the saved "
                 + " and ".join(bad))
         saved = state.get("count")
+        if state.get("rows") == "in_state_dict":  # a small table: weight + the rest
+            if st.closed:
+                raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed")
+            self._handle.state = restore_from(st, self._saved_rows(state, weight))
+            return
         if state.get("state_snapshot") is not None:
             if st.closed:
                 raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed")
@@ -900,14 +930,23 @@ class DiskEmbedding(nn.Module):
                 "resume with opt.load_checkpoint(dest) / emb.load_checkpoint(dest)")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "_extra_state"] = self.get_extra_state()
+        extra = self.get_extra_state()
+        if extra.get("rows") == "in_state_dict":  # a small table: its rows, as nn.Embedding
+            st = self._handle.state
+            rec = all_records(st)
+            w = int(st.layout["w"])
+            rest = np.delete(rec, np.s_[w:w + st.dim], axis=1)
+            destination[prefix + "weight"] = torch.from_numpy(
+                np.ascontiguousarray(rec[:, w:w + st.dim]))
+            extra["rest"] = torch.from_numpy(np.ascontiguousarray(rest))
+        destination[prefix + "_extra_state"] = extra
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key, wkey = prefix + "_extra_state", prefix + "weight"
         try:
             if key in state_dict:
-                self.set_extra_state(state_dict[key])
+                self._set_extra_state(state_dict[key], state_dict.get(wkey))
             elif wkey in state_dict:
                 self._import_weights(state_dict[wkey])
             elif strict:
@@ -919,6 +958,25 @@ class DiskEmbedding(nn.Module):
                 if k.startswith(prefix) and k not in (key, wkey) \
                         and "." not in k[len(prefix):]:
                     unexpected_keys.append(k)
+
+    def _saved_rows(self, state: dict, weight: Any):
+        """The records of a small table's state dict (its weight and ``rest``), checked."""
+        st = self._handle.state
+        what = f"DiskEmbedding({self.num_embeddings}, {self.embedding_dim})"
+        rest = state.get("rest")
+        if not isinstance(weight, torch.Tensor) or not isinstance(rest, torch.Tensor):
+            raise ValueError(
+                f"{what}: this state dict holds the table's rows (a small table) in 'weight' "
+                "and '_extra_state' together, but "
+                + ("its 'weight' is missing" if not isinstance(weight, torch.Tensor)
+                   else "its '_extra_state' lacks the rest of the records")
+                + "; nothing was changed. Load the whole module state dict as saved")
+        w = int(st.layout["w"])
+        wt, rt = weight.detach().cpu(), rest.detach().cpu()
+        rec = torch.cat([rt[:, :w], wt, rt[:, w:]], dim=1) \
+            if wt.dim() == 2 and rt.dim() == 2 and wt.shape[0] == rt.shape[0] \
+            and wt.dtype == rt.dtype else wt
+        return check_rows(rec, st, what, int(state.get("count", 0)))
 
     def _import_weights(self, weight: Any) -> None:
         """Copy an ``nn.Embedding`` weight tensor into the store, in chunks."""

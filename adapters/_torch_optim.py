@@ -16,7 +16,7 @@ import torch
 import dsa_core
 from dsa_core import validation
 
-from ._storage import STORAGE_DEFAULT
+from ._storage import STORAGE_DEFAULT, check_unclean_arg
 from ._torch_common import (
     DirLock,
     SharedState,
@@ -35,7 +35,22 @@ from ._torch_common import (
     to_host,
 )
 from ._torch_embedding import DiskWeight
-from ._torch_snapshots import DEFAULT_KEEP, check_keep, open_saved, open_snapshot, release, take
+from ._torch_snapshots import (
+    DEFAULT_KEEP,
+    all_records,
+    carry_into,
+    carry_plan,
+    check_keep,
+    check_rows,
+    close_saved,
+    open_saved,
+    open_snapshot,
+    release,
+    resolve_carried,
+    restore_from,
+    rows_fit,
+    take,
+)
 
 __all__ = ["CHECKPOINT_FILE", "EXTRA_FILE", "MANIFEST_KEY", "DiskSparseAdam"]
 
@@ -128,7 +143,7 @@ def _live(h: SharedState, gp: int) -> dsa_core.State:
 def _close_all(snaps: list) -> None:
     for snap in snaps:
         if snap is not None:
-            dsa_core.close(snap)
+            close_saved(snap)
 
 
 def _save_durably(obj: Any, path: Path) -> None:
@@ -263,6 +278,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
         ``storage="log"`` only: the memory budget of **each** own store (index, buffers
         and region), bytes or a string such as ``"4GiB"`` (default: the core's). Refused
         with ``storage="inplace"``.
+    unclean : "refuse" or "accept", default "refuse"
+        ``resume=True`` only: what a store left unclean does (its writer ended between
+        flushes and its rows could not be brought back to the last flush: the machine
+        restarted, or its undo record was unavailable). ``"refuse"``: raise
+        ``dsa_core.UncleanStopError`` naming the cause and the remedy, nothing changed.
+        ``"accept"``: open its rows as they are (``dsa_core.open``'s ``unclean``); follow
+        with :meth:`load_checkpoint` to go back to a checkpoint.
     keep_snapshots : int, default 3
         How many :meth:`state_dict` snapshots of each store this optimizer keeps (in
         ``.dsa-snapshots/`` beside the store; older ones are deleted when a new one is
@@ -384,9 +406,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
                  second_moment: str | None = None, first_moment: str | None = None,
                  nonfinite: str | None = None, per_row_step: bool | None = None,
                  decay_missed_steps: bool | None = None, storage: str = STORAGE_DEFAULT,
-                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP):
+                 memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP,
+                 unclean: str = "refuse"):
         check_torch_hparams(lr, betas, eps, weight_decay, decoupled_weight_decay)
         what = "DiskSparseAdam"
+        self._unclean = check_unclean_arg(unclean, what)
         self._keep_snapshots = check_keep(keep_snapshots, what)
         validation.check_weight_decay(weight_decay, what=what)
         for name, flag in (("per_row_step", per_row_step),
@@ -574,7 +598,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                       "first_moment": self._first_moment or "full",
                       "storage": self._storage, **self._row_options()}
                 expect.append(kw)
-                found.append(None if self._overwrite else peek_existing(path, **kw))
+                found.append(None if self._overwrite
+                             else peek_existing(path, unclean=self._unclean, **kw))
             old = [(e[3].name, n) for e, n in zip(own, found) if n is not None]
             if old and not self._resume:
                 listed = ", ".join(f"{name} (step {n})" for name, n in old[:4])
@@ -588,7 +613,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
             states = []
             for k, (gi, pj, p, path, dt, c) in enumerate(own):  # pass 2: open or create
                 if found[k] is not None:
-                    st = reopen(path, access=self._access, memory=self._memory, **expect[k])
+                    st = reopen(path, access=self._access, memory=self._memory,
+                                unclean=self._unclean, **expect[k])
                 else:
                     lr, betas, eps, maximize, wd, decoupled = _group_hparams(
                         self.param_groups[gi])
@@ -905,6 +931,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
             :meth:`load_checkpoint`. It must load with ``torch.load(weights_only=True)``
             (tensors, dicts, lists, numbers, strings): that is checked before the checkpoint
             is committed, so a checkpoint that could not be resumed is never written.
+            Every state-dict snapshot that ``extra`` names (a :class:`DiskEmbedding`'s
+            ``_extra_state``, an optimizer state dict) travels with the checkpoint: it is
+            hard-linked into ``dest_dir/snapshots/<id>`` (copied, or reflinked, across
+            filesystems) and the saved entry names it relative to ``dest_dir``, so the
+            checkpoint restores after any number of later state dicts (which prune the
+            originals), after ``state_dir`` is deleted, and after ``dest_dir`` is moved or
+            copied. The dict you pass is not modified.
 
         Returns
         -------
@@ -935,6 +968,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if dest.exists() and not overwrite:
             raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
                                   "overwrite=True to replace it")
+        carried: list = []
+        if extra is not None:  # the snapshots its state dicts name travel with it
+            extra, carried = carry_plan(extra, "DiskSparseAdam.checkpoint")
         sd = self._describe()  # flushes every store; the checkpoint holds the snapshots
         man = sd[MANIFEST_KEY]
         man["checkpoint"] = str(dest_r)
@@ -947,6 +983,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             for name, s in slots:
                 dsa_core.checkpoint(s.handle.state, tmp / name)
             if extra is not None:
+                carry_into(carried, tmp)
                 _save_durably(extra, tmp / EXTRA_FILE)
                 _check_loadable(tmp / EXTRA_FILE)
             _save_durably(sd, tmp / CHECKPOINT_FILE)
@@ -967,9 +1004,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
         dict
             The ``extra`` given to :meth:`checkpoint` (``{}`` if there was none). The
             weights of ordinary parameters are the model's: restore them from it, e.g.
-            ``model.load_state_dict(extra["model"])``, after this call (a
-            :class:`DiskEmbedding` in the model refuses a state dict of another step, and
-            its step is the checkpoint's only once this call has restored it).
+            ``model.load_state_dict(extra["model"])``, after this call. The snapshots its
+            state dicts name (a :class:`DiskEmbedding`'s) are those the checkpoint carries:
+            the returned ``extra`` names them inside ``src_dir``, wherever it now is.
         """
         self._check_open()
         src = Path(src_dir)
@@ -986,6 +1023,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         extra: dict[str, Any] = {}
         if man.get("extra"):
             extra = torch.load(src / str(man["extra"]), weights_only=True)
+            extra = resolve_carried(extra, src)  # its state dicts' snapshots: inside src
         man["checkpoint"] = str(src.resolve())
         self.load_state_dict(sd)
         return extra
@@ -1010,7 +1048,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
         sd = self._describe()
         if self._keep_snapshots:
             for e, s in zip(sd[MANIFEST_KEY]["params"], self._ordered_slots()):
-                e["state_snapshot"] = take(s.handle.state, "opt", self._keep_snapshots)
+                st = s.handle.state
+                if rows_fit(st):  # a small table: its records here, as SparseAdam's moments
+                    e["state_rows"] = torch.from_numpy(all_records(st))
+                else:
+                    e["state_snapshot"] = take(st, "opt", self._keep_snapshots)
         return sd
 
     def release_snapshots(self, keep: int = 0) -> int:
@@ -1176,7 +1218,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             for p, snap in zip(params, snaps):
                 if snap is not None:
                     h = self._slots[p].handle
-                    h.state = dsa_core.restore(h.state, snap)
+                    h.state = restore_from(h.state, snap)
         finally:
             _close_all(snaps)
         for g, c, k in zip(self.param_groups, curvatures, kept):
@@ -1211,6 +1253,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """The snapshots a :meth:`state_dict` names, opened read-only and checked (None
         where an entry names none: ``keep_snapshots=0``). All or nothing."""
         def one(gp, e, h):
+            where = (f"DiskSparseAdam.load_state_dict: parameter [{e.get('group', '?')}, "
+                     f"{e.get('index', gp)}]")
+            if e.get("state_rows") is not None:  # a small table's records, in the state dict
+                return check_rows(e["state_rows"], _live(h, gp), where, int(e["count"]))
             saved = e.get("state_snapshot")
             if saved is None:
                 return None

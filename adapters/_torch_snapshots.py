@@ -39,6 +39,7 @@ Private; the public names live in :mod:`adapters.torch`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import secrets
 import shutil
@@ -49,12 +50,15 @@ from typing import Any
 import numpy as np
 
 import dsa_core
+from dsa_core._files import copy_file, fsync_dir
 
-__all__ = ["DEFAULT_KEEP", "SNAPSHOT_DIR", "check_keep", "open_saved", "open_snapshot", "release",
-           "take"]
+__all__ = ["CARRIED_DIR", "DEFAULT_KEEP", "SNAPSHOT_DIR", "carry_plan", "carry_into",
+           "check_keep", "open_saved", "open_snapshot", "release", "resolve_carried", "take"]
 
 SNAPSHOT_DIR = ".dsa-snapshots"
 DEFAULT_KEEP = 3  # per store and taker: the state dicts of the last three saves load
+CARRIED_DIR = "snapshots"  # in a checkpoint directory: the snapshots its extra= names
+SNAPSHOT_KEY = "state_snapshot"  # the key of a snapshot entry, in a module's or optimizer's
 
 
 def open_snapshot(src, live: dsa_core.State, what: str,
@@ -174,16 +178,136 @@ def release(store_path: Path, tag: str, keep: int = 0) -> int:
     return removed
 
 
-def _find(entry: dict[str, Any], live: dsa_core.State) -> Path | None:
-    """Where the snapshot of ``entry`` is: next to the live store (a moved directory finds
-    its own), else where it was taken (a state dict of another store of the same layout)."""
+def _valid_id(sid: str) -> bool:
+    return bool(sid) and "/" not in sid and not sid.startswith(".") and ".tmp-" not in sid
+
+
+def _find(entry: dict[str, Any], store_path) -> Path | None:
+    """Where the snapshot of ``entry`` is: next to the store at ``store_path`` (a moved
+    directory finds its own), else where it was taken (a state dict of another store of the
+    same layout, or the copy a checkpoint carries)."""
     sid = str(entry.get("id", ""))
-    if not sid or "/" in sid or sid.startswith(".") or ".tmp-" in sid:  # staged: never one
+    if not _valid_id(sid):  # staged: never one
         return None
-    for p in (root_of(live.path) / sid, Path(str(entry.get("path", "")))):
+    for p in (root_of(Path(store_path)) / sid, Path(str(entry.get("path", "")))):
         if p.name == sid and (p / "manifest.json").is_file():
             return p
     return None
+
+
+# -- the snapshots a checkpoint's extra= names travel with it ----------------------------
+def _snapshot_entries(obj: Any, found: list) -> None:
+    """Every snapshot entry (``{"id", "path", "store", "count"}`` under ``"state_snapshot"``)
+    in ``obj``: a DiskEmbedding's ``_extra_state``, an optimizer manifest's params."""
+    if isinstance(obj, dict):
+        e = obj.get(SNAPSHOT_KEY)
+        if isinstance(e, dict) and "id" in e:
+            found.append(e)
+        for v in obj.values():
+            _snapshot_entries(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _snapshot_entries(v, found)
+
+
+def _rewrite(obj: Any, fix) -> Any:
+    """``obj`` with every snapshot entry replaced by ``fix(entry)``; containers that hold
+    one are shallow-copied (an ``OrderedDict`` keeps its ``_metadata``), nothing of the
+    caller's is modified, tensors are shared."""
+    if isinstance(obj, dict):
+        new = None
+        for k, v in obj.items():
+            if k == SNAPSHOT_KEY and isinstance(v, dict) and "id" in v:
+                w = fix(v)
+            else:
+                w = _rewrite(v, fix)
+            if w is not v:
+                if new is None:
+                    new = copy.copy(obj)
+                new[k] = w
+        return obj if new is None else new
+    if isinstance(obj, (list, tuple)):
+        items = [_rewrite(v, fix) for v in obj]
+        if any(a is not b for a, b in zip(items, obj)):
+            return type(obj)(items) if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def carry_plan(extra: Any, what: str) -> tuple[Any, list[tuple[str, Path]]]:
+    """The snapshots that ``extra`` names, found on disk, and ``extra`` rewritten to name
+    the copies a checkpoint will carry (``snapshots/<id>``, relative to the checkpoint).
+
+    Returns ``(new extra, [(id, source directory)])``. A snapshot that is gone raises
+    ``ValueError`` (nothing is written). ``extra`` itself is not modified.
+    """
+    entries: list = []
+    _snapshot_entries(extra, entries)
+    plan: dict[str, Path] = {}
+    for e in entries:
+        sid = str(e.get("id", ""))
+        if sid in plan:
+            continue
+        src = _find(e, str(e.get("store", ""))) if not e.get("in_checkpoint") else None
+        if src is None and e.get("in_checkpoint"):
+            p = Path(str(e.get("path", "")))
+            src = p if p.is_absolute() and (p / "manifest.json").is_file() else None
+        if src is None:
+            raise ValueError(
+                f"{what}: extra= holds a state dict that names the snapshot {sid!r} (step "
+                f"{e.get('count')}) of the store {e.get('store')!r}, which is gone (looked in "
+                f"{str(root_of(Path(str(e.get('store', '')))))!r} and {e.get('path')!r}); a "
+                "checkpoint carries the snapshots its extra= names, so it cannot be written. "
+                "Nothing was written. Take the state dict again just before the checkpoint "
+                "(extra={'model': model.state_dict()})")
+        plan[sid] = src
+
+    def fix(e):
+        sid = str(e["id"])
+        return {**e, "path": f"{CARRIED_DIR}/{sid}", "in_checkpoint": True}
+    return (_rewrite(extra, fix) if plan else extra), list(plan.items())
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link of ``src`` at ``dst``; a reflink or a copy where linking fails (another
+    filesystem, no hard links)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        copy_file(src, dst)
+
+
+def carry_into(plan: list[tuple[str, Path]], dest: Path) -> None:
+    """Put the snapshots of ``plan`` (from :func:`carry_plan`) into ``dest/snapshots/``.
+
+    Each file is hard-linked (the snapshot's files are never written again: an in-place
+    snapshot's data file, a log snapshot's immutable segments and index), so this costs no
+    disk until the original is pruned; across filesystems it is copied (a reflink where the
+    filesystem allows).
+    """
+    if not plan:
+        return
+    root = dest / CARRIED_DIR
+    root.mkdir()
+    for sid, src in plan:
+        out = root / sid
+        out.mkdir()
+        for f in sorted(src.iterdir()):
+            if f.is_file():
+                _link_or_copy(f, out / f.name)
+        fsync_dir(out)
+    fsync_dir(root)
+
+
+def resolve_carried(extra: Any, src: Path) -> Any:
+    """``extra`` of the checkpoint at ``src``, its carried snapshot entries pointing into
+    ``src`` (wherever the directory is now)."""
+    src = Path(src).resolve()
+
+    def fix(e):
+        if not e.get("in_checkpoint"):
+            return e
+        return {**e, "path": str(src / CARRIED_DIR / str(e["id"]))}
+    return _rewrite(extra, fix)
 
 
 def open_saved(entry: Any, live: dsa_core.State, what: str, count: int,
@@ -197,14 +321,94 @@ def open_saved(entry: Any, live: dsa_core.State, what: str, count: int,
     if not isinstance(entry, dict) or int(entry.get("count", -1)) != int(count):
         raise ValueError(f"{what}: the state dict's snapshot entry {entry!r} is malformed "
                          f"(it must name the snapshot taken at step {count})")
-    path = _find(entry, live)
+    path = _find(entry, live.path)
+    if path is None and entry.get("in_checkpoint") and not Path(
+            str(entry.get("path", ""))).is_absolute():
+        raise ValueError(
+            f"{what}: this state dict came out of a checkpoint directory (its extra.pt) and "
+            f"names the snapshot {entry.get('id')!r} that the checkpoint carries, by a path "
+            f"relative to that directory ({entry.get('path')!r}). Nothing was changed. Get it "
+            "through opt.load_checkpoint(CKPT), whose returned extra points into CKPT "
+            "wherever it now is")
     if path is None:
+        sid = str(entry.get("id", ""))
+        tag = sid.split("-", 1)[0]
+        newer = [n for n in _ids(root_of(live.path), tag) if n > sid] if _valid_id(sid) \
+            else []
+        if newer:
+            why = (f"it was pruned after {len(newer)} newer state dict(s) of this store were "
+                   "taken (each state_dict() call takes one, calls for logging included; "
+                   f"{keep_hint}: only the newest are kept)")
+        else:
+            why = ("snapshots are deleted when newer state dicts are taken "
+                   f"({keep_hint}), by release_snapshots(), or with their directory")
         raise ValueError(
             f"{what}: this state dict was taken at step {count} and names the snapshot "
             f"{entry.get('id')!r} of the store {entry.get('store')!r}, which is gone "
-            f"(looked in {str(root_of(live.path))!r} and {entry.get('path')!r}): snapshots "
-            f"are deleted when newer state dicts are taken ({keep_hint}), by "
-            "release_snapshots(), or with their directory. Nothing was changed. Load a newer "
-            "state dict, raise keep_snapshots to keep more, or use opt.checkpoint(dest) / "
-            "load_checkpoint(dest) for points kept until you delete them")
+            f"(looked in {str(root_of(live.path))!r} and {entry.get('path')!r}): {why}. "
+            "Nothing was changed. Load a newer state dict; to keep points such as a best "
+            "model, save them with opt.checkpoint(dest, extra={'model': "
+            "model.state_dict()}) (self-contained, kept until you delete it), or raise "
+            "keep_snapshots= (DiskEmbedding(..., keep_snapshots=K) / DiskSparseAdam(..., "
+            "keep_snapshots=K)) above the number of state dicts taken between a save and "
+            "its load")
     return open_snapshot(path, live, what, count=int(count))
+
+
+# -- small tables: the rows themselves in the state dict -----------------------------------
+def rows_fit(state: dsa_core.State) -> bool:
+    """Whether a state dict holds this store's rows instead of naming a snapshot.
+
+    The threshold of ``emb.weight``'s real reads: a table of at most
+    ``DiskWeight.read_limit`` bytes of weights (256 MiB), as ``nn.Embedding`` and
+    ``torch.optim.SparseAdam`` keep their tensors in their state dicts.
+    """
+    from ._torch_embedding import DiskWeight  # that module imports this one
+    return state.num_rows * state.dim * state.dtype.itemsize <= DiskWeight.read_limit
+
+
+def all_records(state: dsa_core.State) -> np.ndarray:
+    """Every record of ``state`` (weights, m, v, per-row counters, bit for bit)."""
+    return dsa_core.read_records(state, np.arange(state.num_rows, dtype=np.int64))
+
+
+class SavedRows:
+    """The records a state dict holds, checked against a live store: restored by
+    :func:`restore_from` as a snapshot would be."""
+
+    def __init__(self, records: np.ndarray, count: int):
+        self.records, self.count = records, int(count)
+
+
+def check_rows(records: Any, live: dsa_core.State, what: str, count: int) -> SavedRows:
+    """``ValueError`` unless ``records`` are the whole records of a store laid out as
+    ``live`` (shape ``(num_rows, stride)``, its dtype); nothing is written."""
+    import torch
+    want = (live.num_rows, int(live.layout["stride"]))
+    if not isinstance(records, torch.Tensor) or tuple(records.shape) != want \
+            or str(records.dtype).removeprefix("torch.") != live.dtype.name:
+        got = (f"a {tuple(records.shape)} {records.dtype} tensor"
+               if isinstance(records, torch.Tensor) else type(records).__name__)
+        raise ValueError(f"{what}: the state dict's rows must be the {want[0]} x {want[1]} "
+                         f"{live.dtype.name} records of the store {str(live.path)!r}, got "
+                         f"{got}; nothing was changed. Load a state dict of this table")
+    return SavedRows(records.detach().cpu().numpy(), count)
+
+
+def restore_from(live: dsa_core.State, snap) -> dsa_core.State:
+    """``dsa_core.restore`` from a snapshot store, or the same from :class:`SavedRows`:
+    every record written, then the count set (and the store flushed)."""
+    if not isinstance(snap, SavedRows):
+        return dsa_core.restore(live, snap)
+    live.store.before_restore()  # as dsa_core.restore: no undo record may roll them back
+    rec = snap.records
+    chunk = max(1, (16 << 20) // max(1, rec.shape[1] * rec.itemsize))
+    for lo in range(0, live.num_rows, chunk):
+        hi = min(live.num_rows, lo + chunk)
+        dsa_core.write_records(live, np.arange(lo, hi, dtype=np.int64), rec[lo:hi])
+    return dsa_core.set_count(live, snap.count)
+
+
+def close_saved(snap) -> None:
+    if isinstance(snap, dsa_core.State):
+        dsa_core.close(snap)

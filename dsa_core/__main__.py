@@ -202,13 +202,15 @@ def _not_a_store(path) -> None:
             f"(`dsa info {path}` lists them)")
 
 
-def _open(path, unclean: str = "refuse"):
+def _open(path, unclean: str = "refuse", unclean_hint: str = ""):
     import dsa_core
 
     _not_a_store(path)
     try:
         return dsa_core.open(path, mode="r", unclean=unclean)
-    except (FileNotFoundError, ValueError, dsa_core.UncleanStopError) as exc:
+    except dsa_core.UncleanStopError as exc:
+        raise SystemExit(f"dsa: {exc}{unclean_hint}") from None
+    except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"dsa: {exc}") from None
 
 
@@ -393,7 +395,11 @@ def _human(n: int) -> str:
 def cmd_export(a) -> int:
     import dsa_core
 
-    st = _open(a.store)
+    st = _open(a.store, unclean=a.unclean, unclean_hint=(
+        ". To export its rows as they are, pass --unclean accept"))
+    if _unclean(st):
+        print(f"dsa: warning: {a.store!r} was stopped uncleanly ({UNCLEAN_NOTE}); exporting "
+              "its rows as they are (--unclean accept)", file=sys.stderr)
     if not st.has_weights:
         raise SystemExit(f"dsa: store {a.store!r} holds no weights (created with weights=False)")
     out = Path(a.out)
@@ -610,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store", metavar="STORE", help="the store directory")
     p.add_argument("out", metavar="OUT.npy", help="the .npy file to write")
     p.add_argument("--force", action="store_true", help="overwrite OUT.npy if it exists")
+    p.add_argument("--unclean", choices=("refuse", "accept"), default="refuse",
+                   help="a store stopped uncleanly (rows may hold steps past its count): "
+                   "refuse it (default) or export its rows as they are")
     p.add_argument("--quiet", action="store_true", help=quiet)
     p.set_defaults(fn=cmd_export)
 

@@ -29,8 +29,17 @@ import dsa_core
 from helpers import KINDS
 
 from adapters.torch import DiskEmbedding, DiskSparseAdam
+from adapters.torch import DiskWeight
 
 nn = torch.nn
+SMALL = DiskWeight.read_limit  # tables of at most this many bytes: rows in the state dict
+
+
+@pytest.fixture(autouse=True)
+def snapshotted(monkeypatch):
+    """These tests are about snapshots: every table counts as large (its state dicts name
+    snapshots); a test of small tables sets DiskWeight.read_limit back to SMALL."""
+    monkeypatch.setattr(DiskWeight, "read_limit", 0)
 N, D = 300, 8
 SLOTS = 40
 REPO = Path(__file__).resolve().parents[3]
@@ -167,6 +176,8 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     import numpy as np, torch, dsa_core
     from test_torch_snapshots import batches, build, run, stores
+    from adapters.torch import DiskWeight
+    DiskWeight.read_limit = 0  # every table large: snapshots
     for kind in sys.argv[4:]:  # each kind in its own directory
         root = Path(sys.argv[1]) / kind
         root.mkdir()
@@ -355,6 +366,8 @@ KILL_CHILD = textwrap.dedent("""
     from pathlib import Path
     import numpy as np, torch, torch._dynamo, dsa_core
     from test_torch_snapshots import batches, build, patch_cut, run, stores
+    from adapters.torch import DiskWeight
+    DiskWeight.read_limit = 0  # every table large: snapshots
     from dsa_core.validation import as_index
     as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
     # kernel (not parallel): no numba thread starts
@@ -470,5 +483,131 @@ def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     assert snapshot_of(opt) == saved
     opt.load_state_dict(sd6)
     assert snapshot_of(opt) == at6
+    opt.close()
+    emb.close()
+
+
+# -- a checkpoint carries the snapshots its extra= names -----------------------------------------
+def test_readme_checkpoints_restore_from_the_oldest_after_a_move(tmp_path, kind):
+    """The README pattern, five epochs of opt.checkpoint(f"ckpts/ep{e}", extra={"model":
+    model.state_dict(), ...}); then the run directory is deleted and the checkpoint folder
+    moved (a rename) and copied (another disk): the OLDEST checkpoint restores exactly, into
+    a new state_dir and into the old path made afresh."""
+    import shutil
+    run_dir = tmp_path / "run"
+    emb, lin, opt, sched = build(run_dir, kind)
+    model = nn.ModuleDict({"emb": emb, "lin": lin})
+    at = []
+    for e in range(5):
+        run(emb, lin, opt, sched, batches(2, seed=e))
+        extra = {"model": model.state_dict(), "sched": sched.state_dict()}
+        before = extra["model"]["emb._extra_state"]["state_snapshot"]["path"]
+        opt.checkpoint(tmp_path / "ckpts" / f"ep{e}", extra=extra)
+        assert extra["model"]["emb._extra_state"]["state_snapshot"]["path"] == before
+        at.append((snapshot_of(opt), lin.weight.detach().clone()))
+    opt.close()
+    emb.close()
+    shutil.rmtree(run_dir)
+    (tmp_path / "moved").mkdir()
+    os.rename(tmp_path / "ckpts", tmp_path / "moved" / "ckpts")
+    shutil.copytree(tmp_path / "moved" / "ckpts", tmp_path / "copied")
+    for ck, root in ((tmp_path / "moved" / "ckpts" / "ep0", tmp_path / "new"),
+                     (tmp_path / "copied" / "ep0", run_dir)):
+        emb, lin, opt, sched = build(root, kind)
+        model = nn.ModuleDict({"emb": emb, "lin": lin})
+        run(emb, lin, opt, sched, batches(3, seed=9))  # somewhere else than epoch 0
+        extra = opt.load_checkpoint(ck)
+        model.load_state_dict(extra["model"])
+        sched.load_state_dict(extra["sched"])
+        assert snapshot_of(opt) == at[0][0]
+        assert torch.equal(lin.weight.detach(), at[0][1])
+        opt.close()
+        emb.close()
+
+
+def test_a_checkpoint_refuses_an_extra_whose_snapshot_is_gone(tmp_path, kind):
+    emb, lin, opt, sched = build(tmp_path / "run", kind, keep_snapshots=1)
+    run(emb, lin, opt, sched, batches(1))
+    old = emb.state_dict()
+    run(emb, lin, opt, sched, batches(1, seed=1))
+    emb.state_dict()  # keep_snapshots=1: old's snapshot is pruned
+    with pytest.raises(ValueError, match=r"names the snapshot .* which is gone.*Nothing was "
+                                         r"written.*just before the checkpoint"):
+        opt.checkpoint(tmp_path / "ck", extra={"model": old})
+    assert not (tmp_path / "ck").exists() and not list(tmp_path.glob("ck.tmp-*"))
+    opt.close()
+    emb.close()
+
+
+# -- best.pt: torch.save(model.state_dict()) and later state dicts -------------------------------
+def epochs_of_state_dicts(root: Path, kind: str, tmp: Path):
+    """Epoch 0 saved to best.pt (model and optimizer), then four more epochs each taking the
+    model's and the optimizer's state dicts (as logging or a Lightning callback would)."""
+    emb, lin, opt, sched = build(root, kind)
+    model = nn.ModuleDict({"emb": emb, "lin": lin})
+    run(emb, lin, opt, sched, batches(2))
+    torch.save(model.state_dict(), tmp / "best.pt")
+    torch.save(opt.state_dict(), tmp / "best-opt.pt")
+    best = (snapshot_of(opt), lin.weight.detach().clone())
+    for e in range(4):
+        run(emb, lin, opt, sched, batches(2, seed=e + 1))
+        model.state_dict()
+        opt.state_dict()
+    return emb, lin, opt, sched, model, best
+
+
+def test_best_pt_of_a_small_table_holds_its_rows(tmp_path, kind, monkeypatch):
+    """A small table (at most DiskWeight.read_limit bytes of weights) puts its rows into the
+    state dicts, as nn.Embedding and SparseAdam do: best.pt loads exactly after four more
+    epochs of state dicts, and no snapshot is taken."""
+    monkeypatch.setattr(DiskWeight, "read_limit", SMALL)
+    emb, lin, opt, sched, model, best = epochs_of_state_dicts(tmp_path / "run", kind, tmp_path)
+    assert not (tmp_path / "run" / SNAP).exists()
+    assert not (tmp_path / "run" / "opt" / SNAP).exists()
+    sd = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert sd["emb.weight"].shape == (N, D)  # the weights, where nn.Embedding has them
+    model.load_state_dict(sd)
+    opt.load_state_dict(torch.load(tmp_path / "best-opt.pt", weights_only=True))
+    assert snapshot_of(opt) == best[0]
+    assert torch.equal(lin.weight.detach(), best[1])
+    # the module's state dict alone restores the table (weights, m, v, count) too
+    run(emb, lin, opt, sched, batches(1, seed=7))
+    model.load_state_dict(sd)
+    assert snapshot_of(opt)[0] == best[0][0]
+    assert torch.equal(model.state_dict()["emb.weight"], emb.to_tensor())
+    # a state dict of the snapshot format (taken as a large table) still loads
+    monkeypatch.setattr(DiskWeight, "read_limit", 0)
+    old = model.state_dict()
+    assert "state_snapshot" in old["emb._extra_state"] and "emb.weight" not in old
+    monkeypatch.setattr(DiskWeight, "read_limit", SMALL)
+    run(emb, lin, opt, sched, batches(1, seed=8))
+    model.load_state_dict(old)
+    assert snapshot_of(opt)[0] == best[0][0]
+    # a state dict of another table is refused, nothing changed
+    bad = dict(sd)
+    bad["emb.weight"] = sd["emb.weight"][:, :-1]
+    with pytest.raises(RuntimeError, match=r"rows must be the 300 x \d+ float32 records"):
+        model.load_state_dict(bad)
+    assert snapshot_of(opt)[0] == best[0][0]
+    opt.close()
+    emb.close()
+
+
+def test_best_pt_of_a_large_table_says_why_it_is_gone(tmp_path, kind):
+    """A large table's best.pt names a snapshot that four more epochs of state dicts pruned
+    (keep_snapshots=3): loading it fails, nothing changed, with the snapshot, how many newer
+    ones pruned it, and what to do (keep_snapshots=, opt.checkpoint)."""
+    emb, lin, opt, sched, model, best = epochs_of_state_dicts(tmp_path / "run", kind, tmp_path)
+    before = snapshot_of(opt)
+    sd = torch.load(tmp_path / "best.pt", weights_only=True)
+    sid = sd["emb._extra_state"]["state_snapshot"]["id"]
+    with pytest.raises(RuntimeError, match=rf"names the snapshot '{sid}' .* which is gone .*"
+                                           r"pruned after 3 newer state dict\(s\) "
+                                           r".*keep_snapshots=3.*Nothing was changed"
+                                           r".*opt\.checkpoint\(dest"):
+        model.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"pruned after 3 newer state dict\(s\).*opt\.checkpoint"):
+        opt.load_state_dict(torch.load(tmp_path / "best-opt.pt", weights_only=True))
+    assert snapshot_of(opt) == before
     opt.close()
     emb.close()
