@@ -219,10 +219,11 @@ def _unclean(st) -> bool:
     return bool(st.store.unclean)
 
 
-UNCLEAN_NOTE = ("its writer stopped after a step and before the next flush or close (kill -9, "
-                "power loss, os._exit): rows may hold steps past the count; dsa_core.open "
-                "refuses it until it is restored from a checkpoint (dsa_core.restore) or "
-                "opened with unclean='accept'")
+UNCLEAN_NOTE = ("its writer stopped after a step and before the next flush or close, and its "
+                "rows cannot be put back at the last flush (the machine restarted since, so "
+                "its undo record is not trusted, or it has none): rows may hold steps past "
+                "the count; dsa_core.open refuses it until it is restored from a checkpoint "
+                "(dsa_core.restore) or opened with unclean='accept'")
 
 
 def _chunks(n, row_bytes):

@@ -268,12 +268,13 @@ def _private_core_imports(path: Path) -> list[str]:
 # benchmarks/seal_tail.py times the parts of a seal and switches the writer's pace, the
 # cleaner's hints and the unmapping thread off for its A/B runs; benchmarks/torch_e2e.py's
 # --pace-mib and --cache-mib set the log store's writer pace and its window of cached
-# segments for an A/B (its default run uses neither). The
+# segments for an A/B (its default run uses neither); benchmarks/undo_cost.py turns the
+# in-place store's undo file off for its baseline (no public switch on purpose). The
 # tests are white-box tests of the core. Everything else uses the public API.
 INTERNALS_ON_PURPOSE = {"benchmarks/breakdown.py", "benchmarks/ooc.py",
                         "benchmarks/record_checks.py", "benchmarks/write_path.py",
                         "benchmarks/clean_sim.py", "benchmarks/seal_tail.py",
-                        "benchmarks/torch_e2e.py"}
+                        "benchmarks/torch_e2e.py", "benchmarks/undo_cost.py"}
 
 
 @pytest.mark.parametrize("folder", ["adapters", "examples", "benchmarks"])

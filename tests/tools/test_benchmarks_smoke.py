@@ -61,6 +61,8 @@ SMOKES = {
     "clean_sim": (["--smoke"], "clean_sim_smoke", "read_per_user"),
     "memory_budget": (["--smoke"], "memory_budget_smoke", "aged_over_base_mib"),
     "seal_tail": (["--smoke"], "seal_tail_smoke", "sealing_median_ms"),
+    "undo_cost": (["--smoke"], None, "interval5_ratio"),  # writes no result files in smoke
+    "state_dict_disk": (["--smoke"], None, "run_dir"),  # writes no result files in smoke
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
@@ -68,7 +70,7 @@ WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir",
            "durability": "--dir", "group_flush": "--dir", "pykeen_parity": "--workdir",
            "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
-           "seal_tail": "--workdir"}
+           "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir"}
 
 
 @pytest.fixture
