@@ -50,7 +50,6 @@ from typing import Any
 import numpy as np
 
 import dsa_core
-from dsa_core._files import copy_file, fsync_dir
 
 __all__ = ["CARRIED_DIR", "DEFAULT_KEEP", "SNAPSHOT_DIR", "carry_plan", "carry_into",
            "check_keep", "open_saved", "open_snapshot", "release", "resolve_carried", "take"]
@@ -267,15 +266,6 @@ def carry_plan(extra: Any, what: str) -> tuple[Any, list[tuple[str, Path]]]:
     return (_rewrite(extra, fix) if plan else extra), list(plan.items())
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link of ``src`` at ``dst``; a reflink or a copy where linking fails (another
-    filesystem, no hard links)."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        copy_file(src, dst)
-
-
 def carry_into(plan: list[tuple[str, Path]], dest: Path) -> None:
     """Put the snapshots of ``plan`` (from :func:`carry_plan`) into ``dest/snapshots/``.
 
@@ -289,13 +279,7 @@ def carry_into(plan: list[tuple[str, Path]], dest: Path) -> None:
     root = dest / CARRIED_DIR
     root.mkdir()
     for sid, src in plan:
-        out = root / sid
-        out.mkdir()
-        for f in sorted(src.iterdir()):
-            if f.is_file():
-                _link_or_copy(f, out / f.name)
-        fsync_dir(out)
-    fsync_dir(root)
+        dsa_core.link_files(src, root / sid)
 
 
 def resolve_carried(extra: Any, src: Path) -> Any:

@@ -18,9 +18,8 @@ the returned value. The core never imports torch or jax; ``adapters.torch`` and
 """
 
 from . import validation
-from ._files import read_json, staged_dir, write_json
+from ._files import ForkedReadError, link_files, read_json, staged_dir, write_json
 from ._layout import FORMAT_VERSION
-from ._log.engine import ForkedReadError
 from ._log.store import region_memory
 from ._paging import ACCESS_MODES, check_access, paging_limits
 from ._pool import get_num_threads, set_num_threads
@@ -98,6 +97,7 @@ __all__ = [
     "restore",
     "set_count",
     "set_num_threads",
+    "link_files",
     "staged_dir",
     "step",
     "step_many",

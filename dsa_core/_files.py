@@ -291,6 +291,29 @@ def staged_dir(dest: Path, overwrite: bool):
         raise
 
 
+class ForkedReadError(RuntimeError):
+    """A process forked from a log store's writer read the store after the writer changed
+    rows: its copy of the writer's memory region is older than the store."""
+
+
+def link_files(src: Path, dest: Path) -> Path:
+    """Put the files of the closed store (or snapshot) directory ``src`` into the new
+    directory ``dest``: hard links where the filesystem allows (the files must never be
+    written again in place: a checkpoint's or a snapshot's), else a reflink or a copy
+    (:func:`copy_file`); ``dest`` and its parent are fsync'd. ``dest`` must not exist."""
+    src, dest = Path(src), Path(dest)
+    dest.mkdir()
+    for f in sorted(src.iterdir()):
+        if f.is_file():
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                copy_file(f, dest / f.name)
+    fsync_dir(dest)
+    fsync_dir(dest.parent)
+    return dest
+
+
 class StoreLockedError(RuntimeError):
     """Another writer holds the store."""
 

@@ -19,8 +19,8 @@ Layout (all little-endian)::
                       | 4 zeros | n int64 row ids | n records (the store's stride and dtype)
 
 ``base``: the manifest count the blocks restore the rows to; ``epoch``: a random number drawn
-when the interval begins, which every block of the interval repeats (the file is reused, not
-truncated: blocks of an older interval past the end fail this check). A block's body is
+when the interval begins, which every block of the interval repeats (should an older
+interval's blocks be left past the end, they fail this check). A block's body is
 written before its head, and the rows only change after both: a head that checks out names
 a complete body. ``synced``: the count whose rows a flush has synced before writing its
 manifest (-1 until then): a process that dies between that manifest and the marker's clear
@@ -29,8 +29,9 @@ without saving them (the undo write failed, e.g. a full disk): a stop is refused
 
 Recovery (:func:`inspect` and :meth:`Verdict.apply`) writes the saved records back, syncs the
 data file and clears the store's marker: repeated after a kill during recovery it does the
-same again. The file's pages are reused from one interval to the next (writing into cached
-pages costs a fraction of allocating new ones) and the file is truncated at a clean close.
+same again. The file is truncated when an interval begins (the last interval's blocks are
+dropped with their page-cache pages, most of them before the kernel writes them to the disk)
+and at a clean close.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class UndoLog:
         try:
             if self.fd < 0:
                 self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            # the last interval's blocks are garbage since its flush: dropped with their
+            # pages, so that the kernel never writes them to the disk
+            os.ftruncate(self.fd, 0)
             self._write_header(-1)
         except OSError:
             self.incomplete = True

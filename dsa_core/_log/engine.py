@@ -69,7 +69,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import CHECKSUM_KEY
+from .._files import CHECKSUM_KEY, ForkedReadError
 from .._init import InitSpec
 from .budget import (
     SLOT_OVERHEAD,
@@ -101,11 +101,6 @@ from .segments import Segments
 
 __all__ = ["SLOT_OVERHEAD", "ForkGuard", "ForkedReadError", "LogEngine", "check_memory",
            "create", "gather_records", "memory_for", "open", "remove", "slots_for"]
-
-
-class ForkedReadError(RuntimeError):
-    """A process forked from a log store's writer read the store after the writer changed
-    rows: its copy of the writer's memory region is older than the store."""
 
 
 class ForkGuard:
