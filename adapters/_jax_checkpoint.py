@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 import dsa_core
 
-from ._jax_state import DiskAdamState, DiskTable, flatten_tables, prefix
+from ._jax_state import (
+    DiskAdamState,
+    DiskTable,
+    flatten_tables,
+    one_dsa_state,
+    prefix,
+    replace_dsa_state,
+)
 from ._jax_step import check_tables
 
 __all__ = ["CHECKPOINT_MANIFEST", "checkpoint", "restore"]
@@ -43,7 +51,7 @@ def _table_names(tables: list[DiskTable]) -> list[str]:
     return names
 
 
-def checkpoint(state: DiskAdamState, dest, *, overwrite: bool = False) -> Path:
+def checkpoint(state: Any, dest, *, overwrite: bool = False) -> Path:
     """Write a consistent snapshot of every table to ``dest``; training may go on afterwards.
 
     ``dest`` receives one ``dsa_core.checkpoint`` per table (named after its key in the stores
@@ -55,7 +63,10 @@ def checkpoint(state: DiskAdamState, dest, *, overwrite: bool = False) -> Path:
 
     Resume with :func:`restore` (copies the snapshots into the live stores of an optimizer
     state), or open the snapshots themselves (``dsa_core.open(dest / "user")``, then
-    ``tx.init``; training then continues *in* the checkpoint).
+    ``tx.init``; training then continues *in* the checkpoint). ``state`` is sparse_adam's
+    state or any optax state that holds one (``optax.chain``, ``multi_transform``, ...);
+    the optax state's other parts (a dense optimizer's moments) are arrays: save them
+    with your usual checkpointing.
 
     Returns
     -------
@@ -74,6 +85,7 @@ def checkpoint(state: DiskAdamState, dest, *, overwrite: bool = False) -> Path:
     ['checkpoint.json', 'user']
     >>> dsa_jax.close(opt_state)
     """
+    state = one_dsa_state(state, _CHECKPOINT)
     tables, _ = flatten_tables(state.stores)
     cores = [t.core_state for t in tables]  # waits for steps dispatched inside jit
     count = int(np.asarray(state.count))
@@ -118,7 +130,7 @@ def _read_manifest(src: Path) -> dict:
     return manifest
 
 
-def restore(state: DiskAdamState, src) -> DiskAdamState:
+def restore(state: Any, src) -> Any:
     """Copy the checkpoint at ``src`` (from :func:`checkpoint`) into the stores of ``state``.
 
     Tables are matched by their key in the stores pytree and must have the same layout
@@ -127,7 +139,8 @@ def restore(state: DiskAdamState, src) -> DiskAdamState:
     Then every table's records (weights, m, v) are copied in (``dsa_core.restore``), its
     count set to the checkpoint's and the store flushed. Returns the optimizer state to
     continue with (the given one becomes stale). The checkpoint is never modified. Not
-    atomic: after a crash during a restore, restore again.
+    atomic: after a crash during a restore, restore again. ``state`` may be any optax state
+    that holds sparse_adam's; the same structure comes back, its sparse_adam part replaced.
 
     Examples
     --------
@@ -144,6 +157,7 @@ def restore(state: DiskAdamState, src) -> DiskAdamState:
     (1, 1)
     >>> dsa_jax.close(opt_state)
     """
+    outer, state = state, one_dsa_state(state, _RESTORE)
     tables, _ = flatten_tables(state.stores)
     src = Path(src)
     manifest = _read_manifest(src)
@@ -197,4 +211,4 @@ def restore(state: DiskAdamState, src) -> DiskAdamState:
                 dsa_core.close(snap)
     in_jit = any(t._async for t in tables)
     new_count = jnp.asarray(count, jnp.int32) if in_jit else np.asarray(count, np.int32)
-    return DiskAdamState(new_count, state.stores)
+    return replace_dsa_state(outer, DiskAdamState(new_count, state.stores))

@@ -16,7 +16,7 @@ import numpy as np
 
 import dsa_core
 
-from ._jax_state import PAD_ID, Batch, DiskTable
+from ._jax_state import PAD_ID, Batch, DiskTable, flatten_tables, one_dsa_state
 
 __all__ = ["bucket_size", "core_of", "gather_batch", "put", "require_x64", "to_host",
            "warmup"]
@@ -117,8 +117,10 @@ def gather_batch(store: Any, ids: Any, *, buckets: None | str | Sequence[int] = 
 
     Parameters
     ----------
-    store : DiskTable, dsa_core.State or DiskAdamState.stores with one table
-        The table to read (``opt_state.stores["user"]``, or a ``dsa_core.State``).
+    store : DiskTable, dsa_core.State, DiskAdamState.stores with one table, or opt_state
+        The table to read (``opt_state.stores["user"]``, or a ``dsa_core.State``); an
+        optimizer state of one table (sparse_adam's, or an optax state that holds it, such
+        as ``optax.chain``'s) reads that table.
     ids : array-like of int, any shape
         The batch's row ids (e.g. ``(B,)`` or ``(B, 2)``); duplicates allowed. A jax array is
         copied to the host.
@@ -195,8 +197,17 @@ def core_of(store: Any) -> dsa_core.State:
         return store._core
     if isinstance(store, dsa_core.State):
         return store
-    raise TypeError(f"gather_batch: store must be a DiskTable (opt_state.stores[...]) or a "
-                    f"dsa_core.State, got {type(store).__name__}")
+    try:  # an optimizer state (optax.chain & co. too) that holds one table
+        tables = flatten_tables(one_dsa_state(store, "gather_batch").stores)[0]
+    except (TypeError, ValueError):
+        tables = None
+    if tables is not None and len(tables) == 1:
+        return core_of(tables[0])
+    raise TypeError(f"gather_batch: store must be a DiskTable (opt_state.stores[...]), a "
+                    f"dsa_core.State or an optimizer state of one table, got "
+                    f"{type(store).__name__}"
+                    + (f" holding {len(tables)} tables {[t.name for t in tables]}: pass one "
+                       "of them (opt_state.stores[...])" if tables else ""))
 
 
 def warmup(dtypes: Sequence[str] = ("float32", "float64")) -> None:

@@ -33,9 +33,12 @@ __all__ = [
     "SparseGradientTransformation",
     "close",
     "core_states",
+    "dsa_states",
     "flatten_stores",
     "flatten_tables",
     "flush",
+    "one_dsa_state",
+    "replace_dsa_state",
     "prefix",
     "stale_state_error",
 ]
@@ -221,14 +224,62 @@ class Batch(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------
+# Finding DSA's state inside an optax state (chain, multi_transform, inject_hyperparams, ...)
+# ---------------------------------------------------------------------------------------------
+def _is_dsa(x: Any) -> bool:
+    return isinstance(x, DiskAdamState)
+
+
+def dsa_states(state: Any, where: str) -> list[DiskAdamState]:
+    """Every ``DiskAdamState`` in ``state``: itself, or the ones an optax state holds.
+
+    optax's states are pytrees of NamedTuples, tuples and dicts (``optax.chain``'s tuple,
+    ``multi_transform``'s ``inner_states``, ``masked``'s and ``inject_hyperparams``'
+    ``inner_state``), so one walk of the pytree finds sparse_adam's, wherever it sits.
+    """
+    if _is_dsa(state):
+        return [state]
+    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_dsa) if _is_dsa(x)]
+    if not found:
+        raise TypeError(
+            f"{where}: the optimizer state holds no adapters.jax.sparse_adam state "
+            f"(DiskAdamState); got {type(state).__name__}. Pass the state that tx.init / "
+            "tx.update returned for a transform built with sparse_adam: on its own, or in "
+            "optax.chain, multi_transform, masked or inject_hyperparams")
+    return found
+
+
+def one_dsa_state(state: Any, where: str) -> DiskAdamState:
+    """The one ``DiskAdamState`` in ``state`` (see :func:`dsa_states`), or a clear error."""
+    found = dsa_states(state, where)
+    if len(found) > 1:
+        raise ValueError(
+            f"{where}: the optimizer state holds {len(found)} sparse_adam states (one per "
+            "sparse_adam in the transform), each with its own step count; pass the one you "
+            "mean (e.g. opt_state.inner_states[label].inner_state), or train the tables "
+            "with one sparse_adam over a dict of stores")
+    return found[0]
+
+
+def replace_dsa_state(state: Any, new: DiskAdamState) -> Any:
+    """``state`` with its one ``DiskAdamState`` replaced by ``new`` (same structure)."""
+    if _is_dsa(state):
+        return new
+    return jax.tree_util.tree_map(lambda x: new if _is_dsa(x) else x, state, is_leaf=_is_dsa)
+
+
+# ---------------------------------------------------------------------------------------------
 # The stores' life cycle through the optimizer state
 # ---------------------------------------------------------------------------------------------
-def core_states(state: DiskAdamState) -> Any:
+def core_states(state: Any) -> Any:
     """The current ``dsa_core.State`` of every table, in the structure of the stores.
 
     For reading the tables (``dsa_core.gather`` / ``read_records`` on any store; the
     whole-table views ``.weights``, ``.exp_avg`` on in-place stores only) or handing them
-    to another transform: ``tx2.init(core_states(opt_state))``.
+    to another transform: ``tx2.init(core_states(opt_state))``. ``state`` may be any optax
+    state that holds sparse_adam's (``optax.chain``, ``multi_transform``, ...), as for
+    :func:`flush`, :func:`close`, :func:`~adapters.jax.checkpoint` and
+    :func:`~adapters.jax.restore`.
 
     Examples
     --------
@@ -241,12 +292,17 @@ def core_states(state: DiskAdamState) -> Any:
     True
     >>> dsa_jax.close(opt_state)
     """
+    state = one_dsa_state(state, "core_states")
     tables, treedef = flatten_tables(state.stores)
     return treedef.unflatten([t.core_state for t in tables])
 
 
-def flush(state: DiskAdamState) -> None:
+def flush(state: Any) -> None:
     """Make every step so far durable in every table (``dsa_core.flush``: rows + count).
+
+    ``state`` is sparse_adam's state or any optax state that holds it (``optax.chain``,
+    ``multi_transform``, ``inject_hyperparams``...): every sparse_adam state in it is
+    flushed.
 
     After a crash, ``dsa_core.open`` of each store resumes from the last flush, or, for an
     in-place store stepped since, refuses it (``dsa_core.UncleanStopError``: restore from a
@@ -266,13 +322,15 @@ def flush(state: DiskAdamState) -> None:
     >>> dsa_jax.close(opt_state)
     """
     # one group commit of every table (dsa_core.flush_many; the tables commit together)
-    dsa_core.flush_many([t.core_state for t in flatten_tables(state.stores)[0]])
+    dsa_core.flush_many([t.core_state for s in dsa_states(state, "flush")
+                         for t in flatten_tables(s.stores)[0]])
 
 
-def close(state: DiskAdamState) -> None:
+def close(state: Any) -> None:
     """Flush and close every table (``dsa_core.close``); the state cannot step afterwards.
 
-    Closing releases each store's writer lock, so another process may open it.
+    Closing releases each store's writer lock, so another process may open it. ``state``
+    may be any optax state that holds sparse_adam's (every one in it is closed).
 
     Examples
     --------
@@ -284,5 +342,6 @@ def close(state: DiskAdamState) -> None:
     >>> dsa_jax.core_states(opt_state).closed
     True
     """
-    for t in flatten_tables(state.stores)[0]:
-        dsa_core.close(t.core_state)
+    for s in dsa_states(state, "close"):
+        for t in flatten_tables(s.stores)[0]:
+            dsa_core.close(t.core_state)

@@ -141,7 +141,11 @@ def check_pair_static(t: DiskTable, idx: Any, grad: Any, param: Any) -> None:
     idx_shape = tuple(np.shape(idx))
     if idx_dt == np.bool_ or idx_dt.kind not in "iu":
         raise TypeError(f"{lab}idx must hold integer row ids, got dtype {idx_dt}; convert "
-                        "with idx.astype(np.int64) (floats are not rounded for you)")
+                        "with idx.astype(np.int64) (floats are not rounded for you). If an "
+                        "optax transform runs before sparse_adam (optax.chain(..., "
+                        "sparse_adam)), it mapped over the ids of an (idx, grad_rows) tuple: "
+                        "pass adapters.jax.row_grads(batch.idx, grad_rows) instead, whose ids "
+                        "no transform sees")
     if len(idx_shape) != 1:
         raise ValueError(f"{lab}idx must be 1-D (one row id per gradient row), got shape "
                          f"{idx_shape}; flatten the ids and reshape grad_rows to "

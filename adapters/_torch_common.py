@@ -376,15 +376,22 @@ def set_columns(state: dsa_core.State, off: int, width: int, source, *,
         dsa_core.write_records(state, idx, rec)
 
 
-def move_disk_weight(module, fn, what: str):
+def move_disk_weight(module, fn, what: str, compute_dtype: torch.dtype | None = None,
+                     on_dtype=None):
     """``nn.Module._apply`` for a disk-backed embedding: move the stand-in weight only.
 
     ``to()`` / ``cuda()`` / ``cpu()`` move ``module.weight`` (a zero-strided stand-in of the
-    table's shape); the rows stay on disk. A dtype change is refused: the store's dtype is fixed.
+    table's shape); the rows stay on disk. The store's dtype is fixed: a dtype change
+    (``double()``, ``half()``, ``to(dtype)``) is refused, or, given ``on_dtype``, handed to
+    it (``on_dtype(new_dtype)``) and the weight keeps its dtype. ``compute_dtype`` (default:
+    the weight's) is the dtype the module's outputs have now, the one a change is seen from.
     """
     w = module.weight
-    probe = fn(torch.empty(0, dtype=w.dtype, device=w.device))
-    if probe.dtype != w.dtype:
+    cur = compute_dtype or w.dtype
+    probe = fn(torch.empty(0, dtype=cur, device=w.device))
+    if probe.dtype != cur and on_dtype is not None:
+        on_dtype(probe.dtype)
+    elif probe.dtype != cur:
         raise TypeError(f"a {what}'s dtype is fixed by its store ({w.dtype}); it cannot be "
                         f"converted to {probe.dtype}. Cast its output instead")
     if probe.device != w.device:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from ._torch_snapshots import (
 __all__ = ["DiskEmbedding", "DiskWeight"]
 
 _EXTRA_FORMAT = "dsa-torch-embedding"
+_META_KEY = "dsa_embedding"  # a small table's manifest and m, v in state_dict()._metadata
 _IMPORT_CHUNK_ROWS = 1 << 16
 
 
@@ -122,6 +124,59 @@ def copy_rows(state: dsa_core.State, out: np.ndarray) -> np.ndarray:
         hi = min(state.num_rows, lo + _CHUNK_ROWS)
         dsa_core.gather(state, np.arange(lo, hi, dtype=np.int64), out=out[lo:hi])
     return out
+
+
+# nn.Embedding's and nn.EmbeddingBag's keywords; the rest of DiskEmbedding's are DSA's own
+_TORCH_KEYWORDS = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                   "scale_grad_by_freq", "sparse", "_weight", "_freeze", "device", "dtype",
+                   "mode", "include_last_offset")
+
+
+def _unknown_keywords(what: str, unknown: dict, func) -> str:
+    """The message for keywords ``func`` does not take: which, and the ones it does."""
+    import difflib
+    import inspect
+
+    known = [n for n, p in inspect.signature(func).parameters.items()
+             if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    own = [n for n in known if n not in _TORCH_KEYWORDS]
+    bad = sorted(unknown)
+    hints = [f"{b!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(b, known, 1))
+             else repr(b) for b in bad]
+    return (f"{what} got unexpected keyword argument(s) {', '.join(hints)}. It takes "
+            f"nn.Embedding's and nn.EmbeddingBag's keywords ({', '.join(_TORCH_KEYWORDS)}; "
+            f"per_sample_weights and offsets go to forward) and its own ({', '.join(own)})")
+
+
+def _check_torch_only_args(what: str, max_norm: Any, norm_type: Any, sparse: Any,
+                           freeze: Any) -> float:
+    """Check the ``nn.Embedding`` arguments that have no DSA meaning; returns ``norm_type``."""
+    if max_norm is not None:
+        raise ValueError(
+            f"{what}: max_norm={max_norm!r} is not supported. nn.Embedding's max_norm "
+            "rescales the looked-up rows of the weight in place inside forward, and a "
+            "DiskEmbedding's rows change only through its optimizer's step "
+            "(adapters.torch.DiskSparseAdam). Leave max_norm out (None), and renormalise "
+            "the output instead if the model needs it, e.g. torch.renorm(emb(ids), 2, 0, "
+            "max_norm) for 2-D outputs (it bounds what the model sees, not the stored rows)")
+    try:
+        norm_type = float(norm_type)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: norm_type must be a number (as nn.Embedding's, used only "
+                        f"with max_norm), got {norm_type!r}") from None
+    if not isinstance(sparse, (bool, np.bool_)):
+        raise TypeError(f"{what}: sparse must be a bool, got {sparse!r}")
+    if not sparse:
+        raise ValueError(
+            f"{what}: sparse=False asks for a dense gradient, a tensor of the whole table's "
+            "size, which a table on disk cannot take. A DiskEmbedding's gradient is always "
+            "row-sparse (the batch's rows, nn.Embedding(sparse=True)'s gradient), and "
+            "adapters.torch.DiskSparseAdam steps it in place of a dense optimizer (give it "
+            "emb.parameters(); the rest of the model keeps its own optimizer). Leave sparse "
+            "out or pass sparse=True")
+    if not isinstance(freeze, (bool, np.bool_)):
+        raise TypeError(f"{what}: _freeze must be a bool, got {freeze!r}")
+    return norm_type
 
 
 def _mib(n: int) -> str:
@@ -375,8 +430,10 @@ class DiskEmbedding(nn.Module):
     seed : int, optional
         Seed of the named inits; by default drawn from torch's global generator, so
         ``torch.manual_seed`` makes it reproducible.
-    dtype : torch.float32 or torch.float64
-        Storage and compute dtype of the rows.
+    dtype : torch.float32 or torch.float64, optional
+        Storage and compute dtype of the rows (default float32, or ``_weight``'s dtype).
+        Fixed with the store: ``model.double()`` / ``.half()`` keep it and cast the outputs
+        (with one warning; docs/adapters.md).
     scale_grad_by_freq, include_last_offset : bool
         As ``nn.Embedding`` / ``nn.EmbeddingBag``.
     device : torch.device, optional
@@ -433,6 +490,16 @@ class DiskEmbedding(nn.Module):
         ``dsa_core.UncleanStopError`` naming the cause and the remedy, nothing changed.
         ``"accept"``: open its rows as they are; follow with ``opt.load_checkpoint(CKPT)`` or
         :meth:`load_checkpoint` to go back to a checkpoint.
+    max_norm, norm_type, sparse, _weight, _freeze
+        ``nn.Embedding``'s keywords, so that it is a word-for-word swap. ``sparse=True`` is
+        accepted and changes nothing (the gradient is always row-sparse); ``sparse=False``
+        (a dense, table-sized gradient) is refused, as is ``max_norm`` other than None
+        (torch rescales the weight's rows in place inside forward; a disk table's rows
+        change only through its optimizer). ``norm_type`` is accepted (used only with
+        ``max_norm``). ``_weight`` is the initial table (``init`` by torch's name; its
+        padding row kept as given); ``_freeze=True`` makes :attr:`weight` not require grad.
+        Any other keyword is refused with a ``TypeError`` that names the known ones. See
+        also :meth:`from_pretrained`.
     keep_snapshots : int, default 3
         How many snapshots of the table its module ``state_dict()`` keeps (in
         ``.dsa-snapshots/`` beside ``state_dir``; older ones are deleted when a new one is
@@ -475,6 +542,11 @@ class DiskEmbedding(nn.Module):
     O(batch). The page cache holds whatever rows the kernel keeps; that memory is
     reclaimable. ``max_norm`` and ``mode="max"`` are not supported (``max_norm`` rewrites
     weights inside forward; ``max`` bags would update rows that got no gradient).
+
+    A small table's (at most ``DiskWeight.read_limit`` bytes of weights) module state dict
+    has ``nn.Embedding``'s keys (``weight``), so each loads the other's with
+    ``strict=True``; the rest of its records and its step count ride in the state dict's
+    metadata. Larger tables' state dicts are described below.
 
     The store's step count is the optimizer's ``t`` (bias correction). The module's
     ``state_dict()`` flushes the store and saves a small manifest (``_extra_state``),
@@ -523,19 +595,39 @@ class DiskEmbedding(nn.Module):
                  padding_idx: int | None = None, mode: str | None = None,
                  curvature: float = 0.0, init: Any = "normal",
                  init_scale: float | None = None, seed: int | None = None,
-                 dtype: torch.dtype = torch.float32, scale_grad_by_freq: bool = False,
+                 dtype: torch.dtype | None = None, scale_grad_by_freq: bool = False,
                  include_last_offset: bool = False, device: Any = None,
                  progress: bool | None = None, access: str = "auto",
                  second_moment: str = "elementwise", first_moment: str = "full",
                  nonfinite: str | None = None, per_row_step: bool = False,
                  decay_missed_steps: bool = False, storage: str = STORAGE_DEFAULT,
                  memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP,
-                 unclean: str = "refuse"):
+                 unclean: str = "refuse", max_norm: float | None = None,
+                 norm_type: float = 2.0, sparse: bool = True, _weight: Any = None,
+                 _freeze: bool = False, **unknown: Any):
         super().__init__()
+        if unknown:
+            raise TypeError(_unknown_keywords("DiskEmbedding", unknown, DiskEmbedding.__init__))
         dsa_core.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"
+        norm_type = _check_torch_only_args(what, max_norm, norm_type, sparse, _freeze)
+        if _weight is not None:  # nn.Embedding's initial table: init= by another name
+            if not (isinstance(init, str) and init == "normal"):
+                raise ValueError(f"{what}: _weight= and init= both give the initial table; "
+                                 "pass one of them (init=W is DSA's name for _weight=W)")
+            w_shape = tuple(getattr(_weight, "shape", np.shape(_weight)))
+            if w_shape != (num_embeddings, embedding_dim):
+                raise ValueError(f"{what}: _weight must have the shape (num_embeddings, "
+                                 f"embedding_dim) = {(num_embeddings, embedding_dim)}, got "
+                                 f"{w_shape} (nn.Embedding: 'Shape of weight does not match "
+                                 "num_embeddings and embedding_dim')")
+            if dtype is None and isinstance(_weight, torch.Tensor):
+                dtype = _weight.dtype  # as nn.Embedding: the weight is _weight
+            init = _weight
+        if dtype is None:
+            dtype = torch.float32
         keep_snapshots = check_keep(keep_snapshots, what)
         unclean = check_unclean_arg(unclean, what)
         storage, memory = check_storage_args(storage, memory, access, what)
@@ -570,8 +662,11 @@ class DiskEmbedding(nn.Module):
             if count is not None:
                 state = reopen(path, access=access, memory=memory, unclean=unclean, **expect)
             else:
+                # nn.Embedding keeps a given _weight's padding row as it is
                 state = self._create(path, num_embeddings, embedding_dim, dt, c, init,
-                                     init_scale, seed, padding_idx, overwrite, progress,
+                                     init_scale, seed,
+                                     None if _weight is not None else padding_idx,
+                                     overwrite, progress,
                                      access, second_moment, first_moment,
                                      nonfinite or "propagate", rows, storage, memory)
         except dsa_core.StoreLockedError as exc:
@@ -594,7 +689,11 @@ class DiskEmbedding(nn.Module):
         self.mode = mode
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
         self.include_last_offset = bool(include_last_offset)
-        self.weight = DiskWeight(self._handle, dtype, device)
+        self.max_norm = None
+        self.norm_type = norm_type
+        self.sparse = True  # the gradient is always row-sparse
+        self._compute_dtype: torch.dtype | None = None  # model.double() & co.: outputs' dtype
+        self.weight = DiskWeight(self._handle, dtype, device, requires_grad=not _freeze)
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
@@ -617,6 +716,52 @@ class DiskEmbedding(nn.Module):
         if padding_idx is not None:
             zero_weight_row(state, padding_idx)
         return state
+
+    @classmethod
+    def from_pretrained(cls, embeddings: Any, freeze: bool = True,
+                        padding_idx: int | None = None, max_norm: float | None = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                        sparse: bool = True, *, state_dir, **kwargs: Any) -> DiskEmbedding:
+        """A new table holding ``embeddings`` (2-D), as ``nn.Embedding.from_pretrained``.
+
+        The arguments are ``nn.Embedding.from_pretrained``'s, plus ``state_dir`` (where the
+        store is created) and any other :class:`DiskEmbedding` keyword (``mode="sum"`` /
+        ``"mean"`` and ``include_last_offset`` for ``nn.EmbeddingBag.from_pretrained``,
+        ``resume``, ``overwrite``, ``storage``, ...). ``freeze=True`` (the default, as
+        torch's) makes :attr:`weight` not require grad; the table's dtype and the weight's
+        device are those of ``embeddings`` unless ``dtype=`` / ``device=`` say otherwise.
+        The padding row is kept as given, as torch keeps it. The rows are written to the
+        store in chunks; with ``resume=True`` an existing store is reopened and
+        ``embeddings`` unused, as ``init`` is.
+
+        Examples
+        --------
+        >>> import tempfile, torch
+        >>> from adapters.torch import DiskEmbedding
+        >>> w = torch.arange(12.0).reshape(4, 3)
+        >>> emb = DiskEmbedding.from_pretrained(w, state_dir=f"{tempfile.mkdtemp()}/emb")
+        >>> emb(torch.tensor([2])), emb.weight.requires_grad
+        (tensor([[6., 7., 8.]]), False)
+        >>> emb.close()
+        """
+        if not isinstance(embeddings, torch.Tensor):
+            embeddings = torch.as_tensor(np.asarray(embeddings))
+        if embeddings.dim() != 2:
+            raise ValueError(f"DiskEmbedding.from_pretrained: embeddings must be 2-D "
+                             f"(num_embeddings, embedding_dim), got shape "
+                             f"{tuple(embeddings.shape)} (torch: 'Embeddings parameter is "
+                             "expected to be 2-dimensional')")
+        if "init" in kwargs or "_weight" in kwargs:
+            raise ValueError("DiskEmbedding.from_pretrained: the table is `embeddings`; "
+                             "init= and _weight= cannot be given too")
+        if not isinstance(freeze, (bool, np.bool_)):
+            raise TypeError(f"DiskEmbedding.from_pretrained: freeze must be a bool, got "
+                            f"{freeze!r}")
+        kwargs.setdefault("device", embeddings.device)
+        rows, dim = embeddings.shape
+        return cls(rows, dim, state_dir=state_dir, _weight=embeddings, _freeze=bool(freeze),
+                   padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                   scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, **kwargs)
 
     # -- access ---------------------------------------------------------------------------
     @property
@@ -801,7 +946,7 @@ class DiskEmbedding(nn.Module):
             ids = input.reshape(-1).to("cpu", torch.int64)
             rows = _GatherRows.apply(self.weight, ids, self._handle, self.padding_idx,
                                      input.device, False)
-            return rows.view(*input.shape, rows.shape[-1])
+            return self._cast(rows.view(*input.shape, rows.shape[-1]))
         uniq, inv = torch.unique(input.reshape(-1), sorted=True, return_inverse=True)
         ids = uniq.to("cpu", torch.int64)
         pad = None
@@ -813,17 +958,49 @@ class DiskEmbedding(nn.Module):
                                  None if pad is None else self.padding_idx, input.device, True)
         inv = inv.view(input.shape)
         if self.mode is None:
-            return F.embedding(inv, rows, pad, None, 2.0, self.scale_grad_by_freq, False)
+            return self._cast(F.embedding(inv, rows, pad, None, 2.0, self.scale_grad_by_freq,
+                                          False))
         if offsets is not None:
             offsets = offsets.to(torch.int64)
-        return F.embedding_bag(inv, rows, offsets, None, 2.0, self.scale_grad_by_freq,
-                               self.mode, False, per_sample_weights,
-                               self.include_last_offset, pad)
+        if per_sample_weights is not None and self._compute_dtype is not None:
+            per_sample_weights = per_sample_weights.to(rows.dtype)  # the model's dtype
+        return self._cast(F.embedding_bag(inv, rows, offsets, None, 2.0,
+                                          self.scale_grad_by_freq, self.mode, False,
+                                          per_sample_weights, self.include_last_offset, pad))
+
+    def _cast(self, out: torch.Tensor) -> torch.Tensor:
+        """The output in the model's dtype (after ``model.double()`` & co.), else as read."""
+        return out if self._compute_dtype is None else out.to(self._compute_dtype)
 
     # -- module plumbing ------------------------------------------------------------------
     def _apply(self, fn, recurse=True):
-        """``to()`` / ``cuda()`` / ``cpu()`` move :attr:`weight`; the store stays on disk."""
-        return move_disk_weight(self, fn, "DiskEmbedding")
+        """``to()`` / ``cuda()`` / ``cpu()`` move :attr:`weight`; the store stays on disk.
+
+        A dtype change (``model.double()``, ``.half()``, ``.to(torch.float64)``) keeps the
+        store's dtype (fixed at creation: the rows on disk are not converted) and casts the
+        outputs to the new dtype from then on, so the rest of the model gets what it
+        expects; it warns once per table, naming how to make a table of that dtype.
+        """
+        return move_disk_weight(self, fn, "DiskEmbedding", self._compute_dtype,
+                                self._set_compute_dtype)
+
+    def _set_compute_dtype(self, dtype: torch.dtype) -> None:
+        store = self.weight.dtype
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise TypeError(f"a DiskEmbedding's outputs cannot be converted to {dtype}")
+        self._compute_dtype = None if dtype == store else dtype
+        if self._compute_dtype is None or getattr(self, "_dtype_warned", False):
+            return
+        self._dtype_warned = True
+        name = str(store).replace("torch.", "")
+        warnings.warn(
+            f"DiskEmbedding({self.num_embeddings}, {self.embedding_dim}) keeps its table in "
+            f"{name}, its store's dtype (fixed when the store was created; the rows on disk "
+            f"are not converted, and emb.weight.dtype stays {store}); its outputs are cast to "
+            f"{dtype} from now on, as the rest of the model expects, and the gradient comes "
+            "back in the table's dtype. For a table stored in float64, create it with "
+            "DiskEmbedding(..., dtype=torch.float64) (float16 and bfloat16 tables are not "
+            "offered: Adam's moments need float32)", UserWarning, stacklevel=3)
 
     def get_extra_state(self) -> dict:
         """A small manifest of the store (flushed first); the rows never enter a state dict.
@@ -931,7 +1108,12 @@ class DiskEmbedding(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         extra = self.get_extra_state()
-        if extra.get("rows") == "in_state_dict":  # a small table: its rows, as nn.Embedding
+        if extra.get("rows") == "in_state_dict":
+            # A small table: its keys are nn.Embedding's ('weight' alone), so either module
+            # loads the other's state dict with strict=True. The rest of each record (m, v,
+            # per-row counters) and the manifest go to the state dict's metadata, which
+            # torch.save / torch.load (weights_only too) and load_state_dict carry along
+            # and nn.Embedding ignores; a copy without it (a plain dict) loads the weights.
             st = self._handle.state
             rec = all_records(st)
             w = int(st.layout["w"])
@@ -939,18 +1121,27 @@ class DiskEmbedding(nn.Module):
             destination[prefix + "weight"] = torch.from_numpy(
                 np.ascontiguousarray(rec[:, w:w + st.dim]))
             extra["rest"] = torch.from_numpy(np.ascontiguousarray(rest))
+            meta = getattr(destination, "_metadata", None)
+            if meta is not None:
+                meta.setdefault(prefix[:-1], {})[_META_KEY] = extra
+            return
         destination[prefix + "_extra_state"] = extra
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key, wkey = prefix + "_extra_state", prefix + "weight"
+        saved = (local_metadata or {}).get(_META_KEY)
         try:
-            if key in state_dict:
+            if key in state_dict:  # a large table's snapshot (or a small one's, before)
                 self._set_extra_state(state_dict[key], state_dict.get(wkey))
-            elif wkey in state_dict:
+            elif wkey in state_dict and isinstance(saved, dict) \
+                    and saved.get("rows") == "in_state_dict":  # a small DiskEmbedding's
+                self._set_extra_state(saved, state_dict[wkey])
+            elif wkey in state_dict:  # nn.Embedding's, or a copy without the metadata
                 self._import_weights(state_dict[wkey])
             elif strict:
-                missing_keys.append(key)
+                small = self._keep_snapshots and rows_fit(self._handle.state)
+                missing_keys.append(wkey if small else key)
         except (ValueError, TypeError) as exc:
             error_msgs.append(str(exc))
         if strict:

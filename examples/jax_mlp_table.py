@@ -89,7 +89,7 @@ def train(directory, *, num_ids: int = 20_000, dim: int = 16, hidden: int = 32,
             mlp = optax.apply_updates(mlp, updates["mlp"])  # updates["emb"]: the new rows
             losses.append(float(loss))
     finally:
-        dsa_jax.close(opt_state[1].inner_states["sparse"].inner_state)
+        dsa_jax.close(opt_state)  # finds sparse_adam's state inside the chain
     tenth = max(1, steps // 10)
     return {"first": float(np.mean(losses[:tenth])), "last": float(np.mean(losses[-tenth:])),
             "steps": steps}

@@ -163,3 +163,95 @@ def test_example_model_with_dense_parameters_and_a_table(tmp_path):
 
     res = jax_mlp_table.train(tmp_path, num_ids=2_000, steps=60, batch=128)
     assert res["last"] < 0.9 * res["first"]  # both parts learn (1.77 -> 1.47 at seed 0)
+
+
+# -- the helpers take any optax state that holds sparse_adam's ("Drop-in means drop-in", B) --
+def _composed(kind):
+    """(transform, init params, grads of a batch) for sparse_adam inside an optax state."""
+    if kind == "chain":
+        tx = optax.chain(optax.clip_by_global_norm(1.0), dsa_jax.sparse_adam(1e-2))
+        return tx, lambda store: store, lambda b, g: dsa_jax.row_grads(b.idx, g)
+    if kind == "multi_transform":
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.multi_transform(
+            {"dense": optax.adam(1e-3), "sparse": dsa_jax.sparse_adam(1e-2)},
+            {"mlp": "dense", "emb": "sparse"}))
+        mlp = _mlp_params()
+        return (tx, lambda store: {"mlp": mlp, "emb": store},
+                lambda b, g: {"mlp": jax.tree.map(jnp.ones_like, mlp),
+                              "emb": dsa_jax.row_grads(b.idx, g)})
+    tx = optax.inject_hyperparams(dsa_jax.sparse_adam, static_args=("in_jit",),
+                                  hyperparam_dtype=jnp.float32)(learning_rate=1e-2)
+    return tx, lambda store: store, lambda b, g: dsa_jax.row_grads(b.idx, g)
+
+
+@pytest.mark.parametrize("kind", ["chain", "multi_transform", "inject_hyperparams"])
+def test_helpers_find_sparse_adam_inside_an_optax_state(tmp_path, kind):
+    """flush, core_states, checkpoint, restore, close and gather_batch take the optax
+    state itself (no opt_state[1].inner_states["sparse"].inner_state)."""
+    tx, params, grads = _composed(kind)
+    state = tx.init(params(_store(tmp_path / "emb")))
+
+    def step(state, k):
+        b = dsa_jax.gather_batch(state, IDS[k % len(IDS)])  # the state's one table
+        return tx.update(grads(b, _grads(b, k)), state)[1]
+
+    for k in range(2):
+        state = step(state, k)
+    dsa_jax.flush(state)
+    assert dsa_core.open(tmp_path / "emb", mode="r").count == 2
+    core = dsa_jax.core_states(state)
+    assert (core["emb"] if kind == "multi_transform" else core).count == 2
+    at_2 = _table(dsa_core.open(tmp_path / "emb", mode="r"))
+    dsa_jax.checkpoint(state, tmp_path / "ck")
+    state = step(state, 2)
+    back = dsa_jax.restore(state, tmp_path / "ck")
+    assert type(back) is type(state)  # the same optax structure, sparse_adam's part replaced
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    assert np.array_equal(_table(dsa_core.open(tmp_path / "emb", mode="r")), at_2)
+    back = step(back, 3)  # training goes on from the restored state
+    dsa_jax.close(back)
+    core = dsa_jax.core_states(back)
+    assert (core["emb"] if kind == "multi_transform" else core).closed
+
+
+def test_helpers_refuse_a_state_without_or_with_two_sparse_adams(tmp_path):
+    with pytest.raises(TypeError, match=r"flush: the optimizer state holds no "
+                                        r"adapters.jax.sparse_adam state .* got ScaleByAdamState"):
+        dsa_jax.flush(optax.scale_by_adam().init(_mlp_params()))
+    tx = optax.multi_transform({"a": dsa_jax.sparse_adam(1e-2), "b": dsa_jax.sparse_adam(1e-3)},
+                               {"u": "a", "i": "b"})
+    state = tx.init({"u": _store(tmp_path / "u"), "i": _store(tmp_path / "i")})
+    dsa_jax.flush(state)  # every sparse_adam state in it
+    with pytest.raises(ValueError, match=r"checkpoint: the optimizer state holds 2 sparse_adam "
+                                         r"states .* pass the one you mean"):
+        dsa_jax.checkpoint(state, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    dsa_jax.close(state)
+    inner = [s.inner_state for s in state.inner_states.values()]
+    tables = [t for s in inner for t in jax.tree.leaves(
+        s.stores, is_leaf=lambda x: isinstance(x, dsa_jax.DiskTable))]
+    assert len(tables) == 2 and all(t.core_state.closed for t in tables)
+
+
+def test_a_tuple_through_a_transform_gets_dsa_message(tmp_path):
+    """A plain (idx, g) tuple in a chain: a transform before sparse_adam maps over the ids
+    too. Where they reach sparse_adam (scaled into floats) its message names row_grads."""
+    tx = optax.chain(optax.scale(0.5), dsa_jax.sparse_adam(1e-2))
+    state = tx.init(_store(tmp_path / "a"))
+    b = dsa_jax.gather_batch(state, IDS[0])
+    with pytest.raises(TypeError, match=r"idx must hold integer row ids, got dtype float.*"
+                                        r"optax transform runs before sparse_adam.*"
+                                        r"row_grads\(batch.idx, grad_rows\)"):
+        tx.update((b.idx, _grads(b, 0)), state)
+    dsa_jax.close(state)
+
+
+def test_the_jax_extra_installs_optax():
+    """The docs compose sparse_adam with optax: pip install '.[jax]' must bring it (a range)."""
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
+                           )["project"]["optional-dependencies"]
+    optax_req = [r for r in extras["jax"] if r.split(">")[0].split("=")[0].strip() == "optax"]
+    assert optax_req and "==" not in optax_req[0] and ">=" in optax_req[0]

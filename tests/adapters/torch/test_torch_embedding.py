@@ -278,8 +278,8 @@ def test_bad_arguments(tmp_path):
         de(torch.tensor([3, 10]))
     with pytest.raises(ValueError, match="bag modes"):
         de(torch.tensor([1, 2]), torch.tensor([0]))
-    with pytest.raises(TypeError, match="dtype is fixed"):
-        de.double()
+    with pytest.warns(UserWarning, match="keeps its table in float32"):
+        de.double()  # the store keeps its dtype; the outputs follow the model (below)
     assert de.to("cpu") is de and de.float() is de
     with pytest.raises(TypeError, match="cannot be pickled"):
         copy.deepcopy(de.weight)
@@ -481,7 +481,9 @@ def test_row_options_resume_state_dict_and_refusals(tmp_path):
     run(de, opt, 0, 3)
     sd = de.state_dict()
     osd = opt.state_dict()
-    assert sd["_extra_state"]["per_row_step"] and sd["_extra_state"]["decay_missed_steps"]
+    # a small table: nn.Embedding's keys; the manifest rides in the state dict's metadata
+    extra = sd._metadata[""]["dsa_embedding"]
+    assert list(sd) == ["weight"] and extra["per_row_step"] and extra["decay_missed_steps"]
     opt.close()
     de.close()
     before = digest(tmp_path / "run")

@@ -584,10 +584,14 @@ def test_best_pt_of_a_small_table_holds_its_rows(tmp_path, kind, monkeypatch):
     model.load_state_dict(old)
     assert snapshot_of(opt)[0] == best[0][0]
     # a state dict of another table is refused, nothing changed
-    bad = dict(sd)
+    bad = type(sd)(sd)
+    bad._metadata = sd._metadata  # the rest of the records (m, v) rides in the metadata
     bad["emb.weight"] = sd["emb.weight"][:, :-1]
     with pytest.raises(RuntimeError, match=r"rows must be the 300 x \d+ float32 records"):
         model.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match=r"size mismatch for emb.weight|size mismatch for "
+                                           r"weight: .* \(300, 7\), the DiskEmbedding is"):
+        model.load_state_dict(dict(bad))  # a plain dict: an nn.Embedding's weight, checked
     assert snapshot_of(opt)[0] == best[0][0]
     opt.close()
     emb.close()
