@@ -221,25 +221,61 @@ class UndoLog:
 
 class Verdict:
     """What an unclean stop's undo file says (:func:`inspect`): ``kind`` is ``"apply"``
-    (``ids``/``records`` restore the rows to the manifest's count), ``"exact"`` (the rows are
-    the manifest's already: a flush synced them) or ``"refuse"`` (``reason`` says why)."""
+    (:meth:`apply` restores the rows to the manifest's count), ``"exact"`` (the rows are the
+    manifest's already: a flush synced them) or ``"refuse"`` (``reason`` says why)."""
 
-    def __init__(self, kind: str, reason: str = "", ids=None, records=None):
-        self.kind, self.reason, self.ids, self.records = kind, reason, ids, records
+    def __init__(self, kind: str, reason: str = "", path: Path | None = None, epoch: int = 0,
+                 num_rows: int = 0, stride: int = 0, dtype=None):
+        self.kind, self.reason = kind, reason
+        self.path, self.epoch = path, epoch
+        self.num_rows, self.stride, self.dtype = num_rows, stride, dtype
 
-    def apply(self, data: np.ndarray) -> None:
-        """Write the saved records back into ``data`` (the mapped rows)."""
-        if self.kind == "apply" and self.ids is not None and self.ids.shape[0]:
-            data[self.ids] = self.records
+    def apply(self, data: np.ndarray) -> int:
+        """Write the saved records back into ``data`` (the mapped rows), one block at a
+        time (memory: the largest block, never the whole file); returns the rows restored.
+        Blocks are read up to the first that does not check out (a torn last block: its
+        rows had not changed yet)."""
+        if self.kind != "apply":
+            return 0
+        itemsize = np.dtype(self.dtype).itemsize
+        rec_bytes = self.stride * itemsize
+        restored = 0
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            off = HEADER_BYTES
+            while off + BLOCK_HEAD <= size:
+                f.seek(off)
+                raw = f.read(BLOCK_HEAD)
+                if len(raw) < BLOCK_HEAD:
+                    break
+                head = raw[:_BLOCK.size]
+                magic, e, n = _BLOCK.unpack(head)
+                crc = struct.unpack_from("<I", raw, _BLOCK.size)[0]
+                if magic != BLOCK_MAGIC or e != self.epoch or crc != zlib.crc32(head):
+                    break
+                body = n * (8 + rec_bytes)
+                if off + BLOCK_HEAD + body > size:
+                    break
+                ids = np.fromfile(f, np.int64, n)
+                recs = np.fromfile(f, self.dtype, n * self.stride).reshape(n, self.stride)
+                if n and (ids.min() < 0 or ids.max() >= self.num_rows):
+                    raise ValueError(f"{str(self.path)!r} names rows outside the table: the "
+                                     "undo record is damaged; open the store with "
+                                     "unclean='accept' or restore it from a checkpoint")
+                data[ids] = recs
+                restored += n
+                off += BLOCK_HEAD + body
+        return restored
 
 
 def inspect(directory: Path, count: int, num_rows: int, stride: int,
             dtype: np.dtype) -> Verdict:
-    """Read ``undo.dsa`` of a store found marked with no writer; ``count`` is its manifest's."""
+    """Read the header of ``undo.dsa`` of a store found marked with no writer; ``count`` is
+    its manifest's. The blocks are read by :meth:`Verdict.apply`."""
     path = Path(directory) / UNDO_FILE
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(_HEAD.size + 4)
     except FileNotFoundError:
         return Verdict("refuse", "it has no undo record (a store written by a dsa_core "
                        "before undo records)")
@@ -263,29 +299,8 @@ def inspect(directory: Path, count: int, num_rows: int, stride: int,
     if flags & INCOMPLETE:
         return Verdict("refuse", "rows changed that could not be saved to its undo record "
                        "(a write to undo.dsa failed, e.g. a full disk)")
-    itemsize = np.dtype(dtype).itemsize
-    rec_bytes = stride * itemsize
-    ids, recs, off = [], [], HEADER_BYTES
-    while off + BLOCK_HEAD <= len(raw):
-        head = raw[off:off + _BLOCK.size]
-        magic, e, n = _BLOCK.unpack(head)
-        crc = struct.unpack_from("<I", raw, off + _BLOCK.size)[0]
-        if magic != BLOCK_MAGIC or e != epoch or crc != zlib.crc32(head):
-            break
-        body = n * (8 + rec_bytes)
-        if off + BLOCK_HEAD + body > len(raw):
-            break
-        start = off + BLOCK_HEAD
-        bid = np.frombuffer(raw, np.int64, n, start)
-        if n and (bid.min() < 0 or bid.max() >= num_rows):
-            return Verdict("refuse", "its undo record names rows outside the table (damaged)")
-        ids.append(bid)
-        recs.append(np.frombuffer(raw, dtype, n * stride, start + 8 * n).reshape(n, stride))
-        off = start + body
-    if not ids:
-        return Verdict("apply", ids=np.empty(0, np.int64),
-                       records=np.empty((0, stride), dtype))
-    return Verdict("apply", ids=np.concatenate(ids), records=np.concatenate(recs))
+    return Verdict("apply", path=path, epoch=epoch, num_rows=num_rows, stride=stride,
+                   dtype=np.dtype(dtype))
 
 
 def discard(directory: Path) -> None:
