@@ -326,6 +326,19 @@ class _GatherRows(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@torch.compiler.disable
+def _gather_rows(emb, ids, pad, coalesced, device):
+    """``_GatherRows.apply`` for ``emb``, run eagerly under ``torch.compile``: a graph break.
+
+    The gather reads the store through numpy, which dynamo cannot trace, and dynamo cannot
+    even look at ``emb.weight``: making a fake tensor of it reads attributes that a
+    ``DiskWeight`` answers with a copy of the table (an internal error). So the weight is
+    read here, outside the traced code; the ops before and after the gather are compiled,
+    and autograd runs ``_GatherRows.backward`` as in eager mode.
+    """
+    return _GatherRows.apply(emb.weight, ids, emb._handle, pad, device, coalesced)
+
+
 class DiskEmbedding(nn.Module):
     r"""An embedding table (or bag) whose weights, m and v live in one dsa_core store.
 
@@ -799,8 +812,7 @@ class DiskEmbedding(nn.Module):
             # gather and the dense embedding backward, most of a small forward + backward
             # (figures: docs/benchmarks.md, "Torch end to end").
             ids = input.reshape(-1).to("cpu", torch.int64)
-            rows = _GatherRows.apply(self.weight, ids, self._handle, self.padding_idx,
-                                     input.device, False)
+            rows = _gather_rows(self, ids, self.padding_idx, False, input.device)
             return rows.view(*input.shape, rows.shape[-1])
         uniq, inv = torch.unique(input.reshape(-1), sorted=True, return_inverse=True)
         ids = uniq.to("cpu", torch.int64)
@@ -809,8 +821,8 @@ class DiskEmbedding(nn.Module):
             pos = int(torch.searchsorted(ids, self.padding_idx))
             if pos < ids.numel() and int(ids[pos]) == self.padding_idx:
                 pad = pos
-        rows = _GatherRows.apply(self.weight, ids, self._handle,
-                                 None if pad is None else self.padding_idx, input.device, True)
+        rows = _gather_rows(self, ids, None if pad is None else self.padding_idx, True,
+                            input.device)
         inv = inv.view(input.shape)
         if self.mode is None:
             return F.embedding(inv, rows, pad, None, 2.0, self.scale_grad_by_freq, False)
