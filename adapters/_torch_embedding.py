@@ -299,6 +299,7 @@ class _GatherRows(torch.autograd.Function):
             raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; to continue, "
                                "create a new DiskEmbedding on the same state_dir with "
                                "resume=True")
+        dsa_core.follow_threads(torch.get_num_threads())  # the gather is threaded too
         idx = ids.numpy()
         if device.type == "cuda":
             buf = torch.empty((idx.shape[0], st.dim), dtype=weight.dtype, pin_memory=True)

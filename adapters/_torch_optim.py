@@ -701,6 +701,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
         ``nonfinite="raise"``.
         """
         self._check_open()
+        # DSA's kernels take torch's thread count (torch.set_num_threads, OMP_NUM_THREADS)
+        # unless the user set DSA's own (dsa_core.set_num_threads, DSA_NUM_THREADS)
+        dsa_core.follow_threads(torch.get_num_threads())
         loss = None
         if closure is not None:
             with torch.enable_grad():
