@@ -327,6 +327,34 @@ class _GatherRows(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _ids_tensor(x, what: str) -> torch.Tensor:
+    """``x`` as an integer tensor, or a TypeError naming what came and what to pass.
+
+    Integer tensors pass as they are (``torch.long`` / ``torch.int``, as ``nn.Embedding``
+    takes). Numpy integer arrays and (nested) lists or tuples of ints are converted to a CPU
+    ``torch.long`` tensor; other tensors, arrays and objects are refused.
+    """
+    must = (f"DiskEmbedding expects integer ids as {what} (a torch.long or torch.int tensor, "
+            "a numpy integer array or a list of ints)")
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{must}, got a tensor of {x.dtype}. Convert it with "
+                            f"{what}.long()")
+        return x
+    if not isinstance(x, (np.ndarray, list, tuple)):
+        raise TypeError(f"{must}, got a {type(x).__name__}. Pass "
+                        "torch.as_tensor(ids, dtype=torch.long)")
+    came = "a numpy array" if isinstance(x, np.ndarray) else f"a {type(x).__name__}"
+    try:
+        arr = np.asarray(x)
+    except ValueError as exc:  # ragged lists
+        raise TypeError(f"{must}, got {came} that is not a rectangular array ({exc})") from None
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{must}, got {came} of {arr.dtype}. Pass integer ids (e.g. "
+                        "np.asarray(ids, dtype=np.int64))")
+    return torch.as_tensor(arr.astype(np.int64, copy=False))
+
+
 @torch.compiler.disable
 def _gather_rows(emb, ids, pad, coalesced, device):
     """``_GatherRows.apply`` for ``emb``, run eagerly under ``torch.compile``: a graph break.
@@ -799,9 +827,9 @@ class DiskEmbedding(nn.Module):
         Same arguments and output as ``nn.Embedding.forward`` / ``nn.EmbeddingBag.forward``;
         the output is on ``input``'s device.
         """
-        if input.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"DiskEmbedding expects integer ids (torch.long or torch.int), "
-                            f"got {input.dtype}")
+        input = _ids_tensor(input, "input")
+        if offsets is not None:
+            offsets = _ids_tensor(offsets, "offsets")
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("offsets and per_sample_weights are for bag modes; this "
                              "DiskEmbedding has mode=None (create it with mode='sum' or "

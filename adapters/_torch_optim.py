@@ -35,6 +35,7 @@ from ._torch_common import (
     to_host,
 )
 from ._torch_embedding import DiskWeight
+from ._torch_guard import install as _install_guard
 from ._torch_snapshots import (
     DEFAULT_KEEP,
     all_records,
@@ -397,6 +398,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
     3
     >>> opt.close()
     """
+
+    _dsa_steps_disk_weights = True  # the step guard (adapters/_torch_guard.py) skips it
+
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -1344,3 +1348,5 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 st.last_steps[...] = t
         return [t for _, t, _, _ in todo]
 
+
+_install_guard()  # torch.optim optimizers refuse DSA's objects with DSA's message
