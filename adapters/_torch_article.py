@@ -314,6 +314,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
             Accepted for compatibility; must equal ``k`` (the curvature of a store is fixed).
         """
         self._check_open()
+        dsa_core.follow_threads(torch.get_num_threads())  # as DiskSparseAdam.step
         if updates is None:
             raise TypeError("step() needs updates={name: (indices, grads)}")
         if current_k is not None:

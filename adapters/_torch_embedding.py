@@ -354,6 +354,7 @@ class _GatherRows(torch.autograd.Function):
             raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; to continue, "
                                "create a new DiskEmbedding on the same state_dir with "
                                "resume=True")
+        dsa_core.follow_threads(torch.get_num_threads())  # the gather is threaded too
         idx = ids.numpy()
         if device.type == "cuda":
             buf = torch.empty((idx.shape[0], st.dim), dtype=weight.dtype, pin_memory=True)
@@ -379,6 +380,47 @@ class _GatherRows(torch.autograd.Function):
         grad = torch.sparse_coo_tensor(ids.to(dev)[None], grad_rows.to(dev), ctx.shape,
                                        is_coalesced=ctx.coalesced, check_invariants=False)
         return grad, None, None, None, None, None
+
+
+def _ids_tensor(x, what: str) -> torch.Tensor:
+    """``x`` as an integer tensor, or a TypeError naming what came and what to pass.
+
+    Integer tensors pass as they are (``torch.long`` / ``torch.int``, as ``nn.Embedding``
+    takes). Numpy integer arrays and (nested) lists or tuples of ints are converted to a CPU
+    ``torch.long`` tensor; other tensors, arrays and objects are refused.
+    """
+    must = (f"DiskEmbedding expects integer ids as {what} (a torch.long or torch.int tensor, "
+            "a numpy integer array or a list of ints)")
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{must}, got a tensor of {x.dtype}. Convert it with "
+                            f"{what}.long()")
+        return x
+    if not isinstance(x, (np.ndarray, list, tuple)):
+        raise TypeError(f"{must}, got a {type(x).__name__}. Pass "
+                        "torch.as_tensor(ids, dtype=torch.long)")
+    came = "a numpy array" if isinstance(x, np.ndarray) else f"a {type(x).__name__}"
+    try:
+        arr = np.asarray(x)
+    except ValueError as exc:  # ragged lists
+        raise TypeError(f"{must}, got {came} that is not a rectangular array ({exc})") from None
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{must}, got {came} of {arr.dtype}. Pass integer ids (e.g. "
+                        "np.asarray(ids, dtype=np.int64))")
+    return torch.as_tensor(arr.astype(np.int64, copy=False))
+
+
+@torch.compiler.disable
+def _gather_rows(emb, ids, pad, coalesced, device):
+    """``_GatherRows.apply`` for ``emb``, run eagerly under ``torch.compile``: a graph break.
+
+    The gather reads the store through numpy, which dynamo cannot trace, and dynamo cannot
+    even look at ``emb.weight``: making a fake tensor of it reads attributes that a
+    ``DiskWeight`` answers with a copy of the table (an internal error). So the weight is
+    read here, outside the traced code; the ops before and after the gather are compiled,
+    and autograd runs ``_GatherRows.backward`` as in eager mode.
+    """
+    return _GatherRows.apply(emb.weight, ids, emb._handle, pad, device, coalesced)
 
 
 class DiskEmbedding(nn.Module):
@@ -930,9 +972,9 @@ class DiskEmbedding(nn.Module):
         Same arguments and output as ``nn.Embedding.forward`` / ``nn.EmbeddingBag.forward``;
         the output is on ``input``'s device.
         """
-        if input.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"DiskEmbedding expects integer ids (torch.long or torch.int), "
-                            f"got {input.dtype}")
+        input = _ids_tensor(input, "input")
+        if offsets is not None:
+            offsets = _ids_tensor(offsets, "offsets")
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("offsets and per_sample_weights are for bag modes; this "
                              "DiskEmbedding has mode=None (create it with mode='sum' or "
@@ -944,8 +986,7 @@ class DiskEmbedding(nn.Module):
             # gather and the dense embedding backward, most of a small forward + backward
             # (figures: docs/benchmarks.md, "Torch end to end").
             ids = input.reshape(-1).to("cpu", torch.int64)
-            rows = _GatherRows.apply(self.weight, ids, self._handle, self.padding_idx,
-                                     input.device, False)
+            rows = _gather_rows(self, ids, self.padding_idx, False, input.device)
             return self._cast(rows.view(*input.shape, rows.shape[-1]))
         uniq, inv = torch.unique(input.reshape(-1), sorted=True, return_inverse=True)
         ids = uniq.to("cpu", torch.int64)
@@ -954,8 +995,8 @@ class DiskEmbedding(nn.Module):
             pos = int(torch.searchsorted(ids, self.padding_idx))
             if pos < ids.numel() and int(ids[pos]) == self.padding_idx:
                 pad = pos
-        rows = _GatherRows.apply(self.weight, ids, self._handle,
-                                 None if pad is None else self.padding_idx, input.device, True)
+        rows = _gather_rows(self, ids, None if pad is None else self.padding_idx, True,
+                            input.device)
         inv = inv.view(input.shape)
         if self.mode is None:
             return self._cast(F.embedding(inv, rows, pad, None, 2.0, self.scale_grad_by_freq,

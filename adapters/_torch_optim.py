@@ -35,6 +35,7 @@ from ._torch_common import (
     to_host,
 )
 from ._torch_embedding import DiskWeight
+from ._torch_guard import install as _install_guard
 from ._torch_snapshots import (
     DEFAULT_KEEP,
     all_records,
@@ -398,6 +399,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
     >>> opt.close()
     """
 
+    _dsa_steps_disk_weights = True  # the step guard (adapters/_torch_guard.py) skips it
+
+
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  maximize: bool = False, *, weight_decay: float = 0.0,
@@ -701,6 +705,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
         ``nonfinite="raise"``.
         """
         self._check_open()
+        # DSA's kernels take torch's thread count (torch.set_num_threads, OMP_NUM_THREADS)
+        # unless the user set DSA's own (dsa_core.set_num_threads, DSA_NUM_THREADS)
+        dsa_core.follow_threads(torch.get_num_threads())
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1341,3 +1348,5 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 st.last_steps[...] = t
         return [t for _, t, _, _ in todo]
 
+
+_install_guard()  # torch.optim optimizers refuse DSA's objects with DSA's message

@@ -4,6 +4,7 @@
     python -m benchmarks.torch_e2e --rows 1000000 --steps 200
     python -m benchmarks.torch_e2e --rows 10000000 --dir /mnt/nvme/tmp
     python -m benchmarks.torch_e2e --device cuda --rows 1000000   # table on the GPU
+    python -m benchmarks.torch_e2e --smoke --impls torch,diskemb --compile   # torch.compile
 
 Implementations, each in its own child process (so memory readings are its own), on the
 same batches of ids (seeded) and the same loss, ``mean((emb(ids) - target)**2)``:
@@ -37,7 +38,10 @@ SparseAdam's update), ``--first-moment bfloat16`` with m stored as bfloat16
 (docs/algorithms.md §6). With ``--device cuda`` the
 table and the ids live on the GPU (ids copied from pinned memory, as a ``pin_memory`` data
 loader does) and ``xfer_ms`` is the bare cost of the step's transfers: the coalesced
-gradient (ids + rows) to pinned host memory and the new rows back, timed alone. Writes
+gradient (ids + rows) to pinned host memory and the new rows back, timed alone.
+``--compile`` runs the forward and the loss through ``torch.compile`` (default backend; a
+``DiskEmbedding``'s gather is a graph break) and labels the rows ``impl+compile``; the
+compilation falls in the warm-up steps (give at least one). Writes
 ``benchmarks/results/torch_e2e[_smoke|_cuda].{json,csv}``.
 """
 
@@ -118,12 +122,17 @@ def _worker(args) -> dict:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         opt_times = []
 
+        def loss_of(ids):
+            return ((emb(ids) - target) ** 2).mean()
+
+        if args.compile:
+            loss_of = torch.compile(loss_of)
+
         def step(ids):
             ids = torch.from_numpy(ids)
             if cuda:
                 ids = ids.pin_memory().to(dev, non_blocking=True)
-            out = emb(ids)
-            ((out - target) ** 2).mean().backward()
+            loss_of(ids).backward()
             sync()
             t = time.perf_counter()
             opt.step()
@@ -170,7 +179,8 @@ def _worker(args) -> dict:
         extra["gpu"] = torch.cuda.get_device_name(dev)
         extra["gpu_peak_mb"] = torch.cuda.max_memory_allocated(dev) / MB
     return {
-        "impl": f"{args.worker}@{args.log_share:.0%}" if log else args.worker,
+        "impl": (f"{args.worker}@{args.log_share:.0%}" if log else args.worker)
+        + ("+compile" if args.compile else ""),
         "store": kind, "rows": args.rows, "dim": args.dim, "batch": args.batch,
         "close_s": close_s,
         "steps": args.steps, "dist": args.dist,
@@ -229,6 +239,8 @@ def _child(impl: str, args, share: float = 1.0) -> dict:
         cmd.append("--predirty")
     if args.fill:
         cmd.append("--fill")
+    if args.compile:
+        cmd.append("--compile")
     cmd += ["--second-moment", args.second_moment, "--first-moment", args.first_moment]
     if args.dir:
         cmd += ["--dir", args.dir]
@@ -275,6 +287,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-mib", type=float, default=-1.0,
                     help="log stores: the most MiB of written segments kept in the page cache "
                          "(default: the engine's, one seal unit; capped by 1/8 of memory)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the forward and the loss (default backend)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--log-share", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -293,11 +307,12 @@ def main(argv=None) -> None:
                                                       "log_share": share})))
         else:
             rows.append(_child(impl, args, share))
-    ref = next((r["rows_per_s"] for r in rows if r["impl"] == "torch"), None)
+    ref = next((r["rows_per_s"] for r in rows if r["impl"].split("+")[0] == "torch"), None)
     for r in rows:
         r["ratio_vs_torch"] = r["rows_per_s"] / ref if ref else float("nan")
     print(f"forward+backward+step, {args.rows:,} x {args.dim} float32, batch {args.batch}, "
-          f"{args.steps} steps ({args.dist} ids), {args.device}")
+          f"{args.steps} steps ({args.dist} ids), {args.device}"
+          + (", torch.compile" if args.compile else ""))
     cols = ["impl", "store", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms", "opt_p50_ms",
             "written_pages_per_step", "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb",
             "build_s", "close_s"]
@@ -307,6 +322,8 @@ def main(argv=None) -> None:
     name = "torch_e2e_smoke" if args.smoke else "torch_e2e"
     if args.device != "cpu":
         name += "_" + args.device.split(":")[0]
+    if args.compile:
+        name += "_compile"
     if args.name and not args.smoke:
         name = args.name
     base = write_results(name, rows, {"machine": machine(), "args": vars(args)})

@@ -22,7 +22,7 @@ from ._files import ForkedReadError, link_files, read_json, staged_dir, write_js
 from ._layout import FORMAT_VERSION
 from ._log.store import region_memory
 from ._paging import ACCESS_MODES, check_access, paging_limits
-from ._pool import get_num_threads, set_num_threads
+from ._pool import follow_threads, get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
 from ._ranges import load_range, load_rows, release_range, release_rows, wait_ranges
 from ._state import (
@@ -78,6 +78,7 @@ __all__ = [
     "deferred_sigint",
     "flush",
     "flush_many",
+    "follow_threads",
     "gather",
     "join",
     "get_num_threads",

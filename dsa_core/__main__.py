@@ -12,6 +12,7 @@
     dsa convert SRC DEST --storage log|inplace [--memory 4GiB] [--overwrite]
                                   copy a store into a new one of the other kind
     dsa bench   [--rows N]        a quick warm benchmark of this machine
+    dsa --version                 the package version (and the store format it writes)
 
 ``info``, ``export``, ``verify`` and ``convert`` open the store read-only (no lock), so they
 can run while a training process writes to it. The count they show is the one in
@@ -589,11 +590,21 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def _version() -> str:
+    """``dsa X.Y.Z (store format vN)``: the version of the dsa_core that runs (its
+    ``__version__``, which the installed distribution's metadata also carries)."""
+    import dsa_core
+
+    return f"dsa {dsa_core.__version__} (store format v{dsa_core.FORMAT_VERSION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="dsa", description="Inspect, convert and benchmark DSA stores (out-of-core sparse "
         "Adam), in-place or log-structured. info, export, verify and convert open a store "
         "read-only, so they can run during training.")
+    ap.add_argument("--version", action="version", version=_version(),
+                    help="print the version of dsa-core (and of the store format) and exit")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     quiet = "no progress bar"
 

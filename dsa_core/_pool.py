@@ -20,18 +20,58 @@ import threading
 
 import numpy as np
 
-__all__ = ["get_num_threads", "run_chunked", "set_num_threads"]
+__all__ = ["follow_threads", "get_num_threads", "run_chunked", "set_num_threads"]
+
+
+# Where the default thread count comes from, first set wins: DSA's own variable, numba's (the
+# kernels are numba's; a job that sized numba for its share of the cores meant these too),
+# then OpenMP's (what torch, numpy's BLAS and job launchers such as torchrun set per process).
+THREAD_ENV = ("DSA_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def _cpus() -> int:
+    """The number of CPUs this process may run on (its affinity mask)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def _env_threads(name: str) -> int | None:
+    """The thread count ``name`` asks for; None if unset or empty; a warning if invalid.
+
+    An invalid value warns and is skipped (the next variable, else the CPU count, applies)
+    rather than raising: it is read when ``dsa_core`` is imported, often from a variable
+    set for another library, and an import error would stop programs that never call DSA.
+    ``OMP_NUM_THREADS`` may be a list for nested levels (``"4,2"``): its first entry counts.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    text = raw.split(",")[0].strip() if name == "OMP_NUM_THREADS" else raw.strip()
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n >= 1:
+        return n
+    import warnings
+
+    warnings.warn(f"dsa_core: {name}={raw!r} is ignored: the kernels' thread count must be "
+                  "a whole number >= 1. Set it to one (e.g. export "
+                  f"{name}=4), unset it, or call dsa_core.set_num_threads(n)",
+                  RuntimeWarning, stacklevel=2)
+    return None
 
 
 def _default_threads() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        n = os.cpu_count() or 1
-    env = os.environ.get("DSA_NUM_THREADS")
-    if env:
-        n = int(env)
-    return max(1, n)
+    """The first of :data:`THREAD_ENV` that is set, capped by the CPUs; else the CPUs."""
+    cpus = _cpus()
+    for name in THREAD_ENV:
+        n = _env_threads(name)
+        if n is not None:
+            return min(n, cpus)
+    return cpus
 
 
 class _Job:
@@ -67,10 +107,21 @@ class _Job:
 class _Pool:
     def __init__(self) -> None:
         self.threads = _default_threads()
+        # who set ``threads``: None (the default above), "env" (one of THREAD_ENV was set:
+        # DSA's or numba's variable, which the torch adapter does not override), or
+        # "explicit" (set_num_threads: nothing overrides it)
+        self.source = self._env_source()
         self._workers: list[threading.Thread] = []
         self._wake: list[threading.Event] = []
         self._job: _Job | None = None
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _env_source() -> str | None:
+        for name in THREAD_ENV[:2]:
+            if _env_threads_quiet(name) is not None:
+                return "env"
+        return None
 
     def _ensure_workers(self) -> None:
         while len(self._workers) < self.threads - 1:
@@ -117,6 +168,14 @@ class _Pool:
             raise job.error
 
 
+def _env_threads_quiet(name: str) -> int | None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _env_threads(name)
+
+
 _POOL = _Pool()
 
 
@@ -125,20 +184,44 @@ def run_chunked(fn, args: tuple, n: int, min_chunk: int = 64) -> None:
     _POOL.run(fn, args, n, min_chunk)
 
 
-def set_num_threads(n: int) -> None:
+def set_num_threads(n: int | None) -> None:
     """Run the kernels on ``n`` threads from now on (the calling thread included).
 
-    As ``numba.set_num_threads`` and ``torch.set_num_threads``. The default is the number
-    of CPUs this process may use (its affinity mask), or the environment variable
-    ``DSA_NUM_THREADS``. Results do not depend on it: each row is updated by one thread.
+    As ``numba.set_num_threads`` and ``torch.set_num_threads``. Without a call the count is
+    the first of ``DSA_NUM_THREADS``, ``NUMBA_NUM_THREADS`` and ``OMP_NUM_THREADS`` that is
+    set, at most the number of CPUs this process may use (its affinity mask), else that
+    number; an invalid value (not a whole number >= 1) warns and is skipped. The torch
+    adapter makes the count follow ``torch.get_num_threads()`` at each step unless this
+    was called (or ``DSA_NUM_THREADS`` / ``NUMBA_NUM_THREADS`` is set): an explicit count
+    wins over everything, and is not capped. ``set_num_threads(None)`` goes back to the
+    default (and to following torch). Results do not depend on it: each row is updated by
+    one thread.
     """
+    if n is None:
+        _POOL.threads = _default_threads()
+        _POOL.source = _POOL._env_source()
+        return
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"num_threads must be an int >= 1, got {n!r}")
+        raise TypeError(f"num_threads must be an int >= 1, got {n!r} (or None: back to "
+                        "the default)")
     if n < 1:
         raise ValueError(f"num_threads must be >= 1, got {n}")
     _POOL.threads = int(n)
+    _POOL.source = "explicit"
 
 
 def get_num_threads() -> int:
     """The number of threads the kernels run on (see :func:`set_num_threads`)."""
     return _POOL.threads
+
+
+def follow_threads(n: int) -> None:
+    """Set the count to ``n`` (capped by the CPUs) unless the user chose one for DSA.
+
+    For the adapters: the torch adapter calls it with ``torch.get_num_threads()`` at each
+    step, so a process given its share of the cores (``torch.set_num_threads``,
+    ``OMP_NUM_THREADS``) does not run DSA's kernels on all of them. An explicit
+    :func:`set_num_threads` or ``DSA_NUM_THREADS`` / ``NUMBA_NUM_THREADS`` wins.
+    """
+    if _POOL.source is None:
+        _POOL.threads = max(1, min(int(n), _cpus()))

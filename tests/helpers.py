@@ -38,13 +38,19 @@ KINDS = ("inplace", "log")
 # -- threads and digests -----------------------------------------------------------------------
 @contextlib.contextmanager
 def num_threads(n: int) -> Iterator[None]:
-    """Run the block with ``dsa_core.set_num_threads(n)``, then restore the old count."""
-    old = dsa_core.get_num_threads()
+    """Run the block with ``dsa_core.set_num_threads(n)``, then restore the old count.
+
+    Restored with where it came from: a count that followed torch (no explicit call) goes
+    on following it after the block.
+    """
+    from dsa_core import _pool
+
+    old = (_pool._POOL.threads, _pool._POOL.source)
     dsa_core.set_num_threads(n)
     try:
         yield
     finally:
-        dsa_core.set_num_threads(old)
+        _pool._POOL.threads, _pool._POOL.source = old
 
 
 def digest(path: Path) -> dict[str, str]:

@@ -473,3 +473,18 @@ def test_info_skips_hidden_directories(tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "holds 1 store:" in out and ".dsa-snapshots" not in out
+
+
+# -- dsa --version ------------------------------------------------------------------------------
+def test_version_prints_the_package_version(capsys):
+    import tomllib
+    from pathlib import Path
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"dsa {dsa_core.__version__} (store format v{dsa_core.FORMAT_VERSION})"
+    # the version the code carries is the one the distribution is built with
+    with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == dsa_core.__version__

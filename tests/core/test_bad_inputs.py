@@ -429,7 +429,13 @@ CASES = [
     ("emb-foreign-store", lambda e: DiskEmbedding(30, 4, state_dir=e.root / "foreign"),
      ValueError, r"is not a DSA manifest: format is 'parquet'"),
     ("emb-float-ids", lambda e: e.de(torch.tensor([1.0, 2.0])), TypeError,
-     r"DiskEmbedding expects integer ids \(torch\.long or torch\.int\), got torch\.float32"),
+     r"DiskEmbedding expects integer ids as input \(a torch\.long or torch\.int tensor, a "
+     r"numpy integer array or a list of ints\), got a tensor of torch\.float32\. Convert it "
+     r"with input\.long\(\)"),
+    ("emb-float-numpy-ids", lambda e: e.de(np.array([1.0, 2.0])), TypeError,
+     r"as input .*got a numpy array of float64\. Pass integer ids"),
+    ("emb-ragged-list-ids", lambda e: e.de([[1, 2], [3]]), TypeError,
+     r"as input .*got a list that is not a rectangular array"),
     ("emb-id-out-of-range", lambda e: e.de(torch.tensor([3, 30])), IndexError,
      r"idx must lie in \[0, num_rows\) = \[0, 30\); got 30"),
     ("emb-id-negative", lambda e: e.de(torch.tensor([-1, 3])), IndexError,

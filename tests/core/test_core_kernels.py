@@ -104,7 +104,9 @@ def test_thread_count_does_not_change_results(tmp_path, geom, dt):
 
 
 def test_set_num_threads_sets_and_checks():
-    old = dsa_core.get_num_threads()
+    from dsa_core import _pool
+
+    old = (_pool._POOL.threads, _pool._POOL.source)  # the count and who set it
     try:
         dsa_core.set_num_threads(1)
         assert dsa_core.get_num_threads() == 1
@@ -114,7 +116,7 @@ def test_set_num_threads_sets_and_checks():
             dsa_core.set_num_threads(1.5)
         assert dsa_core.get_num_threads() == 1  # a refused value changes nothing
     finally:
-        dsa_core.set_num_threads(old)
+        _pool._POOL.threads, _pool._POOL.source = old
 
 
 def test_pool_runs_every_chunk_once_and_uses_the_workers():
