@@ -63,7 +63,7 @@ _META_ATTRS = ("shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "
                "is_mps", "is_xpu", "is_quantized", "is_mkldnn", "is_nested", "ndim",
                "_version", "output_nr", "retains_grad", "_base", "names", "name", "_grad",
                "_grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize",
-               "nbytes", "_cdata")
+               "nbytes", "_cdata", "grad_dtype")
 _META_METHODS = ("dim", "ndimension", "size", "numel", "nelement", "element_size", "stride",
                  "is_floating_point", "is_complex", "is_contiguous", "get_device",
                  "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
