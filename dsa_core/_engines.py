@@ -17,6 +17,7 @@
   holding such files but no manifest is a damaged store, :func:`orphaned_files`).
 * ``read_group_ref(directory)``: the commit group its manifest names (``_group``), or None;
 * ``roll_forward(directory, payload)``: install the manifest its group committed for it.
+* ``warmup()``: compile (or load from numba's cache) the engine's own kernels.
 
 The open engines implement :class:`dsa_core._engine.Engine`.
 """
@@ -33,9 +34,16 @@ from ._log import store as log_store
 from ._files import lock_writer
 from ._layout import MANIFEST_FILE
 
-__all__ = ["ENGINES", "kind_of", "orphaned_files", "orphans_error", "remove_orphans"]
+__all__ = ["ENGINES", "kind_of", "orphaned_files", "orphans_error", "remove_orphans",
+           "warmup_engines"]
 
 ENGINES: dict[str, ModuleType] = {"inplace": inplace_store, "log": log_store}
+
+
+def warmup_engines() -> None:
+    """Every engine's own kernels compiled (``dsa_core.warmup``)."""
+    for engine in ENGINES.values():
+        engine.warmup()
 
 
 def orphaned_files(directory: Path) -> list[str]:

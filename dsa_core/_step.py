@@ -15,6 +15,7 @@ import numpy as np
 from . import _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._engine import scratch
+from ._engines import warmup_engines
 from ._intrinsics import NO_OPTIONS, WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_euclid import (
     adam_rows_euclid,
@@ -418,3 +419,4 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
         gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
     is_strictly_increasing(rows)
     bounds(rows)
+    warmup_engines()

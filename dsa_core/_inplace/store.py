@@ -943,6 +943,11 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
     return out
 
 
+def warmup() -> None:
+    """Compile the engine's own kernels (``dsa_core.warmup``): the undo file's."""
+    _undo.warmup()
+
+
 def owns_file(name: str) -> bool:
     """One of an in-place store's own files (the data file, the journal, the undo file).
     Not the data file's temporary: alone, it is what an interrupted ``create`` leaves, which

@@ -47,11 +47,14 @@ from pathlib import Path
 
 import numpy as np
 
+from numba import njit
+
 from .._coalesce import gather_rows
+from .._intrinsics import prefetch_line
 from .._layout import UNDO_FILE
 from .._pool import run_chunked
 
-__all__ = ["UndoLog", "Verdict", "boot_id", "discard", "inspect"]
+__all__ = ["UndoLog", "Verdict", "boot_id", "discard", "inspect", "warmup"]
 
 MAGIC = b"DSAUNDO1"
 BLOCK_MAGIC = b"DSAUBLK1"
@@ -83,6 +86,54 @@ def _header(boot: str, epoch: int, base: int, synced: int, flags: int) -> bytes:
 def _block_head(epoch: int, n: int) -> bytes:
     head = _BLOCK.pack(BLOCK_MAGIC, epoch, n)
     return head + struct.pack("<I", zlib.crc32(head)) + bytes(4)
+
+
+@njit(cache=True, nogil=True)
+def _unsaved(saved, rows, out):
+    """``out[:k]`` = the ``rows`` not saved yet (``saved``: a bitmap, one bit per row, as a
+    ``(bytes, 1)`` uint8 array); returns ``k``. A bit per row keeps the map 8x smaller than
+    a bool per row (125 KB per 1M rows), and each look-up is prefetched 16 rows ahead: the
+    step's records push the map out of the caches, and a plain numpy mask of bools cost 0.2
+    ms per 2048 rows at 1M rows."""
+    n = rows.shape[0]
+    k = 0
+    for i in range(n):
+        if i + 16 < n:
+            prefetch_line(saved, rows[i + 16] >> 3, 0)
+        r = rows[i]
+        if not (saved[r >> 3, 0] >> (r & 7)) & 1:
+            out[k] = r
+            k += 1
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _unsaved_range(saved, lo, hi, out):
+    """:func:`_unsaved` of the rows ``lo:hi``."""
+    k = 0
+    for r in range(lo, hi):
+        if not (saved[r >> 3, 0] >> (r & 7)) & 1:
+            out[k] = r
+            k += 1
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _mark(saved, rows):
+    """Set the bits of ``rows``."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        saved[r >> 3, 0] |= np.uint8(1 << (r & 7))
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) the undo file's kernels."""
+    bits = np.zeros((1, 1), np.uint8)
+    rows = np.arange(2, dtype=np.int64)
+    out = np.empty(2, np.int64)
+    _mark(bits, rows)
+    _unsaved(bits, rows, out)
+    _unsaved_range(bits, 0, 2, out)
 
 
 def _aligned(nbytes: int) -> mmap.mmap:
@@ -117,7 +168,8 @@ class UndoLog:
         self.base = -1
         self.end = HEADER_BYTES   # where the next block goes
         self.incomplete = False
-        self.saved: np.ndarray | None = None  # bool per row: saved in this interval
+        self.saved: np.ndarray | None = None  # bitmap (bytes, 1): saved in this interval
+        self._new = np.empty(0, np.int64)  # the rows of a batch not saved yet
         self.nsaved = 0
         self._buf: mmap.mmap | None = None   # a block: head page, ids, records
         self._page = _aligned(PAGE)          # the file header's page
@@ -157,7 +209,7 @@ class UndoLog:
         """A new interval whose blocks restore the rows to count ``base``. A header that
         cannot be written marks nothing: the interval is then incomplete (a stop refused)."""
         if self.saved is None:
-            self.saved = np.zeros(self.num_rows, np.bool_)
+            self.saved = np.zeros(((self.num_rows + 7) // 8, 1), np.uint8)
         elif self.nsaved:
             self.saved.fill(False)
         self.nsaved = 0
@@ -203,20 +255,23 @@ class UndoLog:
         (``rows``: unique ids). Before those rows change."""
         if self.incomplete or rows.shape[0] == 0:
             return
-        new = rows[~self.saved[rows]]
-        if new.shape[0]:
-            self._append(data, new)
+        if self._new.shape[0] < rows.shape[0]:
+            self._new = np.empty(max(rows.shape[0], 256), np.int64)
+        k = _unsaved(self.saved, rows, self._new)
+        if k:
+            self._append(data, self._new[:k].copy())
 
     def save_range(self, data: np.ndarray, lo: int, hi: int) -> None:
         """:meth:`save` of the rows ``lo:hi``, in bounded chunks."""
         if self.incomplete:
             return
         step = max(1, (16 << 20) // max(1, self.record_bytes))
+        out = np.empty(min(step, max(0, hi - lo)), np.int64)
         for a in range(lo, hi, step):
             b = min(hi, a + step)
-            new = a + np.flatnonzero(~self.saved[a:b])
-            if new.shape[0]:
-                self._append(data, new)
+            k = _unsaved_range(self.saved, a, b, out)
+            if k:
+                self._append(data, out[:k].copy())
             if self.incomplete:
                 return
 
@@ -252,7 +307,7 @@ class UndoLog:
         finally:
             del ids, rec, view
         self.end += BLOCK_HEAD + padded
-        self.saved[new] = True
+        _mark(self.saved, new)
         self.nsaved += n
 
     def synced(self, count: int) -> None:

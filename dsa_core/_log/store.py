@@ -530,6 +530,10 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
     return store
 
 
+def warmup() -> None:
+    """Nothing of its own to compile beyond the core's kernels (``dsa_core.warmup``)."""
+
+
 def open_store(directory: Path, mode: str, *, access: str, memory: Any,
                unclean: str) -> tuple[LogStore, int, dict[str, Any]]:
     """Open a log store at its last flush (a writer replays its commit log):

@@ -502,3 +502,39 @@ def test_unclean_argument_is_checked(tmp_path):
     make_store(tmp_path / "s", "inplace")
     with pytest.raises(ValueError, match="unclean must be one of"):
         dsa_core.open(tmp_path / "s", unclean="ignore")
+
+
+@pytest.mark.parametrize("how", ["direct", "buffered", "direct_refused_at_write"])
+def test_undo_file_either_write_path(tmp_path, monkeypatch, how):
+    """The undo file is written with O_DIRECT where the filesystem takes it, else through
+    the page cache (a filesystem without O_DIRECT, or one that opens it and refuses its
+    writes): either way a stop is put back exactly at the last flush."""
+    if how == "buffered":
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    elif how == "direct_refused_at_write":
+        real = os.pwrite
+
+        def pwrite(fd, data, off):
+            if fcntl_flags(fd) & getattr(os, "O_DIRECT", 0):
+                raise OSError(22, "Invalid argument (injected: O_DIRECT refused)")
+            return real(fd, data, off)
+        monkeypatch.setattr(undo_file.os, "pwrite", pwrite)
+    s = dsa_core.create(tmp_path / "s", N, D, progress=False, init="normal")
+    for t in range(1, 4):
+        s = dsa_core.step(s, *cw.batch(t))
+    dsa_core.flush(s)
+    at3 = all_records(s)
+    for t in range(4, 9):  # batches that share rows: each row saved once per interval
+        s = dsa_core.step(s, *cw.batch(t))
+    undo = s.store._f.undo
+    assert undo.direct == (how == "direct"), (how, undo.direct)
+    copy = snapshot_files(s.path, tmp_path / "copy")
+    back = dsa_core.open(copy)
+    assert back.count == 3 and all_records(back) == at3
+    dsa_core.close(back)
+    dsa_core.close(s)
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+    return fcntl.fcntl(fd, fcntl.F_GETFL)

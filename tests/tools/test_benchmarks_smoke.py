@@ -61,7 +61,7 @@ SMOKES = {
     "clean_sim": (["--smoke"], "clean_sim_smoke", "read_per_user"),
     "memory_budget": (["--smoke"], "memory_budget_smoke", "aged_over_base_mib"),
     "seal_tail": (["--smoke"], "seal_tail_smoke", "sealing_median_ms"),
-    "undo_cost": (["--smoke"], None, "interval5_ratio"),  # writes no result files in smoke
+    "undo_cost": (["--smoke"], None, "interval5_ms_per_step"),  # no result files in smoke
     "state_dict_disk": (["--smoke"], None, "run_dir"),  # writes no result files in smoke
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
