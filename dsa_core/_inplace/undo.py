@@ -281,8 +281,8 @@ class UndoLog:
         padded = -(-body // PAGE) * PAGE
         if self._buf is None or len(self._buf) < PAGE + padded:
             old = 0 if self._buf is None else len(self._buf)
-            if self._buf is not None:
-                self._buf.close()
+            # the old buffer is left to the garbage collector, not closed: the kernels'
+            # thread pool may still hold views of it
             self._buf = _aligned(max(PAGE + padded, 2 * old))
         buf = self._buf
         ids = np.frombuffer(buf, np.int64, n, PAGE)
@@ -332,9 +332,7 @@ class UndoLog:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self._buf is not None:
-            self._buf.close()
-            self._buf = None
+        self._buf = None  # (not closed: see _append)
 
 
 class Verdict:
