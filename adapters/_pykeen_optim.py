@@ -7,6 +7,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ._torch_embedding import DiskWeight
 from ._torch_optim import DiskSparseAdam
 
 __all__ = ["DiskAdam"]
@@ -72,6 +75,24 @@ class DiskAdam(DiskSparseAdam):
                           **{k: v for k, v in options.items() if k in _SETTINGS}}
         self._lineage = uuid.uuid4().hex
         _LIVE[self._lineage] = self
+
+    def _prepare(self, p, where: str, hp: tuple):
+        # a dense gradient here is (nearly always) a PyKEEN model built with its default
+        # Embedding tables: say so, and how to give it sparse ones, instead of SparseAdam's
+        # "please consider Adam instead" (step checks every gradient before it writes)
+        g = p.grad
+        if g is not None and g.layout == torch.strided and not isinstance(p, DiskWeight):
+            raise RuntimeError(
+                f"DiskAdam steps row-sparse gradients only, but {where} (shape "
+                f"{tuple(p.shape)}) got a dense one; nothing was written. A PyKEEN model "
+                "gives them when its tables are SparseEmbedding or DiskBackedEmbedding, which "
+                "its default Embedding tables are not: build it with "
+                "model_kwargs=dict(..., **adapters.pykeen.sparse_representations()) (weights "
+                "in RAM, m and v in state_dir) or "
+                "model_kwargs=dict(..., **adapters.pykeen.disk_representations(root)) "
+                "(weights on disk too). Models with dense parameters beside their tables "
+                "(ConvE, ConvKB, ERMLP, ...) need a dense optimizer (docs/pykeen.md)")
+        return super()._prepare(p, where, hp)
 
     def state_dict(self) -> dict[str, Any]:
         """The state dict of ``DiskSparseAdam`` (a description before the first step), with

@@ -514,3 +514,19 @@ def test_chunked_tables_train_and_evaluate_in_slices(tmp_path):
         w.norm(dim=-1), torch.ones(ent.max_id), atol=1e-6)
     assert 0 < r.get_metric("mrr") <= 1
     dsa.close(r.model, r.training_loop.optimizer)
+
+
+# -- refusals: what came, what must hold, the fix -------------------------------------------
+def test_dense_gradient_of_a_plain_model_names_the_sparse_tables(tmp_path):
+    """A PyKEEN model with its default (dense-gradient) Embedding tables: DiskAdam's message
+    names sparse_representations / disk_representations, not SparseAdam's "consider Adam"."""
+    tf = Nations().training
+    model = TransE(triples_factory=tf, embedding_dim=4, random_seed=0)
+    opt = dsa.DiskAdam(model.get_grad_params(), lr=1e-2, state_dir=tmp_path / "o")
+    model.score_hrt(tf.mapped_triples[:8]).sum().backward()
+    with pytest.raises(RuntimeError, match=r"dense.*sparse_representations\(\).*"
+                                           r"disk_representations\(root\)") as exc:
+        opt.step()
+    assert "consider Adam" not in str(exc.value)
+    assert {st.count for st in opt.stores.values()} == {0}  # nothing was written
+    opt.close()
