@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import numbers
 import os
 import sys
 from pathlib import Path
@@ -64,6 +65,26 @@ def check_torch_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any = 0.0,
     ``decoupled_weight_decay`` must be a bool (torch takes anything truthy; a flag that is
     stored in every store's manifest is checked instead).
     """
+    # torch compares these with numbers and fails on anything else with "'<' not supported
+    # between instances of 'float' and 'str'": name the argument instead. Never converted
+    # (torch refuses a string lr too; a config file's "0.01" is a mistake to fix there)
+    try:
+        pair = len(betas) == 2
+    except TypeError:
+        pair = False
+    if not pair:
+        raise TypeError(f"betas must be a pair of numbers (beta1, beta2), such as (0.9, 0.999);"
+                        f" got the {type(betas).__name__} {betas!r}")
+    for name, value in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1]),
+                        ("eps", eps), ("weight_decay", weight_decay)):
+        if not isinstance(value, (numbers.Real, torch.Tensor)):
+            fix = (f"pass {name}={float(value)!r}, a number (in a config file: without quotes),"
+                   " or convert it with float() where it is read"
+                   if isinstance(value, str) and _is_float(value) else
+                   f"pass a number as {name}")
+            raise TypeError(
+                f"{name} must be a number (a float, or a 1-element tensor), got the "
+                f"{type(value).__name__} {value!r}; torch's optimizers refuse it too: {fix}")
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
     if not 0.0 < lr:
@@ -79,6 +100,14 @@ def check_torch_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any = 0.0,
     if not isinstance(decoupled_weight_decay, (bool, np.bool_)):
         raise TypeError(f"decoupled_weight_decay must be a bool, got "
                         f"{decoupled_weight_decay!r}")
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_table_args(num_embeddings: Any, embedding_dim: Any, mode: str | None,

@@ -530,3 +530,13 @@ def test_dense_gradient_of_a_plain_model_names_the_sparse_tables(tmp_path):
     assert "consider Adam" not in str(exc.value)
     assert {st.count for st in opt.stores.values()} == {0}  # nothing was written
     opt.close()
+
+
+@pytest.mark.parametrize("kw, name", [(dict(lr="0.01"), "lr"), (dict(eps="1e-8"), "eps"),
+                                      (dict(betas=("0.9", 0.999)), r"betas\[0\]")])
+def test_a_string_hyperparameter_is_named(tmp_path, kw, name):
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    with pytest.raises(TypeError, match=rf"^{name} must be a number .*got the str '.*'.*"
+                                        r"float\(\)"):
+        dsa.DiskAdam(emb.parameters(), state_dir=tmp_path / "o", **kw)
+    assert not (tmp_path / "o").exists()  # refused before anything was created
