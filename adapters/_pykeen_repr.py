@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,33 @@ __all__ = ["DiskBackedEmbedding", "SparseEmbedding"]
 
 #: rows per chunk when a whole table is initialised, constrained or read
 CHUNK_ROWS = 1 << 16
+
+#: the store options that ``disk_representations`` / ``DiskBackedEmbedding.at`` bind
+OPTIONS = ("overwrite", "storage", "memory", "access", "max_full_rows", "chunk_rows")
+
+#: why a DiskBackedEmbedding never resumes its store, and what works instead
+NO_RESUME = (
+    "PyKEEN re-initialises a model's tables when it trains (reset_parameters_() at the start "
+    "of every train() without continue_training), which would overwrite the weights, m and v "
+    "of a resumed store before its first step. To continue an earlier run, train with "
+    "PyKEEN's checkpoints (training_kwargs=dict(checkpoint_name=...)) and rerun with "
+    "overwrite=True (disk_representations(root, overwrite=True)): PyKEEN then loads the "
+    "checkpoint's tables and moments into the new stores. To start afresh, pass "
+    "overwrite=True too, or use another directory")
+
+
+def check_options(options: Mapping[str, Any], what: str) -> None:
+    """``TypeError`` for a keyword that is not a store option (naming the known ones and the
+    nearest); ``ValueError`` for ``resume`` (see :data:`NO_RESUME`)."""
+    if "resume" in options:
+        raise ValueError(f"{what}: resume={options['resume']!r} is not supported: {NO_RESUME}")
+    bad = [k for k in options if k not in OPTIONS]
+    if bad:
+        near = difflib.get_close_matches(bad[0], OPTIONS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise TypeError(
+            f"{what}: unknown option(s) {', '.join(map(repr, bad))}{hint}; nothing was "
+            f"created. The options are {', '.join(OPTIONS)}")
 
 
 class _Touched:
@@ -170,10 +198,11 @@ class DiskBackedEmbedding(Representation):
         Directory of the store. Usually set by :func:`adapters.pykeen.disk_representations`,
         since a PyKEEN model passes its own ``*_representations_kwargs``.
     overwrite : bool, default False
-        Replace a store already at ``state_dir`` (else ``FileExistsError``). PyKEEN
-        re-initialises the model when it trains, so a store is never resumed here: to
-        continue a run, use PyKEEN's checkpoints (``training_kwargs=dict(checkpoint_name=...)``)
-        with ``overwrite=True``; the model's state dict names a snapshot of the table.
+        Replace a store already at ``state_dir`` (else ``FileExistsError``, naming what
+        works). PyKEEN re-initialises the model when it trains, so a store is never resumed
+        here (``resume=True`` raises ``ValueError``): to continue a run, use PyKEEN's
+        checkpoints (``training_kwargs=dict(checkpoint_name=...)``) with ``overwrite=True``;
+        the model's state dict names a snapshot of the table.
     storage, memory, access :
         As for ``adapters.torch.DiskEmbedding``.
     max_full_rows : int, default 2**22
@@ -206,6 +235,8 @@ class DiskBackedEmbedding(Representation):
                      ("chunk_rows", chunk_rows)):
             if v is not None:
                 opts[k] = v
+        if "resume" in kwargs:
+            check_options({"resume": kwargs.pop("resume")}, "DiskBackedEmbedding")
         if state_dir is None:
             state_dir = self.bound_state_dir
         if state_dir is None:
@@ -234,6 +265,8 @@ class DiskBackedEmbedding(Representation):
         self.width = int(math.prod(self._shape))
         # nn.Embedding draws N(0, 1) at construction; draw it too (for a table of one chunk)
         # so that torch's generator is where PyKEEN's Embedding leaves it
+        if not opts.get("overwrite", False):
+            self._refuse_existing(Path(state_dir), max_id)
         init = (torch.empty(max_id, self.width, dtype=dtype).normal_()
                 if max_id <= self.chunk_rows else "zeros")
         self.table = DiskEmbedding(
@@ -244,6 +277,23 @@ class DiskBackedEmbedding(Representation):
             seed=0)  # unused (init is given); a None would draw from torch's generator
         self._redraw = _Redraw(max_id, self.width, dtype, self.chunk_rows)
         self._touched = _Touched()
+
+    @staticmethod
+    def _refuse_existing(path: Path, max_id: int) -> None:
+        """``FileExistsError`` if a store is at ``path``: DiskEmbedding's own message would
+        say resume=True, which a PyKEEN model cannot use (:data:`NO_RESUME`)."""
+        try:
+            snap = dsa_core.open(path, mode="r", unclean="accept")
+        except Exception:  # noqa: BLE001 - no store (or a damaged one): DiskEmbedding reports
+            return
+        try:
+            found = (f"a {snap.num_rows} x {snap.dim} {snap.dtype.name} table trained "
+                     f"{snap.count} steps")
+        finally:
+            dsa_core.close(snap)
+        raise FileExistsError(
+            f"DiskBackedEmbedding({max_id} rows): state_dir {str(path)!r} already holds the "
+            f"store of an earlier run ({found}); nothing was changed. {NO_RESUME}")
 
     # -- values ---------------------------------------------------------------------------
     def _chunks(self):

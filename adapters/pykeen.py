@@ -43,7 +43,7 @@ from class_resolver.contrib.torch import optimizer_resolver
 from pykeen.nn import representation_resolver
 
 from ._pykeen_optim import DiskAdam
-from ._pykeen_repr import DiskBackedEmbedding, SparseEmbedding
+from ._pykeen_repr import DiskBackedEmbedding, SparseEmbedding, check_options
 
 __all__ = ["DiskAdam", "DiskBackedEmbedding", "SparseEmbedding", "close",
            "disk_representations", "sparse_representations"]
@@ -70,10 +70,14 @@ def disk_representations(root_dir, *, overwrite: bool = False, **options: Any) -
     The entity table's store goes to ``<root_dir>/entities`` and the relation table's to
     ``<root_dir>/relations``; then :class:`DiskAdam` needs no ``state_dir``. ``options``
     (``storage``, ``memory``, ``access``, ``max_full_rows``, ``chunk_rows``) apply to both.
+    Another keyword is refused (``TypeError``), and ``resume`` too (``ValueError``): PyKEEN
+    re-initialises the tables when it trains, so a store is continued through PyKEEN's
+    checkpoints with ``overwrite=True`` instead (docs/pykeen.md, "Stopping and resuming").
     A model with several entity (or relation) representations takes a list: pass
     ``entity_representations=[DiskBackedEmbedding.at(dir1), DiskBackedEmbedding.at(dir2)]``
     yourself.
     """
+    check_options({"overwrite": overwrite, **options}, "disk_representations")
     root = Path(root_dir)
     return {"entity_representations": at(root / "entities", overwrite=overwrite, **options),
             "relation_representations": at(root / "relations", overwrite=overwrite,
@@ -86,6 +90,7 @@ def at(state_dir, **options: Any) -> type[DiskBackedEmbedding]:
     PyKEEN models build their representations from a class and the kwargs they choose, so
     the store's place travels in the class.
     """
+    check_options(options, "DiskBackedEmbedding.at")
     return type("DiskBackedEmbedding", (DiskBackedEmbedding,),
                 {"bound_state_dir": Path(state_dir), "bound_options": dict(options),
                  "__module__": __name__})

@@ -540,3 +540,30 @@ def test_a_string_hyperparameter_is_named(tmp_path, kw, name):
                                         r"float\(\)"):
         dsa.DiskAdam(emb.parameters(), state_dir=tmp_path / "o", **kw)
     assert not (tmp_path / "o").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("make", [
+    lambda root: dsa.disk_representations(root, memroy="64MiB"),
+    lambda root: dsa.DiskBackedEmbedding.at(root, chunkrows=4)])
+def test_an_unknown_table_option_is_refused_with_the_known_ones(tmp_path, make):
+    with pytest.raises(TypeError, match=r"unknown option.*did you mean '(memory|chunk_rows)'"
+                                        r".*storage, memory, access, max_full_rows"):
+        make(tmp_path / "t")
+
+
+@pytest.mark.parametrize("make", [
+    lambda root: dsa.disk_representations(root, resume=True),
+    lambda root: dsa.DiskBackedEmbedding(max_id=4, shape=2, state_dir=root, resume=True)])
+def test_resume_is_refused_with_what_works(tmp_path, make):
+    with pytest.raises(ValueError, match=r"resume=True is not supported: PyKEEN re-initial"
+                                         r".*checkpoint_name.*overwrite=True"):
+        make(tmp_path / "t")
+    assert not (tmp_path / "t").exists()
+
+
+def test_a_rerun_on_an_existing_store_says_what_works(tmp_path):
+    dsa.DiskBackedEmbedding(max_id=4, shape=2, state_dir=tmp_path / "e").close()
+    with pytest.raises(FileExistsError, match=r"already holds the store of an earlier run "
+                                              r"\(a 4 x 2 float32 table.*overwrite=True") as e:
+        dsa.DiskBackedEmbedding.at(tmp_path / "e")(max_id=4, shape=2)
+    assert "resume" not in str(e.value).replace("resumed store", "")
