@@ -64,6 +64,9 @@ HEADER_BYTES = 4096
 PAGE = 4096  # blocks are whole pages at page offsets: O_DIRECT writes them as they are
 BLOCK_HEAD = PAGE  # a block's head has a page of its own, written after its body
 INCOMPLETE = 1  # flags: rows changed without their undo (the write failed)
+# tables of at least this many bytes write their undo file with O_DIRECT (smaller ones
+# through the page cache: a few fresh pages cost less than a synchronous disk write each)
+DIRECT_MIN_BYTES = 64 << 20
 ENABLED = True  # False: no undo file (benchmarks/undo_cost.py's A/B only; stops are refused)
 _BOOT_FILE = "/proc/sys/kernel/random/boot_id"
 
@@ -149,13 +152,14 @@ class UndoLog:
     :meth:`synced` records a flush's synced count, :meth:`discard` empties the file (a
     clean close).
 
-    Blocks are written with ``O_DIRECT`` where the filesystem takes it: straight to the
-    disk, so the undo file takes no page cache (allocating fresh page-cache pages cost 2-3x
-    more per byte on the benchmark machine, and dirty pages would press on memory and the
-    kernel's writeback); the file is overwritten in place from one interval to the next.
-    Elsewhere they go through the page cache and the file is emptied when an interval
-    begins, so that the kernel rarely writes them back. A write that returned is in the
-    page cache or the device either way: it outlives the process.
+    Blocks of tables of at least :data:`DIRECT_MIN_BYTES` are written with ``O_DIRECT``
+    where the filesystem takes it: straight to the disk, so the undo file takes no page
+    cache (allocating fresh page-cache pages cost 2-3x more per byte on the benchmark
+    machine, and dirty pages would press on memory and the kernel's writeback); the file is
+    overwritten in place from one interval to the next. Smaller tables, and filesystems
+    without ``O_DIRECT``, write through the page cache and empty the file when an interval
+    begins, so that the kernel rarely writes it back. A write that returned is in the page
+    cache or the device either way: it outlives the process.
     """
 
     def __init__(self, path: Path, num_rows: int, record_bytes: int):
@@ -177,7 +181,7 @@ class UndoLog:
 
     def _open(self) -> None:
         flags = os.O_RDWR | os.O_CREAT
-        if hasattr(os, "O_DIRECT"):
+        if hasattr(os, "O_DIRECT") and self.num_rows * self.record_bytes >= DIRECT_MIN_BYTES:
             try:
                 self.fd = os.open(self.file, flags | os.O_DIRECT, 0o644)
                 self.direct = True
