@@ -19,7 +19,8 @@ after a flush on this VM, its mapping having got fewer huge pages.) In each chil
 - ``warm``: then 64 batches stepped once and ``--steps`` timed steps cycling them (every
   row already saved in the interval: the cost is the check of which rows are new), median.
 
-Prints each child's figures and, per figure, the ratio of the medians (with / without);
+Prints each child's figures and, per figure, the ratio of the medians (with / without)
+(``--smoke`` measures both kinds in the calling process, at a tiny size);
 writes ``benchmarks/results/undo_cost.json``.
 """
 
@@ -49,6 +50,15 @@ def child(a) -> dict:
     cycled = [np.sort(rng.choice(a.rows, B, replace=False)) for _ in range(64)]
     undo_file.ENABLED = a.child == "with"
     out: dict = {"mode": a.child}
+    try:
+        _measure(a, dsa_core, rng, g, cycled, out)
+    finally:
+        undo_file.ENABLED = True  # the default again (--smoke measures in the calling process)
+    return out
+
+
+def _measure(a, dsa_core, rng, g, cycled, out: dict) -> None:
+    B, D = a.batch, a.dim
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         s = dsa_core.create(f"{tmp}/s", a.rows, D, init="uniform", init_scale=1e-3,
                             storage="inplace", progress=False)
@@ -73,7 +83,6 @@ def child(a) -> dict:
             ts.append(time.perf_counter() - t0)
         out["warm_p50_ms"] = 1e3 * float(np.median(ts))
         dsa_core.close(s)
-    return out
 
 
 def main(argv=None) -> dict:
@@ -102,9 +111,13 @@ def main(argv=None) -> dict:
     runs: dict = {"without": [], "with": []}
     for r in range(a.runs):
         for mode in (("without", "with") if r % 2 == 0 else ("with", "without")):
-            p = subprocess.run([sys.executable, "-m", "benchmarks.undo_cost", "--child", mode,
-                                *map(str, args)], capture_output=True, text=True, check=True)
-            got = json.loads(p.stdout.strip().splitlines()[-1])
+            if a.smoke:  # the code at the smallest size, in this process (no interpreter each)
+                got = child(argparse.Namespace(**{**vars(a), "child": mode}))
+            else:
+                p = subprocess.run([sys.executable, "-m", "benchmarks.undo_cost", "--child",
+                                    mode, *map(str, args)], capture_output=True, text=True,
+                                   check=True)
+                got = json.loads(p.stdout.strip().splitlines()[-1])
             runs[mode].append(got)
             print(f"run {r} {mode}: " + ", ".join(f"{k}={v:.3f}" for k, v in got.items()
                                                   if k != "mode"), flush=True)
