@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EXIT_STATUS_ON_FAILURE", "failed", "report", "store_removed", "watch",
+__all__ = ["EXIT_STATUS_ON_FAILURE", "failed", "report", "store_gone", "watch",
            "watch_group"]
 
 EXIT_STATUS_ON_FAILURE = 1
@@ -65,30 +65,28 @@ def report(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def store_removed(path: Any, lockfd: int, manifest: str = "manifest.json") -> bool:
-    """Was the store opened at ``path`` deleted since it was opened? Then its exit flush has
-    nothing to save and is no failure (``_flush_unclosed`` of both kinds).
+def store_gone(path: Any, lockfd: int, manifest: str = "manifest.json") -> str | None:
+    """Is the store opened at ``path`` still there for its exit flush (``_flush_unclosed`` of
+    both kinds)? None when its writer lock file (``lockfd``: ``writer.lock``, inside the
+    store's directory) is still linked, also when the store was moved: its flush runs, or
+    says why it failed. Once that file is unlinked (``st_nlink == 0``: the directory was
+    deleted, as ``shutil.rmtree`` or the end of a ``tempfile.TemporaryDirectory`` do):
 
-    True only when both hold:
-
-    * the writer lock file this open holds (``lockfd``: ``writer.lock``, inside the store's
-      directory) has been unlinked (``st_nlink == 0``): the store's directory was deleted,
-      as ``shutil.rmtree`` or the end of a ``tempfile.TemporaryDirectory`` do;
-    * ``path`` holds no ``manifest`` now: the path is gone, or an empty directory was made
-      there since (a new directory, even one that reuses the old inode number, holds no
-      manifest).
-
-    A store that was moved (its lock file is still linked, elsewhere) or whose manifest is
-    still at ``path`` is never taken for removed: its flush runs, or says why it failed.
+    * ``"removed"`` when ``path`` holds no ``manifest`` now (the path is gone, or an empty
+      directory was made there since, even one that reuses the old inode number): nothing
+      to save, and no failure;
+    * ``"replaced"`` when it does: another store (or this one with its lock file removed)
+      stands there, which the flush must not write into: a failure to report.
     """
     if lockfd < 0:
-        return False
+        return None
     try:
         if os.fstat(lockfd).st_nlink > 0:
-            return False
+            return None
     except OSError:  # not ours to judge: let the flush say what is wrong
-        return False
-    return not os.path.lexists(os.path.join(os.fspath(path), manifest))
+        return None
+    return "replaced" if os.path.lexists(os.path.join(os.fspath(path), manifest)) \
+        else "removed"
 
 
 def failed() -> bool:

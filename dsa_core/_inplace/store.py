@@ -204,9 +204,10 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
                                "installed nor cancelled; the next open installs it if its "
                                "group committed it")
         if f.fd >= 0 and f.count is not None:
-            if _exit.store_removed(f.path, f.lockfd):
+            gone = _exit.store_gone(f.path, f.lockfd)
+            if gone == "removed":
                 return  # the user deleted the store (a TemporaryDirectory): nothing to lose
-            if f.lockfd >= 0 and os.fstat(f.lockfd).st_nlink == 0:
+            if gone == "replaced":
                 raise RuntimeError(
                     "the store's directory was deleted while it was open and another store "
                     "now stands at its path; nothing was written into that one (the steps "
@@ -224,8 +225,8 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
             if f.undo is not None:
                 f.undo.discard()
     except Exception as exc:  # nowhere to raise to: say so (and exit non-zero, _exit)
-        if _exit.store_removed(f.path, f.lockfd):
-            return  # the user deleted the store (a TemporaryDirectory): nothing to lose
+        if _exit.store_gone(f.path, f.lockfd) == "removed":
+            return  # deleted while it flushed: nothing to lose either
         _exit.report(f"dsa_core: flushing unclosed store {str(f.path)!r} failed: {exc!r}")
     finally:
         f.release()

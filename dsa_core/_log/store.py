@@ -98,7 +98,7 @@ def _flush_unclosed(engine: log_engine.LogEngine, pid: int) -> None:
     failure is printed to stderr and makes the exit status non-zero.
 
     A store whose directory was deleted since it was opened (a ``TemporaryDirectory``
-    left without ``close``; ``_exit.store_removed``) has nothing to save: it is let go
+    left without ``close``; ``_exit.store_gone``) has nothing to save: it is let go
     without a flush and without a word -- a flush would write a partial store into an empty
     directory made at the same path since. If only its lock file was removed, or the
     directory was replaced by another holding a manifest, it is not flushed into whatever
@@ -109,11 +109,11 @@ def _flush_unclosed(engine: log_engine.LogEngine, pid: int) -> None:
     try:
         if engine.closed:
             return
-        lockfd = engine._lockfd
-        if _exit.store_removed(engine.path, lockfd, MANIFEST_FILE):
+        gone = _exit.store_gone(engine.path, engine._lockfd, MANIFEST_FILE)
+        if gone == "removed":
             engine.abandon()  # the user deleted the store: nothing to lose
             return
-        if lockfd >= 0 and os.fstat(lockfd).st_nlink == 0:
+        if gone == "replaced":
             engine.abandon()
             raise FileNotFoundError(
                 f"the writer lock file this store held was deleted since it was opened, and "
@@ -122,8 +122,8 @@ def _flush_unclosed(engine: log_engine.LogEngine, pid: int) -> None:
                 "deleting or replacing their directories")
         engine.close()  # flushes, then releases the writer lock
     except Exception as exc:  # nowhere to raise to: say so
-        if not engine.closed and _exit.store_removed(engine.path, engine._lockfd,
-                                                     MANIFEST_FILE):
+        if not engine.closed and _exit.store_gone(engine.path, engine._lockfd,
+                                                  MANIFEST_FILE) == "removed":
             engine.abandon()  # deleted while it flushed: nothing to lose either
             return
         _exit.report(f"dsa_core: flushing unclosed log store {str(engine.path)!r} failed, "
