@@ -64,14 +64,21 @@ def _env_threads(name: str) -> int | None:
     return None
 
 
-def _default_threads() -> int:
-    """The first of :data:`THREAD_ENV` that is set, capped by the CPUs; else the CPUs."""
+def _default_setting() -> tuple[int, str | None]:
+    """The default count and who set it: the first of :data:`THREAD_ENV` that is set,
+    capped by the CPUs, else the CPUs; ``"env"`` when that was DSA's or numba's variable
+    (which the torch adapter does not override), else None."""
     cpus = _cpus()
     for name in THREAD_ENV:
         n = _env_threads(name)
         if n is not None:
-            return min(n, cpus)
-    return cpus
+            return min(n, cpus), ("env" if name in THREAD_ENV[:2] else None)
+    return cpus, None
+
+
+def _default_threads() -> int:
+    """The first of :data:`THREAD_ENV` that is set, capped by the CPUs; else the CPUs."""
+    return _default_setting()[0]
 
 
 class _Job:
@@ -106,22 +113,14 @@ class _Job:
 
 class _Pool:
     def __init__(self) -> None:
-        self.threads = _default_threads()
-        # who set ``threads``: None (the default above), "env" (one of THREAD_ENV was set:
-        # DSA's or numba's variable, which the torch adapter does not override), or
-        # "explicit" (set_num_threads: nothing overrides it)
-        self.source = self._env_source()
+        # who set ``threads``: None (the default), "env" (DSA's or numba's variable, which
+        # the torch adapter does not override), or "explicit" (set_num_threads: nothing
+        # overrides it)
+        self.threads, self.source = _default_setting()
         self._workers: list[threading.Thread] = []
         self._wake: list[threading.Event] = []
         self._job: _Job | None = None
         self._lock = threading.Lock()
-
-    @staticmethod
-    def _env_source() -> str | None:
-        for name in THREAD_ENV[:2]:
-            if _env_threads_quiet(name) is not None:
-                return "env"
-        return None
 
     def _ensure_workers(self) -> None:
         while len(self._workers) < self.threads - 1:
@@ -168,14 +167,6 @@ class _Pool:
             raise job.error
 
 
-def _env_threads_quiet(name: str) -> int | None:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _env_threads(name)
-
-
 _POOL = _Pool()
 
 
@@ -198,8 +189,7 @@ def set_num_threads(n: int | None) -> None:
     one thread.
     """
     if n is None:
-        _POOL.threads = _default_threads()
-        _POOL.source = _POOL._env_source()
+        _POOL.threads, _POOL.source = _default_setting()
         return
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
         raise TypeError(f"num_threads must be an int >= 1, got {n!r} (or None: back to "
