@@ -263,7 +263,7 @@ class UndoLog:
             self._new = np.empty(max(rows.shape[0], 256), np.int64)
         k = _unsaved(self.saved, rows, self._new)
         if k:
-            self._append(data, self._new[:k].copy())
+            self._append(data, self._new[:k])
 
     def save_range(self, data: np.ndarray, lo: int, hi: int) -> None:
         """:meth:`save` of the rows ``lo:hi``, in bounded chunks."""
@@ -275,7 +275,7 @@ class UndoLog:
             b = min(hi, a + step)
             k = _unsaved_range(self.saved, a, b, out)
             if k:
-                self._append(data, out[:k].copy())
+                self._append(data, out[:k])
             if self.incomplete:
                 return
 
