@@ -195,23 +195,10 @@ def _find(entry: dict[str, Any], store_path) -> Path | None:
 
 
 # -- the snapshots a checkpoint's extra= names travel with it ----------------------------
-def _snapshot_entries(obj: Any, found: list) -> None:
-    """Every snapshot entry (``{"id", "path", "store", "count"}`` under ``"state_snapshot"``)
-    in ``obj``: a DiskEmbedding's ``_extra_state``, an optimizer manifest's params."""
-    if isinstance(obj, dict):
-        e = obj.get(SNAPSHOT_KEY)
-        if isinstance(e, dict) and "id" in e:
-            found.append(e)
-        for v in obj.values():
-            _snapshot_entries(v, found)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _snapshot_entries(v, found)
-
-
 def _rewrite(obj: Any, fix) -> Any:
-    """``obj`` with every snapshot entry replaced by ``fix(entry)``; containers that hold
-    one are shallow-copied (an ``OrderedDict`` keeps its ``_metadata``), nothing of the
+    """``obj`` with every snapshot entry (``{"id", "path", "store", "count"}`` under
+    ``"state_snapshot"``: a DiskEmbedding's ``_extra_state``, an optimizer manifest's
+    params) replaced by ``fix(entry)``; containers that hold one are shallow-copied (an ``OrderedDict`` keeps its ``_metadata``), nothing of the
     caller's is modified, tensors are shared."""
     if isinstance(obj, dict):
         new = None
@@ -240,7 +227,7 @@ def carry_plan(extra: Any, what: str) -> tuple[Any, list[tuple[str, Path]]]:
     ``ValueError`` (nothing is written). ``extra`` itself is not modified.
     """
     entries: list = []
-    _snapshot_entries(extra, entries)
+    _rewrite(extra, lambda e: entries.append(e) or e)  # (a fix that changes nothing)
     plan: dict[str, Path] = {}
     for e in entries:
         sid = str(e.get("id", ""))
