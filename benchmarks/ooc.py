@@ -76,8 +76,7 @@ from ._common import (
     write_results,
 )
 
-MEMCAP_CANDIDATES = [Path(__file__).resolve().parents[2] / "shared" / "tools" / "memcap",
-                     Path(__file__).resolve().parents[1] / "shared" / "tools" / "memcap"]
+MEMCAP_CANDIDATES = [Path(__file__).resolve().parent / "memcap.sh"]  # the repo's own cgroup cap
 
 
 # -- the store ---------------------------------------------------------------------------------
