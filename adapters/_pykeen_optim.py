@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._pykeen_repr import write_pending
 from ._torch_embedding import DiskWeight
 from ._torch_optim import DiskSparseAdam
 
@@ -55,6 +56,10 @@ class DiskAdam(DiskSparseAdam):
     ``state_dict()`` before any step is a description of the stores (nothing to snapshot:
     they hold zeros); after steps it snapshots them as ``DiskSparseAdam``'s does, so
     PyKEEN's checkpoints (``training_kwargs=dict(checkpoint_name=...)``) restore them.
+    A :class:`adapters.pykeen.DiskBackedEmbedding` table whose reset is not written yet
+    (docs/pykeen.md, "Writes before the first step") is written before ``step``,
+    ``checkpoint``, ``load_checkpoint``, ``load_state_dict`` and a snapshotting
+    ``state_dict``, so none of them sees or keeps its zeros, and no load is undone by it.
     Arguments: those of ``DiskSparseAdam``.
     """
 
@@ -94,10 +99,26 @@ class DiskAdam(DiskSparseAdam):
                 "(ConvE, ConvKB, ERMLP, ...) need a dense optimizer (docs/pykeen.md)")
         return super()._prepare(p, where, hp)
 
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def step(self, closure=None):  # noqa: D102 - DiskSparseAdam's
+        write_pending(self._params())  # nothing to write after a forward (which writes it)
+        return super().step(closure)
+
+    def checkpoint(self, dest_dir, **kwargs) -> Path:  # noqa: D102 - DiskSparseAdam's
+        write_pending(self._params())
+        return super().checkpoint(dest_dir, **kwargs)
+
+    def load_checkpoint(self, src_dir) -> dict[str, Any]:  # noqa: D102 - DiskSparseAdam's
+        write_pending(self._params())  # else the pending reset would overwrite what it loads
+        return super().load_checkpoint(src_dir)
+
     def state_dict(self) -> dict[str, Any]:
         """The state dict of ``DiskSparseAdam`` (a description before the first step), with
         the constructor's settings and this optimizer's token in its first param group."""
         if any(st.count for st in self.stores.values()):
+            write_pending(self._params())
             sd = super().state_dict()
         else:
             sd = self._describe()
@@ -108,6 +129,7 @@ class DiskAdam(DiskSparseAdam):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``DiskSparseAdam``'s; the settings a state dict carries are not group keys."""
+        write_pending(self._params())
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for k in (*_SETTINGS, LINEAGE_KEY):

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import functools
 import math
+import os
+import sys
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,11 +24,13 @@ from pykeen.nn.representation import (
     process_max_id,
     process_shape,
 )
+from pykeen.utils import compose
 
 import dsa_core
 
 from ._storage import STORAGE_DEFAULT
-from ._torch_embedding import DiskEmbedding
+from ._torch_common import SharedState, close_quietly
+from ._torch_embedding import DiskEmbedding, DiskWeight
 
 __all__ = ["DiskBackedEmbedding", "SparseEmbedding"]
 
@@ -120,6 +128,234 @@ class _Redraw(torch.nn.Module):
         return torch.empty(hi - lo, self.width, dtype=self.dtype).normal_()
 
 
+# the modules whose initializers draw from torch's global generator only, so that drawing
+# again from a saved state of it gives the same rows (PyKEEN's and torch's own)
+_REPLAYABLE_MODULES = ("torch.nn.init", "torch.nn.functional", "pykeen.nn.init")
+
+
+def replays(initializer: Any) -> bool:
+    """Whether ``initializer`` gives the same rows when called again from the same state of
+    torch's global generator: a ``PretrainedInitializer`` (no draws), an initializer of
+    PyKEEN's or ``torch.nn.init`` (also bound to keywords by PyKEEN's resolver, without a
+    ``generator`` of its own), or PyKEEN's composition of them. Any other callable may draw
+    from elsewhere (numpy, its own generator), so its reset is written at once."""
+    if isinstance(initializer, PretrainedInitializer):
+        return True
+    if isinstance(initializer, functools.partial):
+        return "generator" not in initializer.keywords and replays(initializer.func)
+    if isinstance(initializer, compose):
+        return all(map(replays, initializer.operations))
+    return callable(initializer) and getattr(initializer, "__module__", None) in \
+        _REPLAYABLE_MODULES
+
+
+def _chunks(rows: int, chunk_rows: int):
+    for lo in range(0, rows, chunk_rows):
+        yield lo, min(rows, lo + chunk_rows)
+
+
+def _write_rows(state: dsa_core.State, ids: np.ndarray, rows: torch.Tensor, *,
+                fresh: bool) -> None:
+    """Write weight rows ``rows`` of ``ids``; ``fresh``: zero their moments as well."""
+    st = state.store
+    rec = (np.zeros((ids.shape[0], int(st.layout["stride"])), st.dtype) if fresh
+           else dsa_core.read_records(state, ids))
+    o = int(st.layout["w"])
+    rec[:, o:o + st.dim] = rows.detach().cpu().numpy()
+    dsa_core.write_records(state, ids, rec)
+
+
+class _Init:
+    """How a DiskBackedEmbedding's rows start: its initializer, chunk by chunk.
+
+    Holds no module, so a reset waiting to be written (:class:`_Pending`) can outlive the
+    representation (it is written when the store closes, at garbage collection too).
+    """
+
+    def __init__(self, max_id: int, chunk_rows: int, shape: tuple[int, ...], width: int,
+                 dtype: torch.dtype, is_complex: bool, initializer: Any):
+        self.max_id, self.chunk_rows, self.shape, self.width = max_id, chunk_rows, shape, width
+        self.dtype, self.is_complex, self.initializer = dtype, is_complex, initializer
+
+    def chunks(self):
+        return _chunks(self.max_id, self.chunk_rows)
+
+    def rows(self, lo: int, hi: int, normal: torch.Tensor | None = None) -> torch.Tensor:
+        """The initial rows ``lo:hi`` (flat, ``(hi - lo, width)``), drawn from torch's
+        generator as PyKEEN's Embedding draws them: its ``N(0, 1)`` (``normal``, else drawn
+        here) handed to the initializer; a ``PretrainedInitializer`` is sliced."""
+        if isinstance(self.initializer, PretrainedInitializer):
+            x = self.initializer.tensor[lo:hi]  # the rows a whole-table call returns
+            if x.is_complex():
+                x = torch.view_as_real(x)
+            x = x.to(self.dtype)
+        else:
+            if normal is None:
+                normal = torch.empty(hi - lo, self.width, dtype=self.dtype).normal_()
+            x = self.initializer(normal.view(hi - lo, *self.shape))
+        return x.reshape(hi - lo, self.width)
+
+
+class _Pending:
+    """A reset not written yet: the state of torch's generator when it was drawn, and the
+    constrainer to apply after it (the model's ``post_parameter_update`` of every row)."""
+
+    def __init__(self, init: _Init, rng: torch.Tensor):
+        self.init, self.rng = init, rng
+        self.constrainer = None
+
+    def write(self, state: dsa_core.State) -> None:
+        """Draw the reset's rows again from the saved generator state and write them (fresh
+        moments); torch's generator is left where it was."""
+        init, now = self.init, torch.get_rng_state()
+        torch.set_rng_state(self.rng)
+        try:
+            with torch.no_grad():
+                for lo, hi in init.chunks():
+                    x = init.rows(lo, hi).to(init.dtype)  # as the eager reset stores them
+                    if self.constrainer is not None:
+                        x = _constrain(self.constrainer, x, init.shape, init.is_complex,
+                                       init.width)
+                    _write_rows(state, np.arange(lo, hi, dtype=np.int64), x, fresh=True)
+        finally:
+            torch.set_rng_state(now)
+
+
+class _Handle(SharedState):
+    """The shared State of a DiskBackedEmbedding's table, with the reset waiting to be written
+    (``pending``): flushing or closing the store writes it first, whoever does it (the
+    module, the optimizer, garbage collection; at interpreter exit :func:`_write_at_exit`).
+    Only the process that built the table writes it: a forked child (a DataLoader worker)
+    never writes its parent's store, also not when it exits."""
+
+    __slots__ = ("pending", "pid")
+
+    def __init__(self, state: dsa_core.State):
+        super().__init__(state)
+        self.pending: _Pending | None = None
+        self.pid = os.getpid()
+        _HANDLES.add(self)
+
+    def write_pending(self) -> None:
+        """Write the pending reset, if any (then flush: the first rows are durable)."""
+        p = self.pending
+        if p is None or self.closed:
+            return
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                f"the table at {str(self.state.path)!r} has not been written since its last "
+                f"reset, and only the process that built it (pid {self.pid}) writes it; this "
+                f"one (pid {os.getpid()}) was forked from it. Read or flush the table "
+                "(rep.flush()) before forking")
+        p.write(self.state)
+        self.pending = None
+        dsa_core.flush(self.state)
+
+    def flush(self) -> None:
+        self.write_pending()
+        super().flush()
+
+    def close(self) -> None:
+        try:
+            if os.getpid() == self.pid:
+                self.write_pending()
+        finally:
+            super().close()
+
+
+_HANDLES: weakref.WeakSet[_Handle] = weakref.WeakSet()  # every table's, for the exit
+
+
+def _write_at_exit() -> None:
+    """Write the pending resets of the tables nobody closed, at interpreter exit.
+
+    It must run before dsa_core's exit-time flush of unclosed stores, which leaves their
+    files closed (a ``weakref.finalize`` at exit runs after it: too late). Both hooks are
+    ``threading._register_atexit`` callbacks, which run newest first, and dsa_core, imported
+    before this module, registered its own at import. A failure is printed (nowhere to
+    raise to); the table then keeps its zeros, at step 0.
+    """
+    for h in list(_HANDLES):
+        if h.pid != os.getpid():  # a forked child's copy: its parent writes it
+            continue
+        try:
+            h.write_pending()
+        except BaseException as exc:  # noqa: BLE001 - at exit: say so, go on
+            print(f"adapters.pykeen: the first rows of {str(h.state.path)!r} could not be "
+                  f"written at exit ({exc!r}); the store holds zeros at step 0",
+                  file=sys.stderr, flush=True)
+
+
+try:
+    threading._register_atexit(_write_at_exit)
+except (AttributeError, RuntimeError):  # pragma: no cover - another Python, or at shutdown
+    atexit.register(_write_at_exit)
+
+
+def _written_first(method):
+    """``method`` of DiskEmbedding, after the table's pending reset is written."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self._handle.write_pending()
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
+class _Weight(DiskWeight):
+    """The table's stand-in weight: reading its values writes a pending reset first."""
+
+    def _dsa_table(self) -> torch.Tensor:
+        h = self._dsa_handle
+        if isinstance(h, _Handle):
+            h.write_pending()
+        return super()._dsa_table()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        if type(out) is DiskWeight and isinstance(out._dsa_handle, _Handle):  # .data
+            out = _Weight(out._dsa_handle, out.dtype, out.device, what=out._dsa_what,
+                          readable=out._dsa_readable, requires_grad=False)
+        return out
+
+
+class _Table(DiskEmbedding):
+    """The DiskEmbedding of a DiskBackedEmbedding: its store's rows may wait for a pending
+    reset (:class:`_Handle`), which every read, save, load, flush and close writes first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._finalizer.detach()
+        self._handle = _Handle(self._handle.state)
+        self._finalizer = weakref.finalize(self, close_quietly, [self._handle])
+        w = self.weight
+        self.weight = _Weight(self._handle, w.dtype, w.device, requires_grad=w.requires_grad)
+
+    def _get_name(self) -> str:  # in a model's repr
+        return "DiskEmbedding"
+
+    store = property(_written_first(DiskEmbedding.store.fget),
+                     doc=DiskEmbedding.store.__doc__)
+    forward = _written_first(DiskEmbedding.forward)
+    weight_rows = _written_first(DiskEmbedding.weight_rows)
+    to_tensor = _written_first(DiskEmbedding.to_tensor)
+    export = _written_first(DiskEmbedding.export)
+    checkpoint = _written_first(DiskEmbedding.checkpoint)
+    load_checkpoint = _written_first(DiskEmbedding.load_checkpoint)
+    get_extra_state = _written_first(DiskEmbedding.get_extra_state)
+    _save_to_state_dict = _written_first(DiskEmbedding._save_to_state_dict)
+    _load_from_state_dict = _written_first(DiskEmbedding._load_from_state_dict)
+    close = _written_first(DiskEmbedding.close)  # raises what the write raises (gc: quiet)
+
+
+def write_pending(params) -> None:
+    """Write the pending reset of every DiskBackedEmbedding table among ``params``."""
+    for p in params:
+        h = getattr(p, "_dsa_handle", None) if isinstance(p, DiskWeight) else None
+        if isinstance(h, _Handle):
+            h.write_pending()
+
+
 class SparseEmbedding(Embedding):
     """PyKEEN's :class:`~pykeen.nn.representation.Embedding` with row-sparse gradients.
 
@@ -190,7 +426,9 @@ class DiskBackedEmbedding(Representation):
     PyKEEN's Embedding, in the same order (the ``nn.Embedding``'s ``N(0, 1)`` at construction
     and at each reset, then the initializer), so a same-seeded pipeline starts from the same
     weights; a larger table draws per chunk, from the same distribution (PyKEEN's
-    initializers depend on the row shape only; a ``PretrainedInitializer`` is sliced).
+    initializers depend on the row shape only; a ``PretrainedInitializer`` is sliced), and
+    its reset is written when the table is first read, saved or closed (see
+    :meth:`reset_parameters`), so that ``pipeline()``'s two resets write it once.
 
     Parameters (beyond Embedding's)
     -------------------------------
@@ -269,7 +507,7 @@ class DiskBackedEmbedding(Representation):
             self._refuse_existing(Path(state_dir), max_id)
         init = (torch.empty(max_id, self.width, dtype=dtype).normal_()
                 if max_id <= self.chunk_rows else "zeros")
-        self.table = DiskEmbedding(
+        self.table = _Table(
             max_id, self.width, state_dir=state_dir, init=init, dtype=dtype,
             overwrite=bool(opts.get("overwrite", False)),
             storage=opts.get("storage", STORAGE_DEFAULT), memory=opts.get("memory"),
@@ -296,38 +534,38 @@ class DiskBackedEmbedding(Representation):
             f"store of an earlier run ({found}); nothing was changed. {NO_RESUME}")
 
     # -- values ---------------------------------------------------------------------------
-    def _chunks(self):
-        for lo in range(0, self.max_id, self.chunk_rows):
-            yield lo, min(self.max_id, lo + self.chunk_rows)
-
-    def _write_weights(self, ids: np.ndarray, rows: torch.Tensor, *, fresh: bool) -> None:
-        """Write weight rows ``rows`` of ``ids``; ``fresh``: zero their moments as well."""
-        st = self.table.store
-        rec = (np.zeros((ids.shape[0], int(st.layout["stride"])), st.dtype) if fresh
-               else dsa_core.read_records(st, ids))
-        o = int(st.layout["w"])
-        rec[:, o:o + st.dim] = rows.detach().cpu().numpy()
-        dsa_core.write_records(st, ids, rec)
-
     def reset_parameters(self) -> None:
-        """Initialise every row with the initializer and restart its m, v and step count."""
-        h = self.table.weight._dsa_handle
+        """Initialise every row with the initializer and restart its m, v and step count.
+
+        A table of more than ``chunk_rows`` rows whose initializer replays (see
+        :func:`replays`) is not written here: torch's generator is advanced past the draws
+        (made and dropped, chunk by chunk), and the rows are drawn again from the saved
+        generator state and written when the table is first read, saved, flushed or closed.
+        A second reset before that replaces the first, so ``pipeline()`` (which resets the
+        model when it is built and again when it trains) writes the table once.
+        """
+        h = self.table._handle
+        if h.closed:
+            raise RuntimeError(f"DiskBackedEmbedding store {str(h.state.path)!r} is closed")
+        h.pending = None  # an earlier reset still pending is never written
         if h.state.count:  # the moments of the old weights must go with them
             h.state = dsa_core.set_count(h.state, 0)
-        for lo, hi in self._chunks():
-            ids = np.arange(lo, hi, dtype=np.int64)
-            if isinstance(self.initializer, PretrainedInitializer):
-                x = self.initializer.tensor[lo:hi]  # the rows a whole-table call returns
-                if x.is_complex():
-                    x = torch.view_as_real(x)
-                x = x.to(self.table.weight.dtype)
-            else:
+        init = _Init(self.max_id, self.chunk_rows, self._shape, self.width,
+                     self.table.weight.dtype, self.is_complex, self.initializer)
+        if self.max_id > self.chunk_rows and replays(init.initializer):
+            rng = torch.get_rng_state()
+            for lo, hi in init.chunks():
+                init.rows(lo, hi)  # drawn and dropped: the generator moves on as it would
+            h.pending = _Pending(init, rng)
+        else:
+            for lo, hi in init.chunks():
                 # PyKEEN's model reset first re-draws the nn.Embedding's N(0, 1) weights and
                 # hands them to the initializer: the same draw here (per chunk)
-                x = self.initializer(self._redraw.take(lo, hi).view(hi - lo, *self._shape))
-            x = x.reshape(hi - lo, self.width)
-            self._write_weights(ids, x, fresh=True)
-        self.table.flush()
+                x = init.rows(lo, hi, None if isinstance(init.initializer,
+                                                         PretrainedInitializer)
+                              else self._redraw.take(lo, hi))
+                _write_rows(h.state, np.arange(lo, hi, dtype=np.int64), x, fresh=True)
+            self.table.flush()
         self._touched.add(None)  # the model's post_parameter_update constrains every row
 
     def _plain_forward(self, indices: torch.Tensor | None = None) -> torch.Tensor:  # noqa: D102
@@ -356,8 +594,13 @@ class DiskBackedEmbedding(Representation):
         ids = self._touched.take()
         if self.constrainer is None:
             return
+        pending = self.table._handle.pending
+        if pending is not None and ids is None:  # after a reset: constrained when written
+            pending.constrainer = self.constrainer
+            return
         if ids is None:
-            spans = [np.arange(lo, hi, dtype=np.int64) for lo, hi in self._chunks()]
+            spans = [np.arange(lo, hi, dtype=np.int64)
+                     for lo, hi in _chunks(self.max_id, self.chunk_rows)]
         else:
             idx = ids.numpy()
             spans = [idx[i:i + self.chunk_rows] for i in range(0, idx.shape[0],
@@ -367,7 +610,7 @@ class DiskBackedEmbedding(Representation):
                 rows = self.table.weight_rows(idx)
                 new = _constrain(self.constrainer, rows, self._shape, self.is_complex,
                                  self.width)
-                self._write_weights(idx, new, fresh=False)
+                _write_rows(self.table._handle.state, idx, new, fresh=False)
 
     # -- life cycle -----------------------------------------------------------------------
     @property
@@ -390,4 +633,4 @@ class DiskBackedEmbedding(Representation):
 
     def iter_extra_repr(self):  # noqa: D102
         yield from super().iter_extra_repr()
-        yield f"state_dir={str(self.table.store.path)!r}"
+        yield f"state_dir={str(self.table._handle.state.path)!r}"

@@ -57,6 +57,7 @@ SMOKES = {
     "record_checks": (["--smoke"], "record_checks_smoke", "rows_per_s"),
     "warm_step": (["--smoke"], None, "p50_ms"),  # prints its median only  # writes no result files in smoke
     "pykeen_parity": (["--smoke"], "pykeen_parity_smoke", "max_abs_dw"),
+    "pykeen_ooc": (["--smoke"], "pykeen_ooc_smoke", "first_step_s"),
     "write_path": (["--smoke"], "write_path_smoke", "ms_per_mib"),
     "clean_sim": (["--smoke"], "clean_sim_smoke", "read_per_user"),
     "memory_budget": (["--smoke"], "memory_budget_smoke", "aged_over_base_mib"),
@@ -69,6 +70,7 @@ WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "log_warm": "--workdir", "options_cost": "--workdir", "decay_quality": "--workdir",
            "record_checks": "--workdir", "distributed": "--dir", "torch_e2e": "--dir",
            "durability": "--dir", "group_flush": "--dir", "pykeen_parity": "--workdir",
+           "pykeen_ooc": "--workdir",
            "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
            "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir"}
 
@@ -110,7 +112,7 @@ def bench_env(tmp_path, monkeypatch):
 def test_benchmark_smoke(name, bench_env, tmp_path, capsys):
     if name == "jax_overhead":
         pytest.importorskip("jax")
-    if name == "pykeen_parity":  # the pykeen extra
+    if name in ("pykeen_parity", "pykeen_ooc"):  # the pykeen extra
         pytest.importorskip("pykeen")
     if name == "warm":  # geoopt's import warns (torch.jit.script is deprecated): not ours
         pytest.importorskip("geoopt")

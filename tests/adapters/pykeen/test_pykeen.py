@@ -10,6 +10,9 @@
 * The optimizer rebuild of PyKEEN's training loop: the old optimizer is closed (never two
   writers), a second train() starts afresh as SparseAdam does, continue_training goes on.
 * PyKEEN's checkpoints resume a run exactly.
+* A table of several chunks waits for its first read to write a reset, so pipeline() writes it
+  once, with the weights of the same run whose resets are written at once; every read, save,
+  load, close, garbage collection and the interpreter's exit write a pending reset first.
 * Process ends of the PyKEEN path: a forgotten close flushes (weights, constraints, counts),
   Ctrl-C leaves a store that opens cleanly, kill -9 after a flush keeps every flushed step,
   on both store kinds (one child: the entity table in place, the relation table a log store).
@@ -35,6 +38,7 @@ pytest.importorskip("pykeen")
 import torch  # noqa: E402
 from pykeen.datasets import Nations  # noqa: E402
 from pykeen.models import TransE  # noqa: E402
+from pykeen.nn.init import init_phases, xavier_uniform_, xavier_uniform_norm_  # noqa: E402
 from pykeen.pipeline import pipeline  # noqa: E402
 from pykeen.training import SLCWATrainingLoop  # noqa: E402
 
@@ -312,6 +316,10 @@ CHILD = textwrap.dedent("""
         for fd, name in ((0, os.devnull), (1, root + "/out"), (2, root + "/err")):
             os.dup2(os.open(name, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT), fd)
     tf = Nations().training
+    if mode == "pending":  # built (its resets waiting for a first read), never read or closed
+        model = TransE(triples_factory=tf, embedding_dim=8, random_seed=0,
+                       **dsa.disk_representations(root + "/t", chunk_rows=4))
+        raise SystemExit  # the interpreter exits: the tables are written then
     torch.manual_seed(0)
     # both store kinds in one run: the entity table in place, the relation table a log store
     model = TransE(triples_factory=tf, embedding_dim=8,
@@ -469,15 +477,19 @@ def test_kill9_keeps_every_flushed_step(tmp_path, child):
 
 
 # -- PyKEEN's checkpoints -------------------------------------------------------------------
-@pytest.mark.parametrize("tables", [pytest.param("ram", marks=pytest.mark.slow), "disk"])
+@pytest.mark.parametrize("tables", [pytest.param("ram", marks=pytest.mark.slow), "disk",
+                                    "chunked"])
 def test_pykeen_checkpoint_resumes_exactly(tmp_path, tables):
     """A run stopped after 1 epoch and resumed from PyKEEN's checkpoint (a new model and a new
     DiskAdam, the stores overwritten, then the checkpoint's state dicts loaded) ends where an
-    uninterrupted run ends; the resumed run's other seed proves it did not start over."""
+    uninterrupted run ends; the resumed run's other seed proves it did not start over.
+    ``chunked``: tables of several chunks, whose reset waits for the first read: the load
+    writes it first, so it never overwrites what the checkpoint brought back."""
     def run(sub, epochs, seed, ck):
         root = tmp_path / sub
-        if tables == "disk":
-            reps, okw = dsa.disk_representations(root / "t", overwrite=True), {}
+        if tables in ("disk", "chunked"):
+            opts = {"chunk_rows": 4} if tables == "chunked" else {}
+            reps, okw = dsa.disk_representations(root / "t", overwrite=True, **opts), {}
         else:
             reps, okw = dsa.sparse_representations(), {"state_dir": root / "o", "overwrite": True}
         train = dict(TRAIN, num_epochs=epochs)
@@ -514,6 +526,241 @@ def test_chunked_tables_train_and_evaluate_in_slices(tmp_path):
         w.norm(dim=-1), torch.ones(ent.max_id), atol=1e-6)
     assert 0 < r.get_metric("mrr") <= 1
     dsa.close(r.model, r.training_loop.optimizer)
+
+
+# -- the table written once: a reset waits for the first read --------------------------------
+def _eagerly(f):
+    """``f`` as an initializer that does not replay (a function of this module): its reset
+    is written at once, as every reset was before resets waited for the first read."""
+    return lambda x: f(x)
+
+
+EAGER = {"TransE": dict(entity_initializer=_eagerly(xavier_uniform_),
+                        relation_initializer=_eagerly(xavier_uniform_norm_)),
+         "RotatE": dict(entity_initializer=_eagerly(xavier_uniform_),
+                        relation_initializer=_eagerly(init_phases))}
+NO_PROBE = dict(automatic_memory_optimization=False)  # no sub-batch probe (docs/pykeen.md)
+
+
+class _Writes(dict):
+    """Rows written to each store (by its directory's name) by ``dsa_core.write_records``
+    (resets and constraints; steps write through ``dsa_core.step``) before the first step of
+    a DiskAdam since :meth:`clear`."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.stepped = False
+        write, step = dsa_core.write_records, dsa.DiskAdam.step
+
+        def counted(state, idx, records):
+            if not self.stepped:
+                self[state.path.name] = self.get(state.path.name, 0) + len(idx)
+            return write(state, idx, records)
+
+        def first_step(opt, closure=None):
+            self.stepped = True
+            return step(opt, closure)
+
+        monkeypatch.setattr(dsa_core, "write_records", counted)
+        monkeypatch.setattr(dsa.DiskAdam, "step", first_step)
+
+    def clear(self):
+        super().clear()
+        self.stepped = False
+
+
+@pytest.mark.parametrize("model", ["TransE", "RotatE"])
+def test_pipeline_writes_a_chunked_table_once_with_the_same_weights(tmp_path, monkeypatch,
+                                                                    model):
+    """pipeline() resets the model when it builds it and again when it trains; tables of
+    several chunks are written once, at the first read (TransE's entity table constrained in
+    the same pass), and end with the weights, MRR and Hits@10 of the same run whose resets
+    are written at once (initializers that do not replay; before, every initializer's
+    were): two writes of each table (two resets), four of a constrained one (TransE's entity
+    and RotatE's relation table: a constraint after each reset)."""
+    rows = _Writes(monkeypatch)
+    out = {}
+    for how in ("deferred", "eager"):
+        rows.clear()
+        r = pipeline(dataset="Nations", model=model, random_seed=0,
+                     model_kwargs=dict(embedding_dim=8, **(EAGER[model] if how == "eager"
+                                                           else {}),
+                                       **dsa.disk_representations(tmp_path / how,
+                                                                  chunk_rows=4)),
+                     optimizer=dsa.DiskAdam, optimizer_kwargs=dict(lr=1e-2),
+                     training_kwargs=dict(TRAIN, num_epochs=1),
+                     training_loop_kwargs=NO_PROBE, evaluation_kwargs=EVAL)
+        out[how] = dict(rows), _tables(r.model), r.get_metric("mrr"), r.get_metric("hits@10")
+        dsa.close(r.model, r.training_loop.optimizer)
+    n_ent, n_rel = Nations().num_entities, Nations().num_relations
+    assert out["deferred"][0] == {"entities": n_ent, "relations": n_rel}
+    assert out["eager"][0] == {"entities": (4 if model == "TransE" else 2) * n_ent,
+                               "relations": (2 if model == "TransE" else 4) * n_rel}
+    assert all(torch.equal(a, b) for a, b in zip(out["deferred"][1], out["eager"][1]))
+    assert out["deferred"][2:] == out["eager"][2:]
+
+
+def _reps(model) -> tuple:
+    return (*model.entity_representations, *model.relation_representations)
+
+
+def _transe(root: Path, eager: bool = False):
+    kw = EAGER["TransE"] if eager else {}
+    return TransE(triples_factory=Nations().training, embedding_dim=8, random_seed=0, **kw,
+                  **dsa.disk_representations(root, chunk_rows=4))
+
+
+def _on_disk(rep) -> torch.Tensor:
+    """The rows in the store, read past the representation (which would write them)."""
+    st = rep.table._handle.state
+    return torch.from_numpy(dsa_core.gather(st, np.arange(st.num_rows)))
+
+
+def _first_rows(tmp: Path) -> list[torch.Tensor]:
+    """The rows each table of ``_transe`` starts from, written at once."""
+    model = _transe(tmp / "eager", eager=True)
+    out = [_on_disk(rep) for rep in _reps(model)]
+    dsa.close(model)
+    return out
+
+
+def _stores(root: Path, names=("entities", "relations")) -> list[torch.Tensor]:
+    out = []
+    for name in names:
+        st = dsa_core.open(root / name, mode="r")
+        try:
+            out.append(torch.from_numpy(dsa_core.gather(st, np.arange(st.num_rows))))
+        finally:
+            dsa_core.close(st)
+    return out
+
+
+def _read(model, how: str, tmp: Path) -> list[torch.Tensor]:
+    """Read, save or close ``model`` (its resets pending) in the way ``how``; returns each
+    table's rows as that way gives them."""
+    reps = _reps(model)
+    if how == "forward":
+        return [rep(torch.arange(rep.max_id)).detach() for rep in reps]
+    if how == "weight_rows":
+        return [rep.weight_rows(np.arange(rep.max_id)) for rep in reps]
+    if how == "weight":  # a value read of the stand-in weight (a copy of the table)
+        return [rep.table.weight.detach().clone() for rep in reps]
+    if how == "weight.data":
+        return [rep.table.weight.data * 1 for rep in reps]
+    if how == "to_tensor":
+        return [rep.table.to_tensor() for rep in reps]
+    if how == "export":
+        return [torch.from_numpy(np.load(rep.table.export(tmp / f"{i}.npy")))
+                for i, rep in enumerate(reps)]
+    if how == "state_dict":  # small tables: their rows are in the state dict
+        sd = model.state_dict()
+        return [sd[k] for k in ("entity_representations.0.table.weight",
+                                "relation_representations.0.table.weight")]
+    if how == "checkpoint":
+        for i, rep in enumerate(reps):
+            rep.table.checkpoint(tmp / "ck" / ("entities", "relations")[i])
+        return _stores(tmp / "ck")
+    if how == "optimizer checkpoint":
+        opt = dsa.DiskAdam(model.get_grad_params(), lr=1e-2)
+        opt.checkpoint(tmp / "ock")
+        opt.close()
+        return _stores(tmp / "ock", ("group0_param0", "group0_param1"))  # by position
+    if how == "flush":
+        for rep in reps:
+            rep.flush()
+        return [_on_disk(rep) for rep in reps]
+    if how == "close":
+        dsa.close(model)
+        return _stores(tmp / "t")
+    raise AssertionError(how)
+
+
+WAYS = ["forward", "weight_rows", "weight", "weight.data", "to_tensor", "export",
+        "state_dict", "checkpoint", "optimizer checkpoint", "flush", "close"]
+
+
+@pytest.mark.parametrize("how", WAYS)
+def test_a_pending_reset_is_written_before_anything_reads_or_keeps_the_rows(tmp_path, how):
+    """A built model's tables (several chunks each) hold zeros until their first read; every
+    way to read, save or close them writes them first, with the rows a reset written at once
+    gives (TransE's entity table constrained)."""
+    first = _first_rows(tmp_path)
+    model = _transe(tmp_path / "t")
+    assert all(not _on_disk(rep).any() for rep in _reps(model))
+    got = _read(model, how, tmp_path)
+    for a, b in zip(got, first):
+        assert torch.equal(a.reshape(b.shape), b), how
+    if how != "close":  # written to the store, not only handed out
+        assert all(torch.equal(_on_disk(rep), b) for rep, b in zip(_reps(model), first))
+    assert torch.allclose(first[0].norm(dim=-1), torch.ones(first[0].shape[0]))
+    dsa.close(model)
+
+
+@pytest.mark.parametrize("how", ["model.load_state_dict", "table.load_checkpoint",
+                                 "optimizer.load_checkpoint", "optimizer.load_state_dict"])
+def test_a_load_is_never_undone_by_a_pending_reset(tmp_path, how):
+    """Rows loaded into tables whose reset is pending stay: the reset is written before the
+    load, not over it at the next read."""
+    a = _transe(tmp_path / "a")
+    want = [rep.weight_rows(np.arange(rep.max_id)) for rep in _reps(a)]
+    torch.manual_seed(1)
+    b = TransE(triples_factory=Nations().training, embedding_dim=8,  # other first rows
+               **dsa.disk_representations(tmp_path / "b", chunk_rows=4))
+    if how == "model.load_state_dict":
+        b.load_state_dict(a.state_dict())
+    elif how == "table.load_checkpoint":
+        for i, (x, y) in enumerate(zip(_reps(a), _reps(b))):
+            y.table.load_checkpoint(x.table.checkpoint(tmp_path / f"ck{i}"))
+    else:
+        opt_a = dsa.DiskAdam(a.get_grad_params(), lr=1e-2)
+        opt_b = dsa.DiskAdam(b.get_grad_params(), lr=1e-2)
+        if how == "optimizer.load_checkpoint":
+            opt_b.load_checkpoint(opt_a.checkpoint(tmp_path / "ock"))
+        else:  # a state dict of a stepped optimizer names snapshots of its stores
+            a.score_hrt(torch.tensor([[0, 0, 1]])).sum().backward()
+            opt_a.step()
+            want = [rep.weight_rows(np.arange(rep.max_id)) for rep in _reps(a)]
+            opt_b.load_state_dict(opt_a.state_dict())
+        opt_a.close()
+        opt_b.close()
+    got = [rep(torch.arange(rep.max_id)).detach() for rep in _reps(b)]
+    assert all(torch.equal(x.reshape(y.shape), y) for x, y in zip(got, want))
+    dsa.close(a)
+    dsa.close(b)
+
+
+def test_a_pending_reset_is_written_at_garbage_collection(tmp_path):
+    first = _first_rows(tmp_path)
+    _transe(tmp_path / "t")  # dropped at once
+    gc.collect()
+    assert all(torch.equal(a, b) for a, b in zip(_stores(tmp_path / "t"), first))
+
+
+def test_a_pending_reset_is_written_at_exit(tmp_path, child):
+    """A model whose tables (several chunks) were never read nor closed: the interpreter's
+    exit writes them, with the rows a reset written at once gives."""
+    first = _first_rows(tmp_path)
+    proc = child("pending")
+    assert proc.wait() == 0, proc.err()
+    assert all(torch.equal(a, b) for a, b in zip(_stores(tmp_path / "t"), first))
+
+
+def test_replaying_initializers():
+    """The initializers whose reset waits for the first read: PyKEEN's and torch's (also
+    bound to keywords, and PyKEEN's compositions), and pretrained tensors; anything else,
+    or a generator of its own, is written at once."""
+    import functools
+
+    from pykeen.nn.init import PretrainedInitializer, xavier_normal_norm_
+
+    from adapters._pykeen_repr import replays
+
+    assert replays(xavier_uniform_) and replays(torch.nn.init.normal_)
+    assert replays(xavier_normal_norm_) and replays(init_phases)
+    assert replays(functools.partial(torch.nn.init.normal_, std=0.1))
+    assert replays(PretrainedInitializer(torch.zeros(3, 2)))
+    assert not replays(functools.partial(torch.nn.init.normal_, generator=torch.Generator()))
+    assert not replays(_eagerly(xavier_uniform_)) and not replays(None)
 
 
 # -- refusals: what came, what must hold, the fix -------------------------------------------
