@@ -64,6 +64,8 @@ SMOKES = {
     "seal_tail": (["--smoke"], "seal_tail_smoke", "sealing_median_ms"),
     "undo_cost": (["--smoke"], None, "interval5_ms_per_step"),  # no result files in smoke
     "state_dict_disk": (["--smoke"], None, "run_dir"),  # writes no result files in smoke
+    # every measure once; without a cgroup or a compiler it falls back (and says so)
+    "guard": (["--smoke"], "guard_smoke_last", "ratio"),
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
@@ -72,7 +74,8 @@ WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "durability": "--dir", "group_flush": "--dir", "pykeen_parity": "--workdir",
            "pykeen_ooc": "--workdir",
            "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
-           "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir"}
+           "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir",
+           "guard": "--workdir"}
 
 
 @pytest.fixture
@@ -171,3 +174,44 @@ def test_buckets_quality_smoke(bench_env, tmp_path, capsys):
     orders = {line.split(",")[lines[0].split(",").index("order")] for line in lines[1:]}
     # + the KG arms, with PyKEEN; bucket_pool: the library's default negatives (a pool)
     assert {"random", "bucket", "bucket_mixed", "bucket_pool", "bucket_no_hints"} <= orders
+
+
+def test_guard_compare_flags_what_fell():
+    """The guard's comparison, nothing timed: a ratio more than 10% below the reference's is
+    SLOWER (10% exactly is not), I/Os per row 10% above it MORE I/O, a failed measure
+    FAILED; rows without an anchor compare their values and are never flagged; a measure
+    the reference lacks, or no reference at all, has nothing to compare with."""
+    from benchmarks.guard import _row, compare, table
+
+    reference = {"rows": [
+        _row("warm", 3.0e6, "rows/s", 3.0e6, "memory probe", 1.0),
+        _row("torch 100%", 9e5, "rows/s", 3e5, "SparseAdam", 3.0),
+        _row("ooc", 9e4, "rows/s", 1e5, "drive QD256", 0.95),
+        _row("random I/O", 1.0, "I/Os per row", ratio=1.0),
+        _row("drive QD256", 9e4, "reads/s"),
+        _row("random", 5e4, "rows/s", 1e5, "drive QD256", 0.5)]}
+
+    def rows():
+        return [_row("warm", 2.6e6, "rows/s", 3.0e6, "memory probe", 0.85),  # -15%
+                _row("torch 100%", 8.1e5, "rows/s", 3e5, "SparseAdam", 2.7),  # -10% exactly
+                _row("ooc", 9.9e4, "rows/s", 1e5, "drive QD256", 0.99),  # faster
+                _row("random I/O", 1.2, "I/Os per row", ratio=1.2),  # +20% I/Os
+                _row("drive QD256", 4.5e4, "reads/s"),  # the drive at half: a value, no flag
+                _row("torch 25%", 4e5, "rows/s", 3e5, "SparseAdam", 1.33),  # not in the ref
+                {**_row("random", None, ""), "error": "random child failed"}]
+
+    got = {r["measure"]: r for r in compare(rows(), reference)}
+    assert {m: r["flag"] for m, r in got.items()} == {
+        "warm": "SLOWER", "torch 100%": "", "ooc": "", "random I/O": "MORE I/O",
+        "drive QD256": "", "torch 25%": "", "random": "FAILED"}
+    assert got["warm"]["reference"] == 1.0 and abs(got["warm"]["change"] + 0.15) < 1e-12
+    assert abs(got["ooc"]["change"] - (0.99 / 0.95 - 1)) < 1e-12
+    assert got["drive QD256"]["reference"] == 9e4 and got["drive QD256"]["change"] == -0.5
+    assert got["torch 25%"]["reference"] is None and got["torch 25%"]["change"] is None
+    text = table(list(got.values()))
+    for word in ("SLOWER", "MORE I/O", "FAILED", "-15.0%", "-50.0% (value)"):
+        assert word in text, text
+    # no reference: nothing flagged but the failure
+    alone = compare(rows(), None)
+    assert [r["flag"] for r in alone] == [""] * 6 + ["FAILED"]
+    assert all(r["reference"] is None for r in alone)
