@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from crash_server import CrashServer
 
 import dsa_core
+from helpers import assert_snapshot_files
 
 REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
@@ -180,7 +181,7 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
                 stats["no checkpoint yet"] += 1
                 continue
             if mode == "ckpt":
-                assert sorted(os.listdir(dest)) == ["manifest.json", "rows.dsa"]
+                assert_snapshot_files(dest)
                 snap = dsa_core.open(dest, mode="r")
             else:
                 snap = check_torch_checkpoint(dest)
@@ -370,7 +371,7 @@ def test_kill_at_each_point_of_a_checkpoint(server, tmp_path, point, at, expect)
     if expect is None:
         assert not dest.exists()
         return
-    assert sorted(os.listdir(dest)) == ["manifest.json", "rows.dsa"]
+    assert_snapshot_files(dest)
     snap = dsa_core.open(dest, mode="r")
     assert snap.count == expect
     ref = Replay(tmp_path / "ref").to(expect)

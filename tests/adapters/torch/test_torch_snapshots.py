@@ -327,6 +327,16 @@ def cut_copy(action):
     return copy_file
 
 
+def cut_delta(action):
+    """A stand-in for ``dsa_core._inplace.snapshots._write_delta`` (an in-place snapshot on
+    an earlier one: the rows changed since) that writes the first half of the delta file,
+    then calls ``action()``."""
+    def write_delta(path, data, rows, count):
+        Path(path).write_bytes(np.ascontiguousarray(data[rows]).tobytes()[:rows.shape[0] // 2])
+        action()
+    return write_delta
+
+
 def commit_cut(action):
     """A stand-in for ``dsa_core._files.commit_dir``: the staged snapshot is complete
     (manifest written, fsync'd), ``action()`` strikes before its rename."""
@@ -338,10 +348,12 @@ def commit_cut(action):
 def patch_cut(where: str, action) -> None:
     """Make the next snapshot stop at ``where`` ("copy" or "commit") with ``action``."""
     from dsa_core import _files
+    from dsa_core._inplace import snapshots as _snapshots
     from dsa_core._inplace import store as _store
     from dsa_core._log import commit
     if where == "copy":  # the copies of the in-place engine's and the log engine's snapshots
-        _store.copy_file = commit.copy_file = cut_copy(action)
+        _store.copy_file = commit.copy_file = _snapshots.copy_file = cut_copy(action)
+        _snapshots._write_delta = cut_delta(action)  # an in-place snapshot on an earlier one
     else:
         _files.commit_dir = commit_cut(action)
 
@@ -458,6 +470,7 @@ def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     """KeyboardInterrupt inside opt.state_dict(): the staged directory is removed, no
     snapshot appears, the stores train on, earlier state dicts load, later ones are taken."""
     from dsa_core import _files
+    from dsa_core._inplace import snapshots as _snapshots
     from dsa_core._inplace import store as _store
     from dsa_core._log import commit
     emb, lin, opt, sched = build(tmp_path, kind)
@@ -469,7 +482,8 @@ def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     def interrupt():
         raise KeyboardInterrupt
 
-    for mod, name in ((_store, "copy_file"), (commit, "copy_file"), (_files, "commit_dir")):
+    for mod, name in ((_store, "copy_file"), (commit, "copy_file"), (_files, "commit_dir"),
+                      (_snapshots, "copy_file"), (_snapshots, "_write_delta")):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # undone at the end of the test
     patch_cut(where, interrupt)
     with pytest.raises(KeyboardInterrupt):
