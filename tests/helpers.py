@@ -68,10 +68,11 @@ def digest(path: Path) -> dict[str, str]:
 def assert_snapshot_files(dest: Path) -> str:
     """``dest`` holds exactly the files of a complete in-place snapshot, each checking out
     (``dsa verify``'s file checks): ``"plain"`` (``rows.dsa``) or ``"chain"`` (``base.dsa``
-    and the deltas its manifest names). Returns which."""
+    and the deltas its manifest names), and the writer lock if it was ever opened for
+    writing. Returns which."""
     from dsa_core._inplace import store as inplace
 
-    names = sorted(os.listdir(dest))
+    names = sorted(n for n in os.listdir(dest) if n != "writer.lock")
     checked = inplace.check_files(Path(dest))
     assert [p for _, p, _ in checked if p is not None] == [], checked
     if names == ["manifest.json", "rows.dsa"]:

@@ -229,8 +229,8 @@ def _base_check(directory: Path, name: str, layout: dict[str, Any]) -> None:
             head = f.read(HEADER_BYTES)
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
-        raise _chain_error(directory, name, "(the base, a full copy of the table) is "
-                           "missing") from None
+        raise _chain_error(directory, name, "is missing (the chain's base: the table at "
+                           "an earlier count)") from None
     _, on_disk, _ = _layout.parse_header(path, head)
     if on_disk != layout:
         raise _chain_error(directory, name, f"holds another table (header layout {on_disk})")

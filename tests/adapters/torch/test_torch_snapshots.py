@@ -629,3 +629,43 @@ def test_best_pt_of_a_large_table_says_why_it_is_gone(tmp_path, kind):
     assert snapshot_of(opt) == before
     opt.close()
     emb.close()
+
+
+def test_in_place_state_dicts_and_checkpoints_share_the_table(tmp_path):
+    """Five epochs of model + optimizer state dicts and checkpoints of a large in-place
+    DiskEmbedding take the table about once on disk (each snapshot after the first: a chain
+    on the last one, the rows changed since), not a copy per snapshot; the oldest checkpoint
+    and the newest state dict still restore exactly."""
+    rows = 20_000
+    emb = DiskEmbedding(rows, D, state_dir=tmp_path / "run" / "emb", seed=1, storage="inplace")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    at = []
+    for e in range(5):
+        for _ in range(2):
+            emb(torch.randint(0, rows, (64,), generator=gen)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save({"model": emb.state_dict(), "optim": opt.state_dict()},
+                   tmp_path / f"sd{e}.pt")
+        opt.checkpoint(tmp_path / "ckpts" / f"ep{e}", extra={"model": emb.state_dict()})
+        st = stores(opt)[0]
+        at.append((st.count, dsa_core.read_records(st, np.arange(rows)).tobytes()))
+    table = (tmp_path / "run" / "emb" / "rows.dsa").stat().st_size
+    seen, used = set(), 0
+    for d in (tmp_path / "run" / SNAP, tmp_path / "ckpts"):  # the live store not counted
+        for dp, _, files in os.walk(d):
+            for f in files:
+                s = os.lstat(os.path.join(dp, f))
+                if (s.st_dev, s.st_ino) not in seen:
+                    seen.add((s.st_dev, s.st_ino))
+                    used += s.st_blocks * 512
+    assert used < 1.5 * table, (used, table)  # a copy per snapshot: 20 tables
+    emb.load_state_dict(torch.load(tmp_path / "sd4.pt", weights_only=True)["model"])
+    st = stores(opt)[0]
+    assert (st.count, dsa_core.read_records(st, np.arange(rows)).tobytes()) == at[4]
+    opt.load_checkpoint(tmp_path / "ckpts" / "ep0")
+    st = stores(opt)[0]
+    assert (st.count, dsa_core.read_records(st, np.arange(rows)).tobytes()) == at[0]
+    opt.close()
+    emb.close()
