@@ -764,19 +764,21 @@ def flush(state: State) -> None:
 def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = False) -> Path:
     """Write a consistent snapshot of the store to ``dest``; training may go on afterwards.
 
-    Flushes the live store, copies its data file (reflink where the filesystem supports it),
-    writes the manifest with the current count and hyperparameters, fsyncs both and renames
-    the directory into place: a ``kill -9`` at any moment leaves either no ``dest`` or a
-    complete one. ``dsa_core.open(dest)`` resumes from it exactly. Replacing an existing
-    snapshot needs ``overwrite=True`` (swapped atomically where the filesystem allows).
-    ``state`` must be current (see :func:`flush`).
+    Flushes the live store, writes its rows (see below) and the manifest with the current
+    count and hyperparameters, fsyncs them and renames the directory into place: a ``kill
+    -9`` at any moment leaves either no ``dest`` or a complete one. ``dsa_core.open(dest)``
+    resumes from it exactly. Replacing an existing snapshot needs ``overwrite=True``
+    (swapped atomically where the filesystem allows). ``state`` must be current (see
+    :func:`flush`).
 
-    By default a snapshot may share disk blocks with the live store: an in-place store's
-    data file is reflinked where the filesystem can, a log store's segments (immutable
-    files) are hard-linked. That makes a checkpoint cheap, but a block damaged on disk is
-    then damaged in both (``dsa verify`` on the checkpoint reports it). ``copy=True``
-    writes a full copy instead, which shares no blocks with the store (costs a read and a
-    write of the whole store).
+    By default a snapshot may share disk blocks with the live store or with earlier
+    snapshots: a log store's segments (immutable files) are hard-linked; an in-place store's
+    data file is reflinked where the filesystem can, else the snapshot is the last one this
+    writer took (its files hard-linked) plus the rows changed since, or a full copy
+    (docs/storage.md, "Snapshots that share disk"). That makes a checkpoint cheap, but a
+    block damaged on disk is then damaged in each (``dsa verify`` on the checkpoint reports
+    it). ``copy=True`` writes a full copy instead, which shares no blocks with anything
+    (costs a read and a write of the whole store).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())

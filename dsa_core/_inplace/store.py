@@ -17,6 +17,11 @@ those records back when the undo file was written on this boot, and so reopens e
 the last flush; after a power cut or a reboot (or without a usable undo file) ``open``
 refuses it (:class:`UncleanStopError`) unless told ``unclean="accept"``. A store never
 closed is flushed when it is garbage-collected or at interpreter exit (:func:`_flush_unclosed`).
+
+Snapshots (:meth:`Store.checkpoint`): a reflink where the filesystem can, else a chain on the
+writer's last snapshot (its files hard-linked and a delta of the rows changed since, which the
+undo file's bitmaps tell) or a full copy; the rules, the files and the reading of a chain are
+in ``snapshots.py``. A writer's open of a snapshot first gives it a data file of its own.
 """
 
 from __future__ import annotations
@@ -1033,8 +1038,8 @@ def warmup() -> None:
 
 def owns_file(name: str) -> bool:
     """One of an in-place store's own files (the data file, the journal, the undo file, a
-    snapshot chain's base and deltas). Not the data file's temporary: alone, it is what an interrupted ``create`` leaves, which
-    the next ``create`` replaces."""
+    snapshot chain's base and deltas). Not the data file's temporary: alone, it is what an
+    interrupted ``create`` leaves, which the next ``create`` replaces."""
     return name in (DATA_FILE, JOURNAL_FILE, UNDO_FILE) or _snapshots.is_chain_file(name)
 
 
