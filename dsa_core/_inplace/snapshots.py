@@ -36,14 +36,15 @@ next snapshot is a full copy.
 
 Which snapshot a new one builds on (:func:`write`): the last one this store object wrote, if
 its files are still there, unchanged (same inode, size and mtime) and not open for writing
-(checked before and after they are linked).
-The new delta takes in the newest deltas of the chain that are not larger than it (their
-rows, with their current records), so each delta is larger than the next: a chain holds at
-most about log2(table / delta) deltas and a row is rewritten that many times at most. The
-rebase rule: when the chain's deltas would take more bytes than the data file, the snapshot is
-a full copy instead, the base of the chains after it. A full copy is then paid for by at
-least a table's worth of deltas before it: a snapshot costs O(rows changed since the last
-one), amortized.
+(checked before and after they are linked). Up to :data:`MERGE_FROM` deltas a chain only
+grows (the kept snapshots share every delta); from then on a new delta takes in the newest
+deltas of the chain that are not larger than it (their rows, with their current records),
+and at :data:`MAX_DELTAS` the newest one whatever its size: a chain never holds more than
+:data:`MAX_DELTAS` deltas, and merging writes a changed row again at most about log2(table /
+delta) times. The rebase rule: when the chain's deltas would take more bytes than the data
+file, the snapshot is a full copy instead, the base of the chains after it. A full copy is
+then paid for by at least a table's worth of deltas before it: a snapshot costs O(rows
+changed since the last one), amortized.
 
 Opening a chain read-only (:func:`load` then :func:`apply` or :func:`build_temp`): every
 delta's header and checksum is checked first (a damaged or missing file is refused with an
@@ -88,6 +89,8 @@ DELTA_HEAD = 64
 _DELTA_NAME = re.compile(r"delta-(\d+)\.dsa")
 _CHUNK = 16 << 20  # bytes of records gathered, written or checksummed at a time
 PRIVATE_SHARE = 4  # a read-only open keeps a chain's changed pages in memory up to 1/4 of it
+MERGE_FROM = 4     # a chain of this many deltas: a new one takes in the newest not larger
+MAX_DELTAS = 16    # a chain of this many deltas: a new one takes in the newest, whatever its size
 
 
 class ChainError(ValueError):
@@ -573,13 +576,16 @@ def _chain(store, tracker: Tracker, last: Last, tmp: Path, manifest: dict[str, A
     rec_bytes = store.stride * store.dtype.itemsize
     new = tracker.changed()
     keep = list(last.deltas)
+
+    def merge() -> np.ndarray:  # the chain's newest delta into the new one (rows as now)
+        old = _read_delta(last.path, keep.pop(), store.layout)
+        return np.union1d(new, old.ids)
     if new.shape[0]:
-        # the newest deltas not larger than the new one go into it (their rows, as now)
-        while keep and keep[-1]["rows"] <= new.shape[0]:
-            old = _read_delta(last.path, keep[-1], store.layout)
-            new = np.union1d(new, old.ids)
-            del old
-            keep.pop()
+        if len(keep) >= MAX_DELTAS:
+            new = merge()
+        if len(keep) >= MERGE_FROM:
+            while keep and keep[-1]["rows"] <= new.shape[0]:
+                new = merge()
     delta_bytes = sum(e["rows"] for e in keep) * (8 + rec_bytes)
     if new.shape[0]:
         delta_bytes += new.shape[0] * (8 + rec_bytes) + DELTA_HEAD

@@ -165,20 +165,35 @@ def test_deleting_moving_and_copying_snapshots_leaves_the_rest_whole(tmp_path):
 
 
 def test_the_rebase_rule_and_merged_deltas(tmp_path):
-    """Small deltas merge into earlier ones no larger (a chain stays short: 40 snapshots of
-    one row each leave at most ~log2(40) deltas); a delta that would make the chain's deltas
-    larger than the table makes a full copy instead, the base of the chains after it."""
+    """A chain grows by one delta per snapshot up to MERGE_FROM deltas (the kept snapshots
+    share them all); then a new delta takes in the newest ones no larger than it (40
+    snapshots of one row each leave a few deltas), and at MAX_DELTAS the newest whatever its
+    size (deltas that shrink: the chain stops at MAX_DELTAS). A delta that would make the
+    chain's deltas larger than the table makes a full copy instead, the base of the chains
+    after it. Every snapshot opens exactly."""
     rng = np.random.default_rng(3)
     s = make(tmp_path / "live")
     dsa_core.checkpoint(s, tmp_path / "c0")
-    last = None
+    lengths = []
     for i in range(1, 41):
         s = dsa_core.step(s, [int(rng.integers(0, N))], np.ones((1, D), np.float32))
         last = dsa_core.checkpoint(s, tmp_path / f"c{i}")
-    assert assert_snapshot_files(last) == "chain"
-    sizes = [e["rows"] for e in chain_of(last)["deltas"]]
-    assert len(sizes) <= 6 and sizes == sorted(sizes, reverse=True), sizes
+        lengths.append(len(chain_of(last)["deltas"]))
+    assert lengths[:snaps.MERGE_FROM] == list(range(1, snaps.MERGE_FROM + 1))
+    assert lengths[snaps.MERGE_FROM] == 1 and max(lengths) <= 6, lengths  # all merged, then
     assert_opens_as(last, s.count, records(s))
+    for i in range(1, 41, 7):
+        count = json.loads((tmp_path / f"c{i}" / "manifest.json").read_text())["count"]
+        assert count == i
+    # shrinking deltas never merge by size: the chain grows to MAX_DELTAS, no further
+    lengths = []
+    for i in range(1, snaps.MAX_DELTAS + 4):
+        rows = rng.choice(N, 200 - 5 * i, replace=False)
+        s = dsa_core.step(s, rows, np.ones((rows.shape[0], D), np.float32))
+        last = dsa_core.checkpoint(s, tmp_path / f"d{i}")
+        lengths.append(len(chain_of(last)["deltas"]))
+        assert_opens_as(last, s.count, records(s))
+    assert max(lengths) == snaps.MAX_DELTAS, lengths
     # more than the table changes: a full copy, then chains on it again
     s = dsa_core.step(s, np.arange(N), np.ones((N, D), np.float32))
     full = dsa_core.checkpoint(s, tmp_path / "full")
