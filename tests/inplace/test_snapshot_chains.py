@@ -496,3 +496,21 @@ def test_kill_9_while_a_delta_is_written(server, tmp_path):
     np.testing.assert_array_equal(records(s).view(np.uint32), records(ref).view(np.uint32))
     dsa_core.close(s)
     dsa_core.close(ref)
+
+
+def test_links_refused_make_a_full_copy(tmp_path, monkeypatch):
+    """Where the last snapshot's files cannot be linked (another filesystem: EXDEV, too many
+    links: EMLINK) the snapshot is a full copy, exact, and the staged directory holds no
+    half-made chain."""
+    rng = np.random.default_rng(11)
+    s = train(make(tmp_path / "live"), rng)
+    dsa_core.checkpoint(s, tmp_path / "a")
+    s = train(s, rng)
+
+    def refuse(src, dst, *a, **k):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(snaps.os, "link", refuse)
+    b = dsa_core.checkpoint(s, tmp_path / "b")
+    assert assert_snapshot_files(b) == "plain"
+    assert_opens_as(b, s.count, records(s))
+    dsa_core.close(s)
