@@ -597,8 +597,9 @@ class DiskEmbedding(nn.Module):
     ``model.load_state_dict(torch.load(f))`` bring the table (weights, m, v, step count)
     back to exactly that point, while the snapshot is kept (the newest ``keep_snapshots``;
     :meth:`release_snapshots`). A log store's snapshot is cheap (hard links to its
-    immutable segments, a copy of its index); an in-place store's copies its data file (a
-    reflink where the filesystem supports it, else the whole table). The optimizer's
+    immutable segments, a copy of its index); an in-place store's reflinks its data file
+    where the filesystem supports it, else links its last snapshot's files and writes the
+    rows changed since (a full copy the first time). The optimizer's
     ``state_dict()`` snapshots this table too (its own snapshots). With
     ``keep_snapshots=0`` the state dict is only a description: loading one whose step
     count differs from the store's is refused (it would claim rows the store no longer

@@ -343,8 +343,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
     snapshotted and the manifest names the snapshot, so ``torch.save(opt.state_dict(), f)``
     and, later or in a new process, ``opt.load_state_dict(torch.load(f))`` restore exactly
     that point. A log store's snapshot is cheap (hard links to its immutable segments and a
-    copy of its index); an in-place store's is a copy of its data file (a reflink where the
-    filesystem supports it, else the whole table). ``keep_snapshots`` (default 3)
+    copy of its index); an in-place store's is a reflink of its data file where the
+    filesystem supports it, else its last snapshot's files linked and the rows changed since
+    (a full copy the first time). ``keep_snapshots`` (default 3)
     snapshots per store are kept, older ones deleted when a new state dict is taken;
     :meth:`release_snapshots` deletes them on request. With ``keep_snapshots=0`` a state
     dict is only a description: m and v keep moving with training, so
@@ -1046,11 +1047,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
         exactly this point (rows, m, v, counts, param groups) while the snapshot is kept
         (the newest ``keep_snapshots`` per store, see :meth:`release_snapshots`). The kind
         sets only the cost: a log store links its immutable segments and copies its index
-        (small); an in-place store copies its data file (a reflink where the filesystem
-        supports it, else the whole table: about the time of reading and writing it once,
-        and that much disk per kept snapshot). With ``keep_snapshots=0`` no snapshot is
-        taken: the state dict describes the stores *now*, and after further steps
-        :meth:`load_state_dict` refuses it.
+        (small); an in-place store reflinks its data file where the filesystem supports it,
+        else links the files of its last snapshot and writes the rows changed since (the
+        first snapshot after an open, and one whose deltas would outgrow the table, is a
+        full copy: about the time of reading and writing it once). With
+        ``keep_snapshots=0`` no snapshot is taken: the state dict describes the stores
+        *now*, and after further steps :meth:`load_state_dict` refuses it.
         """
         sd = self._describe()
         if self._keep_snapshots:

@@ -6,9 +6,10 @@ state dict cannot hold the rows (they are the table), so ``state_dict()`` snapsh
 store (``dsa_core.checkpoint``) and names the snapshot, and ``load_state_dict`` restores
 from it (``dsa_core.restore``), whatever the store's kind. What differs is only the cost
 of taking one: a log store flushes, hard-links its immutable segment files and copies its
-index (small); an in-place store flushes and copies its data file (a reflink, nearly free,
-where the filesystem supports it, e.g. btrfs or XFS; a full copy of the table elsewhere,
-e.g. ext4). ``keep=0`` takes no snapshots: the state dict then only describes the live
+index (small); an in-place store flushes and reflinks its data file where the filesystem
+supports it (nearly free, e.g. btrfs or XFS), else (e.g. ext4) hard-links the files of its
+last snapshot and writes the rows changed since (a full copy when those would outgrow the
+table, or after a new open: docs/storage.md). ``keep=0`` takes no snapshots: the state dict then only describes the live
 stores, and one of an earlier step is refused (again on both kinds).
 
 Where: next to the store, ``<parent>/.dsa-snapshots/<store name>/<id>/`` (the same
@@ -19,12 +20,14 @@ own stores that is ``<state_dir>/.dsa-snapshots/group{i}_param{j}/``. The ``<id>
 DiskSparseAdam, ``"emb"`` for a DiskEmbedding's module state dict), so that one
 ``torch.save({"model": ..., "optim": ...})`` does not count twice against the optimizer's
 ``keep_snapshots``. That save snapshots a DiskEmbedding's store twice (once per taker):
-on an in-place store without reflinks, two copies of the table.
+the second has no row changed since the first, and is its files linked again.
 
 How long: each taker keeps the newest ``keep`` snapshots of its tag per store and deletes
 older ones when it takes a new one (``release`` deletes them on request). A snapshot stays
-valid while training goes on (an in-place snapshot is a file of its own; a log snapshot's
-hard links keep its segments when the cleaner deletes them from the live store). A snapshot
+valid while training goes on and whichever other snapshot is deleted (an in-place
+snapshot's files are never written again and it holds its own hard links to all of them; a
+log snapshot's hard links keep its segments when the cleaner deletes them from the live
+store). A snapshot
 is staged in ``<id>.tmp-<pid>`` and renamed into place complete (``dsa_core.staged_dir``),
 so a ``kill -9`` or Ctrl-C while one is taken leaves no ``<id>`` a state dict could name;
 the next taker of that tag deletes a dead process's ``.tmp-`` leftover. A state dict whose

@@ -125,6 +125,10 @@ class Engine(Protocol):
     def read_range(self, lo: int, hi: int) -> np.ndarray:
         """The whole records of rows ``[lo, hi)`` (restore, convert: chunks of a table)."""
 
+    def view_handed_out(self) -> None:
+        """A writable whole-table view of the records was handed out (``table_view``
+        engines: ``State.weights`` & co.): rows may change without the engine seeing it."""
+
     def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
         """Overwrite the whole records of rows ``[lo, hi)``."""
 
@@ -148,8 +152,9 @@ class Engine(Protocol):
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:
         """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing;
-        it names no commit group); ``share=False``: one that shares no disk blocks with the
-        store (a full copy)."""
+        it names no commit group) that later changes of the store never reach (it may
+        share disk with the store or with earlier snapshots); ``share=False``: one that
+        shares no disk blocks with anything (a full copy)."""
 
     def before_restore(self) -> None:
         """Called before every record is overwritten from a snapshot."""

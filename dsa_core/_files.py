@@ -22,8 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECKSUM_KEY", "check_json_checksum", "commit_dir", "copy_file", "fsync_dir",
-           "json_checksum", "staged_dir", "write_json"]
+__all__ = ["CHECKSUM_KEY", "COMMIT_HOOKS", "check_json_checksum", "commit_dir", "copy_file",
+           "fsync_dir", "json_checksum", "reflink", "staged_dir", "write_json"]
 
 CHECKSUM_KEY = "checksum"  # a manifest's own checksum: "crc32:<8 hex digits>"
 
@@ -192,6 +192,29 @@ def _copy_direct(src: Path, fo) -> bool:
         os.close(fd)
 
 
+def _ficlone(fi, fo) -> None:
+    """Make the open file ``fo`` a reflink of ``fi`` (shared extents); OSError where the
+    filesystem cannot (ext4, tmpfs, two filesystems)."""
+    FICLONE = 0x40049409
+    fcntl.ioctl(fo.fileno(), FICLONE, array.array("i", [fi.fileno()])[0])
+
+
+def reflink(src: Path, dst: Path) -> bool:
+    """Create ``dst`` as a reflink of ``src`` (fsync'd); False, and no ``dst``, where the
+    filesystem cannot."""
+    with src.open("rb") as fi, dst.open("wb") as fo:
+        try:
+            _ficlone(fi, fo)
+        except OSError:
+            ok = False
+        else:
+            ok = True
+            os.fsync(fo.fileno())
+    if not ok:
+        dst.unlink(missing_ok=True)
+    return ok
+
+
 def copy_file(src: Path, dst: Path, *, share: bool = True) -> None:
     """Copy a file: reflink (FICLONE) where the filesystem can, else direct reads of ``src``
     (see :func:`_copy_direct`), else ``copy_file_range``. ``dst`` is fsync'd and then dropped
@@ -204,8 +227,7 @@ def copy_file(src: Path, dst: Path, *, share: bool = True) -> None:
         try:
             if not share:
                 raise OSError(errno.EOPNOTSUPP, "a full copy was asked for")
-            FICLONE = 0x40049409
-            fcntl.ioctl(fo.fileno(), FICLONE, array.array("i", [fi.fileno()])[0])
+            _ficlone(fi, fo)
         except OSError:
             if not share:
                 shutil.copyfileobj(fi, fo, 1 << 24)
@@ -245,15 +267,22 @@ def _exchange(a: Path, b: Path) -> bool:
     return r == 0
 
 
+# called as hook(tmp, dest) after commit_dir renamed tmp to dest: an in-place store that
+# remembers its last snapshot by path (``_inplace.snapshots``) follows it there
+COMMIT_HOOKS: list = []
+
+
 def commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
     """Give the complete directory ``tmp`` the name ``dest`` in one atomic step (fsync'd).
 
     An existing ``dest`` (only with ``overwrite``) is swapped with ``tmp`` atomically
     (renameat2 RENAME_EXCHANGE) where the filesystem allows, so ``dest`` always names one
     complete snapshot; the old one is deleted afterwards. Used by every checkpoint writer
-    (``dsa_core.checkpoint`` and the adapters' multi-store checkpoints).
+    (``dsa_core.checkpoint`` and the adapters' multi-store checkpoints); then each of
+    :data:`COMMIT_HOOKS` is told.
     """
     tmp, dest = Path(tmp), Path(dest)
+    tmp_named = tmp
     fsync_dir(tmp)
     if dest.exists():
         if not overwrite:
@@ -264,10 +293,14 @@ def commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
             os.rename(tmp, dest)
             tmp = old
         fsync_dir(dest.parent)
+        for hook in COMMIT_HOOKS:
+            hook(tmp_named, dest)
         shutil.rmtree(tmp)
     else:
         os.rename(tmp, dest)
         fsync_dir(dest.parent)
+        for hook in COMMIT_HOOKS:
+            hook(tmp, dest)
 
 
 @contextlib.contextmanager
@@ -300,11 +333,12 @@ def link_files(src: Path, dest: Path) -> Path:
     """Put the files of the closed store (or snapshot) directory ``src`` into the new
     directory ``dest``: hard links where the filesystem allows (the files must never be
     written again in place: a checkpoint's or a snapshot's), else a reflink or a copy
-    (:func:`copy_file`); ``dest`` and its parent are fsync'd. ``dest`` must not exist."""
+    (:func:`copy_file`); ``dest`` and its parent are fsync'd. ``dest`` must not exist. Not
+    the writer lock file (two directories sharing one would lock each other)."""
     src, dest = Path(src), Path(dest)
     dest.mkdir()
     for f in sorted(src.iterdir()):
-        if f.is_file():
+        if f.is_file() and f.name != WRITER_LOCK:
             try:
                 os.link(f, dest / f.name)
             except OSError:
@@ -341,3 +375,20 @@ def lock_writer(directory: Path) -> int:
         f"store {str(directory)!r} is already open for writing (by this or another process); "
         "a store has one writer at a time. Close the other optimizer/state (dsa_core.close) "
         "or open this one read-only with mode='r'")
+
+
+def writer_alive(directory: Path) -> bool:
+    """Does an open file (another process's writer, or this one's) hold ``writer.lock``?"""
+    try:
+        fd = os.open(Path(directory) / WRITER_LOCK, os.O_RDONLY)
+    except OSError:  # none (never opened for writing), or unreadable: no writer seen
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)

@@ -62,6 +62,13 @@ A store is a directory holding two files:
     the ``n`` row ids (int64) and their records as they were before the step. See
     :func:`journal_write` for the commit protocol.
 
+``base.dsa`` and ``delta-NNNN.dsa`` (only in a snapshot that is a chain)
+    A snapshot of an in-place store may hold, instead of ``rows.dsa``, the data file of an
+    earlier snapshot (``base.dsa``, a hard link) and the rows changed since, in delta files
+    that its manifest names in order (``"chain"``; manifest version 4, which older readers
+    refuse). The format and the rules are in ``_inplace.snapshots``. A writer's ``open``
+    turns such a snapshot into a plain store first.
+
 One process at a time may open a store for writing: the writer holds an exclusive ``flock``
 on ``writer.lock`` for as long as the store is open. (Not on ``rows.dsa`` itself: ``mmap``
 duplicates the data file's descriptor, which would keep such a lock alive until the mapping
@@ -82,7 +89,9 @@ from ._files import CHECKSUM_KEY, check_json_checksum, write_json
 
 MAGIC = b"DSASTORE"
 FORMAT_NAME = "dsa-store"
-FORMAT_VERSION = 3  # newest version this module reads and writes; see layout_version
+# newest version this module reads and writes: layout_version's, and 4 for a manifest that
+# names a snapshot chain (``_inplace.snapshots``; its data file header keeps its layout's)
+FORMAT_VERSION = 4
 HEADER_BYTES = 4096
 UNCLEAN_OFFSET = HEADER_BYTES - 8  # the unclean marker: the header's last 8 bytes
 UNCLEAN_MARK = b"DSAUNCLN"         # there: rows may differ from the manifest's count

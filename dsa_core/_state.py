@@ -127,6 +127,12 @@ class State(NamedTuple):
         if not self.store.table_view:
             self.store.no_view(f"State.{name}")
 
+    def _handed_out(self, view: np.ndarray) -> np.ndarray:
+        """A writable whole-table view leaves the store's sight: rows written through it
+        are seen by no undo record, so its later snapshots are full copies."""
+        self.store.view_handed_out()
+        return view
+
     @property
     def num_rows(self) -> int:
         return self.store.num_rows
@@ -186,7 +192,7 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} was created without {option}=True "
                              f"and keeps no {name}; create the store with "
                              f"dsa_core.create(..., {option}=True) to have them")
-        return self.store.counters[:, off]
+        return self._handed_out(self.store.counters[:, off])
 
     @property
     def weights(self) -> np.ndarray:
@@ -199,7 +205,7 @@ class State(NamedTuple):
                 f"store {str(self.path)!r} was created with weights=False and holds no "
                 "weights; the caller keeps them (pass them to step(..., params=rows))")
         o = self.store.w_off
-        return self.store.data[:, o:o + self.dim]
+        return self._handed_out(self.store.data[:, o:o + self.dim])
 
     @property
     def first_moment(self) -> str:
@@ -222,7 +228,7 @@ class State(NamedTuple):
             out = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
             out.flags.writeable = False
             return out
-        return st.data[:, o:o + self.dim]
+        return self._handed_out(st.data[:, o:o + self.dim])
 
     def set_exp_avg(self, m: Any) -> None:
         """Write the first moments: ``m`` of shape (num_rows, dim), any real dtype.
@@ -244,10 +250,10 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
                              "with dsa_core.open(path) (mode='r+', the writer) to set its moments")
         st.before_change_range(0, self.num_rows)  # the marker, and the old records (undo)
-        if not st.m_bf16:
-            self.exp_avg[...] = m
-            return
         o = st.m_off
+        if not st.m_bf16:
+            st.data[:, o:o + self.dim] = m  # (no view handed out: the rows were saved above)
+            return
         step = max(1, (1 << 22) // max(1, self.dim))  # rows per chunk: 16 MiB of float32
         for lo in range(0, self.num_rows, step):
             x = np.ascontiguousarray(m[lo:lo + step], dtype=np.float32)
@@ -260,7 +266,7 @@ class State(NamedTuple):
         for ``second_moment="rowwise"`` and for c > 0. Not on log stores."""
         self._require_view("exp_avg_sq")
         o = self.store.v_off
-        return self.store.data[:, o:o + self.store.v_width]
+        return self._handed_out(self.store.data[:, o:o + self.store.v_width])
 
     def __repr__(self) -> str:
         return (f"dsa_core.State(path={str(self.path)!r}, num_rows={self.num_rows}, "
@@ -758,19 +764,21 @@ def flush(state: State) -> None:
 def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = False) -> Path:
     """Write a consistent snapshot of the store to ``dest``; training may go on afterwards.
 
-    Flushes the live store, copies its data file (reflink where the filesystem supports it),
-    writes the manifest with the current count and hyperparameters, fsyncs both and renames
-    the directory into place: a ``kill -9`` at any moment leaves either no ``dest`` or a
-    complete one. ``dsa_core.open(dest)`` resumes from it exactly. Replacing an existing
-    snapshot needs ``overwrite=True`` (swapped atomically where the filesystem allows).
-    ``state`` must be current (see :func:`flush`).
+    Flushes the live store, writes its rows (see below) and the manifest with the current
+    count and hyperparameters, fsyncs them and renames the directory into place: a ``kill
+    -9`` at any moment leaves either no ``dest`` or a complete one. ``dsa_core.open(dest)``
+    resumes from it exactly. Replacing an existing snapshot needs ``overwrite=True``
+    (swapped atomically where the filesystem allows). ``state`` must be current (see
+    :func:`flush`).
 
-    By default a snapshot may share disk blocks with the live store: an in-place store's
-    data file is reflinked where the filesystem can, a log store's segments (immutable
-    files) are hard-linked. That makes a checkpoint cheap, but a block damaged on disk is
-    then damaged in both (``dsa verify`` on the checkpoint reports it). ``copy=True``
-    writes a full copy instead, which shares no blocks with the store (costs a read and a
-    write of the whole store).
+    By default a snapshot may share disk blocks with the live store or with earlier
+    snapshots: a log store's segments (immutable files) are hard-linked; an in-place store's
+    data file is reflinked where the filesystem can, else the snapshot is the last one this
+    writer took (its files hard-linked) plus the rows changed since, or a full copy
+    (docs/storage.md, "Snapshots that share disk"). That makes a checkpoint cheap, but a
+    block damaged on disk is then damaged in each (``dsa verify`` on the checkpoint reports
+    it). ``copy=True`` writes a full copy instead, which shares no blocks with anything
+    (costs a read and a write of the whole store).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())

@@ -64,6 +64,7 @@ KILL_POINTS = (
     "ckpt-manifest",     # checkpoint: data copied into DEST.tmp-<pid>, no manifest yet
     "ckpt-commit",       # checkpoint: complete in DEST.tmp-<pid>, not renamed into place
     "ckpt-cleanup",      # checkpoint: new DEST in place, the old one not deleted yet
+    "ckpt-delta",        # checkpoint on the last one: half of its delta file written
 )
 
 
@@ -186,6 +187,17 @@ def install_kill(point: str, at: int) -> None:
                 _die()
             real_rm(path, *a, **k)
         files._exchange, os.rename, shutil.rmtree = exchange, rename, rmtree
+    elif point == "ckpt-delta":
+        import dsa_core._inplace.snapshots as snaps
+        real_d = snaps._write_delta
+
+        def write_delta(path, data, rows, count):
+            if not now():
+                return real_d(path, data, rows, count)
+            body = np.ascontiguousarray(data[rows]).tobytes()
+            Path(path).write_bytes(bytes(64) + body[:len(body) // 2])  # no header yet
+            _die()
+        snaps._write_delta = write_delta
     else:
         raise SystemExit(f"unknown kill point {point!r}; one of {KILL_POINTS}")
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import os
 import queue
 import signal
 import subprocess
@@ -61,6 +63,24 @@ def digest(path: Path) -> dict[str, str]:
         if f.is_file():
             out[str(f.relative_to(path))] = hashlib.sha256(f.read_bytes()).hexdigest()
     return out
+
+
+def assert_snapshot_files(dest: Path) -> str:
+    """``dest`` holds exactly the files of a complete in-place snapshot, each checking out
+    (``dsa verify``'s file checks): ``"plain"`` (``rows.dsa``) or ``"chain"`` (``base.dsa``
+    and the deltas its manifest names), and the writer lock if it was ever opened for
+    writing. Returns which."""
+    from dsa_core._inplace import store as inplace
+
+    names = sorted(n for n in os.listdir(dest) if n != "writer.lock")
+    checked = inplace.check_files(Path(dest))
+    assert [p for _, p, _ in checked if p is not None] == [], checked
+    if names == ["manifest.json", "rows.dsa"]:
+        return "plain"
+    chain = json.loads((Path(dest) / "manifest.json").read_text())["chain"]
+    assert names == sorted(["manifest.json", "base.dsa",
+                            *(e["file"] for e in chain["deltas"])]), names
+    return "chain"
 
 
 # -- records ------------------------------------------------------------------------------------

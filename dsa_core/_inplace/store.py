@@ -17,12 +17,16 @@ those records back when the undo file was written on this boot, and so reopens e
 the last flush; after a power cut or a reboot (or without a usable undo file) ``open``
 refuses it (:class:`UncleanStopError`) unless told ``unclean="accept"``. A store never
 closed is flushed when it is garbage-collected or at interpreter exit (:func:`_flush_unclosed`).
+
+Snapshots (:meth:`Store.checkpoint`): a reflink where the filesystem can, else a chain on the
+writer's last snapshot (its files hard-linked and a delta of the rows changed since, which the
+undo file's bitmaps tell) or a full copy; the rules, the files and the reading of a chain are
+in ``snapshots.py``. A writer's open of a snapshot first gives it a data file of its own.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import shutil
@@ -43,6 +47,7 @@ from .._files import (
     fsync_dir,
     lock_writer,
     staged_dir,
+    writer_alive,
 )
 from .._init import INIT_CHUNK_BYTES, InitSpec, chunks, fill_weights, progress_bar
 from .._layout import (
@@ -52,7 +57,6 @@ from .._layout import (
     HEADER_BYTES,
     HEADER_CRC_OFFSET,
     JOURNAL_FILE,
-    LOCK_FILE,
     MAGIC,
     MANIFEST_FILE,
     UNCLEAN_MARK,
@@ -69,6 +73,7 @@ from .._paging import _RAM_STORES, auto_access, check_access
 from .._pool import run_chunked
 from .readahead import Prefetcher, mapped_residency
 from .ranges import submit_mapped, submit_mapped_rows, wait_mapped
+from . import snapshots as _snapshots
 from . import undo as _undo
 from .._settings import remembered
 from ..validation import check_memory_arg
@@ -116,23 +121,6 @@ def _unclean_message(path: Path, count: int, reason: str = "") -> str:
         "adapter's resume, or pass unclean='accept' to the adapter). Stores created with "
         "durability='step' reopen exactly at their last step even after a power cut, log "
         "stores (storage='log') at their last flush.")
-
-
-def _writer_alive(directory: Path) -> bool:
-    """Does an open file (another process's writer, or this one's) hold ``writer.lock``?"""
-    try:
-        fd = os.open(directory / LOCK_FILE, os.O_RDONLY)
-    except OSError:  # none (never opened for writing), or unreadable: no writer seen
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
 
 
 class _Files:
@@ -289,6 +277,9 @@ class Store:
         self._undo: tuple[np.ndarray, np.ndarray] | None = None  # the journaled step's rows
         self.group_ref: dict[str, Any] | None = None  # its commit group (dsa_core._group)
         self.group = None                             # the live group stepping it, if any
+        self.data_name = DATA_FILE  # the file mapped (a read-only snapshot chain: its base)
+        self.chain: dict[str, Any] | None = None  # a snapshot chain opened read-only: what
+        self._tracker: _snapshots.Tracker | None = None  # r+: rows changed since a snapshot
 
     count = _handle("count")
     _fd = _handle("fd")
@@ -299,7 +290,14 @@ class Store:
     # -- opening ---------------------------------------------------------------------------
     @property
     def file(self) -> Path:
-        return self.path / DATA_FILE
+        return self.path / self.data_name
+
+    @property
+    def tracker(self) -> _snapshots.Tracker:
+        """The rows changed since this writer's last snapshot (``_inplace.snapshots``)."""
+        if self._tracker is None:
+            self._tracker = _snapshots.Tracker(self.num_rows)
+        return self._tracker
 
     @property
     def nbytes(self) -> int:
@@ -393,24 +391,41 @@ class Store:
     @classmethod
     def open_file(cls, directory: Path, layout: dict[str, Any], mode: str,
                   access: str = "auto", *, unclean: str = "refuse",
-                  count: int | None = None) -> Store:
+                  count: int | None = None, lockfd: int | None = None,
+                  data_name: str = DATA_FILE, fd: int | None = None,
+                  private: bool = False) -> Store:
         """Open an existing ``rows.dsa``, check its header and size, lock (r+) and map it.
 
         A store whose unclean marker is set while no writer holds it (its writer stopped
         between a step and the next flush) raises :class:`UncleanStopError` (``count``: the
         manifest's, for the message) unless ``unclean="accept"``: then it opens with
         ``unclean`` True, and, for ``r+``, the marker stays until the next flush clears it.
+
+        ``lockfd``: the writer lock, already taken (``open_store``); a read-only open of a
+        snapshot chain maps ``data_name`` (its base) with ``private`` (copy-on-write: the
+        deltas are written into the mapping), or the table built in the temporary file open
+        at ``fd``. The store owns ``lockfd`` and ``fd`` from the call on.
         """
         unclean = check_unclean(unclean)
         st = cls(directory, layout, mode, access)
-        if not st.file.is_file():
+        st.data_name = data_name
+        if fd is None and not st.file.is_file():
+            if lockfd is not None:
+                os.close(lockfd)
             raise FileNotFoundError(
                 f"store {str(st.path)!r} has a manifest but no {DATA_FILE}; the store is "
                 "incomplete (an interrupted create?). Recreate it with dsa_core.create")
+        if fd is not None:
+            st._fd = fd
         if mode == "r+":
-            st._lock()
+            try:
+                st._lockfd = lockfd if lockfd is not None else lock_writer(st.path)
+            except BaseException:
+                st._release()
+                raise
         try:
-            st._fd = os.open(st.file, os.O_RDWR if mode == "r+" else os.O_RDONLY)
+            if fd is None:
+                st._fd = os.open(st.file, os.O_RDWR if mode == "r+" else os.O_RDONLY)
             head = os.pread(st._fd, HEADER_BYTES, 0)
             newer = ValueError(
                 f"{str(st.file)!r} has format version "
@@ -439,7 +454,7 @@ class Store:
             marked = head[UNCLEAN_OFFSET:HEADER_BYTES] == UNCLEAN_MARK
             verdict = None
             # read-only beside a live writer: the mark is that writer's interval, no stop
-            if marked and (mode == "r+" or not _writer_alive(st.path)):
+            if marked and (mode == "r+" or not writer_alive(st.path)):
                 verdict = (_undo.inspect(st.path, count, st.num_rows, st.stride, st.dtype)
                            if count is not None else
                            _undo.Verdict("refuse", "the manifest's count is unknown"))
@@ -453,7 +468,7 @@ class Store:
                     if mode == "r+":  # the rows taken as they are: no undo goes back to them
                         _undo.discard(st.path)
                     verdict = None
-            st._map(private=verdict is not None and mode == "r")
+            st._map(private=private or (verdict is not None and mode == "r"))
             if verdict is not None:
                 st._recover(verdict)
             if count is not None:
@@ -503,6 +518,8 @@ class Store:
             f.undo = _undo.UndoLog(self.path, self.num_rows,
                                    self.stride * self.dtype.itemsize)
         if f.undo is not None:  # the interval's undo header (page cache), then the marker
+            if self._tracker is not None:  # the last interval's rows, before begin drops them
+                self._tracker.absorb(f.undo)
             f.undo.begin(f.flushed if f.flushed is not None else self.count)
         os.pwrite(f.fd, UNCLEAN_MARK, UNCLEAN_OFFSET)
         os.fdatasync(f.fd)
@@ -514,12 +531,16 @@ class Store:
         self.mark_unclean()
         if self._f.undo is not None:
             self._f.undo.save(self.data, rows)
+        elif self._tracker is not None:
+            self._tracker.lose()  # no undo file: no bitmap sees the change
 
     def before_change_range(self, lo: int, hi: int) -> None:
         """:meth:`before_change` of the rows ``lo:hi``."""
         self.mark_unclean()
         if self._f.undo is not None:
             self._f.undo.save_range(self.data, lo, hi)
+        elif self._tracker is not None:
+            self._tracker.lose()
 
     def mark_clean(self) -> None:
         """Clear the unclean marker: the rows are synced and the manifest holds their count
@@ -612,6 +633,8 @@ class Store:
         if meta.get("durability") == "step":
             if rows.shape[0]:
                 self._undo = (rows, self.journal_write(rows, count))
+                if self._tracker is not None:  # no undo file sees a journaled step
+                    self._tracker.mark(rows)
         elif rows.shape[0]:
             self.before_change(rows)  # marker once per interval; old records once per row
         return self.data, rows
@@ -710,19 +733,35 @@ class Store:
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:
-        """Flush, then copy the data file (reflink where the filesystem can, unless
-        ``share=False``: a full copy) beside the manifest into a staged directory renamed
-        into place."""
+        """Flush, then write the snapshot into a staged directory renamed into place:
+        ``share=True`` a reflink of the data file where the filesystem can, else a chain on
+        this writer's last snapshot (a delta of the rows changed since it) or a full copy
+        (``_inplace.snapshots``); ``share=False`` a full copy that shares nothing, which no
+        later snapshot builds on."""
         self.flush(count, meta)
         dest.parent.mkdir(parents=True, exist_ok=True)
         snap = {k: v for k, v in meta.items() if k != "group"}  # a snapshot is in no group
-        with staged_dir(dest, overwrite) as tmp:
-            if share:
-                copy_file(self.file, tmp / DATA_FILE)
-            else:
+        manifest = self.manifest(count, snap)
+        if not share:
+            with staged_dir(dest, overwrite) as tmp:
                 copy_file(self.file, tmp / DATA_FILE, share=False)
-            _layout.write_manifest(tmp, self.manifest(count, snap))
+                _layout.write_manifest(tmp, manifest)
+            return dest
+        tracker = self.tracker
+        tracker.absorb(self._f.undo)  # the rows of the interval this flush ended
+        with staged_dir(dest, overwrite) as tmp:
+            last = _snapshots.write(self, tracker, tmp, manifest, count)
+        if last is not None:
+            last.path = Path(os.path.abspath(dest))  # renamed: the same files
+        tracker.taken(last)
         return dest
+
+    def view_handed_out(self) -> None:
+        """A writable whole-table view (``State.weights`` & co.) was handed out: rows may
+        change through it where no undo file or bitmap sees them, so every later snapshot
+        of this open is a full copy."""
+        if self.mode == "r+":
+            self.tracker.views = True
 
     def before_restore(self) -> None:
         """A journal of the last step could roll restored rows back at the next open."""
@@ -748,8 +787,9 @@ class Store:
         wait_mapped(self)
 
     def stats(self) -> dict[str, Any]:
-        """Nothing beyond what ``dsa info`` reads from the State."""
-        return {}
+        """A snapshot chain's files (opened read-only); else nothing beyond what ``dsa info``
+        reads from the State."""
+        return {"snapshot_chain": self.chain} if self.chain else {}
 
     def verify(self) -> list[str]:
         """Header, layout and size are checked at open; nothing more to check here."""
@@ -857,7 +897,8 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
         probe = Store(directory, layout, "r+")
         probe._lock()
         probe._release()
-        for name in (MANIFEST_FILE, DATA_FILE, JOURNAL_FILE, UNDO_FILE):
+        for name in (MANIFEST_FILE, DATA_FILE, JOURNAL_FILE, UNDO_FILE, *(
+                n for n in os.listdir(directory) if _snapshots.is_chain_file(n))):
             (directory / name).unlink(missing_ok=True)
     store = Store.create_file(directory, layout, settings.get("access", "auto"))
     store.settings = dict(settings)
@@ -876,10 +917,17 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
 def open_store(directory: Path, mode: str, *, access: str, memory: Any,
                unclean: str) -> tuple[Store, int, dict[str, Any]]:
     """Open an in-place store: ``(store, count, meta)`` of its manifest. A journaled step
-    that never committed is rolled back (r+); an unclean stop is refused (``unclean``)."""
+    that never committed is rolled back (r+); an unclean stop is refused (``unclean``).
+
+    A snapshot chain (``_inplace.snapshots``) opens read-only as the table at its count; a
+    writer first gives a snapshot's directory a data file of its own, under its lock
+    (:func:`_snapshots.make_private`)."""
     check_memory_arg(memory, "inplace")
     manifest = read_manifest(directory)
+    lockfd = lock_writer(Path(directory)) if mode == "r+" else None
     try:
+        if lockfd is not None:
+            manifest = _snapshots.make_private(Path(directory), manifest)
         layout = manifest["layout"]
         count = int(manifest["count"])
         meta = {"hparams": manifest["hparams"],
@@ -888,12 +936,20 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
             meta["group"] = manifest["group"]
         settings = remembered(directory, manifest.get("settings"), "access",
                               None if access == "auto" else access)
-        store = Store.open_file(directory, layout, mode, settings.get("access", "auto"),
-                                unclean=unclean, count=count)
+        access = settings.get("access", "auto")
+        if lockfd is None and _snapshots.chain_of(manifest) is not None:
+            store = _open_chain(Path(directory), manifest, access, unclean, count)
+        else:
+            fd, lockfd = lockfd, None  # the store owns the lock from here
+            store = Store.open_file(directory, layout, mode, access, unclean=unclean,
+                                    count=count, lockfd=fd)
         store.settings = settings
     except (KeyError, TypeError) as exc:
         raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
                          "the store is damaged") from None
+    finally:
+        if lockfd is not None:
+            os.close(lockfd)
     try:
         if mode == "r+":
             store.journal_recover(count)  # roll back a journaled step that never committed
@@ -902,6 +958,35 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         store.abandon()
         raise
     return store, count, meta
+
+
+def _open_chain(directory: Path, manifest: dict[str, Any], access: str, unclean: str,
+                count: int) -> Store:
+    """A snapshot chain opened read-only: its files checked, then its base mapped privately
+    with the deltas written into the mapping, or (changed pages beyond the memory share) the
+    table built in an unlinked temporary file."""
+    layout = manifest["layout"]
+    base, deltas = _snapshots.load(directory, manifest)
+    rec = int(layout["stride"]) * np.dtype(layout["dtype"]).itemsize
+    if _snapshots.fits_private(deltas, rec):
+        st = Store.open_file(directory, layout, "r", access, unclean=unclean, count=count,
+                             data_name=base, private=True)
+        try:
+            _snapshots.apply(st.data, deltas)
+        except BaseException:
+            st.abandon()
+            raise
+        st.data.flags.writeable = False
+        st.counters.flags.writeable = False
+        how = "the changed pages held in memory"
+    else:
+        fd = _snapshots.build_temp(directory, base, deltas, layout)
+        st = Store.open_file(directory, layout, "r", access, unclean=unclean, count=count,
+                             fd=fd)
+        how = "the table built in a temporary file (freed at close)"
+    st.chain = {"base": base, "deltas": [d.path.name for d in deltas],
+                "changed_rows": int(sum(d.ids.shape[0] for d in deltas)), "opened": how}
+    return st
 
 
 def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
@@ -917,6 +1002,8 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
         return [(MANIFEST_FILE, str(exc), "checksum")]
     out.append((MANIFEST_FILE, None, "checksum" if manifest.get(CHECKSUM_KEY) else
                 "no checksum (written before checksums: the next flush adds one)"))
+    if _snapshots.chain_of(manifest) is not None:  # a snapshot chain: its base and deltas
+        return out + _snapshots.check_files(directory, manifest)
     path = Path(directory) / DATA_FILE
     try:
         with open(path, "rb") as f:
@@ -950,10 +1037,10 @@ def warmup() -> None:
 
 
 def owns_file(name: str) -> bool:
-    """One of an in-place store's own files (the data file, the journal, the undo file).
-    Not the data file's temporary: alone, it is what an interrupted ``create`` leaves, which
-    the next ``create`` replaces."""
-    return name in (DATA_FILE, JOURNAL_FILE, UNDO_FILE)
+    """One of an in-place store's own files (the data file, the journal, the undo file, a
+    snapshot chain's base and deltas). Not the data file's temporary: alone, it is what an
+    interrupted ``create`` leaves, which the next ``create`` replaces."""
+    return name in (DATA_FILE, JOURNAL_FILE, UNDO_FILE) or _snapshots.is_chain_file(name)
 
 
 def read_group_ref(directory: Path) -> dict[str, Any] | None:
@@ -981,8 +1068,16 @@ def roll_forward(directory: Path, payload: dict[str, Any]) -> None:
 
 
 def remove_store(directory: Path) -> None:
-    """Delete an in-place store's directory (refused while a writer holds it)."""
+    """Delete an in-place store's directory (refused while a writer holds it). A snapshot
+    chain's files are hard links: the other snapshots keep theirs."""
     manifest = read_manifest(directory)
+    if _snapshots.chain_of(manifest) is not None:
+        fd = lock_writer(Path(directory))
+        try:
+            shutil.rmtree(directory)
+        finally:
+            os.close(fd)
+        return
     st = Store.open_file(directory, manifest["layout"], "r+", unclean="accept")
     st.close()
     shutil.rmtree(directory)

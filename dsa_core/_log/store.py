@@ -205,6 +205,9 @@ class LogStore:
     def nbytes(self) -> int:
         return self.num_rows * self.stride * self.dtype.itemsize
 
+    def view_handed_out(self) -> None:
+        """Never called: a log store hands out no whole-table view (:meth:`no_view`)."""
+
     def no_view(self, what: str):
         raise ValueError(
             f"store {str(self.path)!r} is a log-structured store (storage='log'), which has "

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from crash_server import CrashServer
 
 import dsa_core
+from helpers import assert_snapshot_files
 
 REPO = Path(__file__).resolve().parents[2]
 N, D = cw.NUM_ROWS, cw.DIM
@@ -179,8 +180,8 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
                 assert claimed == 0, "a completed checkpoint disappeared"
                 stats["no checkpoint yet"] += 1
                 continue
-            if mode == "ckpt":
-                assert sorted(os.listdir(dest)) == ["manifest.json", "rows.dsa"]
+            if mode == "ckpt":  # a full copy, or a chain on the one it replaced
+                stats[f"{assert_snapshot_files(dest)} checkpoints"] += 1
                 snap = dsa_core.open(dest, mode="r")
             else:
                 snap = check_torch_checkpoint(dest)
@@ -268,6 +269,7 @@ def test_sigkill_during_checkpoints_many(server, tmp_path):
     assert stats["trials"] + stats["no checkpoint yet"] == 120
     assert stats["kills leaving a ckpt.tmp-* leftover"] > 10  # kills inside checkpoints
     assert stats["checkpoints advanced"] > 10
+    assert stats["chain checkpoints"] > 10  # in-place snapshots on the last one, killed too
 
 
 def test_sigkill_during_torch_checkpoints_few(server, tmp_path):
@@ -370,7 +372,7 @@ def test_kill_at_each_point_of_a_checkpoint(server, tmp_path, point, at, expect)
     if expect is None:
         assert not dest.exists()
         return
-    assert sorted(os.listdir(dest)) == ["manifest.json", "rows.dsa"]
+    assert_snapshot_files(dest)
     snap = dsa_core.open(dest, mode="r")
     assert snap.count == expect
     ref = Replay(tmp_path / "ref").to(expect)

@@ -327,6 +327,16 @@ def cut_copy(action):
     return copy_file
 
 
+def cut_delta(action):
+    """A stand-in for ``dsa_core._inplace.snapshots._write_delta`` (an in-place snapshot on
+    an earlier one: the rows changed since) that writes the first half of the delta file,
+    then calls ``action()``."""
+    def write_delta(path, data, rows, count):
+        Path(path).write_bytes(np.ascontiguousarray(data[rows]).tobytes()[:rows.shape[0] // 2])
+        action()
+    return write_delta
+
+
 def commit_cut(action):
     """A stand-in for ``dsa_core._files.commit_dir``: the staged snapshot is complete
     (manifest written, fsync'd), ``action()`` strikes before its rename."""
@@ -338,10 +348,12 @@ def commit_cut(action):
 def patch_cut(where: str, action) -> None:
     """Make the next snapshot stop at ``where`` ("copy" or "commit") with ``action``."""
     from dsa_core import _files
+    from dsa_core._inplace import snapshots as _snapshots
     from dsa_core._inplace import store as _store
     from dsa_core._log import commit
     if where == "copy":  # the copies of the in-place engine's and the log engine's snapshots
-        _store.copy_file = commit.copy_file = cut_copy(action)
+        _store.copy_file = commit.copy_file = _snapshots.copy_file = cut_copy(action)
+        _snapshots._write_delta = cut_delta(action)  # an in-place snapshot on an earlier one
     else:
         _files.commit_dir = commit_cut(action)
 
@@ -458,6 +470,7 @@ def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     """KeyboardInterrupt inside opt.state_dict(): the staged directory is removed, no
     snapshot appears, the stores train on, earlier state dicts load, later ones are taken."""
     from dsa_core import _files
+    from dsa_core._inplace import snapshots as _snapshots
     from dsa_core._inplace import store as _store
     from dsa_core._log import commit
     emb, lin, opt, sched = build(tmp_path, kind)
@@ -469,7 +482,8 @@ def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     def interrupt():
         raise KeyboardInterrupt
 
-    for mod, name in ((_store, "copy_file"), (commit, "copy_file"), (_files, "commit_dir")):
+    for mod, name in ((_store, "copy_file"), (commit, "copy_file"), (_files, "commit_dir"),
+                      (_snapshots, "copy_file"), (_snapshots, "_write_delta")):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # undone at the end of the test
     patch_cut(where, interrupt)
     with pytest.raises(KeyboardInterrupt):
@@ -613,5 +627,45 @@ def test_best_pt_of_a_large_table_says_why_it_is_gone(tmp_path, kind):
     with pytest.raises(ValueError, match=r"pruned after 3 newer state dict\(s\).*opt\.checkpoint"):
         opt.load_state_dict(torch.load(tmp_path / "best-opt.pt", weights_only=True))
     assert snapshot_of(opt) == before
+    opt.close()
+    emb.close()
+
+
+def test_in_place_state_dicts_and_checkpoints_share_the_table(tmp_path):
+    """Five epochs of model + optimizer state dicts and checkpoints of a large in-place
+    DiskEmbedding take the table about once on disk (each snapshot after the first: a chain
+    on the last one, the rows changed since), not a copy per snapshot; the oldest checkpoint
+    and the newest state dict still restore exactly."""
+    rows = 20_000
+    emb = DiskEmbedding(rows, D, state_dir=tmp_path / "run" / "emb", seed=1, storage="inplace")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    at = []
+    for e in range(5):
+        for _ in range(2):
+            emb(torch.randint(0, rows, (64,), generator=gen)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save({"model": emb.state_dict(), "optim": opt.state_dict()},
+                   tmp_path / f"sd{e}.pt")
+        opt.checkpoint(tmp_path / "ckpts" / f"ep{e}", extra={"model": emb.state_dict()})
+        st = stores(opt)[0]
+        at.append((st.count, dsa_core.read_records(st, np.arange(rows)).tobytes()))
+    table = (tmp_path / "run" / "emb" / "rows.dsa").stat().st_size
+    seen, used = set(), 0
+    for d in (tmp_path / "run" / SNAP, tmp_path / "ckpts"):  # the live store not counted
+        for dp, _, files in os.walk(d):
+            for f in files:
+                s = os.lstat(os.path.join(dp, f))
+                if (s.st_dev, s.st_ino) not in seen:
+                    seen.add((s.st_dev, s.st_ino))
+                    used += s.st_blocks * 512
+    assert used < 1.5 * table, (used, table)  # a copy per snapshot: 20 tables
+    emb.load_state_dict(torch.load(tmp_path / "sd4.pt", weights_only=True)["model"])
+    st = stores(opt)[0]
+    assert (st.count, dsa_core.read_records(st, np.arange(rows)).tobytes()) == at[4]
+    opt.load_checkpoint(tmp_path / "ckpts" / "ep0")
+    st = stores(opt)[0]
+    assert (st.count, dsa_core.read_records(st, np.arange(rows)).tobytes()) == at[0]
     opt.close()
     emb.close()
