@@ -144,14 +144,23 @@ def child(a) -> dict:
     def draw():
         return torch.from_numpy(rng.integers(0, N, size=B * (2 + K), dtype=np.int64))
 
+    phase_s = {"prefetch": 0.0, "forward": 0.0, "backward": 0.0, "step": 0.0}
+
     def one(ids):
+        t = time.perf_counter()
         u = emb(ids[:B])
         v = emb(ids[B:2 * B])
         n = emb(ids[2 * B:]).view(B, K, -1)
         loss = softplus(-(u * v).sum(-1)).mean() + softplus((u[:, None] * n).sum(-1)).mean()
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        t3 = time.perf_counter()
+        phase_s["forward"] += t1 - t
+        phase_s["backward"] += t2 - t1
+        phase_s["step"] += t3 - t2
 
     nxt = draw()
     for _ in range(a.warmup):
@@ -162,11 +171,15 @@ def child(a) -> dict:
     r0, b0 = _disk_reads(disk)
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     steps = touched = 0
+    for k in phase_s:
+        phase_s[k] = 0.0
     t0 = time.perf_counter()
     last = (t0, 0, r0, f0, 0, b0)
     while time.perf_counter() - t0 < a.seconds or steps < 2:
         ids, nxt = nxt, draw()
+        tp = time.perf_counter()
         emb.prefetch(nxt)
+        phase_s["prefetch"] += time.perf_counter() - tp
         one(ids)
         steps += 1
         touched += int(np.unique(ids.numpy()).size)
@@ -192,7 +205,8 @@ def child(a) -> dict:
             "read_ios_per_row": (r1 - r0) / max(1, touched),
             "read_kb_per_row": (b1 - b0) / max(1, touched) / 1e3,
             "majflt": f1 - f0, "majflt_per_row": (f1 - f0) / max(1, touched),
-            "close_s": time.perf_counter() - t1}
+            "close_s": time.perf_counter() - t1,
+            "ms_per_step": {k: 1e3 * v / steps for k, v in phase_s.items()}}
 
 
 def run_child(a, phase: str) -> dict:
@@ -286,7 +300,8 @@ def main(argv=None) -> dict:
               f"{t['edges_per_s']:,.0f} edges/s; per row touched: {t['read_ios_per_row']:.2f} "
               f"read I/Os, {t['read_kb_per_row']:.1f} KB, {t['majflt_per_row']:.2f} major "
               f"faults; per edge: {t['read_ios_per_edge']:.2f} I/Os, "
-              f"{t['read_kb_per_edge']:.1f} KB; close {t['close_s']:.1f} s; {t['memcap']}",
+              f"{t['read_kb_per_edge']:.1f} KB; close {t['close_s']:.1f} s; {t['memcap']}; "
+              "ms per step: " + ", ".join(f"{k} {v:.0f}" for k, v in t["ms_per_step"].items()),
               flush=True)
         if not a.lib:
             out = HERE / "results" / f"random_loop{'_smoke' if a.smoke else ''}.json"
