@@ -50,7 +50,6 @@ __all__ = ["DiskEmbedding", "DiskWeight"]
 
 _EXTRA_FORMAT = "dsa-torch-embedding"
 _META_KEY = "dsa_embedding"  # a small table's manifest and m, v in state_dict()._metadata
-_IMPORT_CHUNK_ROWS = 1 << 16
 
 
 _READ_LIMIT_BYTES = 256 << 20  # the largest table a whole read of ``emb.weight`` copies
@@ -1224,11 +1223,7 @@ class DiskEmbedding(nn.Module):
             if bool((sq >= 1.0 / st.curvature).any()):
                 raise ValueError("weight rows must lie inside the Poincaré ball "
                                  f"(norm < {1 / math.sqrt(st.curvature):.6g})")
-        if not st.has_table_view:  # record chunks, the other columns kept
-            set_columns(st, st.layout["w"], st.dim, lambda lo, hi: w[lo:hi].numpy())
-            return
-        target = st.weights
-        for lo in range(0, st.num_rows, _IMPORT_CHUNK_ROWS):
-            hi = min(st.num_rows, lo + _IMPORT_CHUNK_ROWS)
-            target[lo:hi] = w[lo:hi].numpy().astype(st.dtype, copy=False)
+        # record chunks, the other columns kept, on both kinds: through the store's write
+        # path (its undo record and snapshot deltas see the rows), never the weights view
+        set_columns(st, st.layout["w"], st.dim, lambda lo, hi: w[lo:hi].numpy())
 

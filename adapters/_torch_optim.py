@@ -1332,22 +1332,18 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 # mean(g^2) that row-wise v keeps is the row mean of SparseAdam's v.
                 v = v.double().mean(dim=1, keepdim=True)
             todo.append((st, int(torch.as_tensor(s.get("step", 0))), m, v))
+        # Through the stores' write paths on both kinds (never the whole-table views: rows
+        # written through a view are seen by no undo record, so a kill -9 in the import
+        # could not be rolled back, and by no snapshot delta)
         for st, t, m, v in todo:
-            if not st.has_table_view:  # whole records, in chunks
-                lay = st.layout
-                if m is not None:
-                    mn, vn = m.numpy(), v.numpy()
-                    set_columns(st, lay["m"], st.dim, lambda lo, hi: mn[lo:hi])
-                    set_columns(st, lay["v"], lay["v_width"], lambda lo, hi: vn[lo:hi])
-                if st.decay_missed_steps:
-                    set_columns(st, lay["last_step"], 1, lambda lo, hi: t, as_int=True)
-                continue
+            lay = st.layout
             if m is not None:
                 st.set_exp_avg(m.numpy())  # cast to the store (bfloat16 m: to nearest)
-                st.exp_avg_sq[...] = v.numpy().astype(st.dtype, copy=False)
+                vn = v.numpy()
+                set_columns(st, lay["v"], lay["v_width"], lambda lo, hi: vn[lo:hi])
             if st.decay_missed_steps:
                 # SparseAdam decayed nothing: no row has missed a decay before step t
-                st.last_steps[...] = t
+                set_columns(st, lay["last_step"], 1, lambda lo, hi: t, as_int=True)
         return [t for _, t, _, _ in todo]
 
 

@@ -237,15 +237,32 @@ class State(NamedTuple):
         store takes each value rounded to the nearest bfloat16 (ties to even, as
         ``torch.Tensor.to(torch.bfloat16)``; NaN stays NaN): a one-time conversion wants the
         smallest error, not the step's stochastic rounding. Checked before anything is written.
-        Not on log stores (use :func:`dsa_core.write_records`).
+        On every store kind: a store without whole-table views (a log store) takes it in
+        chunks of records (:func:`read_records`, the m columns replaced, :func:`write_records`;
+        the other columns keep their bits), durable at the next flush.
         """
-        self._require_view("set_exp_avg")
         st = self.store
         m = np.asarray(m)
         if m.shape != (self.num_rows, self.dim) or not (
                 np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
             raise ValueError(f"exp_avg must be a real ({self.num_rows}, {self.dim}) array for "
                              f"store {str(self.path)!r}; got {m.dtype} of shape {m.shape}")
+        if not st.table_view:
+            _require_writable(self)
+            lay = self.layout
+            o, bf16 = lay["m"], lay.get("first_moment") == "bfloat16"
+            step = max(1, (1 << 24) // (int(lay["stride"]) * self.dtype.itemsize))
+            for lo in range(0, self.num_rows, step):
+                idx = np.arange(lo, min(self.num_rows, lo + step), dtype=np.int64)
+                rec = read_records(self, idx)
+                if bf16:
+                    x = np.ascontiguousarray(m[lo:lo + idx.size], dtype=np.float32)
+                    rec[:, o:o + lay["m_width"]].view(np.uint16)[:, :self.dim] = \
+                        bf16_nearest_even(x)
+                else:
+                    rec[:, o:o + self.dim] = m[lo:lo + idx.size]
+                write_records(self, idx, rec)
+            return
         if not st.data.flags.writeable:
             raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
                              "with dsa_core.open(path) (mode='r+', the writer) to set its moments")

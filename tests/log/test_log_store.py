@@ -65,10 +65,17 @@ def test_properties_and_views(tmp_path):
         with pytest.raises(ValueError, match="no whole-table view.*dsa_core.gather.*convert"):
             getattr(b, view)
     with pytest.raises(ValueError, match="no whole-table view"):
-        b.set_exp_avg(np.zeros((N, D), np.float32))
-    with pytest.raises(ValueError, match="no whole-table view"):
         b.store.data
     np.testing.assert_array_equal(records(b), before)
+    # set_exp_avg works on every kind: the m columns replaced, the others' bits kept
+    m = np.arange(N * D, dtype=np.float32).reshape(N, D)
+    b.set_exp_avg(m)
+    after = records(b)
+    lay = b.layout
+    np.testing.assert_array_equal(after[:, lay["m"]:lay["m"] + D], m)
+    keep = np.ones(after.shape[1], bool)
+    keep[lay["m"]:lay["m"] + D] = False
+    np.testing.assert_array_equal(after[:, keep].view(np.uint32), before[:, keep].view(np.uint32))
     dsa_core.close(b)
 
 
