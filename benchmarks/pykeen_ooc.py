@@ -132,6 +132,8 @@ def child(a) -> dict:
     options = {"chunk_rows": a.chunk_rows} if a.chunk_rows else {}
     if a.storage:
         options["storage"] = a.storage
+    if a.memory:
+        options["memory"] = a.memory
     root = Path(a.root)
     w0, t0 = _written(), time.perf_counter()
     # docs/pykeen.md, "Quickstart", the example for tables larger than memory
@@ -249,6 +251,8 @@ def run_one(a, cap: str, method: str, root: Path) -> dict:
         for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
     if a.storage:
         args += ["--storage", a.storage]
+    if a.memory:
+        args += ["--memory", a.memory]
     cmd = [sys.executable, "-m", "benchmarks.pykeen_ooc", *args]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -291,6 +295,8 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-batch", type=int, default=16,
                     help="evaluation batch (triples); each holds eval-batch x entities scores")
     ap.add_argument("--chunk-rows", type=int, default=0, help="0: the adapter's default")
+    ap.add_argument("--memory", default=None, help="disk_representations(memory=...): the "
+                    "tables' log-store budget (default: the adapter's, from the cgroup)")
     ap.add_argument("--storage", choices=("auto", "inplace", "log"), default=None,
                     help="the tables' store kind (default: the adapter's, auto)")
     ap.add_argument("--seed", type=int, default=0, help="of the random graph")
