@@ -78,7 +78,8 @@ _WORKER = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("what", ["weight", "optimizer"])
+# the optimizer's import ends with a flush (whole either way): slow, to keep make test short
+@pytest.mark.parametrize("what", ["weight", pytest.param("optimizer", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_death_after_an_import_reopens_at_the_last_flush(tmp_path, kind, what):
     worker = tmp_path / "worker.py"
