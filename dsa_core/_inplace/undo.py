@@ -67,6 +67,11 @@ INCOMPLETE = 1  # flags: rows changed without their undo (the write failed)
 # tables of at least this many bytes write their undo file with O_DIRECT (smaller ones
 # through the page cache: a few fresh pages cost less than a synchronous disk write each)
 DIRECT_MIN_BYTES = 64 << 20
+# an O_DIRECT undo file keeps its blocks from one interval to the next (rewriting allocated
+# blocks costs no allocation), up to this size; beyond it, and beyond twice what the last
+# interval used, the next interval gives the rest back (a one-off pass over every row left a
+# file as large as the table on disk until close)
+TRIM_MIN_BYTES = 64 << 20
 ENABLED = True  # False: no undo file (benchmarks/undo_cost.py's A/B only; stops are refused)
 _BOOT_FILE = "/proc/sys/kernel/random/boot_id"
 
@@ -217,18 +222,20 @@ class UndoLog:
         elif self.nsaved:
             self.saved.fill(False)
         self.nsaved = 0
+        used, self.end = self.end, HEADER_BYTES  # what the last interval used
         self.epoch = int.from_bytes(os.urandom(8), "little")
         self.base = int(base)
-        self.end = HEADER_BYTES
         self.incomplete = False
         self._boot = boot_id()
         try:
             if self.fd < 0:
                 self._open()
-            if not self.direct:
-                # the last interval's blocks are garbage since its flush: dropped with
-                # their pages, before the kernel writes them to the disk
+            # the last interval's blocks are garbage since its flush (a stop now finds its
+            # header, which says the rows are the manifest's: exact)
+            if not self.direct:  # dropped with their pages, before the kernel writes them
                 os.ftruncate(self.fd, 0)
+            elif os.fstat(self.fd).st_size > max(TRIM_MIN_BYTES, 2 * used):
+                os.ftruncate(self.fd, used)  # kept: what an interval like the last takes
             self._write_header(-1)
         except OSError:
             self.incomplete = True

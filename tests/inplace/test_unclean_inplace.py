@@ -526,3 +526,30 @@ def test_undo_file_either_write_path(tmp_path, monkeypatch, how):
 def fcntl_flags(fd: int) -> int:
     import fcntl
     return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def test_a_large_interval_does_not_keep_its_undo_blocks(tmp_path, monkeypatch):
+    """An O_DIRECT undo file keeps its blocks between intervals, but not the blocks of a
+    one-off large interval (a pass over every row): two intervals later the file is back to
+    what the small intervals use, and a stop is still put back exactly at the last flush."""
+    monkeypatch.setattr(undo_file, "DIRECT_MIN_BYTES", 0)  # a small table, as a large one
+    monkeypatch.setattr(undo_file, "TRIM_MIN_BYTES", 8 * undo_file.PAGE)
+    s = dsa_core.create(tmp_path / "s", N, D, progress=False, init="normal")
+    ids = np.arange(N, dtype=np.int64)
+    s = dsa_core.step(s, ids, np.ones((N, D), np.float32))  # every row: a large interval
+    big = os.path.getsize(s.path / undo_file.UNDO_FILE)
+    for t in range(2, 5):  # three small intervals
+        dsa_core.flush(s)
+        s = dsa_core.step(s, *cw.batch(t))
+    small = os.path.getsize(s.path / undo_file.UNDO_FILE)
+    if not s.store._f.undo.direct:
+        pytest.skip("this filesystem refuses O_DIRECT: the file is emptied at every interval")
+    assert small <= max(8 * undo_file.PAGE, big // 4), (small, big)
+    dsa_core.flush(s)
+    at = all_records(s)
+    s = dsa_core.step(s, *cw.batch(9))
+    copy = snapshot_files(s.path, tmp_path / "copy")
+    back = dsa_core.open(copy)
+    assert back.count == 4 and all_records(back) == at
+    dsa_core.close(back)
+    dsa_core.close(s)
