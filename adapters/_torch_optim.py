@@ -402,7 +402,6 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     _dsa_steps_disk_weights = True  # the step guard (adapters/_torch_guard.py) skips it
 
-
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  maximize: bool = False, *, weight_decay: float = 0.0,

@@ -76,11 +76,6 @@ def _default_setting() -> tuple[int, str | None]:
     return cpus, None
 
 
-def _default_threads() -> int:
-    """The first of :data:`THREAD_ENV` that is set, capped by the CPUs; else the CPUs."""
-    return _default_setting()[0]
-
-
 class _Job:
     __slots__ = ("args", "chunk", "done", "error", "fn", "it", "left", "lock", "n")
 

@@ -251,7 +251,7 @@ class State(NamedTuple):
             _require_writable(self)
             lay = self.layout
             o, bf16 = lay["m"], lay.get("first_moment") == "bfloat16"
-            step = max(1, (1 << 24) // (int(lay["stride"]) * self.dtype.itemsize))
+            step = max(1, _RESTORE_CHUNK_BYTES // (int(lay["stride"]) * self.dtype.itemsize))
             for lo in range(0, self.num_rows, step):
                 idx = np.arange(lo, min(self.num_rows, lo + step), dtype=np.int64)
                 rec = read_records(self, idx)

@@ -57,7 +57,6 @@ built in an unlinked temporary file beside the snapshot (disk: one table, freed 
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import re
@@ -73,6 +72,8 @@ import numpy as np
 from .. import _files, _layout
 from .._files import copy_file, fsync_dir, writer_alive
 from .._layout import DATA_FILE, HEADER_BYTES, MANIFEST_FILE, layout_version
+from .._os import pwrite_all
+from .._paging import memory_available
 from .undo import _mark
 
 __all__ = ["BASE_FILE", "CHAIN_KEY", "CHAIN_VERSION", "ChainError", "Delta", "Tracker",
@@ -138,28 +139,19 @@ def _write_delta(path: Path, data: np.ndarray, rows: np.ndarray, count: int) -> 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         off = DELTA_HEAD
-        off += _pwrite_all(fd, ids.data, off)
+        pwrite_all(fd, ids.data, off)
+        off += ids.nbytes
         for a in range(0, n, per):
             blk = np.ascontiguousarray(data[ids[a:a + per]])
             crc = zlib.crc32(blk.data, crc)
-            off += _pwrite_all(fd, blk.data, off)
+            pwrite_all(fd, blk.data, off)
+            off += blk.nbytes
         # the header last: a file cut short (a full disk) never has one that checks out
-        _pwrite_all(fd, _delta_head(rec_bytes, data.shape[0], n, count, crc), 0)
+        pwrite_all(fd, _delta_head(rec_bytes, data.shape[0], n, count, crc), 0)
         os.fsync(fd)
     finally:
         os.close(fd)
     return {"file": path.name, "rows": n, "count": int(count), "crc": f"{crc:08x}"}
-
-
-def _pwrite_all(fd: int, buf, off: int) -> int:
-    view = memoryview(buf).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], off + done)
-        if n <= 0:
-            raise OSError(errno.ENOSPC, "short write of a snapshot delta file")
-        done += n
-    return done
 
 
 class Delta:
@@ -270,21 +262,10 @@ def _touched_pages(deltas: list[Delta], record_bytes: int) -> int:
     return int(pages.shape[0])
 
 
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 30
-
-
 def fits_private(deltas: list[Delta], record_bytes: int) -> bool:
     """Whether the pages the deltas change fit in memory (a private mapping of the base)."""
     need = _touched_pages(deltas, record_bytes) * mmap.PAGESIZE
-    return need <= _available_memory() // PRIVATE_SHARE
+    return need <= memory_available() // PRIVATE_SHARE
 
 
 def apply(data: np.ndarray, deltas: list[Delta]) -> None:
@@ -336,7 +317,8 @@ def build_temp(directory: Path, base: str, deltas: list[Delta], layout: dict[str
                 if n <= 0:  # no copy_file_range here: the rest through a buffer
                     fi.seek(off)
                     while buf := fi.read(_CHUNK):
-                        off += _pwrite_all(fd, buf, off)
+                        pwrite_all(fd, buf, off)
+                        off += len(buf)
                     break
                 off += n
         _apply_file(fd, deltas, layout)

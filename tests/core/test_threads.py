@@ -66,7 +66,7 @@ def cpus(monkeypatch):
 def test_default_count_precedence(cpus, monkeypatch, env, want):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert _pool._default_threads() == want
+    assert _pool._default_setting()[0] == want
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "2.5", "x"])
@@ -74,7 +74,7 @@ def test_invalid_values_warn(cpus, monkeypatch, bad):
     monkeypatch.setenv("NUMBA_NUM_THREADS", bad)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     with pytest.warns(RuntimeWarning, match=rf"NUMBA_NUM_THREADS='{bad}' is ignored"):
-        assert _pool._default_threads() == 3
+        assert _pool._default_setting()[0] == 3
 
 
 def test_set_num_threads_none_goes_back_to_the_default(cpus, monkeypatch):

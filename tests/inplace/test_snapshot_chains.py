@@ -392,7 +392,7 @@ def test_a_chain_too_large_for_memory_opens_from_a_temporary_file(tmp_path, monk
     """When the pages the deltas change would take more than the memory share, a read-only
     open builds the table in an unlinked temporary file: the same records, no file left."""
     taken = chain_dirs(tmp_path)
-    monkeypatch.setattr(snaps, "_available_memory", lambda: 0)
+    monkeypatch.setattr(snaps, "memory_available", lambda: 0)
     d, count, rec = taken[-1]
     names = sorted(os.listdir(d))
     snap = dsa_core.open(d, mode="r")
