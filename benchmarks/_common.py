@@ -44,6 +44,24 @@ def pages_written() -> int:
     return 0
 
 
+def own_cgroup(named: str = "") -> Path | None:
+    """This process's memory cgroup directory (v2, or v1's memory hierarchy) whose path
+    contains ``named`` (e.g. ``"memcap_"``: the cap's own), or None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hier, ctrls, rel = line.split(":", 2)
+        if named not in rel:
+            continue
+        if hier == "0":
+            return Path("/sys/fs/cgroup") / rel.lstrip("/")
+        if "memory" in ctrls.split(","):
+            return Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+    return None
+
+
 def disk_ios() -> tuple[int, int]:
     """Reads and writes completed by the machine's disks since boot (``/proc/diskstats``).
 

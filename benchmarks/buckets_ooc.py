@@ -92,7 +92,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import RESULTS, machine, print_table, wait_disk_quiet, write_results
+from ._common import RESULTS, machine, own_cgroup, print_table, wait_disk_quiet, write_results
 from .ooc import cgroup_ok, disk_fio, disk_pread, find_memcap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,19 +339,8 @@ class CgroupSampler:
 
     @staticmethod
     def _find() -> Path | None:
-        try:
-            lines = Path("/proc/self/cgroup").read_text().splitlines()
-        except OSError:
-            return None
-        for line in lines:
-            hier, ctrls, rel = line.split(":", 2)
-            if "memcap_" not in rel:
-                continue
-            if hier == "0":
-                return Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.stat"
-            if "memory" in ctrls.split(","):
-                return Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.stat"
-        return None
+        cg = own_cgroup("memcap_")
+        return None if cg is None else cg / "memory.stat"
 
     def _read(self) -> dict | None:
         try:

@@ -68,6 +68,7 @@ import numpy as np
 
 from . import _common
 from ._common import batches, wait_disk_quiet
+from .random_loop import _evict
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -586,16 +587,6 @@ class Guard:
                  f"touched, {t['majflt_per_row']:.2f} major faults"
                  + (f"; {t['memcap']}" if t.get("memcap") else ""))
         return t
-
-
-def _evict(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _cores() -> int:

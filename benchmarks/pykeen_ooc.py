@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._common import machine, print_table, write_results
+from ._common import machine, own_cgroup, print_table, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = dict(entities=2000, relations=20, triples=6000, test_triples=50, dim=8, batch=512,
@@ -77,21 +77,6 @@ def _written() -> int:
     except OSError:
         pass
     return 0
-
-
-def _own_cgroup() -> Path | None:
-    """This process's memory cgroup directory (v2, or v1's memory hierarchy), if any."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        hier, ctrls, rel = line.split(":", 2)
-        if hier == "0":
-            return Path("/sys/fs/cgroup") / rel.lstrip("/")
-        if "memory" in ctrls.split(","):
-            return Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
-    return None
 
 
 def _cgroup_peak(cg: Path | None) -> int:
@@ -153,7 +138,7 @@ def child(a) -> dict:
     ent = result.model.entity_representations[0].table.store
     store_bytes = sum(p.stat().st_size for p in Path(ent.path).rglob("*") if p.is_file())
     dsa.close(result.model, result.training_loop.optimizer)
-    cg = _own_cgroup()
+    cg = own_cgroup()
     return {
         "first_step_s": marks.get("first_step", done) - t0,
         "train_s": marks.get("trained", done) - t0,
