@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 PYKEEN := pykeen==1.11.1
 
 # pytest-xdist workers: the suite waits on subprocesses and the disk part of the time, so two
-# workers on two cores finish it well before one does (docs/benchmarks.md, suite time)
+# workers on two cores finish it well before one does (docs/notebook.md, suite time)
 WORKERS ?= 2
 
 .PHONY: setup test test-all demo bench clean
@@ -23,7 +23,7 @@ setup: $(STAMP)
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 #
 # pip byte-compiles what it installs on one core; COMPILE_ALL compiles it on every core
-# instead (13-34 s less on 2 cores, docs/benchmarks.md). The .pyc files matter: where
+# instead (13-34 s less on 2 cores, docs/notebook.md). The .pyc files matter: where
 # PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing writes them later,
 # and every interpreter the tests start would compile torch's sources again. A file that
 # does not compile (torch ships one for Python 3.12 only) is left to import time, as pip

@@ -177,7 +177,7 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
     writing. It costs more per step than the default: an ordered ``io_callback`` has a
     fixed cost of its own, each argument crossing it is one more transfer, and the gradient
     and the new rows cross it as copies (``python -m benchmarks.jax_overhead`` measures
-    both paths; docs/benchmarks.md has the figures). Prefer the default unless the step
+    both paths; docs/benchmarks.md, "JAX", has the figures). Prefer the default unless the step
     must live inside ``jit``/``lax.scan``.
 
     Examples

@@ -984,7 +984,7 @@ class DiskEmbedding(nn.Module):
             # block itself and the gradient the uncoalesced (ids, grad rows) pair, which the
             # optimizer coalesces with torch's own coalesce(). Saves torch.unique, a second
             # gather and the dense embedding backward, most of a small forward + backward
-            # (figures: docs/benchmarks.md, "Torch end to end").
+            # (figures: docs/notebook.md, "Torch end to end").
             ids = input.reshape(-1).to("cpu", torch.int64)
             rows = _gather_rows(self, ids, self.padding_idx, False, input.device)
             return self._cast(rows.view(*input.shape, rows.shape[-1]))

@@ -82,7 +82,7 @@ def _in_place(p: torch.Tensor) -> bool:
     """True when the kernel can update ``p``'s rows where they are (a dense CPU table).
 
     Saves copying the batch's rows out (``index_select``) and back (``index_copy_``), a
-    noticeable share of a small step (docs/benchmarks.md, "Torch end to end").
+    noticeable share of a small step (docs/notebook.md, "Torch end to end").
     """
     return p.device.type == "cpu" and p.layout == torch.strided and p.is_contiguous() \
         and p.dim() == 2 and p.dtype in (torch.float32, torch.float64)
@@ -236,7 +236,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         v per row from the mean of ``g²`` (FBGEMM's partial row-wise Adam,
         docs/algorithms.md §7.3): the stores hold ``dim + 1`` instead of ``2 * dim`` values
         per row, the update is no longer SparseAdam's (its accuracy and speed:
-        docs/benchmarks.md, "Reduced state"). Fixed when a store is created; a resumed store
+        docs/notebook.md, "Reduced state"). Fixed when a store is created; a resumed store
         must match. A DiskEmbedding's parameter keeps its own store's setting (given here,
         it must match).
     first_moment : "full" or "bfloat16", optional

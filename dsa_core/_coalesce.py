@@ -1,7 +1,7 @@
 """Numba helpers of the glue: duplicate coalescing, row gather and scatter.
 
 Coalescing in NumPy (``np.add.at`` or argsort + ``np.add.reduceat``) costs more than the Adam
-kernel itself (figures: docs/benchmarks.md, design measurements); here it is one hash pass over
+kernel itself (figures: docs/notebook.md, design measurements); here it is one hash pass over
 the ids and, only when there are duplicates, one pass summing their rows.
 """
 
@@ -102,7 +102,7 @@ def gather_rows(src, rows, off, out, lo, hi):
     """``out[i, :] = src[rows[i], off:off + out.shape[1]]`` for ``lo <= i < hi``.
 
     Each source row is a DRAM miss at a random place: prefetching the row a few ahead and
-    copying through 1-D row views overlaps those misses (figures: docs/benchmarks.md, design
+    copying through 1-D row views overlaps those misses (figures: docs/notebook.md, design
     measurements).
     """
     d = out.shape[1]

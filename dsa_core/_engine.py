@@ -204,7 +204,7 @@ def scratch(st: Engine, key: str, n: int) -> np.ndarray:
     """A reused 1-D buffer of at least ``n`` elements of the store dtype, kept on the engine.
 
     Fresh ``np.empty`` blocks of ~1 MB come from mmap and page-fault on every step, a visible
-    share of a small step (figures: docs/benchmarks.md, design measurements). A store has
+    share of a small step (figures: docs/notebook.md, design measurements). A store has
     one writer and its steps run one after another, so one buffer per use is safe.
     """
     buf = st.scratch.get(key)

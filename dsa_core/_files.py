@@ -156,7 +156,7 @@ def _copy_direct(src: Path, fo) -> bool:
     fills it with large folios (up to 2 MiB on ext4 with large-folio support). A store whose
     cache holds such folios writes a whole folio back for every row a step changes, hundreds
     of times the 4 KiB that the row needs (``python -m benchmarks.folio_check``; figures:
-    docs/benchmarks.md, design measurements). ``O_DIRECT`` leaves the source's cache as it
+    docs/notebook.md, design measurements). ``O_DIRECT`` leaves the source's cache as it
     was. The caller has flushed the mapping, so the disk holds the rows.
     """
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)

@@ -202,7 +202,7 @@ def auto_access(nbytes: int) -> str:
     memory inside one). The second matters because the kernel writes a dirty huge
     folio back whole: a store past the threshold, mapped with huge pages, writes 2 MiB back
     for every row a step changes, and its steps become tens of times slower than with 4 KiB
-    pages (figures: docs/benchmarks.md, design measurements). Both limits
+    pages (figures: docs/notebook.md, design measurements). Both limits
     are shared by every store of the process, so the "ram" stores it already holds open count
     against them: of two stores that each fit alone but not together, the second gets "disk".
     """
@@ -221,7 +221,8 @@ def auto_storage(nbytes: int, memory_given: bool, access: str) -> str:
     an in-place store's scattered dirty pages back one 4 KiB page at a time, and its steps
     become disk-bound (10M x 128 on 24 GiB: 0.13x ``torch.optim.SparseAdam``), while a log
     store writes sequentially. Below it ``"inplace"``, which is the faster of the two when
-    the table stays in memory (docs/benchmarks.md). A ``memory=`` budget is only a log
+    the table stays in memory (docs/notebook.md, "Warm step, 1M x 128: the in-place store
+    stays the default"). A ``memory=`` budget is only a log
     store's, and ``access=`` other than "auto" only an in-place store's: either one given
     decides. The environment variable ``DSA_STORAGE`` (``inplace``/``log``) replaces the
     size rule.

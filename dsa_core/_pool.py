@@ -4,7 +4,7 @@ Why not ``prange``: numba's parallel loop splits the rows statically between its
 then waits at a barrier for all of them. When another process -- or torch's own OpenMP threads,
 still spinning after the forward/backward pass -- holds the cores, one of numba's threads is not
 scheduled for a few milliseconds, and every step waits for it: a sub-millisecond step became a
-many-millisecond one after each torch matmul (figures: docs/benchmarks.md, design measurements).
+many-millisecond one after each torch matmul (figures: docs/notebook.md, design measurements).
 
 Here the calling thread starts working at once and claims chunks of rows from a shared
 iterator (``next`` on a ``range`` iterator is atomic under the GIL); idle workers are woken and
@@ -145,7 +145,7 @@ class _Pool:
         # 8 chunks per thread: a worker that wakes late (an idle vCPU takes tens of us)
         # still finds work, and the caller waits for at most one small chunk at the end.
         # Fewer chunks leave a late worker idle, more pay for dispatch under the GIL
-        # (figures: docs/benchmarks.md, design measurements).
+        # (figures: docs/notebook.md, design measurements).
         nchunks = 8 * (helpers + 1)
         chunk = -(-n // nchunks)
         nchunks = -(-n // chunk)

@@ -42,7 +42,7 @@ def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, key=None) -> It
 
     ``key(batch)`` extracts the row ids (default: the batch itself, or its first element if it
     is a tuple). ``ahead=2`` keeps the disk busy while one batch is stepped; more batches ahead
-    only compete for the page cache (figures: docs/benchmarks.md, design measurements). Typical
+    only compete for the page cache (figures: docs/notebook.md, design measurements). Typical
     use::
 
         for idx, grad in dsa_core.prefetched(state, loader):

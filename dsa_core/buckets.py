@@ -57,7 +57,7 @@ _ORDER, _SHUFFLE, _NEGATIVES, _POOL = 1, 2, 3, 4
 # buffer state, and the share of each edge's negatives drawn from it. The default share (None)
 # is min(1, POOL_RATE * pool / num_nodes): a pool row is then drawn as a negative at most
 # POOL_RATE times as often, during its state, as a row is in random order. Measured in
-# docs/benchmarks.md ("Partition-ordered training: negatives from a pool").
+# docs/notebook.md ("Partition-ordered training: negatives from a pool").
 DEFAULT_POOL = 4096
 DEFAULT_POOL_SHARE = None
 POOL_RATE = 16

@@ -168,7 +168,7 @@ def writeback(state, idx: Any) -> None:
     cached, but are clean once written, so that under memory pressure the kernel could drop
     them without stalling on dirty-page writeback. Not exported: out of core it made steps
     slower, not faster (the writes compete with the reads the step waits on; figures:
-    docs/benchmarks.md, design measurements), so it is kept only for
+    docs/notebook.md, design measurements), so it is kept only for
     ``benchmarks.ooc --modes pipeline``.
     """
     st = state.store

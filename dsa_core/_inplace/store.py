@@ -322,14 +322,14 @@ class Store:
             # The table stays in the page cache: 2 MiB folios, mapped by PMD entries (one
             # TLB entry and one fault per 2 MiB instead of 512). A fault reads (or, on never
             # written space, zero-fills) its whole 2 MiB. Fewer TLB misses make the warm
-            # step faster (figures: docs/benchmarks.md, design measurements).
+            # step faster (figures: docs/notebook.md, design measurements).
             if hasattr(mmap, "MADV_NORMAL"):
                 self._mm.madvise(mmap.MADV_NORMAL)
             self._mm.madvise(mmap.MADV_HUGEPAGE)
         elif hasattr(mmap, "MADV_RANDOM"):
             # Rows are touched in random order: the default read-around would read up to
             # 32 pages per fault, nearly all of them unused: out of core that made steps
-            # two orders of magnitude slower (docs/benchmarks.md, design measurements).
+            # two orders of magnitude slower (docs/notebook.md, design measurements).
             if hasattr(mmap, "MADV_NOHUGEPAGE"):
                 self._mm.madvise(mmap.MADV_NOHUGEPAGE)
             self._mm.madvise(mmap.MADV_RANDOM)
