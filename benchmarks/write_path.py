@@ -27,9 +27,10 @@ Writes ``benchmarks/results/write_path.{json,csv}``.
 have been written, and the CPU time of the writer thread (``time.thread_time`` around each
 write, as ``SegmentWriter.cpu_s`` counts it) divided by the segments it wrote. Twice, each
 in a child process, the stores of both kept until the end (neither reuses the other's freed
-pages): with the page-cache window of written segments as before issue 28 (12.5% of the
-memory the process may use, uncapped: GiBs on a large machine, every segment grows the page
-cache until it is full) and as now (capped at ``writer.CACHE_MAX``, 32 MiB)::
+pages): with the page-cache window of written segments uncapped (12.5% of the memory the
+process may use: GiBs on a large machine, every segment grows the page cache until it is
+full; the default again since 2026-12-06) and capped at one seal unit (32 MiB, the default
+from 2026-12-03 to 12-06)::
 
     python -m benchmarks.write_path --store                      # 1M x 128, 96 segments
     python -m benchmarks.write_path --store --rows 10000000 --memory 4GiB
@@ -97,13 +98,13 @@ def _store_child(a) -> None:
 
 def _store(a) -> list[dict]:
     """Both windows, each in a child process (see the module docstring)."""
-    from dsa_core._log import writer
+    from dsa_core._log.budget import SEAL_BYTES
 
     root = tempfile.mkdtemp(prefix="dsa_write_path_store_", dir=a.workdir)
     rows = []
     try:
-        for what, cap in (("window uncapped (before)", 1 << 62),
-                          ("window capped (now)", writer.CACHE_MAX)):
+        for what, cap in (("window uncapped (the default)", 1 << 62),
+                          ("window capped at one seal unit", SEAL_BYTES)):
             cmd = [sys.executable, "-m", "benchmarks.write_path", "--store-child",
                    "--cache-max", str(cap), "--name", f"s{len(rows)}", "--workdir", root,
                    "--rows", str(a.rows), "--dim", str(a.dim), "--batch", str(a.batch),

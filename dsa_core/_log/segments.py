@@ -48,16 +48,23 @@ from .format import Segment, check_records, crash_point, map_segment, seg_name
 from .read import hint_uncached
 from .writer import CACHE_MAX, SegmentWriter, WriteJob
 
-__all__ = ["CACHE_SHARE", "LOW32", "SPARE_SEGMENTS", "Segments"]
+__all__ = ["CACHE_SHARE", "LOW32", "cache_window", "SPARE_SEGMENTS", "Segments"]
 
 # written segments whose pages stay in the page cache (the newest, as one window): this share
-# of the memory the process may use (_paging.memory_limit, cgroup-aware), at most
-# writer.CACHE_MAX; older ones are dropped (writer)
+# of the memory the process may use (_paging.memory_limit, cgroup-aware; writer.CACHE_MAX
+# caps it when set); older ones are dropped (writer)
 CACHE_SHARE = 0.125
 LOW32 = np.int64(0xFFFFFFFF)
 # dead, never-committed segment files kept for the next seals to overwrite (module docstring);
 # 0: every dead file is deleted
 SPARE_SEGMENTS = 8
+
+
+def cache_window() -> int:
+    """Bytes of written segments the writer keeps in the page cache: ``CACHE_SHARE`` of the
+    memory the process may use, at most ``CACHE_MAX`` when a benchmark sets one."""
+    share = int(CACHE_SHARE * memory_limit())
+    return share if CACHE_MAX is None else min(share, int(CACHE_MAX))
 
 
 def _mapping_of(arr):
@@ -312,8 +319,7 @@ class Segments:
         w = self.writer
         if w is None or w.pid != os.getpid():
             if w is None:
-                w = self.writer = SegmentWriter(
-                    cache_bytes=min(int(CACHE_SHARE * memory_limit()), CACHE_MAX))
+                w = self.writer = SegmentWriter(cache_bytes=cache_window())
             else:  # inherited through fork: its thread is the parent's
                 job.run()
                 if job.error is not None:

@@ -27,13 +27,18 @@ memory that has been free a while is backed again by the host on its first touch
 32 MiB segment into such pages took ~100 ms of CPU, into recycled ones ~10 ms). (``flush``
 still fsyncs.)
 
-The window is at most ``CACHE_MAX``: one seal unit (32 MiB), the newest segment. Growing
-the page cache is what a write costs most: ``benchmarks/write_path.py`` measured 115 ms of
-CPU to write 32 MiB into pages the page cache takes for the first time on the project's VM,
-11.7 ms into pages just freed. A window of 12.5% of a large machine's memory (GiBs) grew the
-cache with every segment for ~100 segments, and the longer a freed page waits before a new
-segment takes it, the less its reuse saves (``python -m benchmarks.write_path --store``
-compares the writer's CPU per segment with the old window and with this one). Each job's
+The window is ``CACHE_SHARE`` (1/8) of the memory the process may use, with no smaller cap
+(``CACHE_MAX`` is None; benchmarks set it for A/B runs). Growing the page cache is what a
+write costs most while the window fills: ``benchmarks/write_path.py`` measured 115 ms of CPU
+to write 32 MiB into pages the page cache takes for the first time on the project's VM, 11.7
+ms into pages just freed; once the window is full every segment reuses the pages the oldest
+one's drop frees. From 2026-12-03 to 12-06 the window was capped at one seal unit (32 MiB)
+to spare that one-off CPU, which sent every row that left the region back to the disk: in
+the steady state of a long run (every row sealed once; 2M x 128, region 25% of the state,
+uniform batches of 2048, ``dsa_core.step``) the capped window ran 78-98k rows/s against
+115-189k with the 1/8 share (three alternated pairs; docs/notebook.md, "The written-segment
+window"). Each job's
+CPU timeEach job's
 CPU time (the thread's own, ``time.thread_time``) is counted: ``SegmentWriter.cpu_s`` /
 ``jobs``, shown by the store's ``stats()`` (``dsa info``).
 
@@ -69,7 +74,9 @@ __all__ = ["CACHE_MAX", "DEPTH", "PACE_BYTES", "SegmentWriter", "WriteJob"]
 # writes queued or running at once; a seal beyond that waits for the oldest (segments: the
 # buffers, pending or spare, are at most budget.WRITE_BUFFERS, which this equals)
 DEPTH = WRITE_BUFFERS
-CACHE_MAX = SEAL_BYTES  # the window of written segments kept in the page cache, at most
+# a cap on the window of written segments kept in the page cache (None: the share alone,
+# segments.CACHE_SHARE of the memory the process may use); benchmarks set it for A/B runs
+CACHE_MAX: int | None = None
 # a segment is written in blocks of this many bytes, each on the disk before the next (0: at
 # once): the steps' reads then never queue behind more than a block of a segment's writes
 PACE_BYTES = 4 << 20
