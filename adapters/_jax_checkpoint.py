@@ -2,7 +2,7 @@
 
 Private; the public names live in :mod:`adapters.jax`.
 
-A checkpoint is one directory, committed by one atomic rename (``dsa_core.staged_dir``):
+A checkpoint is one directory, committed by one atomic rename (``dsa_core.checkpoint_many``):
 one ``dsa_core.checkpoint`` per table, named after the table's key in the stores pytree,
 plus ``checkpoint.json`` with the count and the tables.
 """
@@ -90,25 +90,14 @@ def checkpoint(state: Any, dest, *, overwrite: bool = False) -> Path:
     cores = [t.core_state for t in tables]  # waits for steps dispatched inside jit
     count = int(np.asarray(state.count))
     dest = Path(dest)
-    dest_r = dest.resolve()
     check_tables(_CHECKPOINT, tables, count)
-    for core in cores:
-        p = core.path.resolve()
-        if dest_r == p or dest_r in p.parents:
-            raise ValueError(f"{_CHECKPOINT}: destination {str(dest)!r} would replace or "
-                             f"contain the live store {str(p)!r}; choose another directory")
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{_CHECKPOINT}: checkpoint destination {str(dest)!r} exists; "
-                              "pass overwrite=True to replace it")
     names = _table_names(tables)
     manifest = {"format": _CHECKPOINT_FORMAT, "version": 1, "count": count,
                 "tables": [{"key": t.name, "name": n, "num_rows": c.num_rows, "dim": c.dim,
                             "dtype": c.dtype.name, "curvature": c.curvature}
                            for t, n, c in zip(tables, names, cores)]}
-    dest_r.parent.mkdir(parents=True, exist_ok=True)
-    with dsa_core.staged_dir(dest_r, overwrite) as tmp:
-        for n, core in zip(names, cores):
-            dsa_core.checkpoint(core, tmp / n)
+    with dsa_core.checkpoint_many(dest, dict(zip(names, cores)), overwrite=overwrite,
+                                  what=_CHECKPOINT) as tmp:
         dsa_core.write_json(tmp / CHECKPOINT_MANIFEST, manifest, checksum=True)
     return dest
 

@@ -22,7 +22,6 @@ they found, and all go on or all raise the same error.
 from __future__ import annotations
 
 import os
-import shutil
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -995,14 +994,14 @@ def _kind_of(path: Path) -> str:
 def _copy_shard(src: Path, dest: Path, memory: int | None) -> None:
     """Copy a checkpoint shard over the live one; the source is untouched.
 
-    Built beside ``dest`` and swapped in as one directory (``dsa_core.staged_dir``), so
-    ``dest`` is the old shard or the checkpoint's, never a mix. A live shard that another
-    writer holds is refused (``StoreLockedError``) before the swap (a live log shard is
-    opened for that with ``memory``, its region budget).
+    Built beside ``dest`` and swapped in as one directory (``dsa_core.checkpoint_many``:
+    its files copied with the checkpoint copy, which reads the source with ``O_DIRECT``,
+    fsyncs the copies and leaves the page cache as it found it), so ``dest`` is the old
+    shard or the checkpoint's, never a mix. A live shard that another writer holds is
+    refused (``StoreLockedError``) before the swap (a live log shard is opened for that
+    with ``memory``, its region budget).
     """
-    with dsa_core.staged_dir(dest, overwrite=True) as tmp:
-        shutil.copytree(src, tmp, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("writer.lock", "*.tmp*"))
+    with dsa_core.checkpoint_many(dest, {".": src}, overwrite=True) as tmp:
         if (dest / "manifest.json").exists():  # raises while another writer holds it
             live_mem = memory if _kind_of(dest) == "log" else None
             dsa_core.close(dsa_core.open(dest, memory=live_mem, unclean="accept"))

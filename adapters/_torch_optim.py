@@ -958,7 +958,6 @@ class DiskSparseAdam(torch.optim.Optimizer):
         dest = Path(dest_dir)
         dest_r = dest.resolve()
         slots = []
-        live = [] if self.state_dir is None else [self.state_dir.resolve()]
         for gi, group in enumerate(self.param_groups):
             for pj, p in enumerate(group["params"]):
                 s = self._slots[p]
@@ -966,15 +965,10 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     raise RuntimeError(f"the store of parameter [{gi}, {pj}] "
                                        f"({str(s.handle.state.path)!r}) is closed")
                 slots.append((f"group{gi}_param{pj}", s))
-                live.append(s.handle.state.path.resolve())
-        for p in live:
-            if dest_r == p or dest_r in p.parents:
-                raise ValueError(f"checkpoint destination {str(dest)!r} would replace or "
-                                 f"contain the live store directory {str(p)!r}; choose "
-                                 "another directory")
-        if dest.exists() and not overwrite:
-            raise FileExistsError(f"checkpoint destination {str(dest)!r} exists; pass "
-                                  "overwrite=True to replace it")
+        # checked here, before anything is flushed or written; committed below
+        staged = dsa_core.checkpoint_many(
+            dest, {name: s.handle.state for name, s in slots}, overwrite=overwrite,
+            live=[] if self.state_dir is None else [self.state_dir])
         carried: list = []
         if extra is not None:  # the snapshots its state dicts name travel with it
             extra, carried = carry_plan(extra, "DiskSparseAdam.checkpoint")
@@ -985,10 +979,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         for e, (name, _) in zip(man["params"], slots):
             e["snapshot"] = name
             e["path"] = str(dest_r / name)
-        dest_r.parent.mkdir(parents=True, exist_ok=True)
-        with dsa_core.staged_dir(dest_r, overwrite) as tmp:
-            for name, s in slots:
-                dsa_core.checkpoint(s.handle.state, tmp / name)
+        with staged as tmp:  # the stores' snapshots are in it
             if extra is not None:
                 carry_into(carried, tmp)
                 _save_durably(extra, tmp / EXTRA_FILE)

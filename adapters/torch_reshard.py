@@ -11,7 +11,7 @@ hyperparameters, and a manifest; ``ShardedDiskEmbedding(..., resume_from=DEST)``
 processes then continues exactly where the SRC run stopped. Runs in one process, reading
 and writing in chunks of whole records (``dsa_core.read_records`` / ``write_records``: memory
 O(chunk), and it works on every kind of store); SRC is opened read-only and never modified.
-DEST is built beside it and appears complete or not at all (``dsa_core.staged_dir``). The
+DEST is built beside it and appears complete or not at all (``dsa_core.checkpoint_many``). The
 new shards are of SRC's store kind, or of the one ``--storage`` names: resharding to the
 same world size with ``--storage log`` (or ``inplace``) rewrites a checkpoint as the other
 kind, bit for bit. The format it reads and writes is :mod:`adapters._torch_shards`.
@@ -118,8 +118,7 @@ def reshard(src, dest, world_size: int, plan: str = "mod", *, storage: str | Non
                                  f"({str(olds[0].path)!r}: {lay0}, {str(st.path)!r}: "
                                  f"{_without_rows(st.layout)}); the checkpoint was modified")
         table = table_of(man)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with dsa_core.staged_dir(dest, overwrite=False) as tmp:
+        with dsa_core.checkpoint_many(dest, {}) as tmp:  # the new shards are made in it
             _write_shards(olds, old, new, table, int(man["count"]), tmp, progress,
                           storage, memory)
             write_manifest(tmp, manifest(new, table, man["count"], resharded_from={

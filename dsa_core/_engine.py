@@ -215,6 +215,10 @@ def scratch(st: Engine, key: str, n: int) -> np.ndarray:
     return buf[:n]
 
 
-def closed_error(st: Engine) -> ValueError:
-    """The error of any call on a closed store."""
-    return ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+def closed_error(st: Engine, role: str = "", *, read_only: bool = False) -> ValueError:
+    """The error of any call on a closed store: the one text of it. ``role`` says which
+    store of a call this is (``"the snapshot"``); ``read_only``: the call needs only a
+    read-only open (``mode='r'``)."""
+    role = f" ({role})" if role else ""
+    how = "dsa_core.open(path, mode='r')" if read_only else "dsa_core.open(path)"
+    return ValueError(f"store {str(st.path)!r}{role} is closed; reopen it with {how}")

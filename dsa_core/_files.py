@@ -12,6 +12,7 @@ import array
 import contextlib
 import errno
 import fcntl
+import fnmatch
 import json
 import mmap
 import os
@@ -22,19 +23,17 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECKSUM_KEY", "COMMIT_HOOKS", "check_json_checksum", "commit_dir", "copy_file",
-           "fsync_dir", "json_checksum", "reflink", "staged_dir", "write_json"]
+from ._os import drop_pages, fsync_path, libc, page_residency, pwrite_all
+
+__all__ = ["CHECKSUM_KEY", "COMMIT_HOOKS", "InDoubtError", "check_json_checksum", "commit_dir",
+           "copy_file", "copy_tree", "json_checksum", "reflink", "staged_dir", "write_json"]
 
 CHECKSUM_KEY = "checksum"  # a manifest's own checksum: "crc32:<8 hex digits>"
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so that the renames and creations inside it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class InDoubtError(OSError):
+    """A file was renamed into place but its directory could not be synced: readers see
+    the new file, and whether it survives a power cut is unknown."""
 
 
 def json_checksum(obj: dict[str, Any]) -> str:
@@ -98,12 +97,15 @@ def read_json(path) -> Any:
 
 def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
                durable: bool = True) -> None:
-    """Replace the JSON file ``path`` atomically and durably.
+    """Replace the JSON file ``path`` atomically and durably: the one JSON writer.
 
     The text goes to a temporary file beside it, which is written in full
     (``os.write`` may write less than asked, e.g. on a nearly full disk), fsync'd and
     renamed over ``path``; then the directory is fsync'd. A reader sees the old file or the
-    new one, never a mix, and a crash leaves at most the temporary behind.
+    new one, never a mix. A failure before the rename (a full disk, an I/O error) leaves
+    the old file and removes the temporary; only a crash can leave the temporary behind.
+    A failure of the directory's sync after the rename raises :class:`InDoubtError` (an
+    ``OSError``): the new file is in place, whether it is durable is unknown.
 
     ``shared=True`` (default) names the temporary after this process and thread, so that
     concurrent writers of one path never share one. ``shared=False`` is for a file with a
@@ -132,64 +134,102 @@ def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
     data = memoryview(json.dumps(obj, indent=1, sort_keys=True).encode())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        while data:
-            data = data[os.write(fd, data):]
-        if durable:
-            os.fsync(fd)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
     except BaseException:
-        os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
-    os.replace(tmp, path)
     if durable:
-        fsync_dir(path.parent)
+        try:
+            fsync_path(path.parent)
+        except OSError as exc:
+            raise InDoubtError(exc.errno, f"{str(path)!r} was renamed into place but its "
+                               f"directory could not be synced ({exc})") from exc
 
 
-_COPY_CHUNK = 16 << 20
+_COPY_CHUNK = 16 << 20  # bytes per read of a copy: a multiple of any O_DIRECT alignment
 
 
-def _copy_direct(src: Path, fo) -> bool:
-    """Copy ``src`` into the open file ``fo`` reading with ``O_DIRECT``; False if unsupported.
+def _copy_direct(src: Path, fd_out: int) -> int:
+    """Copy ``src`` from its start to the same offsets of the open ``fd_out``, reading with
+    ``O_DIRECT``; returns how many bytes it copied: the whole file, or fewer where direct
+    reads stop (0: the filesystem refuses them: tmpfs, some FUSE and network filesystems;
+    a short read in the middle, after which the offset is no longer aligned). The caller
+    copies the rest (:func:`_copy_cached`).
 
-    Why not ``copy_file_range``/``read``: they read through the page cache, whose read-ahead
-    fills it with large folios (up to 2 MiB on ext4 with large-folio support). A store whose
-    cache holds such folios writes a whole folio back for every row a step changes, hundreds
-    of times the 4 KiB that the row needs (``python -m benchmarks.folio_check``; figures:
-    docs/notebook.md, design measurements). ``O_DIRECT`` leaves the source's cache as it
-    was. The caller has flushed the mapping, so the disk holds the rows.
+    Why: a read through the page cache (``read``, ``copy_file_range``, ``cp``) fills it
+    with large folios (up to 2 MiB on ext4 with large-folio support), and a store whose
+    cache holds such folios writes a whole folio back for every row a step changes,
+    hundreds of times the 4 KiB that the row needs (``python -m benchmarks.folio_check``;
+    docs/storage.md, "Copy stores with checkpoint, not cp"). ``O_DIRECT`` leaves the
+    source's cache as it was. The buffer is an anonymous mapping (page-aligned, as
+    ``O_DIRECT`` needs); the last read returns the file's unaligned tail. The caller has
+    flushed the store, so the disk holds the rows.
     """
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
     if flags == os.O_RDONLY:  # pragma: no cover - no O_DIRECT on this platform
-        return False
+        return 0
     try:
         fd = os.open(src, flags)
     except OSError:
-        return False
-    buf = mmap.mmap(-1, _COPY_CHUNK)  # page-aligned, as O_DIRECT needs
+        return 0
+    buf = mmap.mmap(-1, _COPY_CHUNK)
     try:
-        size = os.fstat(fd).st_size
-        off = 0
+        size, off = os.fstat(fd).st_size, 0
         while off < size:
             try:
                 n = os.preadv(fd, [buf], off)
             except OSError as exc:
-                if off == 0 and exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
-                    return False  # the filesystem refuses direct reads: use the cache path
+                if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                    return off  # direct reads refused here: the rest through the cache
                 raise
             if n <= 0:
                 raise OSError(errno.EIO, f"{str(src)!r} ended at {off:,} of {size:,} bytes")
-            fo.write(memoryview(buf)[:n])
+            pwrite_all(fd_out, memoryview(buf)[:n], off)
             off += n
-            if n < _COPY_CHUNK and off < size:  # a short read left an unaligned offset:
-                with src.open("rb") as rest:    # the rest through the cache (rare, small)
-                    rest.seek(off)
-                    shutil.copyfileobj(rest, fo, 1 << 24)
-                break
-        return True
+            if n < _COPY_CHUNK:  # the tail, or a short read: the next offset is unaligned
+                return off
+        return off
     finally:
         buf.close()
         os.close(fd)
+
+
+def _copy_cached(fd_in: int, fd_out: int, off: int, size: int, share: bool) -> None:
+    """Copy bytes ``[off, size)`` of ``fd_in`` to ``fd_out`` through the page cache (where
+    :func:`_copy_direct` could not), then drop from the cache the source's pages that
+    were not in it before the copy (:func:`_os.page_residency` before,
+    :func:`_os.drop_pages` after): the cache is left as it was found, as a direct read
+    leaves it, except for a page another process faulted in meanwhile. ``share=True``
+    lets ``copy_file_range`` copy (it may share blocks); else reads and writes."""
+    try:
+        before = page_residency(fd_in, size)
+    except OSError:  # pragma: no cover - the file cannot be mapped: drop all it reads
+        before = None
+    try:
+        while share and off < size:
+            try:
+                n = os.copy_file_range(fd_in, fd_out, min(1 << 30, size - off), off, off)
+            except OSError:
+                n = 0
+            if n <= 0:  # no copy_file_range here: reads and writes for the rest
+                break
+            off += n
+        buf = memoryview(bytearray(min(_COPY_CHUNK, max(size - off, 0))))
+        while off < size:
+            n = os.preadv(fd_in, [buf[:size - off]], off)
+            if n <= 0:
+                raise OSError(errno.EIO, f"the file ended at {off:,} of {size:,} bytes")
+            pwrite_all(fd_out, buf[:n], off)
+            off += n
+    finally:
+        drop_pages(fd_in, keep=before)
 
 
 def _ficlone(fi, fo) -> None:
@@ -216,51 +256,41 @@ def reflink(src: Path, dst: Path) -> bool:
 
 
 def copy_file(src: Path, dst: Path, *, share: bool = True) -> None:
-    """Copy a file: reflink (FICLONE) where the filesystem can, else direct reads of ``src``
-    (see :func:`_copy_direct`), else ``copy_file_range``. ``dst`` is fsync'd and then dropped
-    from the page cache, so a store opened from it starts with small folios too.
+    """The one copy routine of checkpoints, snapshots and store copies: every file they
+    copy goes through it, and it leaves the page cache as it found it.
+
+    ``share=True``: a reflink (FICLONE) where the filesystem can. Otherwise the bytes are
+    read with ``O_DIRECT`` (:func:`_copy_direct`: the source's cache is not touched) and
+    written to ``dst``. Where the filesystem refuses direct reads, the rest is copied
+    through the cache (``copy_file_range`` when ``share``, else reads and writes) and the
+    source's pages that the copy brought into the cache are dropped again
+    (:func:`_copy_cached`; pages that were cached before stay). ``dst`` is fsync'd and
+    then dropped from the page cache, so a store opened from it starts with small folios
+    too.
 
     ``share=False``: never share blocks with ``src`` (no reflink, no ``copy_file_range``,
     which may clone too): the bytes are read and written again, so damage to one copy's
     blocks never reaches the other."""
+    src, dst = Path(src), Path(dst)
     with src.open("rb") as fi, dst.open("wb") as fo:
         try:
             if not share:
                 raise OSError(errno.EOPNOTSUPP, "a full copy was asked for")
             _ficlone(fi, fo)
         except OSError:
-            if not share:
-                shutil.copyfileobj(fi, fo, 1 << 24)
-            elif not _copy_direct(src, fo):
-                size = os.fstat(fi.fileno()).st_size
-                off = 0
-                while off < size:
-                    try:
-                        n = os.copy_file_range(fi.fileno(), fo.fileno(),
-                                               min(1 << 30, size - off), off, off)
-                    except OSError:
-                        n = 0
-                    if n <= 0:  # no copy_file_range here: plain copy of the rest
-                        fi.seek(off)
-                        fo.seek(off)
-                        shutil.copyfileobj(fi, fo, 1 << 24)
-                        break
-                    off += n
-        fo.flush()
+            size = os.fstat(fi.fileno()).st_size
+            off = _copy_direct(src, fo.fileno())
+            if off < size:
+                _copy_cached(fi.fileno(), fo.fileno(), off, size, share)
         os.fsync(fo.fileno())
-        with contextlib.suppress(OSError, AttributeError):
-            os.posix_fadvise(fo.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_pages(fo.fileno())
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
-    import ctypes
-    import ctypes.util
-
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
+        fn = libc["renameat2"]
+    except AttributeError:  # pragma: no cover - an old C library
         return False
     AT_FDCWD, RENAME_EXCHANGE = -100, 2
     r = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
@@ -283,7 +313,7 @@ def commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
     """
     tmp, dest = Path(tmp), Path(dest)
     tmp_named = tmp
-    fsync_dir(tmp)
+    fsync_path(tmp)
     if dest.exists():
         if not overwrite:
             raise FileExistsError(f"{str(dest)!r} exists; pass overwrite=True to replace it")
@@ -292,13 +322,13 @@ def commit_dir(tmp: Path, dest: Path, overwrite: bool) -> None:
             os.rename(dest, old)
             os.rename(tmp, dest)
             tmp = old
-        fsync_dir(dest.parent)
+        fsync_path(dest.parent)
         for hook in COMMIT_HOOKS:
             hook(tmp_named, dest)
         shutil.rmtree(tmp)
     else:
         os.rename(tmp, dest)
-        fsync_dir(dest.parent)
+        fsync_path(dest.parent)
         for hook in COMMIT_HOOKS:
             hook(tmp, dest)
 
@@ -343,9 +373,27 @@ def link_files(src: Path, dest: Path) -> Path:
                 os.link(f, dest / f.name)
             except OSError:
                 copy_file(f, dest / f.name)
-    fsync_dir(dest)
-    fsync_dir(dest.parent)
+    fsync_path(dest)
+    fsync_path(dest.parent)
     return dest
+
+
+def copy_tree(src: Path, dest: Path, *, share: bool = True) -> None:
+    """Copy the directory ``src`` (a closed store, a snapshot, a checkpoint) into
+    ``dest`` (made if missing), subdirectories too, every file with :func:`copy_file`
+    (never hard links: the copy may be written in place) and ``dest``'s directories
+    fsync'd; not the writer lock nor ``*.tmp*`` leftovers (a staged directory, a
+    manifest's temporary)."""
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.name == WRITER_LOCK or fnmatch.fnmatch(f.name, "*.tmp*"):
+            continue
+        if f.is_dir():
+            copy_tree(f, dest / f.name, share=share)
+        else:
+            copy_file(f, dest / f.name, share=share)
+    fsync_path(dest)
 
 
 class StoreLockedError(RuntimeError):

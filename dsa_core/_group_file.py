@@ -4,9 +4,10 @@ A group (``dsa_core._group``) commits its stores in two phases. Each member firs
 new state durable without installing it (``Engine.prepare_commit``: an in-place store syncs
 its rows, a log store seals and syncs its segments and writes its next index), and hands
 back the manifest that would commit it. Then this module writes the **group commit file**,
-one small JSON file holding every member's new manifest (:func:`write`: a temporary file,
-fsync, rename, fsync of the directory): that rename is the group's commit point. Only then
-does each member install its manifest (``Engine.install_commit``).
+one small JSON file holding every member's new manifest (:func:`write`: ``_files.write_json``,
+a temporary file, fsync, rename, fsync of the directory): that rename is the group's commit
+point (a failed sync of the directory after it: ``_files.InDoubtError``, re-exported here).
+Only then does each member install its manifest (``Engine.install_commit``).
 
 Every member's manifest names its group (``"group": {"file", "id", "seq"}``, written with its
 commits), so that :func:`recover`, run by ``dsa_core.open`` before the engine opens, can
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ._engines import ENGINES, kind_of
-from ._files import CHECKSUM_KEY, StoreLockedError, fsync_dir, json_checksum
+from ._files import CHECKSUM_KEY, InDoubtError, StoreLockedError, json_checksum, write_json
 
 __all__ = ["GROUP_FORMAT", "GroupFileError", "InDoubtError", "member_key", "read", "recover",
            "write"]
@@ -48,11 +49,6 @@ GROUP_VERSION = 1
 
 class GroupFileError(ValueError):
     """A group commit file that is not one (damaged, foreign, or of a newer version)."""
-
-
-class InDoubtError(OSError):
-    """The group commit file was renamed into place but its directory could not be synced:
-    whether the commit is durable is unknown (the process must stop; open decides)."""
 
 
 def member_key(file: Path, member: Path) -> str:
@@ -90,30 +86,14 @@ def read(file: Path) -> dict[str, Any] | None:
 
 
 def write(file: Path, record: dict[str, Any]) -> None:
-    """Replace the group commit file: temporary file, fsync, rename, fsync of the directory.
+    """Replace the group commit file (``_files.write_json``: temporary file, fsync, rename,
+    fsync of the directory; its checksum over the record with its format and version).
 
-    A failure before the rename leaves the old file (the commit did not happen);
-    :class:`InDoubtError` if the directory sync fails after it (the commit may or may not
-    be durable)."""
-    file = Path(file)
-    record = dict(record, format=GROUP_FORMAT, version=GROUP_VERSION)
-    record[CHECKSUM_KEY] = json_checksum(record)
-    data = memoryview(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
-    tmp = file.with_name(file.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        while data:
-            n = os.write(fd, data)
-            data = data[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, file)
-    try:
-        fsync_dir(file.parent)
-    except OSError as exc:
-        raise InDoubtError(exc.errno, f"group commit file {str(file)!r} was renamed into "
-                           f"place but its directory could not be synced ({exc})") from exc
+    A failure before the rename leaves the old file and no temporary (the commit did not
+    happen); :class:`InDoubtError` if the directory sync fails after it (the commit may or
+    may not be durable)."""
+    write_json(file, dict(record, format=GROUP_FORMAT, version=GROUP_VERSION), shared=False,
+               checksum=True)
 
 
 def recover(directory: Path) -> None:

@@ -2,14 +2,13 @@
 
 One place for the page size, the C library and the calls reached through it (``madvise``,
 ``mincore``, ``sync_file_range``, ``mmap``/``munmap`` without a descriptor), and for the
-loops that finish short ``pwrite``/``pwritev``/``preadv`` calls. Nothing here knows about
-records, segments or stores.
+loops that finish short ``pwrite``/``pwritev``/``preadv`` calls, the one fsync by path
+(:func:`fsync_path`: a file or a directory) and the page-cache probes of the checkpoint
+copy (:func:`page_residency`, :func:`drop_pages`). Nothing here knows about records,
+segments or stores.
 
-Users today: the log-structured engine (``dsa_core._log``). The in-place store's prefetch and
-range modules (``_prefetch``, ``_ranges``) still load their own copies of these calls (the
-page size, libc, ``posix_fadvise``, ``sync_file_range``, ``mincore``, ``madvise`` and its
-``MADV_PAGEOUT``/``MADV_POPULATE_READ``): :data:`fadvise_fd` and those constants are here
-for them.
+Users: both engines (``dsa_core._log``, ``dsa_core._inplace``) and the durable file
+operations (``dsa_core._files``).
 
 Each typed C function is a separate function object (``libc["name"]``, not ``libc.name``,
 which ctypes caches and shares): setting one caller's ``argtypes`` never changes another's.
@@ -24,15 +23,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import mmap
 import os
 from pathlib import Path
+
+import numpy as np
 
 __all__ = ["MADV_PAGEOUT", "MADV_POPULATE_READ", "MADV_RANDOM", "MADV_WILLNEED", "MAP_FAILED",
            "PAGE", "POSIX_FADV_WILLNEED", "SYNC_FILE_RANGE_WAIT_AFTER",
            "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory",
-           "fadvise_fd", "fsync_path", "libc", "madvise_addr", "mincore_addr", "mmap_fn",
-           "munmap_fn", "preadv_all", "preadv_fd", "pwrite_all", "pwritev_all", "start_writeback",
-           "sync_file_range", "wait_written_back", "write_back"]
+           "drop_pages", "fadvise_fd", "fsync_path", "libc", "madvise_addr", "mincore_addr",
+           "mmap_fn", "munmap_fn", "page_residency", "preadv_all", "preadv_fd", "pwrite_all",
+           "pwritev_all", "start_writeback", "sync_file_range", "wait_written_back",
+           "write_back"]
 
 # the memory page size: the unit of madvise/mincore spans (4096 on x86-64)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -124,12 +127,53 @@ def wait_written_back(path: Path) -> None:
 
 
 def fsync_path(path: Path) -> None:
-    """fsync the file ``path`` (opened read-only for it)."""
+    """fsync the file or directory ``path`` (opened read-only for it): a file's data, or a
+    directory's entries (the renames and creations inside it). The one fsync by path of
+    the package; an open file is synced with ``os.fsync(fd)``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def page_residency(fd: int, nbytes: int) -> np.ndarray:
+    """Which pages of the first ``nbytes`` bytes of the open file ``fd`` are in the page
+    cache now: one bool per :data:`PAGE` (``mincore`` over a read-only shared mapping of
+    the file, which reads nothing)."""
+    npages = -(-nbytes // PAGE)
+    vec = np.zeros(npages, np.uint8)
+    if not npages:
+        return vec.astype(bool)
+    addr = mmap_fn(None, npages * PAGE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap for mincore failed: {os.strerror(err)}")
+    try:
+        if mincore_addr(addr, npages * PAGE, vec.ctypes.data) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mincore failed: {os.strerror(err)}")
+    finally:
+        munmap_fn(addr, npages * PAGE)
+    return (vec & 1).astype(bool)
+
+
+def drop_pages(fd: int, keep: np.ndarray | None = None) -> None:
+    """Drop the open file's clean pages from the page cache (``POSIX_FADV_DONTNEED``; pages
+    some process maps stay). With ``keep`` (a :func:`page_residency` result), only the
+    runs of pages where it is False, so that the pages cached before stay cached. A hint:
+    does nothing where the call is missing."""
+    if keep is None:
+        runs = [(0, 0)]  # the whole file
+    else:  # runs of False; one that ends the file goes to its end (a folio past its size)
+        edges = np.flatnonzero(np.diff(np.concatenate(([True], keep, [True])).astype(np.int8)))
+        runs = [(int(a) * PAGE, 0 if b == keep.shape[0] else int(b - a) * PAGE)
+                for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    for off, n in runs:
+        try:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):  # pragma: no cover - not Linux
+            return
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ._engine import closed_error
 from .validation import as_index
 
 __all__ = ["prefetch", "prefetched", "residency"]
@@ -31,7 +32,7 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     """
     st = state.store
     if st.closed:
-        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+        raise closed_error(st)
     rows = as_index(idx, st.num_rows)
     if rows.size:
         st.prefetch(rows, wait)
@@ -70,7 +71,7 @@ def residency(state, idx: Any) -> float:
     """
     st = state.store
     if st.closed:
-        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+        raise closed_error(st)
     rows = np.unique(as_index(idx, st.num_rows))
     if rows.size == 0:
         return 1.0

@@ -24,8 +24,6 @@ from .validation import as_index
 
 __all__ = ["load_range", "load_rows", "release_range", "release_rows", "wait_ranges"]
 
-_closed_error = closed_error
-
 
 # -- public API -----------------------------------------------------------------------------
 def _store_of(state: Any):
@@ -58,7 +56,7 @@ def _check_range(st, start: Any, stop: Any) -> tuple[int, int]:
 def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
     st = _store_of(state)
     if st.closed:
-        raise _closed_error(st)
+        raise closed_error(st)
     start, stop = _check_range(st, start, stop)
     st.submit_range(kind, start, stop, wait)
 
@@ -187,7 +185,7 @@ def _check_rows(st, rows: Any) -> np.ndarray:
 def _submit_rows(kind: str, state: Any, rows: Any, wait: bool) -> None:
     st = _store_of(state)
     if st.closed:
-        raise _closed_error(st)
+        raise closed_error(st)
     st.submit_rows(kind, _check_rows(st, rows), wait)
 
 

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,6 +22,8 @@ from . import _layout
 from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
+from ._engine import closed_error
+from ._files import copy_tree, staged_dir
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._group_file import recover
 from ._inplace.store import check_unclean
@@ -829,6 +831,72 @@ def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = Fals
                                   overwrite=overwrite, share=not copy)
 
 
+def checkpoint_many(dest, stores: Mapping[str, Any], *, overwrite: bool = False,
+                    copy: bool = False, live: Iterable = (), what: str = ""
+                    ) -> contextlib.AbstractContextManager[Path]:
+    """Write several stores, and what else a ``with`` block writes, as one directory
+    ``dest`` that appears complete or not at all: the multi-store checkpoint of the
+    adapters.
+
+    Each entry of ``stores`` goes to ``dest/<name>``: an open ``State`` as its
+    :func:`checkpoint` (flushed first; ``copy`` as there), a directory (a closed store,
+    or a snapshot or checkpoint of one) as a copy of its files (never hard links: the copy
+    may be trained in place; reflinked where the filesystem can unless ``copy``, else read
+    with ``O_DIRECT``; not its ``writer.lock`` nor ``*.tmp*`` leftovers). The name
+    ``"."`` (a directory, the only entry) copies it into ``dest`` itself. The ``with``
+    block then writes the rest into the staging directory it is given (a manifest, a
+    framework's state dict; or new stores, with ``stores`` empty); when it ends,
+    everything is fsync'd and renamed into place at once (an existing ``dest`` swapped
+    atomically where the filesystem allows). An error anywhere, in the block too, leaves
+    ``dest`` as it was.
+
+    Checked when called, before anything is written: ``dest`` neither is nor contains a
+    live store (the directory of each ``State`` and each directory of ``live``:
+    ``ValueError``), and an existing ``dest`` needs ``overwrite=True``
+    (``FileExistsError``). ``what`` (the caller's name) starts both messages.
+
+    >>> import tempfile, pathlib, dsa_core
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> u, i = dsa_core.create(tmp / "u", 10, 4), dsa_core.create(tmp / "i", 20, 4)
+    >>> with dsa_core.checkpoint_many(tmp / "ckpt", {"user": u, "item": i}) as staged:
+    ...     dsa_core.write_json(staged / "meta.json", {"epoch": 3})
+    >>> sorted(p.name for p in (tmp / "ckpt").iterdir())
+    ['item', 'meta.json', 'user']
+    >>> dsa_core.close(u); dsa_core.close(i)
+    """
+    dest = Path(dest)
+    dest_r = dest.resolve()
+    head = f"{what}: " if what else ""
+    states = {n: s for n, s in stores.items() if isinstance(s, State)}
+    dirs = {n: Path(s) for n, s in stores.items() if not isinstance(s, State)}
+    if "." in stores and (len(stores) > 1 or states):
+        raise ValueError(f"{head}the name '.' (a directory copied into the checkpoint "
+                         "itself) must name a directory and be the only entry")
+    for p in [*(Path(s.path) for s in states.values()), *map(Path, live)]:
+        p = p.resolve()
+        if dest_r == p or dest_r in p.parents:
+            raise ValueError(f"{head}checkpoint destination {str(dest)!r} would replace or "
+                             f"contain the live store directory {str(p)!r}; choose another "
+                             "directory")
+    if dest.exists() and not overwrite:
+        raise FileExistsError(f"{head}checkpoint destination {str(dest)!r} exists; pass "
+                              "overwrite=True to replace it")
+    return _staged_checkpoint(dest_r, states, dirs, overwrite, copy)
+
+
+@contextlib.contextmanager
+def _staged_checkpoint(dest: Path, states: dict[str, State], dirs: dict[str, Path],
+                       overwrite: bool, copy: bool) -> Iterator[Path]:
+    """:func:`checkpoint_many` once checked: the stores staged, then the block."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with staged_dir(dest, overwrite) as tmp:
+        for name, st in states.items():
+            checkpoint(st, tmp / name, copy=copy)
+        for name, src in dirs.items():
+            copy_tree(src, tmp / name, share=not copy)
+        yield tmp
+
+
 _RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk
 
 
@@ -872,8 +940,7 @@ def restore(live: State, snapshot: State) -> State:
     require_current(live)
     check_same_layout(live, snapshot)
     if snapshot.store.closed:
-        raise ValueError(f"store {str(snapshot.path)!r} (the snapshot) is closed; reopen it "
-                         "with dsa_core.open(path, mode='r')")
+        raise closed_error(snapshot.store, "the snapshot", read_only=True)
     live.store.before_restore()
     _copy_records(snapshot, live)
     return set_count(live, snapshot.count)
@@ -915,8 +982,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     memory = check_memory_arg(memory, storage)
     st = src.store
     if st.closed:
-        raise ValueError(f"store {str(st.path)!r} (the source) is closed; reopen it with "
-                         "dsa_core.open(path, mode='r')")
+        raise closed_error(st, "the source", read_only=True)
     if Path(dest).resolve() == Path(st.path).resolve():
         raise ValueError(f"convert destination {str(dest)!r} is the source store itself; "
                          "choose another directory")
@@ -976,7 +1042,7 @@ def read_records(state: State, idx: Any) -> np.ndarray:
     """
     st = state.store
     if st.closed:
-        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+        raise closed_error(st)
     return st.read(as_index(idx, st.num_rows))
 
 
@@ -1042,7 +1108,7 @@ def note_newest(store: Any, count: int, meta: dict[str, Any]) -> None:
 def _require_writable(state: State) -> None:
     st = state.store
     if st.closed:
-        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+        raise closed_error(st)
     if st.mode != "r+":
         raise ValueError(f"store {str(st.path)!r} was opened read-only (mode='r'); "
                          "open it with mode='r+' to train")

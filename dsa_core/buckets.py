@@ -44,6 +44,7 @@ import numpy as np
 import dsa_core
 
 from . import _bucket_order, _paging, validation
+from ._os import fsync_path
 
 __all__ = ["DEFAULT_POOL", "DEFAULT_POOL_SHARE", "DEFAULT_RESERVE", "POOL_RATE", "Batch",
            "BatchIterator", "Fit", "Order", "Plan", "fit", "open_plan", "plan"]
@@ -422,8 +423,7 @@ def plan(edges, num_nodes: int, *, partitions: int, buffer: int = 2, seed: int =
             del target
         else:  # a zero-length file cannot be mapped
             np.save(tmp / "edges.npy", np.empty((0, cols), edges.dtype))
-        with open(tmp / "edges.npy", "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_path(tmp / "edges.npy")
         with open(tmp / "offsets.npy", "wb") as f:
             np.save(f, offsets)
             f.flush()

@@ -11,6 +11,9 @@
   ``log_kw(kind, ...)`` -- the create/adapter keywords of a storage kind.
 * The crash harness: ``Worker`` / ``run_worker`` run ``tests/crash_worker.py`` in a
   subprocess (see test_reliability.py for what it trains and how the kills are checked).
+* A real memory cgroup: ``memcap(limit, *command)`` (the command line that runs a command
+  under ``benchmarks/memcap.sh``, the repo's own tool) and ``memcap_unavailable()`` (why it
+  cannot run here, for a skip; None where it can).
 """
 
 from __future__ import annotations
@@ -35,6 +38,35 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 WORKER = TESTS / "crash_worker.py"
 KINDS = ("inplace", "log")
+MEMCAP = REPO / "benchmarks" / "memcap.sh"
+
+
+# -- a real memory cgroup ---------------------------------------------------------------------
+def memcap(limit: str, *command: str) -> list[str]:
+    """The command line that runs ``command`` in a fresh memory cgroup of ``limit`` bytes
+    (``"512M"``): ``benchmarks/memcap.sh``, the cap the benchmarks run under."""
+    return ["bash", str(MEMCAP), limit, *command]
+
+
+def memcap_unavailable() -> str | None:
+    """Why :func:`memcap` cannot run here (a reason for ``pytest.skip``), or None."""
+    import shutil
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "benchmarks/memcap.sh needs root (it makes a memory cgroup)"
+    if shutil.which("numfmt") is None:
+        return "benchmarks/memcap.sh needs numfmt (coreutils)"
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    if v1.is_dir():
+        ok = os.access(v1, os.W_OK)
+    elif (v2 / "cgroup.controllers").is_file():
+        try:
+            ok = os.access(v2, os.W_OK) and "memory" in (v2 / "cgroup.subtree_control"
+                                                         ).read_text().split()
+        except OSError:
+            ok = False
+    else:
+        ok = False
+    return None if ok else "no writable memory cgroup on this machine"
 
 
 # -- threads and digests -----------------------------------------------------------------------

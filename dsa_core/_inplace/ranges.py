@@ -76,9 +76,6 @@ POPULATE = True           # map loaded pages (MADV_POPULATE_READ) after reading 
 _CREATE_LOCK = threading.Lock()
 
 
-_closed_error = closed_error
-
-
 class _Request:
     __slots__ = ("kind", "start", "stop", "huge", "done", "rows")
 
@@ -151,7 +148,7 @@ class RangeWorker:
         req = _Request(kind, start, stop, getattr(st, "access", "") == "ram", rows)
         with self._cv:
             if self._stopping:
-                raise _closed_error(st)
+                raise closed_error(st)
             self._q.append(req)
             self._cv.notify()
         return req
@@ -346,7 +343,7 @@ def _worker(st, create: bool) -> RangeWorker | None:
         w = st._ranges
         if w is None or w.pid != os.getpid():
             if st.closed:
-                raise _closed_error(st)
+                raise closed_error(st)
             w = st._ranges = RangeWorker(st)
     return w
 
@@ -411,7 +408,7 @@ def wait_mapped(st: Any) -> None:
     w = _worker(st, create=False)
     if w is None:
         if st.closed:
-            raise _closed_error(st)
+            raise closed_error(st)
         return
     try:
         req = w.submit("barrier", 0, 0, st)

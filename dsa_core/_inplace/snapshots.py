@@ -70,9 +70,9 @@ from typing import Any
 import numpy as np
 
 from .. import _files, _layout
-from .._files import copy_file, fsync_dir, writer_alive
+from .._files import copy_file, writer_alive
 from .._layout import DATA_FILE, HEADER_BYTES, MANIFEST_FILE, layout_version
-from .._os import pwrite_all
+from .._os import drop_pages, fsync_path, pwrite_all
 from .._paging import memory_available
 from .undo import _mark
 
@@ -346,8 +346,7 @@ def make_private(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             fd = os.open(tmp, os.O_RDWR)
             try:
                 _apply_file(fd, deltas, manifest["layout"])
-                with contextlib.suppress(OSError, AttributeError):  # small folios, as copy_file
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                drop_pages(fd)  # small folios, as copy_file
             finally:
                 os.close(fd)
         except BaseException:
@@ -355,7 +354,7 @@ def make_private(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             raise
         del deltas
         os.replace(tmp, directory / DATA_FILE)
-        fsync_dir(directory)
+        fsync_path(directory)
         manifest = {k: v for k, v in manifest.items()
                     if k not in (CHAIN_KEY, _files.CHECKSUM_KEY)}
         manifest["version"] = layout_version(manifest["layout"])
@@ -367,12 +366,12 @@ def make_private(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
                 tmp = directory / (DATA_FILE + ".tmp")
                 copy_file(data, tmp)
                 os.replace(tmp, data)
-                fsync_dir(directory)
+                fsync_path(directory)
     stray = [n for n in os.listdir(directory) if is_chain_file(n)]
     for name in stray:
         (directory / name).unlink(missing_ok=True)
     if stray:
-        fsync_dir(directory)
+        fsync_path(directory)
     return manifest
 
 

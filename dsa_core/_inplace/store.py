@@ -44,7 +44,6 @@ from .._files import (
     CHECKSUM_KEY,
     StoreLockedError,
     copy_file,
-    fsync_dir,
     lock_writer,
     staged_dir,
     writer_alive,
@@ -69,6 +68,7 @@ from .._layout import (
     parse_header,
     read_manifest,
 )
+from .._os import fsync_path
 from .._paging import _RAM_STORES, auto_access, check_access
 from .._pool import run_chunked
 from .readahead import Prefetcher, mapped_residency
@@ -386,7 +386,7 @@ class Store:
         """Make the new data file durable and give it its final name."""
         self.sync()
         os.replace(self.path / (DATA_FILE + ".tmp"), self.file)
-        fsync_dir(self.path)
+        fsync_path(self.path)
 
     @classmethod
     def open_file(cls, directory: Path, layout: dict[str, Any], mode: str,
@@ -615,7 +615,7 @@ class Store:
                     else:
                         action = "committed"
         jpath.unlink()
-        fsync_dir(self.path)
+        fsync_path(self.path)
         return action
 
     # -- the engine interface (dsa_core._engine) -----------------------------------------
@@ -724,12 +724,8 @@ class Store:
 
     def sync_commit(self) -> None:
         """Make the manifest of an ``install_commit(durable=False)`` durable."""
-        fd = os.open(self.path / MANIFEST_FILE, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.path)
+        fsync_path(self.path / MANIFEST_FILE)
+        fsync_path(self.path)
 
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:

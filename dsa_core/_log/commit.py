@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import copy_file, fsync_dir, staged_dir
+from .._files import copy_file, staged_dir
 from .._os import fsync_path
 from .budget import SEAL_BYTES
 from .checks import check_count, check_meta
@@ -330,7 +330,7 @@ class Commit:
                                                   self.pool.disk_location_chunks())
             crash_point("flush-index")
         new_wal = self._start_wal() if self.wal_on else None
-        fsync_dir(self.path)  # the new files' names are durable before the manifest is
+        fsync_path(self.path)  # the new files' names are durable before the manifest is
         manifest.update(totals=self.totals(), count=int(self.count), segments=sorted(segs.segs),
                         next_segment=int(segs.next_segment), meta=meta)
         name_wal(manifest, new_wal)
@@ -370,7 +370,7 @@ class Commit:
     def sync_manifest(self) -> None:
         """Make a manifest installed with ``durable=False`` durable (file and directory)."""
         fsync_path(self.path / MANIFEST_FILE)
-        fsync_dir(self.path)
+        fsync_path(self.path)
 
     def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
                    share: bool = True) -> Path:

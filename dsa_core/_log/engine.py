@@ -69,6 +69,7 @@ from typing import Any
 
 import numpy as np
 
+from .._engine import closed_error
 from .._files import CHECKSUM_KEY, ForkedReadError
 from .._init import InitSpec
 from .budget import (
@@ -249,8 +250,7 @@ class LogEngine:
     # -- guards ---------------------------------------------------------------------------
     def _require_open(self) -> None:
         if self.closed:
-            raise ValueError(f"log store {str(self.path)!r} is closed; reopen it with "
-                             "dsa_core._log.open(path, memory_bytes=...)")
+            raise closed_error(self)
 
     def _require_writable(self) -> None:
         self._require_open()

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .._files import CHECKSUM_KEY, fsync_dir, lock_writer
+from .._files import CHECKSUM_KEY, lock_writer
+from .._os import fsync_path
 from .commit import Commit
 from .format import (
     MANIFEST_FILE,
@@ -146,7 +147,7 @@ def remove_garbage(directory: Path, manifest: dict[str, Any]) -> list[str]:
             removed.append(entry)
             crash_point("open-clean")
     if removed:
-        fsync_dir(directory)
+        fsync_path(directory)
     return removed
 
 

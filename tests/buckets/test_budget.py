@@ -17,6 +17,7 @@ import pytest
 
 import dsa_core
 from dsa_core import _paging, buckets
+from helpers import memcap, memcap_unavailable
 
 MiB = 1 << 20
 
@@ -224,7 +225,6 @@ def _ids_grads(b, D):
     return ids, np.full((ids.shape[0], D), 1e-3, np.float32)
 
 
-_MEMCAP = "/work/shared/tools/memcap"  # runs a command in a memory cgroup (root only)
 _TRAIN_UNDER_CAP = """
 import sys, numpy as np, dsa_core
 from dsa_core import buckets
@@ -256,9 +256,7 @@ print("ok", steps, states, flush=True)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["inplace", "log"])
-@pytest.mark.skipif(not __import__("os").access(_MEMCAP, __import__("os").X_OK)
-                    or __import__("os").geteuid() != 0,
-                    reason="memcap needs root and a writable memory cgroup")
+@pytest.mark.skipif(memcap_unavailable() is not None, reason=str(memcap_unavailable()))
 def test_the_choice_trains_under_a_real_cgroup(tmp_path, kind):
     """fit's P and c (memory= read from the cgroup, a reserve for the interpreter) train
     three buffer states of a table 1.5x larger than a real 512 MiB memory cgroup, with the
@@ -269,8 +267,9 @@ def test_the_choice_trains_under_a_real_cgroup(tmp_path, kind):
 
     env = dict(os.environ,
                PYTHONPATH=str(__import__("pathlib").Path(dsa_core.__file__).parents[1]))
-    r = subprocess.run([_MEMCAP, "512M", sys.executable, "-c", _TRAIN_UNDER_CAP, kind,
-                        str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(memcap("512M", sys.executable, "-c", _TRAIN_UNDER_CAP, kind,
+                              str(tmp_path)), capture_output=True, text=True, env=env,
+                       timeout=600)
     if r.returncode and "no writable memory cgroup" in r.stderr:
         pytest.skip(r.stderr.strip())
     assert r.returncode == 0, (r.stdout, r.stderr)  # 137: killed by the cgroup

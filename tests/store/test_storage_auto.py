@@ -7,6 +7,7 @@ import pytest
 
 import dsa_core
 from dsa_core import _paging
+from helpers import memcap, memcap_unavailable
 
 N, D = 500, 8
 TABLE = N * 3 * D * 4  # bytes of the float32 records [w | m | v]
@@ -180,7 +181,6 @@ def test_unreadable_files_fall_back(monkeypatch):
     assert _paging.dirty_background_bytes() == 1 << 30
 
 
-_MEMCAP = "/work/shared/tools/memcap"
 _PICK = """
 import sys, numpy as np, dsa_core
 from dsa_core import _paging
@@ -194,11 +194,10 @@ print(s.storage, t.access, u.storage, u.access, _paging.paging_limits())
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("os").access(_MEMCAP, __import__("os").X_OK)
-                    or __import__("os").geteuid() != 0,
-                    reason="memcap needs root and a writable memory cgroup")
+@pytest.mark.skipif(memcap_unavailable() is not None, reason=str(memcap_unavailable()))
 def test_auto_under_a_real_768mib_cgroup(tmp_path):
-    """storage="auto" and access="auto" inside ``memcap 768M`` (a real memory cgroup)."""
+    """storage="auto" and access="auto" inside ``benchmarks/memcap.sh 768M`` (a real memory
+    cgroup)."""
     import os
     import subprocess
     import sys
@@ -206,7 +205,7 @@ def test_auto_under_a_real_768mib_cgroup(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(__import__("pathlib").Path(dsa_core.__file__).parents[1]))
     env.pop("DSA_STORAGE", None)
     env.pop("DSA_ACCESS", None)
-    r = subprocess.run([_MEMCAP, "768M", sys.executable, "-c", _PICK, str(tmp_path)],
+    r = subprocess.run(memcap("768M", sys.executable, "-c", _PICK, str(tmp_path)),
                        capture_output=True, text=True, env=env, timeout=300)
     if r.returncode and "no writable memory cgroup" in r.stderr:
         pytest.skip(r.stderr.strip())
