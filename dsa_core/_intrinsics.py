@@ -48,6 +48,42 @@ def prefetch_line(typingctx, arr, row, col):
 
 
 @intrinsic
+def prefetch_line_addr(typingctx, addr):
+    """Hint that the cache line at the address ``addr`` will be read soon (no fault: an
+    address whose page is not mapped yet is simply not prefetched)."""
+    if not isinstance(addr, types.Integer):
+        return None
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # rw = 0 (read), locality = 3, cache type = 1 (data)
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0),
+                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def u8_ptr(typingctx, addr):
+    """The address ``addr`` (an int64: a mapping's or an array's data address) as a
+    ``uint8*``, for ``numba.carray(u8_ptr(addr), n)``: a view of ``n`` bytes there. The
+    caller keeps whatever owns that memory alive for as long as the view is used."""
+    if not isinstance(addr, types.Integer):
+        return None
+    sig = types.CPointer(types.uint8)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint8)))
+
+    return sig, codegen
+
+
+@intrinsic
 def f32_bits(typingctx, x):
     """The IEEE bits of a float32, as uint32 (a bitcast, no conversion)."""
     if x != types.float32:

@@ -31,15 +31,15 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
 ``staging``
     what a seal allocates besides: one chunk of a streamed seal (``STAGING_CHUNK``, or the
     region if smaller) and ``SEAL_META`` bytes per record of a written-behind seal (its row
-    ids, steps, new locations, the file's rows/steps part and per-record sums). Misses are
-    copied out of a segment in pieces of the same size (``segments.read_into``), and a
-    flush writes the index in pieces of at most that size (:func:`index_piece_rows`).
+    ids, steps, new locations, the file's rows/steps part and per-record sums). A flush
+    writes the index in pieces of at most that size (:func:`index_piece_rows`). (Misses are
+    copied straight into place through one record of scratch: ``segments.read_into``.)
 
 Who keeps to it, each from the same function here: the segment table holds at most
-``WRITE_BUFFERS`` write buffers of ``behind_records(u)`` records (``segments``) and copies
-misses in pieces; ``commit`` writes behind only seals of at most ``Segments.behind_bytes``
-(larger ones are streamed in ``STAGING_CHUNK`` pieces) and copies cleaned records straight
-into the seal's buffer; the cleaner gives its reads the ``held`` and ``request`` of
+``WRITE_BUFFERS`` write buffers of ``behind_records(u)`` records (``segments``);
+``commit`` writes behind only seals of at most ``Segments.behind_bytes`` (larger ones are
+streamed in ``STAGING_CHUNK`` pieces) and copies cleaned records straight into the seal's
+buffer; the cleaner gives its reads the ``held`` and ``request`` of
 :func:`cleaning_limits` (``cleaner.Cleaner``), and ``CleaningReads`` refuses a read that
 would hold more (the victim is then copied through its mapping).
 

@@ -42,10 +42,12 @@ import numpy as np
 
 from .._os import fsync_path
 from .._paging import memory_limit
+from .._pool import run_chunked
 from . import format as _format
-from .budget import STAGING_CHUNK, WRITE_BUFFERS, behind_records
-from .format import Segment, check_records, crash_point, map_segment, seg_name
+from .budget import WRITE_BUFFERS, behind_records
+from .format import Segment, SegmentError, crash_point, map_segment, seg_name
 from .read import hint_uncached
+from .sums import gather_checked
 from .writer import CACHE_MAX, SegmentWriter, WriteJob
 
 __all__ = ["CACHE_SHARE", "LOW32", "cache_window", "SPARE_SEGMENTS", "Segments"]
@@ -58,6 +60,11 @@ LOW32 = np.int64(0xFFFFFFFF)
 # dead, never-committed segment files kept for the next seals to overwrite (module docstring);
 # 0: every dead file is deleted
 SPARE_SEGMENTS = 8
+
+
+def _addr_of(sums) -> int:
+    """The data address of a segment's sums array, 0 for none (nothing to check)."""
+    return 0 if sums is None else int(sums.__array_interface__["data"][0])
 
 
 def cache_window() -> int:
@@ -89,13 +96,13 @@ class Segments:
         # the largest seal written behind, and the size of every write buffer (budget)
         self.behind_records = behind_records(seal_unit)
         self.behind_bytes = self.behind_records * self.rec_bytes
-        self.read_chunk = max(1, STAGING_CHUNK // self.rec_bytes)  # records per copy (read_into)
         self.next_segment = next_segment
         self.segs: dict[int, Segment] = {}          # live segments (>= 1 live record), mapped
         self.live = np.zeros(16, np.int64)          # live records per segment id
         self.seg_n = np.zeros(16, np.int64)         # records per segment id
         self.seg_addr = np.zeros(16, np.int64)      # address of its mapped records, 0: none
         self.sum_addr = np.zeros(16, np.int64)      # address of its mapped sums, 0: none
+        self.chk_addr = np.zeros(16, np.int64)      # address of the sums reads check, 0: none
         self.total_records = 0                      # records of the live segments
         self.live_total = 0                         # rows with an on-disk location
         self.committed: set[int] = set()            # segments the last manifest lists
@@ -116,7 +123,7 @@ class Segments:
         """Grow the per-id arrays to hold ``seg_id``."""
         if seg_id >= self.live.shape[0]:
             size = max(2 * self.live.shape[0], seg_id + 1)
-            for name in ("live", "seg_n", "seg_addr", "sum_addr"):
+            for name in ("live", "seg_n", "seg_addr", "sum_addr", "chk_addr"):
                 old = getattr(self, name)
                 new = np.zeros(size, np.int64)
                 new[:old.shape[0]] = old
@@ -129,12 +136,14 @@ class Segments:
         self.seg_addr[sid] = seg.records.__array_interface__["data"][0]
         # a version-1 segment's sums are computed in memory: nothing of them to read
         self.sum_addr[sid] = seg.sums.__array_interface__["data"][0] if version >= 2 else 0
+        self.chk_addr[sid] = _addr_of(seg.sums)
 
     def add(self, seg: Segment) -> None:
         """A segment whose records are in memory (a pending write's buffer)."""
         self.segs[seg.id] = seg
         self.seg_addr[seg.id] = seg.records.__array_interface__["data"][0]
         self.sum_addr[seg.id] = 0
+        self.chk_addr[seg.id] = _addr_of(seg.sums)
 
     def sealed(self, sid: int, n: int) -> None:
         """Count the new segment ``sid`` of ``n`` records, all live, not yet fsync'd."""
@@ -161,6 +170,7 @@ class Segments:
             seg = self.segs.pop(sid)
             self.seg_addr[sid] = 0
             self.sum_addr[sid] = 0
+            self.chk_addr[sid] = 0
             job = self.pending.pop(sid, None)
             if job is not None:  # let its write end before the file goes
                 self.wait_job(job)
@@ -229,40 +239,46 @@ class Segments:
     # -- reading -------------------------------------------------------------------------------
     def read_into(self, locs: np.ndarray, out: np.ndarray, out_idx: np.ndarray,
                   cols: slice = slice(None)) -> None:
-        """``out[out_idx[i]] = record at locs[i]`` (locations > 0; columns ``cols``), one pass
-        per segment in record order. Every record copied out of a segment file is checked
-        against its sum first (``format.check_records``): a damaged one raises
-        ``SegmentError`` naming the file and the row (``out`` is then partly written: both
-        callers drop it). Records are copied out of a segment file in pieces of at most
-        ``budget.STAGING_CHUNK`` bytes (the seal staging's share of the budget), however many
-        of a batch lie in one segment."""
-        if not locs.shape[0]:
+        """``out[out_idx[i]] = record at locs[i]`` (locations > 0; columns ``cols``; ``out``
+        C-contiguous). The records not in the page cache are read ahead first, all at once;
+        then one kernel (``sums.gather_checked``, on the kernels' threads) copies every
+        record in location order, whatever segment it lies in, and checks each one copied
+        out of a segment file against its sum on the copy it serves: a damaged one is never
+        written to ``out`` and raises ``SegmentError`` naming the file and the rows (``out``
+        then holds the other records: both callers drop it)."""
+        n = locs.shape[0]
+        if not n:
             return
         order = np.argsort(locs, kind="stable")
         used = locs[order] - 1
         sids = used >> 32
         ks = used & LOW32
+        addrs = self.seg_addr[sids] + ks * self.rec_bytes
         # queue the reads of records not in the page cache all at once (queue depth), then
         # copy: the copy waits only for reads already in flight (read)
-        hint_uncached(self.seg_addr[sids] + ks * self.rec_bytes, self.rec_bytes,
-                      self.sum_addresses(sids, ks))
-        cuts = np.flatnonzero(sids[1:] != sids[:-1]) + 1
-        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), sids.shape[0]], strict=True):
-            sid = int(sids[a])
-            seg = self.segs.get(sid)
-            if seg is None:  # pragma: no cover - an engine bug: verify() would report it
-                raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
-                                   f"segment {sid}, which is not live; run verify()")
-            # in memory (or the baseline of the benchmark): nothing to check
-            check = seg.sums is not None and _format.CHECK_RECORDS
-            for lo in range(a, b, self.read_chunk):
-                hi = min(b, lo + self.read_chunk)
-                if not check:
-                    out[out_idx[order[lo:hi]]] = seg.records[ks[lo:hi], cols]
-                    continue
-                blk = seg.records[ks[lo:hi]]  # whole records: the bytes checked are served
-                check_records(seg, ks[lo:hi], blk)
-                out[out_idx[order[lo:hi]]] = blk[:, cols]
+        hint_uncached(addrs, self.rec_bytes, self.sum_addresses(sids, ks))
+        held = [self.segs.get(int(sid)) for sid in np.unique(sids)]  # alive while copied
+        if None in held:  # pragma: no cover - an engine bug: verify() would report it
+            sid = int(np.unique(sids)[held.index(None)])
+            raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
+                               f"segment {sid}, which is not live; run verify()")
+        chk = self.chk_addr[sids]
+        sums = np.where(chk != 0, chk + ks * 8, 0) if _format.CHECK_RECORDS \
+            else np.zeros(n, np.int64)
+        isz = self.dtype.itemsize
+        b0, b1, _ = cols.indices(self.stride)
+        dest = np.ascontiguousarray(out_idx[order], np.int64)
+        rows = out.view(np.uint8).reshape(out.shape[0], -1)
+        bad = np.zeros(n, np.uint8)
+        run_chunked(gather_checked, (addrs, sums, self.rec_bytes, b0 * isz, b1 * isz, rows,
+                                     dest, bad), n, 64)
+        del held
+        if bad.any():  # a damaged record is never served: name the first segment's
+            first = np.flatnonzero(bad)
+            sid = int(sids[first[0]])
+            wrong = first[sids[first] == sid]
+            raise SegmentError(_format._record_damage(self.segs[sid].path, ks[wrong],
+                                                      self.segs[sid].rows))
 
     def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """The addresses of the records at ``locs`` (locations > 0), of their sums (those

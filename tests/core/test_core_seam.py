@@ -269,12 +269,15 @@ def _private_core_imports(path: Path) -> list[str]:
 # cleaner's hints and the unmapping thread off for its A/B runs; benchmarks/torch_e2e.py's
 # --pace-mib and --cache-mib set the log store's writer pace and its window of cached
 # segments for an A/B (its default run uses neither); benchmarks/undo_cost.py turns the
-# in-place store's undo file off for its baseline (no public switch on purpose). The
-# tests are white-box tests of the core. Everything else uses the public API.
+# in-place store's undo file off for its baseline (no public switch on purpose);
+# benchmarks/step_ab.py times the phases of one step and the kernel alone, and caps the log
+# store's window of cached segments for its A/B. The tests are white-box tests of the core.
+# Everything else uses the public API.
 INTERNALS_ON_PURPOSE = {"benchmarks/breakdown.py", "benchmarks/ooc.py",
                         "benchmarks/record_checks.py", "benchmarks/write_path.py",
                         "benchmarks/clean_sim.py", "benchmarks/seal_tail.py",
-                        "benchmarks/torch_e2e.py", "benchmarks/undo_cost.py"}
+                        "benchmarks/torch_e2e.py", "benchmarks/undo_cost.py",
+                        "benchmarks/step_ab.py"}
 
 
 @pytest.mark.parametrize("folder", ["adapters", "examples", "benchmarks"])

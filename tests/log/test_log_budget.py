@@ -305,30 +305,32 @@ def test_an_index_written_in_pieces_is_the_same_file(tmp_path):
     np.testing.assert_array_equal(_log_format.read_index(tmp_path / "b", idx.shape[0], crc), idx)
 
 
-def test_misses_are_copied_out_of_a_segment_in_bounded_pieces(tmp_path, monkeypatch):
-    """A batch whose misses all lie in one segment (a range written in order, read back)
-    is copied in pieces of at most ``read_chunk`` records; the values are those written."""
-    monkeypatch.setattr(_log_segments, "STAGING_CHUNK", 8 * 3 * D * 4)  # 8 records a piece
+def test_misses_are_copied_straight_into_place_with_one_record_of_scratch(tmp_path,
+                                                                            monkeypatch):
+    """A batch whose misses lie in many segments is copied by one kernel call (no piece or
+    block of records held in between: one record of scratch), every record checked against
+    its sum; the values are those written."""
     s = dsa_core.create(tmp_path / "s", N, D, storage="log", init="normal", seed=2,
                         memory=budget.memory_for(_layout(), 4 * B))
-    assert s.store.engine._segments.read_chunk == 8
     rng = np.random.default_rng(0)
     for lo in range(0, 4 * B, B):  # rows [0, 4B) updated, then sealed in order
         s = dsa_core.step(s, np.arange(lo, lo + B), rng.standard_normal((B, D)).astype(np.float32))
     want = records(s)
     s.store.engine.release(np.arange(4 * B))
-    pieces, real = [], _log.format.check_records
-
-    def counting(seg, ks, blk):
-        pieces.append(blk.shape[0])
-        return real(seg, ks, blk)
-
-    monkeypatch.setattr(_log_segments, "check_records", counting)
     dsa_core.flush(s)  # the segments are files now, whose reads are checked
     s.store.engine._segments.settle(block=True)
+    calls, real = [], _log_segments.gather_checked
+
+    def counting(addrs, sums, *rest):
+        calls.append((int((sums != 0).sum()), rest[-1] - rest[-2]))  # checked, rows in it
+        return real(addrs, sums, *rest)
+
+    monkeypatch.setattr(_log_segments, "gather_checked", counting)
+    monkeypatch.setattr(_log_segments, "run_chunked",
+                        lambda fn, args, n, chunk: fn(*args, 0, n))  # one call, this thread
     got = s.store.engine.read(np.arange(N))
     np.testing.assert_array_equal(got, want)
-    assert pieces and max(pieces) <= 8 and sum(pieces) >= 4 * B
+    assert len(calls) == 1 and calls[0][0] == calls[0][1] >= 4 * B  # all checked, one call
     dsa_core.close(s)
 
 

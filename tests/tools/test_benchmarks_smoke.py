@@ -64,6 +64,7 @@ SMOKES = {
     "seal_tail": (["--smoke"], "seal_tail_smoke", "sealing_median_ms"),
     "undo_cost": (["--smoke"], None, "interval5_ms_per_step"),  # no result files in smoke
     "state_dict_disk": (["--smoke"], None, "run_dir"),  # writes no result files in smoke
+    "step_ab": (["--smoke"], None, "rows_per_s"),  # prints its figures only
     # every measure once; without a cgroup or a compiler it falls back (and says so)
     "guard": (["--smoke"], "guard_smoke_last", "ratio"),
 }
@@ -75,7 +76,7 @@ WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "pykeen_ooc": "--workdir",
            "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
            "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir",
-           "guard": "--workdir"}
+           "guard": "--workdir", "step_ab": "--workdir"}
 
 
 @pytest.fixture
