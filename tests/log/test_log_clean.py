@@ -479,6 +479,9 @@ def test_dead_private_segments_are_overwritten_not_deleted(tmp_path, monkeypatch
     assert st["cleaned_segments"] - before["cleaned_segments"] > 50
     segs = eng._segments
     assert st["spare_segments"] == len(segs.spares) <= spares
+    # a pending background write renames its spare into place when it runs: wait for them
+    # (else a slow writer leaves the spare's old name on disk beside the new segment's id)
+    segs.settle(block=True)
     assert _seg_files(tmp_path / "s") == (  # live, dead that the manifest lists, spares
         {_format.seg_name(sid) for sid in set(segs.segs) | segs.doomed}
         | {p.name for p, _ in segs.spares})
