@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
-from ._engine import scratch
+from ._engine import closed_error, scratch
 from ._engines import warmup_engines
 from ._intrinsics import NO_OPTIONS, WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_euclid import (
@@ -358,7 +358,7 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Copy the weight rows ``idx`` out of the store: shape ``(len(idx), dim)``, store dtype."""
     st = state.store
     if st.closed:
-        raise ValueError(f"store {str(st.path)!r} is closed; reopen it with dsa_core.open(path)")
+        raise closed_error(st)
     if st.w_off is None:
         raise ValueError(f"store {str(st.path)!r} was created with weights=False and holds no "
                          "weights to gather")
