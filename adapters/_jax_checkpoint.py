@@ -98,7 +98,7 @@ def checkpoint(state: Any, dest, *, overwrite: bool = False) -> Path:
                            for t, n, c in zip(tables, names, cores)]}
     with dsa_core.checkpoint_many(dest, dict(zip(names, cores)), overwrite=overwrite,
                                   what=_CHECKPOINT) as tmp:
-        dsa_core.write_json(tmp / CHECKPOINT_MANIFEST, manifest, checksum=True)
+        dsa_core.tools.write_json(tmp / CHECKPOINT_MANIFEST, manifest, checksum=True)
     return dest
 
 
@@ -109,7 +109,7 @@ def _read_manifest(src: Path) -> dict:
                                 f"it has no {CHECKPOINT_MANIFEST}; write one with "
                                 "checkpoint(opt_state, dest)")
     try:
-        manifest = dsa_core.read_json(mpath)  # its checksum checked
+        manifest = dsa_core.tools.read_json(mpath)  # its checksum checked
     except ValueError as exc:
         raise ValueError(f"{_RESTORE}: {str(mpath)!r} is not a checkpoint manifest: "
                          f"{exc}") from None

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._jax_state import PAD_ID, DiskTable, prefix, stale_state_error
 
@@ -265,7 +265,7 @@ def host_step(tables: list[DiskTable], count: int, lr: float | None, idxs: list,
     # 0 (a warm-up schedule): dsa_core.step accepts it per step
     updates = [(t._core, idx_t, g_t, {"lr": lr, "params": p_t})
                for t, _, _, idx_t, g_t, p_t in plans]
-    with dsa_core.deferred_sigint():
+    with dsa_core.tools.deferred_sigint():
         new = dsa_core.step_many(updates)
         for (t, *_), core in zip(plans, new, strict=True):
             t._core = core

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._storage import (
     STORAGE_DEFAULT,

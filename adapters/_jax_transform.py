@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._jax_io import put, to_host
 from ._jax_state import (

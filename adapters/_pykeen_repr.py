@@ -157,11 +157,11 @@ def _chunks(rows: int, chunk_rows: int):
 def _write_rows(state: dsa_core.State, ids: np.ndarray, rows: torch.Tensor, *,
                 fresh: bool) -> None:
     """Write weight rows ``rows`` of ``ids``; ``fresh``: zero their moments as well."""
-    st = state.store
-    rec = (np.zeros((ids.shape[0], int(st.layout["stride"])), st.dtype) if fresh
+    lay = state.layout
+    rec = (np.zeros((ids.shape[0], int(lay["stride"])), state.dtype) if fresh
            else dsa_core.read_records(state, ids))
-    o = int(st.layout["w"])
-    rec[:, o:o + st.dim] = rows.detach().cpu().numpy()
+    o = int(lay["w"])
+    rec[:, o:o + state.dim] = rows.detach().cpu().numpy()
     dsa_core.write_records(state, ids, rec)
 
 

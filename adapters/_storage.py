@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 __all__ = ["STORAGE_DEFAULT", "check_kind", "check_storage_args", "check_unclean_arg",
            "unclean_error", "zero_weight_row"]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._row_view import RowView
 from ._storage import STORAGE_DEFAULT
@@ -314,7 +314,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
             Accepted for compatibility; must equal ``k`` (the curvature of a store is fixed).
         """
         self._check_open()
-        dsa_core.follow_threads(torch.get_num_threads())  # as DiskSparseAdam.step
+        dsa_core.tools.follow_threads(torch.get_num_threads())  # as DiskSparseAdam.step
         if updates is None:
             raise TypeError("step() needs updates={name: (indices, grads)}")
         if current_k is not None:
@@ -352,7 +352,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         ups = [(self._handles[name].state._replace(betas=betas, eps=eps, weight_decay=wd,
                                                    decoupled_weight_decay=False),
                 idx, g, {"lr": lr}) for name, idx, g in jobs]
-        with dsa_core.deferred_sigint():  # every table or none, a Ctrl-C after the step
+        with dsa_core.tools.deferred_sigint():  # every table or none, a Ctrl-C after the step
             new = dsa_core.step_many(ups)
             for (name, _, _), st in zip(jobs, new, strict=True):
                 self._handles[name].state = st

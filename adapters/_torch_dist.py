@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._storage import STORAGE_DEFAULT, check_kind, check_storage_args, zero_weight_row
 from ._torch_common import (

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._storage import STORAGE_DEFAULT, check_unclean_arg, zero_weight_row
 from ._torch_common import (
@@ -353,7 +353,7 @@ class _GatherRows(torch.autograd.Function):
             raise RuntimeError(f"DiskEmbedding store {str(st.path)!r} is closed; to continue, "
                                "create a new DiskEmbedding on the same state_dir with "
                                "resume=True")
-        dsa_core.follow_threads(torch.get_num_threads())  # the gather is threaded too
+        dsa_core.tools.follow_threads(torch.get_num_threads())  # the gather is threaded too
         idx = ids.numpy()
         if device.type == "cuda":
             buf = torch.empty((idx.shape[0], st.dim), dtype=weight.dtype, pin_memory=True)
@@ -650,7 +650,7 @@ class DiskEmbedding(nn.Module):
         super().__init__()
         if unknown:
             raise TypeError(_unknown_keywords("DiskEmbedding", unknown, DiskEmbedding.__init__))
-        dsa_core.check_access(access)
+        dsa_core.tools.check_access(access)
         num_embeddings, embedding_dim, padding_idx = check_table_args(
             num_embeddings, embedding_dim, mode, padding_idx)
         what = f"DiskEmbedding({num_embeddings}, {embedding_dim})"

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._storage import STORAGE_DEFAULT, check_unclean_arg
 from ._torch_common import (
@@ -422,7 +422,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             if flag is not None and not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{what}: {name} must be a bool (or None), got {flag!r}")
         c = validation.check_curvature(curvature, what=what)
-        dsa_core.check_access(access)
+        dsa_core.tools.check_access(access)
         if second_moment is not None:
             validation.check_second_moment(second_moment, c, what=what)
         if first_moment is not None:  # the value here; float32 and c == 0 per parameter
@@ -679,7 +679,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         file = None
         if self.state_dir is not None:  # every table a DiskEmbedding: nothing made it yet
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            file = self.state_dir / dsa_core.GROUP_FILE
+            file = self.state_dir / dsa_core.tools.GROUP_FILE
         try:
             self._group = dsa_core.join(states, file, fresh=fresh)
         except dsa_core.GroupMismatchError as exc:
@@ -707,7 +707,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         self._check_open()
         # DSA's kernels take torch's thread count (torch.set_num_threads, OMP_NUM_THREADS)
         # unless the user set DSA's own (dsa_core.set_num_threads, DSA_NUM_THREADS)
-        dsa_core.follow_threads(torch.get_num_threads())
+        dsa_core.tools.follow_threads(torch.get_num_threads())
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -743,7 +743,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         updates = [self._update(job) for job in jobs]
         # one step over every store: all or nothing (an error or a Ctrl-C never leaves
         # them one step apart), recorded by their group (dsa_core.step_many)
-        with dsa_core.deferred_sigint():  # a Ctrl-C waits until the handles are updated too
+        with dsa_core.tools.deferred_sigint():  # a Ctrl-C waits until the handles are updated too
             new = dsa_core.step_many(updates)
             for job, st in zip(jobs, new, strict=True):
                 self._after(job, st)

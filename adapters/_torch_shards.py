@@ -14,7 +14,8 @@ A shard description (``shard.json``) and a manifest (``dsa-sharded.json``) are J
 that share the *table* keys (:data:`TABLE_KEYS`: shape, dtype, curvature, padding row, the
 reduced-state settings and the per-row options) and the plan (``{"kind", "world_size",
 "num_rows"}``); a shard adds its ``rank`` and ``local_rows``, a manifest the step ``count``
-and every shard's directory and row count. Both are written with :func:`dsa_core.write_json` (atomic and durable).
+and every shard's directory and row count. Both are written with
+:func:`dsa_core.tools.write_json` (atomic and durable).
 
 >>> import tempfile, pathlib
 >>> plan = ShardPlan(10, 3)
@@ -197,7 +198,7 @@ def shard_meta(plan: ShardPlan, rank: int, table: dict[str, Any]) -> dict[str, A
 
 def write_shard_meta(path, meta: dict[str, Any]) -> None:
     """Write ``meta`` as ``path/shard.json`` (atomic, durable)."""
-    dsa_core.write_json(Path(path) / SHARD_FILE, meta, checksum=True)
+    dsa_core.tools.write_json(Path(path) / SHARD_FILE, meta, checksum=True)
 
 
 def _read_json(p: Path, fmt: str, what: str, keys: tuple[str, ...],
@@ -207,7 +208,7 @@ def _read_json(p: Path, fmt: str, what: str, keys: tuple[str, ...],
     ``missing`` is raised when there is no such file (each caller says what that means).
     """
     try:
-        obj = dsa_core.read_json(p)  # its checksum checked (files written before: none)
+        obj = dsa_core.tools.read_json(p)  # its checksum checked (files written before: none)
     except FileNotFoundError:
         raise missing from None
     except ValueError as exc:  # damaged: the core's message names the file (and, for a
@@ -271,7 +272,7 @@ def write_manifest(root, obj: dict[str, Any]) -> None:
     """Write ``obj`` as ``root/dsa-sharded.json`` (atomic, durable): the last file of a
     checkpoint, whose presence says that every shard is complete. Every rank of a run may
     write the same manifest to a shared directory at once (temporaries are per process)."""
-    dsa_core.write_json(Path(root) / MANIFEST_FILE, obj, checksum=True)
+    dsa_core.tools.write_json(Path(root) / MANIFEST_FILE, obj, checksum=True)
 
 
 def read_manifest(root) -> dict[str, Any]:

@@ -28,7 +28,7 @@ valid while training goes on and whichever other snapshot is deleted (an in-plac
 snapshot's files are never written again and it holds its own hard links to all of them; a
 log snapshot's hard links keep its segments when the cleaner deletes them from the live
 store). A snapshot
-is staged in ``<id>.tmp-<pid>`` and renamed into place complete (``dsa_core.staged_dir``),
+is staged in ``<id>.tmp-<pid>`` and renamed into place complete (``dsa_core.tools.staged_dir``),
 so a ``kill -9`` or Ctrl-C while one is taken leaves no ``<id>`` a state dict could name;
 the next taker of that tag deletes a dead process's ``.tmp-`` leftover. A state dict whose
 snapshot is gone is refused with a clear error.
@@ -269,7 +269,7 @@ def carry_into(plan: list[tuple[str, Path]], dest: Path) -> None:
     root = dest / CARRIED_DIR
     root.mkdir()
     for sid, src in plan:
-        dsa_core.link_files(src, root / sid)
+        dsa_core.tools.link_files(src, root / sid)
 
 
 def resolve_carried(extra: Any, src: Path) -> Any:

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 import dsa_core
-from dsa_core import validation
+from dsa_core.tools import validation
 
 from ._torch_shards import (
     ShardPlan,

@@ -113,7 +113,7 @@ def dirty_background_bytes() -> int:
     """The kernel's background writeback threshold (as ``dsa_core`` reads it)."""
     import dsa_core
 
-    return int(dsa_core.paging_limits()["dirty_background_bytes"])
+    return int(dsa_core.tools.paging_limits()["dirty_background_bytes"])
 
 
 def predirty(state) -> bool:

@@ -70,6 +70,7 @@ def main(argv=None) -> None:
                              progress=False, storage="inplace")
         predirty(st)
         S = st.store
+        lay = S.layout
         hp = euclid_hparams(np.float32, lr=1e-3, betas=(0.9, 0.999), bc1=1.0, bc2=1.0,
                             eps=1e-8, maximize=False)
         consts = (hp, False, NO_OPTIONS)  # skip_nonfinite, op: no option on
@@ -84,14 +85,14 @@ def main(argv=None) -> None:
         def kernel(data, rows_of, pooled):
             def run(it):
                 r = rows_of(it)
-                args = (data, r, S.w_off, data, r, S.m_off, S.v_off, it[1], *consts)
+                args = (data, r, lay.w_off, data, r, lay.m_off, lay.v_off, it[1], *consts)
                 if pooled:
                     _pool.run_chunked(adam_rows_euclid, args, r.shape[0], 128)
                 else:
                     adam_rows_euclid(*args, 0, r.shape[0])
             return run
 
-        hot = np.full((a.batch, S.stride), 0.01, np.float32)
+        hot = np.full((a.batch, lay.stride), 0.01, np.float32)
         hot_rows = np.arange(a.batch, dtype=np.int64)
         full(items[0])
         rows = [

@@ -171,7 +171,7 @@ def record_bytes(dim: int) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="dsa_rec_"))
     try:
         st = dsa_core.create(tmp / "s", 1, dim, progress=False)
-        n = st.store.stride * st.store.dtype.itemsize
+        n = st.store.layout.stride * st.store.layout.dtype.itemsize
         dsa_core.close(st)
         return n
     finally:
@@ -237,7 +237,7 @@ def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool) -> 
     kind = st.storage
     dsa_core.close(st)  # every row on disk: an in-place store's pages, a log store's records
     dt = time.perf_counter() - t0
-    gb = nodes * st.store.stride * st.store.dtype.itemsize / 1e9
+    gb = nodes * st.store.layout.stride * st.store.layout.dtype.itemsize / 1e9
     print(f"created {path} ({kind}): {gb:.1f} GB in {dt:.0f} s ({gb / dt:.2f} GB/s)")
     return kind
 
@@ -587,7 +587,8 @@ def child_bucket(args, ram: bool = False) -> dict:
     # loads, free of other processes' disk traffic
     io.update({k: v for k, v in st.store.stats().items()
                if k.startswith("range_") and isinstance(v, int) or k == "misses"})
-    part = int(np.max(np.diff(plan.bounds))) * st.store.stride * st.store.dtype.itemsize
+    lay = st.store.layout
+    part = int(np.max(np.diff(plan.bounds))) * lay.stride * lay.dtype.itemsize
     dsa_core.close(st)
     order = plan.order(0)
     # the edges of the buckets trained, from the plan: what the phase must have stepped

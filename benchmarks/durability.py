@@ -81,7 +81,7 @@ def run_mode(mode: str, root: Path, n: int, d: int, ids: list[np.ndarray],
     dsa_core.close(state)  # the flush a "flush"-mode run still owes
     close_ms = (time.perf_counter() - t_close) * 1e3
     ms = np.asarray(times) * 1e3
-    rec_bytes = state.store.stride * state.dtype.itemsize
+    rec_bytes = state.store.layout.stride * state.dtype.itemsize
     return {
         "mode": mode,
         "rows": n,

@@ -86,7 +86,7 @@ def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0,
 
     if keep and (path / "manifest.json").exists():
         st = dsa_core.open(path, mode="r")
-        if st.num_rows == rows and st.dim == dim and st.store.layout["align"] == align \
+        if st.num_rows == rows and st.dim == dim and st.layout["align"] == align \
                 and st.second_moment == second_moment and st.first_moment == first_moment:
             dsa_core.close(st)
             print(f"reusing store {path}")

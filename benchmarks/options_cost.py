@@ -60,7 +60,7 @@ def fitting_rows(n: int, d: int, kind: str, option: str) -> int:
     background-writeback threshold."""
     import dsa_core
 
-    limit = 0.9 * dsa_core.paging_limits()["dirty_background_bytes"]
+    limit = 0.9 * dsa_core.tools.paging_limits()["dirty_background_bytes"]
     per_row = 0
     with tempfile.TemporaryDirectory() as tmp:  # the record sizes, from one-row stores
         for name, opts in (("a", {}), ("b", OPTIONS[option])):

@@ -70,7 +70,7 @@ def main(argv=None):
         path = Path(tmp) / "s"
         st = dsa_core.create(path, a.rows, a.dim, storage="log", memory=a.memory,
                              init="uniform", init_scale=1e-3, progress=False)
-        chunk = max(1, (16 << 20) // (st.store.stride * 4))
+        chunk = max(1, (16 << 20) // (st.store.layout.stride * 4))
         for lo in range(0, a.rows, chunk):  # every row once: all records in segments
             hi = min(a.rows, lo + chunk)
             rec = dsa_core.read_records(st, np.arange(lo, hi))

@@ -104,8 +104,8 @@ class Dsa:
                                      lr=lr, second_moment=second_moment,
                                      first_moment=first_moment, progress=False,
                                      storage="inplace")
-        st = self.state.store
-        self.state_bytes_per_row = (st.stride - E0.shape[1]) * st.dtype.itemsize
+        lay = self.state.store.layout
+        self.state_bytes_per_row = (lay.stride - E0.shape[1]) * lay.dtype.itemsize
 
     def weights(self):
         return self.state.weights

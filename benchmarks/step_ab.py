@@ -117,14 +117,14 @@ def split(a) -> None:
                     phases[key].append(v)
         out.update({k: 1e3 * float(np.median(v)) for k, v in phases.items()})
         s = st.store
-        data = s.data
+        data, lay = s.data, s.layout
         hp = euclid_hparams(np.dtype(np.float32), lr=1e-3, betas=(0.9, 0.999), bc1=0.5,
                             bc2=0.5, eps=1e-8, maximize=False, weight_decay=0.0)
         uq = [np.unique(i) for i in ids]
         chunk = _step._min_chunk(d)
 
         def args(u):
-            return (data, u, s.w_off, data, u, s.m_off, s.v_off, g, hp, False, NO_OPTIONS)
+            return (data, u, lay.w_off, data, u, lay.m_off, lay.v_off, g, hp, False, NO_OPTIONS)
 
         out["kernel_pool"] = _median_ms(lambda k: _pool.run_chunked(
             adam_rows_euclid, args(uq[k % 64]), uq[k % 64].shape[0], chunk), a.steps)

@@ -14,15 +14,14 @@ in place, with Numba kernels.
 
 ``step`` returns a new ``State`` (count + 1) and the one passed in becomes outdated: keep
 the returned value. The core never imports torch or jax; ``adapters.torch`` and
-``adapters.jax`` sit on this public API.
+``adapters.jax`` sit on this public API and on ``dsa_core.tools`` (atomic JSON files and
+directories, the paging hint, the shared argument checks: tooling, not the user's API).
 """
 
-from . import validation
-from ._files import ForkedReadError, link_files, read_json, staged_dir, write_json
+from ._files import ForkedReadError
 from ._layout import FORMAT_VERSION
 from ._log.store import region_memory
-from ._paging import ACCESS_MODES, check_access, paging_limits
-from ._pool import follow_threads, get_num_threads, set_num_threads
+from ._pool import get_num_threads, set_num_threads
 from ._prefetch import prefetch, prefetched, residency
 from ._ranges import load_range, load_rows, release_range, release_rows, wait_ranges
 from ._state import (
@@ -42,26 +41,17 @@ from ._state import (
     write_records,
 )
 from ._step import check_batch, gather, step, warmup
-from ._group import (
-    GROUP_FILE,
-    Group,
-    GroupCommitError,
-    GroupMismatchError,
-    deferred_sigint,
-    flush_many,
-    join,
-    step_many,
-)
+from ._group import Group, GroupCommitError, GroupMismatchError, flush_many, join, step_many
 from ._inplace.store import StoreLockedError, UncleanStopError
+from . import tools  # noqa: E402  (the adapters' and the CLI's face: docs/CORE_API.md)
 from . import buckets  # noqa: E402  (last: it looks dsa_core.* up when called)
 
 __version__ = "0.1.0"
 
+# what docs/CORE_API.md documents for users (tests/core/test_public_face.py pins it)
 __all__ = [
-    "ACCESS_MODES",
     "FORMAT_VERSION",
     "ForkedReadError",
-    "GROUP_FILE",
     "Group",
     "GroupCommitError",
     "GroupMismatchError",
@@ -70,27 +60,22 @@ __all__ = [
     "StoreLockedError",
     "UncleanStopError",
     "buckets",
-    "check_access",
     "check_batch",
     "checkpoint",
     "checkpoint_many",
     "close",
     "convert",
     "create",
-    "deferred_sigint",
     "flush",
     "flush_many",
-    "follow_threads",
     "gather",
-    "join",
     "get_num_threads",
+    "join",
     "load_range",
     "load_rows",
     "open",
-    "paging_limits",
     "prefetch",
     "prefetched",
-    "read_json",
     "read_records",
     "region_memory",
     "release_range",
@@ -100,13 +85,10 @@ __all__ = [
     "restore",
     "set_count",
     "set_num_threads",
-    "link_files",
-    "staged_dir",
     "step",
     "step_many",
-    "validation",
+    "tools",
     "wait_ranges",
     "warmup",
-    "write_json",
     "write_records",
 ]

@@ -80,7 +80,7 @@ def nonnegative_float(text: str) -> float:
 
 def memory_size(text: str) -> int:
     """argparse type: a memory budget, ``4GiB``, ``512MiB``, ``1.5G`` or bytes."""
-    from dsa_core.validation import check_memory_arg
+    from ._validation import check_memory_arg
 
     try:
         return check_memory_arg(text, "log")
@@ -281,7 +281,7 @@ def _info(st) -> dict:
         "nonfinite": st.nonfinite, "durability": st.durability,
         **{k: getattr(st, k) for k in ("weight_decay", "decoupled_weight_decay", "per_row_step",
                                        "decay_missed_steps")},
-        "record_bytes": st.store.stride * st.dtype.itemsize,
+        "record_bytes": st.store.layout.stride * st.dtype.itemsize,
         "size_on_disk_bytes": size, "format_version": manifest.get("version"),
         "storage": st.storage,
         **st.store.stats(),  # the engine's own figures (dsa_core._engine)
@@ -417,7 +417,7 @@ def cmd_export(a) -> int:
                                         shape=(st.num_rows, st.dim))
         # public chunked reads: the same bytes from an in-place store and a log store
         with _bar(st.num_rows, "export", not a.quiet) as bar:
-            for lo, hi in _chunks(st.num_rows, st.store.stride * st.dtype.itemsize):
+            for lo, hi in _chunks(st.num_rows, st.store.layout.stride * st.dtype.itemsize):
                 dsa_core.gather(st, np.arange(lo, hi, dtype=np.int64), out=dst[lo:hi])
                 bar.update(hi - lo)
         dst.flush()
@@ -466,12 +466,12 @@ def cmd_verify(a) -> int:
     def read(lo, hi):  # public chunked reads: the same records from either kind
         return dsa_core.read_records(st, np.arange(lo, hi))
     with _bar(st.num_rows, "verify", not a.quiet) as bar:
-        for lo, hi in _chunks(st.num_rows, st.store.stride * st.dtype.itemsize):
+        for lo, hi in _chunks(st.num_rows, st.store.layout.stride * st.dtype.itemsize):
             blk = np.asarray(read(lo, hi))
             fin = np.isfinite(blk).all(axis=1)
             bad_rows += int((~fin).sum())
             if c > 0 and st.has_weights:
-                o = st.store.w_off
+                o = st.store.layout.w_off
                 w = blk[:, o:o + st.dim].astype(np.float64)
                 sq = np.einsum("ij,ij->i", w, w)
                 outside += int((sq * c >= 1.0).sum())
@@ -536,7 +536,7 @@ def cmd_convert(a) -> int:
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         # built beside DEST and renamed into place: a failure leaves DEST as it was
-        with dsa_core.staged_dir(dest, a.overwrite) as tmp:
+        with dsa_core.tools.staged_dir(dest, a.overwrite) as tmp:
             new = dsa_core.convert(st, tmp, storage=a.storage, memory=a.memory)
             dsa_core.close(new)
     except (OSError, ValueError) as exc:

@@ -46,6 +46,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ._layout import Layout
+
 __all__ = ["Engine", "closed_error", "scratch"]
 
 
@@ -57,21 +59,8 @@ class Engine(Protocol):
     kind: str                  # "inplace" | "log": for messages, stats and ``State.storage``
     path: Path
     mode: str                  # "r+" (the one writer) | "r"
-    layout: dict[str, Any]     # the record layout (``_layout.make_layout``)
-    num_rows: int
-    dim: int
-    dtype: np.dtype
-    curvature: float
-    stride: int                # elements per record
-    w_off: int | None          # element offsets of the record's parts (None: no weights)
-    m_off: int
-    v_off: int
-    v_width: int
-    m_width: int
-    rowwise: bool              # one v per row
-    m_bf16: bool               # m packed as bfloat16
-    rs_off: int                # per-row counters, -1 when absent
-    ls_off: int
+    layout: Layout             # the record layout, one frozen value: sizes, dtype, curvature,
+                               #   offsets (``_layout.Layout``; ``as_dict()``: the manifest's)
     table_view: bool           # ``.data`` is the whole table as an ndarray (in place only)
     reads_last_flush: bool     # a reader beside a writer sees the writer's last flush
     scratch: dict[str, np.ndarray]  # the core's reused buffers (one writer: safe)
@@ -209,7 +198,7 @@ def scratch(st: Engine, key: str, n: int) -> np.ndarray:
     """
     buf = st.scratch.get(key)
     if buf is None or buf.shape[0] < n:
-        buf = np.empty(max(n, 1), st.dtype)
+        buf = np.empty(max(n, 1), st.layout.dtype)
         if buf.nbytes <= _SCRATCH_MAX_BYTES:  # a one-off huge batch is not kept
             st.scratch[key] = buf
     return buf[:n]

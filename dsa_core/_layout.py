@@ -80,6 +80,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,7 @@ __all__ = [
     "HEADER_CRC_OFFSET",
     "JOURNAL_FILE",
     "LOCK_FILE",
+    "Layout",
     "MANIFEST_FILE",
     "SECOND_MOMENTS",
     "UNCLEAN_MARK",
@@ -214,6 +216,61 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     if ls_off is not None:
         layout["last_step"] = int(ls_off)
     return layout
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Layout:
+    """A store's record layout as one frozen value, built once per open store from its layout
+    dict (``make_layout``; the dict is what the header and the manifest hold, and
+    :meth:`as_dict` gives it back unchanged). The step reads these fields at every step: plain
+    attributes of a slotted object, no dict lookups.
+
+    >>> lay = Layout.from_dict(make_layout(10, 4, np.float32, 0.0, True, 0, "rowwise"))
+    >>> (lay.stride, lay.w_off, lay.m_off, lay.v_off, lay.rowwise, lay.rs_off)
+    (9, 0, 4, 8, True, -1)
+    >>> lay.as_dict()["second_moment"], lay == Layout.from_dict(lay.as_dict())
+    ('rowwise', True)
+    """
+
+    num_rows: int
+    dim: int
+    dtype: np.dtype
+    curvature: float
+    stride: int            # elements per record
+    w_off: int | None      # element offsets of the record's parts (None: no weights)
+    m_off: int
+    v_off: int
+    v_width: int           # elements of v: dim, or 1 (one v per row)
+    m_width: int           # elements of the record m occupies (dim; ceil(dim/2) for bfloat16)
+    rowwise: bool          # one v per row at c == 0 (``"second_moment": "rowwise"``)
+    m_bf16: bool           # m packed as bfloat16 (``"first_moment": "bfloat16"``)
+    rs_off: int            # per-row counters (docs/algorithms.md §7.1, §7.2): element
+    ls_off: int            #   offsets of t_r (per_row_step) and of the last step, -1: absent
+    _items: tuple[tuple[str, Any], ...] = field(repr=False)  # the dict, in its order
+
+    @classmethod
+    def from_dict(cls, layout: dict[str, Any]) -> Layout:
+        dim = int(layout["dim"])
+        w = layout["w"]
+        return cls(num_rows=int(layout["num_rows"]), dim=dim, dtype=np.dtype(layout["dtype"]),
+                   curvature=float(layout["curvature"]), stride=int(layout["stride"]),
+                   w_off=None if w is None else int(w), m_off=int(layout["m"]),
+                   v_off=int(layout["v"]), v_width=int(layout["v_width"]),
+                   m_width=int(layout.get("m_width", dim)),
+                   rowwise=layout.get("second_moment") == "rowwise",
+                   m_bf16=layout.get("first_moment") == "bfloat16",
+                   rs_off=int(layout.get("row_step", -1)),
+                   ls_off=int(layout.get("last_step", -1)), _items=tuple(layout.items()))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The layout dict it was built from (a new copy): what the manifest records."""
+        return dict(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items))
 
 
 def header_crc(head: bytes) -> bytes:

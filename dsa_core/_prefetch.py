@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._engine import closed_error
-from .validation import as_index
+from ._validation import as_index
 
 __all__ = ["prefetch", "prefetched", "residency"]
 
@@ -33,7 +33,7 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     st = state.store
     if st.closed:
         raise closed_error(st)
-    rows = as_index(idx, st.num_rows)
+    rows = as_index(idx, st.layout.num_rows)
     if rows.size:
         st.prefetch(rows, wait)
 
@@ -72,7 +72,7 @@ def residency(state, idx: Any) -> float:
     st = state.store
     if st.closed:
         raise closed_error(st)
-    rows = np.unique(as_index(idx, st.num_rows))
+    rows = np.unique(as_index(idx, st.layout.num_rows))
     if rows.size == 0:
         return 1.0
     return st.residency(rows)

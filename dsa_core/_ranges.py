@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ._engine import closed_error
-from .validation import as_index
+from ._validation import as_index
 
 __all__ = ["load_range", "load_rows", "release_range", "release_rows", "wait_ranges"]
 
@@ -28,7 +28,7 @@ __all__ = ["load_range", "load_rows", "release_range", "release_rows", "wait_ran
 # -- public API -----------------------------------------------------------------------------
 def _store_of(state: Any):
     st = getattr(state, "store", None)
-    if st is None or not hasattr(st, "num_rows"):
+    if st is None or not hasattr(st, "layout"):
         raise TypeError(f"state must be a dsa_core.State (from dsa_core.create/open), got "
                         f"{type(state).__name__}")
     return st
@@ -46,9 +46,10 @@ def _bound(name: str, value: Any) -> int:
 
 def _check_range(st, start: Any, stop: Any) -> tuple[int, int]:
     start, stop = _bound("start", start), _bound("stop", stop)
-    if not 0 <= start <= stop <= st.num_rows:
+    n = st.layout.num_rows
+    if not 0 <= start <= stop <= n:
         raise ValueError(f"the row range must satisfy 0 <= start <= stop <= num_rows = "
-                         f"{st.num_rows}, got start={start}, stop={stop}; rows [start, stop) "
+                         f"{n}, got start={start}, stop={stop}; rows [start, stop) "
                          "are loaded or released")
     return start, stop
 
@@ -173,7 +174,7 @@ def _check_rows(st, rows: Any) -> np.ndarray:
     arr = np.asarray(rows)
     if arr.shape == (0,):  # [] reads as float64: no row, whatever the dtype
         arr = arr.astype(np.int64)
-    arr = as_index(arr, st.num_rows, "rows")
+    arr = as_index(arr, st.layout.num_rows, "rows")
     if arr.shape[0] > 1 and not (arr[1:] > arr[:-1]).all():
         arr = np.unique(arr)
     elif arr is rows:  # the engine keeps the set: never the caller's array, which may change

@@ -1,7 +1,7 @@
 """The ``State`` value and the store's life cycle: create, open, flush, checkpoint, close.
 
 Policy only: initialisation, the manifest contents, which State is current. The bytes on
-disk are ``_layout``'s and the engines' business, the argument rules ``validation``'s.
+disk are ``_layout``'s and the engines' business, the argument rules ``_validation``'s.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ._files import copy_tree, staged_dir
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._group_file import recover
 from ._inplace.store import check_unclean
-from .validation import (
+from ._validation import (
     DURABILITY_MODES,
     INIT_NAMES,
     check_curvature,
@@ -41,7 +41,7 @@ from .validation import (
     check_storage,
     check_weight_decay_options,
 )
-from .validation import as_index
+from ._validation import as_index
 
 
 
@@ -73,7 +73,7 @@ class State(NamedTuple):
     @property
     def shape(self) -> tuple[int, int]:
         """``(num_rows, dim)``: the shape of the embedding table."""
-        return (self.store.num_rows, self.store.dim)
+        return (self.store.layout.num_rows, self.store.layout.dim)
 
     @property
     def closed(self) -> bool:
@@ -101,7 +101,7 @@ class State(NamedTuple):
         Two stores can exchange records (:func:`dsa_core.restore`,
         :func:`dsa_core.write_records`) exactly when their layouts are equal.
         """
-        return dict(self.store.layout)
+        return self.store.layout.as_dict()
 
     @property
     def access(self) -> str:
@@ -137,56 +137,57 @@ class State(NamedTuple):
 
     @property
     def num_rows(self) -> int:
-        return self.store.num_rows
+        return self.store.layout.num_rows
 
     @property
     def dim(self) -> int:
-        return self.store.dim
+        return self.store.layout.dim
 
     @property
     def dtype(self) -> np.dtype:
-        return self.store.dtype
+        return self.store.layout.dtype
 
     @property
     def curvature(self) -> float:
-        return self.store.curvature
+        return self.store.layout.curvature
 
     @property
     def second_moment(self) -> str:
         """``"elementwise"`` (SparseAdam's v), ``"rowwise"`` (docs/algorithms.md §7.3) or,
         for c > 0, ``"riemannian"`` (the ball's one scalar per row)."""
-        if self.store.curvature > 0:
+        if self.store.layout.curvature > 0:
             return "riemannian"
-        return "rowwise" if self.store.rowwise else "elementwise"
+        return "rowwise" if self.store.layout.rowwise else "elementwise"
 
     @property
     def has_weights(self) -> bool:
-        return self.store.w_off is not None
+        return self.store.layout.w_off is not None
 
     @property
     def per_row_step(self) -> bool:
         """True if each row keeps its own step count for the bias correction
         (``create(per_row_step=True)``, docs/algorithms.md §7.2)."""
-        return self.store.rs_off >= 0
+        return self.store.layout.rs_off >= 0
 
     @property
     def decay_missed_steps(self) -> bool:
         """True if each row records the step of its last update, so that decoupled weight
         decay catches up on the steps it missed (``create(decay_missed_steps=True)``,
         docs/algorithms.md §7.1)."""
-        return self.store.ls_off >= 0
+        return self.store.layout.ls_off >= 0
 
     @property
     def row_steps(self) -> np.ndarray:
         """A (num_rows,) int view of each row's own update count t_r (``per_row_step``
         stores); 0 for a row never updated. No copy: writes reach the file (importers)."""
-        return self._counter(self.store.rs_off, "row_steps", "per_row_step")
+        return self._counter(self.store.layout.rs_off, "row_steps", "per_row_step")
 
     @property
     def last_steps(self) -> np.ndarray:
         """A (num_rows,) int view of the global step at which each row was last updated
         (``decay_missed_steps`` stores); 0 for never. No copy: writes reach the file."""
-        return self._counter(self.store.ls_off, "last_steps", "decay_missed_steps")
+        return self._counter(self.store.layout.ls_off, "last_steps",
+                             "decay_missed_steps")
 
     def _counter(self, off: int, name: str, option: str) -> np.ndarray:
         self._require_view(name)
@@ -202,18 +203,18 @@ class State(NamedTuple):
 
         Log stores have no whole-table view: ``ValueError`` (use :func:`dsa_core.gather`)."""
         self._require_view("weights")
-        if self.store.w_off is None:
+        if self.store.layout.w_off is None:
             raise ValueError(
                 f"store {str(self.path)!r} was created with weights=False and holds no "
                 "weights; the caller keeps them (pass them to step(..., params=rows))")
-        o = self.store.w_off
+        o = self.store.layout.w_off
         return self._handed_out(self.store.data[:, o:o + self.dim])
 
     @property
     def first_moment(self) -> str:
         """``"full"`` (m in the store dtype) or ``"bfloat16"`` (m packed, docs/algorithms.md
         §6)."""
-        return "bfloat16" if self.store.m_bf16 else "full"
+        return "bfloat16" if self.store.layout.m_bf16 else "full"
 
     @property
     def exp_avg(self) -> np.ndarray:
@@ -224,9 +225,9 @@ class State(NamedTuple):
         """
         self._require_view("exp_avg")
         st = self.store
-        o = st.m_off
-        if st.m_bf16:
-            raw = st.data[:, o:o + st.m_width].view(np.uint16)[:, :self.dim]
+        o = st.layout.m_off
+        if st.layout.m_bf16:
+            raw = st.data[:, o:o + st.layout.m_width].view(np.uint16)[:, :self.dim]
             out = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
             out.flags.writeable = False
             return out
@@ -269,14 +270,15 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
                              "with dsa_core.open(path) (mode='r+', the writer) to set its moments")
         st.before_change_range(0, self.num_rows)  # the marker, and the old records (undo)
-        o = st.m_off
-        if not st.m_bf16:
+        o = st.layout.m_off
+        if not st.layout.m_bf16:
             st.data[:, o:o + self.dim] = m  # (no view handed out: the rows were saved above)
             return
         step = max(1, (1 << 22) // max(1, self.dim))  # rows per chunk: 16 MiB of float32
         for lo in range(0, self.num_rows, step):
             x = np.ascontiguousarray(m[lo:lo + step], dtype=np.float32)
-            raw = st.data[lo:lo + step, o:o + st.m_width].view(np.uint16)[:, :self.dim]
+            w = st.layout.m_width
+            raw = st.data[lo:lo + step, o:o + w].view(np.uint16)[:, :self.dim]
             raw[...] = bf16_nearest_even(x)
 
     @property
@@ -284,8 +286,8 @@ class State(NamedTuple):
         """A view of the second moments v: (num_rows, dim) for elementwise stores, (num_rows, 1)
         for ``second_moment="rowwise"`` and for c > 0. Not on log stores."""
         self._require_view("exp_avg_sq")
-        o = self.store.v_off
-        return self._handed_out(self.store.data[:, o:o + self.store.v_width])
+        o = self.store.layout.v_off
+        return self._handed_out(self.store.data[:, o:o + self.store.layout.v_width])
 
     def __repr__(self) -> str:
         return (f"dsa_core.State(path={str(self.path)!r}, num_rows={self.num_rows}, "
@@ -859,7 +861,7 @@ def checkpoint_many(dest, stores: Mapping[str, Any], *, overwrite: bool = False,
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
     >>> u, i = dsa_core.create(tmp / "u", 10, 4), dsa_core.create(tmp / "i", 20, 4)
     >>> with dsa_core.checkpoint_many(tmp / "ckpt", {"user": u, "item": i}) as staged:
-    ...     dsa_core.write_json(staged / "meta.json", {"epoch": 3})
+    ...     dsa_core.tools.write_json(staged / "meta.json", {"epoch": 3})
     >>> sorted(p.name for p in (tmp / "ckpt").iterdir())
     ['item', 'meta.json', 'user']
     >>> dsa_core.close(u); dsa_core.close(i)
@@ -902,7 +904,7 @@ _RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk
 
 def check_same_layout(live: State, other: State, what: str = "") -> None:
     """Raise ``ValueError`` unless the two stores have identical record layouts."""
-    have, want = live.store.layout, other.store.layout
+    have, want = live.store.layout.as_dict(), other.store.layout.as_dict()
     if have != want:
         raise ValueError(
             f"{what + ': ' if what else ''}the store {str(other.path)!r} holds a "
@@ -949,9 +951,10 @@ def restore(live: State, snapshot: State) -> State:
 def _copy_records(src: State, dst: State) -> None:
     """Every record of ``src`` into ``dst`` (equal layouts), in chunks of ~16 MiB."""
     st = dst.store
-    step = max(1, _RESTORE_CHUNK_BYTES // (st.stride * st.dtype.itemsize))
-    for lo in range(0, st.num_rows, step):
-        hi = min(st.num_rows, lo + step)
+    lay = st.layout
+    step = max(1, _RESTORE_CHUNK_BYTES // (lay.stride * lay.dtype.itemsize))
+    for lo in range(0, lay.num_rows, step):
+        hi = min(lay.num_rows, lo + step)
         st.write_range(lo, hi, src.store.read_range(lo, hi))  # in place: marked unclean first
 
 
@@ -986,7 +989,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     if Path(dest).resolve() == Path(st.path).resolve():
         raise ValueError(f"convert destination {str(dest)!r} is the source store itself; "
                          "choose another directory")
-    lay = st.layout
+    lay = st.layout.as_dict()
     # src's remembered settings that dest's kind takes (an explicit memory= wins)
     keep = {k: v for k, v in st.settings.items() if k in ENGINES[storage].SETTINGS}
     if memory is None:
@@ -1043,7 +1046,7 @@ def read_records(state: State, idx: Any) -> np.ndarray:
     st = state.store
     if st.closed:
         raise closed_error(st)
-    return st.read(as_index(idx, st.num_rows))
+    return st.read(as_index(idx, st.layout.num_rows))
 
 
 def write_records(state: State, idx: Any, records: Any) -> None:
@@ -1055,10 +1058,11 @@ def write_records(state: State, idx: Any, records: Any) -> None:
     """
     require_current(state)
     st = state.store
-    idx = as_index(idx, st.num_rows)
+    idx = as_index(idx, st.layout.num_rows)
     rec = np.asarray(records)
-    if rec.dtype != st.dtype or rec.shape != (idx.shape[0], st.stride):
-        raise ValueError(f"records must be a ({idx.shape[0]}, {st.stride}) {st.dtype.name} "
+    lay = st.layout
+    if rec.dtype != lay.dtype or rec.shape != (idx.shape[0], lay.stride):
+        raise ValueError(f"records must be a ({idx.shape[0]}, {lay.stride}) {lay.dtype.name} "
                          f"array (whole records of store {str(st.path)!r}), got "
                          f"{rec.shape} {rec.dtype}")
     if idx.shape[0] > 1 and np.unique(idx).shape[0] != idx.shape[0]:

@@ -28,7 +28,7 @@ from ._kernels_euclid import (
 )
 from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_options_kernel
 from ._state import State, maxnorm, note_newest, require_current, state_meta
-from .validation import as_index, check_lr, check_weight_decay
+from ._validation import as_index, check_lr, check_weight_decay
 
 __all__ = ["StepPlan", "abort_step", "as_index", "begin_step", "commit_step", "gather",
            "plan_step", "run_step", "step", "warmup"]
@@ -165,31 +165,32 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     caller's rows back even after :func:`commit_step` (``abort_step``)."""
     require_current(state)
     st = state.store
+    lay = st.layout
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
     if state.weight_decay:  # set by _replace: checked as create checks it
         check_weight_decay(state.weight_decay, what="State.weight_decay")
-    idx = as_index(idx, st.num_rows)
+    idx = as_index(idx, lay.num_rows)
     b = idx.shape[0]
-    grad = _as_rows(grad, b, st.dim, st.dtype, "grad")
-    if st.w_off is None:
+    grad = _as_rows(grad, b, lay.dim, lay.dtype, "grad")
+    if lay.w_off is None:
         if (params is None) == (table is None):
             raise ValueError("this store was created with weights=False: pass the current "
                              "weight rows as step(state, idx, grad, params=rows), rows of "
-                             f"shape (len(idx), {st.dim}), or the whole weight table as "
-                             f"table=W of shape ({st.num_rows}, {st.dim}) -- one of the two")
+                             f"shape (len(idx), {lay.dim}), or the whole weight table as "
+                             f"table=W of shape ({lay.num_rows}, {lay.dim}) -- one of the two")
         if params is not None:
             params = np.asarray(params)
-            if params.dtype != st.dtype or params.shape != (b, st.dim):
-                raise ValueError(f"params must be a ({b}, {st.dim}) {st.dtype.name} array "
+            if params.dtype != lay.dtype or params.shape != (b, lay.dim):
+                raise ValueError(f"params must be a ({b}, {lay.dim}) {lay.dtype.name} array "
                                  f"(the weight rows of idx), got {params.shape} "
                                  f"{params.dtype}")
             if not params.flags.writeable:
                 raise ValueError("params must be writeable: step updates the rows in place")
         else:
-            if not isinstance(table, np.ndarray) or table.dtype != st.dtype \
-                    or table.shape != (st.num_rows, st.dim):
+            if not isinstance(table, np.ndarray) or table.dtype != lay.dtype \
+                    or table.shape != (lay.num_rows, lay.dim):
                 raise ValueError(
-                    f"table must be the ({st.num_rows}, {st.dim}) {st.dtype.name} weight "
+                    f"table must be the ({lay.num_rows}, {lay.dim}) {lay.dtype.name} weight "
                     f"table, got {getattr(table, 'shape', type(table).__name__)} "
                     f"{getattr(table, 'dtype', '')}")
             if not (table.flags.c_contiguous and table.flags.writeable):
@@ -210,8 +211,8 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
         if is_strictly_increasing(idx):
             srows, G, inv = idx, grad, None
         else:
-            srows, G, inv = coalesce(idx, grad, want_inverse=st.w_off is None,
-                                     out=scratch(st, "coalesced", b * st.dim))
+            srows, G, inv = coalesce(idx, grad, want_inverse=lay.w_off is None,
+                                     out=scratch(st, "coalesced", b * lay.dim))
         st.check_batch(srows.shape[0])  # before anything changes
     else:
         srows, G, inv = idx, grad, None
@@ -274,7 +275,8 @@ def check_batch(state: State, idx: Any) -> None:
     by the second store does not leave the first one stepped. Writes nothing.
     """
     st = state.store
-    idx = as_index(idx, st.num_rows)
+    lay = st.layout
+    idx = as_index(idx, lay.num_rows)
     n = idx.shape[0]
     if n > st.max_batch():  # only a batch longer than the limit can fail: count its rows
         n = np.unique(idx).shape[0]
@@ -291,8 +293,9 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
     """Run the kernel on the records ``data[drows]`` of the unique rows ``srows`` (the
     engine's ``begin_step``); the caller's ``params``/``table`` are indexed as rows."""
     st = state.store
-    if st.w_off is not None:
-        W, wrows, woff = data, drows, st.w_off
+    lay = st.layout
+    if lay.w_off is not None:
+        W, wrows, woff = data, drows, lay.w_off
     elif table is not None:  # the caller's whole table: its rows srows, in place
         W, wrows, woff = table, srows, 0
     else:
@@ -307,46 +310,46 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
     bc1 = 1.0 - b1**t  # one global step t for every row (per_row_step: the kernels, per row)
     bc2 = 1.0 - b2**t
     skip = state.nonfinite == "skip_row"
-    n, chunk = srows.shape[0], _min_chunk(st.dim)
+    n, chunk = srows.shape[0], _min_chunk(lay.dim)
     wd = state.weight_decay
     # docs/algorithms.md §7.1-§7.2: with an option on, the kernel's specialisation for the
     # options (compiled on first use) and the float64 options array (kept on the store: its
     # bias table is built once); else the plain specialisation and the constant NO_OPTIONS
     opts, spec = NO_OPTIONS, None
-    if wd != 0.0 or st.rs_off >= 0 or st.ls_off >= 0:
+    if wd != 0.0 or lay.rs_off >= 0 or lay.ls_off >= 0:
         mode = WD_NONE if wd == 0.0 else WD_DECOUPLED if state.decoupled_weight_decay else WD_L2
-        spec = (st.rs_off >= 0, st.ls_off >= 0, mode)
-        opts = options_array(rs_off=st.rs_off, ls_off=st.ls_off, t=t, wd_mode=mode, lr=lr,
-                             betas=state.betas, weight_decay=wd, dtype=st.dtype,
+        spec = (lay.rs_off >= 0, lay.ls_off >= 0, mode)
+        opts = options_array(rs_off=lay.rs_off, ls_off=lay.ls_off, t=t, wd_mode=mode, lr=lr,
+                             betas=state.betas, weight_decay=wd, dtype=lay.dtype,
                              out=st.scratch.get("options"))
         st.scratch["options"] = opts
-    if st.curvature == 0.0:
-        hp = euclid_hparams(st.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
+    if lay.curvature == 0.0:
+        hp = euclid_hparams(lay.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
                             eps=state.eps, maximize=state.maximize, weight_decay=wd)
-        if st.m_bf16:  # first_moment="bfloat16" (docs/algorithms.md §6), either second moment
+        if lay.m_bf16:  # first_moment="bfloat16" (docs/algorithms.md §6), either second moment
             m16 = data.view(np.uint16)  # the records as uint16: m at twice its f32 offset
             # records drows, rounding keyed by the row ids srows (a log store's records are
             # region slots: the same bits as in place; in place drows is srows)
             kernel = euclid_bf16m_options_kernel(*spec) if spec else adam_rows_euclid_bf16m
-            _pool.run_chunked(kernel, (W, wrows, woff, data, m16, drows, srows, 2 * st.m_off,
-                                       st.v_off, G, hp, st.rowwise, t, skip, opts), n, chunk)
+            _pool.run_chunked(kernel, (W, wrows, woff, data, m16, drows, srows, 2 * lay.m_off,
+                                       lay.v_off, G, hp, lay.rowwise, t, skip, opts), n, chunk)
         else:  # second_moment="rowwise" (docs/algorithms.md §7.3), or SparseAdam's
-            if st.rowwise:
+            if lay.rowwise:
                 kernel = euclid_rowwise_options_kernel(*spec) if spec else adam_rows_euclid_rowwise
             else:
                 kernel = euclid_options_kernel(*spec) if spec else adam_rows_euclid
-            _pool.run_chunked(kernel, (W, wrows, woff, data, drows, st.m_off, st.v_off, G, hp,
+            _pool.run_chunked(kernel, (W, wrows, woff, data, drows, lay.m_off, lay.v_off, G, hp,
                                        skip, opts), n, chunk)
     else:  # the ball (create refuses rowwise and bfloat16 m here)
-        hp = poincare_hparams(st.dtype, curvature=st.curvature, lr=lr, betas=state.betas,
+        hp = poincare_hparams(lay.dtype, curvature=lay.curvature, lr=lr, betas=state.betas,
                               bc1=bc1, bc2=bc2, eps=state.eps,
-                              maxnorm=maxnorm(st.curvature, state.ball_eps, st.dtype),
+                              maxnorm=maxnorm(lay.curvature, state.ball_eps, lay.dtype),
                               maximize=state.maximize, weight_decay=wd)
         Y = scratch(st, "poincare_y", G.size).reshape(G.shape)
         _pool.run_chunked(poincare_options_kernel(*spec) if spec else adam_rows_poincare,
-                          (W, wrows, woff, data, drows, st.m_off, st.v_off, G, Y, hp, skip,
+                          (W, wrows, woff, data, drows, lay.m_off, lay.v_off, G, Y, hp, skip,
                            opts), n, chunk)
-    if st.w_off is None and table is None:
+    if lay.w_off is None and table is None:
         if inv is None:
             if W is not params:
                 params[...] = W
@@ -357,18 +360,19 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
 def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Copy the weight rows ``idx`` out of the store: shape ``(len(idx), dim)``, store dtype."""
     st = state.store
+    lay = st.layout
     if st.closed:
         raise closed_error(st)
-    if st.w_off is None:
+    if lay.w_off is None:
         raise ValueError(f"store {str(st.path)!r} was created with weights=False and holds no "
                          "weights to gather")
-    idx = as_index(idx, st.num_rows)
+    idx = as_index(idx, lay.num_rows)
     if out is None:
-        out = np.empty((idx.shape[0], st.dim), st.dtype)
-    elif out.shape != (idx.shape[0], st.dim) or out.dtype != st.dtype \
+        out = np.empty((idx.shape[0], lay.dim), lay.dtype)
+    elif out.shape != (idx.shape[0], lay.dim) or out.dtype != lay.dtype \
             or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous ({idx.shape[0]}, {st.dim}) "
-                         f"{st.dtype.name} array, got {out.shape} {out.dtype}")
+        raise ValueError(f"out must be a C-contiguous ({idx.shape[0]}, {lay.dim}) "
+                         f"{lay.dtype.name} array, got {out.shape} {out.dtype}")
     if idx.shape[0]:
         st.gather(idx, out)
     return out

@@ -43,7 +43,8 @@ import numpy as np
 
 import dsa_core
 
-from . import _bucket_order, _paging, validation
+from . import _bucket_order, _paging
+from . import _validation as validation
 from ._os import fsync_path
 
 __all__ = ["DEFAULT_POOL", "DEFAULT_POOL_SHARE", "DEFAULT_RESERVE", "POOL_RATE", "Batch",
@@ -414,7 +415,7 @@ def plan(edges, num_nodes: int, *, partitions: int, buffer: int = 2, seed: int =
         fill(target)
         return Plan(num_nodes=num_nodes, num_partitions=P, buffer=c, seed=seed,
                     edges=target, offsets=offsets)
-    with dsa_core.staged_dir(out, overwrite=out.exists()) as tmp:
+    with dsa_core.tools.staged_dir(out, overwrite=out.exists()) as tmp:
         if E:
             target = np.lib.format.open_memmap(tmp / "edges.npy", mode="w+",
                                                dtype=edges.dtype, shape=(E, cols))
@@ -428,7 +429,7 @@ def plan(edges, num_nodes: int, *, partitions: int, buffer: int = 2, seed: int =
             np.save(f, offsets)
             f.flush()
             os.fsync(f.fileno())
-        dsa_core.write_json(tmp / "plan.json", meta)
+        dsa_core.tools.write_json(tmp / "plan.json", meta)
     return open_plan(out)
 
 
@@ -623,7 +624,7 @@ def fit(tables, *, memory=None, reserve=DEFAULT_RESERVE, partitions: int | None 
     memory : int or str, optional
         The memory the process may use, bytes or a size string (``"8GiB"``). Default: the
         machine's physical memory capped by the process's memory cgroup(s)
-        (``dsa_core.paging_limits()["memory_limit"]``). On a machine shared with other
+        (``dsa_core.tools.paging_limits()["memory_limit"]``). On a machine shared with other
         processes pass what this one may really take.
     reserve : int or str
         The part of ``memory`` the framework needs besides the partitions: the

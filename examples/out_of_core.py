@@ -228,8 +228,8 @@ def run(cfg: Config, work: Path, keep: bool = False) -> dict:
                     work.rmdir()  # unless something else was put there meanwhile
     res = {"cfg": cfg, "torch_baseline": base, "dsa": dsa,
            "state_bytes": 3 * cfg.rows * cfg.dim * 4,
-           "budget": dsa_core.validation.check_memory_arg(cfg.memory, "log", what="memory"),
-           "memory_limit": dsa_core.paging_limits()["memory_limit"],
+           "budget": dsa_core.tools.validation.check_memory_arg(cfg.memory, "log", what="memory"),
+           "memory_limit": dsa_core.tools.paging_limits()["memory_limit"],
            "kept": str(store) if keep else None}
     if cfg.sparse_adam:
         res["sparse_adam"] = _child([*me, "--worker", "sparse_adam", *_child_args(cfg)])

@@ -122,7 +122,7 @@ class RangeWorker:
         self._base = store.data.__array_interface__["data"][0] - HEADER_BYTES
         self._map_end = -(-store.nbytes // PAGE) * PAGE
         self._file_bytes = store.nbytes
-        self._rec = store.stride * store.dtype.itemsize
+        self._rec = store.layout.stride * store.layout.dtype.itemsize
         self._fd = _private_fd(store._fd, store.mode == "r+")
         try:
             # No read-ahead on this descriptor: the loads' reads are already large and

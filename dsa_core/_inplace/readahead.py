@@ -34,7 +34,7 @@ from .._os import (
     mincore_addr,
     sync_file_range,
 )
-from ..validation import as_index
+from .._validation import as_index
 
 _WILLNEED = POSIX_FADV_WILLNEED
 _fadvise = fadvise_fd
@@ -87,7 +87,7 @@ class _Lane:
     def __init__(self, store, write: bool, depth: int):
         self._store = store
         self._write = write
-        self._rec_bytes = store.stride * store.dtype.itemsize
+        self._rec_bytes = store.layout.stride * store.layout.dtype.itemsize
         self._q: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
         self.batches = 0
         self.calls = 0
@@ -174,7 +174,7 @@ def writeback(state, idx: Any) -> None:
     st = state.store
     if st.closed or st.mode != "r+" or not st.table_view:  # a mapping's pages only
         return
-    rows = as_index(idx, st.num_rows)
+    rows = as_index(idx, st.layout.num_rows)
     if rows.size:
         _prefetcher(state).submit(rows, write=True)
 
@@ -182,7 +182,7 @@ def writeback(state, idx: Any) -> None:
 
 def mapped_residency(st, rows: np.ndarray) -> float:
     """``residency`` of an in-place store: mincore over the mapped pages of ``rows``."""
-    pages = _row_pages(rows, st.stride * st.dtype.itemsize)
+    pages = _row_pages(rows, st.layout.stride * st.layout.dtype.itemsize)
     base = st.data.__array_interface__["data"][0] - HEADER_BYTES
     npages = -(-st.nbytes // PAGE)
     vec = np.zeros(npages, np.uint8)

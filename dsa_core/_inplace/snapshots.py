@@ -554,12 +554,12 @@ def _chain(store, tracker: Tracker, last: Last, tmp: Path, manifest: dict[str, A
            count: int) -> Last | None:
     """The snapshot as ``last``'s chain and a delta of the rows changed since it; None when
     the rebase rule says a full copy (nothing written then)."""
-    rec_bytes = store.stride * store.dtype.itemsize
+    rec_bytes = store.layout.stride * store.layout.dtype.itemsize
     new = tracker.changed()
     keep = list(last.deltas)
 
     def merge() -> np.ndarray:  # the chain's newest delta into the new one (rows as now)
-        old = _read_delta(last.path, keep.pop(), store.layout)
+        old = _read_delta(last.path, keep.pop(), store.layout.as_dict())
         return np.union1d(new, old.ids)
     if new.shape[0]:
         if len(keep) >= MAX_DELTAS:

@@ -56,6 +56,7 @@ from .._layout import (
     HEADER_BYTES,
     HEADER_CRC_OFFSET,
     JOURNAL_FILE,
+    Layout,
     MAGIC,
     MANIFEST_FILE,
     UNCLEAN_MARK,
@@ -76,7 +77,7 @@ from .ranges import submit_mapped, submit_mapped_rows, wait_mapped
 from . import snapshots as _snapshots
 from . import undo as _undo
 from .._settings import remembered
-from ..validation import check_memory_arg
+from .._validation import check_memory_arg
 
 __all__ = ["SETTINGS", "UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanStopError",
            "check_settings", "check_unclean", "create_store", "open_store", "remove_store"]
@@ -244,23 +245,8 @@ class Store:
         self.path = Path(directory)
         self.access_request = check_access(access)
         self.access = ""  # "ram" or "disk" once mapped
-        self.layout = layout
+        self.layout = Layout.from_dict(layout)  # the record layout, one frozen value
         self.mode = mode
-        self.num_rows = layout["num_rows"]
-        self.dim = layout["dim"]
-        self.dtype = np.dtype(layout["dtype"])
-        self.curvature = layout["curvature"]
-        self.stride = layout["stride"]
-        self.w_off = layout["w"]
-        self.m_off = layout["m"]
-        self.v_off = layout["v"]
-        self.v_width = layout["v_width"]
-        self.rowwise = layout.get("second_moment") == "rowwise"  # c == 0, one v per row
-        self.m_bf16 = layout.get("first_moment") == "bfloat16"  # m packed as bfloat16
-        self.m_width = layout.get("m_width", self.dim)  # elements of the record m occupies
-        # per-row counters (docs/algorithms.md §7.1, §7.2): element offsets, or -1 if absent
-        self.rs_off = layout.get("row_step", -1)   # per_row_step: the row's update count t_r
-        self.ls_off = layout.get("last_step", -1)  # decay_missed_steps: step of last update
         self.closed = False
         # the descriptors, mapping, live count and marker state (``_Files``); ``count`` is
         # the live step count: that of the newest State of this store. States carry their
@@ -296,12 +282,13 @@ class Store:
     def tracker(self) -> _snapshots.Tracker:
         """The rows changed since this writer's last snapshot (``_inplace.snapshots``)."""
         if self._tracker is None:
-            self._tracker = _snapshots.Tracker(self.num_rows)
+            self._tracker = _snapshots.Tracker(self.layout.num_rows)
         return self._tracker
 
     @property
     def nbytes(self) -> int:
-        return HEADER_BYTES + self.num_rows * self.stride * self.dtype.itemsize
+        lay = self.layout
+        return HEADER_BYTES + lay.num_rows * lay.stride * lay.dtype.itemsize
 
     @property
     def memory_bytes(self) -> None:
@@ -343,12 +330,13 @@ class Store:
                              access=mmap.ACCESS_WRITE if writable else
                              mmap.ACCESS_COPY if private else mmap.ACCESS_READ)
         self.advise(self.access_request)
-        arr = np.frombuffer(self._mm, dtype=self.dtype,
-                            count=self.num_rows * self.stride, offset=HEADER_BYTES)
-        self.data = arr.reshape(self.num_rows, self.stride)
+        lay = self.layout
+        arr = np.frombuffer(self._mm, dtype=lay.dtype, count=lay.num_rows * lay.stride,
+                            offset=HEADER_BYTES)
+        self.data = arr.reshape(lay.num_rows, lay.stride)
         if not writable and not private:
             self.data.flags.writeable = False
-        self.counters = self.data.view(counter_dtype(self.dtype))
+        self.counters = self.data.view(counter_dtype(lay.dtype))
 
     @classmethod
     def create_file(cls, directory: Path, layout: dict[str, Any],
@@ -445,17 +433,19 @@ class Store:
                     f"layout {layout}; the store is damaged or its files were mixed up")
             size = os.fstat(st._fd).st_size
             if size != st.nbytes:
+                lay = st.layout
                 raise ValueError(
                     f"{str(st.file)!r} is truncated or padded: it has {size:,} bytes, the "
-                    f"layout needs {st.nbytes:,} ({st.num_rows} rows x {st.stride} x "
-                    f"{st.dtype.itemsize} B + {HEADER_BYTES} B header)")
+                    f"layout needs {st.nbytes:,} ({lay.num_rows} rows x {lay.stride} x "
+                    f"{lay.dtype.itemsize} B + {HEADER_BYTES} B header)")
             if not has_crc and mode == "r+":  # a header from before its CRC: add it
                 os.pwrite(st._fd, header_crc(head), HEADER_CRC_OFFSET)
             marked = head[UNCLEAN_OFFSET:HEADER_BYTES] == UNCLEAN_MARK
             verdict = None
             # read-only beside a live writer: the mark is that writer's interval, no stop
             if marked and (mode == "r+" or not writer_alive(st.path)):
-                verdict = (_undo.inspect(st.path, count, st.num_rows, st.stride, st.dtype)
+                lay = st.layout
+                verdict = (_undo.inspect(st.path, count, lay.num_rows, lay.stride, lay.dtype)
                            if count is not None else
                            _undo.Verdict("refuse", "the manifest's count is unknown"))
                 if verdict.kind == "refuse":
@@ -515,8 +505,8 @@ class Store:
         if f.marked:
             return
         if f.undo is None and _undo.ENABLED:
-            f.undo = _undo.UndoLog(self.path, self.num_rows,
-                                   self.stride * self.dtype.itemsize)
+            f.undo = _undo.UndoLog(self.path, self.layout.num_rows,
+                                   self.layout.stride * self.layout.dtype.itemsize)
         if f.undo is not None:  # the interval's undo header (page cache), then the marker
             if self._tracker is not None:  # the last interval's rows, before begin drops them
                 self._tracker.absorb(f.undo)
@@ -602,11 +592,12 @@ class Store:
         action = "torn"
         if len(raw) >= _JHEAD.size:
             magic, count_before, n, crc = _JHEAD.unpack_from(raw)
-            nbytes = n * 8 + n * self.stride * self.dtype.itemsize
+            k, dt = self.layout.stride, self.layout.dtype
+            nbytes = n * 8 + n * k * dt.itemsize
             body = raw[_JHEAD.size:_JHEAD.size + nbytes]
             if magic == JOURNAL_MAGIC and len(body) == nbytes:
                 ids = np.frombuffer(body, np.int64, n)
-                rec = np.frombuffer(body, self.dtype, offset=n * 8).reshape(n, self.stride)
+                rec = np.frombuffer(body, dt, offset=n * 8).reshape(n, k)
                 if zlib.crc32(rec.data, zlib.crc32(ids.data)) == crc:
                     if count_before == manifest_count:
                         self.data[ids] = rec
@@ -623,7 +614,7 @@ class Store:
         """Any batch fits: the rows are stepped where they lie."""
 
     def max_batch(self) -> int:
-        return self.num_rows
+        return self.layout.num_rows
 
     def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
                    ) -> tuple[np.ndarray, np.ndarray]:
@@ -657,8 +648,9 @@ class Store:
 
     def manifest(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
         """The manifest committing ``count`` with ``meta`` (hparams, durability, settings)."""
-        return {"format": FORMAT_NAME, "version": layout_version(self.layout),
-                "layout": self.layout, "count": int(count), **meta}
+        lay = self.layout.as_dict()
+        return {"format": FORMAT_NAME, "version": layout_version(lay), "layout": lay,
+                "count": int(count), **meta}
 
     def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
         return self.data[rows] if cols is None else self.data[rows, cols]
@@ -675,8 +667,8 @@ class Store:
         self.data[lo:hi] = records
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
-        run_chunked(gather_rows, (self.data, rows, self.w_off, out), rows.shape[0],
-                    max(16, 16384 // self.dim))
+        run_chunked(gather_rows, (self.data, rows, self.layout.w_off, out), rows.shape[0],
+                    max(16, 16384 // self.layout.dim))
 
     def flush(self, count: int, meta: dict[str, Any]) -> None:
         """msync the rows, void the undo journal, then the manifest (the commit point)."""
@@ -827,8 +819,9 @@ class Store:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.mode
-        return (f"Store({str(self.path)!r}, rows={self.num_rows}, dim={self.dim}, "
-                f"dtype={self.dtype.name}, curvature={self.curvature}, {state})")
+        lay = self.layout
+        return (f"Store({str(self.path)!r}, rows={lay.num_rows}, dim={lay.dim}, "
+                f"dtype={lay.dtype.name}, curvature={lay.curvature}, {state})")
 
 
 # -- the engine's life cycle (dsa_core._engines) ----------------------------------------------
@@ -849,22 +842,23 @@ def check_settings(layout: dict[str, Any], *, access: str, memory: Any,
 def _fill(store: Store, init: Any, init_scale: float, seed: int, ball_maxnorm: float | None,
           progress: bool | None) -> None:
     """Write the initial weights in chunks (m and v stay zero from fallocate)."""
-    if init is None or store.w_off is None:
+    if init is None or store.layout.w_off is None:
         return
-    d, o = store.dim, store.w_off
-    rows = max(1, INIT_CHUNK_BYTES // (store.stride * store.dtype.itemsize))
-    blocks = list(chunks(store.num_rows, rows))
+    lay = store.layout
+    d, o = lay.dim, lay.w_off
+    rows = max(1, INIT_CHUNK_BYTES // (lay.stride * lay.dtype.itemsize))
+    blocks = list(chunks(lay.num_rows, rows))
     bar = progress_bar(len(blocks), progress, f"init {store.path.name}")
     named = init if isinstance(init, str) else None
     mn = ball_maxnorm
-    spec = InitSpec(named, init_scale, seed, mn, d, o, store.stride, store.dtype) \
+    spec = InitSpec(named, init_scale, seed, mn, d, o, lay.stride, lay.dtype) \
         if named else None
     try:
         for lo, hi in blocks:
             if named:  # the log store's function of (seed, row): the same bits
                 fill_weights(store.data[lo:hi, o:o + d], lo, spec)
             else:
-                store.data[lo:hi, o:o + d] = np.asarray(init[lo:hi], dtype=store.dtype)
+                store.data[lo:hi, o:o + d] = np.asarray(init[lo:hi], dtype=lay.dtype)
             if bar is not None:
                 bar.update(1)
     finally:

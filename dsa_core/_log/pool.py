@@ -51,7 +51,7 @@ from numba import njit
 from .._coalesce import _dedup, gather_rows
 from .._init import InitSpec, initial_records
 from .._pool import run_chunked
-from ..validation import as_index
+from .._validation import as_index
 from .budget import check_memory, index_piece_rows, slots_for
 from .format import Segment, SegmentError
 from .segments import Segments

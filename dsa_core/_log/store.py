@@ -28,12 +28,13 @@ from . import format as log_format
 from .. import _exit
 from .._engine import closed_error, scratch
 from .._init import INIT_CHUNK_BYTES, chunks, progress_bar
+from .._layout import Layout
 from .format import FORMAT_NAME as LOG_FORMAT
 from .format import MANIFEST_FILE, parse_name
 from .read import ReadAhead
 from .._paging import memory_limit
 from .._settings import remembered, settings_field
-from ..validation import check_memory_arg
+from .._validation import check_memory_arg
 
 __all__ = ["DEFAULT_MEMORY_SHARE", "LOG_FORMAT", "MIN_BATCH_ROWS", "SETTINGS", "LogStore",
            "check_settings", "create_store", "default_memory", "open_store", "region_memory",
@@ -148,23 +149,9 @@ class LogStore:
 
     def __init__(self, engine: log_engine.LogEngine):
         self.engine = engine
-        lay = self.layout = dict(engine.layout)
+        self.layout = Layout.from_dict(engine.layout)  # the record layout, one frozen value
         self.path = Path(engine.path)
         self.mode = engine.mode
-        self.num_rows = int(lay["num_rows"])
-        self.dim = int(lay["dim"])
-        self.dtype = np.dtype(lay["dtype"])
-        self.curvature = float(lay["curvature"])
-        self.stride = int(lay["stride"])
-        self.w_off = lay["w"]
-        self.m_off = lay["m"]
-        self.v_off = lay["v"]
-        self.v_width = lay["v_width"]
-        self.rowwise = lay.get("second_moment") == "rowwise"
-        self.m_bf16 = lay.get("first_moment") == "bfloat16"
-        self.m_width = lay.get("m_width", self.dim)
-        self.rs_off = lay.get("row_step", -1)
-        self.ls_off = lay.get("last_step", -1)
         self.scratch: dict[str, np.ndarray] = {}
         self.settings: dict[str, Any] = {}  # open-time settings to remember: {"memory": bytes}
         self.access_request = "auto"
@@ -203,7 +190,8 @@ class LogStore:
 
     @property
     def nbytes(self) -> int:
-        return self.num_rows * self.stride * self.dtype.itemsize
+        lay = self.layout
+        return lay.num_rows * lay.stride * lay.dtype.itemsize
 
     def view_handed_out(self) -> None:
         """Never called: a log store hands out no whole-table view (:meth:`no_view`)."""
@@ -257,7 +245,8 @@ class LogStore:
             eng.begin_step(count, meta)  # flushes first unless the log can take the step
             n = rows.shape[0]
             slots = eng.acquire(rows, check=False) if n else np.empty(0, np.int64)
-            rec = scratch(self, "logged_records", n * self.stride).reshape(n, self.stride)
+            k = self.layout.stride
+            rec = scratch(self, "logged_records", n * k).reshape(n, k)
             if n:
                 pool.gather_records(eng.region, slots, rec)
             self._step = (rows, slots, rec)
@@ -292,7 +281,8 @@ class LogStore:
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Never changes the region's residency."""
-        out[...] = self.engine.read(rows, cols=slice(self.w_off, self.w_off + self.dim))
+        o = self.layout.w_off
+        out[...] = self.engine.read(rows, cols=slice(o, o + self.layout.dim))
 
     def _commit_meta(self, meta: dict[str, Any]) -> None:
         self.engine.meta = meta
@@ -395,8 +385,9 @@ class LogStore:
         segment writer per segment it wrote (None before its first, or read-only)."""
         s = self.engine.stats()
         nseg = s["segments"]
-        mem = self.memory_bytes or self.settings.get("memory") or default_memory(self.layout)
-        parts = budget.split(self.layout, mem)
+        lay = self.layout.as_dict()
+        mem = self.memory_bytes or self.settings.get("memory") or default_memory(lay)
+        parts = budget.split(lay, mem)
         w = self.engine._segments.writer
         jobs = 0 if w is None or w.pid != os.getpid() else w.jobs
         return {
@@ -509,13 +500,14 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
     eng.wal_on = meta.get("durability") == "step"  # the first flush names a commit log
     try:
         if init is not None and not isinstance(init, str):
-            o, d = store.w_off, store.dim
-            rows = max(1, INIT_CHUNK_BYTES // (store.stride * dt.itemsize))
-            blocks = list(chunks(store.num_rows, rows))
+            lay = store.layout
+            o, d = lay.w_off, lay.dim
+            rows = max(1, INIT_CHUNK_BYTES // (lay.stride * dt.itemsize))
+            blocks = list(chunks(lay.num_rows, rows))
             bar = progress_bar(len(blocks), progress, f"init {directory.name}")
             try:
                 for lo, hi in blocks:
-                    rec = np.zeros((hi - lo, store.stride), dt)
+                    rec = np.zeros((hi - lo, lay.stride), dt)
                     rec[:, o:o + d] = np.asarray(init[lo:hi], dtype=dt)
                     eng.write(np.arange(lo, hi, dtype=np.int64), rec)
                     if bar is not None:

@@ -75,7 +75,7 @@ def test_record_sizes(tmp_path, second_moment, weights, expect):
     d = 7 if expect == 7 * 2 + 2 + 7 * 4 else 128
     st = dsa_core.create(tmp_path / "s", 10, d, weights=weights, second_moment=second_moment,
                          first_moment="bfloat16")
-    assert st.store.stride * 4 == expect
+    assert st.store.layout.stride * 4 == expect
     assert st.first_moment == "bfloat16"
     assert st.exp_avg.shape == (10, d) and not st.exp_avg.flags.writeable
     dsa_core.close(st)

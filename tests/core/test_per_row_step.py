@@ -299,7 +299,7 @@ def test_bad_options_write_nothing(tmp_path, kw, exc, msg):
 
 
 def test_validation_names_the_caller():
-    from dsa_core import validation
+    from dsa_core.tools import validation
 
     with pytest.raises(ValueError, match=r"^DiskSparseAdam: Invalid weight_decay value: -1\.0"):
         validation.check_weight_decay(-1, what="DiskSparseAdam")

@@ -74,7 +74,7 @@ def test_equal_magnitudes_give_the_elementwise_v(tmp_path):
 def test_record_holds_one_v(tmp_path, weights, itemsize, expect):
     st = dsa_core.create(tmp_path / "s", N, D, weights=weights, second_moment="rowwise",
                          dtype="float32" if itemsize == 4 else "float64")
-    assert st.store.stride * itemsize == expect
+    assert st.store.layout.stride * itemsize == expect
     assert (tmp_path / "s" / "rows.dsa").stat().st_size == 4096 + N * expect
     assert st.second_moment == "rowwise"
     dsa_core.close(st)
@@ -134,6 +134,6 @@ def test_ball_and_elementwise_report_their_kind(tmp_path):
     b = dsa_core.create(tmp_path / "b", N, D, curvature=1.0)
     e = dsa_core.create(tmp_path / "e", N, D)
     assert (b.second_moment, e.second_moment) == ("riemannian", "elementwise")
-    assert "second_moment" not in e.store.layout  # byte-identical to format version 1
+    assert "second_moment" not in e.layout  # byte-identical to format version 1
     dsa_core.close(b)
     dsa_core.close(e)

@@ -83,17 +83,17 @@ def test_set_num_threads_none_goes_back_to_the_default(cpus, monkeypatch):
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         dsa_core.set_num_threads(5)
         assert dsa_core.get_num_threads() == 5 and _pool._POOL.source == "explicit"
-        dsa_core.follow_threads(1)  # an explicit count wins
+        dsa_core.tools.follow_threads(1)  # an explicit count wins
         assert dsa_core.get_num_threads() == 5
         dsa_core.set_num_threads(None)
         assert dsa_core.get_num_threads() == 3 and _pool._POOL.source is None
-        dsa_core.follow_threads(2)
+        dsa_core.tools.follow_threads(2)
         assert dsa_core.get_num_threads() == 2
-        dsa_core.follow_threads(100)  # capped by the CPUs
+        dsa_core.tools.follow_threads(100)  # capped by the CPUs
         assert dsa_core.get_num_threads() == 8
         monkeypatch.setenv("DSA_NUM_THREADS", "4")  # DSA's own variable: not overridden
         dsa_core.set_num_threads(None)
-        dsa_core.follow_threads(1)
+        dsa_core.tools.follow_threads(1)
         assert dsa_core.get_num_threads() == 4
     finally:
         _pool._POOL.threads, _pool._POOL.source = old

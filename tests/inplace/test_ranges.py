@@ -58,7 +58,7 @@ def _batches(seed: int, steps: int, n: int = N, b: int = 256):
 def _on_disk(path: Path, st) -> np.ndarray:
     """The records as a fresh read of the data file returns them (no mapping involved)."""
     raw = np.fromfile(path / "rows.dsa", dtype=np.uint8)[4096:]
-    return raw.view(st.store.dtype).reshape(st.num_rows, st.store.stride)
+    return raw.view(st.dtype).reshape(st.num_rows, st.store.layout.stride)
 
 
 def _manifest_count(path: Path) -> int:

@@ -152,7 +152,7 @@ def test_deleting_moving_and_copying_snapshots_leaves_the_rest_whole(tmp_path):
     shutil.rmtree(sd / "s4")
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    dsa_core.link_files(sd / "s5", ck / "s5")
+    dsa_core.tools.link_files(sd / "s5", ck / "s5")
     dsa_core.remove(sd / "s5")
     os.rename(ck, tmp_path / "ckpt-moved")
     shutil.copytree(tmp_path / "ckpt-moved", tmp_path / "ckpt-copied")
@@ -409,7 +409,7 @@ def test_a_writer_open_of_a_snapshot_never_changes_another(tmp_path, store_diges
     chain, a carried copy) copies it first: training in either changes no other snapshot."""
     taken = chain_dirs(tmp_path, 4)
     digests = {d: store_digest(d) for d, _, _ in taken}
-    carried = dsa_core.link_files(taken[0][0], tmp_path / "carried")
+    carried = dsa_core.tools.link_files(taken[0][0], tmp_path / "carried")
     rng = np.random.default_rng(10)
     for d, count, rec in (taken[2], taken[0]):  # a chain; the plain base of the chain
         t = dsa_core.open(d)

@@ -99,7 +99,7 @@ def test_bad_create_arguments_write_nothing(tmp_path, kw, exc, match):
 
 
 def test_memory_strings():
-    from dsa_core.validation import check_memory_arg
+    check_memory_arg = dsa_core.tools.validation.check_memory_arg
     assert check_memory_arg("4GiB") == 4 << 30
     assert check_memory_arg("512 MiB") == 512 << 20
     assert check_memory_arg("1.5G") == 1_500_000_000

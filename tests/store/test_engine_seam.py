@@ -193,3 +193,45 @@ def test_both_engines_implement_the_protocol(tmp_path, storage):
         assert not missing
     finally:
         dsa_core.close(st)
+
+
+# the 14 attributes that repeated the layout dict (stride, offsets, ...) became one frozen
+# ``Layout`` value (issue 41): 57 members before, 43 after; a new member changes this count
+ENGINE_MEMBERS = 43
+LAYOUT_FIELDS = ("num_rows", "dim", "dtype", "curvature", "stride", "w_off", "m_off", "v_off",
+                 "v_width", "m_width", "rowwise", "m_bf16", "rs_off", "ls_off")
+
+
+def test_the_engine_protocol_size_is_pinned():
+    from dsa_core._engine import Engine
+
+    tree = ast.parse((ROOT / "dsa_core" / "_engine.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    members = [n.target.id if isinstance(n, ast.AnnAssign) else n.name for n in cls.body
+               if isinstance(n, (ast.AnnAssign, ast.FunctionDef))]
+    assert len(members) == len(set(members)) == ENGINE_MEMBERS, len(members)
+    assert Engine.__annotations__["layout"] == "Layout"
+    assert not set(LAYOUT_FIELDS) & set(members)
+
+
+@pytest.mark.parametrize("storage", ["inplace", "log"])
+def test_the_layout_is_one_frozen_value_the_manifest_unchanged(tmp_path, storage):
+    import dataclasses
+    import json
+
+    import dsa_core
+    from dsa_core._layout import Layout
+
+    st = dsa_core.create(tmp_path / "s", 16, 4, storage=storage, per_row_step=True)
+    try:
+        lay = st.store.layout
+        assert type(lay) is Layout and not hasattr(lay, "__dict__")  # slotted
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            lay.stride = 1
+        assert not [n for n in LAYOUT_FIELDS if n in vars(st.store)]  # not unpacked again
+        assert (lay.stride, lay.rs_off, lay.ls_off, lay.w_off) == (13, 12, -1, 0)
+        dsa_core.flush(st)
+        on_disk = json.loads((tmp_path / "s" / "manifest.json").read_text())["layout"]
+        assert on_disk == lay.as_dict() == st.layout
+    finally:
+        dsa_core.close(st)

@@ -81,7 +81,7 @@ def test_a_failed_directory_sync_after_the_rename_is_in_doubt(tmp_path, monkeypa
         else:
             _group_file.write(path, rec)
     assert _group_file.InDoubtError is _files.InDoubtError
-    assert dsa_core.read_json(path)["seq"] == 7
+    assert dsa_core.tools.read_json(path)["seq"] == 7
     assert _leftovers(tmp_path) == []
 
 
@@ -233,7 +233,7 @@ def test_checkpoint_many_writes_every_store_and_the_block_at_once(tmp_path, kind
     with dsa_core.checkpoint_many(tmp_path / "ck", {"user": u, "item": i}) as staged:
         assert not (tmp_path / "ck").exists()
         assert sorted(p.name for p in staged.iterdir()) == ["item", "user"]
-        dsa_core.write_json(staged / "meta.json", {"count": 1})
+        dsa_core.tools.write_json(staged / "meta.json", {"count": 1})
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["item", "meta.json", "user"]
     for name, live in (("user", u), ("item", i)):
         c = dsa_core.open(tmp_path / "ck" / name, mode="r")

@@ -301,12 +301,12 @@ def test_deferred_sigint_holds_one_ctrl_c_and_yields_to_a_second():
     prev = signal.getsignal(signal.SIGINT)
     seen = []
     with pytest.raises(KeyboardInterrupt):
-        with dsa_core.deferred_sigint():
+        with dsa_core.tools.deferred_sigint():
             os.kill(os.getpid(), signal.SIGINT)
             seen.append("inside")  # the block runs on
     assert seen == ["inside"]
     with pytest.raises(KeyboardInterrupt):
-        with dsa_core.deferred_sigint():
+        with dsa_core.tools.deferred_sigint():
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)  # insisted: at once
             seen.append("not reached")

@@ -560,16 +560,16 @@ def test_a_damaged_group_commit_file_is_named_at_open(tmp_path, kind, damage):
 
 
 def test_read_json_checks_a_checksum_where_there_is_one(tmp_path):
-    """dsa_core.write_json(checksum=True) / read_json: the adapters' manifests (JAX
+    """dsa_core.tools.write_json(checksum=True) / read_json: the adapters' manifests (JAX
     checkpoints, sharded tables) are checked where they are read; a changed digit is named."""
     p = tmp_path / "m.json"
-    dsa_core.write_json(p, {"format": "x", "count": 12}, checksum=True)
-    assert dsa_core.read_json(p)["count"] == 12
+    dsa_core.tools.write_json(p, {"format": "x", "count": 12}, checksum=True)
+    assert dsa_core.tools.read_json(p)["count"] == 12
     p.write_text(p.read_text().replace("12", "13"))
     with pytest.raises(ValueError, match=r"m\.json.*damaged.*checksum"):
-        dsa_core.read_json(p)
-    dsa_core.write_json(p, {"count": 12})  # written without one (older files): read as is
-    assert dsa_core.read_json(p) == {"count": 12}
+        dsa_core.tools.read_json(p)
+    dsa_core.tools.write_json(p, {"count": 12})  # written without one (older files): read as is
+    assert dsa_core.tools.read_json(p) == {"count": 12}
     p.write_text('{"count": 1')
     with pytest.raises(ValueError, match=r"m\.json.*damaged.*not valid JSON"):
-        dsa_core.read_json(p)
+        dsa_core.tools.read_json(p)

@@ -170,7 +170,7 @@ def test_a_large_ram_box_without_a_limit_decides_by_the_machine(monkeypatch, fix
     assert _paging.auto_storage(bg + 1, False, "auto") == "log"
     assert _paging.auto_access(bg) == "ram"
     assert _paging.auto_access(bg + 1) == "disk"
-    limits = dsa_core.paging_limits()
+    limits = dsa_core.tools.paging_limits()
     assert (limits["memory_available"], limits["dirty_background_bytes"]) == (480 * GiB, bg)
 
 

@@ -294,7 +294,8 @@ CHILD = textwrap.dedent("""
     from pykeen.training import SLCWATrainingLoop
     from pykeen.training.callbacks import TrainingCallback
     from adapters import pykeen as dsa
-    from dsa_core.validation import as_index
+    from dsa_core.tools import validation
+    as_index = validation.as_index
     as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
     # kernel (not parallel): no numba thread starts
     gc.collect()

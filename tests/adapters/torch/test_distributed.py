@@ -689,7 +689,7 @@ def test_shard_format(tmp_path):
     write_shard_meta(tmp_path, meta)
     with pytest.raises(ValueError, match="no shard.json"):
         read_shard_meta(tmp_path / "nowhere")
-    assert not list(tmp_path.glob("*.tmp*"))  # dsa_core.write_json left no temporary
+    assert not list(tmp_path.glob("*.tmp*"))  # dsa_core.tools.write_json left no temporary
 
 
 def test_public_seams_only():

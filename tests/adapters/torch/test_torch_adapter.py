@@ -434,7 +434,8 @@ _RESUME_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {repo!r} + "/tests/adapters/torch")  # this module
     from adapters.torch import DiskSparseAdam
     from test_torch_adapter import _fresh, _run
-    from dsa_core.validation import as_index
+    from dsa_core.tools import validation
+    as_index = validation.as_index
     as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
     # kernel (not parallel): no numba thread starts
     root, modes = sys.argv[1], sys.argv[2:]

@@ -380,7 +380,8 @@ KILL_CHILD = textwrap.dedent("""
     from test_torch_snapshots import batches, build, patch_cut, run, stores
     from adapters.torch import DiskWeight
     DiskWeight.read_limit = 0  # every table large: snapshots
-    from dsa_core.validation import as_index
+    from dsa_core.tools import validation
+    as_index = validation.as_index
     as_index([0], 1)  # numba's first kernel load (its registries: ~1 s) once, here; a plain
     # kernel (not parallel): no numba thread starts
     # one interpreter start for every case: each case is a process forked from this one

@@ -142,7 +142,7 @@ def test_unused_state_dir_warns(tmp_path):
     emb2 = DiskEmbedding(N, D, state_dir=tmp_path / "e2", seed=1)
     opt = DiskSparseAdam([*emb.parameters(), *emb2.parameters()], state_dir=tmp_path / "o3")
     opt.step()  # joins the group: the commit file is written in state_dir
-    assert (tmp_path / "o3" / dsa_core.GROUP_FILE).exists()
+    assert (tmp_path / "o3" / dsa_core.tools.GROUP_FILE).exists()
     opt.close()
     emb2.close()
     emb.close()

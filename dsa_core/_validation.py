@@ -5,7 +5,7 @@ message that says what must hold, what came, and how to fix it. Every check take
 optional ``what`` (e.g. ``"DiskSparseAdam"``) that prefixes its message, so an adapter
 names itself without a second copy of the rule.
 
->>> from dsa_core import validation
+>>> from dsa_core.tools import validation
 >>> validation.check_curvature(1)
 1.0
 >>> validation.check_second_moment("rowwise", 1.0, what="DiskEmbedding")
