@@ -131,7 +131,9 @@ RESUME_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("curvature", [0.0, 1.0])
+@pytest.mark.parametrize(("kind", "curvature"), [  # the kinds, as the kind fixture's
+    ("inplace", 0.0), ("inplace", 1.0), ("log", 0.0),
+    pytest.param("log", 1.0, marks=pytest.mark.slow)])
 def test_resume_in_new_process_is_bitwise_identical(tmp_path, spec_batches, curvature, kind):
     """create -> 50 steps -> close -> open in a NEW process -> 50 steps == 100 steps in one."""
     dim = 16
