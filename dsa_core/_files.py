@@ -100,8 +100,8 @@ def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
     """Replace the JSON file ``path`` atomically and durably: the one JSON writer.
 
     The text goes to a temporary file beside it, which is written in full
-    (``os.write`` may write less than asked, e.g. on a nearly full disk), fsync'd and
-    renamed over ``path``; then the directory is fsync'd. A reader sees the old file or the
+    (``_os.pwrite_all``: a write may write less than asked, e.g. on a nearly full disk),
+    fsync'd and renamed over ``path``; then the directory is fsync'd. A reader sees the old file or the
     new one, never a mix. A failure before the rename (a full disk, an I/O error) leaves
     the old file and removes the temporary; only a crash can leave the temporary behind.
     A failure of the directory's sync after the rename raises :class:`InDoubtError` (an
@@ -135,8 +135,7 @@ def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         try:
-            while data:
-                data = data[os.write(fd, data):]
+            pwrite_all(fd, data, 0)  # finishes short writes (a nearly full disk)
             if durable:
                 os.fsync(fd)
         finally:
@@ -197,8 +196,12 @@ def _copy_direct(src: Path, fd_out: int) -> int:
                 return off
         return off
     finally:
-        buf.close()
         os.close(fd)
+        # only an error's traceback can still hold views of the buffer (pwrite_all's, when
+        # a write fails: ENOSPC, EIO); closing it would then raise BufferError in place of
+        # that error, so the mapping goes with the traceback instead
+        with contextlib.suppress(BufferError):
+            buf.close()
 
 
 def _copy_cached(fd_in: int, fd_out: int, off: int, size: int, share: bool) -> None:

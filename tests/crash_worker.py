@@ -9,12 +9,13 @@ time its kill.
 Modes
 -----
 ``train STORE --steps N``
-    A ``durability="step"`` store (created by the parent): ``dsa_core.open`` (which rolls
+    A ``durability="step"`` store of either kind (created by the parent with
+    :func:`store_kw`): ``dsa_core.open`` (which rolls
     back a step that a kill interrupted), then steps ``count + 1 .. N``.
-``ckpt LIVE DEST --steps N --every K``
-    Resume from the checkpoint: ``LIVE`` is replaced by a copy of ``DEST`` (or created fresh
-    when there is no ``DEST`` yet), then steps with ``dsa_core.checkpoint(state, DEST,
-    overwrite=True)`` after every ``K``-th step.
+``ckpt LIVE DEST --steps N --every K [--storage KIND]``
+    Resume from the checkpoint: ``LIVE`` is replaced by a copy of ``DEST`` (or created fresh,
+    of ``KIND``: :func:`store_kw`, when there is no ``DEST`` yet), then steps with
+    ``dsa_core.checkpoint(state, DEST, overwrite=True)`` after every ``K``-th step.
 ``torch-ckpt LIVE DEST --steps N --every K``
     The same through ``adapters.torch``: a ``DiskEmbedding`` stepped by ``DiskSparseAdam``,
     ``opt.checkpoint(DEST, overwrite=True)`` every ``K`` steps, ``opt.load_checkpoint(DEST)``
@@ -29,7 +30,8 @@ Modes
     ``sigterm_exit`` (SIGTERM after a handler that calls ``sys.exit(143)``).
 
 ``--kill-at POINT --kill-step K`` makes the worker SIGKILL itself at a chosen point of the
-journaled commit protocol of step ``K`` (or of a checkpoint), see :data:`KILL_POINTS`.
+journaled commit protocol of step ``K`` (or of a checkpoint), see :data:`KILL_POINTS`: the
+in-place store's protocol (the log store's crash points are tests/log/test_log_engine.py's).
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ MAX_BATCH = 300
 LR = 0.01
 SEED = 20240611
 STORE_KW = {"lr": LR, "init": "normal", "init_scale": 0.1, "seed": 3, "progress": False}
+LOG_SLOTS = 1000  # a log store's region: a fifth of the rows, so steps seal segments
+
+
+def store_kw(kind: str = "inplace") -> dict:
+    """:data:`STORE_KW` for a store of ``kind`` (a log store with a region of
+    :data:`LOG_SLOTS` records)."""
+    if kind == "inplace":
+        return {**STORE_KW, "storage": "inplace"}
+    import dsa_core
+
+    lay = {"num_rows": NUM_ROWS, "stride": 3 * DIM, "dtype": "float32"}
+    return {**STORE_KW, "storage": kind, "memory": dsa_core.region_memory(lay, LOG_SLOTS)}
 
 # where --kill-at can strike (see install_kill)
 KILL_POINTS = (
@@ -258,22 +272,23 @@ def flushk(store: str, steps: int, every: int, end: str) -> None:
         KEEP.append(state)
 
 
-def _resume_live(live: Path, dest: Path, curvature: float):
+def _resume_live(live: Path, dest: Path, curvature: float, storage: str):
     import dsa_core
 
     shutil.rmtree(live, ignore_errors=True)
     if dest.exists():
         shutil.copytree(dest, live)
         return dsa_core.open(live)
-    return dsa_core.create(live, NUM_ROWS, DIM, curvature=curvature, **STORE_KW)
+    return dsa_core.create(live, NUM_ROWS, DIM, curvature=curvature, **store_kw(storage))
 
 
-def ckpt(live: Path, dest: Path, steps: int, every: int, curvature: float) -> None:
+def ckpt(live: Path, dest: Path, steps: int, every: int, curvature: float,
+         storage: str = "inplace") -> None:
     import dsa_core
 
     if not KILL_AT:
         dsa_core.warmup(("float32",), readonly=False)
-    state = _resume_live(live, dest, curvature)
+    state = _resume_live(live, dest, curvature, storage)
     say("open", state.count)
     while state.count < steps:
         t = state.count + 1
@@ -342,6 +357,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10**9)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--curvature", type=float, default=0.0)
+    ap.add_argument("--storage", choices=["inplace", "log"], default="inplace")
     ap.add_argument("--kill-at", choices=KILL_POINTS)
     ap.add_argument("--kill-step", type=int, default=0)
     ap.add_argument("--end", choices=["close", "exit", "os_exit", "kill", "sigterm",
@@ -355,7 +371,7 @@ def main(argv=None) -> None:
     elif a.mode == "flushk":
         flushk(a.paths[0], a.steps, a.every, a.end)
     elif a.mode == "ckpt":
-        ckpt(Path(a.paths[0]), Path(a.paths[1]), a.steps, a.every, a.curvature)
+        ckpt(Path(a.paths[0]), Path(a.paths[1]), a.steps, a.every, a.curvature, a.storage)
     else:
         torch_ckpt(Path(a.paths[0]), Path(a.paths[1]), a.steps, a.every)
 

@@ -9,6 +9,13 @@
 * Log budgets: ``log_memory(layout_or_state, slots)`` -- the ``memory=`` of a log store whose
   region holds ``slots`` records (``dsa_core.region_memory``, the public helper), and
   ``log_kw(kind, ...)`` -- the create/adapter keywords of a storage kind.
+* Builders: ``create(path, num_rows, dim, kind, slots=...)`` (a store of either kind; a log
+  store with a region of ``slots`` records), ``batches(steps, num_rows, dim, ...)`` (a list of
+  random ``(idx, grad)`` pairs), ``train(state, steps, ...)`` (steps on such batches).
+* What a kill leaves: ``on_disk(path, scratch)`` (the count and records that a store's
+  directory reopens at, as after a ``kill -9`` now).
+* Faults at the OS layer: ``os_fault(call, nth, error)`` (``dsa_core._os``'s write calls
+  raise ENOSPC or EIO, or write short, from their ``nth`` call on).
 * The crash harness: ``Worker`` / ``run_worker`` run ``tests/crash_worker.py`` in a
   subprocess (see test_reliability.py for what it trains and how the kills are checked).
 * A real memory cgroup: ``memcap(limit, *command)`` (the command line that runs a command
@@ -19,10 +26,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,6 +180,180 @@ def evicted(state) -> bool:
     """A log store whose rows really left the region: sealed segments, fewer slots than rows."""
     st = state.store.engine.stats()
     return st["segments"] > 0 and st["slots"] < state.num_rows
+
+
+# -- builders -----------------------------------------------------------------------------------
+def create(path, num_rows: int, dim: int, kind: str = "inplace", *, slots: int | None = None,
+           **kw):
+    """``dsa_core.create`` of ``kind`` with ``init="normal"``, ``init_scale=0.1``, ``seed=3``
+    unless ``kw`` says otherwise. A log store's region holds ``slots`` records (``None``: the
+    kind's default region, which holds a small table whole); ``slots`` is ignored in place."""
+    kw = {"init": "normal", "init_scale": 0.1, "seed": 3, **kw}
+    if kw.get("init") is None or not isinstance(kw["init"], str):
+        kw.pop("init_scale")
+        kw.pop("seed")
+    if kind == "log" and slots is not None and "memory" not in kw:
+        from dsa_core._layout import make_layout
+        lay = make_layout(num_rows, dim, np.dtype(kw.get("dtype", "float32")),
+                          kw.get("curvature", 0.0), kw.get("weights", True), kw.get("align", 0),
+                          kw.get("second_moment", "elementwise"),
+                          "bfloat16" if kw.get("first_moment") == "bfloat16" else "full",
+                          per_row_step=kw.get("per_row_step", False),
+                          decay_missed_steps=kw.get("decay_missed_steps", False))
+        kw["memory"] = log_memory(lay, slots)
+    return dsa_core.create(path, num_rows, dim, storage=kind, **kw)
+
+
+def batches(steps: int, num_rows: int, dim: int, *, batch: int, seed: int = 1, rows=None,
+            unique: bool = False, sort: bool = False, dtype=np.float32) -> list:
+    """``steps`` random ``(idx, grad)`` pairs of ``batch`` ids each: drawn from
+    ``range(num_rows)`` (or from ``rows``), with duplicates unless ``unique``, sorted if
+    ``sort``; standard-normal gradients of ``dtype``."""
+    rng = np.random.default_rng(seed)
+    pool = num_rows if rows is None else np.asarray(rows)
+    out = []
+    for _ in range(steps):
+        idx = rng.choice(pool, batch, replace=not unique)
+        if sort:
+            idx = np.sort(idx)
+        out.append((idx, rng.standard_normal((batch, dim)).astype(dtype)))
+    return out
+
+
+def train(state, steps, *, batch: int = 32, **kw):
+    """``state`` stepped through ``steps`` (a list of ``(idx, grad)`` pairs, or a number of
+    :func:`batches` of ``batch`` ids drawn with ``kw``); returns the last State."""
+    if isinstance(steps, int):
+        steps = batches(steps, state.num_rows, state.dim, batch=batch,
+                        dtype=np.dtype(state.dtype), **kw)
+    for idx, g in steps:
+        state = dsa_core.step(state, idx, g)
+    return state
+
+
+def on_disk(path, scratch) -> tuple[int, np.ndarray]:
+    """The count and records that the store at ``path`` reopens at if its writer is killed now
+    (``kill -9``: the page cache stays): its directory as it is now is copied to ``scratch``
+    and opened there (recovery included), read and closed."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(path, scratch, ignore=shutil.ignore_patterns("writer.lock"))
+    s = dsa_core.open(scratch)
+    try:
+        return s.count, records(s)
+    finally:
+        dsa_core.close(s)
+
+
+# -- faults at the OS layer ---------------------------------------------------------------------
+# the write calls of dsa_core._os; every module of dsa_core that imported one by name is patched
+OS_WRITES = ("pwrite_all", "pwritev_all", "fsync_path")
+FAULTS = ("ENOSPC", "EIO", "short")
+
+
+def _fd_name(fd) -> str:
+    try:
+        return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return str(fd)
+
+
+class OsFault:
+    """Calls of one write call of ``dsa_core._os`` (:data:`OS_WRITES`), counted from 1; from
+    the ``nth`` on (``None``: never) each one fails, as a full disk or a failing one does,
+    until :meth:`clear`:
+
+    * ``"ENOSPC"`` / ``"EIO"``: raises ``OSError`` of that errno, writing nothing;
+    * ``"short"`` (a write call): writes the first half of its bytes, then raises ENOSPC (a
+      disk that filled up during the write); on ``fsync_path`` it is EIO.
+
+    ``seen`` lists the file (base name) of every call, failed or not; ``failed`` those that
+    failed. Thread-safe: the log store's writer thread writes segments."""
+
+    def __init__(self, call: str, nth: int | None, error: str = "ENOSPC"):
+        from dsa_core import _os
+
+        if call not in OS_WRITES or error not in FAULTS:
+            raise ValueError(f"call one of {OS_WRITES}, error one of {FAULTS}")
+        self.call, self.nth, self.error = call, nth, error
+        self.real = getattr(_os, call)
+        self.seen: list[str] = []
+        self.failed: list[str] = []
+        self._lock = threading.Lock()
+        self._patched: list[tuple[object, str]] = []
+
+    def _fails(self, name: str) -> bool:
+        with self._lock:
+            self.seen.append(name)
+            hit = self.nth is not None and len(self.seen) >= self.nth
+            if hit:
+                self.failed.append(name)
+            return hit
+
+    def _raise(self, name: str, code: int):
+        raise OSError(code, f"{os.strerror(code)} (a fault injected at call {len(self.seen)} "
+                            f"of _os.{self.call}, {name!r})")
+
+    def _wrapper(self):
+        real, code = self.real, errno.EIO if self.error == "EIO" else errno.ENOSPC
+        if self.call == "fsync_path":
+            def fsync_path(path):
+                name = os.path.basename(str(path))
+                if self._fails(name):
+                    self._raise(name, errno.EIO if self.error == "short" else code)
+                return real(path)
+            return fsync_path
+        if self.call == "pwrite_all":
+            def pwrite_all(fd, data, offset):
+                name = _fd_name(fd)
+                if self._fails(name):
+                    if self.error == "short":
+                        view = memoryview(data).cast("B")
+                        real(fd, view[:view.nbytes // 2], offset)
+                    self._raise(name, code)
+                return real(fd, data, offset)
+            return pwrite_all
+
+        def pwritev_all(fd, views, offset):
+            name = _fd_name(fd)
+            if self._fails(name):
+                if self.error == "short":
+                    data = b"".join(bytes(memoryview(v).cast("B")) for v in views)
+                    self.real(fd, [memoryview(data[:len(data) // 2])], offset)
+                self._raise(name, code)
+            return real(fd, views, offset)
+        return pwritev_all
+
+    def install(self) -> OsFault:
+        from dsa_core import _os
+
+        fake = self._wrapper()
+        for name, mod in list(sys.modules.items()):
+            if (name == "dsa_core" or name.startswith("dsa_core.")) \
+                    and getattr(mod, self.call, None) is self.real:
+                setattr(mod, self.call, fake)
+                self._patched.append((mod, self.call))
+        assert any(m is _os for m, _ in self._patched)
+        return self
+
+    def clear(self) -> None:
+        """The fault is gone (space freed, the disk back): every call goes through again."""
+        with self._lock:
+            self.nth = None
+
+    def remove(self) -> None:
+        for mod, attr in self._patched:
+            setattr(mod, attr, self.real)
+        self._patched.clear()
+
+
+@contextlib.contextmanager
+def os_fault(call: str, nth: int | None, error: str = "ENOSPC") -> Iterator[OsFault]:
+    """:class:`OsFault` installed for the block (``nth=None`` counts the calls only)."""
+    f = OsFault(call, nth, error).install()
+    try:
+        yield f
+    finally:
+        f.remove()
 
 
 # -- step streams -------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ import os
 import queue
 import signal
 import struct
+import sys
 import threading
 import zlib
 from collections import Counter
@@ -492,7 +493,10 @@ class _Unmapper:
 
     def put(self, addr: int, size: int, fn) -> None:
         pid = os.getpid()
-        if self.pid not in (pid, -1):  # a forked child: its parent's thread is not here
+        # a forked child: its parent's thread is not here; an interpreter shutting down (a
+        # reader never closed): a thread started now never runs, and start() waits for it
+        # forever
+        if self.pid not in (pid, -1) or sys.is_finalizing():
             fn(addr, size)
             return
         try:

@@ -413,9 +413,11 @@ class Segments:
         if job.error is not None:
             job.run()
             if job.error is not None:
-                raise OSError(f"log store {str(self.path)!r}: writing segment {sid} "
-                              f"failed ({job.error!r}); its records are kept in memory "
-                              "and the next seal or flush tries again") from job.error
+                msg = (f"log store {str(self.path)!r}: writing segment {sid} failed "
+                       f"({job.error!r}); its records are kept in memory and the next seal "
+                       "or flush tries again")
+                code = getattr(job.error, "errno", None)  # ENOSPC stays ENOSPC, EIO EIO
+                raise (OSError(msg) if code is None else OSError(code, msg)) from job.error
         del self.pending[sid]
         seg = self.segs.get(sid)
         if seg is not None and seg.records is job.records:  # still live: map the file

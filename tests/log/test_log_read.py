@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from helpers import log_memory, records
+from helpers import batches, log_memory, records
 from dsa_core._log import read as _log_read
 
 N, D = 3000, 8
@@ -28,9 +28,7 @@ def _create(path, slots, **kw):
 
 
 def _batches(steps, seed=1):
-    rng = np.random.default_rng(seed)
-    return [(rng.integers(0, N, B), rng.standard_normal((B, D)).astype(np.float32))
-            for _ in range(steps)]
+    return batches(steps, N, D, batch=B, seed=seed)
 
 
 def _evict_segments(path):

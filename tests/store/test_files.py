@@ -5,6 +5,7 @@ checkpoints and the page cache it leaves, the multi-store checkpoint of the adap
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 import dsa_core
 from dsa_core import _files, _group_file, _os
-from helpers import log_kw
+from helpers import log_kw, os_fault
 
 
 # -- the one JSON writer ------------------------------------------------------------------------
@@ -53,11 +54,15 @@ def test_a_failed_json_write_leaves_the_old_file_and_no_temporary(tmp_path, monk
             _group_file.write(path, dict(rec, seq=seq))
     write(1)
     old = path.read_bytes()
-    monkeypatch.setattr(_files, "os", _FailingOs(call, err))
-    with pytest.raises(OSError) as info:
-        write(2)
+    with contextlib.ExitStack() as stack:
+        if call == "write":  # the write goes through the OS layer: half of it, then ENOSPC
+            stack.enter_context(os_fault("pwrite_all", 1, "short"))
+        else:
+            monkeypatch.setattr(_files, "os", _FailingOs(call, err))
+        with pytest.raises(OSError) as info:
+            write(2)
+        monkeypatch.undo()
     assert info.value.errno == err and not isinstance(info.value, _files.InDoubtError)
-    monkeypatch.undo()
     assert path.read_bytes() == old
     assert _leftovers(tmp_path) == []
     if writer == "group_file":

@@ -17,7 +17,7 @@ import traceback
 
 import numpy as np
 import pytest
-from helpers import log_kw, log_memory
+from helpers import log_kw, log_memory, train
 
 import dsa_core
 
@@ -37,11 +37,7 @@ def _trained(path, kind: str, steps: int = 12, **kw):
 
 
 def _train(s, seed: int, steps: int):
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        idx = rng.choice(N, B, replace=False)
-        s = dsa_core.step(s, idx, rng.standard_normal((B, D)).astype(np.float32))
-    return s
+    return train(s, steps, batch=B, seed=seed, unique=True)
 
 
 def _fork(child) -> tuple[int, int]:

@@ -1,6 +1,11 @@
 """The store's life cycle: create/open/flush/close, resume in a new process, compile hygiene,
 the writer lock, named inits, views, the documented plain-numpy layout, and a table of bad
-inputs that must be rejected before anything is written."""
+inputs that must be rejected before anything is written.
+
+The life-cycle, lock, init and bad-input tests take the ``kind`` fixture (both kinds
+promise the same). In place only, as docs/storage.md ("What still differs") lists: the
+whole-table views, a reader that sees the writer's unflushed rows, the ``rows.dsa`` file
+format and its damage cases, ``access=`` paging and the mapping's unmapping."""
 
 from __future__ import annotations
 
@@ -19,8 +24,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from helpers import num_threads
-from helpers import TESTS, varied_steps
+from helpers import TESTS, create, num_threads, records, varied_steps
 from dsa_core._kernels_euclid import adam_rows_euclid
 from dsa_core._kernels_poincare import adam_rows_poincare
 
@@ -50,28 +54,26 @@ def _read_with_numpy(path: Path):
 
 
 # -- create / open / flush / close ------------------------------------------------------------
-def test_create_step_flush_close_open_roundtrip(tmp_path):
+def test_create_step_flush_close_open_roundtrip(tmp_path, kind):
     p = tmp_path / "s"
     s = dsa_core.create(p, 50, 6, curvature=0.5, lr=0.02, betas=(0.8, 0.99), eps=1e-7,
                         maximize=True, nonfinite="skip_row", dtype="float64", ball_eps=1e-4,
-                        init="uniform", init_scale=0.1, seed=4)
+                        init="uniform", init_scale=0.1, seed=4, storage=kind)
     assert (s.count, s.num_rows, s.dim, s.dtype, s.curvature) == (0, 50, 6, np.float64, 0.5)
     assert s.has_weights
     assert s.path == p
     for k in range(3):
         s = dsa_core.step(s, [k, 7, k], _grad(3, 6, np.float64, k))
     s = s._replace(lr=0.03, betas=(0.7, 0.95))  # persisted by the next flush
-    # before the flush a reader sees the old manifest (count 0); after it, count 3
-    assert json.loads((p / "manifest.json").read_text())["count"] == 0
-    dsa_core.flush(s)
-    man = json.loads((p / "manifest.json").read_text())
-    assert man["count"] == 3
-    assert man["hparams"]["lr"] == 0.03
-    assert man["hparams"]["betas"] == [0.7, 0.95]
+    # before the flush a reader sees the last commit (count 0); after it, count 3
     ro = dsa_core.open(p, mode="r")  # allowed while the writer holds the store
-    assert ro.count == 3
-    np.testing.assert_array_equal(ro.weights, s.weights)
-    data = s.store.data.copy()
+    assert (ro.count, ro.lr) == (0, 0.02)
+    dsa_core.close(ro)
+    dsa_core.flush(s)
+    ro = dsa_core.open(p, mode="r")
+    assert (ro.count, ro.lr, ro.betas) == (3, 0.03, (0.7, 0.95))
+    data = records(s)
+    np.testing.assert_array_equal(records(ro), data)
     dsa_core.close(s)
     dsa_core.close(s)  # safe twice
     with pytest.raises(ValueError, match="is closed"):
@@ -84,20 +86,20 @@ def test_create_step_flush_close_open_roundtrip(tmp_path):
     assert (o.ball_eps, o.nonfinite) == (1e-4, "skip_row")
     assert (o.num_rows, o.dim, o.dtype, o.curvature, o.has_weights) == (50, 6, np.float64, 0.5,
                                                                       True)
-    np.testing.assert_array_equal(o.store.data, data)
+    np.testing.assert_array_equal(records(o), data)
     np.testing.assert_array_equal(dsa_core.gather(o, [7, 0]), data[[7, 0], :6])
     dsa_core.close(o)
     dsa_core.close(ro)
 
 
-def test_overwrite_replaces_a_closed_store(tmp_path):
+def test_overwrite_replaces_a_closed_store(tmp_path, kind):
     p = tmp_path / "s"
-    s = dsa_core.create(p, 10, 4, init="normal", seed=1)
+    s = create(p, 10, 4, kind, seed=1)
     s = dsa_core.step(s, [1], _grad(1))
     dsa_core.close(s)
-    s = dsa_core.create(p, 20, 3, overwrite=True)
-    assert (s.count, s.num_rows, s.dim) == (0, 20, 3)
-    assert not s.store.data.any()
+    s = dsa_core.create(p, 20, 3, overwrite=True, storage=kind)
+    assert (s.count, s.num_rows, s.dim, s.storage) == (0, 20, 3, kind)
+    assert not records(s).any()
     dsa_core.close(s)
     assert dsa_core.open(p, mode="r").num_rows == 20
 
@@ -129,12 +131,19 @@ RESUME_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("curvature", [0.0, 1.0])
-def test_resume_in_new_process_is_bitwise_identical(tmp_path, spec_batches, curvature):
+@pytest.mark.parametrize(("kind", "curvature"), [  # the kinds, as the kind fixture's
+    ("inplace", 0.0), ("inplace", 1.0), ("log", 0.0),
+    pytest.param("log", 1.0, marks=pytest.mark.slow)])
+def test_resume_in_new_process_is_bitwise_identical(tmp_path, spec_batches, curvature, kind):
     """create -> 50 steps -> close -> open in a NEW process -> 50 steps == 100 steps in one."""
     dim = 16
     batches = spec_batches(0, dim, steps=100)
-    kw = {"curvature": curvature, "lr": 0.05, "init": "normal", "init_scale": 0.3, "seed": 3}
+    kw = {"curvature": curvature, "lr": 0.05, "init": "normal", "init_scale": 0.3, "seed": 3,
+          "storage": kind}
+    if kind == "log":  # a region of 200 of the 1000 rows: the rows go to segments and back
+        kw["memory"] = dsa_core.region_memory(
+            {"num_rows": 1000, "stride": 2 * dim + (dim if curvature == 0 else 1),
+             "dtype": "float32"}, 200)
     one = dsa_core.create(tmp_path / "one", 1000, dim, **kw)
     two = dsa_core.create(tmp_path / "two", 1000, dim, **kw)
     for idx, vals in batches:
@@ -151,17 +160,18 @@ def test_resume_in_new_process_is_bitwise_identical(tmp_path, spec_batches, curv
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["count", "100"]
-    a = (tmp_path / "one" / "rows.dsa").read_bytes()
-    b = (tmp_path / "two" / "rows.dsa").read_bytes()
-    assert a == b
-    ma = json.loads((tmp_path / "one" / "manifest.json").read_text())
-    mb = json.loads((tmp_path / "two" / "manifest.json").read_text())
-    assert ma["count"] == mb["count"] == 100
-    assert ma == mb
+    one, two = dsa_core.open(tmp_path / "one", "r"), dsa_core.open(tmp_path / "two", "r")
+    assert one.count == two.count == 100
+    assert one[1:] == two[1:]  # the count and every hyperparameter
+    assert records(one).tobytes() == records(two).tobytes()
+    if kind == "inplace":  # the same files too
+        for name in ("rows.dsa", "manifest.json"):
+            assert (one.path / name).read_bytes() == (two.path / name).read_bytes()
     # the 100 steps did change the store (the comparison above has teeth)
     fresh = dsa_core.create(tmp_path / "fresh", 1000, dim, **kw)
-    assert fresh.store.data.tobytes() != dsa_core.open(tmp_path / "one", "r").store.data.tobytes()
-    dsa_core.close(fresh)
+    assert records(fresh).tobytes() != records(one).tobytes()
+    for x in (fresh, one, two):
+        dsa_core.close(x)
 
 
 # -- compile hygiene --------------------------------------------------------------------------
@@ -269,9 +279,9 @@ LOCK_PROBE = textwrap.dedent("""
 """)
 
 
-def test_writer_lock(tmp_path, store_digest):
+def test_writer_lock(tmp_path, store_digest, kind):
     p = tmp_path / "s"
-    a = dsa_core.create(p, 10, 4)
+    a = dsa_core.create(p, 10, 4, storage=kind)
     assert issubclass(dsa_core.StoreLockedError, RuntimeError)
     with pytest.raises(dsa_core.StoreLockedError, match="already open for writing"):
         dsa_core.open(p)
@@ -279,8 +289,10 @@ def test_writer_lock(tmp_path, store_digest):
         dsa_core.open(p, mode="r+")
     ro = dsa_core.open(p, mode="r")  # readers take no lock
     a = dsa_core.step(a, [2, 5], _grad(2))
-    np.testing.assert_array_equal(ro.weights, a.weights)  # same mapping, writes visible
-    assert ro.weights[2].any()
+    # what a reader sees of unflushed steps differs (docs/storage.md): the same mapping in
+    # place, the last flush in a log store
+    seen = dsa_core.gather(ro, [2])
+    assert seen.any() if kind == "inplace" else not seen.any()
     with pytest.raises(ValueError, match="read-only"):
         dsa_core.step(ro, [1], _grad(1))
     dsa_core.flush(a)
@@ -296,6 +308,8 @@ def test_writer_lock(tmp_path, store_digest):
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0].startswith("locked: store")
     assert run.stdout.splitlines()[1] == "read-only count 1"
+    np.testing.assert_array_equal(dsa_core.gather(dsa_core.open(p, mode="r"), [2, 5]),
+                                  dsa_core.gather(a, [2, 5]))  # flushed: every reader sees it
     dsa_core.close(a)  # releases the lock
     b = dsa_core.open(p)
     assert b.count == 1
@@ -307,33 +321,31 @@ def test_writer_lock(tmp_path, store_digest):
 
 # -- named inits ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dt", ["float32", "float64"])
-def test_named_init_normal(tmp_path, dt):
-    s = dsa_core.create(tmp_path / "a", 4000, 8, init="normal", init_scale=0.05, seed=1, dtype=dt)
-    w = s.weights.astype(np.float64)
+def test_named_init_normal(tmp_path, dt, kind):
+    s = create(tmp_path / "a", 4000, 8, kind, init_scale=0.05, seed=1, dtype=dt)
+    rec = records(s)
+    w = rec[:, :8].astype(np.float64)
     assert abs(w.mean()) < 0.05 * 0.02
     assert w.std() == pytest.approx(0.05, rel=0.03)
-    assert not s.exp_avg.any()
-    assert not s.exp_avg_sq.any()
-    same = dsa_core.create(tmp_path / "b", 4000, 8, init="normal", init_scale=0.05, seed=1,
-                           dtype=dt)
-    other = dsa_core.create(tmp_path / "c", 4000, 8, init="normal", init_scale=0.05, seed=2,
-                            dtype=dt)
-    assert s.store.data.tobytes() == same.store.data.tobytes()
-    assert not np.array_equal(s.weights, other.weights)
+    assert not rec[:, 8:].any()  # m and v
+    same = create(tmp_path / "b", 4000, 8, kind, init_scale=0.05, seed=1, dtype=dt)
+    other = create(tmp_path / "c", 4000, 8, kind, init_scale=0.05, seed=2, dtype=dt)
+    assert rec.tobytes() == records(same).tobytes()
+    assert not np.array_equal(w, records(other)[:, :8])
     for x in (s, same, other):
         dsa_core.close(x)
 
 
-def test_named_init_uniform_and_default_zeros(tmp_path):
-    s = dsa_core.create(tmp_path / "u", 4000, 8, init="uniform", init_scale=0.2, seed=0)
-    w = s.weights.astype(np.float64)
+def test_named_init_uniform_and_default_zeros(tmp_path, kind):
+    s = create(tmp_path / "u", 4000, 8, kind, init="uniform", init_scale=0.2, seed=0)
+    w = dsa_core.gather(s, np.arange(4000)).astype(np.float64)
     assert w.min() >= -0.2
     assert w.max() <= 0.2
     assert w.min() < -0.199
     assert w.max() > 0.199
     assert w.std() == pytest.approx(0.2 / math.sqrt(3), rel=0.03)
-    z = dsa_core.create(tmp_path / "z", 100, 8)
-    assert not z.store.data.any()
+    z = dsa_core.create(tmp_path / "z", 100, 8, storage=kind)
+    assert not records(z).any()
     dsa_core.close(s)
     dsa_core.close(z)
 
@@ -341,44 +353,46 @@ def test_named_init_uniform_and_default_zeros(tmp_path):
 @pytest.mark.parametrize("init", ["normal", "uniform"])
 @pytest.mark.parametrize("dt", ["float32", "float64"])
 @pytest.mark.parametrize("curvature", [1.0, 2.0])
-def test_named_init_inside_the_ball(tmp_path, curvature, dt, init):
+def test_named_init_inside_the_ball(tmp_path, curvature, dt, init, kind):
     """c > 0: named inits start inside the usable ball; rows drawn beyond the projection
     radius (1 - ball_eps)/sqrt(c) are projected onto it, the others are left as drawn."""
     dtype = np.dtype(dt)
+    every = np.arange(500)
     big = dsa_core.create(tmp_path / "big", 500, 16, curvature=curvature, init=init,
-                          init_scale=1.0, dtype=dt)
+                          init_scale=1.0, dtype=dt, storage=kind)
     ball_eps = 4e-3 if dtype == np.float32 else 1e-5
     radius = (1 - ball_eps) / math.sqrt(curvature)
-    nrm = np.linalg.norm(big.weights.astype(np.float64), axis=1)
+    nrm = np.linalg.norm(dsa_core.gather(big, every).astype(np.float64), axis=1)
     tol = 8 * np.finfo(dtype).eps
     assert (nrm < 1 / math.sqrt(curvature)).all()
     assert (nrm <= radius * (1 + tol)).all()
     # with scale 1 in 16 dims nearly every draw lands beyond the radius: projected onto it
     assert np.isclose(nrm, radius, rtol=tol, atol=0).mean() > 0.95
     small = dsa_core.create(tmp_path / "small", 500, 16, curvature=curvature, init=init,
-                            init_scale=0.01, dtype=dt)
-    nrm = np.linalg.norm(small.weights.astype(np.float64), axis=1)
+                            init_scale=0.01, dtype=dt, storage=kind)
+    nrm = np.linalg.norm(dsa_core.gather(small, every).astype(np.float64), axis=1)
     assert nrm.max() < 0.2 * radius  # nothing projected
-    assert small.weights.std() == pytest.approx(0.01 if init == "normal" else 0.01 / math.sqrt(3),
+    assert dsa_core.gather(small, every).std() == pytest.approx(0.01 if init == "normal" else 0.01 / math.sqrt(3),
                                                 rel=0.05)
     big = dsa_core.step(big, np.arange(0, 500, 3), _grad(167, 16, dtype))
-    nrm = np.linalg.norm(big.weights.astype(np.float64), axis=1)
+    nrm = np.linalg.norm(dsa_core.gather(big, every).astype(np.float64), axis=1)
     assert (nrm < 1 / math.sqrt(curvature)).all()
     dsa_core.close(big)
     dsa_core.close(small)
 
 
-def test_array_init_is_stored_as_given(tmp_path):
+def test_array_init_is_stored_as_given(tmp_path, kind):
     init = np.random.default_rng(0).uniform(-0.5, 0.5, (30, 5))
-    s = dsa_core.create(tmp_path / "s", 30, 5, init=init, dtype="float64")
-    np.testing.assert_array_equal(s.weights, init)
-    ball = dsa_core.create(tmp_path / "b", 30, 5, curvature=1.0, init=init * 0.3)
-    np.testing.assert_array_equal(ball.weights, (init * 0.3).astype(np.float32))
+    s = dsa_core.create(tmp_path / "s", 30, 5, init=init, dtype="float64", storage=kind)
+    np.testing.assert_array_equal(dsa_core.gather(s, np.arange(30)), init)
+    ball = dsa_core.create(tmp_path / "b", 30, 5, curvature=1.0, init=init * 0.3, storage=kind)
+    np.testing.assert_array_equal(dsa_core.gather(ball, np.arange(30)),
+                                  (init * 0.3).astype(np.float32))
     dsa_core.close(s)
     dsa_core.close(ball)
 
 
-# -- views and the on-disk layout -------------------------------------------------------------
+# -- views and the on-disk layout (in place only: docs/storage.md, "What still differs") ------
 @pytest.mark.parametrize("curvature", [0.0, 1.0])
 def test_views(tmp_path, curvature):
     p = tmp_path / "s"
