@@ -623,6 +623,7 @@ CACHE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # compiles five specialisations from nothing in a child (~30 s here)
 def test_cached_specialisations_each_run_their_own_code(tmp_path):
     """Five combinations compiled in one process, then loaded from numba's cache in a fresh
     one: each loads (no compile) and gives its own bytes, the same as when compiled."""

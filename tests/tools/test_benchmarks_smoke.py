@@ -65,8 +65,10 @@ SMOKES = {
     "undo_cost": (["--smoke"], None, "interval5_ms_per_step"),  # no result files in smoke
     "state_dict_disk": (["--smoke"], None, "run_dir"),  # writes no result files in smoke
     "step_ab": (["--smoke"], None, "rows_per_s"),  # prints its figures only
-    # every measure once; without a cgroup or a compiler it falls back (and says so)
-    "guard": (["--smoke"], "guard_smoke_last", "ratio"),
+    # the in-process measure and the out-of-core one (cgroup, drive probe) once; every
+    # measure once: test_guard_smoke_every_measure (slow). Without a cgroup or a compiler it
+    # falls back (and says so)
+    "guard": (["--smoke", "--only", "warm,ooc"], "guard_smoke_last", "ratio"),
 }
 WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "reduced_state": "--workdir", "folio_check": "--workdir", "log_store": "--workdir",
@@ -175,6 +177,15 @@ def test_buckets_quality_smoke(bench_env, tmp_path, capsys):
     orders = {line.split(",")[lines[0].split(",").index("order")] for line in lines[1:]}
     # + the KG arms, with PyKEEN; bucket_pool: the library's default negatives (a pool)
     assert {"random", "bucket", "bucket_mixed", "bucket_pool", "bucket_no_hints"} <= orders
+
+
+@pytest.mark.slow  # four measures in child processes (~25 s of CPU here)
+def test_guard_smoke_every_measure(bench_env, tmp_path, capsys):
+    importlib.import_module("benchmarks.guard").main(["--smoke", "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    for measure in ("warm", "torch 100%", "torch 25%", "ooc", "random"):
+        assert measure in out, out[-3000:]
+    assert json.loads((bench_env / "guard_smoke_last.json").read_text())["rows"]
 
 
 def test_guard_compare_flags_what_fell():

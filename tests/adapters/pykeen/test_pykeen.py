@@ -450,6 +450,8 @@ def _check_stores(tmp: Path, reported: list[tuple[int, float]]) -> None:
                                 overwrite=True).close()
 
 
+@pytest.mark.slow  # a child that imports PyKEEN (~30 s here); the exit flush itself is the
+# core's, tested on both kinds in the default suite (tests/store/test_exit_flush.py)
 def test_forgotten_close_flushes(tmp_path, child):
     proc = child("forget")
     reported = proc.reported()
