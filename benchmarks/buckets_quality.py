@@ -405,12 +405,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(RESULTS), help="directory of the result files")
     ap.add_argument("--no-graph", action="store_true", help="skip the power-law graph")
     ap.add_argument("--name", default=NAME, help="stem of the result files")
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, two seeds (tests)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, one seed and one KG learning rate (tests)")
     a = ap.parse_args(argv)
     name = a.name
     if a.smoke:
-        a.nodes, a.holdout, a.epochs, a.partitions, a.seeds = 3000, 300, 1, 4, 2
-        a.kg_epochs, a.kg_dim, a.kg_lrs = 1, 16, [0.02, 0.01]
+        a.nodes, a.holdout, a.epochs, a.partitions, a.seeds = 3000, 300, 1, 4, 1
+        a.kg_epochs, a.kg_dim, a.kg_lrs = 1, 16, [0.02]
         name = a.name + "_smoke"
     import torch
 

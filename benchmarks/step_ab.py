@@ -172,7 +172,8 @@ def log(a) -> None:  # noqa: A001 - the subcommand's name
         dsa_core.close(st)
     ts = 1e3 * np.array(ts)
     print(f"log tree={a.tree or '.'} share={a.share:g} cache_mib={a.cache_mib:g} "
-          f"p50_ms={np.median(ts):.2f} mean_ms={ts.mean():.2f} rows_per_s={b / ts.mean() * 1e3:,.0f}")
+          f"p50_ms={np.median(ts):.2f} mean_ms={ts.mean():.2f} "
+          f"rows_per_s={b / ts.mean() * 1e3:,.0f}")
 
 
 def main(argv=None) -> None:

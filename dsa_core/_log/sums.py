@@ -75,8 +75,8 @@ def _sums(words, out):
 def gather_checked(addrs, sum_addrs, rec_bytes, b0, b1, out, dest, bad, lo, hi):
     """Copy the records at the addresses ``addrs[lo:hi]`` into ``out[dest[i]]`` (its bytes
     ``b0:b1`` of each record) and check each against the 8-byte sum at ``sum_addrs[i]``
-    (0: not checked); where it fails, ``bad[i] = 1`` and ``out[dest[i]]`` is not written. ``out``: the destination rows as
-    bytes ((n, b1 - b0) uint8, C order).
+    (0: not checked); where it fails, ``bad[i] = 1`` and ``out[dest[i]]`` is not written.
+    ``out``: the destination rows as bytes ((n, b1 - b0) uint8, C order).
 
     Hashed while copied: each record is copied once, whole, into a scratch row, hashed
     there, and the bytes served are taken from that same copy, so what is checked is what
