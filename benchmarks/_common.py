@@ -132,6 +132,37 @@ def predirty(state) -> bool:
     return True
 
 
+def disk_bytes(*paths, seen: set | None = None) -> int:
+    """Allocated bytes of the files under ``paths``, each inode counted once (hard links,
+    a base shared by snapshots); ``seen``: inodes already counted (updated), so that two
+    calls split a total without counting a shared file twice."""
+    seen = set() if seen is None else seen
+    total = 0
+    for root in paths:
+        for d, _, files in os.walk(root):
+            for name in files:
+                st = os.lstat(os.path.join(d, name))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+    return total
+
+
+def rewrite_rows(state, chunk_rows: int | None = None) -> None:
+    """Write every row's record back unchanged, once, in row order: a log store's records
+    all sealed in segments, an in-place store's pages all dirtied -- a table after an epoch.
+    ``chunk_rows``: rows per call (default: 64 MiB of records); a log store's region must
+    hold a chunk."""
+    import dsa_core
+
+    n = state.num_rows
+    if chunk_rows is None:
+        chunk_rows = max(1, (64 << 20) // dsa_core.read_records(state, [0]).nbytes)
+    for lo in range(0, n, chunk_rows):
+        ids = np.arange(lo, min(n, lo + chunk_rows), dtype=np.int64)
+        dsa_core.write_records(state, ids, dsa_core.read_records(state, ids))
+
+
 def zipf_sampler(n: int, s: float, rng: np.random.Generator):
     """Ids with p(rank) ~ 1/(rank+1)^s, ranks scattered over [0, n) by a fixed permutation.
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import batches, machine, print_table, write_results
+from ._common import batches, machine, print_table, rewrite_rows, write_results
 
 MODES = {"inplace": ("flush", "flush+flush()", "step"), "log": ("log:flush", "log:step")}
 
@@ -59,9 +59,7 @@ def run_mode(mode: str, root: Path, n: int, d: int, ids: list[np.ndarray],
                             **({"storage": "log", "memory": memory} if log
                                else {"storage": "inplace"}))
     if log:  # every row resident in the region (as the in-place store's pages are cached)
-        for lo in range(0, n, 1 << 14):
-            rows = np.arange(lo, min(n, lo + (1 << 14)))
-            dsa_core.write_records(state, rows, dsa_core.read_records(state, rows))
+        rewrite_rows(state, chunk_rows=1 << 14)
     dsa_core.flush(state)
     per_step_flush = mode == "flush+flush()"
     eng = state.store.engine if log else None

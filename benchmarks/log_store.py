@@ -48,19 +48,7 @@ import numpy as np
 
 import dsa_core
 
-from ._common import machine, print_table, wait_disk_quiet, write_results
-
-
-def du(path: Path) -> int:
-    """Bytes of disk the files under ``path`` occupy (allocated blocks, hard links once)."""
-    seen, total = set(), 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            st = os.stat(os.path.join(root, f))
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-    return total
+from ._common import disk_bytes, machine, print_table, wait_disk_quiet, write_results
 
 
 def own_bytes(path: Path) -> int:
@@ -80,7 +68,7 @@ def bench_create(a, root: Path) -> list[dict]:
                         storage="log", memory="1GiB")  # the index: 8 B per row
     t_log = time.perf_counter() - t0
     dsa_core.close(s)
-    log_du = du(root / "create_log")
+    log_du = disk_bytes(root / "create_log")
     dsa_core.remove(root / "create_log")
     t0 = time.perf_counter()
     s = dsa_core.create(root / "create_inplace", a.inplace_rows, a.dim, init="normal",
@@ -167,7 +155,7 @@ def bench_passes(a, root: Path) -> list[dict]:
             s = dsa_core.step(s, idx, g[:idx.shape[0]])
         dsa_core.flush(s)
         st = s.store.engine.stats()
-        disk = du(root / "passes")
+        disk = disk_bytes(root / "passes")
         out.append({"what": "passes", "order": a.pass_order, "pass": p, "rows": n,
                     "region_share": a.pass_memory_share, "space_ratio": a.space_ratio,
                     "seconds": time.perf_counter() - t0, "disk_bytes": disk,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._common import machine, print_table, write_results
+from benchmarks._common import machine, print_table, rewrite_rows, write_results
 
 
 def _drop_cache(directory: Path) -> None:
@@ -70,11 +70,8 @@ def main(argv=None):
         path = Path(tmp) / "s"
         st = dsa_core.create(path, a.rows, a.dim, storage="log", memory=a.memory,
                              init="uniform", init_scale=1e-3, progress=False)
-        chunk = max(1, (16 << 20) // (st.store.layout.stride * 4))
-        for lo in range(0, a.rows, chunk):  # every row once: all records in segments
-            hi = min(a.rows, lo + chunk)
-            rec = dsa_core.read_records(st, np.arange(lo, hi))
-            dsa_core.write_records(st, np.arange(lo, hi), rec)
+        # every row once: all records in segments
+        rewrite_rows(st, chunk_rows=max(1, (16 << 20) // (st.store.layout.stride * 4)))
         dsa_core.flush(st)
         g = (rng.standard_normal((a.batch, a.dim)) * 1e-3).astype(np.float32)
         out = np.empty((a.batch, a.dim), np.float32)

@@ -22,7 +22,6 @@ Writes ``benchmarks/results/state_dict_cost.{json,csv}``.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time
@@ -30,20 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import machine, print_table, wait_disk_quiet, write_results
-
-
-def _blocks(paths: list[Path], seen: set) -> int:
-    """Allocated bytes of the files under ``paths`` whose inodes are not in ``seen`` (added)."""
-    total = 0
-    for root in paths:
-        for d, _, files in os.walk(root):
-            for name in files:
-                st = os.lstat(os.path.join(d, name))
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
-    return total
+from ._common import disk_bytes, machine, print_table, wait_disk_quiet, write_results
 
 
 def _reflinked(a: Path, b: Path) -> bool | None:
@@ -111,8 +97,8 @@ def _run_kind(root: Path, kind: str, a) -> dict:
     live = Path(emb.store.path)
     snaps = live.parent / ".dsa-snapshots" / live.name
     seen: set = set()
-    row["live_GB"] = _blocks([live], seen) / 1e9
-    row["snapshots_GB"] = _blocks([snaps], seen) / 1e9
+    row["live_GB"] = disk_bytes(live, seen=seen) / 1e9
+    row["snapshots_GB"] = disk_bytes(snaps, seen=seen) / 1e9
     if kind == "inplace":
         first = Path(sds[0]["dsa_manifest"]["params"][0]["state_snapshot"]["path"])
         row["reflink"] = _reflinked(live / "rows.dsa", first / "rows.dsa")

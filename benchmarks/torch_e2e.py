@@ -57,7 +57,8 @@ import time
 
 import numpy as np
 
-from ._common import batches, machine, mem, pages_written, predirty, print_table, write_results
+from ._common import (batches, machine, mem, pages_written, predirty, print_table,
+                      rewrite_rows, write_results)
 
 IMPLS = ("torch", "dsa", "diskemb", "dsalog", "diskemblog", "dsaauto")
 LR = 1e-3
@@ -110,9 +111,10 @@ def _worker(args) -> dict:
                                      second_moment=args.second_moment,
                                      first_moment=args.first_moment, **store_kw)
         build_s = time.perf_counter() - t0
-        if args.written and args.worker != "torch":  # the table after an epoch: every row's
-            for st in opt.stores.values():            # record written once, in row order
-                _write_every_row(st)
+        if args.written and args.worker != "torch":  # the table after an epoch: a new log
+            for st in opt.stores.values():  # store computes a never-written row from its seed
+                rewrite_rows(st, chunk_rows=1 << 15)  # and reads nothing back for it
+                dsa_core.flush(st)
         if args.worker != "torch" and not args.fill:  # a long run's steady state: every
             for st in opt.stores.values():                 # log region page touched
                 if st.storage == "log":
@@ -230,21 +232,6 @@ def _transfer_ms(torch, dev, batch: int, dim: int, reps: int = 50) -> float:
         torch.cuda.synchronize()
         ts.append(time.perf_counter() - t)
     return 1e3 * float(np.median(ts))
-
-
-def _write_every_row(st) -> None:
-    """Write every record of the store ``st`` once (read and written back, in row order) and
-    flush: the state after an epoch. A new log store computes a never-written row from its
-    seed and reads nothing for it, so without this the loop measures the first pass (mostly
-    first touches); with it, rows that leave a small region are read back, as in a long run."""
-    import dsa_core
-
-    n = st.num_rows
-    chunk = 1 << 15
-    for lo in range(0, n, chunk):
-        ids = np.arange(lo, min(n, lo + chunk), dtype=np.int64)
-        dsa_core.write_records(st, ids, dsa_core.read_records(st, ids))
-    dsa_core.flush(st)
 
 
 def _child(impl: str, args, share: float = 1.0) -> dict:

@@ -38,6 +38,7 @@ from helpers import assert_snapshot_files, records
 
 import dsa_core
 import dsa_core.__main__ as dsa_cli
+from benchmarks._common import disk_bytes
 from dsa_core import _files
 from dsa_core._inplace import snapshots as snaps
 from dsa_core._inplace import undo as undo_file
@@ -72,19 +73,6 @@ def assert_opens_as(d: Path, count: int, rec: np.ndarray) -> None:
         np.testing.assert_array_equal(records(snap).view(np.uint32), rec.view(np.uint32))
     finally:
         dsa_core.close(snap)
-
-
-def disk_bytes(*dirs: Path) -> int:
-    """Allocated bytes of the files under ``dirs``, a hard-linked file counted once."""
-    seen, total = set(), 0
-    for root in dirs:
-        for dp, _, files in os.walk(root):
-            for f in files:
-                st = os.lstat(os.path.join(dp, f))
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
-    return total
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,7 @@ from helpers import KINDS
 
 from adapters.torch import DiskEmbedding, DiskSparseAdam
 from adapters.torch import DiskWeight
+from benchmarks._common import disk_bytes
 
 nn = torch.nn
 SMALL = DiskWeight.read_limit  # tables of at most this many bytes: rows in the state dict
@@ -653,14 +654,7 @@ def test_in_place_state_dicts_and_checkpoints_share_the_table(tmp_path):
         st = stores(opt)[0]
         at.append((st.count, dsa_core.read_records(st, np.arange(rows)).tobytes()))
     table = (tmp_path / "run" / "emb" / "rows.dsa").stat().st_size
-    seen, used = set(), 0
-    for d in (tmp_path / "run" / SNAP, tmp_path / "ckpts"):  # the live store not counted
-        for dp, _, files in os.walk(d):
-            for f in files:
-                s = os.lstat(os.path.join(dp, f))
-                if (s.st_dev, s.st_ino) not in seen:
-                    seen.add((s.st_dev, s.st_ino))
-                    used += s.st_blocks * 512
+    used = disk_bytes(tmp_path / "run" / SNAP, tmp_path / "ckpts")  # not the live store
     assert used < 1.5 * table, (used, table)  # a copy per snapshot: 20 tables
     emb.load_state_dict(torch.load(tmp_path / "sd4.pt", weights_only=True)["model"])
     st = stores(opt)[0]
