@@ -17,7 +17,7 @@ Adam kernel alone on the pool and on one thread, beside the guard's memory-limit
 ``log``: a log store of ``--rows`` x 128 whose region is ``--share`` of the state, stepped
 ``--warm`` times (every row sealed about once: the state of a long run), then the mean of
 600 steps; ``--cache-mib`` caps the page-cache window of written segments (an A/B of
-``writer.CACHE_MAX``). ``--tree`` imports ``dsa_core`` from that checkout; alternate runs of
+``segments.CACHE_MAX``). ``--tree`` imports ``dsa_core`` from that checkout; alternate runs of
 two checkouts so that the shared machine's load hits both, and compare. ``--smoke`` runs all
 three at tiny sizes (the test suite's check that the code runs).
 """

@@ -76,7 +76,7 @@ def _store_child(a) -> None:
     import dsa_core
     from dsa_core._log import segments
 
-    segments.CACHE_MAX = a.cache_max  # the window's cap (writer.CACHE_MAX)
+    segments.CACHE_MAX = a.cache_max  # the window's cap
     s = dsa_core.create(os.path.join(a.workdir, a.name), a.rows, a.dim, storage="log",
                         memory=a.memory)
     eng = s.store.engine

@@ -48,14 +48,15 @@ from .budget import WRITE_BUFFERS, behind_records
 from .format import Segment, SegmentError, crash_point, map_segment, seg_name
 from .read import hint_uncached
 from .sums import gather_checked
-from .writer import CACHE_MAX, SegmentWriter, WriteJob
+from .writer import SegmentWriter, WriteJob
 
 __all__ = ["CACHE_SHARE", "LOW32", "cache_window", "SPARE_SEGMENTS", "Segments"]
 
 # written segments whose pages stay in the page cache (the newest, as one window): this share
-# of the memory the process may use (_paging.memory_limit, cgroup-aware; writer.CACHE_MAX
-# caps it when set); older ones are dropped (writer)
+# of the memory the process may use (_paging.memory_limit, cgroup-aware; CACHE_MAX caps it
+# when set); older ones are dropped (writer)
 CACHE_SHARE = 0.125
+CACHE_MAX: int | None = None  # None: the share alone; benchmarks set a cap for A/B runs
 LOW32 = np.int64(0xFFFFFFFF)
 # dead, never-committed segment files kept for the next seals to overwrite (module docstring);
 # 0: every dead file is deleted

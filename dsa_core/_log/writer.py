@@ -28,7 +28,7 @@ memory that has been free a while is backed again by the host on its first touch
 still fsyncs.)
 
 The window is ``CACHE_SHARE`` (1/8) of the memory the process may use, with no smaller cap
-(``CACHE_MAX`` is None; benchmarks set it for A/B runs). Growing the page cache is what a
+(``segments.cache_window``; ``segments.CACHE_MAX`` caps it in A/B runs). Growing the page cache is what a
 write costs most while the window fills: ``benchmarks/write_path.py`` measured 115 ms of CPU
 to write 32 MiB into pages the page cache takes for the first time on the project's VM, 11.7
 ms into pages just freed; once the window is full every segment reuses the pages the oldest
@@ -66,17 +66,14 @@ from pathlib import Path
 import numpy as np
 
 from .._os import wait_written_back
-from .budget import SEAL_BYTES, WRITE_BUFFERS
+from .budget import WRITE_BUFFERS
 from .format import write_segment
 
-__all__ = ["CACHE_MAX", "DEPTH", "PACE_BYTES", "SegmentWriter", "WriteJob"]
+__all__ = ["DEPTH", "PACE_BYTES", "SegmentWriter", "WriteJob"]
 
 # writes queued or running at once; a seal beyond that waits for the oldest (segments: the
 # buffers, pending or spare, are at most budget.WRITE_BUFFERS, which this equals)
 DEPTH = WRITE_BUFFERS
-# a cap on the window of written segments kept in the page cache (None: the share alone,
-# segments.CACHE_SHARE of the memory the process may use); benchmarks set it for A/B runs
-CACHE_MAX: int | None = None
 # a segment is written in blocks of this many bytes, each on the disk before the next (0: at
 # once): the steps' reads then never queue behind more than a block of a segment's writes
 PACE_BYTES = 4 << 20

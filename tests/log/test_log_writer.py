@@ -185,7 +185,7 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     assert eng._writer is not None
     segs = _log.segments
     # the share alone (no smaller cap): rows that leave the region are read back from memory
-    assert _log_writer.CACHE_MAX is None
+    assert segs.CACHE_MAX is None
     assert eng._writer.cache_bytes == int(segs.CACHE_SHARE * segs.memory_limit())
     assert segs.cache_window() == eng._writer.cache_bytes
     dsa_core.close(s)
