@@ -23,6 +23,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 
+def _prefetch(builder, i8ptr, write: bool) -> None:
+    """Emit ``llvm.prefetch`` of the byte at ``i8ptr``: for a write or a read, locality 3
+    (keep in all cache levels), the data cache."""
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    builder.call(fn, [i8ptr, ir.Constant(i32, int(write)), ir.Constant(i32, 3),
+                      ir.Constant(i32, 1)])
+
+
 @intrinsic
 def prefetch_line(typingctx, arr, row, col):
     """Hint that ``arr[row, col]``'s cache line will be written soon (no fault, no effect)."""
@@ -35,13 +46,7 @@ def prefetch_line(typingctx, arr, row, col):
         ary = context.make_array(aty)(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1], args[2]],
                                        wraparound=False)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        # rw = 1 (write), locality = 3 (keep in all cache levels), cache type = 1 (data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 1), ir.Constant(i32, 3),
-                          ir.Constant(i32, 1)])
+        _prefetch(builder, builder.bitcast(ptr, ir.IntType(8).as_pointer()), write=True)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -56,13 +61,7 @@ def prefetch_line_addr(typingctx, addr):
     sig = types.void(types.int64)
 
     def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        # rw = 0 (read), locality = 3, cache type = 1 (data)
-        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0),
-                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=False)
         return context.get_dummy_value()
 
     return sig, codegen
