@@ -1,14 +1,19 @@
 """Small A/B probes of ``dsa_core.step`` for any checkout (issue 44's split of the step's time).
 
     python -m benchmarks.step_ab warm --tree TREE [--ids cycled|new]   # in place, 1M x 128
+    python -m benchmarks.step_ab warm --storage log --curvature 1 --rows 500000 \
+        --warmup 300 --steps 2000 --no-predirty                        # 11-30's A/B runs
     python -m benchmarks.step_ab split                                 # the warm step's phases
     python -m benchmarks.step_ab log --tree TREE [--cache-mib 32]      # log store, 25% region
 
-``warm``: a ``--rows`` x 128 in-place store (the defaults: huge pages where the table fits),
-every page dirtied first, 50 warm-up steps, then the median of 1,000 steps of 2048 uniform
-ids: ``--ids cycled`` (64 batches cycled, as the guard's ``warm``: after the first pass every
-row was already changed since the last flush) or ``new`` (a new batch every step: most rows
-are first changes, which the in-place store's undo file saves before they change).
+``warm``: a ``--rows`` x 128 float32 store of kind ``--storage`` (default in place, with the
+defaults: huge pages where the table fits) and curvature ``--curvature``, every page of an
+in-place table dirtied first (``--no-predirty``: not), ``--warmup`` steps (50), then the
+median of ``--steps`` steps (1,000) of 2048 uniform ids: ``--ids cycled`` (64 batches
+cycled, as the guard's ``warm``: after the first pass every row was already changed since the
+last flush) or ``new`` (a new batch every step: most rows are first changes, which the
+in-place store's undo file saves before they change). The warm-step A/B runs of 2026-11-30
+(docs/notebook.md) used ``--rows 500000 --warmup 300 --steps 2000 --no-predirty``.
 
 ``split``: the same store held in RAM (``access="ram"``), the median ms of each phase of a
 step (``plan_step``, ``begin_step``, ``run_step``, ``commit_step``, the new State) and of the
@@ -53,27 +58,31 @@ def warm(a) -> None:
     nb = 64 if a.ids == "cycled" else 1100
     ids = [rng.integers(0, a.rows, b) for _ in range(nb)]
     g = rng.standard_normal((b, d), dtype=np.float32) * 1e-2
-    kw = {"storage": "inplace"} if "storage" in inspect.signature(dsa_core.create).parameters \
+    kw = {"storage": a.storage} if "storage" in inspect.signature(dsa_core.create).parameters \
         else {}
+    if a.curvature:
+        kw["curvature"] = a.curvature
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         st = dsa_core.create(f"{tmp}/s", a.rows, d, init="uniform", init_scale=1e-3,
                              progress=False, **kw)
-        data = st.store.data
-        chunk = max(1, (1 << 26) // data[0].nbytes)
-        for lo in range(0, data.shape[0], chunk):  # every page dirtied, values unchanged
-            blk = data[lo:lo + chunk].view(np.uint8)
-            blk |= 0
-        del data, blk
-        for k in range(50):
+        if a.predirty and a.storage == "inplace":
+            data = st.store.data
+            chunk = max(1, (1 << 26) // data[0].nbytes)
+            for lo in range(0, data.shape[0], chunk):  # every page dirtied, values unchanged
+                blk = data[lo:lo + chunk].view(np.uint8)
+                blk |= 0
+            del data, blk
+        for k in range(a.warmup):
             st = dsa_core.step(st, ids[k % nb], g)
         box = [st]
 
         def one(k):
-            box[0] = dsa_core.step(box[0], ids[(50 + k) % nb], g)
+            box[0] = dsa_core.step(box[0], ids[(a.warmup + k) % nb], g)
 
         p50 = _median_ms(one, a.steps)
         dsa_core.close(box[0])
-    print(f"warm tree={a.tree or '.'} ids={a.ids} rows={a.rows} p50_ms={p50:.3f}")
+    print(f"warm tree={a.tree or '.'} storage={a.storage} curvature={a.curvature:g} "
+          f"ids={a.ids} rows={a.rows} p50_ms={p50:.3f}")
 
 
 def split(a) -> None:
@@ -185,13 +194,18 @@ def main(argv=None) -> None:
     ap.add_argument("--share", type=float, default=0.25)
     ap.add_argument("--warm", type=int, default=1500)
     ap.add_argument("--cache-mib", type=float, default=-1.0)
+    ap.add_argument("--storage", choices=("inplace", "log"), default="inplace", help="warm")
+    ap.add_argument("--curvature", type=float, default=0.0, help="warm")
+    ap.add_argument("--warmup", type=int, default=50, help="warm: steps before the timed ones")
+    ap.add_argument("--steps", type=int, default=1000, help="warm, split: timed steps")
+    ap.add_argument("--no-predirty", dest="predirty", action="store_false",
+                    help="warm: do not dirty every page of an in-place table first")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--smoke", action="store_true", help="all three, tiny sizes")
     a = ap.parse_args(argv)
-    a.steps = 1000
     if a.smoke:
         for what, rows in (("warm", 5000), ("split", 5000), ("log", 40_000)):
-            a.what, a.rows, a.warm, a.steps = what, rows, 20, 20
+            a.what, a.rows, a.warm, a.steps, a.warmup = what, rows, 20, 20, 5
             {"warm": warm, "split": split, "log": log}[what](a)
         return
     if a.what is None:

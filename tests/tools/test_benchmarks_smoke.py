@@ -55,7 +55,6 @@ SMOKES = {
     "step_modules": (["--smoke"], None, "modules"),  # prints its table only
     "parity_sha": (["--smoke"], None, "configurations"),  # prints its count only
     "record_checks": (["--smoke"], "record_checks_smoke", "rows_per_s"),
-    "warm_step": (["--smoke"], None, "p50_ms"),  # prints its median only  # writes no result files in smoke
     "pykeen_parity": (["--smoke"], "pykeen_parity_smoke", "max_abs_dw"),
     "pykeen_ooc": (["--smoke"], "pykeen_ooc_smoke", "first_step_s"),
     "write_path": (["--smoke"], "write_path_smoke", "ms_per_mib"),
