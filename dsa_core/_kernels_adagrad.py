@@ -164,7 +164,8 @@ def rowwise_adagrad_options_kernel(mode: int):
         wd_mode = mode
         n = srows.shape[0]
         d = G.shape[1]
-        y_ = np.empty(d if wd_mode == WD_L2 else 0, hp.dtype)  # the L2 gradient of one row
+        if wd_mode == WD_L2:  # compile-time constant: no allocation without L2
+            y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
         for i in range(lo, hi):
             if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
                 prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff,
