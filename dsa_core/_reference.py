@@ -2,7 +2,8 @@
 
 Slow and simple on purpose. Works on plain ``(n, dim)`` arrays ``P, M, V`` (``V`` is
 ``(n, 1)`` for the ball) that it updates in place, with the step count ``t`` already
-incremented.
+incremented. The Adagrad steps (§7.5) take the weights ``P`` and the accumulator ``S``
+(``(n, dim)``, or ``(n, 1)`` row-wise) instead.
 
 The options of docs/algorithms.md §7.1–§7.2, the same keywords for every step function:
 ``weight_decay`` (L2 alone; AdamW's decoupled decay with ``decoupled_weight_decay=True``),
@@ -16,6 +17,7 @@ row at a time, as the kernels and the glue compute them.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -258,3 +260,99 @@ def poincare_step(P, M, V, idx, G, t, *, curvature, lr, betas=(0.9, 0.999), eps=
     P[uidx] = y
     M[uidx] = m_t
     V[uidx] = v
+
+
+# -- Adagrad (docs/algorithms.md §7.5) ----------------------------------------------------------
+def _fma32(a, x, y):
+    """float32 ``a*x + y`` rounded once: the product is exact in double, the sum is rounded to
+    odd in double (TwoSum's error says whether it was exact, and on which side), and a
+    round-to-odd result with 29 more bits than float32 rounds to float32 as the exact value
+    would (Boldo & Melquiond)."""
+    p = np.float64(a) * x.astype(np.float64)
+    y = y.astype(np.float64)
+    s = p + y
+    b = s - p
+    e = (p - (s - b)) + (y - b)  # s + e == p + y exactly (finite s)
+    even = (s.view(np.uint64) & np.uint64(1)) == 0
+    fix = np.isfinite(s) & (e != 0) & even
+    s = np.where(fix, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def _fma64_one(a: float, x: float, y: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(x) and math.isfinite(y)):
+        return a * x + y  # Inf/NaN operands: the fused and the unfused results agree
+    exact = Fraction(a) * Fraction(x) + Fraction(y)
+    try:
+        return float(exact)  # Fraction -> float is correctly rounded
+    except OverflowError:
+        return math.copysign(math.inf, exact)
+
+
+def fma(a, x, y):
+    """``a*x + y`` rounded once to ``y``'s dtype (IEEE fusedMultiplyAdd), elementwise; ``a`` a
+    T scalar, ``x`` and ``y`` T arrays of one shape. float64 goes through exact rationals, one
+    element at a time (slow, and obviously right)."""
+    if y.dtype == np.float32:
+        return _fma32(a, x, y)
+    f = np.vectorize(_fma64_one, otypes=[np.float64])
+    return f(np.float64(a), x, y)
+
+
+def _lazy_initial(s, initial_accumulator_value):
+    """An accumulator of exactly 0 stands for ``fl(iav)`` (a store may leave untouched rows
+    zero-filled; a touched accumulator is at least ``fl(iav)``)."""
+    T = s.dtype.type
+    return np.where(s == 0, T(initial_accumulator_value), s)
+
+
+def adagrad_step(P, S, idx, G, t, *, lr, lr_decay=0.0, eps=1e-10,
+                 initial_accumulator_value=0.0, maximize=False, sqrt=np.sqrt):
+    """torch.optim.Adagrad on a sparse gradient (docs/algorithms.md §7.5) on the rows of ``idx``:
+    ``S`` is the ``(n, dim)`` accumulator ("sum"). ``sqrt`` is the square root on T arrays
+    (a test passes torch's, which is not correctly rounded, to compare with torch bit for
+    bit)."""
+    T = P.dtype.type
+    if len(idx) == 0:
+        return
+    uidx, g = coalesce_ref(idx, G)
+    if maximize:
+        g = -g
+    clr = lr / (1 + (t - 1) * lr_decay)
+    s2 = _lazy_initial(S[uidx], initial_accumulator_value) + g * g
+    std = sqrt(s2) + T(eps)
+    S[uidx] = s2
+    P[uidx] = fma(T(-clr), g / std, P[uidx])  # torch's sparse add(alpha=-clr): one rounding
+
+
+def row_mean_sq(g):
+    """``T(sum_j(g_j * g_j) / d)`` per row, shape ``(rows, 1)``: products in T, summed in
+    float64 over the columns in order (the kernels' order), divided and rounded once."""
+    acc = np.zeros(g.shape[0])
+    for j in range(g.shape[1]):
+        acc = acc + (g[:, j] * g[:, j]).astype(np.float64)
+    return (acc / g.shape[1]).astype(g.dtype)[:, None]
+
+
+def rowwise_adagrad_step(P, S, idx, G, t, *, lr, lr_decay=0.0, eps=1e-10,
+                         initial_accumulator_value=0.0, maximize=False, weight_decay=0.0,
+                         sqrt=np.sqrt, row_mean=row_mean_sq):
+    """PyTorch-BigGraph RowAdagrad (docs/algorithms.md §7.5) on the rows of ``idx``: ``S`` is
+    ``(n, 1)``, one accumulator per row. ``weight_decay``: L2 (FBGEMM's ``weight_decay_mode
+    = 1``), ``g + fl(wd)*p`` in the accumulator and in the update. ``sqrt`` and ``row_mean``
+    (T arrays -> T arrays) are replaceable, so a test can pass torch's and compare with a
+    torch transcription of PBG bit for bit."""
+    T = P.dtype.type
+    if len(idx) == 0:
+        return
+    uidx, g = coalesce_ref(idx, G)
+    if maximize:
+        g = -g
+    p = P[uidx]
+    if weight_decay:
+        g = g + T(weight_decay) * p
+    clr = lr / (1 + (t - 1) * lr_decay)
+    s2 = _lazy_initial(S[uidx], initial_accumulator_value) + row_mean(g)
+    std = sqrt(s2) + T(eps)
+    S[uidx] = s2
+    P[uidx] = p + (T(-clr) * g) / std
