@@ -321,10 +321,19 @@ def test_pbg_order_mutations_are_caught(dt):
 
 
 # -- the kernels are the oracles -------------------------------------------------------------------
-@pytest.mark.parametrize("chunked", [False, True], ids=["one-call", "chunked"])
-@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
+# the default run: the record layouts in two opposite corners (weights in the record, one
+# call; a separate table, 16 chunks); test_separate_weights_and_chunks_give_the_same_bytes
+# pins the other two to these bytes. ``-m slow`` runs every combination.
+_LAYOUTS = [pytest.param(True, False, id="weights-one-call"),
+            pytest.param(False, True, id="no-weights-chunked"),
+            pytest.param(True, True, id="weights-chunked", marks=pytest.mark.slow),
+            pytest.param(False, False, id="no-weights-one-call", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize(("weights", "chunked"), _LAYOUTS)
 @pytest.mark.parametrize("cfg", CONFIGS)
-@pytest.mark.parametrize("dim", [1, 3, 16, 37])
+@pytest.mark.parametrize("dim", [1, 37, pytest.param(3, marks=pytest.mark.slow),
+                                 pytest.param(16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_matches_oracle(kind, dt, dim, cfg, weights, chunked):
