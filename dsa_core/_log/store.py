@@ -135,8 +135,8 @@ class LogStore:
     """The log-structured engine (``_engine.Engine``) over a ``log_engine.LogEngine``.
 
     Shared by every ``State`` derived from one ``create``/``open``, like a ``Store``.
-    ``count`` is the engine's count (the live step count: that of the newest State, and the
-    one the next seal and flush record).
+    ``count`` is the engine's count (that of its last commit, and the one the next seal and
+    flush record).
     """
 
     kind = "log"
@@ -145,23 +145,20 @@ class LogStore:
     description = "log-structured, storage='log'"
     checks = "manifest checksum, segment and index CRCs checked, every record's checksum"
     reads_last_flush = True  # a reader opens the files of the writer's last flush
-    unclean = False          # a log store reopens exactly at its last flush: never unclean
 
     def __init__(self, engine: log_engine.LogEngine):
         self.engine = engine
         self.layout = Layout.from_dict(engine.layout)  # the record layout, one frozen value
         self.path = Path(engine.path)
         self.mode = engine.mode
-        self.scratch: dict[str, np.ndarray] = {}
-        self.settings: dict[str, Any] = {}  # open-time settings to remember: {"memory": bytes}
-        self.access_request = "auto"
+        self._scratch: dict[str, np.ndarray] = {}  # a logged step's copy of its records
+        self._memory_setting: int | None = None  # the budget remembered ("memory"), if any
         self._step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logged step
+        self._begun = 0  # the count a begun step started from (``abort_step``)
         self._fd = -1
         self._prefetcher = None
         self._ranges = None
         self._readahead: ReadAhead | None = None
-        self.group_ref: dict[str, Any] | None = None  # its commit group (dsa_core._group)
-        self.group = None                             # the live group stepping it, if any
         self._meta_before: tuple | None = None        # what cancel_commit puts back
         if self.mode == "r+":
             _exit.watch(self, _flush_unclosed, engine, os.getpid())
@@ -174,10 +171,6 @@ class LogStore:
     @property
     def count(self) -> int:
         return self.engine.count
-
-    @count.setter
-    def count(self, value: int) -> None:
-        self.engine.count = int(value)
 
     @property
     def memory_bytes(self) -> int | None:
@@ -241,12 +234,14 @@ class LogStore:
         log entry is durable (:meth:`commit_step`), so a failed step changes nothing."""
         eng = self.engine
         self._step = None
+        self._begun = count
         if meta.get("durability") == "step":
             eng.begin_step(count, meta)  # flushes first unless the log can take the step
             n = rows.shape[0]
             slots = eng.acquire(rows, check=False) if n else np.empty(0, np.int64)
             k = self.layout.stride
-            rec = scratch(self, "logged_records", n * k).reshape(n, k)
+            rec = scratch(self._scratch, "logged_records", n * k,
+                          self.layout.dtype).reshape(n, k)
             if n:
                 pool.gather_records(eng.region, slots, rec)
             self._step = (rows, slots, rec)
@@ -263,9 +258,10 @@ class LogStore:
             self.engine.count = int(t)
 
     def abort_step(self) -> None:
-        """Nothing to undo: a logged step changed only its copy, an unlogged one the
-        region (durable at the next flush, as in place)."""
+        """Nothing to undo but the count: a logged step changed only its copy, an unlogged
+        one the region (durable at the next flush, as in place)."""
         self._step = None
+        self.engine.count = self._begun
 
     def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
         return self.engine.read(rows, cols=cols)
@@ -386,7 +382,7 @@ class LogStore:
         s = self.engine.stats()
         nseg = s["segments"]
         lay = self.layout.as_dict()
-        mem = self.memory_bytes or self.settings.get("memory") or default_memory(lay)
+        mem = self.memory_bytes or self._memory_setting or default_memory(lay)
         parts = budget.split(lay, mem)
         w = self.engine._segments.writer
         jobs = 0 if w is None or w.pid != os.getpid() else w.jobs
@@ -495,7 +491,7 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
                       space_ratio=2.0 if space_ratio is None else space_ratio,
                       overwrite=overwrite)
     store = LogStore(eng)
-    store.settings = dict(settings)
+    store._memory_setting = settings.get("memory")
     eng.meta = meta
     eng.wal_on = meta.get("durability") == "step"  # the first flush names a commit log
     try:
@@ -530,9 +526,10 @@ def warmup() -> None:
 
 
 def open_store(directory: Path, mode: str, *, access: str, memory: Any,
-               unclean: str) -> tuple[LogStore, int, dict[str, Any]]:
+               unclean: str) -> tuple[LogStore, int, dict[str, Any], dict[str, Any]]:
     """Open a log store at its last flush (a writer replays its commit log):
-    ``(store, count, meta)``. ``unclean`` changes nothing: a log store never reopens mixed."""
+    ``(store, count, meta, settings)`` (the settings to remember: ``memory`` if recorded or
+    given). ``unclean`` changes nothing: a log store never reopens mixed."""
     memory = check_memory_arg(memory, "log")
     if access != "auto":
         raise ValueError(f"access={access!r} is for in-place stores; {str(directory)!r} is "
@@ -546,9 +543,9 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         memory = settings.get("memory") or default_memory(manifest["layout"])
     eng = log_engine.open(directory, mode, memory_bytes=memory, check="headers")
     store = LogStore(eng)
-    store.settings = settings
-    eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
-    return store, eng.count, eng.meta
+    store._memory_setting = settings.get("memory")
+    eng.meta = {**eng.meta, **settings_field(settings)}  # any flush remembers a new one
+    return store, eng.count, eng.meta, settings
 
 
 def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
