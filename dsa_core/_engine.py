@@ -105,24 +105,20 @@ class Engine(Protocol):
         ``begin_step`` was given (after an in-memory ``commit_step`` too)."""
 
     # -- records ----------------------------------------------------------------------------
-    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
-        """A copy of the records (or the columns ``cols`` of them) of checked ids."""
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
+        """The records (or the columns ``cols`` of them) of checked ids, a copy; or of the
+        rows ``slice(lo, hi)`` (restore, convert: chunks of a table), maybe a view."""
 
-    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
-        """Overwrite the whole records of unique checked ids (durable at the next flush)."""
+    def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        """Overwrite the whole records of unique checked ids, or of the rows
+        ``slice(lo, hi)`` (durable at the next flush)."""
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """The weight rows of checked ids into ``out`` (len(rows), dim); residency unchanged."""
 
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        """The whole records of rows ``[lo, hi)`` (restore, convert: chunks of a table)."""
-
     def view_handed_out(self) -> None:
         """A writable whole-table view of the records was handed out (``table_view``
         engines: ``State.weights`` & co.): rows may change without the engine seeing it."""
-
-    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
-        """Overwrite the whole records of rows ``[lo, hi)``."""
 
     # -- durability -------------------------------------------------------------------------
     def flush(self, count: int, meta: dict[str, Any]) -> None:

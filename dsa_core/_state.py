@@ -970,7 +970,7 @@ def _copy_records(src: State, dst: State) -> None:
     step = max(1, _RESTORE_CHUNK_BYTES // (lay.stride * lay.dtype.itemsize))
     for lo in range(0, lay.num_rows, step):
         hi = min(lay.num_rows, lo + step)
-        st.write_range(lo, hi, src.store.read_range(lo, hi))  # in place: marked unclean first
+        st.write(slice(lo, hi), src.store.read(slice(lo, hi)))  # in place: marked unclean first
 
 
 def convert(src: State, dest, *, storage: str, memory: int | str | None = None,

@@ -651,19 +651,16 @@ class Store:
         return {"format": FORMAT_NAME, "version": layout_version(lay), "layout": lay,
                 "count": int(count), **meta}
 
-    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
+        """A copy of the records of ids; the mapped rows themselves for a slice."""
         return self.data[rows] if cols is None else self.data[rows, cols]
 
-    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
-        self.before_change(rows)
+    def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        if isinstance(rows, slice):
+            self.before_change_range(rows.start, rows.stop)
+        else:
+            self.before_change(rows)
         self.data[rows] = records
-
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        return self.data[lo:hi]
-
-    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
-        self.before_change_range(lo, hi)
-        self.data[lo:hi] = records
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         run_chunked(gather_rows, (self.data, rows, self.layout.w_off, out), rows.shape[0],

@@ -263,17 +263,15 @@ class LogStore:
         self._step = None
         self.engine.count = self._begun
 
-    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
+        if isinstance(rows, slice):
+            rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         return self.engine.read(rows, cols=cols)
 
-    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
+    def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        if isinstance(rows, slice):
+            rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         self.engine.write(rows, np.ascontiguousarray(records))
-
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        return self.engine.read(np.arange(lo, hi, dtype=np.int64))
-
-    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
-        self.engine.write(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(records))
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Never changes the region's residency."""
