@@ -148,29 +148,31 @@ class Engine(Protocol):
     def before_restore(self) -> None:
         """Called before every record is overwritten from a snapshot."""
 
-    # -- hints and range loads (never change a value) ----------------------------------------
-    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None: ...
+    # -- hints and loads (never change a value) ---------------------------------------------
+    def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
+        """Hand the engine a hint or a load of ``rows``; ``wait``: return once done. Never
+        changes a value.
+
+        ``kind="hint"`` (``dsa_core.prefetch``): ``rows`` checked ids (any order, repeats),
+        read ahead in the background (in place: their pages into the page cache; a log
+        store: the on-disk records of those neither resident nor never written).
+
+        ``kind="load"`` of a range ``slice(start, stop)``: bring its records into the
+        engine's memory with sequential reads, in the background (in place: the page cache;
+        a log store: its region, where they stay pinned until the release; a ``ValueError``,
+        before anything changes, when they cannot fit there); ``kind="release"``: write the
+        range's changes back sequentially and give its memory back.
+
+        ``kind="load"`` of a row set (``rows`` sorted, unique, checked ids; maybe none):
+        bring their records into the engine's memory in the background, from where they
+        lie (in place: their pages into the page cache, read at queue depth; a log store:
+        its region, pinned -- beside the loaded ranges -- until the release; a
+        ``ValueError``, before anything changes, when the union of what is loaded cannot
+        fit); ``kind="release"``: give that memory back (a log store: the rows no other
+        active load holds are unpinned, the dirty ones sealed, their slots freed; in place:
+        nothing is dropped)."""
 
     def residency(self, rows: np.ndarray) -> float: ...
-
-    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
-        """``kind="load"``: bring the records of rows ``[start, stop)`` into the engine's
-        memory with sequential reads, in the background (in place: the page cache; a log
-        store: its region, where they stay pinned until the release; a ``ValueError``,
-        before anything changes, when they cannot fit there). ``kind="release"``: write the
-        range's changes back sequentially and give its memory back. ``wait``: return once
-        done. Never changes a value."""
-
-    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
-        """:meth:`submit_range` for a row set: ``rows`` sorted, unique, checked ids (maybe
-        none). ``kind="load"``: bring their records into the engine's memory in the
-        background, from where they lie (in place: their pages into the page cache, read at
-        queue depth; a log store: its region, pinned -- beside the loaded ranges -- until
-        the release; a ``ValueError``, before anything changes, when the union of what is
-        loaded cannot fit). ``kind="release"``: give that memory back (a log store: the
-        rows no other active load holds are unpinned, the dirty ones sealed, their slots
-        freed; in place: nothing is dropped). ``wait``: return once done. Never changes a
-        value."""
 
     def wait_ranges(self) -> None:
         """Until every load and release submitted so far is done; then raise the first

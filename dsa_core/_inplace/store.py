@@ -751,21 +751,22 @@ class Store:
         """A journal of the last step could roll restored rows back at the next open."""
         self.journal_void()
 
-    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None:
-        if self._prefetcher is None:
-            self._prefetcher = Prefetcher(self)
-        self._prefetcher.submit(rows)
-        if wait:
-            self._prefetcher.join()
+    def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
+        """A hint: the page-cache read-ahead thread; a range or a row set: the range
+        thread (``_inplace.ranges``)."""
+        if kind == "hint":
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher(self)
+            self._prefetcher.submit(rows)
+            if wait:
+                self._prefetcher.join()
+        elif isinstance(rows, slice):
+            submit_mapped(self, kind, rows.start, rows.stop, wait)
+        else:
+            submit_mapped_rows(self, kind, rows, wait)
 
     def residency(self, rows: np.ndarray) -> float:
         return mapped_residency(self, rows)
-
-    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
-        submit_mapped(self, kind, start, stop, wait)
-
-    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
-        submit_mapped_rows(self, kind, rows, wait)
 
     def wait_ranges(self) -> None:
         wait_mapped(self)

@@ -205,9 +205,15 @@ class LogStore:
     def counters(self):
         self.no_view("state.store.counters")
 
-    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None:
-        """Read the on-disk records of ``rows`` (checked ids) ahead, in the background."""
-        self._read_ahead(np.unique(rows), wait)
+    def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
+        """A hint: the on-disk records of ``rows`` (checked ids) read ahead, in the
+        background; a range (:meth:`_submit_range`) or a row set (:meth:`_submit_rows`)."""
+        if kind == "hint":
+            self._read_ahead(np.unique(rows), wait)
+        elif isinstance(rows, slice):
+            self._submit_range(kind, rows.start, rows.stop, wait)
+        else:
+            self._submit_rows(kind, rows, wait)
 
     def _read_ahead(self, rows: np.ndarray, wait: bool) -> None:
         """:meth:`prefetch` of unique ``rows``."""
@@ -325,7 +331,7 @@ class LogStore:
         """The fraction of ``rows`` resident in the region."""
         return float((self.engine.loc[rows] < 0).mean())
 
-    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
+    def _submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
         """A load (``LogEngine.load_range``) pins the range's rows in the region and reads
         its on-disk records sequentially on the store's range-load thread; they are
         installed at the next step, range call or wait. A release
@@ -345,8 +351,8 @@ class LogStore:
         else:
             self.engine.release_range(start, stop)
 
-    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
-        """:meth:`submit_range` for the sorted unique ``rows`` (``LogEngine.load_rows``,
+    def _submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
+        """:meth:`_submit_range` for the sorted unique ``rows`` (``LogEngine.load_rows``,
         ``LogEngine.release_rows``): pinned in the region beside the ranges, their records
         read from where they lie; released at once, the dirty ones sealed in row order. A
         read-only open reads them ahead into the page cache; a release does nothing."""
