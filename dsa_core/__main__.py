@@ -217,7 +217,7 @@ def _open(path, unclean: str = "refuse", unclean_hint: str = ""):
 
 def _unclean(st) -> bool:
     """Was the store stopped uncleanly (opened read-only with ``unclean="accept"``)?"""
-    return bool(st.store.unclean)
+    return bool(st.store.stats().get("unclean_stop", False))
 
 
 UNCLEAN_NOTE = ("its writer stopped after a step and before the next flush or close, and its "

@@ -14,7 +14,9 @@ calls give the same numbers, the same files mean the same thing, a crash is reco
 same way. What an engine cannot hide is declared here as data (:attr:`Engine.table_view`,
 :attr:`Engine.reads_last_flush`) and listed with its reason in ``docs/storage.md``; code
 outside the engines never asks which kind it holds (``tests/store/test_engine_seam.py`` guards
-that).
+that). What the core keeps about an open store -- the newest State's count and meta, the
+settings to remember, the commit group, its reused buffers -- lives in the core's
+``_handle.Handle``, never on the engine: an engine knows nothing of States or groups.
 
 The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
 
@@ -25,11 +27,14 @@ The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
    or a private copy of them when each step is committed on its own);
 3. the kernels run on ``data[where]``;
 4. ``commit_step(t, meta)`` -- the step takes effect (``durability="step"``: durably);
-   or ``abort_step()`` if anything in 3-4 raised: the records are as before 2.
+   or ``abort_step()`` if anything in 3-4 raised: the records are as before 2, the count
+   that of 2 (also after an in-memory ``commit_step`` that a later store's failure takes
+   back, ``_group``; the records then come back from the core's copy).
 
 ``meta`` is the dict of the store's hyperparameters and durability that a flush records
-(``{"hparams": {...}, "durability": ...}``, and ``"group"``: the commit group the store belongs
-to, if any); every commit point writes it with the count.
+(``{"hparams": {...}, "durability": ...}``, ``"settings"``: the open-time settings to remember,
+and ``"group"``: the commit group the store belongs to, if any); every commit point writes it
+with the count.
 
 A flush in two halves, for a group of stores that commit together (``_group``):
 ``payload = prepare_commit(count, meta)`` makes the new state durable without installing it
@@ -37,6 +42,8 @@ and returns the manifest that would commit it; ``install_commit()`` writes it (a
 group's commit file recorded every member's payload); ``cancel_commit()`` drops it. Between
 prepare and install/cancel the store refuses to flush on its own. Each engine module also
 provides ``read_group_ref(directory)`` and ``roll_forward(directory, payload)`` (``_engines``).
+
+``tests/store/test_engine_seam.py`` pins the protocol's size: a new member is a decision.
 """
 
 from __future__ import annotations
@@ -63,17 +70,12 @@ class Engine(Protocol):
                                #   offsets (``_layout.Layout``; ``as_dict()``: the manifest's)
     table_view: bool           # ``.data`` is the whole table as an ndarray (in place only)
     reads_last_flush: bool     # a reader beside a writer sees the writer's last flush
-    scratch: dict[str, np.ndarray]  # the core's reused buffers (one writer: safe)
 
     # -- live state ---------------------------------------------------------------------------
-    count: int                 # the live step count (that of the newest State)
+    count: int                 # the count of its last commit (``commit_step``, ``flush``,
+                               #   ``install_commit``; ``abort_step`` takes one back)
     closed: bool
     access: str                # how its memory is paged ("ram" | "disk" | "log")
-    access_request: str
-    settings: dict[str, Any]   # open-time settings to remember (recorded in the manifest)
-    unclean: bool              # opened with unclean="accept" after an unclean stop
-    group_ref: dict[str, Any] | None  # the commit group its manifest names (``_group``)
-    group: Any                 # the open group that commits it, or None
 
     @property
     def nbytes(self) -> int: ...
@@ -99,31 +101,29 @@ class Engine(Protocol):
         """Step ``t`` takes effect (``count`` becomes ``t``)."""
 
     def abort_step(self) -> None:
-        """Undo a begun step whose kernels or commit raised."""
+        """Undo a begun step whose kernels or commit raised; ``count`` back to the one
+        ``begin_step`` was given (after an in-memory ``commit_step`` too)."""
 
     # -- records ----------------------------------------------------------------------------
-    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
-        """A copy of the records (or the columns ``cols`` of them) of checked ids."""
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
+        """The records (or the columns ``cols`` of them) of checked ids, a copy; or of the
+        rows ``slice(lo, hi)`` (restore, convert: chunks of a table), maybe a view."""
 
-    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
-        """Overwrite the whole records of unique checked ids (durable at the next flush)."""
+    def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        """Overwrite the whole records of unique checked ids, or of the rows
+        ``slice(lo, hi)`` (durable at the next flush)."""
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """The weight rows of checked ids into ``out`` (len(rows), dim); residency unchanged."""
-
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        """The whole records of rows ``[lo, hi)`` (restore, convert: chunks of a table)."""
 
     def view_handed_out(self) -> None:
         """A writable whole-table view of the records was handed out (``table_view``
         engines: ``State.weights`` & co.): rows may change without the engine seeing it."""
 
-    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
-        """Overwrite the whole records of rows ``[lo, hi)``."""
-
     # -- durability -------------------------------------------------------------------------
     def flush(self, count: int, meta: dict[str, Any]) -> None:
-        """Every step so far durable, committed at ``count`` with ``meta``."""
+        """Every step so far durable, committed at ``count`` with ``meta`` (``count``
+        becomes the engine's: ``dsa_core.set_count``)."""
 
     def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
         """The first half of a flush: durable, not installed; the manifest to install."""
@@ -148,29 +148,31 @@ class Engine(Protocol):
     def before_restore(self) -> None:
         """Called before every record is overwritten from a snapshot."""
 
-    # -- hints and range loads (never change a value) ----------------------------------------
-    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None: ...
+    # -- hints and loads (never change a value) ---------------------------------------------
+    def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
+        """Hand the engine a hint or a load of ``rows``; ``wait``: return once done. Never
+        changes a value.
+
+        ``kind="hint"`` (``dsa_core.prefetch``): ``rows`` checked ids (any order, repeats),
+        read ahead in the background (in place: their pages into the page cache; a log
+        store: the on-disk records of those neither resident nor never written).
+
+        ``kind="load"`` of a range ``slice(start, stop)``: bring its records into the
+        engine's memory with sequential reads, in the background (in place: the page cache;
+        a log store: its region, where they stay pinned until the release; a ``ValueError``,
+        before anything changes, when they cannot fit there); ``kind="release"``: write the
+        range's changes back sequentially and give its memory back.
+
+        ``kind="load"`` of a row set (``rows`` sorted, unique, checked ids; maybe none):
+        bring their records into the engine's memory in the background, from where they
+        lie (in place: their pages into the page cache, read at queue depth; a log store:
+        its region, pinned -- beside the loaded ranges -- until the release; a
+        ``ValueError``, before anything changes, when the union of what is loaded cannot
+        fit); ``kind="release"``: give that memory back (a log store: the rows no other
+        active load holds are unpinned, the dirty ones sealed, their slots freed; in place:
+        nothing is dropped)."""
 
     def residency(self, rows: np.ndarray) -> float: ...
-
-    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
-        """``kind="load"``: bring the records of rows ``[start, stop)`` into the engine's
-        memory with sequential reads, in the background (in place: the page cache; a log
-        store: its region, where they stay pinned until the release; a ``ValueError``,
-        before anything changes, when they cannot fit there). ``kind="release"``: write the
-        range's changes back sequentially and give its memory back. ``wait``: return once
-        done. Never changes a value."""
-
-    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
-        """:meth:`submit_range` for a row set: ``rows`` sorted, unique, checked ids (maybe
-        none). ``kind="load"``: bring their records into the engine's memory in the
-        background, from where they lie (in place: their pages into the page cache, read at
-        queue depth; a log store: its region, pinned -- beside the loaded ranges -- until
-        the release; a ``ValueError``, before anything changes, when the union of what is
-        loaded cannot fit). ``kind="release"``: give that memory back (a log store: the
-        rows no other active load holds are unpinned, the dirty ones sealed, their slots
-        freed; in place: nothing is dropped). ``wait``: return once done. Never changes a
-        value."""
 
     def wait_ranges(self) -> None:
         """Until every load and release submitted so far is done; then raise the first
@@ -178,7 +180,8 @@ class Engine(Protocol):
 
     # -- information and life cycle ---------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """What ``dsa info`` prints about the engine (JSON-able)."""
+        """What ``dsa info`` prints about the engine (JSON-able); ``"unclean_stop": True``
+        when it was opened with ``unclean="accept"`` after an unclean stop."""
 
     def verify(self) -> list[str]:
         """The engine's own checks of its files; a list of problems (empty: ok)."""
@@ -189,18 +192,19 @@ class Engine(Protocol):
 _SCRATCH_MAX_BYTES = 16 << 20
 
 
-def scratch(st: Engine, key: str, n: int) -> np.ndarray:
-    """A reused 1-D buffer of at least ``n`` elements of the store dtype, kept on the engine.
+def scratch(buffers: dict[str, np.ndarray], key: str, n: int, dtype: np.dtype) -> np.ndarray:
+    """A reused 1-D buffer of at least ``n`` elements of ``dtype``, kept in ``buffers`` (the
+    core's: ``Handle.scratch``; an engine's own).
 
     Fresh ``np.empty`` blocks of ~1 MB come from mmap and page-fault on every step, a visible
     share of a small step (figures: docs/notebook.md, design measurements). A store has
     one writer and its steps run one after another, so one buffer per use is safe.
     """
-    buf = st.scratch.get(key)
+    buf = buffers.get(key)
     if buf is None or buf.shape[0] < n:
-        buf = np.empty(max(n, 1), st.layout.dtype)
+        buf = np.empty(max(n, 1), dtype)
         if buf.nbytes <= _SCRATCH_MAX_BYTES:  # a one-off huge batch is not kept
-            st.scratch[key] = buf
+            buffers[key] = buf
     return buf[:n]
 
 

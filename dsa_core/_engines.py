@@ -9,7 +9,8 @@
   error for the other kind's;
 * ``create_store(directory, layout, settings, *, init, init_scale, seed, ball_maxnorm, meta,
   overwrite, progress, space_ratio)``: the open engine of a new store, its first commit point written;
-* ``open_store(directory, mode, *, access, memory, unclean)``: ``(engine, count, meta)``;
+* ``open_store(directory, mode, *, access, memory, unclean)``: ``(engine, count, meta,
+  settings)`` (the settings to remember: the core keeps them in the store's ``Handle``);
 * ``remove_store(directory)``;
 * ``check_files(directory)``: ``(file, problem or None, what was checked)`` for each of a
   store's files, checked without opening it (``dsa verify``);

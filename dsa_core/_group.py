@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _exit, _group_file
-from ._state import State, flush, require_current, state_meta
+from ._handle import Handle
+from ._state import State, flush, newest_meta, newest_state, require_current, state_meta
 from ._step import StepPlan, abort_step, begin_step, commit_step, plan_step, run_step
 
 __all__ = ["GROUP_FILE", "Group", "GroupCommitError", "GroupMismatchError", "deferred_sigint",
@@ -103,11 +104,11 @@ def deferred_sigint() -> Iterator[None]:
 def _stores_of(states: Sequence[State]) -> None:
     seen: set[int] = set()
     for s in states:
-        if id(s.store) in seen:
+        if id(s.handle) in seen:
             raise ValueError(f"store {str(s.path)!r} appears twice in one step of several "
                              "stores; step each store once (concatenate its ids and "
                              "gradients)")
-        seen.add(id(s.store))
+        seen.add(id(s.handle))
 
 
 def step_many(updates: Sequence[tuple]) -> list[State]:
@@ -128,7 +129,7 @@ def step_many(updates: Sequence[tuple]) -> list[State]:
     ups = [u if len(u) == 4 else (*u, {}) for u in updates]
     if not ups:
         return []
-    groups = {id(u[0].store.group): u[0].store.group for u in ups}
+    groups = {id(u[0].handle.group): u[0].handle.group for u in ups}
     only = next(iter(groups.values()))
     if len(groups) == 1 and only is not None:  # members of one group: it records the step
         return only.step(ups)
@@ -158,7 +159,7 @@ def _step_many(ups: list[tuple], _before_commit=None) -> list[State]:
                 if p in durable:
                     continue
                 if p in committed:  # an in-memory commit (durability="flush"): taken back
-                    p.state.store.count = p.t - 1
+                    p.state.handle.count = p.t - 1  # (the engine's: by its abort_step)
                 abort_step(p)
             if durable:
                 done = ", ".join(f"{str(p.state.path)!r} (step {p.t})" for p in durable)
@@ -176,11 +177,12 @@ def _step_many(ups: list[tuple], _before_commit=None) -> list[State]:
 
 # -- the group --------------------------------------------------------------------------------
 class _Member:
-    __slots__ = ("store", "state", "key", "count", "unsynced")
+    """A store of a group: its Handle and what the group's commit file records for it."""
 
-    def __init__(self, state: State, key: str, count: int):
-        self.store = state.store
-        self.state = state
+    __slots__ = ("handle", "key", "count", "unsynced")
+
+    def __init__(self, handle: Handle, key: str, count: int):
+        self.handle = handle
         self.key = key
         self.count = count  # what the group's commit file records for it
         self.unsynced = False  # its last install was not synced (the commit file holds it)
@@ -188,13 +190,16 @@ class _Member:
     def sync(self) -> None:
         """Make its last installed manifest durable: before the commit file that holds it
         is replaced."""
-        if self.unsynced and not self.store.closed:
-            self.store.sync_commit()
+        if self.unsynced and not self.handle.store.closed:
+            self.handle.store.sync_commit()
         self.unsynced = False
 
 
 class _Core:
-    """A group's state, apart from the :class:`Group` (its exit flush holds only this)."""
+    """A group's state, apart from the :class:`Group` (its exit flush holds only this).
+
+    It talks to its members' Handles (``_handle``): their newest count and meta, their
+    commit group (``group_ref``, and ``group``: this core while they are members)."""
 
     def __init__(self, file: Path, gid: str, seq: int, members: list[_Member]):
         self.file = file
@@ -208,15 +213,15 @@ class _Core:
 
     # -- helpers ------------------------------------------------------------------------------
     def live(self) -> list[_Member]:
-        keep = [m for m in self.members if not m.store.closed]
+        keep = [m for m in self.members if not m.handle.store.closed]
         for m in self.members:
-            if m.store.closed:
-                m.store.group = None
+            if m.handle.store.closed:
+                m.handle.group = None
         self.members = keep
         return keep
 
     def ref(self, m: _Member, seq: int) -> dict[str, Any]:
-        return {"file": os.path.relpath(self.file.resolve(), m.store.path.resolve()),
+        return {"file": os.path.relpath(self.file.resolve(), m.handle.store.path.resolve()),
                 "id": self.id, "seq": int(seq)}
 
     def check(self) -> None:
@@ -225,29 +230,22 @@ class _Core:
         if self.closed:
             raise ValueError(f"the group of {str(self.file)!r} is closed")
 
-    def current(self, m: _Member) -> State:
-        """The member's newest State (one stepped outside the group: its live count)."""
-        st = m.state
-        if st.count != m.store.count:
-            st = st._replace(count=m.store.count)
-        return st
-
     def stepped_since(self) -> bool:
         """Has a member stepped since the group's last commit?"""
-        return any(m.store.count != m.count for m in self.live())
+        return any(m.handle.count != m.count for m in self.live())
 
-    def leave(self, store: Any) -> None:
-        """``store`` commits on its own from now on (it was closed, say)."""
-        self.members = [m for m in self.members if m.store is not store]
-        if store.group is self:
-            store.group = None
+    def leave(self, handle: Handle) -> None:
+        """The store of ``handle`` commits on its own from now on (it was closed, say)."""
+        self.members = [m for m in self.members if m.handle is not handle]
+        if handle.group is self:
+            handle.group = None
 
     def note(self, states: Sequence[State]) -> None:
-        by = {id(m.store): m for m in self.members}
+        """``states`` (current) are their stores' newest States: their hyperparameters are
+        what the next group commit records (a step records its own)."""
         for s in states:
-            m = by.get(id(s.store))
-            if m is not None:
-                m.state = s
+            if s.handle.group is self:
+                s.handle.meta = state_meta(s)
 
     # -- flush: the group commit ----------------------------------------------------------------
     def flush(self, states: Sequence[State] = ()) -> None:
@@ -260,17 +258,17 @@ class _Core:
             return
         seq = self.seq + 1
         with deferred_sigint():
-            old_refs = [m.store.group_ref for m in members]
-            cur = [self.current(m) for m in members]
+            old_refs = [m.handle.group_ref for m in members]
+            counts = [m.handle.count for m in members]
             payloads: list[dict | None] = [None] * len(members)
             errors: list[BaseException | None] = [None] * len(members)
 
             def prepare(k: int) -> None:
-                m = members[k]
+                h = members[k].handle
                 try:
-                    m.sync()  # the commit file that holds its last install goes next
-                    m.store.group_ref = self.ref(m, seq)
-                    payloads[k] = m.store.prepare_commit(int(cur[k].count), state_meta(cur[k]))
+                    members[k].sync()  # the commit file that holds its last install goes next
+                    h.group_ref = self.ref(members[k], seq)
+                    payloads[k] = h.store.prepare_commit(counts[k], newest_meta(h))
                 except BaseException as exc:  # noqa: BLE001 - raised below
                     errors[k] = exc
 
@@ -282,12 +280,12 @@ class _Core:
             if failed:
                 for k, m in enumerate(members):
                     if payloads[k] is not None:
-                        m.store.cancel_commit()
-                    m.store.group_ref = old_refs[k]
+                        m.handle.store.cancel_commit()
+                    m.handle.group_ref = old_refs[k]
                 raise failed[0]
             record = {"id": self.id, "seq": seq, "kind": "flush",
-                      "members": {m.key: {"count": int(c.count), "payload": p}
-                                  for m, c, p in zip(members, cur, payloads, strict=True)}}
+                      "members": {m.key: {"count": c, "payload": p}
+                                  for m, c, p in zip(members, counts, payloads, strict=True)}}
             try:
                 _group_file.write(self.file, record)
             except _group_file.InDoubtError as exc:
@@ -297,26 +295,26 @@ class _Core:
                 raise GroupCommitError(self.broken) from exc
             except BaseException:
                 for k, m in enumerate(members):
-                    m.store.cancel_commit()
-                    m.store.group_ref = old_refs[k]
+                    m.handle.store.cancel_commit()
+                    m.handle.group_ref = old_refs[k]
                 raise
             self.seq = seq
-            for m, c in zip(members, cur, strict=True):
-                m.count = int(c.count)
+            for m, c in zip(members, counts, strict=True):
+                m.count = c
             bad = []
-            for m, c in zip(members, cur, strict=True):
+            for m in members:
                 # the commit file holds the manifest until the next one replaces it (each
                 # member syncs its manifest first): no sync here, so a group flush costs its
                 # members' data syncs (overlapping) and one commit file. A durability="step"
                 # store's manifest names the commit log its next step appends to: synced
-                durable = c.durability == "step"
+                durable = m.handle.meta["durability"] == "step"
                 try:
-                    m.store.install_commit(durable)
+                    m.handle.store.install_commit(durable)
                     m.unsynced = not durable
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     bad.append((m, exc))
             if bad:
-                names = ", ".join(f"{str(m.store.path)!r} ({e!r})" for m, e in bad)
+                names = ", ".join(f"{str(m.handle.store.path)!r} ({e!r})" for m, e in bad)
                 self.broken = (f"the group commit {seq} of {str(self.file)!r} is durable, but "
                                f"{names} could not install it; stop this process: "
                                "dsa_core.open installs it (the stores reopen at the same step)")
@@ -326,9 +324,9 @@ class _Core:
     def step(self, updates: Sequence[tuple]) -> list[State]:
         self.check()
         ups = [u if len(u) == 4 else (*u, {}) for u in updates]
-        by = {id(m.store): m for m in self.members}
+        by = {id(m.handle) for m in self.members}
         for u in ups:
-            if id(u[0].store) not in by:
+            if id(u[0].handle) not in by:
                 raise ValueError(f"store {str(u[0].path)!r} is not a member of this group")
         logged = any(u[0].durability == "step" for u in ups)
         hook = self.record_step if logged else None
@@ -337,21 +335,20 @@ class _Core:
         except GroupCommitError as exc:
             self.broken = str(exc)
             raise
-        self.note(new)
-        return new
+        return new  # (each commit_step recorded its State's meta in its Handle)
 
     def record_step(self, plans: list[StepPlan]) -> None:
         """Before the members of a ``durability="step"`` group step commit: the count each
         must hold afterwards, in the group's commit file (a resume compares)."""
-        after = {id(p.state.store): p.t for p in plans
+        after = {id(p.state.handle): p.t for p in plans
                  if p.state.durability == "step"}
         members = self.live()
         counts = {}
         for m in members:
-            if id(m.store) in after:
-                counts[m.key] = after[id(m.store)]
-            elif m.state.durability == "step":
-                counts[m.key] = int(m.store.count)
+            if id(m.handle) in after:
+                counts[m.key] = after[id(m.handle)]
+            elif m.handle.meta["durability"] == "step":
+                counts[m.key] = m.handle.count
             else:
                 counts[m.key] = m.count
         record = {"id": self.id, "seq": self.seq + 1, "kind": "step",
@@ -382,10 +379,10 @@ class _Core:
             try:
                 m.sync()  # on their own from now on: their manifests must be durable
             except OSError as exc:
-                _exit.report(f"dsa_core: syncing the manifest of {str(m.store.path)!r} "
-                             f"failed: {exc!r}")
-            if m.store.group is self:
-                m.store.group = None
+                _exit.report(f"dsa_core: syncing the manifest of "
+                             f"{str(m.handle.store.path)!r} failed: {exc!r}")
+            if m.handle.group is self:
+                m.handle.group = None
         self.group = None
 
 
@@ -428,7 +425,7 @@ class Group:
 
     def __init__(self, core: _Core):
         self._core = core
-        core.group = self  # alive as long as its stores are (they reach it through .group)
+        core.group = self  # alive as long as its stores are (their Handles reach it: .group)
         self._finalizer = _exit.watch_group(self, core.exit_flush)
 
     @property
@@ -439,7 +436,7 @@ class Group:
     @property
     def states(self) -> list[State]:
         """The members' newest States, in the order given to :func:`join`."""
-        return [self._core.current(m) for m in self._core.members]
+        return [newest_state(m.handle) for m in self._core.members]
 
     def step(self, updates: Sequence[tuple]) -> list[State]:
         """One step of several members, all or nothing (:func:`step_many`)."""
@@ -477,7 +474,7 @@ def flush_many(states: Sequence[State]) -> None:
     """Flush several stores: one group commit for the members of one group (:func:`join`)
     if any stepped since its last commit, ``dsa_core.flush`` of each otherwise."""
     states = list(states)
-    groups = {id(s.store.group): s.store.group for s in states if not s.closed}
+    groups = {id(s.handle.group): s.handle.group for s in states if not s.closed}
     only = next(iter(groups.values()), None)
     if len(groups) == 1 and only is not None and only.stepped_since():
         for s in states:
@@ -506,15 +503,15 @@ def join(states: Sequence[State], file=None, *, fresh: bool = False) -> Group:
     for s in states:
         require_current(s)
     _stores_of(states)
-    have = {id(s.store.group): s.store.group for s in states}
+    have = {id(s.handle.group): s.handle.group for s in states}
     core = next(iter(have.values()))
     if len(have) == 1 and core is not None and core.group is not None \
-            and {id(m.store) for m in core.live()} == {id(s.store) for s in states} \
+            and {id(m.handle) for m in core.live()} == {id(s.handle) for s in states} \
             and (file is None or Path(file).resolve() == core.file.resolve()):
         core.note(states)  # these stores already are one open group
         return core.group
     for s in states:
-        if s.store.group is not None:
+        if s.handle.group is not None:
             raise ValueError(f"store {str(s.path)!r} already belongs to an open group of "
                              "other stores; close that group (or the optimizer that made "
                              "it) first")
@@ -525,7 +522,7 @@ def join(states: Sequence[State], file=None, *, fresh: bool = False) -> Group:
         bad = []
         for s, k in zip(states, keys, strict=True):
             entry = rec["members"].get(k)
-            ref = s.store.group_ref  # a store its manifest does not name in this group
+            ref = s.handle.group_ref  # a store its manifest does not name in this group
             # (new, replaced, or a snapshot copied in) was never committed by it: no check
             if isinstance(entry, dict) and isinstance(ref, dict) \
                     and ref.get("id") == rec["id"] and entry.get("count") != s.count:
@@ -541,10 +538,11 @@ def join(states: Sequence[State], file=None, *, fresh: bool = False) -> Group:
                 f"know the stores are consistent, delete {str(file)!r} to start a new group")
     gid = rec["id"] if rec is not None else uuid.uuid4().hex
     seq = rec["seq"] if rec is not None else 0
-    members = [_Member(s, k, int(s.count)) for s, k in zip(states, keys, strict=True)]
+    members = [_Member(s.handle, k, int(s.count)) for s, k in zip(states, keys, strict=True)]
     core = _Core(file, gid, seq, members)
     for m in members:
-        m.store.group = core
+        m.handle.group = core
+    core.note(states)
     group = Group(core)
     try:
         core.flush()

@@ -1,6 +1,6 @@
 """Out-of-core read-ahead: ask the store to bring the *next* batch's rows in while this one steps.
 
-The calls here check the ids and hand them to the store's engine (``prefetch``,
+The calls here check the ids and hand them to the store's engine (``submit("hint", ...)``,
 ``residency``): an in-place store hints the kernel to read the rows' pages into the page
 cache (``dsa_core._inplace.readahead``), a log store reads its on-disk records ahead. Read-ahead
 only warms a cache, so it can never return a stale row or lose a write, whatever its timing.
@@ -35,7 +35,7 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
         raise closed_error(st)
     rows = as_index(idx, st.layout.num_rows)
     if rows.size:
-        st.prefetch(rows, wait)
+        st.submit("hint", rows, wait)
 
 
 def prefetched(state, batches: Iterable[Any], *, ahead: int = 2, key=None) -> Iterator[Any]:

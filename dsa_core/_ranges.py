@@ -1,15 +1,15 @@
 """Range load / release: bring a contiguous block of rows into memory, or give it back.
 
-The public calls check the range and hand it to the store's engine (``submit_range``,
-``wait_ranges``): an in-place store reads the rows' bytes in file order into the page cache
-and writes them back the same way (``dsa_core._inplace.ranges``); a log store reads the
-range's records sequentially into its memory region and keeps them there, pinned, until the
-release, which seals the changed ones in row order (``dsa_core._log.ranges``). On both no
-value can change, go stale or get lost whatever the timing.
+The public calls check the range and hand it to the store's engine (``submit`` of a
+``slice``, ``wait_ranges``): an in-place store reads the rows' bytes in file order into the
+page cache and writes them back the same way (``dsa_core._inplace.ranges``); a log store
+reads the range's records sequentially into its memory region and keeps them there, pinned,
+until the release, which seals the changed ones in row order (``dsa_core._log.ranges``). On
+both no value can change, go stale or get lost whatever the timing.
 
 ``load_rows`` / ``release_rows`` do the same for a *set* of rows anywhere in the table (the
-engine's ``submit_rows``): partition-ordered training loads each buffer state's negatives'
-pool with them (``dsa_core.buckets``).
+engine's ``submit`` of sorted ids): partition-ordered training loads each buffer state's
+negatives' pool with them (``dsa_core.buckets``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
     if st.closed:
         raise closed_error(st)
     start, stop = _check_range(st, start, stop)
-    st.submit_range(kind, start, stop, wait)
+    st.submit(kind, slice(start, stop), wait)
 
 
 def load_range(state: Any, start: int, stop: int, *, wait: bool = False) -> None:
@@ -187,7 +187,7 @@ def _submit_rows(kind: str, state: Any, rows: Any, wait: bool) -> None:
     st = _store_of(state)
     if st.closed:
         raise closed_error(st)
-    st.submit_rows(kind, _check_rows(st, rows), wait)
+    st.submit(kind, _check_rows(st, rows), wait)
 
 
 def load_rows(state: Any, rows: Any, *, wait: bool = False) -> None:

@@ -2,8 +2,9 @@
 
 Given to ``create``, or to an ``open`` (replacing the recorded one), a setting is recorded in
 the store's manifest (``"settings"``; a log store's inside its ``meta``) at the next flush;
-``open`` without it uses the recorded one, else the default. The store object carries the
-current ones as ``store.settings`` (a dict); ``_state`` writes them with every manifest.
+``open`` without it uses the recorded one, else the default. The core keeps the current ones
+in the store's ``Handle.settings`` (a dict; ``_handle``); ``_state`` writes them with every
+manifest.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any
 __all__ = ["remembered", "settings_field"]
 
 
-def settings_field(store: Any) -> dict[str, Any]:
-    """``{"settings": {...}}`` with the open-time settings the store remembers (``access``
+def settings_field(settings: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"settings": {...}}`` with the open-time settings a store remembers (``access``
     in place, ``memory`` for a log store), or nothing when there are none (as old stores)."""
-    settings = getattr(store, "settings", None)
     return {"settings": dict(settings)} if settings else {}
 
 

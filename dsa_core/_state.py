@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import threading
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ from ._engine import closed_error
 from ._files import copy_tree, staged_dir
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._group_file import recover
+from ._handle import Handle
 from ._inplace.store import check_unclean
 from ._validation import (
     DURABILITY_MODES,
@@ -53,7 +53,7 @@ class State(NamedTuple):
     ``State`` whose ``count`` is one higher. Keep using the returned value.
     """
 
-    store: Any              # the open engine (dsa_core._engine.Engine): records, lock, layout
+    handle: Handle          # the open store as the core keeps it (dsa_core._handle), shared
     count: int              # completed steps: the global t of the spec (bias correction)
     lr: float               # default learning rate (``step(..., lr=...)`` overrides it)
     betas: tuple[float, float]
@@ -67,23 +67,28 @@ class State(NamedTuple):
 
     # -- read-only conveniences ------------------------------------------------------------
     @property
+    def store(self) -> Any:
+        """The open engine (``dsa_core._engine.Engine``): records, lock, layout."""
+        return self.handle.store
+
+    @property
     def path(self) -> Path:
-        return self.store.path
+        return self.handle.store.path
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(num_rows, dim)``: the shape of the embedding table."""
-        return (self.store.layout.num_rows, self.store.layout.dim)
+        return (self.handle.store.layout.num_rows, self.handle.store.layout.dim)
 
     @property
     def closed(self) -> bool:
         """True after :func:`dsa_core.close` (by this or any State of the same store)."""
-        return self.store.closed
+        return self.handle.store.closed
 
     @property
     def writable(self) -> bool:
         """True while the store is open for writing (``mode="r+"``, not closed)."""
-        return not self.store.closed and self.store.mode == "r+"
+        return not self.handle.store.closed and self.handle.store.mode == "r+"
 
     @property
     def current(self) -> bool:
@@ -92,7 +97,7 @@ class State(NamedTuple):
         ``s1 = step(s0, ...)`` makes ``s0`` outdated: its ``count`` no longer says how many
         steps the rows on disk have taken. ``s1._replace(lr=...)`` stays current.
         """
-        return self.count == self.store.count
+        return self.count == self.handle.count
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -101,19 +106,19 @@ class State(NamedTuple):
         Two stores can exchange records (:func:`dsa_core.restore`,
         :func:`dsa_core.write_records`) exactly when their layouts are equal.
         """
-        return self.store.layout.as_dict()
+        return self.handle.store.layout.as_dict()
 
     @property
     def access(self) -> str:
         """How the mapping is paged: ``"ram"`` or ``"disk"`` (``"auto"`` resolved at open);
         ``"log"`` for a log-structured store (no mapping: its region is its memory)."""
-        return self.store.access
+        return self.handle.store.access
 
     @property
     def storage(self) -> str:
         """The store kind: ``"inplace"`` (one mapped file of records, updated in place) or
         ``"log"`` (the log-structured store; ``create(storage="log")``)."""
-        return self.store.kind
+        return self.handle.store.kind
 
     @property
     def has_table_view(self) -> bool:
@@ -123,70 +128,70 @@ class State(NamedTuple):
         segments): read and write rows with :func:`dsa_core.gather`,
         :func:`dsa_core.read_records` and :func:`dsa_core.write_records`, which work on
         every store."""
-        return self.store.table_view
+        return self.handle.store.table_view
 
     def _require_view(self, name: str) -> None:
-        if not self.store.table_view:
-            self.store.no_view(f"State.{name}")
+        if not self.handle.store.table_view:
+            self.handle.store.no_view(f"State.{name}")
 
     def _handed_out(self, view: np.ndarray) -> np.ndarray:
         """A writable whole-table view leaves the store's sight: rows written through it
         are seen by no undo record, so its later snapshots are full copies."""
-        self.store.view_handed_out()
+        self.handle.store.view_handed_out()
         return view
 
     @property
     def num_rows(self) -> int:
-        return self.store.layout.num_rows
+        return self.handle.store.layout.num_rows
 
     @property
     def dim(self) -> int:
-        return self.store.layout.dim
+        return self.handle.store.layout.dim
 
     @property
     def dtype(self) -> np.dtype:
-        return self.store.layout.dtype
+        return self.handle.store.layout.dtype
 
     @property
     def curvature(self) -> float:
-        return self.store.layout.curvature
+        return self.handle.store.layout.curvature
 
     @property
     def second_moment(self) -> str:
         """``"elementwise"`` (SparseAdam's v), ``"rowwise"`` (docs/algorithms.md §7.3) or,
         for c > 0, ``"riemannian"`` (the ball's one scalar per row)."""
-        if self.store.layout.curvature > 0:
+        if self.handle.store.layout.curvature > 0:
             return "riemannian"
-        return "rowwise" if self.store.layout.rowwise else "elementwise"
+        return "rowwise" if self.handle.store.layout.rowwise else "elementwise"
 
     @property
     def has_weights(self) -> bool:
-        return self.store.layout.w_off is not None
+        return self.handle.store.layout.w_off is not None
 
     @property
     def per_row_step(self) -> bool:
         """True if each row keeps its own step count for the bias correction
         (``create(per_row_step=True)``, docs/algorithms.md §7.2)."""
-        return self.store.layout.rs_off >= 0
+        return self.handle.store.layout.rs_off >= 0
 
     @property
     def decay_missed_steps(self) -> bool:
         """True if each row records the step of its last update, so that decoupled weight
         decay catches up on the steps it missed (``create(decay_missed_steps=True)``,
         docs/algorithms.md §7.1)."""
-        return self.store.layout.ls_off >= 0
+        return self.handle.store.layout.ls_off >= 0
 
     @property
     def row_steps(self) -> np.ndarray:
         """A (num_rows,) int view of each row's own update count t_r (``per_row_step``
         stores); 0 for a row never updated. No copy: writes reach the file (importers)."""
-        return self._counter(self.store.layout.rs_off, "row_steps", "per_row_step")
+        return self._counter(self.handle.store.layout.rs_off, "row_steps", "per_row_step")
 
     @property
     def last_steps(self) -> np.ndarray:
         """A (num_rows,) int view of the global step at which each row was last updated
         (``decay_missed_steps`` stores); 0 for never. No copy: writes reach the file."""
-        return self._counter(self.store.layout.ls_off, "last_steps",
+        return self._counter(self.handle.store.layout.ls_off, "last_steps",
                              "decay_missed_steps")
 
     def _counter(self, off: int, name: str, option: str) -> np.ndarray:
@@ -195,7 +200,7 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} was created without {option}=True "
                              f"and keeps no {name}; create the store with "
                              f"dsa_core.create(..., {option}=True) to have them")
-        return self._handed_out(self.store.counters[:, off])
+        return self._handed_out(self.handle.store.counters[:, off])
 
     @property
     def weights(self) -> np.ndarray:
@@ -203,18 +208,18 @@ class State(NamedTuple):
 
         Log stores have no whole-table view: ``ValueError`` (use :func:`dsa_core.gather`)."""
         self._require_view("weights")
-        if self.store.layout.w_off is None:
+        if self.handle.store.layout.w_off is None:
             raise ValueError(
                 f"store {str(self.path)!r} was created with weights=False and holds no "
                 "weights; the caller keeps them (pass them to step(..., params=rows))")
-        o = self.store.layout.w_off
-        return self._handed_out(self.store.data[:, o:o + self.dim])
+        o = self.handle.store.layout.w_off
+        return self._handed_out(self.handle.store.data[:, o:o + self.dim])
 
     @property
     def first_moment(self) -> str:
         """``"full"`` (m in the store dtype) or ``"bfloat16"`` (m packed, docs/algorithms.md
         §6)."""
-        return "bfloat16" if self.store.layout.m_bf16 else "full"
+        return "bfloat16" if self.handle.store.layout.m_bf16 else "full"
 
     @property
     def exp_avg(self) -> np.ndarray:
@@ -224,7 +229,7 @@ class State(NamedTuple):
         num_rows x dim x 4 bytes), since the file holds bfloat16. Not on log stores.
         """
         self._require_view("exp_avg")
-        st = self.store
+        st = self.handle.store
         o = st.layout.m_off
         if st.layout.m_bf16:
             raw = st.data[:, o:o + st.layout.m_width].view(np.uint16)[:, :self.dim]
@@ -244,7 +249,7 @@ class State(NamedTuple):
         chunks of records (:func:`read_records`, the m columns replaced, :func:`write_records`;
         the other columns keep their bits), durable at the next flush.
         """
-        st = self.store
+        st = self.handle.store
         m = np.asarray(m)
         if m.shape != (self.num_rows, self.dim) or not (
                 np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
@@ -286,8 +291,8 @@ class State(NamedTuple):
         """A view of the second moments v: (num_rows, dim) for elementwise stores, (num_rows, 1)
         for ``second_moment="rowwise"`` and for c > 0. Not on log stores."""
         self._require_view("exp_avg_sq")
-        o = self.store.layout.v_off
-        return self._handed_out(self.store.data[:, o:o + self.store.layout.v_width])
+        o = self.handle.store.layout.v_off
+        return self._handed_out(self.handle.store.data[:, o:o + self.handle.store.layout.v_width])
 
     def __repr__(self) -> str:
         return (f"dsa_core.State(path={str(self.path)!r}, num_rows={self.num_rows}, "
@@ -358,32 +363,44 @@ def _validate_init_array(init: Any, num_rows: int, dim: int, curvature: float,
 
 
 # -- life cycle ----------------------------------------------------------------------------------
-def state_meta(state: State, store: Any = None) -> dict[str, Any]:
+def state_meta(state: State, handle: Handle | None = None) -> dict[str, Any]:
     """What every commit point of the store records beside the count: the hyperparameters
-    and the durability of ``state`` and the settings its store remembers (an engine's
-    ``flush``/``commit_step`` ``meta``). ``store``: whose settings, if not ``state.store``."""
-    return {
-        "hparams": {
-            "lr": state.lr,
-            "betas": list(state.betas),
-            "eps": state.eps,
-            "maximize": state.maximize,
-            "ball_eps": state.ball_eps,
-            "nonfinite": state.nonfinite,
-            "weight_decay": state.weight_decay,
-            "decoupled_weight_decay": state.decoupled_weight_decay,
-        },
-        "durability": state.durability,
-        **settings_field(state.store if store is None else store),
-        **group_field(state.store if store is None else store),
-    }
+    and the durability of ``state`` and the settings and commit group its store's Handle
+    holds (an engine's ``flush``/``commit_step`` ``meta``). ``handle``: whose, if not
+    ``state.handle``."""
+    return _meta({
+        "lr": state.lr,
+        "betas": list(state.betas),
+        "eps": state.eps,
+        "maximize": state.maximize,
+        "ball_eps": state.ball_eps,
+        "nonfinite": state.nonfinite,
+        "weight_decay": state.weight_decay,
+        "decoupled_weight_decay": state.decoupled_weight_decay,
+    }, state.durability, state.handle if handle is None else handle)
 
 
-def group_field(store: Any) -> dict[str, Any]:
-    """``{"group": {"file", "id", "seq"}}``: the commit group the store belongs to
-    (``_group``), recorded with every commit so that ``open`` can finish an interrupted group
-    commit (``_group_file.recover``); nothing for a store in no group."""
-    ref = getattr(store, "group_ref", None)
+def newest_meta(h: Handle) -> dict[str, Any]:
+    """The ``meta`` of the store's newest State (its last step's, flush's or a group's
+    note), with the settings and commit group the Handle holds now."""
+    return _meta(dict(h.meta["hparams"]), h.meta["durability"], h)
+
+
+def _meta(hparams: dict[str, Any], durability: str, h: Handle) -> dict[str, Any]:
+    return {"hparams": hparams, "durability": durability, **settings_field(h.settings),
+            **group_field(h.group_ref)}
+
+
+def newest_state(h: Handle) -> State:
+    """The store's newest State, from what its Handle holds (a group's members)."""
+    return _state_from(h, h.count, h.meta)
+
+
+def group_field(ref: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"group": {"file", "id", "seq"}}``: the commit group a store belongs to
+    (``_group``, its Handle's ``group_ref``), recorded with every commit so that ``open`` can
+    finish an interrupted group commit (``_group_file.recover``); nothing for a store in no
+    group."""
     return {"group": dict(ref)} if ref else {}
 
 
@@ -630,25 +647,21 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
             "replace it")
     if kind is not None and kind != storage:
         remove(directory)  # the other kind's files (refused while a writer holds it)
-    state = State(None, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability,
+    h = Handle(None, 0, settings)  # the engine comes next
+    state = State(h, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability,
                   weight_decay, decoupled_weight_decay)
     ball = float(maxnorm(c, ball_eps, dt)) if c > 0 else None
     with _cleanup_on_sigterm():  # a SIGTERM removes the half-written files first
-        store = engine.create_store(
+        h.store = engine.create_store(
             directory, layout, settings, init=init, init_scale=init_scale, seed=seed,
-            ball_maxnorm=ball, meta=state_meta(state, _Settings(settings)),
-            overwrite=overwrite, progress=progress, space_ratio=space_ratio)
-    return state._replace(store=store)
+            ball_maxnorm=ball, meta=state_meta(state), overwrite=overwrite,
+            progress=progress, space_ratio=space_ratio)
+    return state
 
 
-class _Settings(NamedTuple):
-    """The settings of a store not created yet (:func:`state_meta` reads ``.settings``)."""
-
-    settings: dict[str, Any]
-
-
-def _state_from(store: Any, count: int, meta: dict[str, Any]) -> State:
+def _state_from(h: Handle, count: int, meta: dict[str, Any]) -> State:
     """The State of an opened store from the ``meta`` its last commit point recorded."""
+    store = h.store
     hp, durability = meta.get("hparams"), meta.get("durability", "flush")
     if not isinstance(hp, dict):
         raise ValueError(f"store {str(store.path)!r} records no hyperparameters (it was not "
@@ -657,7 +670,7 @@ def _state_from(store: Any, count: int, meta: dict[str, Any]) -> State:
         raise ValueError(f"store {str(store.path)!r} records durability {durability!r}, not "
                          f"one of {DURABILITY_MODES}; the store is damaged")
     try:
-        state = State(store, int(count), float(hp["lr"]),
+        state = State(h, int(count), float(hp["lr"]),
                       tuple(float(b) for b in hp["betas"]), float(hp["eps"]),
                       bool(hp["maximize"]), float(hp["ball_eps"]),
                       str(hp.get("nonfinite", "propagate")), durability,
@@ -751,12 +764,13 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     directory = Path(path)
     recover(directory)  # a group commit a crash interrupted: finished first (_group_file)
     engine = ENGINES[kind_of(directory) or "inplace"]  # none: the in-place reader says why
-    store, count, meta = engine.open_store(directory, mode, access=access, memory=memory,
-                                           unclean=unclean)
+    store, count, meta, settings = engine.open_store(directory, mode, access=access,
+                                                     memory=memory, unclean=unclean)
     try:
         ref = meta.get("group")
-        store.group_ref = dict(ref) if isinstance(ref, dict) and mode == "r+" else None
-        return _state_from(store, count, meta)
+        return _state_from(Handle(store, count, settings,
+                                  dict(ref) if isinstance(ref, dict) and mode == "r+"
+                                  else None), count, meta)
     except BaseException:
         store.abandon()
         raise
@@ -770,16 +784,17 @@ def flush(state: State) -> None:
     :class:`StaleStateError` instead.
     """
     require_current(state)
+    h = state.handle
     meta = state_meta(state)
-    g = state.store.group
+    g = h.group
     if g is not None:  # a member of a group (dsa_core._group): its stores commit together
         g.note([state])
         if g.stepped_since():
             g.flush([state])
-            note_newest(state.store, state.count, meta)
+            h.meta = meta
             return
-    state.store.flush(int(state.count), meta)
-    note_newest(state.store, state.count, meta)
+    h.store.flush(int(state.count), meta)
+    h.meta = meta  # the newest State's (its count is h.count)
 
 
 def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = False) -> Path:
@@ -824,7 +839,7 @@ def checkpoint(state: State, dest, *, overwrite: bool = False, copy: bool = Fals
     if not isinstance(copy, (bool, np.bool_)):
         raise TypeError(f"copy must be a bool (True: a full copy that shares no blocks with "
                         f"the store), got {copy!r}")
-    g = state.store.group
+    g = state.handle.group
     if g is not None:  # its group commits first, together
         g.note([state])
         if g.stepped_since():
@@ -955,7 +970,7 @@ def _copy_records(src: State, dst: State) -> None:
     step = max(1, _RESTORE_CHUNK_BYTES // (lay.stride * lay.dtype.itemsize))
     for lo in range(0, lay.num_rows, step):
         hi = min(lay.num_rows, lo + step)
-        st.write_range(lo, hi, src.store.read_range(lo, hi))  # in place: marked unclean first
+        st.write(slice(lo, hi), src.store.read(slice(lo, hi)))  # in place: marked unclean first
 
 
 def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
@@ -983,7 +998,8 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     """
     storage = check_storage(storage, auto=False)
     memory = check_memory_arg(memory, storage)
-    st = src.store
+    h = src.handle
+    st = h.store
     if st.closed:
         raise closed_error(st, "the source", read_only=True)
     if Path(dest).resolve() == Path(st.path).resolve():
@@ -991,7 +1007,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
                          "choose another directory")
     lay = st.layout.as_dict()
     # src's remembered settings that dest's kind takes (an explicit memory= wins)
-    keep = {k: v for k, v in st.settings.items() if k in ENGINES[storage].SETTINGS}
+    keep = {k: v for k, v in h.settings.items() if k in ENGINES[storage].SETTINGS}
     if memory is None:
         memory = keep.get("memory")
     out = create(dest, lay["num_rows"], lay["dim"], curvature=lay["curvature"], lr=src.lr,
@@ -1011,7 +1027,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     try:
         check_same_layout(out, src, "convert")
         _copy_records(src, out)
-        return set_count(out, int(st.count))
+        return set_count(out, h.count)
     except BaseException:
         close(out)
         raise
@@ -1031,7 +1047,7 @@ def set_count(state: State, count: int) -> State:
         raise ValueError(f"count must be an int >= 0 (the number of completed steps), got "
                          f"{count!r}")
     new = state._replace(count=int(count))
-    new.store.count = new.count
+    state.handle.count = new.count  # the engine's: at the flush
     flush(new)
     return new
 
@@ -1079,38 +1095,28 @@ def close(state: State) -> None:
     at its newest count, with the settings of the newest step or flush: never the outdated
     State's count, which would pair an old count with newer rows.
     """
-    st = state.store
+    h = state.handle
+    st = h.store
     if st.closed:
         return
     if st.mode == "r+":
-        if state.count != st.count:
-            newest = _NEWEST.get(st)
-            if newest is None or newest[0] != st.count:  # no step or flush recorded it
+        if state.count != h.count:
+            if h.meta is None:  # no step or flush recorded the newest State's meta
                 require_current(state)
-            g = st.group
+            g = h.group
             if g is not None and g.stepped_since():
                 g.flush()  # every member at its newest step, as one commit
             else:
-                st.flush(int(st.count), newest[1])
+                st.flush(h.count, h.meta)
         else:
             flush(state)  # with its group, if a member stepped since the group's last commit
-    if st.group is not None:  # it leaves its group (which commits without it from now on)
-        st.group.leave(st)
+    if h.group is not None:  # it leaves its group (which commits without it from now on)
+        h.group.leave(h)
     st.close()
 
 
-# engine -> (count, meta) of its newest State, as the last step or flush committed them: what
-# close() records when it is given an outdated State (weak keys: a closed store goes away)
-_NEWEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def note_newest(store: Any, count: int, meta: dict[str, Any]) -> None:
-    """Remember the count and settings of the store's newest State (a step or flush)."""
-    _NEWEST[store] = (int(count), meta)
-
-
 def _require_writable(state: State) -> None:
-    st = state.store
+    st = state.handle.store
     if st.closed:
         raise closed_error(st)
     if st.mode != "r+":
@@ -1121,10 +1127,10 @@ def _require_writable(state: State) -> None:
 def require_current(state: State) -> None:
     """The store is open for writing and ``state`` is its newest State, or a clear error."""
     _require_writable(state)
-    if state.count != state.store.count:
+    if state.count != state.handle.count:
         raise StaleStateError(
             f"this State of store {str(state.path)!r} is outdated: it is at step "
-            f"{state.count}, but the store has moved on to step {state.store.count} through "
+            f"{state.count}, but the store has moved on to step {state.handle.count} through "
             "a newer State. dsa_core.step returns a new State and the old one may not step, "
             "flush, checkpoint or close again (that would mix counts with rows): keep the "
             "returned value, `state = dsa_core.step(state, idx, grad)`")

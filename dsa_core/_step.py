@@ -27,7 +27,7 @@ from ._kernels_euclid import (
     euclid_rowwise_options_kernel,
 )
 from ._kernels_poincare import adam_rows_poincare, poincare_hparams, poincare_options_kernel
-from ._state import State, maxnorm, note_newest, require_current, state_meta
+from ._state import State, maxnorm, require_current, state_meta
 from ._validation import as_index, check_lr, check_weight_decay
 
 __all__ = ["StepPlan", "abort_step", "as_index", "begin_step", "commit_step", "gather",
@@ -164,7 +164,8 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     ``undo=True``: the plan keeps what it needs to put the store's records and the
     caller's rows back even after :func:`commit_step` (``abort_step``)."""
     require_current(state)
-    st = state.store
+    h = state.handle
+    st = h.store
     lay = st.layout
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
     if state.weight_decay:  # set by _replace: checked as create checks it
@@ -212,7 +213,8 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             srows, G, inv = idx, grad, None
         else:
             srows, G, inv = coalesce(idx, grad, want_inverse=lay.w_off is None,
-                                     out=scratch(st, "coalesced", b * lay.dim))
+                                     out=scratch(h.scratch, "coalesced", b * lay.dim,
+                                                 lay.dtype))
         st.check_batch(srows.shape[0])  # before anything changes
     else:
         srows, G, inv = idx, grad, None
@@ -228,7 +230,7 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
 def begin_step(plan: StepPlan) -> None:
     """The engine's ``begin_step``: where the kernels will write (``undo``: a copy of those
     records first)."""
-    st = plan.state.store
+    st = plan.state.handle.store
     plan.data, plan.drows = st.begin_step(plan.srows, plan.state.count, plan.meta)
     plan.begun = True
     if plan.undo:
@@ -243,9 +245,12 @@ def run_step(plan: StepPlan) -> None:
 
 
 def commit_step(plan: StepPlan) -> None:
-    """The engine's ``commit_step``: the step takes effect (``count`` becomes ``t``)."""
-    plan.state.store.commit_step(plan.t, plan.meta)
-    note_newest(plan.state.store, plan.t, plan.meta)
+    """The engine's ``commit_step``: the step takes effect (``count`` becomes ``t``, the
+    newest State's, in its Handle)."""
+    h = plan.state.handle
+    h.store.commit_step(plan.t, plan.meta)
+    h.count = plan.t
+    h.meta = plan.meta
 
 
 def abort_step(plan: StepPlan) -> None:
@@ -254,7 +259,7 @@ def abort_step(plan: StepPlan) -> None:
     if not plan.begun:
         return
     plan.begun = False
-    st = plan.state.store
+    st = plan.state.handle.store
     st.abort_step()
     if plan.saved is not None:
         plan.data[plan.drows] = plan.saved
@@ -292,8 +297,8 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
            data: np.ndarray, drows: np.ndarray) -> None:
     """Run the kernel on the records ``data[drows]`` of the unique rows ``srows`` (the
     engine's ``begin_step``); the caller's ``params``/``table`` are indexed as rows."""
-    st = state.store
-    lay = st.layout
+    h = state.handle
+    lay = h.store.layout
     if lay.w_off is not None:
         W, wrows, woff = data, drows, lay.w_off
     elif table is not None:  # the caller's whole table: its rows srows, in place
@@ -313,7 +318,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
     n, chunk = srows.shape[0], _min_chunk(lay.dim)
     wd = state.weight_decay
     # docs/algorithms.md §7.1-§7.2: with an option on, the kernel's specialisation for the
-    # options (compiled on first use) and the float64 options array (kept on the store: its
+    # options (compiled on first use) and the float64 options array (kept in the Handle: its
     # bias table is built once); else the plain specialisation and the constant NO_OPTIONS
     opts, spec = NO_OPTIONS, None
     if wd != 0.0 or lay.rs_off >= 0 or lay.ls_off >= 0:
@@ -321,8 +326,8 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
         spec = (lay.rs_off >= 0, lay.ls_off >= 0, mode)
         opts = options_array(rs_off=lay.rs_off, ls_off=lay.ls_off, t=t, wd_mode=mode, lr=lr,
                              betas=state.betas, weight_decay=wd, dtype=lay.dtype,
-                             out=st.scratch.get("options"))
-        st.scratch["options"] = opts
+                             out=h.scratch.get("options"))
+        h.scratch["options"] = opts
     if lay.curvature == 0.0:
         hp = euclid_hparams(lay.dtype, lr=lr, betas=state.betas, bc1=bc1, bc2=bc2,
                             eps=state.eps, maximize=state.maximize, weight_decay=wd)
@@ -345,7 +350,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
                               bc1=bc1, bc2=bc2, eps=state.eps,
                               maxnorm=maxnorm(lay.curvature, state.ball_eps, lay.dtype),
                               maximize=state.maximize, weight_decay=wd)
-        Y = scratch(st, "poincare_y", G.size).reshape(G.shape)
+        Y = scratch(h.scratch, "poincare_y", G.size, lay.dtype).reshape(G.shape)
         _pool.run_chunked(poincare_options_kernel(*spec) if spec else adam_rows_poincare,
                           (W, wrows, woff, data, drows, lay.m_off, lay.v_off, G, Y, hp, skip,
                            opts), n, chunk)
@@ -359,7 +364,7 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
 
 def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Copy the weight rows ``idx`` out of the store: shape ``(len(idx), dim)``, store dtype."""
-    st = state.store
+    st = state.handle.store
     lay = st.layout
     if st.closed:
         raise closed_error(st)

@@ -243,14 +243,13 @@ class Store:
     def __init__(self, directory: Path, layout: dict[str, Any], mode: str,
                  access: str = "auto"):
         self.path = Path(directory)
-        self.access_request = check_access(access)
+        self._access = check_access(access)  # the paging asked for at open ("auto" too)
         self.access = ""  # "ram" or "disk" once mapped
         self.layout = Layout.from_dict(layout)  # the record layout, one frozen value
         self.mode = mode
         self.closed = False
-        # the descriptors, mapping, live count and marker state (``_Files``); ``count`` is
-        # the live step count: that of the newest State of this store. States carry their
-        # own count; one that differs from this is outdated and may not step (dsa_core._state)
+        # the descriptors, mapping, count and marker state (``_Files``); ``count`` is the
+        # count of the last commit (a step's, a flush's): what an exit flush records
         self._f = _Files(self.path)
         self._finalizer: weakref.finalize | None = None  # r+: flushes it if never closed
         self.unclean = False  # opened with unclean="accept" on an unclean stop, not flushed
@@ -258,11 +257,8 @@ class Store:
         self.counters: np.ndarray | None = None  # ``data`` viewed as ints (counter_dtype)
         self._prefetcher = None  # dsa_core._inplace.readahead.Prefetcher, created on first prefetch
         self._ranges = None  # dsa_core._inplace.ranges.RangeWorker, created on first load/release_range
-        self.scratch: dict[str, np.ndarray] = {}  # step's reused buffers (dsa_core._step)
-        self.settings: dict[str, Any] = {}  # open-time settings (dsa_core._state)
         self._undo: tuple[np.ndarray, np.ndarray] | None = None  # the journaled step's rows
-        self.group_ref: dict[str, Any] | None = None  # its commit group (dsa_core._group)
-        self.group = None                             # the live group stepping it, if any
+        self._begun = 0  # the count a begun step started from (``abort_step``)
         self.data_name = DATA_FILE  # the file mapped (a read-only snapshot chain: its base)
         self.chain: dict[str, Any] | None = None  # a snapshot chain opened read-only: what
         self._tracker: _snapshots.Tracker | None = None  # r+: rows changed since a snapshot
@@ -329,7 +325,7 @@ class Store:
         self._mm = mmap.mmap(self._fd, self.nbytes,
                              access=mmap.ACCESS_WRITE if writable else
                              mmap.ACCESS_COPY if private else mmap.ACCESS_READ)
-        self.advise(self.access_request)
+        self.advise(self._access)
         lay = self.layout
         arr = np.frombuffer(self._mm, dtype=lay.dtype, count=lay.num_rows * lay.stride,
                             offset=HEADER_BYTES)
@@ -621,6 +617,7 @@ class Store:
         """The mapped rows themselves; with ``durability="step"`` their undo record first
         (:meth:`journal_write`: nothing changes if it cannot be written in full)."""
         self._undo = None
+        self._begun = count
         if meta.get("durability") == "step":
             if rows.shape[0]:
                 self._undo = (rows, self.journal_write(rows, count))
@@ -641,10 +638,12 @@ class Store:
         self.count = t
 
     def abort_step(self) -> None:
-        """Roll a journaled step back in place (``"flush"``: nothing was saved to undo)."""
+        """Roll a journaled step back in place (``"flush"``: nothing was saved to undo);
+        the count back to the begun one."""
         undo, self._undo = self._undo, None
         if undo is not None:
             self.data[undo[0]] = undo[1]
+        self.count = self._begun
 
     def manifest(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
         """The manifest committing ``count`` with ``meta`` (hparams, durability, settings)."""
@@ -652,19 +651,16 @@ class Store:
         return {"format": FORMAT_NAME, "version": layout_version(lay), "layout": lay,
                 "count": int(count), **meta}
 
-    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
+        """A copy of the records of ids; the mapped rows themselves for a slice."""
         return self.data[rows] if cols is None else self.data[rows, cols]
 
-    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
-        self.before_change(rows)
+    def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        if isinstance(rows, slice):
+            self.before_change_range(rows.start, rows.stop)
+        else:
+            self.before_change(rows)
         self.data[rows] = records
-
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        return self.data[lo:hi]
-
-    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
-        self.before_change_range(lo, hi)
-        self.data[lo:hi] = records
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         run_chunked(gather_rows, (self.data, rows, self.layout.w_off, out), rows.shape[0],
@@ -678,7 +674,7 @@ class Store:
         if self._f.undo is not None:
             self._f.undo.synced(count)  # a stop before the marker's clear: rows exact
         _layout.write_manifest(self.path, self.manifest(count, meta))
-        self._f.flushed = int(count)
+        self._f.flushed = self.count = int(count)
         self.mark_clean()  # rows synced, count written: no unclean stop from here
 
     # -- a commit of several stores together (dsa_core._group) -------------------------
@@ -708,7 +704,7 @@ class Store:
         manifest = self._f.prepared
         _layout.write_manifest(self.path, manifest, durable)
         self._f.prepared = None
-        self._f.flushed = int(manifest["count"])
+        self._f.flushed = self.count = int(manifest["count"])
         self.mark_clean()
 
     def cancel_commit(self) -> None:
@@ -755,29 +751,33 @@ class Store:
         """A journal of the last step could roll restored rows back at the next open."""
         self.journal_void()
 
-    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None:
-        if self._prefetcher is None:
-            self._prefetcher = Prefetcher(self)
-        self._prefetcher.submit(rows)
-        if wait:
-            self._prefetcher.join()
+    def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
+        """A hint: the page-cache read-ahead thread; a range or a row set: the range
+        thread (``_inplace.ranges``)."""
+        if kind == "hint":
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher(self)
+            self._prefetcher.submit(rows)
+            if wait:
+                self._prefetcher.join()
+        elif isinstance(rows, slice):
+            submit_mapped(self, kind, rows.start, rows.stop, wait)
+        else:
+            submit_mapped_rows(self, kind, rows, wait)
 
     def residency(self, rows: np.ndarray) -> float:
         return mapped_residency(self, rows)
-
-    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
-        submit_mapped(self, kind, start, stop, wait)
-
-    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
-        submit_mapped_rows(self, kind, rows, wait)
 
     def wait_ranges(self) -> None:
         wait_mapped(self)
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot chain's files (opened read-only); else nothing beyond what ``dsa info``
-        reads from the State."""
-        return {"snapshot_chain": self.chain} if self.chain else {}
+        """An unclean stop accepted at open (``unclean_stop``), a snapshot chain's files
+        (opened read-only); else nothing beyond what ``dsa info`` reads from the State."""
+        out: dict[str, Any] = {"unclean_stop": True} if self.unclean else {}
+        if self.chain:
+            out["snapshot_chain"] = self.chain
+        return out
 
     def verify(self) -> list[str]:
         """Header, layout and size are checked at open; nothing more to check here."""
@@ -891,7 +891,6 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
                 n for n in os.listdir(directory) if _snapshots.is_chain_file(n))):
             (directory / name).unlink(missing_ok=True)
     store = Store.create_file(directory, layout, settings.get("access", "auto"))
-    store.settings = dict(settings)
     try:
         _fill(store, init, init_scale, seed, ball_maxnorm, progress)
         store.commit_new_file()
@@ -905,9 +904,10 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
 
 
 def open_store(directory: Path, mode: str, *, access: str, memory: Any,
-               unclean: str) -> tuple[Store, int, dict[str, Any]]:
-    """Open an in-place store: ``(store, count, meta)`` of its manifest. A journaled step
-    that never committed is rolled back (r+); an unclean stop is refused (``unclean``).
+               unclean: str) -> tuple[Store, int, dict[str, Any], dict[str, Any]]:
+    """Open an in-place store: ``(store, count, meta, settings)`` of its manifest (the
+    settings to remember: ``access`` if recorded or given). A journaled step that never
+    committed is rolled back (r+); an unclean stop is refused (``unclean``).
 
     A snapshot chain (``_inplace.snapshots``) opens read-only as the table at its count; a
     writer first gives a snapshot's directory a data file of its own, under its lock
@@ -933,7 +933,6 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
             fd, lockfd = lockfd, None  # the store owns the lock from here
             store = Store.open_file(directory, layout, mode, access, unclean=unclean,
                                     count=count, lockfd=fd)
-        store.settings = settings
     except (KeyError, TypeError) as exc:
         raise ValueError(f"manifest of {str(directory)!r} is missing a field ({exc}); "
                          "the store is damaged") from None
@@ -947,7 +946,7 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
     except BaseException:
         store.abandon()
         raise
-    return store, count, meta
+    return store, count, meta, settings
 
 
 def _open_chain(directory: Path, manifest: dict[str, Any], access: str, unclean: str,

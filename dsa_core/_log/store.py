@@ -135,8 +135,8 @@ class LogStore:
     """The log-structured engine (``_engine.Engine``) over a ``log_engine.LogEngine``.
 
     Shared by every ``State`` derived from one ``create``/``open``, like a ``Store``.
-    ``count`` is the engine's count (the live step count: that of the newest State, and the
-    one the next seal and flush record).
+    ``count`` is the engine's count (that of its last commit, and the one the next seal and
+    flush record).
     """
 
     kind = "log"
@@ -145,23 +145,20 @@ class LogStore:
     description = "log-structured, storage='log'"
     checks = "manifest checksum, segment and index CRCs checked, every record's checksum"
     reads_last_flush = True  # a reader opens the files of the writer's last flush
-    unclean = False          # a log store reopens exactly at its last flush: never unclean
 
     def __init__(self, engine: log_engine.LogEngine):
         self.engine = engine
         self.layout = Layout.from_dict(engine.layout)  # the record layout, one frozen value
         self.path = Path(engine.path)
         self.mode = engine.mode
-        self.scratch: dict[str, np.ndarray] = {}
-        self.settings: dict[str, Any] = {}  # open-time settings to remember: {"memory": bytes}
-        self.access_request = "auto"
+        self._scratch: dict[str, np.ndarray] = {}  # a logged step's copy of its records
+        self._memory_setting: int | None = None  # the budget remembered ("memory"), if any
         self._step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # logged step
+        self._begun = 0  # the count a begun step started from (``abort_step``)
         self._fd = -1
         self._prefetcher = None
         self._ranges = None
         self._readahead: ReadAhead | None = None
-        self.group_ref: dict[str, Any] | None = None  # its commit group (dsa_core._group)
-        self.group = None                             # the live group stepping it, if any
         self._meta_before: tuple | None = None        # what cancel_commit puts back
         if self.mode == "r+":
             _exit.watch(self, _flush_unclosed, engine, os.getpid())
@@ -174,10 +171,6 @@ class LogStore:
     @property
     def count(self) -> int:
         return self.engine.count
-
-    @count.setter
-    def count(self, value: int) -> None:
-        self.engine.count = int(value)
 
     @property
     def memory_bytes(self) -> int | None:
@@ -212,9 +205,15 @@ class LogStore:
     def counters(self):
         self.no_view("state.store.counters")
 
-    def prefetch(self, rows: np.ndarray, wait: bool = False) -> None:
-        """Read the on-disk records of ``rows`` (checked ids) ahead, in the background."""
-        self._read_ahead(np.unique(rows), wait)
+    def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
+        """A hint: the on-disk records of ``rows`` (checked ids) read ahead, in the
+        background; a range (:meth:`_submit_range`) or a row set (:meth:`_submit_rows`)."""
+        if kind == "hint":
+            self._read_ahead(np.unique(rows), wait)
+        elif isinstance(rows, slice):
+            self._submit_range(kind, rows.start, rows.stop, wait)
+        else:
+            self._submit_rows(kind, rows, wait)
 
     def _read_ahead(self, rows: np.ndarray, wait: bool) -> None:
         """:meth:`prefetch` of unique ``rows``."""
@@ -241,12 +240,14 @@ class LogStore:
         log entry is durable (:meth:`commit_step`), so a failed step changes nothing."""
         eng = self.engine
         self._step = None
+        self._begun = count
         if meta.get("durability") == "step":
             eng.begin_step(count, meta)  # flushes first unless the log can take the step
             n = rows.shape[0]
             slots = eng.acquire(rows, check=False) if n else np.empty(0, np.int64)
             k = self.layout.stride
-            rec = scratch(self, "logged_records", n * k).reshape(n, k)
+            rec = scratch(self._scratch, "logged_records", n * k,
+                          self.layout.dtype).reshape(n, k)
             if n:
                 pool.gather_records(eng.region, slots, rec)
             self._step = (rows, slots, rec)
@@ -263,21 +264,20 @@ class LogStore:
             self.engine.count = int(t)
 
     def abort_step(self) -> None:
-        """Nothing to undo: a logged step changed only its copy, an unlogged one the
-        region (durable at the next flush, as in place)."""
+        """Nothing to undo but the count: a logged step changed only its copy, an unlogged
+        one the region (durable at the next flush, as in place)."""
         self._step = None
+        self.engine.count = self._begun
 
-    def read(self, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
+        if isinstance(rows, slice):
+            rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         return self.engine.read(rows, cols=cols)
 
-    def write(self, rows: np.ndarray, records: np.ndarray) -> None:
+    def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        if isinstance(rows, slice):
+            rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         self.engine.write(rows, np.ascontiguousarray(records))
-
-    def read_range(self, lo: int, hi: int) -> np.ndarray:
-        return self.engine.read(np.arange(lo, hi, dtype=np.int64))
-
-    def write_range(self, lo: int, hi: int, records: np.ndarray) -> None:
-        self.engine.write(np.arange(lo, hi, dtype=np.int64), np.ascontiguousarray(records))
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """Never changes the region's residency."""
@@ -331,7 +331,7 @@ class LogStore:
         """The fraction of ``rows`` resident in the region."""
         return float((self.engine.loc[rows] < 0).mean())
 
-    def submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
+    def _submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
         """A load (``LogEngine.load_range``) pins the range's rows in the region and reads
         its on-disk records sequentially on the store's range-load thread; they are
         installed at the next step, range call or wait. A release
@@ -351,8 +351,8 @@ class LogStore:
         else:
             self.engine.release_range(start, stop)
 
-    def submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
-        """:meth:`submit_range` for the sorted unique ``rows`` (``LogEngine.load_rows``,
+    def _submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
+        """:meth:`_submit_range` for the sorted unique ``rows`` (``LogEngine.load_rows``,
         ``LogEngine.release_rows``): pinned in the region beside the ranges, their records
         read from where they lie; released at once, the dirty ones sealed in row order. A
         read-only open reads them ahead into the page cache; a release does nothing."""
@@ -386,7 +386,7 @@ class LogStore:
         s = self.engine.stats()
         nseg = s["segments"]
         lay = self.layout.as_dict()
-        mem = self.memory_bytes or self.settings.get("memory") or default_memory(lay)
+        mem = self.memory_bytes or self._memory_setting or default_memory(lay)
         parts = budget.split(lay, mem)
         w = self.engine._segments.writer
         jobs = 0 if w is None or w.pid != os.getpid() else w.jobs
@@ -495,7 +495,7 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
                       space_ratio=2.0 if space_ratio is None else space_ratio,
                       overwrite=overwrite)
     store = LogStore(eng)
-    store.settings = dict(settings)
+    store._memory_setting = settings.get("memory")
     eng.meta = meta
     eng.wal_on = meta.get("durability") == "step"  # the first flush names a commit log
     try:
@@ -530,9 +530,10 @@ def warmup() -> None:
 
 
 def open_store(directory: Path, mode: str, *, access: str, memory: Any,
-               unclean: str) -> tuple[LogStore, int, dict[str, Any]]:
+               unclean: str) -> tuple[LogStore, int, dict[str, Any], dict[str, Any]]:
     """Open a log store at its last flush (a writer replays its commit log):
-    ``(store, count, meta)``. ``unclean`` changes nothing: a log store never reopens mixed."""
+    ``(store, count, meta, settings)`` (the settings to remember: ``memory`` if recorded or
+    given). ``unclean`` changes nothing: a log store never reopens mixed."""
     memory = check_memory_arg(memory, "log")
     if access != "auto":
         raise ValueError(f"access={access!r} is for in-place stores; {str(directory)!r} is "
@@ -546,9 +547,9 @@ def open_store(directory: Path, mode: str, *, access: str, memory: Any,
         memory = settings.get("memory") or default_memory(manifest["layout"])
     eng = log_engine.open(directory, mode, memory_bytes=memory, check="headers")
     store = LogStore(eng)
-    store.settings = settings
-    eng.meta = {**eng.meta, **settings_field(store)}  # any flush remembers a new one
-    return store, eng.count, eng.meta
+    store._memory_setting = settings.get("memory")
+    eng.meta = {**eng.meta, **settings_field(settings)}  # any flush remembers a new one
+    return store, eng.count, eng.meta, settings
 
 
 def check_files(directory: Path) -> list[tuple[str, str | None, str]]:

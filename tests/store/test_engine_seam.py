@@ -196,8 +196,14 @@ def test_both_engines_implement_the_protocol(tmp_path, storage):
 
 
 # the 14 attributes that repeated the layout dict (stride, offsets, ...) became one frozen
-# ``Layout`` value (issue 41): 57 members before, 43 after; a new member changes this count
-ENGINE_MEMBERS = 43
+# ``Layout`` value (issue 41): 57 members before, 43 after. Then the core's own state left
+# for its ``_handle.Handle`` (group, group_ref, scratch, settings, access_request; unclean
+# became a stat): 37; read/write take a slice for a range (read_range and write_range
+# went): 35; one submit of a hint (prefetch) or a load or release of a range or a row set
+# (submit_range, submit_rows): 33. A new member changes this count
+ENGINE_MEMBERS = 33
+# what the core keeps in its Handle, never on an engine (issue 41)
+CORE_STATE = ("group", "group_ref", "scratch", "settings", "access_request")
 LAYOUT_FIELDS = ("num_rows", "dim", "dtype", "curvature", "stride", "w_off", "m_off", "v_off",
                  "v_width", "m_width", "rowwise", "m_bf16", "rs_off", "ls_off")
 
@@ -212,6 +218,36 @@ def test_the_engine_protocol_size_is_pinned():
     assert len(members) == len(set(members)) == ENGINE_MEMBERS, len(members)
     assert Engine.__annotations__["layout"] == "Layout"
     assert not set(LAYOUT_FIELDS) & set(members)
+    assert not set(CORE_STATE) & set(members) and "unclean" not in members  # a stat now
+
+
+@pytest.mark.parametrize("storage", ["inplace", "log"])
+def test_the_core_keeps_its_state_in_one_handle_per_store(tmp_path, storage):
+    """One Handle per open store, shared by its States and owned by the core: the newest
+    count and meta, settings, group and buffers live there; the engine holds none of them."""
+    import numpy as np
+
+    import dsa_core
+    from dsa_core._handle import Handle
+
+    s0 = dsa_core.create(tmp_path / "s", 16, 4, storage=storage)
+    try:
+        h = s0.handle
+        assert type(h) is Handle and s0.store is h.store
+        s1 = dsa_core.step(s0, [1, 2], np.ones((2, 4), np.float32))
+        s2 = s1._replace(lr=0.5)
+        assert s1.handle is s2.handle is h and (h.count, s1.count) == (1, 1)
+        assert h.meta["hparams"]["lr"] == s1.lr and s1.current and not s0.current
+        dsa_core.flush(s2)
+        assert h.meta["hparams"]["lr"] == 0.5 and h.store.count == 1
+        g = dsa_core.join([s2])
+        assert h.group is not None and h.group_ref is not None
+        g.close()
+        assert h.group is None
+        for name in CORE_STATE:
+            assert name not in vars(h.store) and not hasattr(type(h.store), name), name
+    finally:
+        dsa_core.close(s0)
 
 
 @pytest.mark.parametrize("storage", ["inplace", "log"])
