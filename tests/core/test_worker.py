@@ -2,7 +2,8 @@
 order, back-pressure, join, close that drains or drops, an error handed over once, fork.
 
 Its users (the log store's writer, read-ahead, range loads and unmapper; the in-place
-store's read-ahead lanes and range requests) are tested with their stores.
+store's read-ahead lanes and range requests) are tested with their stores; the last tests
+here check the fork and exit paths through the stores of both kinds.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
-from helpers import REPO
+from helpers import REPO, create, train
 
+import dsa_core
 from dsa_core._os import Worker
 
 
@@ -229,3 +232,68 @@ def test_a_worker_never_keeps_the_interpreter_alive():
                        check=False)
     assert r.returncode == 0 and r.stdout.strip() == "left", r.stderr
     assert time.monotonic() - t0 < 30
+
+
+# -- through the stores ------------------------------------------------------------------------
+N, D = 400, 8
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("kind", ["inplace", "log"])
+def test_a_forked_child_prefetches_on_threads_of_its_own(tmp_path, kind):
+    """A store's read-ahead thread (the log store's ``dsa-log-readahead``, the in-place
+    store's ``dsa-prefetch`` lane) started in the parent is not in a forked child: the
+    child's prefetch makes its own, and waiting for it does not hang."""
+    s = create(tmp_path / "s", N, D, kind, slots=N // 2)
+    s = train(s, 6, batch=40, seed=1)
+    dsa_core.prefetch(s, np.arange(0, N, 3), wait=True)
+    names = {t.name for t in threading.enumerate()}
+    assert ("dsa-log-readahead" if kind == "log" else "dsa-prefetch") in names
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            for _ in range(8):  # more than the queue holds
+                dsa_core.prefetch(s, np.arange(0, N, 5))
+            dsa_core.prefetch(s, np.arange(N), wait=True)
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on its parent's read-ahead thread")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0
+    dsa_core.prefetch(s, np.arange(N), wait=True)  # the parent's thread goes on
+    dsa_core.close(s)
+
+
+@pytest.mark.parametrize("kind", ["inplace", "log"])
+def test_a_store_closed_stops_its_threads(tmp_path, kind):
+    """Every engine thread a store started (read-ahead, range loads, writer) ends with its
+    ``close``; the threads are the named daemons the tools look for."""
+    before = set(threading.enumerate())
+    s = create(tmp_path / "s", N, D, kind, slots=N // 2)
+    s = train(s, 5, batch=40, seed=2)
+    dsa_core.prefetch(s, np.arange(0, N, 3), wait=True)
+    dsa_core.load_range(s, 0, N // 4, wait=True)
+    dsa_core.release_range(s, 0, N // 4, wait=True)
+    dsa_core.wait_ranges(s)
+    mine = [t for t in set(threading.enumerate()) - before if t.name.startswith("dsa-")
+            and not t.name.startswith("dsa-worker-")]  # the kernels' pool: not a store's
+    want = {"dsa-log-readahead", "dsa-log-range-load"} if kind == "log" else \
+        {"dsa-prefetch", "dsa-ranges"}
+    assert want <= {t.name for t in mine} and all(t.daemon for t in mine)
+    dsa_core.close(s)
+    ended = [t for t in mine if t.name != "dsa-log-unmap"]  # the unmapper serves them all
+    for t in ended:
+        t.join(10)
+    assert not [t.name for t in ended if t.is_alive()]
