@@ -4,8 +4,8 @@ One place for the page size, the C library and the calls reached through it (``m
 ``mincore``, ``sync_file_range``, ``mmap``/``munmap`` without a descriptor), and for the
 loops that finish short ``pwrite``/``pwritev``/``preadv`` calls, the one fsync by path
 (:func:`fsync_path`: a file or a directory) and the page-cache probes of the checkpoint
-copy (:func:`page_residency`, :func:`drop_pages`). Nothing here knows about records,
-segments or stores.
+copy (:func:`page_residency`, :func:`drop_pages`), and the one background thread shape
+(:class:`Worker`). Nothing here knows about records, segments or stores.
 
 Users: both engines (``dsa_core._log``, ``dsa_core._inplace``) and the durable file
 operations (``dsa_core._files``).
@@ -25,13 +25,17 @@ import ctypes.util
 import errno
 import mmap
 import os
+import queue
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 __all__ = ["MADV_PAGEOUT", "MADV_POPULATE_READ", "MADV_RANDOM", "MADV_WILLNEED", "MAP_FAILED",
            "PAGE", "POSIX_FADV_WILLNEED", "SYNC_FILE_RANGE_WAIT_AFTER",
-           "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "advise_memory",
+           "SYNC_FILE_RANGE_WAIT_BEFORE", "SYNC_FILE_RANGE_WRITE", "Worker", "advise_memory",
            "drop_pages", "fadvise_fd", "fsync_path", "libc", "madvise_addr", "mincore_addr",
            "mmap_fn", "munmap_fn", "page_residency", "preadv_all", "preadv_fd", "pwrite_all",
            "pwritev_all", "start_writeback", "sync_file_range", "wait_written_back",
@@ -223,3 +227,93 @@ def preadv_fd(fd: int, view: memoryview, offset: int, path: Path,
                           f"{total - done} bytes short of {what}")
         done += n
     return calls
+
+
+
+class Worker:
+    """A daemon thread ``name`` calling ``run(item)`` for each submitted item, in order (each
+    background thread of the engines is one, made by its owner when first needed).
+
+    ``submit`` is the queue's own ``put`` (an item is never None or a ``threading.Event``:
+    the worker's signals); ``maxsize`` bounds the queue, ``simple`` makes it a
+    ``SimpleQueue``. ``join()`` waits for the items submitted before it, then raises the
+    first exception that escaped ``run`` (kept until taken: :meth:`raise_error`, or
+    :meth:`error` as ``(item, exc)``; the thread goes on). ``close()`` ends the thread after
+    the queued items, ``drop=True`` without them (``on_drop(item)`` each), setting
+    ``stopping`` first (a long item may check it); it waits unless ``wait=False`` (never for
+    its own thread) and is safe twice; ``on_exit()`` runs on the thread as it ends. In a
+    forked child (``forked``) ``join``/``close`` do nothing and the owner must not ``submit``.
+    """
+
+    def __init__(self, name: str, run: Callable[[Any], Any], maxsize: int = 0,
+                 simple: bool = False, on_drop: Callable[[Any], Any] | None = None,
+                 on_exit: Callable[[], Any] | None = None):
+        self.pid, self.stopping, self._error = os.getpid(), False, None
+        self._run, self._on_drop, self._on_exit = run, on_drop, on_exit
+        self._q = queue.SimpleQueue() if simple else queue.Queue(maxsize)
+        self.submit = self._q.put
+        self._lock = threading.Lock()  # the kept error's (never taken per item)
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    @property
+    def forked(self) -> bool:  # a child forked since: the thread is not here
+        return self.pid != os.getpid()
+
+    def _loop(self) -> None:
+        get, run, event = self._q.get, self._run, threading.Event
+        try:
+            while (item := get()) is not None:  # None: close's stop
+                if item.__class__ is event:  # join's marker
+                    item.set()
+                    continue
+                try:
+                    run(item)
+                except BaseException as exc:  # kept for the owner; the thread goes on
+                    with self._lock:
+                        self._error = self._error or (item, exc)
+                item = None  # hold nothing while waiting (arrays, mappings)
+        finally:
+            self._drop_queued()
+            if self._on_exit is not None:
+                self._on_exit()
+
+    def _drop_queued(self) -> None:
+        """Empty the queue: ``on_drop`` each item, release each joiner (a stop just goes)."""
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if item.__class__ is threading.Event:
+                item.set()
+            elif item is not None and self._on_drop is not None:
+                self._on_drop(item)
+
+    def join(self) -> None:
+        if self.pid == os.getpid() and self.thread is not threading.current_thread():
+            if self.thread.is_alive():
+                self._q.put(done := threading.Event())
+                while not done.wait(1.0) and self.thread.is_alive():
+                    pass  # never a hang on a thread that is gone
+            self.raise_error()
+
+    def error(self) -> tuple[Any, BaseException] | None:
+        with self._lock:
+            err, self._error = self._error, None
+        return err
+
+    def raise_error(self) -> None:
+        if self._error is not None and (err := self.error()) is not None:
+            raise err[1]
+
+    def close(self, drop: bool = False, wait: bool = True) -> None:
+        if self.pid != os.getpid():
+            return
+        first, self.stopping = not self.stopping, True
+        if drop:
+            self._drop_queued()  # an earlier close's stop too: it is put again
+        if (first or drop) and self.thread.is_alive():
+            self._q.put(None)
+        if wait and self.thread is not threading.current_thread():
+            self.thread.join()

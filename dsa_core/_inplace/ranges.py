@@ -41,7 +41,6 @@ while a request runs.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import os
@@ -61,6 +60,7 @@ from .._os import (
     SYNC_FILE_RANGE_WAIT_AFTER,
     SYNC_FILE_RANGE_WAIT_BEFORE,
     SYNC_FILE_RANGE_WRITE,
+    Worker,
     madvise_addr,
 )
 from .._os import sync_file_range as _sync_file_range
@@ -109,7 +109,8 @@ def _private_fd(fd: int, writable: bool) -> int:
 
 
 class RangeWorker:
-    """The background thread of one store's range requests, and their FIFO queue.
+    """The background thread of one store's range requests, and their FIFO queue (an
+    ``_os.Worker``).
 
     Holds no reference to the ``Store``: only its mapped array (which keeps the mapping, and
     so the addresses it advises, alive) and a private descriptor of the data file.
@@ -131,32 +132,27 @@ class RangeWorker:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         except (OSError, AttributeError):
             pass
-        self._q: collections.deque[_Request] = collections.deque()
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._error: tuple[_Request, BaseException] | None = None
         self._can_pageout = True
         self._can_populate = POPULATE
         self.loaded_bytes = 0    # bytes read by loads (for tests and benchmarks)
         self.released_bytes = 0  # bytes covered by releases
-        self._thread = threading.Thread(target=self._run, name="dsa-ranges", daemon=True)
+        self._lock = threading.Lock()  # a submit and a stop: never a request after the stop
+        self._worker = Worker("dsa-ranges", self._run, on_exit=self._close_fd,
+                              on_drop=lambda req: req.done.set())  # its waiters return
         self._finalizer = weakref.finalize(store, self.stop)  # a store dropped unclosed
-        self._thread.start()
 
     # -- caller side -------------------------------------------------------------------------
     def submit(self, kind: str, start: int, stop: int, st, rows=None) -> _Request:
         req = _Request(kind, start, stop, getattr(st, "access", "") == "ram", rows)
-        with self._cv:
-            if self._stopping:
+        with self._lock:
+            if self._worker.stopping:
                 raise closed_error(st)
-            self._q.append(req)
-            self._cv.notify()
+            self._worker.submit(req)
         return req
 
     def raise_error(self) -> None:
         """Re-raise (once) the first error a request met in the background."""
-        with self._cv:
-            failed, self._error = self._error, None
+        failed = self._worker.error()
         if failed is not None:
             req, exc = failed
             if isinstance(exc, OSError):
@@ -169,53 +165,31 @@ class RangeWorker:
 
     def stop(self) -> None:
         """Drop the queued requests, end the running one at its next chunk, let the thread
-        exit (it closes its descriptor). Does not wait."""
-        if self.pid != os.getpid():  # a forked child's copy: the thread is not here
-            return
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
+        exit (it closes its descriptor). Does not wait; nothing in a forked child."""
+        with self._lock:
+            self._worker.close(drop=True, wait=False)
 
     def close(self) -> None:
         """Stop and wait for the thread (``Store.close`` calls this before it syncs)."""
-        if self.pid != os.getpid():
-            return
         self.stop()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        self._worker.close(drop=True)
         self._finalizer.detach()
 
     # -- worker side -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, req: _Request) -> None:
         try:
-            while True:
-                with self._cv:
-                    while not self._q and not self._stopping:
-                        self._cv.wait()
-                    if self._stopping:
-                        return
-                    req = self._q.popleft()
-                try:
-                    if req.kind == "load":
-                        self._load(req.start, req.stop, req.huge)
-                    elif req.kind == "release":
-                        self._release(req.start, req.stop)
-                    elif req.kind == "rows":
-                        self._load_rows(req.rows)
-                except BaseException as exc:  # reported by the next call on this store
-                    with self._cv:
-                        if self._error is None:
-                            self._error = (req, exc)
-                finally:
-                    req.done.set()
-        finally:
-            with self._cv:
-                self._stopping = True
-                left, self._q = list(self._q), collections.deque()
-            for req in left:  # dropped: their waiters return (the store is closing)
-                req.done.set()
-            os.close(self._fd)
-            self._fd = -1
+            if req.kind == "load":
+                self._load(req.start, req.stop, req.huge)
+            elif req.kind == "release":
+                self._release(req.start, req.stop)
+            elif req.kind == "rows":
+                self._load_rows(req.rows)
+        finally:  # an error is kept by the worker: the next call on this store raises it
+            req.done.set()
+
+    def _close_fd(self) -> None:
+        os.close(self._fd)
+        self._fd = -1
 
     def _span(self, start: int, stop: int) -> tuple[int, int]:
         """The file bytes of rows [start, stop), widened outward to whole pages."""
@@ -248,7 +222,7 @@ class RangeWorker:
         hi_file = min(hi, self._file_bytes)
         view = None
         off = lo
-        while off < hi and not self._stopping:
+        while off < hi and not self._worker.stopping:
             end = min((off // LOAD_CHUNK + 1) * LOAD_CHUNK, hi)
             if huge and self._can_populate:
                 self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
@@ -265,7 +239,7 @@ class RangeWorker:
                     break
                 pos += n
             self.loaded_bytes += pos - off
-            if self._can_populate and not self._stopping:
+            if self._can_populate and not self._worker.stopping:
                 self._can_populate = self._advise(off, end - off, MADV_POPULATE_READ)
             off = end
 
@@ -282,7 +256,7 @@ class RangeWorker:
         lo, hi = lo * PAGE, np.minimum(hi * PAGE, self._map_end)
         buf = None
         for n in range(lo.shape[0]):
-            if self._stopping:
+            if self._worker.stopping:
                 return
             off, end = int(lo[n]), int(hi[n])
             if self._can_populate:
@@ -317,7 +291,7 @@ class RangeWorker:
         keep_lo, keep_hi = self._inner(start, stop)
         flags = SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
         off = lo
-        while off < hi and not self._stopping:
+        while off < hi and not self._worker.stopping:
             end = min(off + RELEASE_CHUNK, hi)
             if _sync_file_range(self._fd, off, end - off, flags) != 0:
                 err = ctypes.get_errno()

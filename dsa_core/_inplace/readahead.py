@@ -18,8 +18,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import queue
-import threading
 from typing import Any
 
 import numpy as np
@@ -30,6 +28,7 @@ from .._os import (
     PAGE,
     POSIX_FADV_WILLNEED,
     SYNC_FILE_RANGE_WRITE,
+    Worker,
     fadvise_fd,
     mincore_addr,
     sync_file_range,
@@ -81,72 +80,50 @@ def _row_pages(rows: np.ndarray, rec_bytes: int) -> np.ndarray:
     return np.unique(np.concatenate(spans))
 
 
-class _Lane:
-    """One background thread issuing one kind of hint for queued batches of rows."""
-
-    def __init__(self, store, write: bool, depth: int):
-        self._store = store
-        self._write = write
-        self._rec_bytes = store.layout.stride * store.layout.dtype.itemsize
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
-        self.batches = 0
-        self.calls = 0
-        kind = "writeback" if write else "prefetch"
-        self._thread = threading.Thread(target=self._run, name=f"dsa-{kind}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        advice = SYNC_FILE_RANGE_WRITE if self._write else _WILLNEED
-        while True:
-            rows = self._q.get()
-            try:
-                if rows is None:
-                    return
-                fd = self._store._fd
-                if fd >= 0 and not self._store.closed:
-                    self.calls += _advise_rows(fd, rows, HEADER_BYTES, self._rec_bytes, PAGE,
-                                               advice, self._write)
-                    self.batches += 1
-            finally:
-                self._q.task_done()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-
-
 class Prefetcher:
     """Background threads that turn batches of row ids into read-ahead / write-back hints.
 
-    Reads and writes have a thread each, so a write-back that waits on a congested request
-    queue never delays the next batch's read-ahead. ``submit`` waits only while ``depth``
-    batches are already queued on that lane (back-pressure). Hints are never needed for
-    correctness.
+    Reads and writes have a thread each (``_os.Worker`` s; a forked child makes its own), so
+    a write-back that waits on a congested request queue never delays the next batch's
+    read-ahead. ``submit`` waits only while ``depth`` batches are already queued on that lane
+    (back-pressure). Hints are never needed for correctness; an error is raised by the next call.
     """
 
     def __init__(self, store, depth: int = 4):
         self._store = store
         self._depth = depth
-        self._lanes: dict[bool, _Lane] = {}
+        self._rec_bytes = store.layout.stride * store.layout.dtype.itemsize
+        self._lanes: dict[bool, Worker] = {}
+        self._calls = {False: 0, True: 0}  # hint syscalls per lane (each counts its own)
 
-    def _lane(self, write: bool) -> _Lane:
+    def _lane(self, write: bool) -> Worker:
         lane = self._lanes.get(write)
-        if lane is None:
-            lane = self._lanes[write] = _Lane(self._store, write, self._depth)
+        if lane is None or lane.forked:
+            lane = self._lanes[write] = Worker(
+                "dsa-writeback" if write else "dsa-prefetch",
+                lambda rows: self._hint(rows, write), maxsize=max(1, int(self._depth)))
         return lane
+
+    def _hint(self, rows: np.ndarray, write: bool) -> None:
+        fd = self._store._fd
+        if fd >= 0 and not self._store.closed:
+            self._calls[write] += _advise_rows(fd, rows, HEADER_BYTES, self._rec_bytes, PAGE,
+                                               SYNC_FILE_RANGE_WRITE if write else _WILLNEED,
+                                               write)
 
     @property
     def calls(self) -> int:
-        return sum(lane.calls for lane in self._lanes.values())
+        return sum(self._calls.values())
 
     def submit(self, rows: np.ndarray, write: bool = False) -> None:
-        self._lane(write)._q.put(np.unique(rows))
+        lane = self._lane(write)
+        lane.raise_error()
+        lane.submit(np.unique(rows))
 
     def join(self) -> None:
         """Wait until every submitted hint has been issued (not until the I/O finishes)."""
         for lane in list(self._lanes.values()):
-            lane._q.join()
+            lane.join()
 
     def close(self) -> None:
         for lane in self._lanes.values():

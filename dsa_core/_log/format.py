@@ -61,7 +61,6 @@ import ctypes
 import json
 import mmap
 import os
-import queue
 import signal
 import struct
 import sys
@@ -77,6 +76,7 @@ from .._files import CHECKSUM_KEY, check_json_checksum, write_json
 from .._os import (
     MADV_RANDOM,
     MAP_FAILED,
+    Worker,
     advise_memory,
     mmap_fn,
     munmap_fn,
@@ -451,7 +451,7 @@ def check_records(seg: Segment, ks: np.ndarray, records: np.ndarray) -> None:
 
 
 class _Unmapper:
-    """Unmaps segment mappings in a daemon thread of their own.
+    """Unmaps segment mappings in a daemon thread of their own (an ``_os.Worker``).
 
     A segment's mapping goes when the seal that cleaned its last live record drops it, on
     the step's thread. There ``munmap`` of a 24 MiB segment took 25-120 ms in the kernel
@@ -463,55 +463,35 @@ class _Unmapper:
     """
 
     def __init__(self):
-        self.pid = -1  # the process whose thread runs (-1: none started yet)
-        self.q: queue.SimpleQueue | None = None
-        self.thread: threading.Thread | None = None
-        # reentrant: a collection inside _start may drop another mapping in the same thread
+        self.worker: Worker | None = None
+        # reentrant: a collection while the thread starts may drop another mapping there
         self.lock = threading.RLock()
 
-    def _start(self, pid: int) -> queue.SimpleQueue:
-        with self.lock:
-            if self.pid != pid:
-                q: queue.SimpleQueue = queue.SimpleQueue()
-                t = threading.Thread(target=self._run, args=(q,), name="dsa-log-unmap",
-                                     daemon=True)
-                t.start()
-                self.q, self.thread, self.pid = q, t, pid
-        return self.q
-
-    @staticmethod
-    def _run(q: queue.SimpleQueue) -> None:
-        while True:
-            addr, size, fn = q.get()
-            if addr is None:  # a drain marker: size is its event
-                size.set()
-                continue
-            try:
-                fn(addr, size)
-            except Exception:  # pragma: no cover - a failed munmap only leaves it mapped;
-                pass           # the thread must go on serving the queue and the drains
-
     def put(self, addr: int, size: int, fn) -> None:
-        pid = os.getpid()
+        w = self.worker
         # a forked child: its parent's thread is not here; an interpreter shutting down (a
         # reader never closed): a thread started now never runs, and start() waits for it
         # forever
-        if self.pid not in (pid, -1) or sys.is_finalizing():
+        if (w is not None and w.forked) or sys.is_finalizing():
             fn(addr, size)
             return
         try:
-            q = self.q if self.pid == pid else self._start(pid)
-            q.put((addr, size, fn))
+            if w is None:
+                with self.lock:
+                    w = self.worker = self.worker or Worker("dsa-log-unmap", _unmap, simple=True)
+            w.submit((addr, size, fn))
         except Exception:  # pragma: no cover - interpreter shutdown, no thread to start
             fn(addr, size)
 
     def drain(self) -> None:
-        if self.pid == os.getpid() and self.q is not None:
-            done = threading.Event()
-            self.q.put((None, done, None))
-            while not done.wait(1.0):  # never a hang on a thread that is gone
-                if not self.thread.is_alive():  # pragma: no cover - interpreter shutdown
-                    return
+        w = self.worker
+        if w is not None and not w.forked:
+            w.join()
+
+
+def _unmap(item) -> None:
+    with contextlib.suppress(Exception):  # a failed munmap only leaves it mapped; the
+        item[2](item[0], item[1])          # thread goes on serving the queue and the drains
 
 
 _UNMAPPER = _Unmapper()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._init import InitSpec, initial_records
-from .._os import preadv_fd
+from .._os import Worker, preadv_fd
 from .format import Segment, check_records
 from .read import advise
 
@@ -127,7 +127,7 @@ def plan_job(job_id: int, start: int, stop: int, loc: np.ndarray, segments, init
 
 
 class Loader:
-    """The range-load thread of one store (module docstring). Created per process.
+    """The range-load thread of one store (module docstring; an ``_os.Worker``), per process.
 
     ``submit(job)`` queues a job; ``poll()`` returns what is done so far without waiting:
     ``(job_id, rows, locs, records)`` chunks, ``(job_id, None, None, exc)`` for a failed
@@ -140,19 +140,15 @@ class Loader:
     def __init__(self, stride: int, dtype: np.dtype, init: InitSpec):
         self.stride, self.dtype, self.init = stride, np.dtype(dtype), init
         self.rec_bytes = stride * self.dtype.itemsize
-        self.pid = os.getpid()
         self.stats = {"reads": 0, "read_bytes": 0, "mapped_records": 0}
-        self._jobs: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._room = threading.Semaphore(STAGED)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dsa-log-range-load",
-                                        daemon=True)
-        self._thread.start()
+        self._worker = Worker("dsa-log-range-load", self._run)
+        self.pid = self._worker.pid
 
     # -- the caller's side --------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+        self._worker.submit(job)
 
     def poll(self) -> list[tuple]:
         out = []
@@ -170,33 +166,26 @@ class Loader:
 
     def close(self) -> None:
         """Stop: queued jobs are dropped, a read in flight ends first."""
-        self._stop.set()
-        self._jobs.put(None)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        self._worker.close(drop=True)
 
     # -- the thread ---------------------------------------------------------------------
     def _stage(self) -> bool:
         """Wait for a free staging slot; False once the loader is stopping."""
         while not self._room.acquire(timeout=0.05):
-            if self._stop.is_set():
+            if self._worker.stopping:
                 return False
-        if self._stop.is_set():
+        if self._worker.stopping:
             self._room.release()
             return False
         return True
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None or self._stop.is_set():
-                return
-            try:
-                self._load(job)
-                err = None
-            except BaseException as exc:  # reported by the engine's next range call; the
-                err = exc                 # end is always put, so no wait can hang
-            self._out.put((job.id, None, None, err))
+    def _run(self, job: Job) -> None:
+        try:
+            self._load(job)
+            err = None
+        except BaseException as exc:  # reported by the engine's next range call; the
+            err = exc                 # end is always put, so no wait can hang
+        self._out.put((job.id, None, None, err))
 
     def _emit(self, job: Job, rows, locs, records) -> bool:
         if not self._stage():
@@ -241,7 +230,7 @@ class Loader:
                            + ks[sel] * self.rec_bytes, self.rec_bytes)
                     pieces += [(sel[a:a + per], 0, 0) for a in range(0, sel.shape[0], per)]
                 for sel, i, j in pieces:
-                    if job.cancelled or self._stop.is_set():
+                    if job.cancelled or self._worker.stopping:
                         return
                     m = (j - i) if sel is None else sel.shape[0]
                     if fill + m > per:  # the chunk is full: hand it over

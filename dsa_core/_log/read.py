@@ -50,7 +50,6 @@ mappings stay valid until it has run.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,6 +63,7 @@ from .._os import (
     MADV_RANDOM,
     MADV_WILLNEED,
     PAGE,
+    Worker,
     advise_memory,
     madvise_addr,
     mincore_addr,
@@ -171,51 +171,41 @@ def hint_uncached(addrs: np.ndarray, rec_bytes: int, sums: np.ndarray | None = N
 
 
 class ReadAhead:
-    """One background thread that issues read-ahead for queued record addresses.
+    """One background thread (an ``_os.Worker``) issuing read-ahead for queued addresses.
 
     ``submit(addrs, keep)`` queues the addresses (``keep``: the segments they lie in, held
     until the hint has run) and returns at once, unless ``depth`` tasks are already queued
     (back-pressure). ``join`` waits until every queued task has been issued (not until the
-    reads finish). Created per process: a forked child gets a new one (see ``LogStore``).
+    reads finish); an error (not a hint's ``OSError``) is raised by the next call. Created
+    per process: a forked child gets a new one (see ``LogStore``).
     """
 
     def __init__(self, rec_bytes: int, depth: int = 4):
         self.rec_bytes = int(rec_bytes)
-        self.pid = os.getpid()
         self.tasks = 0
         self.calls = 0
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(depth)))
-        self._thread = threading.Thread(target=self._run, name="dsa-log-readahead",
-                                        daemon=True)
-        self._thread.start()
+        self._worker = Worker("dsa-log-readahead", self._run, maxsize=max(1, int(depth)))
+        self.pid = self._worker.pid
 
-    def _run(self) -> None:
-        while True:
-            task = self._q.get()
-            try:
-                if task is None:
-                    return
-                addrs, sums, _keep = task
-                self.calls += hint_uncached(addrs, self.rec_bytes, sums)
-                self.tasks += 1
-            except OSError:  # pragma: no cover - a hint that fails changes nothing
-                pass
-            finally:
-                task = None
-                self._q.task_done()
+    def _run(self, task) -> None:
+        addrs, sums, _keep = task
+        try:
+            self.calls += hint_uncached(addrs, self.rec_bytes, sums)
+        except OSError:  # pragma: no cover - a hint that fails changes nothing
+            return
+        self.tasks += 1
 
     def submit(self, addrs: np.ndarray, keep, sums: np.ndarray | None = None) -> None:
         """Queue the hint of the records at ``addrs`` (and of their sums at ``sums``)."""
+        self._worker.raise_error()
         if addrs.shape[0]:
-            self._q.put((addrs, sums, keep))
+            self._worker.submit((addrs, sums, keep))
 
     def join(self) -> None:
-        self._q.join()
+        self._worker.join()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
+        self._worker.close()
 
 
 def read_file_into(path: Path, offset: int, out: np.ndarray) -> np.ndarray:

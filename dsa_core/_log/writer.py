@@ -28,19 +28,18 @@ memory that has been free a while is backed again by the host on its first touch
 still fsyncs.)
 
 The window is ``CACHE_SHARE`` (1/8) of the memory the process may use, with no smaller cap
-(``segments.cache_window``; ``segments.CACHE_MAX`` caps it in A/B runs). Growing the page cache is what a
-write costs most while the window fills: ``benchmarks/write_path.py`` measured 115 ms of CPU
-to write 32 MiB into pages the page cache takes for the first time on the project's VM, 11.7
-ms into pages just freed; once the window is full every segment reuses the pages the oldest
-one's drop frees. From 2026-12-03 to 12-06 the window was capped at one seal unit (32 MiB)
-to spare that one-off CPU, which sent every row that left the region back to the disk: in
-the steady state of a long run (every row sealed once; 2M x 128, region 25% of the state,
-uniform batches of 2048, ``dsa_core.step``) the capped window ran 78-98k rows/s against
-115-189k with the 1/8 share (three alternated pairs; docs/notebook.md, "The written-segment
-window"). Each job's
-CPU timeEach job's
-CPU time (the thread's own, ``time.thread_time``) is counted: ``SegmentWriter.cpu_s`` /
-``jobs``, shown by the store's ``stats()`` (``dsa info``).
+(``segments.cache_window``; ``segments.CACHE_MAX`` caps it in A/B runs). Growing the page
+cache is what a write costs most while the window fills: ``benchmarks/write_path.py``
+measured 115 ms of CPU to write 32 MiB into pages the page cache takes for the first time on
+the project's VM, 11.7 ms into pages just freed; once the window is full every segment
+reuses the pages the oldest one's drop frees. From 2026-12-03 to 12-06 the window was capped
+at one seal unit (32 MiB) to spare that one-off CPU, which sent every row that left the
+region back to the disk: in the steady state of a long run (every row sealed once; 2M x 128,
+region 25% of the state, uniform batches of 2048, ``dsa_core.step``) the capped window ran
+78-98k rows/s against 115-189k with the 1/8 share (three alternated pairs;
+docs/notebook.md, "The written-segment window"). Each job's CPU time (the thread's own,
+``time.thread_time``) is counted: ``SegmentWriter.cpu_s`` / ``jobs``, shown by the store's
+``stats()`` (``dsa info``).
 
 The records go to the disk ``PACE_BYTES`` (4 MiB) at a time, each block written back
 (``sync_file_range`` with waits) before the next is written: a 32 MiB segment written at once
@@ -57,7 +56,6 @@ before it changes anything, and the segment stays pending, readable, for a later
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -65,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._os import wait_written_back
+from .._os import Worker, wait_written_back
 from .budget import WRITE_BUFFERS
 from .format import write_segment
 
@@ -138,7 +136,7 @@ def _drop_cached(path: Path) -> None:
 
 
 class SegmentWriter:
-    """One daemon thread running :class:`WriteJob` s in submission order.
+    """One daemon thread (an ``_os.Worker``) running :class:`WriteJob` s in submission order.
 
     ``submit`` waits while ``DEPTH`` jobs are queued or running (back-pressure: at most that
     many buffers beyond the region). Created per process (``pid``): a forked child gets none
@@ -147,34 +145,27 @@ class SegmentWriter:
     """
 
     def __init__(self, depth: int | None = None, cache_bytes: int = 0):
-        self.pid = os.getpid()
         self.cache_bytes = int(cache_bytes)
         self._cached: deque[tuple[Path, int]] = deque()  # written, pages kept: oldest first
         self._held = 0
         self.cpu_s = 0.0  # CPU time of this thread's jobs (write, checksums, cache drops)
         self.jobs = 0
         self._slots = threading.Semaphore(DEPTH if depth is None else depth)
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="dsa-log-writer", daemon=True)
-        self._thread.start()
+        self._worker = Worker("dsa-log-writer", self._run)
+        self.pid = self._worker.pid
 
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            try:
-                job.run(drop=False)
-                t0 = time.thread_time()
-                if job.error is None:
-                    self._keep(job.path, job.size)
-                else:  # a retry by the engine writes it again, and drops it
-                    _drop_cached(job.path)
-                self.cpu_s += job.cpu_s + time.thread_time() - t0
-                self.jobs += 1
-            finally:
-                job = None
-                self._slots.release()
+    def _run(self, job: WriteJob) -> None:
+        try:
+            job.run(drop=False)
+            t0 = time.thread_time()
+            if job.error is None:
+                self._keep(job.path, job.size)
+            else:  # a retry by the engine writes it again, and drops it
+                _drop_cached(job.path)
+            self.cpu_s += job.cpu_s + time.thread_time() - t0
+            self.jobs += 1
+        finally:
+            self._slots.release()
 
     def _keep(self, path: Path, size: int) -> None:
         """Keep ``path``'s pages cached; drop the oldest kept segments past ``cache_bytes``."""
@@ -187,15 +178,14 @@ class SegmentWriter:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._worker.thread.is_alive()
 
     def submit(self, job: WriteJob) -> WriteJob:
+        self._worker.raise_error()
         self._slots.acquire()
-        self._q.put(job)
+        self._worker.submit(job)
         return job
 
     def close(self) -> None:
         """Finish the queued jobs, then stop the thread."""
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
+        self._worker.close()

@@ -231,7 +231,7 @@ def test_bad_ranges_are_refused_and_queue_nothing(tmp_path, fn):
     with pytest.raises(ValueError):
         fn(s, 50, 10, wait=True)
     dsa_core.wait_ranges(s)
-    assert (w.loaded_bytes, w.released_bytes) == done and not w._q
+    assert (w.loaded_bytes, w.released_bytes) == done and w._worker._q.empty()
     with pytest.raises(TypeError, match="state must be a dsa_core.State"):
         fn(s.store, 0, 1)
     dsa_core.close(s)
@@ -266,11 +266,11 @@ def test_one_thread_per_store(tmp_path):
         dsa_core.load_range(a, 0, 1000)
         dsa_core.load_range(b, 0, 1000)
     wa, wb = a.store._ranges, b.store._ranges
-    assert wa is not wb and wa._thread is not wb._thread
+    assert wa is not wb and wa._worker.thread is not wb._worker.thread
     dsa_core.close(a)
-    assert not wa._thread.is_alive() and wb._thread.is_alive()
+    assert not wa._worker.thread.is_alive() and wb._worker.thread.is_alive()
     dsa_core.close(b)
-    assert not wb._thread.is_alive()
+    assert not wb._worker.thread.is_alive()
 
 
 # -- errors in the background ---------------------------------------------------------------
@@ -319,7 +319,7 @@ def test_close_with_requests_in_flight_is_clean(tmp_path, monkeypatch):
     th.start()
     w = s.store._ranges
     dsa_core.close(s)  # drops the queue, stops the running request at its next chunk
-    assert not w._thread.is_alive() and w._fd == -1
+    assert not w._worker.thread.is_alive() and w._fd == -1
     th.join(timeout=10)
     assert waiter_done.is_set()  # a waiter is released by the close
     r = dsa_core.open(tmp_path / "s", mode="r")
@@ -331,7 +331,7 @@ def test_close_with_requests_in_flight_is_clean(tmp_path, monkeypatch):
 def test_a_store_dropped_unclosed_stops_its_thread(tmp_path):
     s = dsa_core.create(tmp_path / "s", 1000, D)
     dsa_core.load_range(s, 0, 1000, wait=True)
-    th = s.store._ranges._thread
+    th = s.store._ranges._worker.thread
     del s
     gc.collect()
     th.join(timeout=10)
@@ -370,7 +370,7 @@ def test_a_forked_child_gets_its_own_worker(tmp_path):
             pytest.fail("the forked child hung on a range request")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert s.store._ranges is parent_worker and parent_worker._thread.is_alive()
+    assert s.store._ranges is parent_worker and parent_worker._worker.thread.is_alive()
     dsa_core.load_range(s, 0, 1000, wait=True)  # the parent's worker goes on
     dsa_core.close(s)
 
