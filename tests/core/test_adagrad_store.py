@@ -409,3 +409,32 @@ def test_accumulator_view_and_warmup(tmp_path):
     assert s.accumulator.shape == (N, D) and (s.accumulator[3] == 1).all()
     assert s.second_moment == "elementwise"
     dsa_core.close(s)
+
+
+@pytest.mark.parametrize("opt", OPTS)
+def test_bucket_order_trains_an_adagrad_store(tmp_path, kind, opt):
+    """``dsa_core.buckets`` loads and releases an Adagrad store's partitions (a log store's
+    region holds c + 1 of them) and the hints change no value: the same batches without
+    ``stores=`` give the same records."""
+    from dsa_core import buckets
+
+    n = 400
+    edges = np.random.default_rng(12).integers(0, n, size=(1200, 2))
+    plan = buckets.plan(edges, n, partitions=4, buffer=2, seed=0)
+    kw = {"lr": 0.1, "init": "normal", "init_scale": 0.1, "optimizer": opt}
+    if kind == "log":
+        kw["memory"] = dsa_core.region_memory(
+            {"num_rows": n, "stride": D + (D if opt == "adagrad" else 1), "dtype": "float32"},
+            n // 4 * 3 + 128)  # c + 1 partitions beside one step's rows
+    a = dsa_core.create(tmp_path / "a", n, D, storage=kind, **kw)
+    b = dsa_core.create(tmp_path / "b", n, D, storage="inplace",
+                        **{k: v for k, v in kw.items() if k != "memory"})
+    rng = np.random.default_rng(13)
+    for batch in plan.batches(64, stores=[a]):
+        ids = batch.edges.ravel()
+        g = rng.standard_normal((ids.size, D)).astype(np.float32)
+        a, b = dsa_core.step(a, ids, g), dsa_core.step(b, ids, g)
+    assert a.count == b.count > 0
+    assert_same_bits(records(a), records(b))
+    dsa_core.close(a)
+    dsa_core.close(b)

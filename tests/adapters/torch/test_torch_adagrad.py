@@ -342,3 +342,37 @@ def test_torch_adagrad_refuses_our_state_dict(tmp_path):
     other.load_state_dict(sd)
     with pytest.raises(RuntimeError, match="state without sum .*DiskSparseAdagrad state dict"):
         other.step()
+
+
+def test_two_tables_commit_together(tmp_path, kind):
+    """An nn.Embedding and a DiskEmbedding(optimizer="rowwise_adagrad") in one
+    DiskSparseAdagrad(rowwise=True): one commit group, both at the same step after a
+    checkpoint is loaded into a new optimizer."""
+    a = torch.nn.Embedding(N, D, sparse=True)
+    b = DiskEmbedding(N, D, state_dir=tmp_path / "b", optimizer="rowwise_adagrad",
+                      storage=kind)
+    opt = DiskSparseAdagrad([{"params": a.parameters()}, {"params": b.parameters(),
+                                                        "lr": 0.5}],
+                            rowwise=True, weight_decay=0.01, state_dir=tmp_path / "o",
+                            storage=kind)
+    assert opt._group is not None
+    for t, i in enumerate(batches(seed=10, steps=3)):
+        opt.zero_grad()
+        (loss(a(i), t) + loss(b(i), t)).backward()
+        opt.step()
+    counts = {name: st.count for name, st in opt.stores.items()}
+    assert set(counts.values()) == {3}
+    assert b.store.lr == 0.5 and b.store.weight_decay == 0.01
+    opt.checkpoint(tmp_path / "ck")
+    opt.close()
+    b.close()
+    b2 = DiskEmbedding(N, D, state_dir=tmp_path / "b2", optimizer="rowwise_adagrad",
+                       storage=kind)
+    opt2 = DiskSparseAdagrad([{"params": a.parameters()}, {"params": b2.parameters()}],
+                             rowwise=True, weight_decay=0.01, state_dir=tmp_path / "o2",
+                             storage=kind)
+    opt2.load_checkpoint(tmp_path / "ck")
+    assert {st.count for st in opt2.stores.values()} == {3}
+    assert opt2.param_groups[1]["lr"] == 0.5
+    opt2.close()
+    b2.close()
