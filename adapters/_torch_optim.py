@@ -1376,6 +1376,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     "torch.optim.SparseAdam state dict has only one global step, so the rows' "
                     "counts cannot be recovered from it. Import it into a store created "
                     "without per_row_step; nothing was changed")
+            if "exp_avg" not in s and "sum" in s:
+                raise ValueError(
+                    f"{self._NAME}.load_state_dict: the state of parameter {i} holds sum (an "
+                    "Adagrad state dict); this optimizer's stores hold Adam's moments. Load it "
+                    "into DiskSparseAdagrad; nothing was changed")
             if "exp_avg" not in s:
                 todo.append((st, int(s.get("step", 0)), None, None))
                 continue

@@ -298,7 +298,8 @@ def test_loads_a_torch_adagrad_state_dict(tmp_path, kind):
             w4 = tw.weight.detach().clone()
         topt.zero_grad()
         loss(tw(i), t).backward()
-        topt.step()
+        with torch.sparse.check_sparse_tensor_invariants():  # Adagrad builds sparse tensors
+            topt.step()
     emb = torch.nn.Embedding(N, D, sparse=True, dtype=torch.float64)
     opt = DiskSparseAdagrad(emb.parameters(), state_dir=tmp_path / "o", storage=kind, **KW)
     opt.load_state_dict(sd)
@@ -376,3 +377,16 @@ def test_two_tables_commit_together(tmp_path, kind):
     assert opt2.param_groups[1]["lr"] == 0.5
     opt2.close()
     b2.close()
+
+
+def test_disk_sparse_adam_refuses_an_adagrad_state_dict(tmp_path):
+    emb = torch.nn.Embedding(N, D, sparse=True)
+    topt = torch.optim.Adagrad(emb.parameters())
+    emb(torch.tensor([1])).sum().backward()
+    with torch.sparse.check_sparse_tensor_invariants():
+        topt.step()
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "o")
+    with pytest.raises(ValueError, match="holds sum .* Load it into DiskSparseAdagrad"):
+        opt.load_state_dict(topt.state_dict())
+    assert opt.store_for(emb.weight).count == 0
+    opt.close()
