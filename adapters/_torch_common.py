@@ -271,14 +271,16 @@ def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.
                    curvature: float, weights: bool, what: str,
                    second_moment: str = "elementwise", first_moment: str = "full",
                    per_row_step: bool = False, decay_missed_steps: bool = False,
-                   storage: str | None = None) -> None:
+                   storage: str | None = None, optimizer: str = "adam") -> None:
     """``ValueError`` unless the open store ``state`` is what a resumed run needs.
 
     Shape, dtype, curvature, weight layout, second and first moment, per-row step counts and
     the catch-up of missed weight decay are fixed when a store is created; a store that
     differs cannot be resumed, only replaced (``overwrite=True``). ``storage`` (when given)
     is the store kind asked for (``"inplace"`` or ``"log"``); a store of the other kind is
-    refused too (``dsa_core.convert`` copies a store into the other kind).
+    refused too (``dsa_core.convert`` copies a store into the other kind). ``optimizer``
+    (``"adam"``, ``"adagrad"``, ``"rowwise_adagrad"``) is what its records hold state for;
+    an Adagrad store's moment settings follow from it (not checked).
     """
     path = str(state.path)
     if storage is not None:
@@ -292,6 +294,15 @@ def check_existing(state: dsa_core.State, *, num_rows: int, dim: int, dtype: np.
             f"{want[0]} x {want[1]} {want[2]} with curvature {want[3]} (weights stored: "
             f"{want[4]}) is needed. Use a fresh directory, the same tables, order and "
             "settings as the run that created it, or overwrite=True to replace it")
+    if state.optimizer != optimizer:
+        raise ValueError(
+            f"{what}: the existing store at {path!r} was created with "
+            f"optimizer={state.optimizer!r} (its records hold {state.optimizer}'s state), but "
+            f"optimizer={optimizer!r} was asked for. A store's optimizer is fixed when it is "
+            "created: use the same optimizer as the run that created it, a fresh directory, "
+            "or overwrite=True to replace it")
+    if optimizer != "adam":
+        return  # an Adagrad store has no moment options, and no per-row counters
     want_sm = store_second_moment(second_moment, curvature)
     if state.second_moment != want_sm:
         raise ValueError(

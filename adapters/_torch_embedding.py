@@ -494,6 +494,15 @@ class DiskEmbedding(nn.Module):
         float32 tables with ``curvature == 0`` only: ``"bfloat16"`` keeps m as bfloat16
         with stochastic rounding (docs/algorithms.md §6; v stays float32). Fixed at
         creation.
+    optimizer : "adam", "adagrad" or "rowwise_adagrad", default "adam"
+        Which optimizer's state the store's records hold beside the weights, fixed at
+        creation: ``"adam"`` (m and v; stepped by :class:`DiskSparseAdam`), ``"adagrad"``
+        (one accumulator per coordinate) or ``"rowwise_adagrad"`` (one per row, a record of
+        ``dim + 1`` values; both stepped by :class:`DiskSparseAdagrad`, ``rowwise=True``
+        for the latter). Stepping the table with another optimizer is an error naming this
+        argument; a resumed store must match. The Adam options (``curvature > 0``,
+        ``second_moment``, ``first_moment``, ``per_row_step``, ``decay_missed_steps``) are
+        refused with an Adagrad one.
     nonfinite : "propagate", "skip_row" or "raise", optional
         What a NaN or Inf in a gradient row does when :class:`DiskSparseAdam` steps this
         table: ``"propagate"`` spreads it into that row as torch does, ``"skip_row"`` leaves
@@ -644,7 +653,8 @@ class DiskEmbedding(nn.Module):
                  nonfinite: str | None = None, per_row_step: bool = False,
                  decay_missed_steps: bool = False, storage: str = STORAGE_DEFAULT,
                  memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP,
-                 unclean: str = "refuse", max_norm: float | None = None,
+                 unclean: str = "refuse", optimizer: str = "adam",
+                 max_norm: float | None = None,
                  norm_type: float = 2.0, sparse: bool = True, _weight: Any = None,
                  _freeze: bool = False, **unknown: Any):
         super().__init__()
@@ -676,6 +686,11 @@ class DiskEmbedding(nn.Module):
         dt = np_dtype(dtype, "DiskEmbedding")
         check_device(device, dtype, what)  # before anything is created on disk
         c = validation.check_curvature(curvature, what=what)
+        optimizer = validation.check_optimizer(optimizer, what=what)
+        if optimizer != "adam":
+            validation.check_adagrad_options(
+                optimizer, curvature=c, second_moment=second_moment, first_moment=first_moment,
+                per_row_step=per_row_step, decay_missed_steps=decay_missed_steps, what=what)
         validation.check_second_moment(second_moment, c, what=what)
         validation.check_first_moment(first_moment, c, dt, what=what)
         if nonfinite is not None:
@@ -691,7 +706,7 @@ class DiskEmbedding(nn.Module):
         expect = {"num_rows": num_embeddings, "dim": embedding_dim, "dtype": dt,
                   "curvature": c, "weights": True, "what": what,
                   "second_moment": second_moment, "first_moment": first_moment,
-                  "storage": storage, **rows}
+                  "storage": storage, "optimizer": optimizer, **rows}
         count = None if overwrite else peek_existing(path, unclean=unclean, **expect)
         if count is not None and not resume:
             raise FileExistsError(
@@ -710,7 +725,8 @@ class DiskEmbedding(nn.Module):
                                      None if _weight is not None else padding_idx,
                                      overwrite, progress,
                                      access, second_moment, first_moment,
-                                     nonfinite or "propagate", rows, storage, memory)
+                                     nonfinite or "propagate", rows, storage, memory,
+                                     optimizer)
         except dsa_core.StoreLockedError as exc:
             raise dsa_core.StoreLockedError(
                 f"{what}: the store at {str(path)!r} is already open for writing in another "
@@ -739,7 +755,8 @@ class DiskEmbedding(nn.Module):
 
     @staticmethod
     def _create(path, n, d, dt, c, init, init_scale, seed, padding_idx, overwrite, progress,
-                access, second_moment, first_moment, nonfinite, rows, storage, memory):
+                access, second_moment, first_moment, nonfinite, rows, storage, memory,
+                optimizer="adam"):
         if init_scale is None:
             init_scale = 1.0 if c == 0 else 1e-3
         if seed is None:
@@ -751,7 +768,7 @@ class DiskEmbedding(nn.Module):
                                 overwrite=overwrite, progress=progress, access=access,
                                 second_moment=second_moment, first_moment=first_moment,
                                 nonfinite=nonfinite, **rows, storage=storage,
-                                memory=memory,
+                                memory=memory, optimizer=optimizer,
                                 # the optimizer sets the decay at each step; a store that
                                 # catches up decay is created with the decoupled kind
                                 decoupled_weight_decay=rows["decay_missed_steps"])
@@ -806,6 +823,11 @@ class DiskEmbedding(nn.Module):
                    scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, **kwargs)
 
     # -- access ---------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> str:
+        """The optimizer whose state the store holds (``DiskEmbedding(optimizer=...)``)."""
+        return self._handle.state.optimizer
+
     @property
     def store(self) -> dsa_core.State:
         """The current ``dsa_core.State`` of the table (its ``count`` is the step ``t``).
@@ -1057,7 +1079,7 @@ class DiskEmbedding(nn.Module):
                "dtype": st.dtype.name, "curvature": st.curvature, "count": st.count,
                "padding_idx": self.padding_idx, "mode": self.mode,
                "second_moment": st.second_moment, "first_moment": st.first_moment,
-               **row_options(st)}
+               "optimizer": st.optimizer, **row_options(st)}
         if self._keep_snapshots and rows_fit(st):
             out["rows"] = "in_state_dict"  # the weight beside it, the rest of each record here
         elif self._keep_snapshots:
@@ -1099,6 +1121,11 @@ class DiskEmbedding(nn.Module):
             raise ValueError(f"the saved DiskEmbedding is {want[0]} x {want[1]} {want[2]} "
                              f"with curvature {want[3]}, this one {have[0]} x {have[1]} "
                              f"{have[2]} with curvature {have[3]}")
+        want_opt = state.get("optimizer", "adam")  # written since Adagrad stores exist
+        if st.optimizer != want_opt:
+            raise ValueError(f"the saved DiskEmbedding holds {want_opt}'s state, this one "
+                             f"{st.optimizer}'s; build it with the saved optimizer "
+                             f"(DiskEmbedding(..., optimizer={want_opt!r}))")
         want_sm = state.get("second_moment",  # written since rowwise stores exist
                             "riemannian" if state["curvature"] > 0 else "elementwise")
         if st.second_moment != want_sm:

@@ -47,11 +47,22 @@ def _check(opt) -> None:
                 raise RuntimeError(
                     f"{name} cannot step a {p._dsa_what}'s weight (parameter [{gi}, {pj}]): "
                     "its rows live in a store on disk, which only adapters.torch."
-                    "DiskSparseAdam updates (a torch.optim optimizer would refuse its "
+                    "DiskSparseAdam updates (DiskSparseAdagrad, if the embedding was "
+                    "created with optimizer='adagrad'; a torch.optim optimizer would refuse its "
                     "row-sparse gradient or write into a stand-in). Nothing was changed. "
                     "Give the embedding's parameters to DiskSparseAdam(emb.parameters(), "
                     "lr=...) and the other parameters to this optimizer (two optimizers, "
                     "both stepped each iteration)")
+            st = opt.state.get(p) if isinstance(opt, torch.optim.Adagrad) else None
+            if st and "step" in st and "sum" not in st:
+                raise RuntimeError(
+                    f"{name} holds a state without sum for parameter [{gi}, {pj}]: it was "
+                    "given an adapters.torch.DiskSparseAdagrad state dict (load_state_dict), "
+                    "whose accumulators live in DSA's stores on disk (named in its "
+                    "dsa_manifest), not in the state dict, so this optimizer cannot continue "
+                    "from it. Load it into a DiskSparseAdagrad over the same parameters "
+                    "instead (it also loads torch.optim.Adagrad state dicts), or start this "
+                    "optimizer without it")
             st = opt.state.get(p) if isinstance(opt, _ADAM_LIKE) else None
             if st and "step" in st and "exp_avg" not in st:
                 raise RuntimeError(

@@ -401,6 +401,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
     """
 
     _dsa_steps_disk_weights = True  # the step guard (adapters/_torch_guard.py) skips it
+    # what differs between the optimizers on this machinery (DiskSparseAdagrad overrides)
+    _NAME = "DiskSparseAdam"      # in messages
+    _TORCH = "SparseAdam"         # the torch optimizer it mirrors (its messages)
+    _DENSE = "Adam"               # what to use for dense gradients
+    _kept_keys = _KEPT_KEYS       # group keys a loaded torch state dict may lack
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -413,30 +418,44 @@ class DiskSparseAdam(torch.optim.Optimizer):
                  memory: int | str | None = None, keep_snapshots: int = DEFAULT_KEEP,
                  unclean: str = "refuse"):
         check_torch_hparams(lr, betas, eps, weight_decay, decoupled_weight_decay)
-        what = "DiskSparseAdam"
-        self._unclean = check_unclean_arg(unclean, what)
-        self._keep_snapshots = check_keep(keep_snapshots, what)
+        what = self._NAME
         validation.check_weight_decay(weight_decay, what=what)
         for name, flag in (("per_row_step", per_row_step),
                            ("decay_missed_steps", decay_missed_steps)):
             if flag is not None and not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{what}: {name} must be a bool (or None), got {flag!r}")
         c = validation.check_curvature(curvature, what=what)
-        dsa_core.tools.check_access(access)
         if second_moment is not None:
             validation.check_second_moment(second_moment, c, what=what)
         if first_moment is not None:  # the value here; float32 and c == 0 per parameter
             validation.check_first_moment(first_moment, 0.0, "float32", what=what)
+        self._second_moment = second_moment
+        self._first_moment = first_moment
+        self._per_row_step = None if per_row_step is None else bool(per_row_step)
+        self._decay_missed = None if decay_missed_steps is None else bool(decay_missed_steps)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
+                    "weight_decay": weight_decay,
+                    "decoupled_weight_decay": bool(decoupled_weight_decay), "curvature": c}
+        self._start(params, defaults, state_dir=state_dir, resume=resume,
+                    overwrite=overwrite, access=access, nonfinite=nonfinite, storage=storage,
+                    memory=memory, keep_snapshots=keep_snapshots, unclean=unclean)
+
+    def _start(self, params, defaults: dict[str, Any], *, state_dir, resume: bool,
+               overwrite: bool, access: str, nonfinite: str | None, storage: str,
+               memory: int | str | None, keep_snapshots: int, unclean: str) -> None:
+        """The storage arguments checked, torch's ``Optimizer.__init__``, then the stores
+        opened or created: the part of construction every optimizer of this machinery
+        shares (DiskSparseAdagrad's too)."""
+        what = self._NAME
+        self._unclean = check_unclean_arg(unclean, what)
+        self._keep_snapshots = check_keep(keep_snapshots, what)
+        dsa_core.tools.check_access(access)
         if nonfinite is not None:
             validation.check_nonfinite(nonfinite, what=what)
         self._resume, self._overwrite = check_reopen(resume, overwrite, what)
         self._storage, self._memory = check_storage_args(storage, memory, access, what)
         self._access = access
-        self._second_moment = second_moment
-        self._first_moment = first_moment
         self._nonfinite = nonfinite
-        self._per_row_step = None if per_row_step is None else bool(per_row_step)
-        self._decay_missed = None if decay_missed_steps is None else bool(decay_missed_steps)
         self._ready = False
         self._closed = False
         self._slots: dict[torch.Tensor, _Slot] = {}
@@ -444,9 +463,6 @@ class DiskSparseAdam(torch.optim.Optimizer):
         self._group = None      # dsa_core.Group of the stores (two or more): one commit
         self._mismatch = None   # why the stores cannot form their group (different steps)
         self.state_dir = None if state_dir is None else Path(state_dir)
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
-                    "weight_decay": weight_decay,
-                    "decoupled_weight_decay": bool(decoupled_weight_decay), "curvature": c}
         super().__init__(params, defaults)
         self._finalizer = weakref.finalize(self, _Owned.close, self._owned)
         self._attach(range(len(self.param_groups)))
@@ -464,6 +480,65 @@ class DiskSparseAdam(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
+
+    # -- the optimizer's own part (DiskSparseAdagrad overrides these) ---------------------
+    def _hparams(self, group: dict) -> tuple:
+        """A param group's hyperparameters for this step, checked (:func:`_group_hparams`)."""
+        return _group_hparams(group)
+
+    @staticmethod
+    def _decoupled(hp: tuple) -> bool:
+        """Whether ``hp`` (of :meth:`_hparams`) asks for decoupled weight decay."""
+        return hp[5]
+
+    def _create_kw(self, hp: tuple, c: float) -> dict[str, Any]:
+        """``dsa_core.create``'s optimizer keywords for an own store of curvature ``c``."""
+        lr, betas, eps, maximize, wd, decoupled = hp
+        return {"curvature": c, "lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
+                "weight_decay": wd, "decoupled_weight_decay": decoupled,
+                "second_moment": self._sm(c), "first_moment": self._first_moment or "full",
+                **self._row_options()}
+
+    def _expect(self, c: float) -> dict[str, Any]:
+        """What an existing own store must be (``check_existing``'s optimizer keywords)."""
+        return {"optimizer": "adam", "second_moment": self._sm(c),
+                "first_moment": self._first_moment or "full", **self._row_options()}
+
+    def _with_hparams(self, st: dsa_core.State, hp: tuple) -> dsa_core.State:
+        """``st`` with the hyperparameters ``hp`` of this step (recorded at the next flush:
+        ``dsa info``, a resume)."""
+        lr, betas, eps, maximize, wd, decoupled = hp
+        if (st.lr, st.betas, st.eps, st.maximize, st.weight_decay,
+                st.decoupled_weight_decay) != (lr, betas, eps, maximize, wd, decoupled):
+            st = st._replace(lr=lr, betas=betas, eps=eps, maximize=maximize,
+                             weight_decay=wd, decoupled_weight_decay=decoupled)
+        return st
+
+    @staticmethod
+    def _describe_hparams(st: dsa_core.State) -> dict[str, Any]:
+        """The hyperparameters a state dict's manifest records for the store ``st``."""
+        return {"lr": st.lr, "betas": list(st.betas), "eps": st.eps,
+                "maximize": st.maximize, "weight_decay": st.weight_decay,
+                "decoupled_weight_decay": st.decoupled_weight_decay}
+
+    def _store_optimizer(self) -> str:
+        """The ``optimizer`` of the stores this optimizer steps (``dsa_core.create``'s)."""
+        return "adam"
+
+    def _check_embedding_optimizer(self, st: dsa_core.State, where: str) -> None:
+        """``ValueError`` unless the DiskEmbedding store ``st`` holds this optimizer's state
+        (``DiskEmbedding(optimizer=...)``)."""
+        want = self._store_optimizer()
+        if st.optimizer != want:
+            right = "DiskSparseAdam" if st.optimizer == "adam" else (
+                "DiskSparseAdagrad" + ("(rowwise=True)" if st.optimizer == "rowwise_adagrad"
+                                       else ""))
+            raise ValueError(
+                f"{self._NAME}: {where} is a DiskEmbedding created with "
+                f"optimizer={st.optimizer!r} (its store {str(st.path)!r} holds "
+                f"{st.optimizer}'s state), which this optimizer cannot step: it needs "
+                f"DiskEmbedding(..., optimizer={want!r}). Step that embedding with {right}, "
+                "or create it with the optimizer you mean to use; nothing was changed")
 
     def _sm(self, c: float) -> str:
         """``dsa_core.create``'s second_moment for an own store of curvature ``c``."""
@@ -488,23 +563,23 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 if p.is_complex():
                     cplx.append([gi, pj])
         if sparse:
-            raise ValueError(f"Sparse params at indices {sparse}: SparseAdam requires dense "
-                             "parameter tensors")
+            raise ValueError(f"Sparse params at indices {sparse}: {self._TORCH} requires "
+                             "dense parameter tensors")
         if cplx:
-            raise ValueError(f"Complex params at indices {cplx}: SparseAdam does not support "
-                             "complex parameters")
+            raise ValueError(f"Complex params at indices {cplx}: {self._TORCH} does not "
+                             "support complex parameters")
         plan = []
         for gi in groups:
             group = self.param_groups[gi]
             gc = validation.check_curvature(group.get("curvature", 0.0),
-                                            what=f"DiskSparseAdam param group {gi}")
+                                            what=f"{self._NAME} param group {gi}")
             group["curvature"] = gc
-            decoupled = _group_hparams(group)[5]  # torch's checks, for overrides too
+            decoupled = self._decoupled(self._hparams(group))  # torch's checks, overrides too
             for pj, p in enumerate(group["params"]):
                 where = f"parameter [{gi}, {pj}]"
                 if p.dim() != 2:
                     raise ValueError(
-                        f"DiskSparseAdam needs 2-D (num_rows, dim) parameters such as "
+                        f"{self._NAME} needs 2-D (num_rows, dim) parameters such as "
                         f"nn.Embedding.weight; {where} has shape {tuple(p.shape)}. Optimize "
                         "it with another optimizer (e.g. torch.optim.Adam)")
                 dt = np_dtype(p.dtype, where)
@@ -516,8 +591,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     if other is not None and other is not self:
                         raise dsa_core.StoreLockedError(
                             f"the DiskEmbedding of {where} (store {str(h.state.path)!r}) is "
-                            "already stepped by another DiskSparseAdam; close that one first")
+                            f"already stepped by another {self._NAME}; close that one first")
                     c = h.state.curvature
+                    self._check_embedding_optimizer(h.state, where)
                     if gc not in (0.0, c):
                         raise ValueError(
                             f"{where} is a DiskEmbedding created with curvature {c}, but its "
@@ -525,7 +601,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                             "fixed when it is created (DiskEmbedding(curvature=...))")
                     sm = self._second_moment
                     if sm is not None:
-                        validation.check_second_moment(sm, c, what=f"DiskSparseAdam {where}")
+                        validation.check_second_moment(sm, c, what=f"{self._NAME} {where}")
                     fm, nf, st = self._first_moment, self._nonfinite, h.state
                     pr, dm = self._per_row_step, self._decay_missed
                     for name, asked, want, kept in (
@@ -543,7 +619,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                                 f"{where} is a DiskEmbedding whose store {kept}, but this "
                                 f"optimizer asks for {name}={asked!r}; set it on the embedding "
                                 f"(DiskEmbedding({name}=...)) and leave it out here")
-                    _check_catch_up(st, decoupled, f"DiskSparseAdam {where}")
+                    _check_catch_up(st, decoupled, f"{self._NAME} {where}")
                     plan.append((gi, pj, p, None, dt, c))
                     continue
                 mc = manifold_curvature(p)
@@ -554,18 +630,18 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 c = gc if mc is None else mc
                 if self._second_moment is not None:
                     validation.check_second_moment(self._second_moment, c,
-                                                   what=f"DiskSparseAdam {where}")
+                                                   what=f"{self._NAME} {where}")
                 if self._first_moment is not None:
                     validation.check_first_moment(self._first_moment, c, dt,
-                                                  what=f"DiskSparseAdam {where}")
+                                                  what=f"{self._NAME} {where}")
                 if self._decay_missed and not decoupled:
                     raise ValueError(
-                        f"DiskSparseAdam: decay_missed_steps=True catches up the decoupled "
+                        f"{self._NAME}: decay_missed_steps=True catches up the decoupled "
                         f"(AdamW) weight decay of the steps a row missed, but param group "
                         f"{gi} (of {where}) has decoupled_weight_decay=False; pass "
                         "decoupled_weight_decay=True")
                 if self.state_dir is None:
-                    raise ValueError(f"DiskSparseAdam needs state_dir=...: the moments of "
+                    raise ValueError(f"{self._NAME} needs state_dir=...: the moments of "
                                      f"{where} are kept in a store there")
                 plan.append((gi, pj, p, self.state_dir / f"group{gi}_param{pj}", dt, c))
         return plan
@@ -582,7 +658,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         # with two tables or more, state_dir holds their group's commit file (_regroup)
         if not self._ready and not own and len(plan) < 2 and self.state_dir is not None:
             warnings.warn(
-                f"DiskSparseAdam: state_dir={str(self.state_dir)!r} is not used: the one "
+                f"{self._NAME}: state_dir={str(self.state_dir)!r} is not used: the one "
                 "parameter is a DiskEmbedding's weight, whose m and v live in that "
                 "embedding's own store (its state_dir), and nothing is written here. Leave "
                 "state_dir out (it is needed for parameters held in memory, such as an "
@@ -590,17 +666,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 UserWarning, stacklevel=3)
         new_lock = None
         if own and self._owned.lock is None:
-            new_lock = DirLock(self.state_dir, "DiskSparseAdam")
+            new_lock = DirLock(self.state_dir, self._NAME)
         opened: list[dsa_core.State] = []
         created: list[Path] = []
         try:
             expect, found = [], []
             for gi, pj, p, path, dt, c in own:  # pass 1: look, write nothing
                 kw = {"num_rows": p.shape[0], "dim": p.shape[1], "dtype": dt, "curvature": c,
-                      "weights": False, "what": f"DiskSparseAdam parameter [{gi}, {pj}]",
-                      "second_moment": self._sm(c),
-                      "first_moment": self._first_moment or "full",
-                      "storage": self._storage, **self._row_options()}
+                      "weights": False, "what": f"{self._NAME} parameter [{gi}, {pj}]",
+                      "storage": self._storage, **self._expect(c)}
                 expect.append(kw)
                 found.append(None if self._overwrite
                              else peek_existing(path, unclean=self._unclean, **kw))
@@ -609,7 +683,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 listed = ", ".join(f"{name} (step {n})" for name, n in old[:4])
                 more = f" and {len(old) - 4} more" if len(old) > 4 else ""
                 raise FileExistsError(
-                    f"DiskSparseAdam: state_dir {str(self.state_dir)!r} already holds the "
+                    f"{self._NAME}: state_dir {str(self.state_dir)!r} already holds the "
                     f"stores of an earlier run: {listed}{more}; nothing was changed. Pass "
                     "resume=True to continue from them (their m, v and step counts; restore "
                     "the model's weights too, e.g. from the extra= of opt.checkpoint), or "
@@ -620,17 +694,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     st = reopen(path, access=self._access, memory=self._memory,
                                 unclean=self._unclean, **expect[k])
                 else:
-                    lr, betas, eps, maximize, wd, decoupled = _group_hparams(
-                        self.param_groups[gi])
-                    st = dsa_core.create(path, p.shape[0], p.shape[1], curvature=c, lr=lr,
-                                         betas=betas, eps=eps, maximize=maximize,
-                                         weight_decay=wd, decoupled_weight_decay=decoupled,
-                                         weights=False, dtype=dt.name, access=self._access,
-                                         second_moment=self._sm(c),
-                                         first_moment=self._first_moment or "full",
+                    st = dsa_core.create(path, p.shape[0], p.shape[1], weights=False,
+                                         dtype=dt.name, access=self._access,
                                          nonfinite=self._nonfinite or "propagate",
-                                         overwrite=self._overwrite, **self._row_options(),
-                                         **self._kind())
+                                         overwrite=self._overwrite, **self._kind(),
+                                         **self._create_kw(self._hparams(self.param_groups[gi]),
+                                                           c))
                     created.append(path)
                 opened.append(st)
                 if self._nonfinite is not None and st.nonfinite != self._nonfinite:
@@ -689,7 +758,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
     def _check_in_step(self) -> None:
         if self._mismatch is not None:
             raise dsa_core.GroupMismatchError(
-                f"DiskSparseAdam: {self._mismatch}. Nothing was written; "
+                f"{self._NAME}: {self._mismatch}. Nothing was written; "
                 "opt.load_checkpoint(dir) restores every store from a checkpoint")
 
     # -- stepping -------------------------------------------------------------------------
@@ -720,7 +789,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if hp is None:
-                    hp = _group_hparams(group)
+                    hp = self._hparams(group)
                 job = self._prepare(p, f"parameter [{gi}, {pj}]", hp)
                 if job.idx_dev.device.type == "cuda":
                     devices.add(job.idx_dev.device)
@@ -754,19 +823,19 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if g.layout == torch.strided:
             if isinstance(p, DiskWeight):
                 raise RuntimeError(
-                    f"SparseAdam does not support dense gradients: {where} is the weight of "
+                    f"{self._TORCH} does not support dense gradients: {where} is the weight of "
                     f"a {p._dsa_what}, and it got a dense gradient because the loss read "
                     "emb.weight as a whole (e.g. a regularizer such as "
                     "emb.weight.pow(2).sum()), which gives every row a gradient. Apply such "
                     "terms to the rows the forward returns (emb(ids)); nothing was written")
-            raise RuntimeError(
-                "SparseAdam does not support dense gradients, please consider Adam instead")
+            raise RuntimeError(f"{self._TORCH} does not support dense gradients, please "
+                               f"consider {self._DENSE} instead")
         if g.layout != torch.sparse_coo:
-            raise ValueError(f"DiskSparseAdam needs sparse COO gradients; {where} has a "
+            raise ValueError(f"{self._NAME} needs sparse COO gradients; {where} has a "
                              f"{g.layout} gradient. Convert it with grad.to_sparse_coo()")
         if g.sparse_dim() != 1:
             raise ValueError(
-                f"DiskSparseAdam updates whole rows: the gradient of {where} must have "
+                f"{self._NAME} updates whole rows: the gradient of {where} must have "
                 f"sparse_dim == 1 (row ids + dense rows, as nn.Embedding(sparse=True) "
                 f"gives), got sparse_dim={g.sparse_dim()}. Build it as "
                 "torch.sparse_coo_tensor(row_ids[None], rows, size), or convert it with "
@@ -779,7 +848,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         if slot.handle.closed:
             raise RuntimeError(f"the store of {where} ({str(slot.handle.state.path)!r}) is "
                                "closed")
-        _check_catch_up(slot.handle.state, hp[5], f"DiskSparseAdam {where}")
+        _check_catch_up(slot.handle.state, hp[5], f"{self._NAME} {where}")
         raw = g._indices()[0]
         if raw.numel():  # before coalesce(): torch's coalesce corrupts memory on a negative id
             lo, hi = (int(v) for v in torch.aminmax(raw))  # one sync on CUDA
@@ -798,14 +867,9 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     def _update(self, job: _Job) -> tuple:
         """``(state, idx, grad, kwargs)`` of ``job`` for ``dsa_core.step_many``."""
-        lr, betas, eps, maximize, wd, decoupled = job.hp
-        h = job.slot.handle
-        st = h.state
+        lr = job.hp[0]
         # the store records the settings this step uses (`dsa info`, a resume): lr too
-        if (st.lr, st.betas, st.eps, st.maximize, st.weight_decay,
-                st.decoupled_weight_decay) != (lr, betas, eps, maximize, wd, decoupled):
-            st = st._replace(lr=lr, betas=betas, eps=eps, maximize=maximize,
-                             weight_decay=wd, decoupled_weight_decay=decoupled)
+        st = self._with_hparams(job.slot.handle.state, job.hp)
         idx, vals = job.host[0].numpy(), job.host[1].numpy()
         if job.slot.owned and len(job.host) == 2:  # a CPU table: its rows updated in place
             return st, idx, vals, {"lr": lr, "table": job.p.detach().numpy()}
@@ -894,12 +958,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this DiskSparseAdam is closed; to continue, create a new one "
+            raise RuntimeError(f"this {self._NAME} is closed; to continue, create a new one "
                                "on the same state_dir with resume=True (it reopens the "
                                "stores)")
 
     def __getstate__(self):
-        raise TypeError("DiskSparseAdam cannot be pickled or deep-copied: its state lives in "
+        raise TypeError(f"{self._NAME} cannot be pickled or deep-copied: its state lives in "
                         "stores on disk. Save it with opt.checkpoint(dest) and resume with "
                         "opt.load_checkpoint(dest)")
 
@@ -971,7 +1035,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
             live=[] if self.state_dir is None else [self.state_dir])
         carried: list = []
         if extra is not None:  # the snapshots its state dicts name travel with it
-            extra, carried = carry_plan(extra, "DiskSparseAdam.checkpoint")
+            extra, carried = carry_plan(extra, f"{self._NAME}.checkpoint")
         sd = self._describe()  # flushes every store; the checkpoint holds the snapshots
         man = sd[MANIFEST_KEY]
         man["checkpoint"] = str(dest_r)
@@ -1011,12 +1075,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
         f = src / CHECKPOINT_FILE
         if not f.is_file():
             raise FileNotFoundError(
-                f"{str(src)!r} is not a DiskSparseAdam checkpoint: it has no {CHECKPOINT_FILE}; "
+                f"{str(src)!r} is not a {self._NAME} checkpoint: it has no {CHECKPOINT_FILE}; "
                 "write one with opt.checkpoint(dest_dir)")
         sd = torch.load(f, weights_only=True)
         man = sd.get(MANIFEST_KEY) if isinstance(sd, dict) else None
         if not isinstance(man, dict) or "checkpoint" not in man:
-            raise ValueError(f"{str(f)!r} is not a DiskSparseAdam checkpoint state dict (no "
+            raise ValueError(f"{str(f)!r} is not a {self._NAME} checkpoint state dict (no "
                              f"{MANIFEST_KEY!r} with a 'checkpoint' entry)")
         extra: dict[str, Any] = {}
         if man.get("extra"):
@@ -1063,7 +1127,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         that a writer holds (someone resumed training in it) is kept.
         """
         self._check_open()
-        keep = check_keep(keep, "DiskSparseAdam.release_snapshots")
+        keep = check_keep(keep, f"{self._NAME}.release_snapshots")
         return sum(release(s.handle.state.path, "opt", keep) for s in self._ordered_slots())
 
     def _describe(self) -> dict[str, Any]:
@@ -1080,10 +1144,8 @@ class DiskSparseAdam(torch.optim.Optimizer):
                     "owned": s.owned, "count": int(st.count), "num_rows": st.num_rows,
                     "dim": st.dim, "dtype": st.dtype.name, "curvature": st.curvature,
                     "second_moment": st.second_moment, "first_moment": st.first_moment,
-                    **row_options(st),
-                    "hparams": {"lr": st.lr, "betas": list(st.betas), "eps": st.eps,
-                                "maximize": st.maximize, "weight_decay": st.weight_decay,
-                                "decoupled_weight_decay": st.decoupled_weight_decay}})
+                    **row_options(st), "optimizer": st.optimizer,
+                    "hparams": self._describe_hparams(st)})
         sd[MANIFEST_KEY] = {"format": _MANIFEST_FORMAT, "version": 1,
                             "state_dir": None if self.state_dir is None
                             else str(self.state_dir.resolve()),
@@ -1141,7 +1203,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 st = self._slots[p].handle.state
                 if st.decay_missed_steps and not decoupled:
                     raise ValueError(
-                        f"DiskSparseAdam.load_state_dict: param group {gi} of the state dict "
+                        f"{self._NAME}.load_state_dict: param group {gi} of the state dict "
                         "has decoupled_weight_decay=False, but the store of parameter "
                         f"[{gi}, {pj}] ({str(st.path)!r}) was created with "
                         "decay_missed_steps=True, which needs decoupled weight decay; "
@@ -1157,6 +1219,13 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 st = self._slots[p].handle.state
                 have = (st.num_rows, st.dim, st.dtype.name, st.curvature)
                 want = (e["num_rows"], e["dim"], e["dtype"], e["curvature"])
+                want_opt = e.get("optimizer", "adam")  # written since Adagrad stores exist
+                if st.optimizer != want_opt:
+                    raise ValueError(
+                        f"{self._NAME}.load_state_dict: checkpoint store {e['name']!r} holds "
+                        f"{want_opt}'s state (optimizer={want_opt!r}), but the parameter in "
+                        f"its position has a store of optimizer={st.optimizer!r}; load it "
+                        "into the optimizer that wrote it. Nothing was changed")
                 if have != want:
                     raise ValueError(
                         f"checkpoint store {e['name']!r} is {want[0]} x {want[1]} {want[2]} "
@@ -1206,7 +1275,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
         curvatures = [g["curvature"] for g in self.param_groups]
         # A SparseAdam (or geoopt) state dict has no weight decay: its groups keep this
         # optimizer's values for the keys they lack, rather than losing them
-        kept = [{k: g[k] for k in _KEPT_KEYS if k not in sg and k in g}
+        kept = [{k: g[k] for k in self._kept_keys if k not in sg and k in g}
                 for g, sg in zip(self.param_groups, saved_groups)]
         if self._group is not None:  # restored one by one: no group commit in between
             group, self._group = self._group, None
@@ -1237,7 +1306,7 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 continue
             where = f"parameter [{e.get('group', '?')}, {e.get('index', gp)}]"
             raise ValueError(
-                f"DiskSparseAdam.load_state_dict: this state dict was taken at step {cnt} of "
+                f"{self._NAME}.load_state_dict: this state dict was taken at step {cnt} of "
                 f"{where} (store {e.get('name')!r}), but that store {str(st.path)!r} is at "
                 f"step {st.count}. A state dict holds no rows (m and v stay in the stores and "
                 f"kept moving), so loading it would pair step {cnt} with the moments of step "
@@ -1252,14 +1321,14 @@ class DiskSparseAdam(torch.optim.Optimizer):
         """The snapshots a :meth:`state_dict` names, opened read-only and checked (None
         where an entry names none: ``keep_snapshots=0``). All or nothing."""
         def one(gp, e, h):
-            where = (f"DiskSparseAdam.load_state_dict: parameter [{e.get('group', '?')}, "
+            where = (f"{self._NAME}.load_state_dict: parameter [{e.get('group', '?')}, "
                      f"{e.get('index', gp)}]")
             if e.get("state_rows") is not None:  # a small table's records, in the state dict
                 return check_rows(e["state_rows"], _live(h, gp), where, int(e["count"]))
             saved = e.get("state_snapshot")
             if saved is None:
                 return None
-            return open_saved(saved, _live(h, gp), f"DiskSparseAdam.load_state_dict: "
+            return open_saved(saved, _live(h, gp), f"{self._NAME}.load_state_dict: "
                               f"parameter [{e.get('group', '?')}, {e.get('index', gp)}]",
                               int(e["count"]), f"keep_snapshots={self._keep_snapshots} here")
         return self._open_each(entries, params, one)
@@ -1302,11 +1371,16 @@ class DiskSparseAdam(torch.optim.Optimizer):
             st = self._slots[p].handle.state
             if st.per_row_step and ("exp_avg" in s or int(torch.as_tensor(s.get("step", 0)))):
                 raise ValueError(
-                    f"DiskSparseAdam.load_state_dict: the store {str(st.path)!r} was created "
+                    f"{self._NAME}.load_state_dict: the store {str(st.path)!r} was created "
                     "with per_row_step=True, which keeps each row's own step count; a "
                     "torch.optim.SparseAdam state dict has only one global step, so the rows' "
                     "counts cannot be recovered from it. Import it into a store created "
                     "without per_row_step; nothing was changed")
+            if "exp_avg" not in s and "sum" in s:
+                raise ValueError(
+                    f"{self._NAME}.load_state_dict: the state of parameter {i} holds sum (an "
+                    "Adagrad state dict); this optimizer's stores hold Adam's moments. Load it "
+                    "into DiskSparseAdagrad; nothing was changed")
             if "exp_avg" not in s:
                 todo.append((st, int(s.get("step", 0)), None, None))
                 continue

@@ -1,6 +1,6 @@
 """PyTorch adapter of dsa_core: sparse Adam with its state (and optionally weights) on disk.
 
-Three entry points:
+Four entry points:
 
 :class:`DiskSparseAdam`
     A drop-in for ``torch.optim.SparseAdam`` (``nn.Embedding`` / ``nn.EmbeddingBag`` with
@@ -10,9 +10,15 @@ Three entry points:
     ``decoupled_weight_decay`` (``torch.optim.Adam``'s L2 and AdamW, on the batch's rows)
     and the per-row options ``per_row_step`` / ``decay_missed_steps``.
 
+:class:`DiskSparseAdagrad`
+    ``torch.optim.Adagrad`` on sparse gradients (its arguments and defaults), its
+    accumulators on disk; ``rowwise=True`` is PyTorch-BigGraph's ``RowAdagrad``. The same
+    storage arguments, checkpoints and state dicts as :class:`DiskSparseAdam`.
+
 :class:`DiskEmbedding`
     An embedding (or bag) module whose weights live on disk too, for tables larger than
-    RAM; :class:`DiskSparseAdam` steps it in the same loop.
+    RAM; :class:`DiskSparseAdam` steps it in the same loop (``optimizer="adagrad"`` or
+    ``"rowwise_adagrad"``: :class:`DiskSparseAdagrad`).
 
 :class:`DiskSparseRiemannianAdam`
     The DSA article's API (``params={"emb": table}``, ``state_files``,
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 from dsa_core import StaleStateError, StoreLockedError
 
+from ._torch_adagrad import DiskSparseAdagrad
 from ._torch_article import DiskSparseRiemannianAdam
 from ._torch_embedding import DiskEmbedding, DiskWeight
 from ._torch_optim import CHECKPOINT_FILE, EXTRA_FILE, MANIFEST_KEY, DiskSparseAdam
@@ -64,6 +71,7 @@ __all__ = [
     "EXTRA_FILE",
     "MANIFEST_KEY",
     "DiskEmbedding",
+    "DiskSparseAdagrad",
     "DiskSparseAdam",
     "DiskSparseRiemannianAdam",
     "DiskWeight",

@@ -241,6 +241,10 @@ def _bar(total, desc, enabled=True):
 
 # -- info ------------------------------------------------------------------------------------
 def _geometry(st) -> str:
+    if st.optimizer == "adagrad":
+        return "euclidean (Adagrad)"
+    if st.optimizer == "rowwise_adagrad":
+        return "euclidean (row-wise Adagrad)"
     if st.curvature > 0:
         return "poincare ball"
     return ("euclidean (SparseAdam)" if st.second_moment == "elementwise"
@@ -269,14 +273,17 @@ def _info(st) -> dict:
     manifest = _manifest(path) or {}
     return {
         "path": str(st.path), "num_rows": st.num_rows, "dim": st.dim, "dtype": st.dtype.name,
-        "curvature": st.curvature, "geometry": _geometry(st),
+        "curvature": st.curvature, "geometry": _geometry(st), "optimizer": st.optimizer,
         "second_moment": st.second_moment, "first_moment": st.first_moment,
         "weights": st.has_weights, "count": st.count,
         "count_as_of": _count_as_of(st.durability),
         "writer_active": lock_held(path / WRITER_LOCK),
         "unclean_stop": _unclean(st),
         "unclean_stop_note": UNCLEAN_NOTE if _unclean(st) else "no",
-        "lr": st.lr, "betas": list(st.betas),
+        "lr": st.lr, "betas": None if st.betas is None else list(st.betas),
+        **({"lr_decay": st.lr_decay,
+            "initial_accumulator_value": st.initial_accumulator_value}
+           if st.optimizer != "adam" else {}),
         "eps": st.eps, "maximize": st.maximize, "ball_eps": st.ball_eps,
         "nonfinite": st.nonfinite, "durability": st.durability,
         **{k: getattr(st, k) for k in ("weight_decay", "decoupled_weight_decay", "per_row_step",

@@ -10,6 +10,7 @@ A store is a directory holding two files:
                          | b"DSAHCRC1" | uint32 crc32 of the bytes before the padding | 4 zeros
                          | 8-byte unclean marker (the header's last 8 bytes)
         record r       : [ w (dim) | m (dim, or m_width) | v (dim, or 1) | t_r | last | padding ]
+        Adagrad record : [ w (dim) | acc (dim, or 1 for row-wise) | padding ]
 
     The unclean marker is ``UNCLEAN_MARK`` while rows may have changed since the last flush
     (``durability="flush"``: set and fdatasync'd before the first row of a flush interval
@@ -35,6 +36,12 @@ A store is a directory holding two files:
     float32 slot, int64 in a float64 slot (the int view of the records,
     ``data.view(counter_dtype(dtype))``, has the records' shape, so the element offset is the
     same in both views). Counters start at 0 (the file is created zero-filled).
+
+    A store created with ``optimizer="adagrad"`` or ``"rowwise_adagrad"`` (docs/algorithms.md
+    §7.5) has no m: its record is the weights and one accumulator (torch's ``"sum"``), ``dim``
+    values (elementwise) or one (row-wise), at the offset ``"v"`` with ``"v_width"`` values;
+    its layout says ``"optimizer"`` and has no ``"m"`` key (format version 5). An accumulator of
+    exactly 0 reads as the initial accumulator value, so the file starts zero-filled.
 
     The weight block is absent for stores created with ``weights=False``. Any
     numpy can read the weights without this package::
@@ -90,9 +97,10 @@ from ._files import CHECKSUM_KEY, check_json_checksum, write_json
 
 MAGIC = b"DSASTORE"
 FORMAT_NAME = "dsa-store"
-# newest version this module reads and writes: layout_version's, and 4 for a manifest that
-# names a snapshot chain (``_inplace.snapshots``; its data file header keeps its layout's)
-FORMAT_VERSION = 4
+# newest version this module reads and writes: layout_version's (5: an Adagrad store), and
+# at least 4 for a manifest that names a snapshot chain (``_inplace.snapshots``; its data file
+# header keeps its layout's)
+FORMAT_VERSION = 5
 HEADER_BYTES = 4096
 UNCLEAN_OFFSET = HEADER_BYTES - 8  # the unclean marker: the header's last 8 bytes
 UNCLEAN_MARK = b"DSAUNCLN"         # there: rows may differ from the manifest's count
@@ -115,6 +123,7 @@ __all__ = [
     "LOCK_FILE",
     "Layout",
     "MANIFEST_FILE",
+    "OPTIMIZERS",
     "SECOND_MOMENTS",
     "UNCLEAN_MARK",
     "UNCLEAN_OFFSET",
@@ -132,6 +141,9 @@ __all__ = [
 
 SECOND_MOMENTS = ("elementwise", "rowwise")
 FIRST_MOMENTS = ("full", "bfloat16")
+# what a store's records hold state for (docs/algorithms.md §2, §7.5): Adam's m and v, or
+# Adagrad's accumulator (one per coordinate, or one per row)
+OPTIMIZERS = ("adam", "adagrad", "rowwise_adagrad")
 
 
 def layout_version(layout: dict[str, Any]) -> int:
@@ -143,8 +155,13 @@ def layout_version(layout: dict[str, Any]) -> int:
     it refuses version 2 with "upgrade dsa_core". 3: records with per-row counters
     (``"row_step"``, ``"last_step"``), which a version-2 reader would ignore (it would run the
     global bias correction and no catch-up decay on a store made for them). Stores without
-    these options keep their version: their bytes are those of version 1 or 2.
+    these options keep their version: their bytes are those of version 1 or 2. 4 is taken by
+    manifests that name a snapshot chain (``_inplace.snapshots``). 5: Adagrad records
+    (``"optimizer": "adagrad"`` or ``"rowwise_adagrad"``), which an older reader would take
+    for Adam's (no m, the accumulator where v sits).
     """
+    if layout.get("optimizer", "adam") != "adam":
+        return 5
     if "row_step" in layout or "last_step" in layout:
         return 3
     if layout.get("second_moment") == "rowwise" or layout.get("first_moment") == "bfloat16":
@@ -162,7 +179,7 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
                 has_weights: bool, align: int,
                 second_moment: str = "elementwise",
                 first_moment: str = "full", *, per_row_step: bool = False,
-                decay_missed_steps: bool = False) -> dict[str, Any]:
+                decay_missed_steps: bool = False, optimizer: str = "adam") -> dict[str, Any]:
     """Column offsets and record stride (in elements) of one row record.
 
     ``second_moment="rowwise"`` (``curvature == 0`` only) gives v one element per row and
@@ -171,9 +188,25 @@ def make_layout(num_rows: int, dim: int, dtype: np.dtype, curvature: float,
     float32 slots (little-endian: the uint16 view of the record holds m at ``2 * m``) and
     adds ``"first_moment": "bfloat16"`` and ``"m_width"``. ``per_row_step`` and
     ``decay_missed_steps`` each add one counter slot after v, at the offsets ``"row_step"``
-    and ``"last_step"`` (format version 3). Other layouts are unchanged from format version 1.
+    and ``"last_step"`` (format version 3). ``optimizer="adagrad"`` / ``"rowwise_adagrad"``
+    (``curvature == 0``, none of the Adam options): ``[w | acc | padding]``, the accumulator
+    (``dim`` values, or 1) at ``"v"``, no ``"m"`` key, ``"optimizer"`` added (format version
+    5). Other layouts are unchanged from format version 1.
     """
     itemsize = np.dtype(dtype).itemsize
+    if optimizer != "adam":
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        w_off = 0 if has_weights else None
+        a_off = dim if has_weights else 0
+        a_width = 1 if optimizer == "rowwise_adagrad" else dim
+        used = a_off + a_width
+        stride = used
+        if align:
+            stride = -(-used * itemsize // align) * align // itemsize
+        return {"num_rows": int(num_rows), "dim": int(dim), "dtype": np.dtype(dtype).name,
+                "curvature": 0.0, "stride": int(stride), "w": w_off, "v": int(a_off),
+                "v_width": int(a_width), "align": int(align), "optimizer": optimizer}
     rowwise = second_moment == "rowwise" and curvature == 0
     v_width = 1 if (curvature > 0 or rowwise) else dim
     col = 0
@@ -246,21 +279,31 @@ class Layout:
     m_bf16: bool           # m packed as bfloat16 (``"first_moment": "bfloat16"``)
     rs_off: int            # per-row counters (docs/algorithms.md §7.1, §7.2): element
     ls_off: int            #   offsets of t_r (per_row_step) and of the last step, -1: absent
+    optimizer: str         # "adam", or "adagrad" / "rowwise_adagrad" (no m: m_off -1; the
+    #                        accumulator at v_off, v_width values)
     _items: tuple[tuple[str, Any], ...] = field(repr=False)  # the dict, in its order
 
     @classmethod
     def from_dict(cls, layout: dict[str, Any]) -> Layout:
         dim = int(layout["dim"])
         w = layout["w"]
+        opt = str(layout.get("optimizer", "adam"))
+        if opt not in OPTIMIZERS:
+            raise ValueError(f"the layout names optimizer {opt!r}, not one of {OPTIMIZERS}; "
+                             "the store is damaged, or was written by a newer dsa_core "
+                             "(upgrade dsa_core to open it)")
+        adam = opt == "adam"
         return cls(num_rows=int(layout["num_rows"]), dim=dim, dtype=np.dtype(layout["dtype"]),
                    curvature=float(layout["curvature"]), stride=int(layout["stride"]),
-                   w_off=None if w is None else int(w), m_off=int(layout["m"]),
+                   w_off=None if w is None else int(w),
+                   m_off=int(layout["m"]) if adam else -1,
                    v_off=int(layout["v"]), v_width=int(layout["v_width"]),
-                   m_width=int(layout.get("m_width", dim)),
+                   m_width=int(layout.get("m_width", dim)) if adam else 0,
                    rowwise=layout.get("second_moment") == "rowwise",
                    m_bf16=layout.get("first_moment") == "bfloat16",
                    rs_off=int(layout.get("row_step", -1)),
-                   ls_off=int(layout.get("last_step", -1)), _items=tuple(layout.items()))
+                   ls_off=int(layout.get("last_step", -1)), optimizer=opt,
+                   _items=tuple(layout.items()))
 
     def as_dict(self) -> dict[str, Any]:
         """The layout dict it was built from (a new copy): what the manifest records."""

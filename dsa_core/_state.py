@@ -30,11 +30,14 @@ from ._inplace.store import check_unclean
 from ._validation import (
     DURABILITY_MODES,
     INIT_NAMES,
+    check_adagrad_hparams,
+    check_adagrad_options,
     check_curvature,
     check_dtype,
     check_first_moment,
     check_hparams,
     check_memory_arg,
+    check_optimizer,
     check_positive_int,
     check_second_moment,
     check_seed,
@@ -56,7 +59,7 @@ class State(NamedTuple):
     handle: Handle          # the open store as the core keeps it (dsa_core._handle), shared
     count: int              # completed steps: the global t of the spec (bias correction)
     lr: float               # default learning rate (``step(..., lr=...)`` overrides it)
-    betas: tuple[float, float]
+    betas: tuple[float, float] | None  # Adam's; None for an Adagrad store
     eps: float
     maximize: bool
     ball_eps: float         # projection margin of the ball (c > 0); 0.0 for c == 0
@@ -64,6 +67,8 @@ class State(NamedTuple):
     durability: str = "flush"  # "flush": durable at flush(); "step": every step is atomic
     weight_decay: float = 0.0  # docs/algorithms.md §7.1: L2, or AdamW's with the flag below
     decoupled_weight_decay: bool = False
+    lr_decay: float = 0.0   # Adagrad's (docs/algorithms.md §7.5): lr / (1 + (t-1)*lr_decay)
+    initial_accumulator_value: float = 0.0  # Adagrad's: what an accumulator of 0 reads as
 
     # -- read-only conveniences ------------------------------------------------------------
     @property
@@ -157,12 +162,45 @@ class State(NamedTuple):
         return self.handle.store.layout.curvature
 
     @property
+    def optimizer(self) -> str:
+        """What the records hold state for, fixed at creation: ``"adam"`` (m and v),
+        ``"adagrad"`` or ``"rowwise_adagrad"`` (one accumulator per coordinate or per row,
+        docs/algorithms.md §7.5)."""
+        return self.handle.store.layout.optimizer
+
+    @property
     def second_moment(self) -> str:
         """``"elementwise"`` (SparseAdam's v), ``"rowwise"`` (docs/algorithms.md §7.3) or,
-        for c > 0, ``"riemannian"`` (the ball's one scalar per row)."""
-        if self.handle.store.layout.curvature > 0:
+        for c > 0, ``"riemannian"`` (the ball's one scalar per row). For an Adagrad store:
+        the accumulator's, ``"elementwise"`` or ``"rowwise"``."""
+        lay = self.handle.store.layout
+        if lay.optimizer != "adam":
+            return "rowwise" if lay.v_width == 1 and lay.optimizer != "adagrad" \
+                else "elementwise"
+        if lay.curvature > 0:
             return "riemannian"
-        return "rowwise" if self.handle.store.layout.rowwise else "elementwise"
+        return "rowwise" if lay.rowwise else "elementwise"
+
+    @property
+    def accumulator(self) -> np.ndarray:
+        """Adagrad stores: a (num_rows, dim) view (``"rowwise_adagrad"``: (num_rows, 1)) of
+        the accumulators, torch's ``"sum"``, no copy (writes reach the file). A value of
+        exactly 0 stands for ``initial_accumulator_value`` (a row never updated; a state
+        dict reports ``fl(iav)`` there, as torch's does). Not on log stores."""
+        self._require_view("accumulator")
+        lay = self.handle.store.layout
+        if lay.optimizer == "adam":
+            raise ValueError(f"store {str(self.path)!r} is an Adam store (optimizer='adam') and "
+                             "keeps no Adagrad accumulator; its state is exp_avg and "
+                             "exp_avg_sq")
+        return self._handed_out(self.handle.store.data[:, lay.v_off:lay.v_off + lay.v_width])
+
+    def _require_adam(self, name: str) -> None:
+        opt = self.handle.store.layout.optimizer
+        if opt != "adam":
+            raise ValueError(f"store {str(self.path)!r} was created with optimizer={opt!r} "
+                             f"and keeps no {name} (Adam's); its state is the accumulator "
+                             "(State.accumulator, torch's 'sum')")
 
     @property
     def has_weights(self) -> bool:
@@ -229,6 +267,7 @@ class State(NamedTuple):
         num_rows x dim x 4 bytes), since the file holds bfloat16. Not on log stores.
         """
         self._require_view("exp_avg")
+        self._require_adam("exp_avg")
         st = self.handle.store
         o = st.layout.m_off
         if st.layout.m_bf16:
@@ -250,6 +289,7 @@ class State(NamedTuple):
         the other columns keep their bits), durable at the next flush.
         """
         st = self.handle.store
+        self._require_adam("exp_avg")
         m = np.asarray(m)
         if m.shape != (self.num_rows, self.dim) or not (
                 np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
@@ -291,10 +331,19 @@ class State(NamedTuple):
         """A view of the second moments v: (num_rows, dim) for elementwise stores, (num_rows, 1)
         for ``second_moment="rowwise"`` and for c > 0. Not on log stores."""
         self._require_view("exp_avg_sq")
+        self._require_adam("exp_avg_sq")
         o = self.handle.store.layout.v_off
         return self._handed_out(self.handle.store.data[:, o:o + self.handle.store.layout.v_width])
 
     def __repr__(self) -> str:
+        if self.optimizer != "adam":
+            return (f"dsa_core.State(path={str(self.path)!r}, num_rows={self.num_rows}, "
+                    f"dim={self.dim}, dtype={self.dtype.name}, optimizer={self.optimizer!r}, "
+                    f"count={self.count}, lr={self.lr}, lr_decay={self.lr_decay}, "
+                    f"initial_accumulator_value={self.initial_accumulator_value}, "
+                    f"eps={self.eps}, maximize={self.maximize}"
+                    + (f", weight_decay={self.weight_decay}" if self.weight_decay else "")
+                    + ")")
         return (f"dsa_core.State(path={str(self.path)!r}, num_rows={self.num_rows}, "
                 f"dim={self.dim}, dtype={self.dtype.name}, curvature={self.curvature}, "
                 f"count={self.count}, lr={self.lr}, betas={self.betas}, eps={self.eps}, "
@@ -363,11 +412,27 @@ def _validate_init_array(init: Any, num_rows: int, dim: int, curvature: float,
 
 
 # -- life cycle ----------------------------------------------------------------------------------
-def state_meta(state: State, handle: Handle | None = None) -> dict[str, Any]:
+def state_meta(state: State, handle: Handle | None = None, optimizer: str | None = None
+               ) -> dict[str, Any]:
     """What every commit point of the store records beside the count: the hyperparameters
     and the durability of ``state`` and the settings and commit group its store's Handle
     holds (an engine's ``flush``/``commit_step`` ``meta``). ``handle``: whose, if not
-    ``state.handle``."""
+    ``state.handle``; ``optimizer``: the store's, while ``create`` makes its engine. An
+    Adagrad store records its own hyperparameters (no betas: an older
+    dsa_core, which reads Adam's, refuses its manifest)."""
+    h = state.handle if handle is None else handle
+    opt = h.store.layout.optimizer if optimizer is None else optimizer
+    if opt != "adam":
+        return _meta({
+            "optimizer": opt,
+            "lr": state.lr,
+            "lr_decay": state.lr_decay,
+            "initial_accumulator_value": state.initial_accumulator_value,
+            "eps": state.eps,
+            "maximize": state.maximize,
+            "nonfinite": state.nonfinite,
+            "weight_decay": state.weight_decay,
+        }, state.durability, h)
     return _meta({
         "lr": state.lr,
         "betas": list(state.betas),
@@ -377,7 +442,8 @@ def state_meta(state: State, handle: Handle | None = None) -> dict[str, Any]:
         "nonfinite": state.nonfinite,
         "weight_decay": state.weight_decay,
         "decoupled_weight_decay": state.decoupled_weight_decay,
-    }, state.durability, state.handle if handle is None else handle)
+    }, state.durability, h)
+
 
 
 def newest_meta(h: Handle) -> dict[str, Any]:
@@ -405,7 +471,7 @@ def group_field(ref: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float = 1e-3,
-           betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+           betas: tuple[float, float] | None = None, eps: float | None = None,
            maximize: bool = False, weights: bool = True, init: Any = None,
            init_scale: float = 1e-2, seed: int = 0, dtype: Any = "float32",
            ball_eps: float | None = None, nonfinite: str = "propagate", align: int = 0,
@@ -414,7 +480,9 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
            weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
            decay_missed_steps: bool = False, per_row_step: bool = False,
            progress: bool | None = None, storage: str = "auto",
-           memory: int | str | None = None, space_ratio: float | None = None) -> State:
+           memory: int | str | None = None, space_ratio: float | None = None,
+           optimizer: str = "adam", lr_decay: float = 0.0,
+           initial_accumulator_value: float = 0.0) -> State:
     """Create a store at ``path`` and return its open ``State`` (count 0).
 
     Parameters
@@ -427,7 +495,10 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         ``0``: Euclidean lazy Adam, exactly ``torch.optim.SparseAdam``. ``c > 0``: Riemannian
         Adam on the Poincaré ball of curvature ``-c`` (geoopt ``SparseRiemannianAdam``).
     lr, betas, eps, maximize : as in ``torch.optim.SparseAdam``
-        Stored in the manifest; ``lr`` can be overridden on every ``step``.
+        Stored in the manifest; ``lr`` can be overridden on every ``step``. ``betas``
+        defaults to (0.9, 0.999) (Adam only); ``eps`` to the optimizer's default: 1e-8 for
+        Adam, 1e-10 for Adagrad (torch's). Give ``lr`` for Adagrad (torch's default is 1e-2,
+        this function's 1e-3).
     weights : bool, default True
         ``False``: only m and v live here; the caller passes its weight rows to
         ``step(..., params=rows)``, which updates them in place.
@@ -548,6 +619,25 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         emptiest segments to keep disk use under it. Lower saves disk and costs more
         cleaning writes (``dsa info`` shows the write amplification). Stored with the store.
 
+    optimizer : "adam", "adagrad" or "rowwise_adagrad", default "adam"
+        What the records hold state for, fixed at creation (docs/algorithms.md §7.5):
+        ``"adagrad"`` is ``torch.optim.Adagrad`` on sparse gradients (one accumulator per
+        coordinate, torch's ``"sum"``), ``"rowwise_adagrad"`` PyTorch-BigGraph's
+        ``RowAdagrad`` (one accumulator per row, from the row mean of ``g²``; with
+        ``weight_decay``, FBGEMM's L2). Records ``[w | acc | padding]``, format version 5.
+        Adagrad takes ``lr``, ``lr_decay``, ``initial_accumulator_value``, ``eps``,
+        ``maximize``, ``nonfinite``, ``weight_decay`` (row-wise only) and every storage
+        argument; the Adam options (``curvature > 0``, ``betas``, ``second_moment``,
+        ``first_moment="bfloat16"``, ``decoupled_weight_decay``, ``decay_missed_steps``,
+        ``per_row_step``) are refused, and so is ``weight_decay`` elementwise (torch refuses
+        it with sparse gradients). The step count ``t`` is the store's global count: torch's
+        float32 step tensor stops counting at 2**24 (so its ``lr_decay`` freezes there);
+        this one does not.
+    lr_decay, initial_accumulator_value : float >= 0, default 0.0
+        Adagrad only (``torch.optim.Adagrad``'s): this step's lr is
+        ``lr / (1 + (t - 1) * lr_decay)``; an accumulator starts at
+        ``initial_accumulator_value`` (the file holds 0 for a row never updated, read as it).
+
     Returns
     -------
     State
@@ -572,12 +662,32 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     dim = check_positive_int("dim", dim)
     dt = check_dtype(dtype)
     c = check_curvature(curvature)
-    lr, betas, eps, maximize, nonfinite = check_hparams(lr, betas, eps, maximize, nonfinite)
-    second_moment = check_second_moment(second_moment, c)
-    first_moment = check_first_moment(first_moment, c, dt)
-    weight_decay, decoupled_weight_decay, decay_missed_steps, per_row_step = \
-        check_weight_decay_options(weight_decay, decoupled_weight_decay, decay_missed_steps,
-                                   per_row_step)
+    optimizer = check_optimizer(optimizer)
+    if optimizer == "adam":
+        if lr_decay != 0.0 or initial_accumulator_value != 0.0:
+            raise ValueError(
+                f"lr_decay and initial_accumulator_value are Adagrad's; optimizer='adam' takes "
+                f"neither, got lr_decay={lr_decay!r}, initial_accumulator_value="
+                f"{initial_accumulator_value!r}. Pass optimizer='adagrad', or drop them")
+        lr, betas, eps, maximize, nonfinite = check_hparams(
+            lr, (0.9, 0.999) if betas is None else betas, 1e-8 if eps is None else eps,
+            maximize, nonfinite)
+        second_moment = check_second_moment(second_moment, c)
+        first_moment = check_first_moment(first_moment, c, dt)
+        weight_decay, decoupled_weight_decay, decay_missed_steps, per_row_step = \
+            check_weight_decay_options(weight_decay, decoupled_weight_decay,
+                                       decay_missed_steps, per_row_step)
+    else:
+        weight_decay = check_adagrad_options(
+            optimizer, curvature=c, betas=betas, second_moment=second_moment,
+            first_moment=first_moment, weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            decay_missed_steps=decay_missed_steps, per_row_step=per_row_step)
+        lr, lr_decay, eps, initial_accumulator_value, maximize, nonfinite = \
+            check_adagrad_hparams(lr, lr_decay, 1e-10 if eps is None else eps,
+                                  initial_accumulator_value, maximize, nonfinite)
+        betas = None
+        decoupled_weight_decay = decay_missed_steps = per_row_step = False
     if ball_eps is None:
         ball_eps = default_ball_eps(dt) if c > 0 else 0.0
     ball_eps = float(ball_eps)
@@ -599,7 +709,7 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     memory = check_memory_arg(memory, storage)
     layout = _layout.make_layout(num_rows, dim, dt, c, bool(weights), int(align),
                                  second_moment, first_moment, per_row_step=per_row_step,
-                                 decay_missed_steps=decay_missed_steps)
+                                 decay_missed_steps=decay_missed_steps, optimizer=optimizer)
     if storage == "auto":
         storage = auto_storage(num_rows * layout["stride"] * dt.itemsize,
                                memory is not None or space_ratio is not None, access)
@@ -649,12 +759,13 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
         remove(directory)  # the other kind's files (refused while a writer holds it)
     h = Handle(None, 0, settings)  # the engine comes next
     state = State(h, 0, lr, betas, eps, maximize, ball_eps, nonfinite, durability,
-                  weight_decay, decoupled_weight_decay)
+                  weight_decay, decoupled_weight_decay, float(lr_decay),
+                  float(initial_accumulator_value))
     ball = float(maxnorm(c, ball_eps, dt)) if c > 0 else None
     with _cleanup_on_sigterm():  # a SIGTERM removes the half-written files first
         h.store = engine.create_store(
             directory, layout, settings, init=init, init_scale=init_scale, seed=seed,
-            ball_maxnorm=ball, meta=state_meta(state), overwrite=overwrite,
+            ball_maxnorm=ball, meta=state_meta(state, optimizer=optimizer), overwrite=overwrite,
             progress=progress, space_ratio=space_ratio)
     return state
 
@@ -669,6 +780,13 @@ def _state_from(h: Handle, count: int, meta: dict[str, Any]) -> State:
     if durability not in DURABILITY_MODES:
         raise ValueError(f"store {str(store.path)!r} records durability {durability!r}, not "
                          f"one of {DURABILITY_MODES}; the store is damaged")
+    opt = store.layout.optimizer
+    if hp.get("optimizer", "adam") != opt:
+        raise ValueError(f"store {str(store.path)!r} records hyperparameters of optimizer "
+                         f"{hp.get('optimizer', 'adam')!r} beside records of {opt!r}; the store "
+                         "is damaged. Nothing was changed; restore the store from a checkpoint")
+    if opt != "adam":
+        return _adagrad_state_from(h, count, hp, durability)
     try:
         state = State(h, int(count), float(hp["lr"]),
                       tuple(float(b) for b in hp["betas"]), float(hp["eps"]),
@@ -690,6 +808,27 @@ def _state_from(h: Handle, count: int, meta: dict[str, Any]) -> State:
                          f"refuses ({exc}); its manifest is damaged or was edited by hand. "
                          "Nothing was changed; restore the store from a checkpoint") from None
     return state
+
+
+def _adagrad_state_from(h: Handle, count: int, hp: dict[str, Any], durability: str) -> State:
+    """:func:`_state_from` for an Adagrad store (its hyperparameters, create's rules)."""
+    store = h.store
+    try:
+        args = (hp["lr"], hp["lr_decay"], hp["eps"], hp["initial_accumulator_value"],
+                hp["maximize"], hp.get("nonfinite", "propagate"))
+        wd = hp.get("weight_decay", 0.0)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"store {str(store.path)!r} records hyperparameters {hp!r} that "
+                         f"lack or mangle a field ({exc!r}); the store is damaged") from None
+    try:
+        lr, lr_decay, eps, iav, maximize, nonfinite = check_adagrad_hparams(*args)
+        wd = check_adagrad_options(store.layout.optimizer, weight_decay=wd)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"store {str(store.path)!r} records hyperparameters that create "
+                         f"refuses ({exc}); its manifest is damaged or was edited by hand. "
+                         "Nothing was changed; restore the store from a checkpoint") from None
+    return State(h, int(count), lr, None, eps, maximize, 0.0, nonfinite, durability, wd,
+                 False, lr_decay, iav)
 
 
 class _Terminated(BaseException):
@@ -727,7 +866,8 @@ def _cleanup_on_sigterm() -> Iterator[None]:
 
 
 def open(path, mode: str = "r+", *, access: str = "auto",
-         memory: int | str | None = None, unclean: str = "refuse") -> State:
+         memory: int | str | None = None, unclean: str = "refuse",
+         optimizer: str | None = None) -> State:
     """Open an existing store; the state resumes with the stored hyperparameters and count.
 
     ``mode="r+"`` (default) takes the store's writer lock (a second writer gets a clear
@@ -756,9 +896,15 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     after the store's own manifest was written (a crash between the group's commit point
     and this store's part of it) is first brought to that commit (docs/storage.md,
     "Several tables: one commit"), unless another process holds it for writing.
+
+    ``optimizer`` (``"adam"``, ``"adagrad"``, ``"rowwise_adagrad"``): the one the caller
+    means to step the store with; a store created for another raises ``ValueError`` (its
+    records hold another optimizer's state) after changing nothing. ``None``: any.
     """
     if mode not in ("r", "r+"):
         raise ValueError(f"mode must be 'r' (read-only) or 'r+' (read-write), got {mode!r}")
+    if optimizer is not None:
+        optimizer = check_optimizer(optimizer)
     check_access(access)
     check_unclean(unclean)
     directory = Path(path)
@@ -767,6 +913,8 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     store, count, meta, settings = engine.open_store(directory, mode, access=access,
                                                      memory=memory, unclean=unclean)
     try:
+        if optimizer is not None:
+            check_store_optimizer(store.layout.optimizer, optimizer, store.path)
         ref = meta.get("group")
         return _state_from(Handle(store, count, settings,
                                   dict(ref) if isinstance(ref, dict) and mode == "r+"
@@ -774,6 +922,16 @@ def open(path, mode: str = "r+", *, access: str = "auto",
     except BaseException:
         store.abandon()
         raise
+
+
+def check_store_optimizer(have: str, want: str, path: Any, what: str = "") -> None:
+    """``ValueError`` unless a store of optimizer ``have`` may be stepped as ``want``."""
+    if have != want:
+        raise ValueError(
+            f"{what + ': ' if what else ''}store {str(path)!r} was created with "
+            f"optimizer={have!r}, not {want!r}: its records hold {have}'s state, which "
+            f"{want} cannot step. Nothing was changed; step it with its own optimizer, or "
+            f"create a new store with optimizer={want!r}")
 
 
 def flush(state: State) -> None:
@@ -920,6 +1078,12 @@ _RESTORE_CHUNK_BYTES = 1 << 24  # 16 MiB of records per copy chunk
 def check_same_layout(live: State, other: State, what: str = "") -> None:
     """Raise ``ValueError`` unless the two stores have identical record layouts."""
     have, want = live.store.layout.as_dict(), other.store.layout.as_dict()
+    ho, wo = have.get("optimizer", "adam"), want.get("optimizer", "adam")
+    if ho != wo:
+        raise ValueError(
+            f"{what + ': ' if what else ''}the store {str(other.path)!r} holds {wo}'s state "
+            f"(optimizer={wo!r}), but the store {str(live.path)!r} is {ho}'s (optimizer="
+            f"{ho!r}); records move only between stores of one optimizer")
     if have != want:
         raise ValueError(
             f"{what + ': ' if what else ''}the store {str(other.path)!r} holds a "
@@ -974,7 +1138,7 @@ def _copy_records(src: State, dst: State) -> None:
 
 
 def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
-            overwrite: bool = False) -> State:
+            overwrite: bool = False, optimizer: str | None = None) -> State:
     """Copy a store into a new one of another kind; returns the new store's open State.
 
     ``dest`` gets ``src``'s layout (shape, dtype, options), hyperparameters, durability and
@@ -985,7 +1149,8 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     ``src``'s store); it stays open. ``dest`` remembers ``src``'s remembered settings that
     its kind takes (``access`` in place, ``memory`` for a log store, unless ``memory`` is
     given). A failed copy leaves a ``dest`` that must not be used (create it again with
-    ``overwrite=True``).
+    ``overwrite=True``). ``optimizer``, if given, must be ``src``'s (records do not convert
+    between optimizers: a clear error, before anything is written).
 
     >>> import tempfile, pathlib, numpy as np, dsa_core
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -1002,6 +1167,9 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     st = h.store
     if st.closed:
         raise closed_error(st, "the source", read_only=True)
+    if optimizer is not None:
+        check_store_optimizer(st.layout.optimizer, check_optimizer(optimizer), st.path,
+                              "convert")
     if Path(dest).resolve() == Path(st.path).resolve():
         raise ValueError(f"convert destination {str(dest)!r} is the source store itself; "
                          "choose another directory")
@@ -1012,6 +1180,8 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
         memory = keep.get("memory")
     out = create(dest, lay["num_rows"], lay["dim"], curvature=lay["curvature"], lr=src.lr,
                  betas=src.betas, eps=src.eps, maximize=src.maximize,
+                 optimizer=lay.get("optimizer", "adam"), lr_decay=src.lr_decay,
+                 initial_accumulator_value=src.initial_accumulator_value,
                  weights=lay["w"] is not None, dtype=lay["dtype"],
                  ball_eps=src.ball_eps if lay["curvature"] > 0 else None,
                  nonfinite=src.nonfinite, align=int(lay.get("align", 0)),

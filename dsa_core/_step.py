@@ -8,6 +8,7 @@ rejected call leaves the store byte-identical.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._engine import closed_error, scratch
 from ._engines import warmup_engines
 from ._intrinsics import NO_OPTIONS, WD_DECOUPLED, WD_L2, WD_NONE, options_array
+from ._kernels_adagrad import adagrad_hparams, adagrad_rows, rowwise_adagrad_options_kernel
 from ._kernels_euclid import (
     adam_rows_euclid,
     adam_rows_euclid_bf16m,
@@ -112,6 +114,19 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     ``lr`` is this step's. Rows not in ``idx`` and rows skipped for non-finite gradients are
     not decayed and keep their counters.
 
+    A store created with ``optimizer="adagrad"`` steps ``torch.optim.Adagrad`` on sparse
+    gradients, ``"rowwise_adagrad"`` PyTorch-BigGraph's ``RowAdagrad`` (docs/algorithms.md
+    §7.5), with ``clr = lr / (1 + (t - 1) * lr_decay)`` from the store's global ``t``
+    (never frozen: torch's float32 step tensor stops counting at 2**24):
+
+    .. math::
+
+        s \leftarrow s + g^2,\quad p \leftarrow p - \mathrm{clr}\,\frac{g}{\sqrt{s} +
+        \epsilon}
+
+    elementwise; row-wise, ``s`` is one number per row and grows by ``mean_j g_j²`` (with
+    ``weight_decay``, FBGEMM's L2: ``g + wd * p`` in both places).
+
     Examples
     --------
     >>> import tempfile, pathlib, numpy as np, dsa_core
@@ -170,6 +185,17 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     lr = state.lr if lr is None else check_lr(lr, allow_zero=True)  # schedules may hit 0
     if state.weight_decay:  # set by _replace: checked as create checks it
         check_weight_decay(state.weight_decay, what="State.weight_decay")
+        if lay.optimizer == "adagrad":
+            raise ValueError(f"State.weight_decay: optimizer='adagrad': weight_decay option "
+                             f"is not compatible with sparse gradients (as in "
+                             f"torch.optim.Adagrad), got {state.weight_decay}; nothing was "
+                             "written. Set it back to 0, or use a rowwise_adagrad store")
+    if lay.optimizer != "adam" and not (math.isfinite(state.lr_decay) and state.lr_decay >= 0
+                                        and math.isfinite(state.initial_accumulator_value)
+                                        and state.initial_accumulator_value >= 0):
+        raise ValueError(f"State.lr_decay and State.initial_accumulator_value must be finite "
+                         f"numbers >= 0, got {state.lr_decay!r} and "
+                         f"{state.initial_accumulator_value!r}; nothing was written")
     idx = as_index(idx, lay.num_rows)
     b = idx.shape[0]
     grad = _as_rows(grad, b, lay.dim, lay.dtype, "grad")
@@ -299,18 +325,10 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
     engine's ``begin_step``); the caller's ``params``/``table`` are indexed as rows."""
     h = state.handle
     lay = h.store.layout
-    if lay.w_off is not None:
-        W, wrows, woff = data, drows, lay.w_off
-    elif table is not None:  # the caller's whole table: its rows srows, in place
-        W, wrows, woff = table, srows, 0
-    else:
-        if inv is None:
-            W = np.ascontiguousarray(params)
-        else:  # one row per unique id: the first occurrence
-            first = np.empty(srows.shape[0], np.int64)
-            first[inv[::-1]] = np.arange(inv.shape[0] - 1, -1, -1)
-            W = params[first]
-        wrows, woff = np.arange(srows.shape[0], dtype=np.int64), 0
+    if lay.optimizer != "adam":
+        _apply_adagrad(state, t, lr, srows, G, inv, params, table, data=data, drows=drows)
+        return
+    W, wrows, woff = _weights(lay, data, drows, srows, inv, params, table)
     b1, b2 = state.betas
     bc1 = 1.0 - b1**t  # one global step t for every row (per_row_step: the kernels, per row)
     bc2 = 1.0 - b2**t
@@ -354,12 +372,56 @@ def _apply(state: State, t: int, lr: float, srows, G, inv, params, table, *,
         _pool.run_chunked(poincare_options_kernel(*spec) if spec else adam_rows_poincare,
                           (W, wrows, woff, data, drows, lay.m_off, lay.v_off, G, Y, hp, skip,
                            opts), n, chunk)
+    _weights_back(lay, W, inv, params, table)
+
+
+def _weights(lay, data, drows, srows, inv, params, table):
+    """``(W, wrows, woff)`` for the kernels: the records' weights, the caller's table, or
+    one row per unique id of the caller's ``params`` (``weights=False`` stores)."""
+    if lay.w_off is not None:
+        return data, drows, lay.w_off
+    if table is not None:  # the caller's whole table: its rows srows, in place
+        return table, srows, 0
+    if inv is None:
+        W = np.ascontiguousarray(params)
+    else:  # one row per unique id: the first occurrence
+        first = np.empty(srows.shape[0], np.int64)
+        first[inv[::-1]] = np.arange(inv.shape[0] - 1, -1, -1)
+        W = params[first]
+    return W, np.arange(srows.shape[0], dtype=np.int64), 0
+
+
+def _weights_back(lay, W, inv, params, table) -> None:
+    """The new weight rows into the caller's ``params`` (``weights=False``, no table)."""
     if lay.w_off is None and table is None:
         if inv is None:
             if W is not params:
                 params[...] = W
         else:
             params[...] = W[inv]
+
+
+def _apply_adagrad(state: State, t: int, lr: float, srows, G, inv, params, table, *,
+                   data: np.ndarray, drows: np.ndarray) -> None:
+    """:func:`_apply` for an Adagrad store (docs/algorithms.md §7.5): elementwise
+    (``torch.optim.Adagrad``) or row-wise (PBG's ``RowAdagrad``; ``weight_decay``: FBGEMM's
+    L2), the accumulator at the layout's v offset. ``t`` is the store's global count, never
+    frozen (torch's float32 step tensor stops at 2**24)."""
+    lay = state.handle.store.layout
+    W, wrows, woff = _weights(lay, data, drows, srows, inv, params, table)
+    rowwise = lay.optimizer == "rowwise_adagrad"
+    wd = state.weight_decay if rowwise else 0.0
+    hp = adagrad_hparams(lay.dtype, lr=lr, t=t, lr_decay=state.lr_decay, eps=state.eps,
+                         initial_accumulator_value=state.initial_accumulator_value,
+                         maximize=state.maximize, weight_decay=wd)
+    if rowwise:
+        kernel = rowwise_adagrad_options_kernel(WD_L2 if wd else WD_NONE)
+    else:
+        kernel = adagrad_rows
+    _pool.run_chunked(kernel, (W, wrows, woff, data, drows, lay.v_off, G, hp,
+                               state.nonfinite == "skip_row", NO_OPTIONS),
+                      srows.shape[0], _min_chunk(lay.dim))
+    _weights_back(lay, W, inv, params, table)
 
 
 def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
@@ -424,6 +486,11 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
                                                            4, G, hp, rw, 1, False, o, 0, 2)
                 poincare_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, Y, php,
                                                False, o, 0, 2)
+            ahp = adagrad_hparams(dt, lr=1e-2, t=1)
+            adagrad_rows(data, rows, 0, data, rows, 2, G, ahp, False, NO_OPTIONS, 0, 2)
+            for m in (WD_NONE, WD_L2):
+                rowwise_adagrad_options_kernel(m)(data, rows, 0, data, rows, 2, G, ahp, False,
+                                                  NO_OPTIONS, 0, 2)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
         gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
     is_strictly_increasing(rows)

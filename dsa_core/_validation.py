@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._coalesce import bounds
-from ._layout import FIRST_MOMENTS, SECOND_MOMENTS
+from ._layout import FIRST_MOMENTS, OPTIMIZERS, SECOND_MOMENTS
 from ._paging import ACCESS_MODES, check_access
 
 __all__ = [
@@ -32,14 +32,18 @@ __all__ = [
     "FIRST_MOMENTS",
     "INIT_NAMES",
     "NONFINITE_MODES",
+    "OPTIMIZERS",
     "SECOND_MOMENTS",
     "check_access",
+    "check_adagrad_hparams",
+    "check_adagrad_options",
     "check_curvature",
     "check_dtype",
     "check_first_moment",
     "check_hparams",
     "check_lr",
     "check_memory_arg",
+    "check_optimizer",
     "check_positive_int",
     "check_second_moment",
     "check_seed",
@@ -162,6 +166,100 @@ def check_weight_decay_options(weight_decay: Any, decoupled_weight_decay: Any = 
             "gradient on the steps a row misses. Pass decoupled_weight_decay=True, or drop "
             "decay_missed_steps")
     return wd, bool(decoupled_weight_decay), bool(decay_missed_steps), bool(per_row_step)
+
+
+def check_optimizer(optimizer: Any, *, what: str = "") -> str:
+    """One of :data:`OPTIMIZERS`: what the store's records hold state for."""
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+        raise ValueError(f"{_p(what)}optimizer must be one of {OPTIMIZERS} (Adam's m and v, "
+                         "or Adagrad's accumulator per coordinate or per row), got "
+                         f"{optimizer!r}")
+    return optimizer
+
+
+def _nonneg(name: str, value: Any, label: str, what: str) -> float:
+    try:
+        if isinstance(value, (bool, np.bool_, str, bytes)):
+            raise TypeError
+        x = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{_p(what)}{name} must be a real number >= 0, got {value!r}") from None
+    if not (math.isfinite(x) and x >= 0.0):
+        raise ValueError(f"{_p(what)}Invalid {label} value: {x}; {name} must be a finite "
+                         "number >= 0")
+    return x
+
+
+def check_adagrad_hparams(lr, lr_decay, eps, initial_accumulator_value, maximize, nonfinite,
+                          *, what: str = "") -> tuple:
+    """``(lr, lr_decay, eps, initial_accumulator_value, maximize, nonfinite)`` of an Adagrad
+    store, checked in ``torch.optim.Adagrad``'s order with its messages' start ("Invalid
+    learning rate", "Invalid lr_decay value", "Invalid initial_accumulator_value value",
+    "Invalid epsilon value"). Stricter than torch where the core is for Adam too: ``lr > 0``
+    at creation (a step's ``lr`` may be 0) and ``eps > 0`` (eps = 0 divides 0 by 0 for a
+    row whose accumulator and gradient are 0)."""
+    lr = check_lr(lr, what=what)
+    lr_decay = _nonneg("lr_decay", lr_decay, "lr_decay", what)
+    iav = _nonneg("initial_accumulator_value", initial_accumulator_value,
+                  "initial_accumulator_value", what)
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"{_p(what)}eps must be a real number > 0, got {eps!r}") from None
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ValueError(f"{_p(what)}Invalid epsilon value: {eps}; eps must be a finite "
+                         "number > 0 (eps = 0 divides 0 by 0 for a row whose accumulator and "
+                         "gradient are 0), e.g. eps=1e-10 (Adagrad's default)")
+    if not isinstance(maximize, (bool, np.bool_)):
+        raise TypeError(f"{_p(what)}maximize must be a bool, got {maximize!r}")
+    check_nonfinite(nonfinite, what=what)
+    return lr, lr_decay, eps, iav, bool(maximize), nonfinite
+
+
+def check_adagrad_options(optimizer: str, *, curvature: float = 0.0, betas: Any = None,
+                          second_moment: str = "elementwise", first_moment: str = "full",
+                          weight_decay: Any = 0.0, decoupled_weight_decay: Any = False,
+                          decay_missed_steps: Any = False, per_row_step: Any = False,
+                          what: str = "") -> float:
+    """The Adam-only options refused for ``optimizer`` ("adagrad" or "rowwise_adagrad"),
+    each with what came, what must hold and the fix; returns the checked ``weight_decay``
+    (row-wise only: L2, FBGEMM's; elementwise refuses it as ``torch.optim.Adagrad`` does
+    with sparse gradients)."""
+    head = f"{_p(what)}optimizer={optimizer!r}"
+    wd = check_weight_decay(weight_decay, what=what)
+    if curvature != 0:
+        raise ValueError(f"{head} is Euclidean: curvature must be 0, got {curvature!r}; the "
+                         "Poincaré ball (curvature > 0) has Riemannian Adam only, use "
+                         "optimizer='adam'")
+    if betas is not None:
+        raise ValueError(f"{head} has no betas (they are Adam's moments' decay rates), got "
+                         f"betas={betas!r}; drop betas, or use optimizer='adam'")
+    if second_moment != "elementwise":
+        raise ValueError(f"{head} takes second_moment='elementwise' only, got "
+                         f"{second_moment!r}: second_moment='rowwise' is Adam's row-wise v. "
+                         "For one accumulator per row use optimizer='rowwise_adagrad'")
+    if first_moment != "full":
+        raise ValueError(f"{head} has no first moment, so first_moment must be 'full', got "
+                         f"{first_moment!r}; drop first_moment")
+    for name, flag in (("decoupled_weight_decay", decoupled_weight_decay),
+                       ("decay_missed_steps", decay_missed_steps),
+                       ("per_row_step", per_row_step)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{_p(what)}{name} must be a bool, got {flag!r}")
+        if flag:
+            why = {"decoupled_weight_decay": "decoupled (AdamW's) weight decay is Adam's; "
+                   "row-wise Adagrad takes L2 weight_decay (FBGEMM's), elementwise none",
+                   "decay_missed_steps": "it catches up AdamW's decay, which Adagrad has not",
+                   "per_row_step": "it is the per-row bias correction of Adam, and Adagrad "
+                   "has no bias correction"}[name]
+            raise ValueError(f"{head} does not take {name}=True: {why}. Drop {name}, or use "
+                             "optimizer='adam'")
+    if wd and optimizer == "adagrad":
+        raise ValueError(f"{head}: weight_decay option is not compatible with sparse "
+                         f"gradients (torch.optim.Adagrad refuses it too), got weight_decay="
+                         f"{wd}; use optimizer='rowwise_adagrad' (L2, FBGEMM's), or "
+                         "weight_decay=0")
+    return wd
 
 
 def check_nonfinite(nonfinite: Any, *, what: str = "") -> str:

@@ -199,7 +199,8 @@ def create(path, num_rows: int, dim: int, kind: str = "inplace", *, slots: int |
                           kw.get("second_moment", "elementwise"),
                           "bfloat16" if kw.get("first_moment") == "bfloat16" else "full",
                           per_row_step=kw.get("per_row_step", False),
-                          decay_missed_steps=kw.get("decay_missed_steps", False))
+                          decay_missed_steps=kw.get("decay_missed_steps", False),
+                          optimizer=kw.get("optimizer", "adam"))
         kw["memory"] = log_memory(lay, slots)
     return dsa_core.create(path, num_rows, dim, storage=kind, **kw)
 

@@ -61,8 +61,8 @@ def all_records(state) -> bytes:
 class Reference:
     """The records after ``count`` steps of crash_worker.batch without any crash."""
 
-    def __init__(self, root: Path, kind: str):
-        self.root, self.kind, self.made = root, kind, 0
+    def __init__(self, root: Path, kind: str, **kw):
+        self.root, self.kind, self.made, self.kw = root, kind, 0, kw
         self.state = None
 
     def at(self, count: int) -> bytes:
@@ -71,7 +71,7 @@ class Reference:
                 dsa_core.close(self.state)
             self.made += 1
             path = self.root / f"ref{self.made}"
-            make_store(path, self.kind)
+            make_store(path, self.kind, **self.kw)
             self.state = dsa_core.open(path)
         while self.state.count < count:
             self.state = dsa_core.step(self.state, *cw.batch(self.state.count + 1))
@@ -249,22 +249,24 @@ def test_sigkill_then_reboot_reopens_exact_or_refused_many(server, tmp_path, kin
 
 
 # -- deterministic ends ------------------------------------------------------------------------
-@pytest.mark.parametrize("end", [pytest.param("kill", marks=pytest.mark.slow), "os_exit",
-                                 "sigterm"])
-def test_stop_after_steps_past_a_flush(server, tmp_path, kind, end):
+@pytest.mark.parametrize(("end", "optimizer"), [
+    pytest.param("kill", "adam", marks=pytest.mark.slow), ("os_exit", "adam"),
+    ("sigterm", "adam"), ("kill", "adagrad"), ("kill", "rowwise_adagrad")])
+def test_stop_after_steps_past_a_flush(server, tmp_path, kind, end, optimizer):
     """Steps 1..10, a flush at 7, then SIGKILL, SIGTERM or os._exit: exact at 7, both
     kinds; the undo file is emptied by the recovery. (SIGKILL at random moments by default:
     the trials above.) These ends skip every exit handler: a child forked by the server
-    stops as a process of its own would."""
+    stops as a process of its own would. The Adagrad layouts (docs/algorithms.md §7.5) are
+    killed too: the recovery is the engines', which know no optimizer."""
     store = tmp_path / "s"
-    make_store(store, kind)
+    make_store(store, kind, optimizer=optimizer)
     rc, lines, err = server.run("flushk", store, "--every", 7, "--steps", 10, "--end", end)
     want = {"kill": -signal.SIGKILL, "sigterm": -signal.SIGTERM, "os_exit": 0}[end]
     assert rc == want, err
     assert lines[-2:] == [["flush", "7"], ["done", "10"]]
     assert is_marked(store) == (kind == "inplace")
     assert verify(store).returncode == 0  # recoverable on this boot: no problem
-    ref = Reference(tmp_path, kind)
+    ref = Reference(tmp_path, kind, optimizer=optimizer)
     try:
         r = dsa_core.open(store, mode="r")  # a reader puts the rows back in its own copy
         assert r.count == 7 and all_records(r) == ref.at(7)
