@@ -1,4 +1,5 @@
-"""``DiskAdam``: DiskSparseAdam that PyKEEN's training loop can rebuild from its param groups."""
+"""``DiskAdam`` and ``DiskAdagrad``: DiskSparseAdam and DiskSparseAdagrad that PyKEEN's training
+loop can rebuild from their param groups."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 
 from ._pykeen_repr import write_pending
 from ._torch_embedding import DiskWeight
+from ._torch_adagrad import DiskSparseAdagrad
 from ._torch_optim import DiskSparseAdam
 
-__all__ = ["DiskAdam"]
+__all__ = ["DiskAdagrad", "DiskAdam"]
 
 #: the param-group key naming the optimizer a rebuild comes from
 LINEAGE_KEY = "dsa_lineage"
@@ -21,15 +23,97 @@ LINEAGE_KEY = "dsa_lineage"
 _SETTINGS = ("state_dir", "access", "second_moment", "first_moment", "nonfinite",
              "per_row_step", "decay_missed_steps", "storage", "memory", "keep_snapshots")
 
-# lineage token -> live DiskAdam (in this process)
-_LIVE: weakref.WeakValueDictionary[str, DiskAdam] = weakref.WeakValueDictionary()
+# lineage token -> live DiskAdam or DiskAdagrad (in this process)
+_LIVE: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def _under(path: Any, root: Path | None) -> bool:
     return root is not None and Path(path).resolve().parent == root.resolve()
 
 
-class DiskAdam(DiskSparseAdam):
+class _Rebuilt:
+    """What makes a DSA optimizer one that PyKEEN's training loop can rebuild (see
+    :class:`DiskAdam`): the take-over of a live optimizer named by its token, the settings
+    and the token in the first param group, the pending resets written first."""
+
+    _SETTINGS = _SETTINGS
+
+    def _take_over(self, dsa_lineage, state_dir, resume: bool, overwrite: bool):
+        """Close the live optimizer ``dsa_lineage`` names (if any); the ``(resume,
+        overwrite)`` this one opens ``state_dir`` with."""
+        old = _LIVE.get(dsa_lineage) if dsa_lineage is not None else None
+        if old is not None and not old._closed:
+            root = old.state_dir
+            stepped = any(st.count for st in old.stores.values() if _under(st.path, root))
+            old.close()  # flush, release state_dir and the DiskEmbeddings it stepped
+            if root is not None and state_dir is not None \
+                    and Path(state_dir).resolve() == root.resolve():
+                resume, overwrite = (False, True) if stepped else (True, False)
+        return resume, overwrite
+
+    def _register(self, state_dir, options: dict[str, Any]) -> None:
+        self._settings = {"state_dir": None if state_dir is None else str(state_dir),
+                          **{k: v for k, v in options.items() if k in self._SETTINGS}}
+        self._lineage = uuid.uuid4().hex
+        _LIVE[self._lineage] = self
+
+    def _prepare(self, p, where: str, hp: tuple):
+        # a dense gradient here is (nearly always) a PyKEEN model built with its default
+        # Embedding tables: say so, and how to give it sparse ones, instead of SparseAdam's
+        # "please consider Adam instead" (step checks every gradient before it writes)
+        g = p.grad
+        if g is not None and g.layout == torch.strided and not isinstance(p, DiskWeight):
+            raise RuntimeError(
+                f"{type(self).__name__} steps row-sparse gradients only, but {where} (shape "
+                f"{tuple(p.shape)}) got a dense one; nothing was written. A PyKEEN model "
+                "gives them when its tables are SparseEmbedding or DiskBackedEmbedding, which "
+                "its default Embedding tables are not: build it with "
+                "model_kwargs=dict(..., **adapters.pykeen.sparse_representations()) (weights "
+                "in RAM, m and v in state_dir) or "
+                "model_kwargs=dict(..., **adapters.pykeen.disk_representations(root)) "
+                "(weights on disk too). Models with dense parameters beside their tables "
+                "(ConvE, ConvKB, ERMLP, ...) need a dense optimizer (docs/pykeen.md)")
+        return super()._prepare(p, where, hp)
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def step(self, closure=None):  # noqa: D102 - the base optimizer's
+        write_pending(self._params())  # nothing to write after a forward (which writes it)
+        return super().step(closure)
+
+    def checkpoint(self, dest_dir, **kwargs) -> Path:  # noqa: D102 - the base's
+        write_pending(self._params())
+        return super().checkpoint(dest_dir, **kwargs)
+
+    def load_checkpoint(self, src_dir) -> dict[str, Any]:  # noqa: D102 - the base's
+        write_pending(self._params())  # else the pending reset would overwrite what it loads
+        return super().load_checkpoint(src_dir)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict of ``DiskSparseAdam`` (a description before the first step), with
+        the constructor's settings and this optimizer's token in its first param group."""
+        if any(st.count for st in self.stores.values()):
+            write_pending(self._params())
+            sd = super().state_dict()
+        else:
+            sd = self._describe()
+        if sd["param_groups"]:
+            sd["param_groups"][0].update(self._settings)
+            sd["param_groups"][0][LINEAGE_KEY] = self._lineage
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``DiskSparseAdam``'s; the settings a state dict carries are not group keys."""
+        write_pending(self._params())
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for k in (*self._SETTINGS, LINEAGE_KEY):
+                if k not in self.defaults:
+                    group.pop(k, None)
+
+
+class DiskAdam(_Rebuilt, DiskSparseAdam):
     """:class:`adapters.torch.DiskSparseAdam` for PyKEEN: rebuilt by PyKEEN's training loop.
 
     PyKEEN trains with ``optimizer.__class__(params=model.get_grad_params(),
@@ -66,72 +150,38 @@ class DiskAdam(DiskSparseAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, *,
                  state_dir=None, resume: bool = False, overwrite: bool = False,
                  dsa_lineage: str | None = None, **options):
-        old = _LIVE.get(dsa_lineage) if dsa_lineage is not None else None
-        if old is not None and not old._closed:
-            root = old.state_dir
-            stepped = any(st.count for st in old.stores.values() if _under(st.path, root))
-            old.close()  # flush, release state_dir and the DiskEmbeddings it stepped
-            if root is not None and state_dir is not None \
-                    and Path(state_dir).resolve() == root.resolve():
-                resume, overwrite = (False, True) if stepped else (True, False)
+        resume, overwrite = self._take_over(dsa_lineage, state_dir, resume, overwrite)
         super().__init__(params, lr, betas, eps, maximize, state_dir=state_dir,
                          resume=resume, overwrite=overwrite, **options)
-        self._settings = {"state_dir": None if state_dir is None else str(state_dir),
-                          **{k: v for k, v in options.items() if k in _SETTINGS}}
-        self._lineage = uuid.uuid4().hex
-        _LIVE[self._lineage] = self
+        self._register(state_dir, options)
 
-    def _prepare(self, p, where: str, hp: tuple):
-        # a dense gradient here is (nearly always) a PyKEEN model built with its default
-        # Embedding tables: say so, and how to give it sparse ones, instead of SparseAdam's
-        # "please consider Adam instead" (step checks every gradient before it writes)
-        g = p.grad
-        if g is not None and g.layout == torch.strided and not isinstance(p, DiskWeight):
-            raise RuntimeError(
-                f"DiskAdam steps row-sparse gradients only, but {where} (shape "
-                f"{tuple(p.shape)}) got a dense one; nothing was written. A PyKEEN model "
-                "gives them when its tables are SparseEmbedding or DiskBackedEmbedding, which "
-                "its default Embedding tables are not: build it with "
-                "model_kwargs=dict(..., **adapters.pykeen.sparse_representations()) (weights "
-                "in RAM, m and v in state_dir) or "
-                "model_kwargs=dict(..., **adapters.pykeen.disk_representations(root)) "
-                "(weights on disk too). Models with dense parameters beside their tables "
-                "(ConvE, ConvKB, ERMLP, ...) need a dense optimizer (docs/pykeen.md)")
-        return super()._prepare(p, where, hp)
 
-    def _params(self):
-        return [p for g in self.param_groups for p in g["params"]]
+class DiskAdagrad(_Rebuilt, DiskSparseAdagrad):
+    """:class:`adapters.torch.DiskSparseAdagrad` for PyKEEN, rebuilt by its training loop as
+    :class:`DiskAdam` is (the same take-over, state dicts and pending resets).
 
-    def step(self, closure=None):  # noqa: D102 - DiskSparseAdam's
-        write_pending(self._params())  # nothing to write after a forward (which writes it)
-        return super().step(closure)
+    ``torch.optim.Adagrad``'s arguments and defaults (``lr=1e-2``, ``eps=1e-10``), plus
+    ``rowwise`` (PyTorch-BigGraph's ``RowAdagrad``). A :class:`DiskBackedEmbedding` keeps the
+    accumulator in its own records, so its tables are made for it:
+    ``disk_representations(root, optimizer="adagrad")`` (``"rowwise_adagrad"`` with
+    ``rowwise=True``); stepping a table made for another optimizer raises, naming
+    ``optimizer=``. ``SparseEmbedding`` tables need nothing.
+    """
 
-    def checkpoint(self, dest_dir, **kwargs) -> Path:  # noqa: D102 - DiskSparseAdam's
-        write_pending(self._params())
-        return super().checkpoint(dest_dir, **kwargs)
+    _SETTINGS = (*_SETTINGS, "rowwise")
 
-    def load_checkpoint(self, src_dir) -> dict[str, Any]:  # noqa: D102 - DiskSparseAdam's
-        write_pending(self._params())  # else the pending reset would overwrite what it loads
-        return super().load_checkpoint(src_dir)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state dict of ``DiskSparseAdam`` (a description before the first step), with
-        the constructor's settings and this optimizer's token in its first param group."""
-        if any(st.count for st in self.stores.values()):
-            write_pending(self._params())
-            sd = super().state_dict()
-        else:
-            sd = self._describe()
-        if sd["param_groups"]:
-            sd["param_groups"][0].update(self._settings)
-            sd["param_groups"][0][LINEAGE_KEY] = self._lineage
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``DiskSparseAdam``'s; the settings a state dict carries are not group keys."""
-        write_pending(self._params())
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:
-            for k in (*_SETTINGS, LINEAGE_KEY):
-                if k not in self.defaults:
-                    group.pop(k, None)
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0,
+                 initial_accumulator_value=0, eps=1e-10, foreach=None, *, maximize=False,
+                 differentiable=False, fused=None, rowwise: bool = False, state_dir=None,
+                 resume: bool = False, overwrite: bool = False,
+                 dsa_lineage: str | None = None, curvature: float = 0.0, **options):
+        # a rebuild passes every param-group key back, the fixed curvature among them
+        if curvature:
+            raise ValueError(f"DiskAdagrad: curvature={curvature!r}; Adagrad is Euclidean only "
+                             "(curvature 0). Use DiskAdam for a Poincare ball")
+        resume, overwrite = self._take_over(dsa_lineage, state_dir, resume, overwrite)
+        super().__init__(params, lr, lr_decay, weight_decay, initial_accumulator_value, eps,
+                         foreach, maximize=maximize, differentiable=differentiable,
+                         fused=fused, rowwise=rowwise, state_dir=state_dir, resume=resume,
+                         overwrite=overwrite, **options)
+        self._register(state_dir, {"rowwise": bool(rowwise), **options})

@@ -38,7 +38,8 @@ __all__ = ["DiskBackedEmbedding", "SparseEmbedding"]
 CHUNK_ROWS = 1 << 16
 
 #: the store options that ``disk_representations`` / ``DiskBackedEmbedding.at`` bind
-OPTIONS = ("overwrite", "storage", "memory", "access", "max_full_rows", "chunk_rows")
+OPTIONS = ("overwrite", "storage", "memory", "access", "max_full_rows", "chunk_rows",
+           "optimizer")
 
 #: why a DiskBackedEmbedding never resumes its store, and what works instead
 NO_RESUME = (
@@ -449,6 +450,9 @@ class DiskBackedEmbedding(Representation):
         names ``slice_size`` (evaluation streams the table in slices of that many rows).
     chunk_rows : int, default 65536
         Rows per chunk for the initializer and the constrainer.
+    optimizer : "adam" (default), "adagrad" or "rowwise_adagrad"
+        Whose state the records hold: :class:`adapters.pykeen.DiskAdam`'s, or
+        :class:`adapters.pykeen.DiskAdagrad`'s (``rowwise=True`` for ``"rowwise_adagrad"``).
 
     ---
     name: Disk-backed Embedding
@@ -466,11 +470,11 @@ class DiskBackedEmbedding(Representation):
                  state_dir=None, overwrite: bool | None = None,
                  storage: str | None = None, memory: int | str | None = None,
                  access: str | None = None, max_full_rows: int | None = None,
-                 chunk_rows: int | None = None, **kwargs):
+                 chunk_rows: int | None = None, optimizer: str | None = None, **kwargs):
         opts = dict(self.bound_options)
         for k, v in (("overwrite", overwrite), ("storage", storage), ("memory", memory),
                      ("access", access), ("max_full_rows", max_full_rows),
-                     ("chunk_rows", chunk_rows)):
+                     ("chunk_rows", chunk_rows), ("optimizer", optimizer)):
             if v is not None:
                 opts[k] = v
         if "resume" in kwargs:
@@ -511,8 +515,8 @@ class DiskBackedEmbedding(Representation):
             max_id, self.width, state_dir=state_dir, init=init, dtype=dtype,
             overwrite=bool(opts.get("overwrite", False)),
             storage=opts.get("storage", STORAGE_DEFAULT), memory=opts.get("memory"),
-            access=opts.get("access", "auto"), progress=False,
-            seed=0)  # unused (init is given); a None would draw from torch's generator
+            access=opts.get("access", "auto"), optimizer=opts.get("optimizer", "adam"),
+            progress=False, seed=0)  # unused (init is given); a None would draw from torch's generator
         self._redraw = _Redraw(max_id, self.width, dtype, self.chunk_rows)
         self._touched = _Touched()
 

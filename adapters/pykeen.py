@@ -6,7 +6,9 @@ used through PyKEEN's own ``pipeline()`` or training loops (sLCWA and LCWA):
 :class:`DiskAdam`
     The optimizer: ``torch.optim.SparseAdam``'s update with m and v on disk
     (:class:`adapters.torch.DiskSparseAdam`), which PyKEEN's training loop can rebuild
-    from its param groups (it does at the start of each ``train()``).
+    from its param groups (it does at the start of each ``train()``). :class:`DiskAdagrad`
+    is the same for ``torch.optim.Adagrad``'s update (and PyTorch-BigGraph's row-wise one,
+    ``rowwise=True``).
 :class:`SparseEmbedding`
     PyKEEN's ``Embedding`` with row-sparse gradients and the constrainer applied to the
     rows a batch used: weights in RAM, optimizer state on disk.
@@ -16,7 +18,7 @@ used through PyKEEN's own ``pipeline()`` or training loops (sLCWA and LCWA):
 :func:`sparse_representations` and :func:`disk_representations` give the ``model_kwargs``
 that put them in any model built from ``Embedding`` representations (TransE, DistMult,
 ComplEx, RotatE, ...). Importing this module registers the three classes with PyKEEN's
-resolvers, so ``optimizer="DiskAdam"`` and ``entity_representations="SparseEmbedding"``
+resolvers, so ``optimizer="DiskAdam"`` (or ``"DiskAdagrad"``) and ``entity_representations="SparseEmbedding"``
 work as names too.
 
 >>> import tempfile
@@ -42,13 +44,14 @@ from typing import Any
 from class_resolver.contrib.torch import optimizer_resolver
 from pykeen.nn import representation_resolver
 
-from ._pykeen_optim import DiskAdam
+from ._pykeen_optim import DiskAdagrad, DiskAdam
 from ._pykeen_repr import DiskBackedEmbedding, SparseEmbedding, check_options
 
-__all__ = ["DiskAdam", "DiskBackedEmbedding", "SparseEmbedding", "close",
+__all__ = ["DiskAdagrad", "DiskAdam", "DiskBackedEmbedding", "SparseEmbedding", "close",
            "disk_representations", "sparse_representations"]
 
-optimizer_resolver.register(DiskAdam, raise_on_conflict=False)
+for _opt in (DiskAdam, DiskAdagrad):
+    optimizer_resolver.register(_opt, raise_on_conflict=False)
 for _cls in (SparseEmbedding, DiskBackedEmbedding):
     representation_resolver.register(_cls, raise_on_conflict=False)
 
@@ -69,7 +72,9 @@ def disk_representations(root_dir, *, overwrite: bool = False, **options: Any) -
 
     The entity table's store goes to ``<root_dir>/entities`` and the relation table's to
     ``<root_dir>/relations``; then :class:`DiskAdam` needs no ``state_dir``. ``options``
-    (``storage``, ``memory``, ``access``, ``max_full_rows``, ``chunk_rows``) apply to both.
+    (``storage``, ``memory``, ``access``, ``max_full_rows``, ``chunk_rows``, ``optimizer``)
+    apply to both; ``optimizer="adagrad"`` (or ``"rowwise_adagrad"``) makes tables for
+    :class:`DiskAdagrad` (``rowwise=True``), whose state the records hold.
     Another keyword is refused (``TypeError``), and ``resume`` too (``ValueError``): PyKEEN
     re-initialises the tables when it trains, so a store is continued through PyKEEN's
     checkpoints with ``overwrite=True`` instead (docs/pykeen.md, "Stopping and resuming").
