@@ -129,6 +129,10 @@ class RowView:
     def _read(self, st: dsa_core.State, rows: np.ndarray) -> np.ndarray:
         if self._part == "w":
             return dsa_core.gather(st, rows)
+        if st.optimizer != "adam":
+            raise ValueError(f"store {str(st.path)!r} holds {st.optimizer}'s accumulator, not "
+                             f"Adam's m and v; read it with State.accumulator or "
+                             f"dsa_core.read_records (its layout's \"v\" offset)")
         if self._part == "m" and st.first_moment != "full":
             raise ValueError(f"store {str(st.path)!r} keeps m as {st.first_moment}; this view "
                              "reads a full-precision m only")

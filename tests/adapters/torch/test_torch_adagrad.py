@@ -390,3 +390,18 @@ def test_disk_sparse_adam_refuses_an_adagrad_state_dict(tmp_path):
         opt.load_state_dict(topt.state_dict())
     assert opt.store_for(emb.weight).count == 0
     opt.close()
+
+
+def test_a_row_view_of_m_or_v_refuses_an_adagrad_store(tmp_path):
+    """The article adapter's RowView reads Adam's m and v; an Adagrad store holds neither."""
+    import dsa_core
+    from adapters._row_view import RowView
+
+    st = dsa_core.create(tmp_path / "s", 10, 4, optimizer="adagrad", storage="log")
+    try:
+        assert RowView(lambda: st, "w")[[1, 2]].shape == (2, 4)
+        for part in ("m", "v"):
+            with pytest.raises(ValueError, match="accumulator"):
+                RowView(lambda: st, part)[[1]]
+    finally:
+        dsa_core.close(st)
