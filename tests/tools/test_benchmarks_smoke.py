@@ -64,6 +64,7 @@ SMOKES = {
     "undo_cost": (["--smoke"], None, "interval5_ms_per_step"),  # no result files in smoke
     "state_dict_disk": (["--smoke"], None, "run_dir"),  # writes no result files in smoke
     "step_ab": (["--smoke"], None, "rows_per_s"),  # prints its figures only
+    "adagrad": (["--smoke"], "adagrad_ooc_smoke", "x_adam_bytes"),
     # the in-process measure and the out-of-core one (cgroup, drive probe) once; every
     # measure once: test_guard_smoke_every_measure (slow). Without a cgroup or a compiler it
     # falls back (and says so)
@@ -77,7 +78,7 @@ WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "pykeen_ooc": "--workdir",
            "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
            "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir",
-           "guard": "--workdir", "step_ab": "--workdir"}
+           "guard": "--workdir", "step_ab": "--workdir", "adagrad": "--workdir"}
 
 
 @pytest.fixture
