@@ -271,6 +271,85 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
     return _transform(what, "adam", lr, overrides, in_jit, return_rows)
 
 
+def sparse_adagrad(learning_rate: float | Callable[[Any], Any] | None = 1e-2, *,
+                   lr_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                   eps: float = 1e-10, rowwise: bool = False, weight_decay: float = 0.0,
+                   maximize: bool = False, in_jit: bool = False,
+                   return_rows: bool = True) -> SparseGradientTransformation:
+    r"""Sparse Adagrad over ``dsa_core`` Adagrad stores, as an optax-style ``(init, update)``.
+
+    The twin of :func:`sparse_adam` (the same ``init``/``update``, ``in_jit``,
+    ``return_rows``, padding, ``row_grads``, several tables as a pytree, errors before any
+    write) for stores created with ``optimizer="adagrad"`` (``rowwise=True``:
+    ``"rowwise_adagrad"``), e.g. ``create_store(path, n, dim, optimizer="adagrad")``. The
+    step is ``dsa_core.step`` on such a store: ``torch.optim.Adagrad``'s sparse step, or
+    PyTorch-BigGraph's ``RowAdagrad`` (docs/algorithms.md §7.5); rows absent from a batch
+    are untouched.
+
+    Parameters
+    ----------
+    learning_rate : float or callable, default 1e-2
+        A float ``> 0`` or an optax schedule ``callable(count)`` (count = completed steps;
+        it may return 0); ``None``: each store's own ``lr``. The step size of step ``t`` is
+        ``lr / (1 + (t - 1) * lr_decay)``, ``t`` the global step count.
+    lr_decay : float, default 0
+        ``>= 0``, torch's ``lr_decay``.
+    initial_accumulator_value : float, default 0
+        ``>= 0``: what an accumulator of a row not yet updated reads as.
+    eps : float, default 1e-10
+        ``> 0`` (torch takes 0), added after the square root.
+    rowwise : bool, default False
+        ``True``: one accumulator per row (``optimizer="rowwise_adagrad"`` stores), grown by
+        the row mean of ``g²``.
+    weight_decay : float, default 0
+        ``rowwise=True`` only: FBGEMM's L2 decay ``g + weight_decay * p`` on the batch's
+        rows. Elementwise refuses anything but 0, as ``torch.optim.Adagrad`` does with
+        sparse gradients.
+    maximize : bool, default False
+        Ascend instead of descend.
+    in_jit, return_rows : bool
+        As for :func:`sparse_adam`.
+
+    Unlike :func:`sparse_adam`'s ``None`` defaults, every hyperparameter here is a value
+    (torch's defaults) and replaces the stores' own at ``init`` (written to each manifest
+    at the next flush). The state is a :class:`DiskAdagradState` (``DiskAdamState``'s
+    fields), which :func:`flush`, :func:`close`, :func:`core_states`, ``checkpoint`` and
+    ``restore`` take, alone or inside an optax state.
+
+    Raises
+    ------
+    ValueError
+        At ``init``: a store created for another optimizer (the message names
+        ``optimizer=``); a bad hyperparameter at construction. Otherwise as
+        :func:`sparse_adam`.
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np, dsa_core
+    >>> from adapters import jax as dsa_jax
+    >>> store = dsa_jax.create_store(tempfile.mkdtemp() + "/emb", 100, 8, init="normal",
+    ...                              optimizer="adagrad")
+    >>> tx = dsa_jax.sparse_adagrad(0.1)
+    >>> opt_state = tx.init(store)
+    >>> rows, opt_state = tx.update(([3, 5, 3], np.ones((3, 8), np.float32)), opt_state)
+    >>> rows.shape, int(opt_state.count), type(opt_state).__name__
+    ((3, 8), 1, 'DiskAdagradState')
+    >>> dsa_jax.close(opt_state)
+    """
+    what = "sparse_adagrad"
+    lr = _learning_rate(what, learning_rate)
+    if not isinstance(rowwise, (bool, np.bool_)):
+        raise TypeError(f"{what}: rowwise must be a bool, got {rowwise!r}")
+    optimizer = "rowwise_adagrad" if rowwise else "adagrad"
+    # the core's checks and messages (1.0: a neutral placeholder for the lr checked above)
+    _, lr_decay, eps, iav, maximize, _ = validation.check_adagrad_hparams(
+        1.0, lr_decay, eps, initial_accumulator_value, maximize, "propagate", what=what)
+    wd = validation.check_adagrad_options(optimizer, weight_decay=weight_decay, what=what)
+    overrides = {"lr_decay": lr_decay, "eps": eps, "initial_accumulator_value": iav,
+                 "maximize": maximize, "weight_decay": wd}
+    return _transform(what, optimizer, lr, overrides, in_jit, return_rows)
+
+
 def _learning_rate(what: str, learning_rate: Any) -> tuple[Callable | None, float | None]:
     """``(schedule, const_lr)``: a float, a schedule, an injected array (a schedule of one
     value), or ``None`` (each store's own lr) checked."""
