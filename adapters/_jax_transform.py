@@ -312,7 +312,8 @@ def sparse_adagrad(learning_rate: float | Callable[[Any], Any] | None = 1e-2, *,
 
     Unlike :func:`sparse_adam`'s ``None`` defaults, every hyperparameter here is a value
     (torch's defaults) and replaces the stores' own at ``init`` (written to each manifest
-    at the next flush). The state is a :class:`DiskAdagradState` (``DiskAdamState``'s
+    at the next flush). Under ``optax.inject_hyperparams`` the learning rate is read at
+    every update; the others take the values they had at ``init``. The state is a :class:`DiskAdagradState` (``DiskAdamState``'s
     fields), which :func:`flush`, :func:`close`, :func:`core_states`, ``checkpoint`` and
     ``restore`` take, alone or inside an optax state.
 
@@ -341,12 +342,23 @@ def sparse_adagrad(learning_rate: float | Callable[[Any], Any] | None = 1e-2, *,
     if not isinstance(rowwise, (bool, np.bool_)):
         raise TypeError(f"{what}: rowwise must be a bool, got {rowwise!r}")
     optimizer = "rowwise_adagrad" if rowwise else "adagrad"
+    given = {"lr_decay": lr_decay, "eps": eps, "initial_accumulator_value":
+             initial_accumulator_value, "weight_decay": weight_decay}
+    # optax.inject_hyperparams rebuilds the transform at every update with its values as
+    # arrays, traced under jit: only init sets them in the stores, so a traced one (an
+    # update's) is left out of the checks, as for learning_rate (which is read per update)
+    traced = {k for k, v in given.items() if _is_tracer(v)}
+    conc = {k: (1.0 if k == "eps" else 0.0) if k in traced else v for k, v in given.items()}
     # the core's checks and messages (1.0: a neutral placeholder for the lr checked above)
-    _, lr_decay, eps, iav, maximize, _ = validation.check_adagrad_hparams(
-        1.0, lr_decay, eps, initial_accumulator_value, maximize, "propagate", what=what)
-    wd = validation.check_adagrad_options(optimizer, weight_decay=weight_decay, what=what)
-    overrides = {"lr_decay": lr_decay, "eps": eps, "initial_accumulator_value": iav,
-                 "maximize": maximize, "weight_decay": wd}
+    _, ld, ep, iav, maximize, _ = validation.check_adagrad_hparams(
+        1.0, conc["lr_decay"], conc["eps"], conc["initial_accumulator_value"], maximize,
+        "propagate", what=what)
+    wd = validation.check_adagrad_options(optimizer, weight_decay=conc["weight_decay"],
+                                          what=what)
+    overrides = {k: v for k, v in (("lr_decay", ld), ("eps", ep),
+                                   ("initial_accumulator_value", iav),
+                                   ("weight_decay", wd)) if k not in traced}
+    overrides["maximize"] = maximize
     return _transform(what, optimizer, lr, overrides, in_jit, return_rows)
 
 

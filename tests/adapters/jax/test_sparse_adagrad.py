@@ -208,3 +208,34 @@ def test_optax_chain_with_clip_and_helpers(tmp_path, in_jit):
     dsa_jax.close(s2)
     dsa_jax.close(r)
     assert dsa_jax.core_states(s2).closed
+
+
+@pytest.mark.parametrize("in_jit", [False, True])
+def test_inject_hyperparams(tmp_path, in_jit):
+    """Injected values are arrays (traced under jit): the lr is read at every update, the
+    others set the stores at init."""
+    hp = {"lr_decay": 0.0625, "initial_accumulator_value": 0.125}  # exact in float32
+    tx = optax.inject_hyperparams(dsa_jax.sparse_adagrad, static_args=("in_jit",),
+                                  hyperparam_dtype=jnp.float32)(
+        learning_rate=0.25, in_jit=in_jit, **hp)
+    ref = dsa_jax.sparse_adagrad(_schedule, **hp)
+    s, r = tx.init(_store(tmp_path / "a", "adagrad")), ref.init(_store(tmp_path / "b",
+                                                                       "adagrad"))
+
+    def step(idx, g, s, k):
+        s.hyperparams["learning_rate"] = jnp.asarray(_schedule(k), jnp.float32)
+        return tx.update(dsa_jax.row_grads(idx, g), s)
+    if in_jit:
+        step = jax.jit(step)
+    for k, ids in enumerate(IDS[:3]):
+        b = dsa_jax.gather_batch(s, ids)
+        g = _batch_grads(b, ids, k)
+        _, s = step(b.idx, g, s, k)
+        _, r = ref.update((b.idx, g), r)
+    core = dsa_jax.core_states(s)
+    assert (core.lr_decay, core.initial_accumulator_value, core.count) == (0.0625, 0.125, 3)
+    np.testing.assert_allclose(dsa_core.read_records(core, np.arange(N)),
+                               dsa_core.read_records(dsa_jax.core_states(r), np.arange(N)),
+                               rtol=0, atol=1e-6)
+    dsa_jax.close(s)
+    dsa_jax.close(r)
