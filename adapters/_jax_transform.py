@@ -313,9 +313,10 @@ def sparse_adagrad(learning_rate: float | Callable[[Any], Any] | None = 1e-2, *,
     Unlike :func:`sparse_adam`'s ``None`` defaults, every hyperparameter here is a value
     (torch's defaults) and replaces the stores' own at ``init`` (written to each manifest
     at the next flush). Under ``optax.inject_hyperparams`` the learning rate is read at
-    every update; the others take the values they had at ``init``. The state is a :class:`DiskAdagradState` (``DiskAdamState``'s
-    fields), which :func:`flush`, :func:`close`, :func:`core_states`, ``checkpoint`` and
-    ``restore`` take, alone or inside an optax state.
+    every update; the others take the values they had at ``init``. The state is a
+    :class:`DiskAdagradState` (``DiskAdamState``'s fields), which :func:`flush`,
+    :func:`close`, :func:`core_states`, ``checkpoint`` and ``restore`` take, alone or
+    inside an optax state.
 
     Raises
     ------
