@@ -19,7 +19,6 @@ import numpy as np
 import dsa_core
 
 from ._jax_state import (
-    DiskAdamState,
     DiskTable,
     flatten_tables,
     one_dsa_state,
@@ -200,4 +199,4 @@ def restore(state: Any, src) -> Any:
                 dsa_core.close(snap)
     in_jit = any(t._async for t in tables)
     new_count = jnp.asarray(count, jnp.int32) if in_jit else np.asarray(count, np.int32)
-    return replace_dsa_state(outer, DiskAdamState(new_count, state.stores))
+    return replace_dsa_state(outer, type(state)(new_count, state.stores))

@@ -28,6 +28,7 @@ import dsa_core
 __all__ = [
     "PAD_ID",
     "Batch",
+    "DiskAdagradState",
     "DiskAdamState",
     "DiskTable",
     "SparseGradientTransformation",
@@ -194,6 +195,17 @@ class DiskAdamState(NamedTuple):
     count: Any  # shape=(), dtype=int32: completed steps, the global t (numpy on the host
     #             path, jax.Array with in_jit=True)
     stores: Any  # pytree of DiskTable (static: no leaves), the structure given to init
+
+
+class DiskAdagradState(DiskAdamState):
+    """State of ``sparse_adagrad``: ``DiskAdamState``'s fields and behaviour, another name.
+
+    A subclass, so that :func:`flush`, :func:`close`, :func:`core_states`, ``checkpoint``
+    and ``restore`` find it inside an optax state as they find ``sparse_adam``'s. The
+    accumulators live in the stores: ``jax.tree.leaves(state)`` is ``[count]``.
+    """
+
+    __slots__ = ()
 
 
 class SparseGradientTransformation(NamedTuple):

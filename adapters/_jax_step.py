@@ -87,13 +87,14 @@ def row_grads(idx: Any, grads: Any) -> RowGrads:
     return RowGrads(idx, grads)
 
 
-def split_pairs(updates: Any, treedef: Any, tables: list[DiskTable]) -> list[tuple]:
+def split_pairs(updates: Any, treedef: Any, tables: list[DiskTable],
+                where: str = UPDATE) -> list[tuple]:
     """One ``(idx, grad_rows)`` pair per table; a dense gradient is refused, with the reason."""
     try:
         leaves = treedef.flatten_up_to(updates)
     except (ValueError, TypeError) as exc:
         raise ValueError(
-            f"{UPDATE}: updates must have the structure of the stores given to init, with one "
+            f"{where}: updates must have the structure of the stores given to init, with one "
             f"(idx, grad_rows) pair per table; stores: {treedef}. ({exc})") from None
     pairs = []
     for t, leaf in zip(tables, leaves):
@@ -110,7 +111,7 @@ def split_pairs(updates: Any, treedef: Any, tables: list[DiskTable]) -> list[tup
                 if dense else f"{type(leaf).__name__}"
                 + (f" of shape {tuple(shape)}" if shape is not None else ""))
         raise TypeError(
-            f"{prefix(UPDATE, t)}update takes row gradients (idx, grad_rows), got {what}. A "
+            f"{prefix(where, t)}update takes row gradients (idx, grad_rows), got {what}. A "
             "dense gradient of the whole table defeats an out-of-core optimizer (and would be "
             "num_rows x dim on the device): gather the batch's rows with "
             "adapters.jax.gather_batch(store, ids), differentiate the loss with respect to "
@@ -118,14 +119,14 @@ def split_pairs(updates: Any, treedef: Any, tables: list[DiskTable]) -> list[tup
     return pairs
 
 
-def split_params(params: Any, treedef: Any, n: int) -> list:
+def split_params(params: Any, treedef: Any, n: int, where: str = UPDATE) -> list:
     """The ``params`` rows per table (``None`` for tables that hold their weights)."""
     if params is None:
         return [None] * n
     try:
         return treedef.flatten_up_to(params)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{UPDATE}: params must have the structure of the stores (None for a "
+        raise ValueError(f"{where}: params must have the structure of the stores (None for a "
                          f"table that holds its weights); stores: {treedef}. ({exc})") from None
 
 
@@ -134,16 +135,18 @@ def _dtype_of(x: Any) -> np.dtype:
     return np.dtype(dt) if dt is not None else np.asarray(x).dtype
 
 
-def check_pair_static(t: DiskTable, idx: Any, grad: Any, param: Any) -> None:
+def check_pair_static(t: DiskTable, idx: Any, grad: Any, param: Any,
+                      where: str = UPDATE) -> None:
     """Shape/dtype checks that need no values (so they also run while tracing)."""
-    lab = prefix(UPDATE, t)
+    lab = prefix(where, t)
+    name = where.split(".")[0]
     idx_dt = _dtype_of(idx)
     idx_shape = tuple(np.shape(idx))
     if idx_dt == np.bool_ or idx_dt.kind not in "iu":
         raise TypeError(f"{lab}idx must hold integer row ids, got dtype {idx_dt}; convert "
                         "with idx.astype(np.int64) (floats are not rounded for you). If an "
-                        "optax transform runs before sparse_adam (optax.chain(..., "
-                        "sparse_adam)), it mapped over the ids of an (idx, grad_rows) tuple: "
+                        f"optax transform runs before {name} (optax.chain(..., "
+                        f"{name})), it mapped over the ids of an (idx, grad_rows) tuple: "
                         "pass adapters.jax.row_grads(batch.idx, grad_rows) instead, whose ids "
                         "no transform sees")
     if len(idx_shape) != 1:
@@ -217,23 +220,25 @@ def check_tables(where: str, tables: list[DiskTable], count: int) -> None:
 
 
 def host_step(tables: list[DiskTable], count: int, lr: float | None, idxs: list,
-              grads: list, params: list, return_rows: bool) -> list:
-    """One Adam step on every table. Everything is checked before the first byte is written.
+              grads: list, params: list, return_rows: bool,
+              where: str = UPDATE) -> list:
+    """One step of the stores' optimizer on every table; everything checked before the
+    first byte is written.
 
     ``lr=None`` steps each table at its store's own ``lr``. Returns the updated rows of
     every table (``None`` each with ``return_rows=False``).
     """
     if lr is not None:  # a schedule's value (a constant lr was checked by sparse_adam)
         validation.check_lr(lr, allow_zero=True,
-                            what=f"{UPDATE} (learning-rate schedule at count {count})")
-    check_tables(UPDATE, tables, count)
+                            what=f"{where} (learning-rate schedule at count {count})")
+    check_tables(where, tables, count)
     multi = len(tables) > 1
     plans = []
     for t, idx, g, p in zip(tables, idxs, grads, params):
-        lab = prefix(UPDATE, t)
+        lab = prefix(where, t)
         idx = np.asarray(idx)
         g = np.asarray(g)
-        check_pair_static(t, idx, g, p)
+        check_pair_static(t, idx, g, p, where)
         n = _unpadded_length(idx)
         if n < idx.shape[0]:
             if g[n:].any():

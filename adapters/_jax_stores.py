@@ -33,10 +33,10 @@ _CREATE_ARGS = {n: p.default for n, p in inspect.signature(dsa_core.create).para
                 if p.kind is inspect.Parameter.KEYWORD_ONLY}
 # fixed when a store is created: a reopened store must have been made with these values
 _LAYOUT_ARGS = ("curvature", "dtype", "weights", "second_moment", "first_moment", "align",
-                "per_row_step", "decay_missed_steps")
+                "per_row_step", "decay_missed_steps", "optimizer")
 # the optimizer's settings: given ones replace a reopened store's, as if it was made with them
 _HPARAM_ARGS = ("lr", "betas", "eps", "maximize", "nonfinite", "durability", "weight_decay",
-                "decoupled_weight_decay")
+                "decoupled_weight_decay", "lr_decay", "initial_accumulator_value")
 _OWN_ARGS = ("overwrite", "access", "storage", "memory")  # create_store's own handling
 
 
@@ -216,7 +216,10 @@ def _check_match(state: dsa_core.State, num_rows: int, dim: int,
         "per_row_step": (bool(want["per_row_step"]), bool(state.per_row_step)),
         "decay_missed_steps": (bool(want["decay_missed_steps"]),
                                bool(state.decay_missed_steps)),
+        "optimizer": (want["optimizer"], state.optimizer),
     }
+    if want["optimizer"] != "adam":  # an Adagrad store's moments follow from its optimizer
+        del expect["second_moment"], expect["first_moment"]
     if create_args.get("ball_eps") is not None:
         expect["ball_eps"] = (float(create_args["ball_eps"]), state.ball_eps)
     diff = {k: v for k, v in expect.items() if v[0] != v[1]}
@@ -234,6 +237,8 @@ def _hparams(state: dsa_core.State, create_args: dict[str, Any]) -> dict[str, An
     given = {n: create_args[n] for n in _HPARAM_ARGS if n in create_args}
     if not given:
         return {}
+    if state.optimizer != "adam":
+        return _adagrad_hparams(state, given)
     lr, betas, eps, maximize, nonfinite = validation.check_hparams(
         given.get("lr", state.lr), given.get("betas", state.betas),
         given.get("eps", state.eps), given.get("maximize", state.maximize),
@@ -253,3 +258,27 @@ def _hparams(state: dsa_core.State, create_args: dict[str, Any]) -> dict[str, An
     return {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
             "nonfinite": nonfinite, "durability": durability, "weight_decay": wd,
             "decoupled_weight_decay": bool(decoupled)}
+
+
+def _adagrad_hparams(state: dsa_core.State, given: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_hparams` of a reopened Adagrad store: its own hyperparameters, checked by the
+    core's rules (``betas`` and Adam's weight-decay options refused as ``create`` does)."""
+    validation.check_adagrad_options(
+        state.optimizer, betas=given.get("betas"),
+        weight_decay=given.get("weight_decay", state.weight_decay),
+        decoupled_weight_decay=given.get("decoupled_weight_decay", False), what=_WHAT)
+    lr, lr_decay, eps, iav, maximize, nonfinite = validation.check_adagrad_hparams(
+        given.get("lr", state.lr), given.get("lr_decay", state.lr_decay),
+        given.get("eps", state.eps),
+        given.get("initial_accumulator_value", state.initial_accumulator_value),
+        given.get("maximize", state.maximize), given.get("nonfinite", state.nonfinite),
+        what=_WHAT)
+    durability = given.get("durability", state.durability)
+    if durability not in validation.DURABILITY_MODES:
+        raise ValueError(f"{_WHAT}: durability must be one of "
+                         f"{validation.DURABILITY_MODES}, got {durability!r}")
+    wd = validation.check_weight_decay(given.get("weight_decay", state.weight_decay),
+                                       what=_WHAT)
+    return {"lr": lr, "lr_decay": lr_decay, "eps": eps, "initial_accumulator_value": iav,
+            "maximize": maximize, "nonfinite": nonfinite, "durability": durability,
+            "weight_decay": wd}

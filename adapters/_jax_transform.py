@@ -1,11 +1,15 @@
-r"""``sparse_adam``: the optax-style ``(init, update)`` pair over ``dsa_core`` stores.
+r"""``sparse_adam`` and ``sparse_adagrad``: optax-style ``(init, update)`` pairs over ``dsa_core``
+stores.
 
 Private; the public names live in :mod:`adapters.jax`.
 
-``sparse_adam(...)`` checks its hyperparameters once and binds them, as a :class:`Config`,
-to the module-level :func:`init` and to :func:`update_host` (outside ``jit``) or
-:func:`update_in_jit` (an ordered ``io_callback``) with ``functools.partial``. The step
-itself is :func:`adapters._jax_step.host_step` in both cases.
+``sparse_adam(...)`` and ``sparse_adagrad(...)`` check their hyperparameters once and bind
+them, as a :class:`Config`, to the module-level :func:`init` and to :func:`update_host`
+(outside ``jit``) or :func:`update_in_jit` (an ordered ``io_callback``) with
+``functools.partial`` (:func:`_transform`). The two differ only in their arguments, the
+hyperparameters they set in the stores and the optimizer the stores must have been created
+for; the step itself is :func:`adapters._jax_step.host_step` in every case, and
+``dsa_core.step`` dispatches on the store's optimizer.
 """
 
 from __future__ import annotations
@@ -24,28 +28,45 @@ from dsa_core.tools import validation
 
 from ._jax_io import put, to_host
 from ._jax_state import (
+    DiskAdagradState,
     DiskAdamState,
     DiskTable,
     SparseGradientTransformation,
     flatten_stores,
     flatten_tables,
 )
-from ._jax_step import UPDATE, check_pair_static, host_step, split_pairs, split_params
+from ._jax_step import check_pair_static, host_step, split_pairs, split_params
 
-__all__ = ["Config", "init", "sparse_adam", "update_host", "update_in_jit"]
+__all__ = ["Config", "init", "sparse_adagrad", "sparse_adam", "update_host", "update_in_jit"]
 
-INIT = "sparse_adam.init"
+INIT = "sparse_adam.init"  # sparse_adam's name in messages (Config.init_name)
 
 
 class Config(NamedTuple):
-    """The checked hyperparameters of one ``sparse_adam`` transform."""
+    """The checked hyperparameters of one ``sparse_adam`` / ``sparse_adagrad`` transform."""
 
     schedule: Callable[[Any], Any] | None  # learning-rate schedule(count), or None
     lr: float | None        # constant learning rate; None: the schedule's, or each store's
     overrides: dict         # State fields set in every table at init: betas, eps, maximize,
-    #                         weight_decay, decoupled_weight_decay
+    #                         weight_decay, decoupled_weight_decay (Adam); lr_decay, eps,
+    #                         initial_accumulator_value, maximize, weight_decay (Adagrad)
     in_jit: bool            # update emits an ordered io_callback (jit/scan-able)
     return_rows: bool       # update returns the new rows
+    optimizer: str = "adam"  # the stores' optimizer= (dsa_core.create): "adam", "adagrad"
+    #                          or "rowwise_adagrad"; init refuses a store of another
+    name: str = "sparse_adam"  # the factory's name, for messages
+
+    @property
+    def init_name(self) -> str:
+        return f"{self.name}.init"
+
+    @property
+    def update_name(self) -> str:
+        return f"{self.name}.update"
+
+    @property
+    def state_cls(self) -> type:
+        return DiskAdamState if self.optimizer == "adam" else DiskAdagradState
 
 
 def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
@@ -225,15 +246,7 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
     >>> dsa_jax.close(opt_state)
     """
     what = "sparse_adam"
-    schedule = learning_rate if callable(learning_rate) else None
-    const_lr = None
-    if isinstance(learning_rate, (jax.Array, jax.core.Tracer)):
-        # a value optax.inject_hyperparams injects (traced inside jit): read at each update
-        if not isinstance(learning_rate, jax.core.Tracer):
-            validation.check_lr(float(learning_rate), what=what)
-        schedule = functools.partial(_constant, learning_rate)
-    elif learning_rate is not None and schedule is None:
-        const_lr = validation.check_lr(learning_rate, what=what)
+    lr = _learning_rate(what, learning_rate)
     overrides: dict[str, Any] = {}
     if b1 is not None or b2 is not None:
         for i, b in enumerate((b1, b2)):
@@ -255,9 +268,124 @@ def sparse_adam(learning_rate: float | Callable[[Any], Any] | None = None,
             raise TypeError(f"{what}: decoupled_weight_decay must be a bool or None, got "
                             f"{decoupled_weight_decay!r}")
         overrides["decoupled_weight_decay"] = bool(decoupled_weight_decay)
+    return _transform(what, "adam", lr, overrides, in_jit, return_rows)
+
+
+def sparse_adagrad(learning_rate: float | Callable[[Any], Any] | None = 1e-2, *,
+                   lr_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                   eps: float = 1e-10, rowwise: bool = False, weight_decay: float = 0.0,
+                   maximize: bool = False, in_jit: bool = False,
+                   return_rows: bool = True) -> SparseGradientTransformation:
+    r"""Sparse Adagrad over ``dsa_core`` Adagrad stores, as an optax-style ``(init, update)``.
+
+    The twin of :func:`sparse_adam` (the same ``init``/``update``, ``in_jit``,
+    ``return_rows``, padding, ``row_grads``, several tables as a pytree, errors before any
+    write) for stores created with ``optimizer="adagrad"`` (``rowwise=True``:
+    ``"rowwise_adagrad"``), e.g. ``create_store(path, n, dim, optimizer="adagrad")``. The
+    step is ``dsa_core.step`` on such a store: ``torch.optim.Adagrad``'s sparse step, or
+    PyTorch-BigGraph's ``RowAdagrad`` (docs/algorithms.md §7.5); rows absent from a batch
+    are untouched.
+
+    Parameters
+    ----------
+    learning_rate : float or callable, default 1e-2
+        A float ``> 0`` or an optax schedule ``callable(count)`` (count = completed steps;
+        it may return 0); ``None``: each store's own ``lr``. The step size of step ``t`` is
+        ``lr / (1 + (t - 1) * lr_decay)``, ``t`` the global step count.
+    lr_decay : float, default 0
+        ``>= 0``, torch's ``lr_decay``.
+    initial_accumulator_value : float, default 0
+        ``>= 0``: what an accumulator of a row not yet updated reads as.
+    eps : float, default 1e-10
+        ``> 0`` (torch takes 0), added after the square root.
+    rowwise : bool, default False
+        ``True``: one accumulator per row (``optimizer="rowwise_adagrad"`` stores), grown by
+        the row mean of ``g²``.
+    weight_decay : float, default 0
+        ``rowwise=True`` only: FBGEMM's L2 decay ``g + weight_decay * p`` on the batch's
+        rows. Elementwise refuses anything but 0, as ``torch.optim.Adagrad`` does with
+        sparse gradients.
+    maximize : bool, default False
+        Ascend instead of descend.
+    in_jit, return_rows : bool
+        As for :func:`sparse_adam`.
+
+    Unlike :func:`sparse_adam`'s ``None`` defaults, every hyperparameter here is a value
+    (torch's defaults) and replaces the stores' own at ``init`` (written to each manifest
+    at the next flush). Under ``optax.inject_hyperparams`` the learning rate is read at
+    every update; the others take the values they had at ``init``. The state is a
+    :class:`DiskAdagradState` (``DiskAdamState``'s fields), which :func:`flush`,
+    :func:`close`, :func:`core_states`, ``checkpoint`` and ``restore`` take, alone or
+    inside an optax state.
+
+    Raises
+    ------
+    ValueError
+        At ``init``: a store created for another optimizer (the message names
+        ``optimizer=``); a bad hyperparameter at construction. Otherwise as
+        :func:`sparse_adam`.
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np, dsa_core
+    >>> from adapters import jax as dsa_jax
+    >>> store = dsa_jax.create_store(tempfile.mkdtemp() + "/emb", 100, 8, init="normal",
+    ...                              optimizer="adagrad")
+    >>> tx = dsa_jax.sparse_adagrad(0.1)
+    >>> opt_state = tx.init(store)
+    >>> rows, opt_state = tx.update(([3, 5, 3], np.ones((3, 8), np.float32)), opt_state)
+    >>> rows.shape, int(opt_state.count), type(opt_state).__name__
+    ((3, 8), 1, 'DiskAdagradState')
+    >>> dsa_jax.close(opt_state)
+    """
+    what = "sparse_adagrad"
+    lr = _learning_rate(what, learning_rate)
+    if not isinstance(rowwise, (bool, np.bool_)):
+        raise TypeError(f"{what}: rowwise must be a bool, got {rowwise!r}")
+    optimizer = "rowwise_adagrad" if rowwise else "adagrad"
+    given = {"lr_decay": lr_decay, "eps": eps, "initial_accumulator_value":
+             initial_accumulator_value, "weight_decay": weight_decay}
+    # optax.inject_hyperparams rebuilds the transform at every update with its values as
+    # arrays, traced under jit: only init sets them in the stores, so a traced one (an
+    # update's) is left out of the checks, as for learning_rate (which is read per update)
+    traced = {k for k, v in given.items() if _is_tracer(v)}
+    conc = {k: (1.0 if k == "eps" else 0.0) if k in traced else v for k, v in given.items()}
+    # the core's checks and messages (1.0: a neutral placeholder for the lr checked above)
+    _, ld, ep, iav, maximize, _ = validation.check_adagrad_hparams(
+        1.0, conc["lr_decay"], conc["eps"], conc["initial_accumulator_value"], maximize,
+        "propagate", what=what)
+    wd = validation.check_adagrad_options(optimizer, weight_decay=conc["weight_decay"],
+                                          what=what)
+    overrides = {k: v for k, v in (("lr_decay", ld), ("eps", ep),
+                                   ("initial_accumulator_value", iav),
+                                   ("weight_decay", wd)) if k not in traced}
+    overrides["maximize"] = maximize
+    return _transform(what, optimizer, lr, overrides, in_jit, return_rows)
+
+
+def _learning_rate(what: str, learning_rate: Any) -> tuple[Callable | None, float | None]:
+    """``(schedule, const_lr)``: a float, a schedule, an injected array (a schedule of one
+    value), or ``None`` (each store's own lr) checked."""
+    schedule = learning_rate if callable(learning_rate) else None
+    const_lr = None
+    if isinstance(learning_rate, (jax.Array, jax.core.Tracer)):
+        # a value optax.inject_hyperparams injects (traced inside jit): read at each update
+        if not isinstance(learning_rate, jax.core.Tracer):
+            validation.check_lr(float(learning_rate), what=what)
+        schedule = functools.partial(_constant, learning_rate)
+    elif learning_rate is not None and schedule is None:
+        const_lr = validation.check_lr(learning_rate, what=what)
+    return schedule, const_lr
+
+
+def _transform(what: str, optimizer: str, lr: tuple, overrides: dict, in_jit: Any,
+               return_rows: Any) -> SparseGradientTransformation:
+    """The ``(init, update)`` pair of either factory, its settings bound as a Config."""
+    schedule, const_lr = lr
     if not isinstance(in_jit, (bool, np.bool_)):
         raise TypeError(f"{what}: in_jit must be a bool, got {in_jit!r}")
-    cfg = Config(schedule, const_lr, overrides, bool(in_jit), bool(return_rows))
+    cfg = Config(schedule, const_lr, overrides, bool(in_jit), bool(return_rows), optimizer,
+                 what)
     update = update_in_jit if cfg.in_jit else update_host
     return SparseGradientTransformation(functools.partial(init, cfg),
                                         functools.partial(update, cfg))
@@ -281,6 +409,7 @@ def _check_beta(i: int, b: Any) -> float:
 
 
 def init(cfg: Config, stores: Any) -> DiskAdamState:
+    where = cfg.init_name
     """``tx.init(stores)``: wrap each open store in a :class:`DiskTable`; the count is theirs.
 
     Everything is checked before anything is made: every leaf an open, writable, current
@@ -288,45 +417,48 @@ def init(cfg: Config, stores: Any) -> DiskAdamState:
     """
     paths, treedef = flatten_stores(stores)
     if not paths:
-        raise ValueError(f"{INIT}: init needs at least one dsa_core store (got an empty "
+        raise ValueError(f"{where}: init needs at least one dsa_core store (got an empty "
                          "pytree)")
     cores, names, counts, seen = [], [], set(), {}
     for path, leaf in paths:
         name = jax.tree_util.keystr(path)
         if not isinstance(leaf, dsa_core.State):
             raise TypeError(
-                f"{INIT} takes open dsa_core stores (dsa_core.create/open, or "
+                f"{where} takes open dsa_core stores (dsa_core.create/open, or "
                 f"adapters.jax.create_store), or a pytree of them; got {type(leaf).__name__} "
                 f"at {name or 'the root'}. The tables live on disk: create one with "
                 "create_store(path, num_rows, dim)")
         if not leaf.writable:
-            raise ValueError(f"{INIT}: store {str(leaf.path)!r} is "
+            raise ValueError(f"{where}: store {str(leaf.path)!r} is "
                              f"{'closed' if leaf.closed else 'read-only'}; open it with "
                              "dsa_core.open(path) (mode 'r+') to train")
         key = leaf.path.resolve()
         if key in seen:
-            raise ValueError(f"{INIT}: store {str(leaf.path)!r} appears twice in the stores "
+            raise ValueError(f"{where}: store {str(leaf.path)!r} appears twice in the stores "
                              f"({seen[key] or 'root'} and {name}); give each table its own "
                              "store")
         seen[key] = name
         if not leaf.current:
             raise dsa_core.StaleStateError(
-                f"{INIT}: this dsa_core.State of store {str(leaf.path)!r} is stale: it is at "
+                f"{where}: this dsa_core.State of store {str(leaf.path)!r} is stale: it is at "
                 f"step {leaf.count}, but the store has been stepped since (through an "
                 "optimizer state, or dsa_core.step). init from the current States, e.g. "
                 "tx.init(core_states(opt_state))")
+        if leaf.optimizer != cfg.optimizer:
+            raise ValueError(_optimizer_error(cfg, leaf))
         core = leaf
         if cfg.overrides:
             rep = dict(cfg.overrides)
-            if "betas" in rep:
+            if rep.get("betas") is not None:
                 rep["betas"] = tuple(float(n if n is not None else o)
                                      for n, o in zip(rep["betas"], leaf.betas))
             core = core._replace(**rep)
         if cfg.lr is not None:
             core = core._replace(lr=cfg.lr)
-        if core.decay_missed_steps and not core.decoupled_weight_decay:
+        if cfg.optimizer == "adam" and core.decay_missed_steps \
+                and not core.decoupled_weight_decay:
             raise ValueError(
-                f"{INIT}: store {str(leaf.path)!r} was created with decay_missed_steps=True, "
+                f"{where}: store {str(leaf.path)!r} was created with decay_missed_steps=True, "
                 "which catches up the decoupled (AdamW) weight decay of the steps a row "
                 "missed, but this transform steps it with decoupled_weight_decay=False (L2); "
                 "pass sparse_adam(..., decoupled_weight_decay=True)")
@@ -335,7 +467,7 @@ def init(cfg: Config, stores: Any) -> DiskAdamState:
         counts.add(int(leaf.count))
     if len(counts) > 1:
         raise ValueError(
-            f"{INIT}: the stores have made different numbers of steps {sorted(counts)}; one "
+            f"{where}: the stores have made different numbers of steps {sorted(counts)}; one "
             "transform keeps one global step count for all its tables. Use stores trained "
             "together, or one transform per table. Stores of one transform that stopped apart "
             "(a crash between their commits) must be restored from the last checkpoint: "
@@ -348,7 +480,18 @@ def init(cfg: Config, stores: Any) -> DiskAdamState:
     tables = [DiskTable(core, name, in_jit=cfg.in_jit) for core, name in zip(cores, names)]
     # in_jit: a jax.Array from the start, so the jitted step sees one argument type
     count = jnp.asarray(count, jnp.int32) if cfg.in_jit else np.asarray(count, np.int32)
-    return DiskAdamState(count, treedef.unflatten(tables))
+    return cfg.state_cls(count, treedef.unflatten(tables))
+
+
+def _optimizer_error(cfg: Config, leaf: dsa_core.State) -> str:
+    """A store created for another optimizer than this transform's: which, and the fix."""
+    other = {"adam": "sparse_adam(...)", "adagrad": "sparse_adagrad(...)",
+             "rowwise_adagrad": "sparse_adagrad(..., rowwise=True)"}
+    return (f"{cfg.init_name}: store {str(leaf.path)!r} was created with "
+            f"optimizer={leaf.optimizer!r}, but this transform trains "
+            f"optimizer={cfg.optimizer!r} stores (its records hold another optimizer's "
+            f"state). Train it with {other[leaf.optimizer]}, or create the store with "
+            f"create_store(..., optimizer={cfg.optimizer!r})")
 
 
 def _lr_on_host(cfg: Config, count: int) -> float | None:
@@ -364,22 +507,22 @@ def _is_tracer(x: Any) -> bool:
 def update_host(cfg: Config, updates: Any, state: DiskAdamState, params: Any = None):
     """``tx.update`` of an ``in_jit=False`` transform: the step on the host, now."""
     tables, treedef = flatten_tables(state.stores)
-    pairs = split_pairs(updates, treedef, tables)
-    plist = split_params(params, treedef, len(tables))
+    pairs = split_pairs(updates, treedef, tables, cfg.update_name)
+    plist = split_params(params, treedef, len(tables), cfg.update_name)
     flat = [a for pr in pairs for a in pr] + plist
     if _is_tracer(state.count) or any(_is_tracer(a) for a in flat):
         raise RuntimeError(
-            f"{UPDATE} was called inside jax.jit (or another transformation) but this "
-            "transform runs on the host: call it outside jit with the gradients the "
-            "jitted function returned, or build it with sparse_adam(..., in_jit=True)")
+            f"{cfg.update_name} was called inside jax.jit (or another transformation) but "
+            "this transform runs on the host: call it outside jit with the gradients the "
+            f"jitted function returned, or build it with {cfg.name}(..., in_jit=True)")
     if any(t._async for t in tables):
         jax.effects_barrier()  # the state was last stepped inside jit
     count = int(state.count)
     n = len(tables)
     host = to_host(flat)
     rows = host_step(tables, count, _lr_on_host(cfg, count), host[0:2 * n:2],
-                     host[1:2 * n:2], host[2 * n:], cfg.return_rows)
-    new_state = DiskAdamState(np.asarray(count + 1, np.int32), state.stores)
+                     host[1:2 * n:2], host[2 * n:], cfg.return_rows, cfg.update_name)
+    new_state = cfg.state_cls(np.asarray(count + 1, np.int32), state.stores)
     if not cfg.return_rows:
         return None, new_state
     placed = [put(r, g) if isinstance(g, jax.Array) else r
@@ -393,10 +536,10 @@ def update_in_jit(cfg: Config, updates: Any, state: DiskAdamState, params: Any =
     Traceable: the static checks run now (at trace time), the step when the program runs.
     """
     tables, treedef = flatten_tables(state.stores)
-    pairs = split_pairs(updates, treedef, tables)
-    plist = split_params(params, treedef, len(tables))
+    pairs = split_pairs(updates, treedef, tables, cfg.update_name)
+    plist = split_params(params, treedef, len(tables), cfg.update_name)
     for t, (i, g), p in zip(tables, pairs, plist):  # at trace time: shapes and dtypes
-        check_pair_static(t, i, g, p)
+        check_pair_static(t, i, g, p, cfg.update_name)
     count = jnp.asarray(state.count, jnp.int32)
     has_p = [p is not None for p in plist]
     # every callback argument is one more transfer: pass only what is used
@@ -415,8 +558,8 @@ def update_in_jit(cfg: Config, updates: Any, state: DiskAdamState, params: Any =
     # the new count is the callback's output: waiting on it waits for the step
     if cfg.return_rows:
         rows, new_count = out
-        return treedef.unflatten(rows), DiskAdamState(new_count, state.stores)
-    return None, DiskAdamState(out, state.stores)
+        return treedef.unflatten(rows), cfg.state_cls(new_count, state.stores)
+    return None, cfg.state_cls(out, state.stores)
 
 
 def _callback(cfg: Config, tables: list[DiskTable], has_p: list[bool], count_a, *arrays):
@@ -430,6 +573,7 @@ def _callback(cfg: Config, tables: list[DiskTable], has_p: list[bool], count_a, 
     host = [np.asarray(a) for a in arrays]
     rest = iter(host[2 * n:])
     ps = [next(rest) if hp else None for hp in has_p]
-    rows = host_step(tables, c, lr, host[0:2 * n:2], host[1:2 * n:2], ps, cfg.return_rows)
+    rows = host_step(tables, c, lr, host[0:2 * n:2], host[1:2 * n:2], ps, cfg.return_rows,
+                     cfg.update_name)
     new_count = np.asarray(c + 1, np.int32)
     return (rows, new_count) if cfg.return_rows else new_count

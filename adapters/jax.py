@@ -15,6 +15,9 @@ The names:
 
 :func:`sparse_adam`
     The transform: ``tx.init(stores) -> DiskAdamState``, ``tx.update(grads, opt_state)``.
+:func:`sparse_adagrad` and :class:`DiskAdagradState`
+    The same for Adagrad (element-wise, or ``rowwise=True``) over stores created with
+    ``optimizer="adagrad"`` / ``"rowwise_adagrad"``.
 :class:`DiskAdamState`
     The optimizer state: ``count`` (its only pytree leaf) and ``stores``, one
     :class:`DiskTable` per table (a static pytree node holding the table's current
@@ -61,6 +64,7 @@ from ._jax_io import bucket_size, gather_batch, warmup
 from ._jax_state import (
     PAD_ID,
     Batch,
+    DiskAdagradState,
     DiskAdamState,
     DiskTable,
     SparseGradientTransformation,
@@ -70,13 +74,14 @@ from ._jax_state import (
 )
 from ._jax_step import RowGrads, row_grads
 from ._jax_stores import create_store
-from ._jax_transform import sparse_adam
+from ._jax_transform import sparse_adagrad, sparse_adam
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
     "PAD_ID",
     "RowGrads",
     "Batch",
+    "DiskAdagradState",
     "DiskAdamState",
     "DiskTable",
     "SparseGradientTransformation",
@@ -89,6 +94,7 @@ __all__ = [
     "gather_batch",
     "restore",
     "row_grads",
+    "sparse_adagrad",
     "sparse_adam",
     "warmup",
 ]
