@@ -73,7 +73,8 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
         How the store is paged (``dsa_core.create``/``open``); ``"auto"`` only for a log
         store.
     storage : "auto", "inplace" or "log", default "auto"
-        The kind of store (``dsa_core.create``'s ``storage``). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        The kind of store (``dsa_core.create``'s ``storage``). ``"auto"`` (the default):
+        ``dsa_core.create``'s rule -- a log store when the
         table is larger than the kernel's background-writeback threshold or ``memory`` is
         given, else in place; a resumed store keeps whatever kind it has. ``"log"``:
         the log-structured store, whose in-memory region of at most ``memory`` bytes takes
@@ -86,7 +87,8 @@ def create_store(path, num_rows: int, dim: int, *, resume: bool = False,
     memory : int or str, optional
         ``storage="log"`` only: the budget of the log store's region, bytes or a string such
         as ``"4GiB"`` (default: the core's), for a new store and a reopened one alike (a
-        store remembers the last one given: a reopen without it uses that). The unique rows of one ``update`` must fit in it. Refused
+        store remembers the last one given: a reopen without it uses that). The unique rows of one
+        ``update`` must fit in it. Refused
         with ``storage="inplace"``.
     **create_args
         The keyword arguments of ``dsa_core.create``: ``curvature``, ``dtype``, ``weights``,

@@ -516,7 +516,8 @@ class DiskBackedEmbedding(Representation):
             overwrite=bool(opts.get("overwrite", False)),
             storage=opts.get("storage", STORAGE_DEFAULT), memory=opts.get("memory"),
             access=opts.get("access", "auto"), optimizer=opts.get("optimizer", "adam"),
-            progress=False, seed=0)  # unused (init is given); a None would draw from torch's generator
+            progress=False,
+            seed=0)  # unused (init is given); a None would draw from torch's generator
         self._redraw = _Redraw(max_id, self.width, dtype, self.chunk_rows)
         self._touched = _Touched()
 

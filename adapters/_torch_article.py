@@ -124,9 +124,11 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
     dtype : "float32" or "float64", optional
         Storage dtype; default float64 for float64 tables, else float32 (the article's).
     storage : "auto", "inplace" or "log", default "auto"
-        The kind of every table's store (``dsa_core.create``'s ``storage``). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        The kind of every table's store (``dsa_core.create``'s ``storage``). ``"auto"`` (the
+        default): ``dsa_core.create``'s rule -- a log store when the
         table is larger than the kernel's background-writeback threshold or ``memory`` is
-        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured stores, whose in-memory region of at most ``memory``
+        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured
+        stores, whose in-memory region of at most ``memory``
         bytes takes the steps; training is bit-identical. Their :attr:`state_files` read
         rows on indexing instead of being numpy views (below). A store reopened from
         ``disk_dir`` must be of the kind asked for.

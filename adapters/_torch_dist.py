@@ -465,7 +465,8 @@ class ShardedDiskEmbedding(nn.Module):
         The kind of every shard store (``dsa_core.create``'s ``storage``; every rank must
         pass the same). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
         table is larger than the kernel's background-writeback threshold or ``memory`` is
-        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured shards, whose in-memory
+        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured
+        shards, whose in-memory
         region of at most ``memory`` bytes takes the steps and writes evicted rows to disk
         in large sequential appends; training, checkpoints and reshards are bit-identical
         to in-place shards (``durability="step"`` too: each step committed by one append

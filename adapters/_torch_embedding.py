@@ -522,7 +522,8 @@ class DiskEmbedding(nn.Module):
         so decay acts as if every row were decayed at every step. Fixed at creation; the
         optimizer that steps the table must use ``decoupled_weight_decay=True``.
     storage : "auto", "inplace" or "log", default "auto"
-        The kind of store (``dsa_core.create``'s ``storage``). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        The kind of store (``dsa_core.create``'s ``storage``). ``"auto"`` (the default):
+        ``dsa_core.create``'s rule -- a log store when the
         table is larger than the kernel's background-writeback threshold or ``memory`` is
         given, else in place; a resumed store keeps whatever kind it has. ``"inplace"``: one
         mapped file of records updated in place. ``"log"``: the log-structured

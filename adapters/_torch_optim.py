@@ -269,9 +269,11 @@ class DiskSparseAdam(torch.optim.Optimizer):
         option (a per-row last step), with the same rules as ``per_row_step``.
     storage : "auto", "inplace" or "log", default "auto"
         The kind of this optimizer's own stores (those of in-RAM parameters such as an
-        ``nn.Embedding`` weight; ``dsa_core.create``'s ``storage``). ``"auto"`` (the default): ``dsa_core.create``'s rule -- a log store when the
+        ``nn.Embedding`` weight; ``dsa_core.create``'s ``storage``). ``"auto"`` (the default):
+        ``dsa_core.create``'s rule -- a log store when the
         table is larger than the kernel's background-writeback threshold or ``memory`` is
-        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured stores whose in-memory region of at most ``memory``
+        given, else in place; a resumed store keeps whatever kind it has. ``"log"``: log-structured
+        stores whose in-memory region of at most ``memory``
         bytes takes the steps; training is bit-identical. They take ``access="auto"``
         only; resumed stores must be of the kind asked for. A
         DiskEmbedding's parameter keeps its module's store, whatever its kind.

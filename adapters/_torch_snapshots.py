@@ -9,7 +9,8 @@ of taking one: a log store flushes, hard-links its immutable segment files and c
 index (small); an in-place store flushes and reflinks its data file where the filesystem
 supports it (nearly free, e.g. btrfs or XFS), else (e.g. ext4) hard-links the files of its
 last snapshot and writes the rows changed since (a full copy when those would outgrow the
-table, or after a new open: docs/storage.md). ``keep=0`` takes no snapshots: the state dict then only describes the live
+table, or after a new open: docs/storage.md). ``keep=0`` takes no snapshots: the state dict then
+only describes the live
 stores, and one of an earlier step is refused (again on both kinds).
 
 Where: next to the store, ``<parent>/.dsa-snapshots/<store name>/<id>/`` (the same
@@ -201,7 +202,8 @@ def _find(entry: dict[str, Any], store_path) -> Path | None:
 def _rewrite(obj: Any, fix) -> Any:
     """``obj`` with every snapshot entry (``{"id", "path", "store", "count"}`` under
     ``"state_snapshot"``: a DiskEmbedding's ``_extra_state``, an optimizer manifest's
-    params) replaced by ``fix(entry)``; containers that hold one are shallow-copied (an ``OrderedDict`` keeps its ``_metadata``), nothing of the
+    params) replaced by ``fix(entry)``; containers that hold one are shallow-copied (an
+    ``OrderedDict`` keeps its ``_metadata``), nothing of the
     caller's is modified, tensors are shared."""
     if isinstance(obj, dict):
         new = None

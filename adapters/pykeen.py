@@ -18,7 +18,8 @@ used through PyKEEN's own ``pipeline()`` or training loops (sLCWA and LCWA):
 :func:`sparse_representations` and :func:`disk_representations` give the ``model_kwargs``
 that put them in any model built from ``Embedding`` representations (TransE, DistMult,
 ComplEx, RotatE, ...). Importing this module registers the three classes with PyKEEN's
-resolvers, so ``optimizer="DiskAdam"`` (or ``"DiskAdagrad"``) and ``entity_representations="SparseEmbedding"``
+resolvers, so ``optimizer="DiskAdam"`` (or ``"DiskAdagrad"``) and
+``entity_representations="SparseEmbedding"``
 work as names too.
 
 >>> import tempfile

@@ -47,7 +47,8 @@ every store the optimizer steps (``DiskEmbedding`` tables included), its state d
 manifest that names a snapshot of each store (either kind), so
 ``torch.save(opt.state_dict())`` and ``load_state_dict`` bring back exactly that point (the
 newest ``keep_snapshots`` are kept; a log store's snapshot links its segments, an in-place
-store's links its last snapshot's files and writes the rows changed since). With ``keep_snapshots=0`` it is only a description, and
+store's links its last snapshot's files and writes the rows changed since). With
+``keep_snapshots=0`` it is only a description, and
 ``load_state_dict`` refuses one whose step counts the stores have moved past.
 ``DiskEmbedding`` has ``checkpoint(dest)`` / ``load_checkpoint(src)`` for its table alone.
 

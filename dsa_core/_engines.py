@@ -8,7 +8,8 @@
 * ``check_settings(layout, *, access, memory, space_ratio)``: a new store's settings, a clear
   error for the other kind's;
 * ``create_store(directory, layout, settings, *, init, init_scale, seed, ball_maxnorm, meta,
-  overwrite, progress, space_ratio)``: the open engine of a new store, its first commit point written;
+  overwrite, progress, space_ratio)``: the open engine of a new store, its first commit point
+  written;
 * ``open_store(directory, mode, *, access, memory, unclean)``: ``(engine, count, meta,
   settings)`` (the settings to remember: the core keeps them in the store's ``Handle``);
 * ``remove_store(directory)``;

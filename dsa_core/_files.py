@@ -101,7 +101,8 @@ def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
 
     The text goes to a temporary file beside it, which is written in full
     (``_os.pwrite_all``: a write may write less than asked, e.g. on a nearly full disk),
-    fsync'd and renamed over ``path``; then the directory is fsync'd. A reader sees the old file or the
+    fsync'd and renamed over ``path``; then the directory is fsync'd. A reader sees the old file or
+    the
     new one, never a mix. A failure before the rename (a full disk, an I/O error) leaves
     the old file and removes the temporary; only a crash can leave the temporary behind.
     A failure of the directory's sync after the rename raises :class:`InDoubtError` (an

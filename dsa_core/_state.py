@@ -1157,7 +1157,8 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     >>> s = dsa_core.create(tmp / "a", num_rows=10, dim=4, init="normal")
     >>> s = dsa_core.step(s, [3], np.ones((1, 4), np.float32))
     >>> t = dsa_core.convert(s, tmp / "b", storage="log", memory="1MiB")
-    >>> t.storage, t.count, bool((dsa_core.gather(t, range(10)) == dsa_core.gather(s, range(10))).all())
+    >>> same = dsa_core.gather(t, range(10)) == dsa_core.gather(s, range(10))
+    >>> t.storage, t.count, bool(same.all())
     ('log', 1, True)
     >>> dsa_core.close(t); dsa_core.close(s)
     """

@@ -256,7 +256,8 @@ class Store:
         self.data: np.ndarray | None = None
         self.counters: np.ndarray | None = None  # ``data`` viewed as ints (counter_dtype)
         self._prefetcher = None  # dsa_core._inplace.readahead.Prefetcher, created on first prefetch
-        self._ranges = None  # dsa_core._inplace.ranges.RangeWorker, created on first load/release_range
+        # dsa_core._inplace.ranges.RangeWorker, created on the first load/release_range
+        self._ranges = None
         self._undo: tuple[np.ndarray, np.ndarray] | None = None  # the journaled step's rows
         self._begun = 0  # the count a begun step started from (``abort_step``)
         self.data_name = DATA_FILE  # the file mapped (a read-only snapshot chain: its base)
