@@ -88,7 +88,8 @@ from .checks import check_count, check_init_settings, check_layout
 from .sums import record_sums
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_SUMS", "FORMAT_VERSION_WAL", "LOCK_FILE",
+    "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_OPTIMIZER", "FORMAT_VERSION_SUMS",
+    "FORMAT_VERSION_WAL", "LOCK_FILE",
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
     "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
@@ -102,7 +103,12 @@ FORMAT_VERSION_WAL = 2  # a manifest that names a commit log (an older reader wo
 # segments with per-record checksums (an older reader would call them torn) and a
 # checksummed manifest: what this module writes
 FORMAT_VERSION_SUMS = 3
-READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_WAL, FORMAT_VERSION_SUMS)
+# a manifest whose layout names an optimizer other than Adam (``"optimizer"``: Adagrad's
+# records hold an accumulator where Adam's hold m and v): a reader of version 3 would step
+# Adam on them, so it must refuse them ("upgrade dsa_core"). Adam stores stay version 3.
+FORMAT_VERSION_OPTIMIZER = 4
+READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_WAL, FORMAT_VERSION_SUMS,
+                 FORMAT_VERSION_OPTIMIZER)
 SEG_MAGIC = b"DSALOG01"
 SUM_MAGIC = b"DSASUM01"  # the header extension of a segment with per-record sums
 # segment parts start on multiples of this many bytes (a format constant, not the OS's page)
@@ -625,9 +631,11 @@ _FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "ind
 
 def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
     """Replace ``manifest.json`` atomically and durably (one writer: the lock), as version
-    :data:`FORMAT_VERSION_SUMS` with its checksum (``manifest["version"]`` is set);
+    :data:`FORMAT_VERSION_SUMS` with its checksum (:data:`FORMAT_VERSION_OPTIMIZER` when its
+    layout names an optimizer other than Adam; ``manifest["version"]`` is set);
     ``durable=False``: not synced, see ``_files.write_json``."""
-    manifest["version"] = FORMAT_VERSION_SUMS
+    opt = manifest.get("layout", {}).get("optimizer", "adam")
+    manifest["version"] = FORMAT_VERSION_SUMS if opt == "adam" else FORMAT_VERSION_OPTIMIZER
     manifest.pop(CHECKSUM_KEY, None)
     write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True,
                durable=durable)

@@ -314,6 +314,22 @@ def test_log_store_manifest_names_no_betas(tmp_path):
     assert m["layout"]["optimizer"] == "adagrad" and "m" not in m["layout"]
 
 
+def test_log_store_manifest_version_4_and_older_readers(tmp_path, monkeypatch):
+    """An Adagrad log store's manifest is version 4 (an Adam one's stays 3): a dsa_core that
+    reads log manifests up to version 3 refuses it with "Upgrade dsa_core"."""
+    from dsa_core._log import format as log_format
+
+    g = dsa_core.create(tmp_path / "g", N, D, optimizer="rowwise_adagrad", storage="log")
+    a = dsa_core.create(tmp_path / "a", N, D, storage="log")
+    dsa_core.close(g)
+    dsa_core.close(a)
+    assert json.loads((tmp_path / "g" / "manifest.json").read_text())["version"] == 4
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["version"] == 3
+    monkeypatch.setattr(log_format, "READ_VERSIONS", log_format.READ_VERSIONS[:3])
+    with pytest.raises(ValueError, match="format version 4.*Upgrade dsa_core"):
+        dsa_core.open(tmp_path / "g")
+
+
 # -- refusals at create and at step ----------------------------------------------------------------
 @pytest.mark.parametrize(("kw", "match"), [
     ({"curvature": 1.0}, "curvature must be 0"),
