@@ -482,6 +482,11 @@ class ShardedDiskEmbedding(nn.Module):
         a string such as ``"4GiB"`` (default: the core's, 25% of this process's memory at
         most). Each rank passes its own (it is not compared across ranks); the unique rows
         a shard receives in one step must fit in it. Refused with ``storage="inplace"``.
+    optimizer : "adam", "adagrad" or "rowwise_adagrad", default "adam"
+        Whose state the shards' records hold beside the weights (as for
+        ``DiskEmbedding``): step the table with ``DiskSparseAdam``, or with
+        ``DiskSparseAdagrad`` (``rowwise=True`` for ``"rowwise_adagrad"``). Recorded in every
+        shard description and checkpoint manifest; a resume must match it.
 
     Attributes
     ----------
@@ -510,7 +515,8 @@ class ShardedDiskEmbedding(nn.Module):
                  timeout: float | timedelta | None = None, durability: str = "flush",
                  second_moment: str = "elementwise", first_moment: str = "full",
                  per_row_step: bool = False, decay_missed_steps: bool = False,
-                 storage: str = STORAGE_DEFAULT, memory: int | str | None = None):
+                 storage: str = STORAGE_DEFAULT, memory: int | str | None = None,
+                 optimizer: str = "adam"):
         super().__init__()
         n, d, padding_idx = check_table_args(num_embeddings, embedding_dim, mode, padding_idx)
         storage, memory = check_storage_args(storage, memory, "auto", _WHO)
@@ -522,6 +528,11 @@ class ShardedDiskEmbedding(nn.Module):
             timeout = timedelta(seconds=float(timeout))
         dt = np_dtype(dtype, _WHO)
         c = validation.check_curvature(curvature, what=_WHO)
+        optimizer = validation.check_optimizer(optimizer, what=_WHO)
+        if optimizer != "adam":
+            validation.check_adagrad_options(
+                optimizer, curvature=c, second_moment=second_moment, first_moment=first_moment,
+                per_row_step=per_row_step, decay_missed_steps=decay_missed_steps, what=_WHO)
         second_moment = validation.check_second_moment(second_moment, c, what=_WHO)
         first_moment = validation.check_first_moment(first_moment, c, dt, what=_WHO)
         for name, flag in (("per_row_step", per_row_step),
@@ -551,13 +562,13 @@ class ShardedDiskEmbedding(nn.Module):
         meta = shard_meta(sp, rank, {
             "num_embeddings": n, "embedding_dim": d, "dtype": dt.name, "curvature": c,
             "padding_idx": padding_idx, "second_moment": second_moment,
-            "first_moment": first_moment, **rows})
+            "first_moment": first_moment, **rows, "optimizer": optimizer})
 
         # phase 1: look (no writes), agree on what every rank found
         args = (n, d, dt.name, c, plan, padding_idx, grad_reduce, exchange, bool(resume),
                 None if resume_from is None else os.fspath(resume_from), bool(overwrite),
                 second_moment, first_moment, rows["per_row_step"], rows["decay_missed_steps"],
-                storage)
+                storage, optimizer)
         my_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) if seed is None \
             else int(seed)
         try:
@@ -581,7 +592,7 @@ class ShardedDiskEmbedding(nn.Module):
             else:
                 state = _create_shard(path, sp, rank, d, dt, c, init, init_scale, shard_seed,
                                       padding_idx, overwrite, durability, second_moment,
-                                      first_moment, rows, storage, memory)
+                                      first_moment, rows, storage, memory, optimizer)
                 created = True
                 write_shard_meta(path, meta)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -973,13 +984,14 @@ def _open_checked(path: Path, meta: dict, storage: str,
             *store_settings(st).values())
     want = (meta["local_rows"], meta["embedding_dim"], meta["dtype"], meta["curvature"], True,
             meta["second_moment"], meta["first_moment"], meta["per_row_step"],
-            meta["decay_missed_steps"])
+            meta["decay_missed_steps"], meta.get("optimizer", "adam"))
     if have != want:
         dsa_core.close(st)
         raise ValueError(f"shard {str(path)!r} holds a {have[0]} x {have[1]} {have[2]} store "
                          f"(curvature {have[3]}, weights {have[4]}, second_moment "
                          f"{have[5]!r}, first_moment {have[6]!r}, per_row_step {have[7]}, "
-                         f"decay_missed_steps {have[8]}); expected {want}")
+                         f"decay_missed_steps {have[8]}, optimizer {have[9]!r}); expected "
+                         f"{want}")
     return st
 
 
@@ -1012,7 +1024,8 @@ def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, 
                   init: Any, init_scale: float, seed: int, padding_idx: int | None,
                   overwrite: bool, durability: str, second_moment: str = "elementwise",
                   first_moment: str = "full", rows: dict | None = None,
-                  storage: str = STORAGE_DEFAULT, memory: int | None = None) -> dsa_core.State:
+                  storage: str = STORAGE_DEFAULT, memory: int | None = None,
+                  optimizer: str = "adam") -> dsa_core.State:
     n = plan.local_rows(rank)
     rows = rows or {"per_row_step": False, "decay_missed_steps": False}
     if isinstance(init, str):
@@ -1030,7 +1043,8 @@ def _create_shard(path: Path, plan: ShardPlan, rank: int, d: int, dt: np.dtype, 
                          first_moment=first_moment, **rows, storage=storage, memory=memory,
                          # the optimizer sets the decay at each step; a store that catches
                          # up decay is created with the decoupled kind
-                         decoupled_weight_decay=rows["decay_missed_steps"])
+                         decoupled_weight_decay=rows["decay_missed_steps"],
+                         optimizer=optimizer)
     if padding_idx is not None and int(plan.owner(padding_idx)) == rank:
         zero_weight_row(st, int(plan.local(padding_idx)))
     return st

@@ -69,11 +69,12 @@ MANIFEST_FORMAT = "dsa-torch-sharded"
 FORMAT_VERSION = 1
 PLANS = ("mod", "range")
 TABLE_KEYS = ("num_embeddings", "embedding_dim", "dtype", "curvature", "padding_idx",
-              "second_moment", "first_moment", "per_row_step", "decay_missed_steps")
-# written before the reduced state (or the per-row options) existed: such shards and
-# manifests hold full moments and no per-row fields
+              "second_moment", "first_moment", "per_row_step", "decay_missed_steps",
+              "optimizer")
+# written before the reduced state (or the per-row options, or Adagrad) existed: such shards
+# and manifests hold Adam's full moments and no per-row fields
 _SETTING_DEFAULTS = {"second_moment": "elementwise", "first_moment": "full",
-                     "per_row_step": False, "decay_missed_steps": False}
+                     "per_row_step": False, "decay_missed_steps": False, "optimizer": "adam"}
 
 
 # -- ownership plan -------------------------------------------------------------------------------
@@ -173,12 +174,15 @@ def describe_plan(meta: dict) -> str:
 
 # -- the table settings ---------------------------------------------------------------------------
 def store_settings(state: dsa_core.State) -> dict[str, Any]:
-    """``second_moment``, ``first_moment``, ``per_row_step`` and ``decay_missed_steps`` of a
-    shard store, as ShardedDiskEmbedding's (and ``dsa_core.create``'s) arguments name them
-    (the ball's per-row v is its default, "elementwise")."""
+    """``second_moment``, ``first_moment``, ``per_row_step``, ``decay_missed_steps`` and
+    ``optimizer`` of a shard store, as ShardedDiskEmbedding's (and ``dsa_core.create``'s)
+    arguments name them (the ball's per-row v is its default, "elementwise"; an Adagrad
+    store's are the defaults: it has no moments and no counters)."""
+    if state.optimizer != "adam":
+        return {**_SETTING_DEFAULTS, "optimizer": state.optimizer}
     return {"second_moment": "rowwise" if state.second_moment == "rowwise" else "elementwise",
             "first_moment": state.first_moment, "per_row_step": bool(state.per_row_step),
-            "decay_missed_steps": bool(state.decay_missed_steps)}
+            "decay_missed_steps": bool(state.decay_missed_steps), "optimizer": "adam"}
 
 
 def table_of(meta: dict) -> dict[str, Any]:

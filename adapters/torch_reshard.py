@@ -142,8 +142,11 @@ def _write_shards(olds: list[dsa_core.State], old: ShardPlan, new: ShardPlan, ta
     rows = max(1, _CHUNK_BYTES // (lay["stride"] * s0.dtype.itemsize))
     for j in range(new.world_size):
         n_j = new.local_rows(j)
+        opt = ({} if s0.optimizer == "adam" else  # the optimizer is in store_settings
+               {"lr_decay": s0.lr_decay, "initial_accumulator_value":
+                s0.initial_accumulator_value})
         st = dsa_core.create(root / f"rank{j}", n_j, lay["dim"], curvature=lay["curvature"],
-                             lr=s0.lr, betas=s0.betas, eps=s0.eps, maximize=s0.maximize,
+                             lr=s0.lr, betas=s0.betas, eps=s0.eps, maximize=s0.maximize, **opt,
                              weights=True, init=None, dtype=lay["dtype"],
                              ball_eps=s0.ball_eps if lay["curvature"] > 0 else None,
                              nonfinite=s0.nonfinite, align=lay["align"],

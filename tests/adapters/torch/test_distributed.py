@@ -1226,3 +1226,50 @@ if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "worker":
         _log_worker(_rank, _world, _port, _tmp)
     else:
         _worker(_scen, _rank, _world, _port, _tmp)
+
+
+def test_adagrad_shards(tmp_path, one_rank):
+    """A ShardedDiskEmbedding made for Adagrad (``optimizer=``) steps as DiskEmbedding with
+    DiskSparseAdagrad does, records the optimizer in its shard description and checkpoint
+    manifest, refuses a resume as another optimizer (nothing written), and a reshard keeps
+    the optimizer, its hyperparameters and the accumulators with their rows."""
+    import dsa_core
+    from adapters.torch import DiskEmbedding, DiskSparseAdagrad
+    from adapters.torch_dist import ShardedDiskEmbedding, read_manifest
+    from adapters.torch_reshard import reshard
+
+    kw = dict(lr=0.1, lr_decay=0.01, rowwise=True, weight_decay=0.01)
+    emb = ShardedDiskEmbedding(N, D, state_dir=tmp_path / "emb", init=init_table(),
+                               optimizer="rowwise_adagrad")
+    ref = DiskEmbedding(N, D, state_dir=tmp_path / "ref", init=init_table(),
+                        optimizer="rowwise_adagrad")
+    opt, opt_ref = DiskSparseAdagrad(emb.parameters(), **kw), DiskSparseAdagrad(
+        ref.parameters(), **kw)
+    for ids in ((1, 2, 2, 7), (2, 30), (7,)):
+        train_one_step(emb, opt, ids=ids)
+        train_one_step(ref, opt_ref, ids=ids)
+    assert emb.store.optimizer == "rowwise_adagrad"
+    np.testing.assert_array_equal(dsa_core.read_records(emb.store, np.arange(N)),
+                                  dsa_core.read_records(ref.store, np.arange(N)))
+    emb.checkpoint(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "emb" / "rank0" / "shard.json").read_text())[
+        "optimizer"] == "rowwise_adagrad"
+    assert read_manifest(tmp_path / "ckpt")["optimizer"] == "rowwise_adagrad"
+    recs = dsa_core.read_records(emb.store, np.arange(N))
+    for o in (opt, opt_ref):
+        o.close()
+    emb.close()
+    ref.close()
+    before = tree(tmp_path)
+    with pytest.raises(ValueError, match="shard of another table: optimizer "
+                                         "'rowwise_adagrad' there, 'adam' here"):
+        ShardedDiskEmbedding(N, D, state_dir=tmp_path / "emb", resume=True)
+    assert tree(tmp_path) == before
+    reshard(tmp_path / "ckpt", tmp_path / "ck2", 2, "mod")
+    assert read_manifest(tmp_path / "ck2")["optimizer"] == "rowwise_adagrad"
+    for k in range(2):
+        sk = dsa_core.open(tmp_path / "ck2" / f"rank{k}", mode="r")
+        assert (sk.optimizer, sk.count, sk.lr_decay) == ("rowwise_adagrad", 3, 0.01)
+        np.testing.assert_array_equal(dsa_core.read_records(sk, np.arange(sk.num_rows)),
+                                      recs[k::2])
+        dsa_core.close(sk)
