@@ -2,7 +2,8 @@
 
     python -m benchmarks.adagrad warm --rows 1000000            # vs torch.optim.Adagrad
     python -m benchmarks.adagrad ooc --rows 4000000 --cap 1G    # row-wise Adagrad vs Adam
-    python -m benchmarks.adagrad --smoke                        # seconds: both, tiny
+    python -m benchmarks.adagrad quality --epochs 100           # Kinships MRR vs PBG's update
+    python -m benchmarks.adagrad --smoke                        # seconds: all three, tiny
 
 ``warm``: one process, the same uniform batches of ``--batch`` ids and gradients (float32,
 dim 128), every table in RAM: ``torch.optim.Adagrad`` on an ``nn.Embedding(sparse=True)``
@@ -16,8 +17,13 @@ optimizer, every row written once, then ``--steps`` uniform steps of ``--batch``
 each optimizer in a child process under a memory cgroup of ``--cap`` (the repo's
 ``benchmarks/memcap.sh``; uncapped where no cgroup can be made, and it says so). Prints the
 rows/s and the bytes read and written per row touched (``/proc/self/io``) of row-wise Adagrad
-(a record of ``dim + 1`` floats) and Adam (``3 x dim``), and their ratios. Writes
-``benchmarks/results/adagrad_{warm,ooc}[_smoke].{json,csv}``.
+(a record of ``dim + 1`` floats) and Adam (``3 x dim``), and their ratios.
+
+``quality``: TransE (dim ``--dim``) on PyKEEN's Kinships through ``pipeline()`` (sLCWA,
+``--epochs``, batches of 256, seed 0), trained by ``adapters.pykeen.DiskAdagrad(rowwise=True)``
+(state on disk) and by PyTorch-BigGraph's ``RowAdagrad`` update in memory (a transcription of
+``torchbiggraph/row_adagrad.py`` as a torch optimizer, below); prints both test MRRs and
+Hits@10. Writes ``benchmarks/results/adagrad_{warm,ooc,quality}[_smoke].{json,csv}``.
 """
 
 from __future__ import annotations
@@ -171,15 +177,82 @@ def ooc(a) -> list[dict]:
     return rows
 
 
+# -- quality ------------------------------------------------------------------------------
+def _pbg_row_adagrad():
+    """PyTorch-BigGraph's ``RowAdagrad`` (``torchbiggraph/row_adagrad.py``), sparse branch, as
+    a torch optimizer PyKEEN can rebuild from its param groups: one float of state per row,
+    ``sum[r] += mean(g*g)``, ``p[r] -= clr * g / (sqrt(sum[r]) + eps)``."""
+    import torch
+
+    class RowAdagrad(torch.optim.Optimizer):
+        def __init__(self, params, lr=1e-2, lr_decay=0.0, eps=1e-10):
+            super().__init__(params, {"lr": lr, "lr_decay": lr_decay, "eps": eps})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    st = self.state[p]
+                    if not st:
+                        st["step"], st["sum"] = 0, p.new_zeros((p.shape[0],))
+                    st["step"] += 1
+                    clr = group["lr"] / (1 + (st["step"] - 1) * group["lr_decay"])
+                    g = p.grad.coalesce()
+                    idx, val = g.indices()[0], g.values()
+                    local = st["sum"][idx]
+                    delta = (val * val).mean(1)
+                    st["sum"].index_add_(0, idx, delta)
+                    std = (local + delta).sqrt_().add_(group["eps"]).unsqueeze(1)
+                    p.index_add_(0, idx, -clr * val / std)
+
+    return RowAdagrad
+
+
+def quality(a) -> list[dict]:
+    import logging
+
+    from pykeen.pipeline import pipeline
+
+    from adapters import pykeen as dsa
+
+    for name in ("pykeen", "torch_max_mem"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
+        for how in ("pbg in memory", "dsa DiskAdagrad rowwise"):
+            pbg = how.startswith("pbg")
+            opt = _pbg_row_adagrad() if pbg else dsa.DiskAdagrad
+            okw = {"lr": a.lr} if pbg else {"lr": a.lr, "rowwise": True,
+                                            "state_dir": f"{tmp}/opt"}
+            t0 = time.perf_counter()
+            r = pipeline(dataset="Kinships", model="TransE", random_seed=0,
+                         model_kwargs=dict(embedding_dim=a.dim,
+                                           **dsa.sparse_representations()),
+                         optimizer=opt, optimizer_kwargs=okw,
+                         training_kwargs=dict(num_epochs=a.epochs, batch_size=256,
+                                              use_tqdm=False),
+                         evaluation_kwargs=dict(use_tqdm=False))
+            rows.append({"update": how, "epochs": a.epochs, "mrr": r.get_metric("mrr"),
+                         "hits_at_10": r.get_metric("hits@10"),
+                         "seconds": time.perf_counter() - t0})
+            dsa.close(r.model, r.training_loop.optimizer)
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", nargs="?", choices=("warm", "ooc", "ooc-child"))
+    ap.add_argument("what", nargs="?", choices=("warm", "ooc", "quality", "ooc-child"))
     ap.add_argument("--rows", type=int, default=None, help="1M (warm), 4M (ooc)")
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=None, help="timed steps: 1000 (warm), 300 (ooc)")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--memory", default="64MiB", help="ooc: the log stores' budget")
     ap.add_argument("--cap", default="1G", help="ooc: the memory cgroup ('none': uncapped)")
+    ap.add_argument("--epochs", type=int, default=100, help="quality")
+    ap.add_argument("--dim", type=int, default=64, help="quality: TransE's dimension")
+    ap.add_argument("--lr", type=float, default=0.1, help="quality")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--smoke", action="store_true", help="both measures, tiny sizes")
     ap.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
@@ -188,20 +261,24 @@ def main(argv=None) -> None:
     if a.what == "ooc-child":
         print(json.dumps(ooc_child(a)), flush=True)
         return
-    whats = ["warm", "ooc"] if a.smoke else [a.what]
+    whats = ["warm", "ooc", "quality"] if a.smoke else [a.what]
     if whats == [None]:
         ap.error("say what to measure: warm or ooc (or --smoke)")
     for what in whats:
         if a.smoke:
             a.rows, a.steps, a.warmup = (5000 if what == "warm" else 20_000), 10, 3
-            a.memory, a.cap = "16MiB", "256M"
-        a.rows = a.rows or (1_000_000 if what == "warm" else 4_000_000)
-        a.steps = a.steps or (1000 if what == "warm" else 300)
-        rows = warm(a) if what == "warm" else ooc(a)
-        cols = (["impl", "rows_per_s", "p50_ms", "x_torch_adagrad"] if what == "warm" else
-                ["optimizer", "cap", "record_bytes", "rows_per_s", "p50_ms",
-                 "read_bytes_per_row", "written_bytes_per_row", "x_adam_rows_per_s",
-                 "x_adam_bytes"])
+            a.memory, a.cap, a.epochs, a.dim = "16MiB", "256M", 1, 8
+        if what == "quality":
+            rows = quality(a)
+            cols = ["update", "epochs", "mrr", "hits_at_10", "seconds"]
+        else:
+            a.rows = a.rows or (1_000_000 if what == "warm" else 4_000_000)
+            a.steps = a.steps or (1000 if what == "warm" else 300)
+            rows = warm(a) if what == "warm" else ooc(a)
+            cols = (["impl", "rows_per_s", "p50_ms", "x_torch_adagrad"] if what == "warm"
+                    else ["optimizer", "cap", "record_bytes", "rows_per_s", "p50_ms",
+                          "read_bytes_per_row", "written_bytes_per_row", "x_adam_rows_per_s",
+                          "x_adam_bytes"])
         print_table(rows, cols)
         meta = {"machine": machine(), "args": {k: v for k, v in vars(a).items()
                                                if k not in ("workdir", "root", "optimizer")}}

@@ -118,7 +118,7 @@ def bench_env(tmp_path, monkeypatch):
 def test_benchmark_smoke(name, bench_env, tmp_path, capsys):
     if name == "jax_overhead":
         pytest.importorskip("jax")
-    if name in ("pykeen_parity", "pykeen_ooc"):  # the pykeen extra
+    if name in ("pykeen_parity", "pykeen_ooc", "adagrad"):  # the pykeen extra
         pytest.importorskip("pykeen")
     if name == "warm":  # geoopt's import warns (torch.jit.script is deprecated): not ours
         pytest.importorskip("geoopt")
