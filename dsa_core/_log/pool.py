@@ -241,6 +241,10 @@ class Pool:
         self.initial_into(rows[never], out, never, cols)
         return out
 
+    def residency(self, rows: np.ndarray) -> float:
+        """The fraction of ``rows`` (checked ids) resident in the region."""
+        return float((self.loc[rows] < 0).mean())
+
     def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """Where the on-disk records of ``rows`` (checked ids) lie (see
         ``LogEngine.readahead``)."""
