@@ -20,10 +20,12 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
 * an **open** returns the state of the last flush plus the commit log's steps
   (``recovery``).
 
-:class:`LogEngine` composes those components and is the only thing callers see:
-``dsa_core.step`` (through ``_log.store.LogStore``) coalesces a batch's ids,
-``slots = eng.acquire(unique_rows)``, runs the kernels on ``eng.region`` with ``slots`` in
-place of the row ids, then sets ``eng.count``; ``gather``/export use :meth:`LogEngine.read`.
+:class:`LogStore` composes those components and is the only thing callers see: it
+implements the ``Engine`` protocol (``dsa_core._engine``) directly on them, with no layer
+between. ``dsa_core.step`` coalesces a batch's ids; :meth:`LogStore.begin_step` acquires
+their slots (:meth:`LogStore.acquire`) and hands out the region (``pool.Pool.region``); the
+kernels run on it with the slots in place of the row ids; :meth:`LogStore.commit_step` sets
+the count. ``gather``/export use :meth:`LogStore.read`.
 
 Memory budget
     ``memory_bytes`` is everything the store keeps in memory (``budget``): the index (8 bytes
@@ -32,9 +34,9 @@ Memory budget
     from the same ``budget`` functions),
     and the region's ``S`` slots with what is left. A batch of ``M`` rows needs ``S >= M``:
     :func:`check_memory` (called by :func:`create` and :func:`open` with ``max_batch``, and
-    by every :meth:`LogEngine.acquire`) names the budget that would hold it.
+    by every :meth:`LogStore.acquire`) names the budget that would hold it.
 Durability
-    Only :meth:`LogEngine.flush` (and :meth:`LogEngine.checkpoint`, :meth:`LogEngine.close`)
+    Only :meth:`LogStore.flush` (and :meth:`LogStore.checkpoint`, :meth:`LogStore.close`)
     make anything durable, and every committed step of a store with a commit log: unlike the
     in-place store, whose mapped pages reach the file even without a flush, updates since
     the last flush live in the region only. After ``kill -9`` at any moment :func:`open`
@@ -45,13 +47,13 @@ Deterministic init
     writes at create for the same arguments.
 Concurrency
     The engine's state changes in the caller's thread only: seals and cleaning decisions run
-    inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
+    inside :meth:`LogStore.acquire`, :meth:`LogStore.release` and :meth:`LogStore.flush`.
     Four kinds of background threads only do I/O on buffers and files the engine hands them:
     the segment writer (``writer``: writes sealed segments; a segment is readable from its
     buffer until written), the cleaning reads (``read.CleaningReads``: read the live records
     of the next seals' victims into buffers), the range loads (``ranges.Loader``: read a
-    loaded range's or row set's records into staging buffers, which :meth:`LogEngine.acquire`
-    and the range calls install in the caller's thread) and, for ``LogStore``, the read-ahead of
+    loaded range's or row set's records into staging buffers, which :meth:`LogStore.acquire`
+    and the range calls install in the caller's thread) and the read-ahead of
     future batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
@@ -1115,7 +1117,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
     max_batch : int, optional
         Check now that the region holds batches of this many rows.
     meta : dict, optional
-        JSON-able caller data committed with every flush (``LogEngine.meta``).
+        JSON-able caller data committed with every flush (``commit.Commit.meta``).
     overwrite : bool
         Replace an existing log store (refused while a writer holds it).
 
@@ -1172,10 +1174,10 @@ def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
     commit log (``durability="step"``), if the manifest names one.
 
     ``mode="r+"`` takes the writer lock, removes files no manifest references (left by a
-    crash), replays the commit log's valid entries through :meth:`LogEngine.write` and, if
+    crash), replays the commit log's valid entries through :meth:`LogStore.write` and, if
     there were any, flushes once; ``memory_bytes`` is then required. ``mode="r"`` maps the
     files read-only without a lock and writes nothing (``memory_bytes`` optional: only
-    :meth:`LogEngine.read` is available); the commit log's rows are read into a region of
+    :meth:`LogStore.read` is available); the commit log's rows are read into a region of
     their own, as large as they need (at most the log's size).
     ``check="full"`` verifies the CRC of every referenced segment's records (a sequential
     read of the whole store); ``"headers"`` checks headers, sizes, row ids and their CRCs
