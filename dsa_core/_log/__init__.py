@@ -1,13 +1,13 @@
 """The log-structured storage engine, a package cut along its concerns.
 
-``engine`` (:class:`LogStore`, the ``Engine`` protocol in one class, and ``create``/``open``/
-``remove``) composes ``pool`` (the
-region, CLOCK, acquire and read), ``segments`` (the live segments and their background
-writes), ``cleaner`` (the space bound), ``commit`` (seals, flushes, checkpoints, the commit
-log) and ``recovery`` (opening, replay, garbage, verify); ``store`` is what the registry
-(``dsa_core._engines``) calls (settings, create, open, remove); all on ``format`` (the files), ``wal``
-(the commit log's file), ``writer`` (the segment writer thread), ``read`` (read-ahead and
-cleaning reads), ``budget`` and ``checks``; system calls go through ``dsa_core._os``.
+``engine`` (:class:`LogStore`, the ``Engine`` protocol in one class, and ``create``/
+``open``/``remove``) composes ``pool`` (the region, CLOCK, acquire and read), ``segments``
+(the live segments and their background writes), ``cleaner`` (the space bound), ``commit``
+(seals, flushes, checkpoints, the commit log) and ``recovery`` (opening, replay, garbage,
+verify); ``store`` is what the registry (``dsa_core._engines``) calls (settings, create,
+open, remove); all on ``format`` (the files), ``wal`` (the commit log's file), ``writer``
+(the segment writer thread), ``read`` (read-ahead and cleaning reads), ``budget`` and
+``checks``; system calls go through ``dsa_core._os``.
 
 This module re-exports the names that code outside the package uses (``_log.LogStore``,
 ``_log.create``, ...); anything else is imported from its module.

@@ -452,8 +452,9 @@ class LogStore:
     def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
         """A copy of the records of ``rows``: shape ``(len(rows), stride)``, store dtype.
 
-        Any rows (or a ``slice(lo, hi)`` of them), duplicates allowed. Resident rows come from the region, others from their
-        segment's mapping or, never written, as their initial record. Residency is not
+        Any rows (or a ``slice(lo, hi)`` of them), duplicates allowed. Resident rows come
+        from the region, others from their segment's mapping or, never written, as their
+        initial record. Residency is not
         changed (for gather and export). ``cols``: a ``slice`` of record columns to copy
         (e.g. the weights ``slice(w, w + dim)`` for gather); the result then has that many
         columns.

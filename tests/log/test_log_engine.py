@@ -213,9 +213,10 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
     eng.write(rows, rec)
     ref[rows] = rec
     idx = np.array([5, 3, 3, 0, 2999, 5, 6])
-    where = (eng._pool.loc.copy(), eng._pool.slot_row.copy(), eng._pool.dirty.copy(), eng.log_stats())
+    pool = eng._pool
+    where = (pool.loc.copy(), pool.slot_row.copy(), pool.dirty.copy(), eng.log_stats())
     np.testing.assert_array_equal(eng.read(idx), ref[idx])
-    after = (eng._pool.loc, eng._pool.slot_row, eng._pool.dirty, eng.log_stats())
+    after = (pool.loc, pool.slot_row, pool.dirty, eng.log_stats())
     assert all(np.array_equal(a, b) for a, b in zip(where[:3], after[:3], strict=True))
     assert where[3] == after[3]  # read never changes residency
     w = slice(lay["w"], lay["w"] + lay["dim"])
@@ -259,7 +260,8 @@ def test_region_accounting(tmp_path):
     assert eng._pool.loc.nbytes == 8 * lay["num_rows"]
     with pytest.raises(ValueError, match="must pay for the index and at least one record"):
         _log.create(tmp_path / "t", lay, memory_bytes=8 * lay["num_rows"] + 100)
-    assert eng._pool.region.shape == (S, lay["stride"]) and eng._pool.region.nbytes == S * lay["stride"] * 4
+    region = eng._pool.region
+    assert region.shape == (S, lay["stride"]) and region.nbytes == S * lay["stride"] * 4
     eng.close()
 
 
