@@ -44,8 +44,8 @@ from ._common import batches, machine, print_table, write_results
 def _step(eng, b: np.ndarray, t: int) -> None:
     rows = np.unique(b)
     slots = eng.acquire(rows)
-    eng.region[slots] += 1.0
-    eng.count = t
+    eng._pool.region[slots] += 1.0
+    eng._commit.count = t
     r = eng._cleaner.reads
     if r is not None:
         r.join()  # every read ahead done before the next seal: deterministic
@@ -73,15 +73,15 @@ def run(workdir: Path, dist: str, policy: str, gap: str, a) -> dict:
         for b in warm:  # age: until the store has cleaned, then --warm-passes more passes
             t += 1
             _step(eng, b, t)
-            if aged_at is None and eng.stats()["cleaned_segments"]:
+            if aged_at is None and eng.log_stats()["cleaned_segments"]:
                 aged_at = t
             if aged_at is not None and t >= aged_at + steps_per_pass * a.warm_passes:
                 break
-        st0, v0 = eng.stats(), eng._cleaner.victim_records
+        st0, v0 = eng.log_stats(), eng._cleaner.victim_records
         for b in counted:
             t += 1
             _step(eng, b, t)
-        st, victims = eng.stats(), eng._cleaner.victim_records - v0
+        st, victims = eng.log_stats(), eng._cleaner.victim_records - v0
         assert eng._cleaner.fallbacks == 0
     finally:
         _read.CLEAN_GAP_BYTES, _read.CLEAN_READ_BYTES = saved

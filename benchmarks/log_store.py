@@ -107,7 +107,7 @@ def bench_checkpoint(a, root: Path) -> list[dict]:
     g = rng.standard_normal((a.batch, a.dim)).astype(np.float32)
     for _ in range(a.steps):
         log = dsa_core.step(log, rng.integers(0, a.rows, a.batch), g)
-    dirty = log.store.engine.stats()["slots_dirty"]
+    dirty = log.store.log_stats()["slots_dirty"]
     index_bytes = 8 * a.rows
     out = []
     for label in ("after steps (region dirty)", "after a flush"):
@@ -116,12 +116,12 @@ def bench_checkpoint(a, root: Path) -> list[dict]:
             dirty = 0
         dest = root / f"ck_{len(out)}"
         wait_disk_quiet(a.quiet_seconds)
-        sealed0 = log.store.engine.stats()["file_bytes_written"]
+        sealed0 = log.store.log_stats()["file_bytes_written"]
         t0 = time.perf_counter()
         dsa_core.checkpoint(log, dest)
         t = time.perf_counter() - t0
         extra = own_bytes(dest)
-        sealed = log.store.engine.stats()["file_bytes_written"] - sealed0
+        sealed = log.store.log_stats()["file_bytes_written"] - sealed0
         print(f"checkpoint {label}: {t:.2f} s = {t / t_copy:.3f} of the full copy; disk "
               f"{extra / 1e6:,.0f} MB of its own (index {index_bytes / 1e6:,.0f} MB); its "
               f"flush sealed {dirty:,} dirty rows ({sealed / 1e6:,.0f} MB)", flush=True)
@@ -154,7 +154,7 @@ def bench_passes(a, root: Path) -> list[dict]:
             idx = order[lo:lo + b]
             s = dsa_core.step(s, idx, g[:idx.shape[0]])
         dsa_core.flush(s)
-        st = s.store.engine.stats()
+        st = s.store.log_stats()
         disk = disk_bytes(root / "passes")
         out.append({"what": "passes", "order": a.pass_order, "pass": p, "rows": n,
                     "region_share": a.pass_memory_share, "space_ratio": a.space_ratio,

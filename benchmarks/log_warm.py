@@ -68,7 +68,7 @@ def run(a) -> list[dict]:
                    "median_ms": med * 1e3, "rows_per_s": b / med, "vs_inplace": base / med,
                    "rounds": a.rounds, "steps_per_round": len(work)}
             if k != "inplace":
-                st = stores[k].store.engine.stats()
+                st = stores[k].store.log_stats()
                 row.update({f"log_{key}": st[key] for key in
                             ("segments", "seals", "misses", "write_amplification") if key in st})
             rows.append(row)

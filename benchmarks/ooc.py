@@ -360,7 +360,7 @@ def child(args) -> None:
     dsa_core.warmup(("float32",))
     times, hits, all_times, rss = [], [], [], [rss_anon_mb()]
     # a log store's seal counter (a step that sealed: its seal and its cleaning were on it)
-    seals = (lambda: st.store.engine._stats["seals"]) if st.storage == "log" else (lambda: 0)
+    seals = (lambda: st.store._stats["seals"]) if st.storage == "log" else (lambda: 0)
     sealed = []
     # the store's disk, per timed step: reads, KiB read, ms reading, MiB written
     stat = disk_stat_file(args.store)
@@ -380,7 +380,7 @@ def child(args) -> None:
     for k in range(len(ids)):
         if k == args.warmup:
             t_start, io0 = time.perf_counter(), disk_ios()
-            ls0 = st.store.engine.stats() if st.storage == "log" else None
+            ls0 = st.store.log_stats() if st.storage == "log" else None
             if args.kernel_stacks:
                 sampler = StackSampler().start()
         j = k + ahead
@@ -414,7 +414,7 @@ def child(args) -> None:
     stacks = sampler.stop() if sampler is not None else None
     if probe is not None:
         probe.close()
-    log_stats = st.store.engine.stats() if st.storage == "log" else None
+    log_stats = st.store.log_stats() if st.storage == "log" else None
     # the timed steps' own figures: misses (the steps' random reads of records), cleaning
     if log_stats is not None and ls0 is not None and wall > 0:
         log_stats["timed"] = {
@@ -504,7 +504,7 @@ def tune_cleaning(st, args) -> None:
     if args.clean_duty > 0:  # the share of the time the cleaning reads may hold the disk
         _log_read.CLEAN_DUTY = float(args.clean_duty)
     if args.clean == "off":  # the bound out of reach: no seal cleans, nothing is read
-        st.store.engine._cleaner.space_ratio = 1e9
+        st.store._cleaner.space_ratio = 1e9
 
 
 def find_memcap() -> Path | None:

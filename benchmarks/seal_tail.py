@@ -120,20 +120,20 @@ def run(a) -> list[dict]:
         ageing = [rng.integers(0, n, b) for _ in range(int(a.age_passes * n / b))]
         for idx in dsa_core.prefetched(st, ageing):
             st = dsa_core.step(st, idx, g)
-        eng = st.store.engine
+        eng = st.store
         work = [rng.integers(0, n, b) for _ in range(a.steps)]
         times, sealed, parts, discard = [], [], [], []
         for idx in dsa_core.prefetched(st, work):
-            s0 = eng.stats()["seals"]
+            s0 = eng.log_stats()["seals"]
             acc.clear()
             d0 = _discard_ms(disk)
             t0 = time.perf_counter()
             st = dsa_core.step(st, idx, g)
             times.append(time.perf_counter() - t0)
             discard.append(_discard_ms(disk) - d0)
-            sealed.append(eng.stats()["seals"] > s0)
+            sealed.append(eng.log_stats()["seals"] > s0)
             parts.append(dict(acc))
-        stats = eng.stats()
+        stats = eng.log_stats()
     finally:
         dsa_core.close(st)
         shutil.rmtree(root, ignore_errors=True)

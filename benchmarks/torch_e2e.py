@@ -118,7 +118,7 @@ def _worker(args) -> dict:
         if args.worker != "torch" and not args.fill:  # a long run's steady state: every
             for st in opt.stores.values():                 # log region page touched
                 if st.storage == "log":
-                    _populate(st.store.engine.region)
+                    _populate(st.store._pool.region)
         if args.predirty and args.worker in ("dsa", "diskemb"):  # the steady state of a long run
             for st in opt.stores.values():
                 predirty(st)

@@ -79,15 +79,15 @@ def _store_child(a) -> None:
     segments.CACHE_MAX = a.cache_max  # the window's cap
     s = dsa_core.create(os.path.join(a.workdir, a.name), a.rows, a.dim, storage="log",
                         memory=a.memory)
-    eng = s.store.engine
+    eng = s.store
     rng = np.random.default_rng(0)
     g = rng.standard_normal((a.batch, a.dim)).astype(np.float32)
     t0, steps = time.perf_counter(), 0
-    while eng._writer is None or eng._writer.jobs < a.segments:
+    while eng._segments.writer is None or eng._segments.writer.jobs < a.segments:
         s = dsa_core.step(s, rng.choice(a.rows, a.batch, replace=False), g)
         steps += 1
     eng._segments.settle(block=True)
-    w = eng._writer
+    w = eng._segments.writer
     out = {"cache_bytes": w.cache_bytes, "segments": w.jobs, "steps": steps,
            "seal_mib": round(eng.seal_unit * eng.rec_bytes / 2**20, 2),
            "writer_cpu_ms_per_segment": round(1e3 * w.cpu_s / w.jobs, 2),

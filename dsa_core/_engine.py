@@ -6,7 +6,7 @@ to an open store only through the :class:`Engine` protocol below. Two engines im
 
 * ``_inplace.store.Store`` -- the **in-place** store: one mapped file of fixed-size records, updated
   where they lie;
-* ``_log.store.LogStore`` -- the **log-structured** store: records in immutable segment
+* ``_log.engine.LogStore`` -- the **log-structured** store: records in immutable segment
   files, a memory region of slots in front of them, an index and a cleaner.
 
 Which one a store uses is a performance choice (``storage=``), never a behaviour: the same

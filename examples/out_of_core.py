@@ -169,7 +169,7 @@ def _train(kind: str, cfg: Config, store_dir: Path) -> dict:
            "peak_rss_anon": peak_anon, "peak_rss_file": peak_file,
            "ready_rss_anon": ready["anon"], "ready_rss": ready["rss"]}
     if kind == "dsa":
-        stats = emb.store.store.engine.stats()
+        stats = emb.store.store.log_stats()
         out.update(region_rows=int(stats["slots"]), seals=int(stats["seals"]),
                    region_hit=float(np.mean(hits)),
                    written_bytes=int(stats["file_bytes_written"]))

@@ -178,7 +178,7 @@ def log_kw(kind: str, memory=None) -> dict:
 
 def evicted(state) -> bool:
     """A log store whose rows really left the region: sealed segments, fewer slots than rows."""
-    st = state.store.engine.stats()
+    st = state.store.log_stats()
     return st["segments"] > 0 and st["slots"] < state.num_rows
 
 

@@ -57,6 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from .._paging import memory_limit
+
 __all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "CLEAN_READ_BYTES", "CLEAN_REQUESTS",
            "INDEX_BYTES", "SEAL_BYTES", "SEAL_META", "SLOT_OVERHEAD",
            "STAGING_CHUNK", "WHOLE_MAX", "WRITE_BUFFERS", "behind_records", "check_memory",
@@ -227,3 +229,22 @@ def check_memory_bytes(memory_bytes: Any, layout: dict[str, Any]) -> int:
                          f"{_rec_bytes(layout)}-byte record + {SLOT_OVERHEAD} bytes per slot), "
                          f"got {memory_bytes}; give the store more memory")
     return int(memory_bytes)
+
+
+DEFAULT_MEMORY_SHARE = 0.25  # of _paging.memory_limit(): the default region budget
+MIN_BATCH_ROWS = 4096        # the default budget always holds a batch of this many rows
+
+
+def default_memory(layout: dict[str, Any]) -> int:
+    """The default region budget of a log store, in bytes.
+
+    ``DEFAULT_MEMORY_SHARE`` (25%) of the memory this process may use
+    (``_paging.memory_limit()``: physical memory, capped by its cgroup), but never more than
+    the whole table needs (one slot per row) and never less than a batch of
+    ``MIN_BATCH_ROWS`` (4096) rows needs (or the whole table, if smaller).
+    """
+    n = int(layout["num_rows"])
+    share = int(DEFAULT_MEMORY_SHARE * memory_limit())
+    whole = memory_for(layout, n)
+    floor = memory_for(layout, min(MIN_BATCH_ROWS, n))
+    return max(floor, min(share, whole))

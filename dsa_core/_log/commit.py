@@ -275,7 +275,7 @@ class Commit:
     # -- flushing -------------------------------------------------------------------------
     def flush(self, count: int | None = None) -> None:
         """Make everything so far durable, at step ``count`` (default: ``self.count``); see
-        ``LogEngine.flush``."""
+        ``LogStore.flush``."""
         self._not_in_doubt()
         count = self.count if count is None else check_count(count)
         meta = check_meta(self.meta)
@@ -296,7 +296,7 @@ class Commit:
                 "group committed it")
 
     def _seal_dirty(self) -> None:
-        dirty = np.flatnonzero(self.pool.dirty)
+        dirty = self.pool.dirty_slots()
         if dirty.shape[0]:
             self.seal_all(dirty, evict=False)
         self.segments.settle(block=True)  # every background write done (or retried) first
@@ -375,7 +375,7 @@ class Commit:
     def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
                    share: bool = True) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``
-        (see ``LogEngine.checkpoint``)."""
+        (see ``LogStore.checkpoint``)."""
         dest = Path(dest)
         if dest.resolve() == self.path.resolve():
             raise ValueError(f"checkpoint destination {str(dest)!r} is the live store itself; "
@@ -405,7 +405,14 @@ class Commit:
 
     # -- the commit log (durability="step") -----------------------------------------------
     def step_ready(self, count: int, meta: dict[str, Any] | None = None) -> bool:
-        """True when step ``count + 1`` may be logged now (see ``LogEngine.step_ready``)."""
+        """True when step ``count + 1`` may be logged now (``LogStore.commit_step``).
+
+        That is: a commit-log generation is open and healthy, ``count`` is the store's
+        count and the last one the manifest plus the log hold, no acquire (hence no write,
+        no unlogged step) changed the region since, the log is under ``wal_bound`` bytes,
+        and ``meta`` (when given) is the committed one. Then the state that a replay
+        rebuilds is exactly the current one, and an entry appended now replays onto it.
+        """
         w = self.wal
         return (w is not None and not w.broken and self.wal_on
                 and self.count == int(count) == self.wal_count
@@ -415,7 +422,7 @@ class Commit:
 
     def begin_step(self, count: int, meta: dict[str, Any]) -> None:
         """Unless :meth:`step_ready`, turn ``wal_on`` on and flush at ``count`` with
-        ``meta`` (see ``LogEngine.begin_step``)."""
+        ``meta`` (see ``LogStore.begin_step``)."""
         if self.step_ready(count, meta):
             return
         self.wal_on = True
@@ -425,7 +432,7 @@ class Commit:
     def commit_step(self, t: int, rows: np.ndarray, slots: np.ndarray,
                     records: np.ndarray) -> None:
         """Append step ``t`` to the commit log, then copy ``records`` into the region (see
-        ``LogEngine.commit_step``)."""
+        ``LogStore.commit_step``)."""
         if self.wal is None or int(t) != self.wal_count + 1 or self.count != self.wal_count:
             raise RuntimeError(f"log store {str(self.path)!r}: commit_step({t}) without "
                                f"begin_step({int(t) - 1}) (the log holds step "

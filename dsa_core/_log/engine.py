@@ -20,10 +20,12 @@ same records (``_layout``: ``[w | m | v | counters]``) but never overwrites one 
 * an **open** returns the state of the last flush plus the commit log's steps
   (``recovery``).
 
-:class:`LogEngine` composes those components and is the only thing callers see:
-``dsa_core.step`` (through ``_log.store.LogStore``) coalesces a batch's ids,
-``slots = eng.acquire(unique_rows)``, runs the kernels on ``eng.region`` with ``slots`` in
-place of the row ids, then sets ``eng.count``; ``gather``/export use :meth:`LogEngine.read`.
+:class:`LogStore` composes those components and is the only thing callers see: it
+implements the ``Engine`` protocol (``dsa_core._engine``) directly on them, with no layer
+between. ``dsa_core.step`` coalesces a batch's ids; :meth:`LogStore.begin_step` acquires
+their slots (:meth:`LogStore.acquire`) and hands out the region (``pool.Pool.region``); the
+kernels run on it with the slots in place of the row ids; :meth:`LogStore.commit_step` sets
+the count. ``gather``/export use :meth:`LogStore.read`.
 
 Memory budget
     ``memory_bytes`` is everything the store keeps in memory (``budget``): the index (8 bytes
@@ -32,9 +34,9 @@ Memory budget
     from the same ``budget`` functions),
     and the region's ``S`` slots with what is left. A batch of ``M`` rows needs ``S >= M``:
     :func:`check_memory` (called by :func:`create` and :func:`open` with ``max_batch``, and
-    by every :meth:`LogEngine.acquire`) names the budget that would hold it.
+    by every :meth:`LogStore.acquire`) names the budget that would hold it.
 Durability
-    Only :meth:`LogEngine.flush` (and :meth:`LogEngine.checkpoint`, :meth:`LogEngine.close`)
+    Only :meth:`LogStore.flush` (and :meth:`LogStore.checkpoint`, :meth:`LogStore.close`)
     make anything durable, and every committed step of a store with a commit log: unlike the
     in-place store, whose mapped pages reach the file even without a flush, updates since
     the last flush live in the region only. After ``kill -9`` at any moment :func:`open`
@@ -45,13 +47,13 @@ Deterministic init
     writes at create for the same arguments.
 Concurrency
     The engine's state changes in the caller's thread only: seals and cleaning decisions run
-    inside :meth:`LogEngine.acquire`, :meth:`LogEngine.release` and :meth:`LogEngine.flush`.
+    inside :meth:`LogStore.acquire`, :meth:`LogStore.release` and :meth:`LogStore.flush`.
     Four kinds of background threads only do I/O on buffers and files the engine hands them:
     the segment writer (``writer``: writes sealed segments; a segment is readable from its
     buffer until written), the cleaning reads (``read.CleaningReads``: read the live records
     of the next seals' victims into buffers), the range loads (``ranges.Loader``: read a
-    loaded range's or row set's records into staging buffers, which :meth:`LogEngine.acquire`
-    and the range calls install in the caller's thread) and, for ``LogStore``, the read-ahead of
+    loaded range's or row set's records into staging buffers, which :meth:`LogStore.acquire`
+    and the range calls install in the caller's thread) and the read-ahead of
     future batches (``read.ReadAhead``: hints only). A flush waits for every pending write before it
     commits. One writer per store (an exclusive ``flock`` on ``writer.lock`` in
     ``mode="r+"``); readers (``mode="r"``) map the files of the manifest they read and never
@@ -69,17 +71,21 @@ from typing import Any
 
 import numpy as np
 
-from .._engine import closed_error
+from .. import _exit
+from .._engine import closed_error, scratch
 from .._files import CHECKSUM_KEY, ForkedReadError
 from .._init import InitSpec
+from .._layout import Layout
 from .budget import (
     SLOT_OVERHEAD,
     check_memory,
     check_memory_bytes,
+    default_memory,
     memory_for,
     seal_unit_for,
     slots_for,
 )
+from .budget import split as split_budget
 from .checks import check_count, check_init_settings, check_layout, check_meta
 from .cleaner import Cleaner
 from .commit import Commit
@@ -98,9 +104,10 @@ from .format import (
 from .pool import Pool, gather_records
 from .ranges import Job, Loader, loader_for, plan_job
 from .recovery import install_log, load, lock, log_entries, remove_garbage, replay_log, verify
+from .read import ReadAhead
 from .segments import Segments
 
-__all__ = ["SLOT_OVERHEAD", "ForkGuard", "ForkedReadError", "LogEngine", "check_memory",
+__all__ = ["SLOT_OVERHEAD", "ForkGuard", "ForkedReadError", "LogStore", "check_memory",
            "create", "gather_records", "memory_for", "open", "remove", "slots_for"]
 
 
@@ -161,53 +168,89 @@ _STATS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleane
           "range_records", "range_rereads", "range_pins_dropped", "row_loads")
 
 
-def _forward(component: str, name: str, doc: str) -> property:
-    """An attribute of the engine that is the attribute ``name`` of one of its components."""
-    def get(self):
-        return getattr(getattr(self, component), name)
 
-    def put(self, value):
-        setattr(getattr(self, component), name, value)
+def _flush_unclosed(parts: dict[str, Any], pid: int) -> None:
+    """Flush a log store that was never closed: when its last ``State`` is garbage-collected,
+    or when the interpreter exits normally (``weakref.finalize`` runs at exit too).
 
-    return property(get, put, doc=doc)
+    ``parts`` is the store's ``__dict__`` (its components and its ``closed`` flag and lock,
+    not the store itself, which the finalizer must not keep alive): the flush runs on a
+    :class:`LogStore` shell over them (:meth:`LogStore._watch`).
+
+    An in-place store's rows reach its file through the shared mapping even when the
+    program never calls ``close``; a log store's steps since the last flush live only in
+    its memory region. Python flushes open files that are dropped or left open at exit; so
+    does this, so that forgetting ``close`` does not silently lose training. (After
+    ``kill -9`` or ``os._exit`` nothing runs: the store reopens at its last flush.)
+
+    Only in the process that opened the store: a forked child (a data-loader worker, say)
+    holds a copy of the region and must never write the parent's store. At exit it runs
+    before Python shuts its thread pools down (``_exit``: a cleaning read still works); a
+    failure is printed to stderr and makes the exit status non-zero.
+
+    A store whose directory was deleted since it was opened (a ``TemporaryDirectory``
+    left without ``close``; ``_exit.store_gone``) has nothing to save: it is let go
+    without a flush and without a word -- a flush would write a partial store into an empty
+    directory made at the same path since. If only its lock file was removed, or the
+    directory was replaced by another holding a manifest, it is not flushed into whatever
+    is there now, and that is reported as a failure.
+    """
+    if os.getpid() != pid:
+        return
+    store = LogStore.__new__(LogStore)
+    store.__dict__ = parts
+    try:
+        if store.closed:
+            return
+        gone = _exit.store_gone(store.path, store._lockfd, MANIFEST_FILE)
+        if gone == "removed":
+            store._shut(flush=False)  # the user deleted the store: nothing to lose
+            return
+        if gone == "replaced":
+            store._shut(flush=False)
+            raise FileNotFoundError(
+                f"the writer lock file this store held was deleted since it was opened, and "
+                f"{str(store.path)!r} now holds a manifest.json: another store (or this one "
+                "with its writer.lock removed). Not flushing into it. Close stores before "
+                "deleting or replacing their directories")
+        store._shut(flush=True)  # flushes, then releases the writer lock
+    except Exception as exc:  # nowhere to raise to: say so
+        if not store.closed and _exit.store_gone(store.path, store._lockfd,
+                                                 MANIFEST_FILE) == "removed":
+            store._shut(flush=False)  # deleted while it flushed: nothing to lose either
+            return
+        _exit.report(f"dsa_core: flushing unclosed log store {str(store.path)!r} failed, "
+                     f"its steps since the last flush are lost: {exc!r}")
 
 
-class LogEngine:
-    """An open log-structured store: the region, the index, the mapped segments.
+class LogStore:
+    """An open log-structured store (``_engine.Engine``): the region, the index, the mapped
+    segments.
 
-    Obtain one with :func:`create` or :func:`open`. Attributes used by callers: ``region``
-    (S, stride) records that :meth:`acquire`'s slots index, ``count`` (the step count that
-    seals record and :meth:`flush` commits; set it after each step), ``meta`` (a JSON-able
-    dict committed with every flush: the caller's hyperparameters), ``layout``,
-    ``num_rows``, ``stride``, ``dtype``, ``slots`` (S), ``seal_unit``, ``mode``, ``closed``.
+    Obtain one with :func:`create` or :func:`open` (or ``dsa_core.create``/``open`` through
+    ``_log.store``). Shared by every ``State`` derived from one ``create``/``open``.
+    ``count`` is that of its last commit (the one the next seal and flush record); ``layout``
+    the record layout (one frozen ``_layout.Layout``); ``slots`` (S), ``seal_unit``,
+    ``mode``, ``closed``, ``memory_bytes``.
 
     The work is done by its components, each holding the state it owns and references to
-    the components it uses: ``_pool`` (``pool.Pool``: region, slots, index, CLOCK),
-    ``_segments`` (``segments.Segments``: the live segments and their background writes),
-    ``_cleaner`` (``cleaner.Cleaner``), ``_commit`` (``commit.Commit``: seals, flushes,
-    checkpoints, the commit log); opening and checking are ``recovery``'s.
+    the components it uses: ``_pool`` (``pool.Pool``: ``region`` (S, stride) records that
+    :meth:`acquire`'s slots index, ``loc``, slots, CLOCK), ``_segments``
+    (``segments.Segments``: the live segments and their background writes), ``_cleaner``
+    (``cleaner.Cleaner``), ``_commit`` (``commit.Commit``: ``count``, ``meta`` committed
+    with every flush, seals, flushes, checkpoints, the commit log); opening and checking are
+    ``recovery``'s. This class holds the guards, the range loads (``ranges``) and the
+    read-ahead (``read.ReadAhead``: it only hints the kernel to read the next batch's
+    on-disk records, so it can never change a value), and implements the protocol on the
+    components directly.
     """
 
-    # the pool's
-    region = _forward("_pool", "region", "(S, stride) records: the slots of acquire")
-    loc = _forward("_pool", "loc", "per row: < 0 resident in slot -loc - 1, else on disk")
-    slot_row = _forward("_pool", "slot_row", "per slot: its row, -1 when free")
-    slot_disk = _forward("_pool", "slot_disk", "per slot: its row's newest on-disk record")
-    dirty = _forward("_pool", "dirty", "per slot: 1 when changed since its last seal")
-    memory_bytes = _forward("_pool", "memory_bytes", "the budget batches are checked against")
-    # the segment table's
-    segs = _forward("_segments", "segs", "live segments by id")
-    next_segment = _forward("_segments", "next_segment", "the id of the next seal")
-    total_records = _forward("_segments", "total_records", "records of the live segments")
-    live_total = _forward("_segments", "live_total", "rows with an on-disk location")
-    _live = _forward("_segments", "live", "live records per segment id")
-    _pending = _forward("_segments", "pending", "segments still being written, by id")
-    _writer = _forward("_segments", "writer", "this process's segment writer, or None")
-    # the commit protocol's
-    count = _forward("_commit", "count", "the step count that seals record and flush commits")
-    meta = _forward("_commit", "meta", "JSON-able caller data committed with every flush")
-    wal_on = _forward("_commit", "wal_on", "flushes start a new commit-log generation")
-    wal_bound = _forward("_commit", "wal_bound", "log bytes that make the next step flush")
+    kind = "log"
+    access = "log"  # no mapping to page: the region is the memory (``State.access``)
+    table_view = False       # records live in a region and in segments: no whole table
+    description = "log-structured, storage='log'"
+    checks = "manifest checksum, segment and index CRCs checked, every record's checksum"
+    reads_last_flush = True  # a reader opens the files of the writer's last flush
 
     def __init__(self, directory: Path, manifest: dict[str, Any], mode: str,
                  memory_bytes: int | None, lockfd: int):
@@ -215,20 +258,20 @@ class LogEngine:
         self.mode = mode
         self.closed = False
         self._lockfd = lockfd
-        lay = self.layout = dict(manifest["layout"])
-        self.num_rows = int(lay["num_rows"])
-        self.stride = int(lay["stride"])
-        self.dtype = np.dtype(lay["dtype"])
-        self.rec_bytes = self.stride * self.dtype.itemsize
+        lay = dict(manifest["layout"])
+        self.layout = Layout.from_dict(lay)  # the record layout, one frozen value
+        stride = int(lay["stride"])
+        dtype = np.dtype(lay["dtype"])
+        self.rec_bytes = stride * dtype.itemsize
         self.space_ratio = float(manifest["space_ratio"])
         mn = manifest["ball_maxnorm"]
         self.init = InitSpec(str(manifest["init"]), float(manifest["init_scale"]),
                              int(manifest["seed"]), None if mn is None else float(mn),
-                             int(lay["dim"]), lay["w"], self.stride, self.dtype)
+                             int(lay["dim"]), lay["w"], stride, dtype)
         S = self.slots = 0 if memory_bytes is None else slots_for(lay, memory_bytes)
         self.seal_unit = seal_unit_for(S, self.rec_bytes)
         self._stats = dict.fromkeys(_STATS, 0)
-        self._segments = Segments(self.path, self.stride, self.dtype, self.seal_unit,
+        self._segments = Segments(self.path, stride, dtype, self.seal_unit,
                                   int(manifest["next_segment"]))
         self._pool = Pool(self.path, lay, S, self.seal_unit, memory_bytes, self.init,
                           self._segments, self._stats)
@@ -246,6 +289,56 @@ class LogEngine:
         # changes and segment-file reuse bump, and reads check
         self._fork = ForkGuard() if mode == "r+" else None
         self._segments.on_recycle = None if self._fork is None else self._fork.bump
+        # the step protocol's: a logged step's copy of its records, the step itself, the
+        # count a begun step started from (``abort_step``); the read-ahead thread; what
+        # cancel_commit puts back; the budget remembered ("memory"), if any
+        self._scratch: dict[str, np.ndarray] = {}
+        self._step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._begun = 0
+        self._readahead: ReadAhead | None = None
+        self._meta_before: tuple | None = None
+        self._memory_setting: int | None = None
+
+    def _watch(self) -> None:
+        """Flush this store if it is dropped unclosed, or left open at exit
+        (:func:`_flush_unclosed`; ``_log.store`` calls it once an open succeeded)."""
+        if self.mode == "r+":
+            _exit.watch(self, _flush_unclosed, self.__dict__, os.getpid())
+
+    # -- the store's state -----------------------------------------------------------------
+    @property
+    def count(self) -> int:
+        """The step count that seals record and flush commits (the commit protocol's)."""
+        return self._commit.count
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The region's budget in bytes (None for a read-only open)."""
+        return self._pool.memory_bytes
+
+    @property
+    def nbytes(self) -> int:
+        lay = self.layout
+        return lay.num_rows * lay.stride * lay.dtype.itemsize
+
+    def view_handed_out(self) -> None:
+        """Never called: a log store hands out no whole-table view (:meth:`no_view`)."""
+
+    def no_view(self, what: str):
+        raise ValueError(
+            f"store {str(self.path)!r} is a log-structured store (storage='log'), which has "
+            f"no whole-table view ({what}): its records live in a memory region and in "
+            "immutable segments. Read rows with dsa_core.gather(state, idx) or "
+            "dsa_core.read_records(state, idx) in chunks, or convert it to an in-place store "
+            "with dsa_core.convert(state, dest, storage='inplace')")
+
+    @property
+    def data(self):
+        self.no_view("state.store.data")
+
+    @property
+    def counters(self):
+        self.no_view("state.store.counters")
 
     # -- guards ---------------------------------------------------------------------------
     def _require_open(self) -> None:
@@ -258,9 +351,13 @@ class LogEngine:
             raise ValueError(f"log store {str(self.path)!r} was opened read-only (mode='r'); "
                              "open it with mode='r+' to change it")
 
-    def check_batch(self, batch: int) -> None:
-        """Raise ``ValueError`` unless the region holds a batch of ``batch`` rows."""
-        self._pool.check_batch(batch)
+    def check_batch(self, n: int) -> None:
+        """Raise ``ValueError`` unless the region holds a batch of ``n`` rows (the ``n``
+        distinct rows of one step)."""
+        self._pool.check_batch(n)
+
+    def max_batch(self) -> int:
+        return self.slots
 
     def _changed(self) -> None:
         """Rows are about to change (a step, a write, a restore): see :class:`ForkGuard`."""
@@ -271,6 +368,72 @@ class LogEngine:
         """Refuse a read in a process forked from this writer after it changed the store."""
         if self._fork is not None:
             self._fork.check(self.path)
+
+    # -- a step (dsa_core._step) -------------------------------------------------------------
+    def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Region slots for ``rows``. With ``durability="step"`` (the commit log) a copy of
+        the slots' records instead: the region takes the new records only once the step's
+        log entry is durable (:meth:`commit_step`), so a failed step changes nothing.
+
+        A logged step first prepares to log step ``count + 1``: unless the commit log can
+        take it (``commit.Commit.step_ready``), ``wal_on`` is turned on and the store
+        flushed at ``count`` with ``meta`` (which starts a fresh commit-log generation).
+        Nothing of the step has changed yet, so an error there (a failed flush) leaves the
+        caller at ``count``."""
+        self._step = None
+        self._begun = count
+        if meta.get("durability") == "step":
+            self._require_writable()
+            self._commit.begin_step(count, meta)
+            n = rows.shape[0]
+            slots = self.acquire(rows, check=False) if n else np.empty(0, np.int64)
+            lay = self.layout
+            k = lay.stride
+            rec = scratch(self._scratch, "logged_records", n * k, lay.dtype).reshape(n, k)
+            if n:
+                gather_records(self._pool.region, slots, rec)
+            self._step = (rows, slots, rec)
+            return rec, np.arange(n, dtype=np.int64)
+        if rows.shape[0]:
+            return self._pool.region, self.acquire(rows, check=False)
+        return self._pool.region, rows
+
+    def commit_step(self, t: int, meta: dict[str, Any]) -> None:
+        """Commit step ``t``. A logged step: append ``(rows, records)`` to the commit log
+        (one write, one fdatasync), then copy the records into ``region[slots]`` and set
+        ``count = t``; on any error (the log's write or sync) the region is left as it was
+        and the log marked broken: the next :meth:`begin_step` flushes (a new generation),
+        so the failed step is never replayed. Otherwise: the count only."""
+        step, self._step = self._step, None
+        if step is not None:
+            self._require_writable()
+            self._changed()
+            self._commit.commit_step(t, *step)
+        else:
+            self._commit.count = int(t)
+
+    def abort_step(self) -> None:
+        """Nothing to undo but the count: a logged step changed only its copy, an unlogged
+        one the region (durable at the next flush, as in place)."""
+        self._step = None
+        self._commit.count = self._begun
+
+    def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """The weights of ``rows`` into ``out`` (:meth:`read` of the weight columns). Never
+        changes the region's residency."""
+        lay = self.layout
+        o = lay.w_off
+        self._require_open()
+        self._check_fork()
+        got = self._pool.read(rows, slice(o, o + lay.dim))
+        self._check_fork()  # the rows read were the store's rows until now
+        out[...] = got
+
+    def residency(self, rows: np.ndarray) -> float:
+        """The fraction of ``rows`` resident in the region."""
+        return self._pool.residency(rows)
+
 
     # -- reading ----------------------------------------------------------------------------
     def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
@@ -289,12 +452,15 @@ class LogEngine:
     def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
         """A copy of the records of ``rows``: shape ``(len(rows), stride)``, store dtype.
 
-        Any rows, duplicates allowed. Resident rows come from the region, others from their
-        segment's mapping or, never written, as their initial record. Residency is not
+        Any rows (or a ``slice(lo, hi)`` of them), duplicates allowed. Resident rows come
+        from the region, others from their segment's mapping or, never written, as their
+        initial record. Residency is not
         changed (for gather and export). ``cols``: a ``slice`` of record columns to copy
         (e.g. the weights ``slice(w, w + dim)`` for gather); the result then has that many
         columns.
         """
+        if isinstance(rows, slice):
+            rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         self._require_open()
         self._check_fork()
         out = self._pool.read(rows, cols)
@@ -331,12 +497,17 @@ class LogEngine:
         return self._pool.acquire(rows, self._commit.make_room, load=load, check=check)
 
     def write(self, rows: Any, records: Any) -> None:
-        """Overwrite the whole records of ``rows`` (unique ids) with ``records``.
+        """Overwrite the whole records of ``rows`` (unique ids, or a ``slice(lo, hi)``) with
+        ``records``.
 
         ``records``: shape ``(len(rows), stride)`` in the store dtype. Checked before anything
         changes; goes through :meth:`acquire` in chunks of at most ``slots`` rows, without
         reading the old records. Durable at the next flush.
         """
+        if isinstance(rows, slice):
+            rows = np.arange(rows.start, rows.stop, dtype=np.int64)
+        if isinstance(records, np.ndarray):
+            records = np.ascontiguousarray(records)
         self._require_writable()
         self._install_loaded()
         self._changed()
@@ -409,7 +580,7 @@ class LogEngine:
         nothing has changed yet."""
         room = max(self._max_batch, 1)
         if pinned + room > self.slots:
-            need = memory_for(self.layout, pinned + room)
+            need = memory_for(self.layout.as_dict(), pinned + room)
             raise ValueError(
                 f"log store {str(self.path)!r}: {what} cannot keep its rows in the memory "
                 f"region: the loaded ranges and row sets not yet released and {this} "
@@ -430,7 +601,8 @@ class LogEngine:
         if job.files or job.ready or job.fresh is not None:
             if self._loader is None or self._loader.pid != os.getpid():
                 self._jobs.clear()  # a forked child: its parent's loads are not its own
-            self._loader = loader_for(self._loader, self.stride, self.dtype, self.init)
+            lay = self.layout
+            self._loader = loader_for(self._loader, lay.stride, lay.dtype, self.init)
             self._jobs[job.id] = job
             self._loader.submit(job)
 
@@ -471,15 +643,8 @@ class LogEngine:
             rows = rows[~pool.in_ranges(rows)]
         return pool.release(rows, self._commit.seal_all)
 
-    def wait_ranges(self) -> None:
-        """Wait until every load in flight is read and installed; then raise the error an
-        earlier load met, once."""
-        self._require_open()
-        self._install_loaded(wait_for=set(self._jobs))
-        self._raise_load_error()
-
     def _records_offset(self, seg: Segment) -> int:
-        return segment_geometry(seg.n, self.stride, self.dtype.itemsize)[2]
+        return segment_geometry(seg.n, self.layout.stride, self.layout.dtype.itemsize)[2]
 
     def _raise_load_error(self) -> None:
         err, self._load_error = self._load_error, None
@@ -495,7 +660,7 @@ class LogEngine:
         r = np.asarray(rows)
         if r.dtype.kind not in "iu" or r.ndim != 1:
             return  # the pool's check says what is wrong
-        r = r[(r >= 0) & (r < self.num_rows)]
+        r = r[(r >= 0) & (r < self.layout.num_rows)]
         miss = r[self._pool.loc[r] >= 0]
         if not miss.shape[0]:
             return
@@ -537,43 +702,136 @@ class LogEngine:
         if ld is not None and ld.pid == os.getpid():
             ld.close()
 
-    # -- flushing -------------------------------------------------------------------------
-    def flush(self, count: int | None = None) -> None:
-        """Make everything so far durable, at step ``count`` (default: ``self.count``).
 
-        Seals every dirty slot (segments of a seal unit, with cleaning as any seal), fsyncs the new
-        segments, writes the next index generation (fsync'd), starts the next commit-log
-        generation when ``wal_on``, commits the manifest, then deletes the previous index
-        generation and the segments that no manifest lists any more, and retires the
+    # -- hints and range loads (dsa_core.prefetch, load_range, load_rows) --------------------
+    def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
+        """A hint: the on-disk records of ``rows`` (checked ids) read ahead, in the
+        background; a range (:meth:`_submit_range`) or a row set (:meth:`_submit_rows`)."""
+        if kind == "hint":
+            self._read_ahead(np.unique(rows), wait)
+        elif isinstance(rows, slice):
+            self._submit_range(kind, rows.start, rows.stop, wait)
+        else:
+            self._submit_rows(kind, rows, wait)
+
+    def _read_ahead(self, rows: np.ndarray, wait: bool) -> None:
+        """A hint of unique ``rows`` on this process's read-ahead thread."""
+        ra = self._readahead
+        if ra is None or ra.pid != os.getpid():  # none yet, or the parent's (fork)
+            ra = self._readahead = ReadAhead(self.rec_bytes)
+        addrs, sums, keep = self.readahead(rows)
+        ra.submit(addrs, keep, sums)
+        if wait:
+            ra.join()
+
+    def _submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
+        """A load (:meth:`load_range`) pins the range's rows in the region and reads its
+        on-disk records sequentially on the store's range-load thread; they are installed
+        at the next step, range call or wait. A release (:meth:`release_range`) unpins them,
+        seals the range's dirty records in row order and frees its slots, at once (the
+        caller's thread). A read-only open has no region to load into: a load only reads
+        the records ahead into the page cache, a release does nothing."""
+        if self.mode != "r+":
+            if kind == "load" and stop > start:
+                self._read_ahead(np.arange(start, stop, dtype=np.int64), wait)
+            return
+        if kind == "load":
+            if stop > start:
+                self.load_range(start, stop)
+            if wait:
+                self._wait_loads()
+        else:
+            self.release_range(start, stop)
+
+    def _submit_rows(self, kind: str, rows: np.ndarray, wait: bool) -> None:
+        """:meth:`_submit_range` for the sorted unique ``rows`` (:meth:`load_rows`,
+        :meth:`release_rows`): pinned in the region beside the ranges, their records read
+        from where they lie; released at once, the dirty ones sealed in row order. A
+        read-only open reads them ahead into the page cache; a release does nothing."""
+        if self.mode != "r+":
+            if kind == "load" and rows.shape[0]:
+                self._read_ahead(rows, wait)
+            return
+        if kind == "load":
+            if rows.shape[0]:
+                self.load_rows(rows)
+            if wait:
+                self._wait_loads()
+        else:
+            self.release_rows(rows)
+
+    def wait_ranges(self) -> None:
+        """Wait until every load in flight is read and installed (then raise the error an
+        earlier load met, once), and every read-ahead hint is done."""
+        self._require_open()
+        if self.mode == "r+":
+            self._wait_loads()
+        ra = self._readahead
+        if ra is not None and ra.pid == os.getpid():
+            ra.join()
+
+    def _wait_loads(self) -> None:
+        """Wait until every load in flight is read and installed; then raise the error an
+        earlier load met, once."""
+        self._require_open()
+        self._install_loaded(wait_for=set(self._jobs))
+        self._raise_load_error()
+
+
+    # -- commits (flush, a commit of several stores together, checkpoint) ---------------
+    def _commit_meta(self, meta: dict[str, Any]) -> None:
+        c = self._commit
+        c.meta = meta
+        c.wal_on = meta.get("durability") == "step"  # a new commit log, or none
+
+    def flush(self, count: int | None = None, meta: dict[str, Any] | None = None) -> None:
+        """Make everything so far durable, at step ``count`` (default: ``self.count``), with
+        ``meta`` (default: the committed one).
+
+        Seals every dirty slot (segments of a seal unit, with cleaning as any seal), fsyncs
+        the new segments, writes the next index generation (fsync'd), starts the next
+        commit-log generation when ``wal_on``, commits the manifest, then deletes the previous
+        index generation and the segments that no manifest lists any more, and retires the
         previous commit log (kept for reuse while ``wal_on``, else deleted). After a flush
         every slot is clean (and still resident).
         """
+        if meta is not None:
+            self._commit_meta(meta)
         self._require_writable()
-        self._commit.flush(count)
+        self._commit.flush(None if count is None else int(count))
 
-    def prepare(self, count: int | None = None) -> dict[str, Any]:
-        """The first half of :meth:`flush` (a commit of several stores together): everything
-        durable but not committed; returns the manifest that :meth:`install` writes (see
-        ``commit.Commit.prepare``). Until then the store cannot flush on its own."""
+    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """The first half of :meth:`flush` (``dsa_core._group``): seal, sync the segments,
+        write the next index (and commit log); returns the manifest that would commit them,
+        not yet written (``commit.Commit.prepare``). Until then the store cannot flush on
+        its own."""
+        c = self._commit
+        self._meta_before = (c.meta, c.wal_on)
+        self._commit_meta(meta)
         self._require_writable()
-        return self._commit.prepare(count)
+        return c.prepare(int(count))
 
-    def install(self, durable: bool = True) -> None:
+    def install_commit(self, durable: bool = True) -> None:
         """The second half of :meth:`flush`: the prepared manifest is written (``durable=
-        False``: not synced; :meth:`sync_manifest` does it later)."""
+        False``: not synced; :meth:`sync_commit` does it later); the previous generation's
+        files go."""
         self._require_writable()
         self._commit.install(durable)
 
-    def sync_manifest(self) -> None:
-        """Sync a manifest installed with ``durable=False``."""
+    def sync_commit(self) -> None:
+        """Make the manifest of an ``install_commit(durable=False)`` durable."""
         self._commit.sync_manifest()
 
-    def cancel(self) -> None:
+    def cancel_commit(self) -> None:
         """Drop a prepared commit (its files are garbage)."""
-        self._commit.cancel()
+        c = self._commit
+        c.cancel()
+        if self._meta_before is not None:
+            c.meta, c.wal_on = self._meta_before
+            self._meta_before = None
 
-    def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
-                   share: bool = True) -> Path:
+    def checkpoint(self, dest, count: int | None = None, meta: dict[str, Any] | None = None,
+                   *, overwrite: bool = False, share: bool = True) -> Path:
         """Flush, then write a snapshot of the flushed state to ``dest``; returns ``dest``.
 
         The snapshot is built in a temporary directory (hard links to the manifest's
@@ -581,56 +839,24 @@ class LogEngine:
         index generation and of the manifest) and renamed into place: ``dest`` is complete
         or absent. It opens as a log store with exactly the flushed state and stays valid
         while this store trains, cleans and deletes (those only unlink its own names). It
-        names no commit log (everything is in its segments); a writer that opens it starts
-        one at its first logged step. ``share=False``: copies of the segments instead of
-        links (a snapshot that shares no blocks with the store).
+        names no commit log (everything is in its segments) and no commit group (it is no
+        member of the live store's group); a writer that opens it starts a commit log at its
+        first logged step. ``share=False``: copies of the segments instead of links (a
+        snapshot that shares no blocks with the store).
         """
+        if meta is not None:
+            self._commit_meta(meta)
         self._require_writable()
-        return self._commit.checkpoint(dest, count, overwrite=overwrite, share=share)
+        return self._commit.checkpoint(dest, None if count is None else int(count),
+                                       overwrite=overwrite, share=share)
 
-    # -- the commit log (durability="step"; commit) ---------------------------------------
-    def step_ready(self, count: int, meta: dict[str, Any] | None = None) -> bool:
-        """True when step ``count + 1`` may be logged now (:meth:`commit_step`).
-
-        That is: a commit-log generation is open and healthy, ``count`` is the engine's
-        count and the last one the manifest plus the log hold, no :meth:`acquire` (hence
-        no :meth:`write`, no unlogged step) changed the region since, the log is under
-        ``wal_bound`` bytes, and ``meta`` (when given) is the committed one. Then the
-        state that a replay rebuilds is exactly the current one, and an entry appended now
-        replays onto it.
-        """
-        return self._commit.step_ready(count, meta)
-
-    def begin_step(self, count: int, meta: dict[str, Any]) -> None:
-        """Prepare to log step ``count + 1``: unless :meth:`step_ready`, turn ``wal_on``
-        on and flush at ``count`` with ``meta`` (which starts a fresh commit-log
-        generation). Nothing of the step has changed yet, so an error here (a failed flush)
-        leaves the caller at ``count``.
-        """
-        self._require_writable()
-        self._commit.begin_step(count, meta)
-
-    def commit_step(self, t: int, rows: np.ndarray, slots: np.ndarray,
-                    records: np.ndarray) -> None:
-        """Commit step ``t``: append ``(rows, records)`` to the commit log (one write, one
-        fdatasync), then copy ``records`` into ``region[slots]`` and set ``count = t``.
-
-        ``rows``: the step's unique rows, ``slots`` their slots from the :meth:`acquire`
-        made after :meth:`begin_step` (the only acquire since), ``records``: their
-        C-contiguous new records. On any error (the log's write or sync) the region is left
-        as it was and the log marked broken: the next :meth:`begin_step` flushes (a new
-        generation), so the failed step is never replayed.
-        """
-        self._require_writable()
-        self._changed()
-        self._commit.commit_step(t, rows, slots, records)
-
-    def wal_bytes(self) -> int:
-        """Bytes of the open commit-log generation holding entries (0 without one)."""
-        return self._commit.wal_bytes()
+    def before_restore(self) -> None:
+        """No undo journal: a commit log holds only steps after its manifest's count, and
+        every flush starts a new one."""
 
     # -- inspection ------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    # -- inspection ------------------------------------------------------------------------
+    def log_stats(self) -> dict[str, Any]:
         """Space, memory and write figures (the write counters since this open).
 
         ``segments``/``segment_records``/``segment_bytes``: the live segments (records, and
@@ -727,7 +953,7 @@ class LogEngine:
             "total_clean_wait_s": tot["clean_wait_us"] / 1e6,
         }
 
-    def verify(self) -> list[str]:
+    def check_index(self) -> list[str]:
         """Check the index against the segments and the region; returns the problems found.
 
         Every location (``loc``, or a resident row's ``slot_disk``) must point inside a live
@@ -738,6 +964,75 @@ class LogEngine:
         self._require_open()
         return verify(self._pool, self._segments)
 
+    def stats(self) -> dict[str, Any]:
+        """The memory budget and its parts, segments, live and dead bytes, and the write
+        counters over the store's life (those every writer committed with its flushes), for
+        ``dsa info`` (:meth:`log_stats` has them all). A read-only open has no region: the
+        budget shown is the default a writer gets. ``writer_cpu_ms_per_segment``: the CPU
+        time of this open's background segment writer per segment it wrote (None before its
+        first, or read-only)."""
+        s = self.log_stats()
+        nseg = s["segments"]
+        lay = self.layout.as_dict()
+        mem = self.memory_bytes or self._memory_setting or default_memory(lay)
+        parts = split_budget(lay, mem)
+        w = self._segments.writer
+        jobs = 0 if w is None or w.pid != os.getpid() else w.jobs
+        return {
+            "region_budget_bytes": mem,
+            "region_budget_note": "what a writer opening it without memory= gets: the budget "
+            "recorded at create or at the last open that passed memory=, else the default"
+            if self.memory_bytes is None else "this open's budget",
+            "memory_index_bytes": parts["index"],
+            "memory_region_bytes": parts["region"],
+            "memory_write_buffers_bytes": parts["write_buffers"],
+            "memory_cleaning_buffers_bytes": parts["cleaning_buffers"],
+            "memory_staging_bytes": parts["staging"],
+            "memory_note": "memory= (the budget above) is all the memory the store keeps, in "
+            "these parts: the index (8 bytes per row: the row locations), "
+            f"the region ({parts['slots']:,} record slots), the background writes' buffers, "
+            "the cleaning reads' buffers, and a seal's staging; the page cache of the segment "
+            "files comes on top (reclaimable)",
+            "region_slots": parts["slots"],
+            "writer_cpu_ms_per_segment": round(1e3 * w.cpu_s / jobs, 2) if jobs else None,
+            "segments": nseg, "segment_bytes": s["segment_bytes"],
+            "live_records": s["live_records"], "live_bytes": s["live_bytes"],
+            "dead_bytes": s["dead_bytes"], "pending_delete_segments": s["pending_delete"],
+            "space_used": round(s["space_used"], 4), "space_ratio": s["space_ratio"],
+            "written_bytes": s["total_written_bytes"],
+            "written_note": "records the seals and the cleaner wrote, over the store's life "
+            "(as of each writer's last flush)",
+            "updated_bytes": s["total_user_bytes"],
+            "updated_note": "records the steps and writes updated, over the store's life",
+            "write_amplification": round(s["total_write_amplification"], 4)
+            if s["total_user_bytes"] else None,
+            "write_amplification_note": "written / updated (below 1: the region absorbed "
+            "repeated updates of the same rows)",
+            "clean_waits": s["total_clean_waits"],
+            "clean_wait_s": round(s["total_clean_wait_s"], 3),
+            "clean_waits_note": "seals that waited for the cleaner's reads, and how long, over "
+            "the store's life (as of each writer's last flush): a seal waits only when the "
+            "segments would otherwise pass space_ratio",
+            "summary": f"log store ({nseg} segment{'' if nseg == 1 else 's'})",
+            **{k: s[k] for k in ("range_loads", "row_loads", "range_records", "range_reads",
+                                 "range_read_bytes", "range_mapped_records", "range_rereads",
+                                 "range_pins_dropped", "misses")},
+            "range_note": "this open's range and row-set loads (load_range, load_rows): rows "
+            "put into the region, "
+            "the sequential reads (syscalls, bytes), scattered records read through the "
+            "mappings, rows read again because they moved, pins given up for a batch; "
+            "misses: rows steps read from disk",
+        }
+
+    def verify(self) -> list[str]:
+        """Every file of the last flush read whole and CRC-checked (a read-only open with
+        ``check="full"``), then the index checked against the segments."""
+        eng = open(self.path, "r", check="full")
+        try:
+            return [f"index: {p}" for p in eng.check_index()]
+        finally:
+            eng.close()
+
     # -- closing ------------------------------------------------------------------------------
     def _stop_threads(self) -> None:
         """Stop this process's writer and cleaning-read threads (a forked child's are its
@@ -746,39 +1041,44 @@ class LogEngine:
         self._segments.stop_writer()
         self._cleaner.stop()
 
+    def _stop_readahead(self) -> None:
+        ra, self._readahead = self._readahead, None
+        if ra is not None and ra.pid == os.getpid():
+            ra.close()
+
     def close(self) -> None:
         """Flush (when writable and anything changed) and release the lock. Safe twice."""
-        if self.closed:
-            return
-        if self.mode == "r+":
-            self.flush()  # a failed flush leaves the engine open: fix the cause, close again
-        self._commit.close_wal()
-        self._stop_threads()
-        self.closed = True
-        self._segments.delete_spares()
-        self._segments.segs.clear()
-        unmap_pending()  # the segments no array uses any more are unmapped on return
-        if self._lockfd >= 0:
-            os.close(self._lockfd)
-            self._lockfd = -1
+        self._stop_readahead()
+        self._shut(flush=True)
 
     def abandon(self) -> None:
         """Close without flushing: the descriptors and the lock released, nothing written
         (what a crash leaves; for cleaning up after a failed create or open, and tests).
         Safe twice."""
+        self._stop_readahead()
+        self._shut(flush=False)
+
+    def _shut(self, flush: bool) -> None:
+        """:meth:`close` (``flush``) or :meth:`abandon` but the read-ahead thread (what the
+        unclosed-store finalizer runs, :func:`_flush_unclosed`)."""
         if self.closed:
             return
-        self._stop_threads()  # its segment files are garbage for the next open
+        if flush:
+            if self.mode == "r+":
+                self.flush()  # a failed flush leaves the store open: fix the cause, close again
+            self._commit.close_wal()
+        self._stop_threads()  # abandoned: its segment files are garbage for the next open
         self.closed = True
         self._segments.delete_spares()
         self._segments.segs.clear()
-        unmap_pending()
-        self._commit.close_wal()
+        unmap_pending()  # the segments no array uses any more are unmapped on return
+        if not flush:
+            self._commit.close_wal()
         if self._lockfd >= 0:
             os.close(self._lockfd)
             self._lockfd = -1
 
-    def __enter__(self) -> LogEngine:
+    def __enter__(self) -> LogStore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -786,15 +1086,16 @@ class LogEngine:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.mode
-        return (f"LogEngine({str(self.path)!r}, rows={self.num_rows}, stride={self.stride}, "
-                f"dtype={self.dtype.name}, slots={self.slots}, count={self.count}, {state})")
+        lay = self.layout
+        return (f"LogStore({str(self.path)!r}, rows={lay.num_rows}, stride={lay.stride}, "
+                f"dtype={lay.dtype.name}, slots={self.slots}, count={self.count}, {state})")
 
 
 # -- create / open ------------------------------------------------------------------------------
 def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zeros",
            init_scale: float = 1e-2, seed: int = 0, ball_maxnorm: float | None = None,
            space_ratio: float = 2.0, count: int = 0, max_batch: int | None = None,
-           meta: dict[str, Any] | None = None, overwrite: bool = False) -> LogEngine:
+           meta: dict[str, Any] | None = None, overwrite: bool = False) -> LogStore:
     """Create an empty log store at ``path`` (every row at its initial record); returns it
     open for writing.
 
@@ -817,7 +1118,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
     max_batch : int, optional
         Check now that the region holds batches of this many rows.
     meta : dict, optional
-        JSON-able caller data committed with every flush (``LogEngine.meta``).
+        JSON-able caller data committed with every flush (``commit.Commit.meta``).
     overwrite : bool
         Replace an existing log store (refused while a writer holds it).
 
@@ -861,7 +1162,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
             "next_segment": 1, "space_ratio": space_ratio, "meta": meta,
         }
         write_manifest(directory, manifest)
-        eng = LogEngine(directory, manifest, "r+", memory_bytes, lockfd)
+        eng = LogStore(directory, manifest, "r+", memory_bytes, lockfd)
     except BaseException:
         os.close(lockfd)
         raise
@@ -869,15 +1170,15 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
 
 
 def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
-         max_batch: int | None = None, check: str = "full") -> LogEngine:  # noqa: A001
+         max_batch: int | None = None, check: str = "full") -> LogStore:  # noqa: A001
     """Open a log store: the state of its last completed flush, plus the steps of its
     commit log (``durability="step"``), if the manifest names one.
 
     ``mode="r+"`` takes the writer lock, removes files no manifest references (left by a
-    crash), replays the commit log's valid entries through :meth:`LogEngine.write` and, if
+    crash), replays the commit log's valid entries through :meth:`LogStore.write` and, if
     there were any, flushes once; ``memory_bytes`` is then required. ``mode="r"`` maps the
     files read-only without a lock and writes nothing (``memory_bytes`` optional: only
-    :meth:`LogEngine.read` is available); the commit log's rows are read into a region of
+    :meth:`LogStore.read` is available); the commit log's rows are read into a region of
     their own, as large as they need (at most the log's size).
     ``check="full"`` verifies the CRC of every referenced segment's records (a sequential
     read of the whole store); ``"headers"`` checks headers, sizes, row ids and their CRCs
@@ -910,8 +1211,8 @@ def open(path, mode: str = "r+", *, memory_bytes: int | None = None,
                     if logged:
                         need = np.unique(np.concatenate(rows)).shape[0]
                         mem = max(memory_bytes or 0, memory_for(lay, max(need, 1)))
-                eng = LogEngine(directory, manifest, mode, mem, lockfd)
-                eng.memory_bytes = memory_bytes
+                eng = LogStore(directory, manifest, mode, mem, lockfd)
+                eng._pool.memory_bytes = memory_bytes
                 load(directory, manifest, check == "full", eng._pool, eng._segments)
                 if logged:
                     install_log(log_entries(directory, manifest), logged, eng._commit,

@@ -222,7 +222,7 @@ class Pool:
             out[out_idx] = initial_records(rows, self.init)[:, cols]
 
     def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
-        """A copy of the records of ``rows`` (see ``LogEngine.read``)."""
+        """A copy of the records of ``rows`` (see ``LogStore.read``)."""
         rows = as_index(rows, self.num_rows, "rows")
         if cols is None:
             cols = slice(None)
@@ -241,9 +241,13 @@ class Pool:
         self.initial_into(rows[never], out, never, cols)
         return out
 
+    def residency(self, rows: np.ndarray) -> float:
+        """The fraction of ``rows`` (checked ids) resident in the region."""
+        return float((self.loc[rows] < 0).mean())
+
     def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """Where the on-disk records of ``rows`` (checked ids) lie (see
-        ``LogEngine.readahead``)."""
+        ``LogStore.readahead``)."""
         lr = self.loc[rows]
         return self.segments.addresses(lr[lr > 0])
 
@@ -270,7 +274,7 @@ class Pool:
     # -- acquiring ----------------------------------------------------------------------------
     def acquire(self, rows: Any, make_room: Callable[[int, int], None], *, load: bool = True,
                 check: bool = True) -> np.ndarray:
-        """Make ``rows`` resident and dirty; returns their slots (see ``LogEngine.acquire``).
+        """Make ``rows`` resident and dirty; returns their slots (see ``LogStore.acquire``).
 
         ``make_room(need, pinned)``: called when the free slots do not cover the ``need``
         misses; it must free at least that many slots without touching the ``pinned`` slots
@@ -337,7 +341,7 @@ class Pool:
         return slots
 
     def write(self, rows: Any, records: Any, make_room: Callable[[int, int], None]) -> None:
-        """Overwrite the whole records of ``rows`` (see ``LogEngine.write``)."""
+        """Overwrite the whole records of ``rows`` (see ``LogStore.write``)."""
         rows = as_index(rows, self.num_rows, "rows")
         rec = np.asarray(records)
         if rec.dtype != self.dtype or rec.shape != (rows.shape[0], self.stride):
@@ -355,7 +359,7 @@ class Pool:
 
     def release(self, rows: Any, seal_all: Callable[[np.ndarray, bool], None]) -> int:
         """Write the resident records of ``rows`` out and make their slots free (see
-        ``LogEngine.release``); ``seal_all(slots, evict)`` seals dirty slots (``commit``)."""
+        ``LogStore.release``); ``seal_all(slots, evict)`` seals dirty slots (``commit``)."""
         rows = np.unique(as_index(rows, self.num_rows, "rows"))
         lr = self.loc[rows]
         slots = -lr[lr < 0] - 1  # in row order
@@ -390,6 +394,15 @@ class Pool:
                                f"{target} slots of {self.slots} ({pinned} pinned)")
         self.stats["evicted_clean"] += self.nfree - before
         return victims[:nv].copy(), ep
+
+    def dirty_slots(self) -> np.ndarray:
+        """The slots changed since their last seal, in slot order."""
+        return np.flatnonzero(self.dirty)
+
+    def adopt_index(self, index: np.ndarray) -> None:
+        """Take ``index`` (a checked index generation: per row its on-disk location, 0 for
+        none) as the rows' locations (an open, ``recovery.load``)."""
+        self.loc = index
 
     def free_slots(self, slots: np.ndarray) -> None:
         """Make clean resident ``slots`` free: their rows point at their on-disk records."""

@@ -1,10 +1,10 @@
 """Range loads of a log store: a range's on-disk records read sequentially, in the background.
 
-(Row sets -- ``dsa_core.load_rows``, ``LogEngine.load_rows`` -- are loaded the same way: the
+(Row sets -- ``dsa_core.load_rows``, ``LogStore.load_rows`` -- are loaded the same way: the
 plan is built from the rows' locations, and their records, scattered over the segments, are
 mostly read through the scattered-records path below, at queue depth.)
 
-``dsa_core.load_range(state, start, stop)`` on a log store (``LogEngine.load_range``) plans,
+``dsa_core.load_range(state, start, stop)`` on a log store (``LogStore.load_range``) plans,
 in the caller's thread, where the records of the range's non-resident rows lie: per segment,
 the record indices sorted (records that were sealed together lie together: a partition
 released by ``release_range`` was sealed in row order, in segments of a seal unit); rows never

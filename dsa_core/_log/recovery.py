@@ -87,7 +87,7 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                          f"not match its segments: {'; '.join(problems)}; restore the store "
                          "from a checkpoint")
     live = np.bincount(sids, minlength=size) if sids.shape[0] else np.zeros(size, np.int64)
-    pool.loc = index
+    pool.adopt_index(index)
     segments.adopt(ns, live, int(used.shape[0]), versions)
     bad = segments.check_rows_of_records(index)
     if bad:
@@ -226,7 +226,7 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
 
 def verify(pool: Pool, segments: Segments) -> list[str]:
     """Check the index against the segments and the region; returns the problems found
-    (see ``LogEngine.verify``)."""
+    (see ``LogStore.check_index``)."""
     problems, go_on = pool.verify()
     if not go_on:
         return problems

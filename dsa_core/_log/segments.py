@@ -116,7 +116,7 @@ class Segments:
         self.spare_maps: dict[Path, weakref.ref] = {}  # a spare's old mapping, while it lives
         self.spares_pid = os.getpid()               # whose they are (a forked child: not its)
         self.recycled = 0                           # segment files overwritten, this open
-        self.on_recycle = None  # called before a spare is handed out (LogEngine: a forked
+        self.on_recycle = None  # called before a spare is handed out (LogStore: a forked
         #                         child may still map that file: its reads must refuse)
 
     # -- the table ---------------------------------------------------------------------------

@@ -53,9 +53,9 @@ def test_the_buffer_is_in_memory_while_its_buckets_train(kind, tmp_path):
     order = p.order(0)
     rows = [np.arange(p.bounds[q], p.bounds[q + 1]) for q in range(P)]
     if kind == "log":
-        eng = s.store.engine
+        eng = s.store
         assert eng.slots < N  # out of core: the region holds less than the table
-        misses = eng.stats()["misses"]
+        misses = eng.log_stats()["misses"]
     # pool=0: every negative from the buffer, so that no step needs a row outside it (the
     # default pool's rows come from all partitions; they are prefetched, not loaded)
     it = p.batches(B, negatives=K, stores=[s], pool=0)
@@ -66,10 +66,10 @@ def test_the_buffer_is_in_memory_while_its_buckets_train(kind, tmp_path):
         for q in order.buffers[b.position[1]]:
             assert dsa_core.residency(s, rows[q]) == 1.0, (q, b.position)
     if kind == "log":
-        st = eng.stats()
+        st = eng.log_stats()
         assert st["misses"] == misses  # no step read a row: each was loaded before it
         assert st["range_pins_dropped"] == 0 and st["range_loads"] == it.loads > 0
-        assert eng.verify() == []
+        assert eng.check_index() == []
     dsa_core.close(s)
 
 
@@ -114,13 +114,13 @@ def test_a_log_region_too_small_for_the_buffer_is_refused_up_front(tmp_path):
     # the default pool (4096 >= N: every row) can only count the rows outside the partitions
     with pytest.raises(ValueError, match=r"of which only the 1,000 outside the partitions"):
         p.batches(B, negatives=K, stores=[s])
-    st = s.store.engine.stats()
+    st = s.store.log_stats()
     assert st["range_loads"] == st["row_loads"] == 0  # nothing was loaded
     p8 = buckets.plan(_edges(), N, partitions=8, buffer=C)
     # as the message says: it fits (3 partitions of 500, 2 pools of 50, a step of 400)
     for b in p8.batches(B, negatives=K, stores=[s], pool=50):
         s = dsa_core.step(s, *_grads(b))
-    st = s.store.engine.stats()
+    st = s.store.log_stats()
     assert st["range_pins_dropped"] == 0 and st["row_loads"] > 0
     dsa_core.close(s)
 
@@ -144,9 +144,9 @@ def test_the_default_pool_is_in_a_log_region_while_its_state_trains(tmp_path):
         for lo in range(0, n, 400):  # every row written once, then handed back
             s = dsa_core.step(s, np.arange(lo, lo + 400), np.full((400, d), 1e-3, np.float32))
         dsa_core.release_range(s, 0, n, wait=True)
-        eng = s.store.engine
+        eng = s.store
         assert eng.slots < n
-        misses = eng.stats()["misses"]
+        misses = eng.log_stats()["misses"]
         it = p.batches(B, negatives=K, stores=[s] if use else ())
         assert it.pool == buckets.DEFAULT_POOL
         stream = []
@@ -157,13 +157,13 @@ def test_the_default_pool_is_in_a_log_region_while_its_state_trains(tmp_path):
             s = dsa_core.step(s, ids, g.astype(np.float32))
             if use:
                 assert dsa_core.residency(s, b.pool) == 1.0, b.position
-        st = eng.stats()
+        st = eng.log_stats()
         if use:
             assert st["misses"] == misses  # no step read a pool row (or any row) itself
             assert st["range_pins_dropped"] == 0
             assert st["row_loads"] == len({bt[3].tobytes() for bt in stream}) > 2
             assert st["range_pinned"] == 0  # everything released at the end
-            assert eng.verify() == []
+            assert eng.check_index() == []
         else:
             assert st["misses"] > misses
         streams.append(stream)

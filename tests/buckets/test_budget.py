@@ -216,7 +216,7 @@ def test_a_log_store_gets_the_memory_its_region_needs(tmp_path):
     s = dsa_core.open(tmp_path / "l", memory=m)
     for b in p.batches(B, negatives=K, stores=[s], pool=0):
         s = dsa_core.step(s, *_ids_grads(b, D))
-    assert s.store.engine.stats()["range_pins_dropped"] == 0
+    assert s.store.log_stats()["range_pins_dropped"] == 0
     dsa_core.close(s)
 
 

@@ -416,7 +416,7 @@ def test_info_reports_the_seals_that_waited_for_cleaning(tmp_path, capsys, monke
     info = json.loads(capsys.readouterr().out)
     assert info["clean_waits"] > 0 and info["clean_wait_s"] >= 0.0
     st = dsa_core.open(tmp_path / "s", mode="r")
-    total = st.store.engine.stats()["total_clean_waits"]
+    total = st.store.log_stats()["total_clean_waits"]
     dsa_core.close(st)
     assert info["clean_waits"] == total
 

@@ -149,7 +149,7 @@ def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, mo
 
     monkeypatch.setattr(_log_writer, "write_segment", slow_write)
     s = _create(tmp_path / "slow", space_ratio=1.2)
-    segs = s.store.engine._segments  # commit writes behind at most a write buffer's seal
+    segs = s.store._segments  # commit writes behind at most a write buffer's seal
     most, real_seal = [0], _log.commit.Commit.seal
 
     def counting_seal(self, *a, **kw):
@@ -160,9 +160,9 @@ def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, mo
 
     monkeypatch.setattr(_log.commit.Commit, "seal", counting_seal)
     s = _train(s, 120)
-    assert s.store.engine.stats()["cleaned_segments"] > 0 and len(made) >= budget.WRITE_BUFFERS
+    assert s.store.log_stats()["cleaned_segments"] > 0 and len(made) >= budget.WRITE_BUFFERS
     assert most[0] == budget.WRITE_BUFFERS  # used, never exceeded
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "slow", mode="r")
@@ -206,7 +206,7 @@ def test_a_failed_write_found_by_a_waiting_seal_changes_nothing(tmp_path, monkey
     k, failures = 0, 0
     while k < len(batches):
         if k in (30, 60):  # once: the retry succeeds; twice: the step raises
-            fail.update(sid=s.store.engine.next_segment, left=1 if k == 30 else 2)
+            fail.update(sid=s.store._segments.next_segment, left=1 if k == 30 else 2)
         before = s.count
         try:
             s = dsa_core.step(s, *batches[k])
@@ -217,7 +217,7 @@ def test_a_failed_write_found_by_a_waiting_seal_changes_nothing(tmp_path, monkey
             continue
         k += 1
     assert failures == 1 and fail["left"] == 0 and waited
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "flaky", mode="r")
@@ -249,7 +249,7 @@ def test_the_write_path_allocates_within_the_budget(tmp_path):
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    st = s.store.engine.stats()
+    st = s.store.log_stats()
     assert st["seals"] > 20 and st["cleaned_segments"] == 0
     steps_own = 4 * b * d * 4 + (64 << 10)  # a step's ids and gradients, Python objects
     allowed = parts["write_buffers"] + parts["staging"] + 8 * n + steps_own
@@ -288,7 +288,7 @@ def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path
     r = dsa_core.open(tmp_path / "k", memory=budget.memory_for(_layout(), 3 * B))
     assert r.count == 30
     np.testing.assert_array_equal(records(r), want)
-    assert r.store.engine.verify() == []
+    assert r.store.check_index() == []
     dsa_core.close(r)
 
 
@@ -316,9 +316,9 @@ def test_misses_are_copied_straight_into_place_with_one_record_of_scratch(tmp_pa
     for lo in range(0, 4 * B, B):  # rows [0, 4B) updated, then sealed in order
         s = dsa_core.step(s, np.arange(lo, lo + B), rng.standard_normal((B, D)).astype(np.float32))
     want = records(s)
-    s.store.engine.release(np.arange(4 * B))
+    s.store.release(np.arange(4 * B))
     dsa_core.flush(s)  # the segments are files now, whose reads are checked
-    s.store.engine._segments.settle(block=True)
+    s.store._segments.settle(block=True)
     calls, real = [], _log_segments.gather_checked
 
     def counting(addrs, sums, *rest):
@@ -328,7 +328,7 @@ def test_misses_are_copied_straight_into_place_with_one_record_of_scratch(tmp_pa
     monkeypatch.setattr(_log_segments, "gather_checked", counting)
     monkeypatch.setattr(_log_segments, "run_chunked",
                         lambda fn, args, n, chunk: fn(*args, 0, n))  # one call, this thread
-    got = s.store.engine.read(np.arange(N))
+    got = s.store.read(np.arange(N))
     np.testing.assert_array_equal(got, want)
     assert len(calls) == 1 and calls[0][0] == calls[0][1] >= 4 * B  # all checked, one call
     dsa_core.close(s)
@@ -338,7 +338,7 @@ def test_a_flush_writes_the_index_in_pieces_within_the_staging_share(tmp_path, m
     """The budget charges 8 bytes per row for the index: a flush never builds a second whole
     index, it writes pieces of at most the staging chunk, which make up the same file."""
     s = _train(_create(tmp_path / "s", space_ratio=1.2), 20)
-    eng = s.store.engine
+    eng = s.store
     pool = eng._pool
     whole = pool.disk_locations()
     rows = budget.index_piece_rows(pool.slots, eng.rec_bytes)

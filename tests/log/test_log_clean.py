@@ -96,9 +96,9 @@ def _train(eng, ref, t0, t1, dist, *, join=False, flush_every=0, check_every=0):
     for t in range(t0, t1):
         rows = _rows(t, dist)
         slots = eng.acquire(rows)
-        eng.region[slots] = _update(eng.region[slots], t, rows)
+        eng._pool.region[slots] = _update(eng._pool.region[slots], t, rows)
         ref[rows] = _update(ref[rows], t, rows)
-        eng.count = t
+        eng._commit.count = t
         if join and eng._cleaner.reads is not None:
             eng._cleaner.reads.join()
         if check_every and t % check_every == 0:
@@ -137,9 +137,9 @@ def test_cleaning_is_exact_and_bounded_whatever_the_reads(tmp_path, monkeypatch,
     bound = _Bound(eng)
     ref = eng.read(np.arange(N))
     _train(eng, ref, 1, 241, dist, join=regime == "ready", flush_every=60, check_every=20)
-    st = eng.stats()
+    st = eng.log_stats()
     assert st["cleaned_segments"] > 20 and bound.seals > 50, st  # at the bound, cleaning
-    assert eng._cleaner.fallbacks == 0 and eng.verify() == []
+    assert eng._cleaner.fallbacks == 0 and eng.check_index() == []
     if regime == "ready":  # every victim read ahead and done: no seal waited
         assert st["clean_waits"] == 0 and st["clean_wait_s"] == 0.0
         assert st["clean_read_bytes"] > 0
@@ -153,8 +153,8 @@ def test_cleaning_is_exact_and_bounded_whatever_the_reads(tmp_path, monkeypatch,
     eng.close()
     eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(_lay(), SLOTS))
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
-    assert eng.stats()["total_clean_waits"] == st["clean_waits"]  # committed with the flush
-    assert eng.stats()["clean_waits"] == 0  # this open's
+    assert eng.log_stats()["total_clean_waits"] == st["clean_waits"]  # committed with the flush
+    assert eng.log_stats()["clean_waits"] == 0  # this open's
     eng.close()
 
 
@@ -167,7 +167,7 @@ def test_files_on_disk_stay_within_the_bound(tmp_path, monkeypatch):
     for t0 in range(1, 241, 20):
         _train(eng, ref, t0, t0 + 20, "uniform")
         eng.flush()
-        st = eng.stats()
+        st = eng.log_stats()
         files = sorted((tmp_path / "s").glob("seg-*.dsl"))
         on_disk = sum(f.stat().st_size for f in files)
         # no dead file left after the flush but the spares (reused by the next seals)
@@ -188,7 +188,7 @@ def test_reads_ahead_cover_what_cleaning_copies(tmp_path):
     eng = _create(tmp_path / "s")
     ref = eng.read(np.arange(N))
     _train(eng, ref, 1, 201, "uniform", join=True)
-    st = eng.stats()
+    st = eng.log_stats()
     c = eng._cleaner
     assert c.fallbacks == 0 and st["clean_waits"] == 0
     assert 0 < st["clean_read_bytes"] < c.victim_records * eng.rec_bytes  # less than whole
@@ -235,11 +235,11 @@ def test_cleaning_reads_stay_within_the_budgets_share(tmp_path, monkeypatch, reg
     assert share < _read.CLEAN_HELD_BYTES // 1000  # far below the cleaner's own defaults
     ref = eng.read(np.arange(N))
     _train(eng, ref, 1, 241, "uniform", join=regime == "ready", flush_every=60)
-    st = eng.stats()
+    st = eng.log_stats()
     assert st["cleaned_segments"] > 20 and st["clean_read_bytes"] > 0, st
     assert st["clean_read_requests"] > st["cleaned_segments"]  # request buffers were used
     assert tracked.made > 20 and 0 < tracked.peak <= share, (tracked.peak, share)
-    assert eng.verify() == []
+    assert eng.check_index() == []
     eng.close()
 
 
@@ -281,7 +281,7 @@ def test_cleaned_segments_are_unmapped_off_the_steps_thread(tmp_path, munmaps):
     eng = _create(tmp_path / "s")
     ref = eng.read(np.arange(N))
     _train(eng, ref, 1, 121, "uniform", flush_every=40)
-    assert eng.stats()["cleaned_segments"] > 10
+    assert eng.log_stats()["cleaned_segments"] > 10
     _format.unmap_pending()
     assert munmaps and set(munmaps) == {"dsa-log-unmap"}, munmaps
     live = {_format.seg_name(sid) for sid in eng._segments.segs}
@@ -402,12 +402,12 @@ def test_full_disk_during_a_cleaning_seal(tmp_path, monkeypatch, path):
             assert exc.errno == errno.ENOSPC or "ENOSPC" in repr(exc.__cause__) \
                 or "No space" in str(exc)
             failed += 1
-            assert eng.verify() == []
+            assert eng.check_index() == []
             np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
             continue
-        eng.region[slots] = _update(eng.region[slots], t, rows)
+        eng._pool.region[slots] = _update(eng._pool.region[slots], t, rows)
         ref[rows] = _update(ref[rows], t, rows)
-        eng.count = t
+        eng._commit.count = t
         t += 1
     assert failed > 0 and full["hits"] > 0 and full["cleaning"] > 0
     with pytest.raises(OSError):
@@ -415,12 +415,12 @@ def test_full_disk_during_a_cleaning_seal(tmp_path, monkeypatch, path):
     full["on"] = False
     _train(eng, ref, t, t + 30, "uniform")
     eng.flush()
-    assert eng.verify() == []
+    assert eng.check_index() == []
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
     eng.close()
     eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(_lay(), SLOTS))
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
-    assert eng.verify() == []
+    assert eng.check_index() == []
     eng.close()
 
 
@@ -438,7 +438,7 @@ def _close_exact(eng, ref, path) -> None:
     """The values are ``ref`` and consistent; closed, the directory holds exactly the
     segment files its manifest lists (no spare, no dead file left)."""
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
-    assert eng.verify() == []
+    assert eng.check_index() == []
     eng.close()
     assert _seg_files(path) == _listed_files(path)
 
@@ -470,10 +470,10 @@ def test_dead_private_segments_are_overwritten_not_deleted(tmp_path, monkeypatch
     ref = eng.read(np.arange(N))
     _train(eng, ref, 1, 101, "uniform")  # aged: every seal cleans
     eng.flush()
-    before = eng.stats()
+    before = eng.log_stats()
     deleted.clear()
     _train(eng, ref, 101, 301, "uniform", check_every=50)
-    st = eng.stats()
+    st = eng.log_stats()
     seals = st["seals"] - before["seals"]
     recycled = st["recycled_segments"] - before["recycled_segments"]
     assert st["cleaned_segments"] - before["cleaned_segments"] > 50
@@ -534,7 +534,7 @@ def test_a_spare_is_not_overwritten_while_its_mapping_is_held(tmp_path, monkeypa
     _train(eng, ref, 201, 301, "uniform")
     assert paths & set(taken)  # let go: the spares that waited are reused
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
-    assert eng.verify() == []
+    assert eng.check_index() == []
     eng.close()
 
 
@@ -570,9 +570,9 @@ def test_a_forked_child_neither_takes_nor_deletes_the_parents_spares(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert all(p.exists() for p in spares) and [p for p, _ in segs.spares] == spares
-    before = eng.stats()["recycled_segments"]
+    before = eng.log_stats()["recycled_segments"]
     _train(eng, ref, t, t + 60, "uniform")
-    assert eng.stats()["recycled_segments"] > before  # the parent still reuses them
+    assert eng.log_stats()["recycled_segments"] > before  # the parent still reuses them
     _close_exact(eng, ref, tmp_path / "s")
 
 
@@ -588,21 +588,21 @@ def test_committed_segments_are_never_overwritten(tmp_path):
     listed = set(eng._segments.committed)
     eng.checkpoint(tmp_path / "ck")
     reader = _log.open(tmp_path / "s", mode="r")
-    before = eng.stats()["recycled_segments"]
+    before = eng.log_stats()["recycled_segments"]
     t = 81
     while listed & set(eng._segments.segs):  # until every segment of that flush is dead
         _train(eng, ref, t, t + 20, "uniform")
         t += 20
         assert t < 2000, "the flush's segments never died"
     _train(eng, ref, t, t + 20, "uniform")
-    assert eng.stats()["recycled_segments"] > before
+    assert eng.log_stats()["recycled_segments"] > before
     np.testing.assert_array_equal(reader.read(np.arange(N)), at_flush)
-    assert reader.verify() == []
+    assert reader.check_index() == []
     reader.close()
     eng.close()
     ck = _log.open(tmp_path / "ck", mode="r")
     np.testing.assert_array_equal(ck.read(np.arange(N)), at_flush)
-    assert ck.verify() == []
+    assert ck.check_index() == []
     ck.close()
 
 
@@ -620,8 +620,8 @@ def _child(path, point: str, nth: int, never_ready: bool, flush: int = FLUSH) ->
         for t in range(eng.count + 1, STEPS + 1):
             rows = _rows(t, "uniform")
             slots = eng.acquire(rows)
-            eng.region[slots] = _update(eng.region[slots], t, rows)
-            eng.count = t
+            eng._pool.region[slots] = _update(eng._pool.region[slots], t, rows)
+            eng._commit.count = t
             if t % flush == 0:
                 eng.flush()
         eng.close()
@@ -685,7 +685,7 @@ def test_kill_inside_a_cleaning_seal_reopens_at_the_last_flush(tmp_path, point, 
         assert eng.count in refs and eng.count >= count, (point, nth, eng.count)
         np.testing.assert_array_equal(eng.read(np.arange(N)), refs[eng.count],
                                       err_msg=f"{point}:{nth} at {eng.count}")
-        assert eng.verify() == []
+        assert eng.check_index() == []
         count = eng.count
         eng.close()
         if count == STEPS:

@@ -78,9 +78,9 @@ def batch_rows(t: int, num_rows: int, size: int, dist: str, seed: int = 0) -> np
 
 def logged_step(eng, t: int, rows: np.ndarray, lay: dict) -> None:
     """Step t committed to the commit log, as dsa_core.step does with durability="step"."""
-    eng.begin_step(t - 1, eng.meta)
+    eng._commit.begin_step(t - 1, eng._commit.meta)
     slots = eng.acquire(rows)
-    eng.commit_step(t, rows, slots, update(eng.region[slots], t, rows, lay))
+    eng._commit.commit_step(t, rows, slots, update(eng._pool.region[slots], t, rows, lay))
 
 
 def train(eng, ref, lay, t0: int, t1: int, size: int, dist: str, *, check_every: int = 0,
@@ -94,10 +94,10 @@ def train(eng, ref, lay, t0: int, t1: int, size: int, dist: str, *, check_every:
             logged_step(eng, t, rows, lay)
         else:
             slots = eng.acquire(rows)
-            eng.region[slots] = update(eng.region[slots], t, rows, lay)
+            eng._pool.region[slots] = update(eng._pool.region[slots], t, rows, lay)
         if ref is not None:
             ref[rows] = update(ref[rows], t, rows, lay)
-        eng.count = t
+        eng._commit.count = t
         if check_every and t % check_every == 0:
             np.testing.assert_array_equal(eng.read(everything), ref, err_msg=f"step {t}")
         if flush_every and t % flush_every == 0:
@@ -133,14 +133,14 @@ def test_engine_matches_the_reference_bit_for_bit(tmp_path, kind, dist):
     everything = np.arange(N)
     ref = eng.read(everything)
     train(eng, ref, lay, 1, 121, 120, dist, check_every=7, flush_every=40)
-    st = eng.stats()
+    st = eng.log_stats()
     assert st["seals"] > 30 and st["cleaned_segments"] > 5, st  # the machinery ran
-    assert eng.verify() == []
+    assert eng.check_index() == []
     eng.close()
     eng = _log.open(tmp_path / "s", memory_bytes=_log.memory_for(lay, 130))
     assert eng.count == 120
     np.testing.assert_array_equal(eng.read(everything), ref)
-    assert eng.verify() == []
+    assert eng.check_index() == []
     train(eng, ref, lay, 121, 161, 120, dist, check_every=5)  # go on after the reopen
     eng.close()
     eng = _log.open(tmp_path / "s", mode="r")
@@ -158,22 +158,22 @@ def test_logged_steps_replay_bit_for_bit(tmp_path, kind):
     mem = _log.memory_for(lay, 160)
     eng = _log.create(tmp_path / "s", lay, memory_bytes=mem, init="zeros" if kind ==
                       "noweights" else "normal", init_scale=0.1, seed=4)
-    eng.wal_bound = 8 * 8192
+    eng._commit.wal_bound = 8 * 8192
     everything = np.arange(N)
     ref = eng.read(everything)
     train(eng, ref, lay, 1, 81, 120, "zipf", check_every=9, logged=True)
-    st = eng.stats()
+    st = eng.log_stats()
     assert st["seals"] > 10 and st["cleaned_segments"] > 0, st
     assert 0 < _log_format.read_manifest(tmp_path / "s")["count"] < 80  # flushed by itself
     eng.abandon()  # a crash: no flush
     r = _log.open(tmp_path / "s", mode="r")
-    assert r.count == 80 and r.verify() == []
+    assert r.count == 80 and r.check_index() == []
     np.testing.assert_array_equal(r.read(everything), ref)
     eng = _log.open(tmp_path / "s", memory_bytes=mem)
     assert eng.count == 80 and _log_format.read_manifest(tmp_path / "s")["count"] == 80
     np.testing.assert_array_equal(eng.read(everything), ref)
-    assert eng.verify() == [] and files_of(tmp_path / "s") == referenced(tmp_path / "s")
-    eng.wal_bound = 8 * 8192
+    assert eng.check_index() == [] and files_of(tmp_path / "s") == referenced(tmp_path / "s")
+    eng._commit.wal_bound = 8 * 8192
     train(eng, ref, lay, 81, 121, 120, "uniform", logged=True)
     eng.abandon()
     eng = _log.open(tmp_path / "s", memory_bytes=mem)
@@ -194,12 +194,12 @@ def test_batch_as_large_as_the_region_never_evicts_its_own_rows(tmp_path):
             rows = np.unique(np.concatenate([rows0[:32], rows]))[:64]
         slots = eng.acquire(rows)
         assert np.unique(slots).shape[0] == rows.shape[0]
-        assert (eng.slot_row[slots] == rows).all()
-        eng.region[slots] = update(eng.region[slots], t, rows, lay)
+        assert (eng._pool.slot_row[slots] == rows).all()
+        eng._pool.region[slots] = update(eng._pool.region[slots], t, rows, lay)
         ref[rows] = update(ref[rows], t, rows, lay)
         rows0 = rows
     np.testing.assert_array_equal(eng.read(np.arange(N)), ref)
-    assert eng.verify() == []
+    assert eng.check_index() == []
     eng.close()
 
 
@@ -213,9 +213,10 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
     eng.write(rows, rec)
     ref[rows] = rec
     idx = np.array([5, 3, 3, 0, 2999, 5, 6])
-    where = (eng.loc.copy(), eng.slot_row.copy(), eng.dirty.copy(), eng.stats())
+    pool = eng._pool
+    where = (pool.loc.copy(), pool.slot_row.copy(), pool.dirty.copy(), eng.log_stats())
     np.testing.assert_array_equal(eng.read(idx), ref[idx])
-    after = (eng.loc, eng.slot_row, eng.dirty, eng.stats())
+    after = (pool.loc, pool.slot_row, pool.dirty, eng.log_stats())
     assert all(np.array_equal(a, b) for a, b in zip(where[:3], after[:3], strict=True))
     assert where[3] == after[3]  # read never changes residency
     w = slice(lay["w"], lay["w"] + lay["dim"])
@@ -256,10 +257,11 @@ def test_region_accounting(tmp_path):
     per_slot = sum(getattr(eng._pool, a).nbytes for a in ("slot_row", "slot_disk", "pin", "mark",
                                                          "free", "dirty", "ref")) / S
     assert per_slot == _log.SLOT_OVERHEAD
-    assert eng.loc.nbytes == 8 * lay["num_rows"]
+    assert eng._pool.loc.nbytes == 8 * lay["num_rows"]
     with pytest.raises(ValueError, match="must pay for the index and at least one record"):
         _log.create(tmp_path / "t", lay, memory_bytes=8 * lay["num_rows"] + 100)
-    assert eng.region.shape == (S, lay["stride"]) and eng.region.nbytes == S * lay["stride"] * 4
+    region = eng._pool.region
+    assert region.shape == (S, lay["stride"]) and region.nbytes == S * lay["stride"] * 4
     eng.close()
 
 
@@ -273,9 +275,9 @@ def test_mapped_segments_hold_no_file_descriptors(tmp_path):
     fds = len(os.listdir("/proc/self/fd"))
     train(eng, None, lay, 1, 400, 8, "uniform")
     eng.flush()  # background writes done: a segment being written holds its descriptor
-    assert len(eng.segs) > 150
+    assert len(eng._segments.segs) > 150
     assert len(os.listdir("/proc/self/fd")) <= fds
-    rec = next(iter(eng.segs.values())).records
+    rec = next(iter(eng._segments.segs.values())).records
     assert not rec.flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         rec[0, 0] = 1
@@ -288,8 +290,8 @@ def test_seals_are_large_sequential_units(tmp_path):
     eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 400))
     assert eng.seal_unit == 50
     train(eng, None, lay, 1, 80, 40, "uniform")  # no flush: every seal is an eviction
-    sizes = [s.n for s in eng.segs.values()]
-    assert eng.stats()["seals"] > 20 and min(sizes) >= eng.seal_unit, sizes
+    sizes = [s.n for s in eng._segments.segs.values()]
+    assert eng.log_stats()["seals"] > 20 and min(sizes) >= eng.seal_unit, sizes
     eng.close()
 
 
@@ -405,20 +407,20 @@ def test_init_projects_onto_the_ball(tmp_path):
 def test_meta_is_committed_with_each_flush(tmp_path):
     lay = _layout_of("f32")
     eng = _log.create(tmp_path / "s", lay, memory_bytes=10**5, meta={"lr": 0.1})
-    eng.meta["lr"] = 0.05  # only the meta changed: the flush still commits it
+    eng._commit.meta["lr"] = 0.05  # only the meta changed: the flush still commits it
     eng.flush()
     assert _log_format.read_manifest(tmp_path / "s")["meta"] == {"lr": 0.05}
-    eng.meta["bad"] = object()
+    eng._commit.meta["bad"] = object()
     before = files_of(tmp_path / "s")
     with pytest.raises(TypeError, match="meta must be JSON-serialisable"):
         eng.flush()
     assert files_of(tmp_path / "s") == before
-    del eng.meta["bad"]
+    del eng._commit.meta["bad"]
     ck = eng.checkpoint(tmp_path / "ck")
     eng.close()
     for p in (tmp_path / "s", ck):
         with _log.open(p, mode="r") as r:
-            assert r.meta == {"lr": 0.05}
+            assert r._commit.meta == {"lr": 0.05}
     with pytest.raises(TypeError, match="meta must be a dict"):
         _log.create(tmp_path / "t", lay, memory_bytes=10**5, meta=[1])
 
@@ -434,8 +436,8 @@ def _passes(tmp_path, ratio: float, passes: int = 10):
         rng = np.random.default_rng([5, t])
         rows = np.unique(rng.integers(0, num_rows, batch))
         slots = eng.acquire(rows)
-        eng.region[slots] += 1
-        eng.count = t
+        eng._pool.region[slots] += 1
+        eng._commit.count = t
         if t % 100 == 0:
             eng.flush()
     eng.flush()
@@ -445,12 +447,12 @@ def _passes(tmp_path, ratio: float, passes: int = 10):
 @pytest.mark.parametrize("ratio", [1.5, 2.0, 3.0])
 def test_space_bound_after_ten_passes(tmp_path, ratio):
     eng = _passes(tmp_path, ratio)
-    st = eng.stats()
+    st = eng.log_stats()
     rb = eng.rec_bytes
     seg_rec_bytes = st["segment_records"] * rb
     # within the slack the store may run above space_ratio while cleaning reads are in flight
     assert seg_rec_bytes <= ratio * st["live_bytes"] + st["clean_slack_records"] * rb, st
-    assert st["pending_delete"] == 0 and eng.verify() == []
+    assert st["pending_delete"] == 0 and eng.check_index() == []
     on_disk = sum(p.stat().st_size for p in eng.path.glob("seg-*.dsl"))
     # no dead file left after the flush but the spares (at most SPARE_SEGMENTS, kept for the
     # next seals to overwrite; close deletes them)
@@ -476,15 +478,15 @@ def test_checkpoint_stays_valid_while_the_source_trains_and_is_deleted(tmp_path)
     ref_ck = ref.copy()
     snap = _log.open(ck, mode="r")
     assert snap.count == 40
-    cleaned0 = eng.stats()["cleaned_segments"]
+    cleaned0 = eng.log_stats()["cleaned_segments"]
     for t0 in range(41, 161, 30):
         train(eng, ref, lay, t0, t0 + 30, 100, "uniform", flush_every=10)
         np.testing.assert_array_equal(snap.read(np.arange(N)), ref_ck)
         again = _log.open(ck, mode="r")  # a fresh open verifies every CRC too
         np.testing.assert_array_equal(again.read(np.arange(N)), ref_ck)
-        assert again.verify() == []
+        assert again.check_index() == []
         again.close()
-    assert eng.stats()["cleaned_segments"] > cleaned0 + 10
+    assert eng.log_stats()["cleaned_segments"] > cleaned0 + 10
     # the source has deleted segments the checkpoint holds: the hard links keep them
     src_segs = set(_log_format.read_manifest(tmp_path / "s")["segments"])
     ck_segs = set(_log_format.read_manifest(ck)["segments"])
@@ -631,7 +633,7 @@ def _crash_child(path: Path, ck: Path, point, nth: int, logged: bool, report: in
         if point is not None:
             _log_format.set_crash(point, nth)
         eng = _log.open(path, memory_bytes=_crash_mem(lay))
-        eng.wal_bound = CRASH_WAL_BOUND
+        eng._commit.wal_bound = CRASH_WAL_BOUND
         for t in range(eng.count + 1, CRASH_STEPS + 1):
             rows = batch_rows(t, CRASH_ROWS, CRASH_BATCH, "uniform" if t % 3 else "zipf")
             if logged:
@@ -639,8 +641,8 @@ def _crash_child(path: Path, ck: Path, point, nth: int, logged: bool, report: in
                 os.write(report, struct.pack("<q", t))
             else:
                 slots = eng.acquire(rows)
-                eng.region[slots] = update(eng.region[slots], t, rows, lay)
-                eng.count = t
+                eng._pool.region[slots] = update(eng._pool.region[slots], t, rows, lay)
+                eng._commit.count = t
             if t % CRASH_FLUSH == 0:
                 if t % 30 == 0:
                     eng.checkpoint(ck, overwrite=True)
@@ -755,7 +757,7 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int, logged: bool = False) 
             counts["in-flight"] += got == done + 1
             np.testing.assert_array_equal(reader.read(np.arange(CRASH_ROWS)), refs[got],
                                           err_msg=what)
-            assert reader.verify() == []
+            assert reader.check_index() == []
             reader.close()
             pending = got - _log_format.read_manifest(path)["count"]
             check_writer = pending == 0 or rng.random() < 0.6 or got == CRASH_STEPS
@@ -781,7 +783,7 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int, logged: bool = False) 
                 assert not ck.exists() or _log_format.read_manifest(ck)["count"] < eng.count
             np.testing.assert_array_equal(eng.read(np.arange(CRASH_ROWS)), refs[eng.count],
                                           err_msg=what)
-            assert eng.verify() == []
+            assert eng.check_index() == []
             assert files_of(path) == referenced(path), what
             count = eng.count
             eng.close()
@@ -790,7 +792,7 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int, logged: bool = False) 
         if ck.exists():  # a checkpoint is complete or absent
             snap = _log.open(ck, mode="r")
             np.testing.assert_array_equal(snap.read(np.arange(CRASH_ROWS)), refs[snap.count])
-            assert snap.verify() == []
+            assert snap.check_index() == []
             snap.close()
         if count == CRASH_STEPS:
             fresh()
@@ -837,7 +839,7 @@ def test_crash_point_armed_by_the_environment(tmp_path):
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert 2 <= len(p.stdout.split()) < 29  # killed inside the second seal
     eng = _log.open(tmp_path / "s", memory_bytes=10**5)  # the torn segment is garbage
-    assert eng.count == 0 and not eng.segs and eng.verify() == []
+    assert eng.count == 0 and not eng._segments.segs and eng.check_index() == []
     assert not list((tmp_path / "s").glob("seg-*"))
     eng.close()
 
@@ -884,7 +886,7 @@ def test_bad_rows_change_nothing(tmp_path):
     lay = _layout_of("f32")
     eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 100))
     train(eng, None, lay, 1, 10, 60, "uniform")
-    before, st = eng.read(np.arange(N)), eng.stats()
+    before, st = eng.read(np.arange(N)), eng.log_stats()
     with pytest.raises(IndexError, match=r"rows must lie in \[0, num_rows\) = \[0, 3000\); "
                                          r"got 3000"):
         eng.acquire([1, 3000])
@@ -903,7 +905,7 @@ def test_bad_rows_change_nothing(tmp_path):
     with pytest.raises(ValueError, match="count must be an int >= 0"):
         eng.flush(-1)
     np.testing.assert_array_equal(eng.read(np.arange(N)), before)
-    assert eng.stats() == st
+    assert eng.log_stats() == st
     eng.close()
     with pytest.raises(ValueError, match="is closed"):
         eng.read([1])
@@ -1066,25 +1068,25 @@ def test_verify_finds_planted_inconsistencies(tmp_path):
     lay = _layout_of("f32")
     eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150))
     train(eng, None, lay, 1, 40, 100, "uniform", flush_every=13)
-    assert eng.verify() == []
-    on_disk = np.flatnonzero(eng.loc > 0)
+    assert eng.check_index() == []
+    on_disk = np.flatnonzero(eng._pool.loc > 0)
     a, b = int(on_disk[0]), int(on_disk[1])
-    saved = eng.loc[a]
-    eng.loc[a] = eng.loc[b]  # row a now points at row b's record
-    problems = eng.verify()
+    saved = eng._pool.loc[a]
+    eng._pool.loc[a] = eng._pool.loc[b]  # row a now points at row b's record
+    problems = eng.check_index()
     assert any(f"row {a} points at record" in p and f"holds row {b}" in p for p in problems)
     assert any("live records counted" in p for p in problems), problems
-    eng.loc[a] = saved
-    assert eng.verify() == []
-    sid = next(iter(eng.segs))
-    eng._live[sid] += 1
-    assert any(f"segment {sid}:" in p for p in eng.verify())
-    eng._live[sid] -= 1
-    used = int(np.flatnonzero(eng.slot_row >= 0)[0])
-    eng.slot_row[used], saved = -1, eng.slot_row[used]
-    assert any("resident in slots that hold other rows" in p for p in eng.verify())
-    eng.slot_row[used] = saved
-    assert eng.verify() == []
+    eng._pool.loc[a] = saved
+    assert eng.check_index() == []
+    sid = next(iter(eng._segments.segs))
+    eng._segments.live[sid] += 1
+    assert any(f"segment {sid}:" in p for p in eng.check_index())
+    eng._segments.live[sid] -= 1
+    used = int(np.flatnonzero(eng._pool.slot_row >= 0)[0])
+    eng._pool.slot_row[used], saved = -1, eng._pool.slot_row[used]
+    assert any("resident in slots that hold other rows" in p for p in eng.check_index())
+    eng._pool.slot_row[used] = saved
+    assert eng.check_index() == []
     eng.close()
 
 

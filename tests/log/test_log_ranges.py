@@ -44,7 +44,7 @@ def _steps(s, n, lo=0, hi=N, seed=1, b=B):
 
 
 def _stats(s):
-    return s.store.engine.stats()
+    return s.store.log_stats()
 
 
 @pytest.mark.parametrize("span", ["sequential", "scattered"])
@@ -60,7 +60,7 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
     s = dsa_core.open(tmp_path / "log", memory=log_memory(LAYOUT, 1200))
     want = records(s)
     assert dsa_core.residency(s, np.arange(N)) == 0.0
-    loc = s.store.engine.loc[1000:2000]
+    loc = s.store._pool.loc[1000:2000]
     files = np.unique((loc[loc > 0] - 1) >> 32).shape[0]  # segments holding the range
     never = int(np.count_nonzero(loc == 0))  # never written: their initial records
     dsa_core.load_range(s, 1000, 2000, wait=True)
@@ -78,7 +78,7 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
     s = _steps(s, 10, 1000, 2000)
     assert _stats(s)["misses"] == misses  # every row was there
     np.testing.assert_array_equal(records(s)[:1000], want[:1000])
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     dsa_core.close(s)
 
 
@@ -96,8 +96,8 @@ def test_loaded_rows_are_never_evicted_until_released(tmp_path):
     dsa_core.release_range(s, 0, 400)
     st = _stats(s)
     assert st["range_pinned"] == 0 and dsa_core.residency(s, np.arange(400)) == 0.0
-    assert st["slots_dirty"] == int(np.count_nonzero(s.store.engine.dirty))
-    assert s.store.engine.verify() == []
+    assert st["slots_dirty"] == int(np.count_nonzero(s.store._pool.dirty))
+    assert s.store.check_index() == []
     dsa_core.close(s)
 
 
@@ -109,9 +109,9 @@ def test_a_load_keeps_resident_dirty_rows_and_loads_never_written_ones(tmp_path)
     want = records(s)
     assert not np.array_equal(want[100:150], init[100:150])
     dsa_core.load_range(s, 0, 500, wait=True)
-    eng = s.store.engine
-    slots = -eng.loc[100:150] - 1
-    assert (eng.dirty[slots] == 1).all()  # still the step's records, still dirty
+    eng = s.store
+    slots = -eng._pool.loc[100:150] - 1
+    assert (eng._pool.dirty[slots] == 1).all()  # still the step's records, still dirty
     np.testing.assert_array_equal(records(s), want)
     np.testing.assert_array_equal(records(s)[:100], init[:100])  # the initial records
     assert _stats(s)["range_records"] == 450
@@ -129,7 +129,7 @@ def test_an_install_never_puts_back_a_stale_record(tmp_path):
     s = _create(tmp_path / "log", slots=1000)
     s = _steps(s, 20)
     dsa_core.release_range(s, 0, N)
-    eng = s.store.engine
+    eng = s.store
     pool = eng._pool
     rows = np.arange(0, 300, dtype=np.int64)
     read_at = pool.loc[rows].copy()  # where the loader read them
@@ -144,7 +144,7 @@ def test_an_install_never_puts_back_a_stale_record(tmp_path):
     assert n == 250  # rows 0-49 were resident: kept
     np.testing.assert_array_equal(records(s), want)  # the moved rows were read again
     assert _stats(s)["range_rereads"] == 50
-    assert eng.verify() == []
+    assert eng.check_index() == []
     dsa_core.close(s)
 
 
@@ -164,7 +164,7 @@ def test_loads_racing_steps_seals_and_cleaning_change_no_value(tmp_path):
                 held.append((lo, lo + 150))
                 dsa_core.load_range(s, *held[-1])  # never waited for
             s = dsa_core.step(s, idx, g)
-        assert s.store.engine.verify() == []
+        assert s.store.check_index() == []
         out.append(s)
     st = _stats(out[1])
     assert st["cleaned_segments"] > 0 and st["range_records"] > 0
@@ -202,7 +202,7 @@ def test_a_batch_that_does_not_fit_beside_the_pins_unpins_them(tmp_path):
     s = _steps(s, 1, b=200)
     assert _stats(s)["range_pins_dropped"] == 1
     np.testing.assert_array_equal(records(s), records(want))
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     dsa_core.close(s)
     dsa_core.close(want)
 
@@ -258,7 +258,7 @@ def _script(tmp_path, end):
 def _reopened(tmp_path):
     s = dsa_core.open(tmp_path / "log", memory=log_memory(LAYOUT, 1500))
     got = records(s), s.count
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     dsa_core.close(s)
     return got
 
@@ -319,7 +319,7 @@ def test_a_full_disk_in_a_release_loses_nothing(tmp_path):
         dsa_core.release_range(s, 0, 1000)
         dsa_core.flush(s)
         np.testing.assert_array_equal(records(s), want)
-        assert s.store.engine.verify() == []
+        assert s.store.check_index() == []
         dsa_core.close(s)
         gc.collect()
         r = dsa_core.open(fs / "log", mode="r")
@@ -335,8 +335,8 @@ def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path)
     dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log", mode="r")
     want = records(s)
-    row = int(np.flatnonzero(s.store.engine.loc[1000:] > 0)[0]) + 1000
-    loc = int(s.store.engine.loc[row]) - 1
+    row = int(np.flatnonzero(s.store._pool.loc[1000:] > 0)[0]) + 1000
+    loc = int(s.store._pool.loc[row]) - 1
     dsa_core.close(s)
     seg = tmp_path / "log" / seg_name(loc >> 32)
     head = read_header(seg)
@@ -354,5 +354,5 @@ def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path)
     np.testing.assert_array_equal(dsa_core.read_records(s, ok), want[ok])
     with pytest.raises(SegmentError):  # a step that needs it reads it and refuses it
         dsa_core.step(s, [row], np.ones((1, D), np.float32))
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     dsa_core.close(s)

@@ -54,11 +54,11 @@ def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
     gc.collect()  # unmap the reader's segments: the kernel keeps pages that are mapped
     s = dsa_core.open(tmp_path / "log", memory=log_memory(s.layout, 500))
     rows = np.arange(0, N, 7)
-    addrs, sums, keep = s.store.engine.readahead(rows)
+    addrs, sums, keep = s.store.readahead(rows)
     assert addrs.shape[0] == rows.shape[0] and keep  # all on disk, none resident
     assert sums.shape[0] == rows.shape[0]  # and every record's sum lies in its file
     _evict_segments(tmp_path / "log")
-    if not _log_read.sample_uncached(addrs, s.store.engine.rec_bytes):
+    if not _log_read.sample_uncached(addrs, s.store.rec_bytes):
         pytest.skip("this filesystem keeps the pages cached (tmpfs?): nothing to read ahead")
     dsa_core.prefetch(s, rows, wait=True)
     ra = s.store._readahead
@@ -100,9 +100,9 @@ def test_prefetch_and_releases_racing_steps_give_identical_records(tmp_path, spa
                 held.append(((lo + 500) % N, min(N, (lo + 500) % N + 30)))
                 dsa_core.load_range(s, *held[-1])
         dsa_core.wait_ranges(s)
-        assert s.store.engine.verify() == []
+        assert s.store.check_index() == []
         runs.append(s)
-    assert runs[1].store.engine.stats()["cleaned_segments"] > 0  # cleaning did run
+    assert runs[1].store.log_stats()["cleaned_segments"] > 0  # cleaning did run
     np.testing.assert_array_equal(records(runs[0]).view(np.uint8),
                                   records(runs[1]).view(np.uint8))
     for s in runs:
@@ -122,21 +122,21 @@ def test_release_seals_the_dirty_rows_in_row_order_and_frees_their_slots(tmp_pat
     dsa_core.flush(s)
     s = dsa_core.step(s, rows, np.ones((rows.shape[0], D), np.float32))  # dirty again
     want = records(s)
-    eng = s.store.engine
-    used = eng.stats()["slots_used"]
-    resident = int((eng.loc[:450] < 0).sum())
+    eng = s.store
+    used = eng.log_stats()["slots_used"]
+    resident = int((eng._pool.loc[:450] < 0).sum())
     assert resident >= 302  # the 300 dirty rows and the clean 5, 6
     dsa_core.release_range(s, 0, 450)
-    assert eng.stats()["slots_used"] == used - resident
+    assert eng.log_stats()["slots_used"] == used - resident
     assert dsa_core.residency(s, np.arange(0, 450)) == 0.0
-    loc = eng.loc[100:400]
+    loc = eng._pool.loc[100:400]
     segs = ((loc - 1) >> 32).tolist()
     # the rows in row order, in consecutive segments of a seal unit each
     assert (loc > 0).all() and (np.diff(loc) > 0).all()
     assert len(set(segs)) == -(-300 // eng.seal_unit) and sorted(set(segs)) == list(
         range(segs[0], segs[0] + len(set(segs))))
     np.testing.assert_array_equal(records(s), want)
-    assert eng.verify() == []
+    assert eng.check_index() == []
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "log", mode="r")
     np.testing.assert_array_equal(records(r), want)
@@ -176,14 +176,14 @@ def test_space_ratio_is_stored_and_bounds_the_segments(tmp_path):
     s = _create(tmp_path / "log", slots=2 * B, space_ratio=1.5)
     for idx, g in _batches(150):
         s = dsa_core.step(s, idx, g)
-        st = s.store.engine.stats()
+        st = s.store.log_stats()
         # after every step, within the slack the store may run above space_ratio
         assert st["segment_records"] <= 1.5 * st["live_records"] + st["clean_slack_records"]
         assert st["clean_slack_records"] == 4 * st["seal_unit"]
     assert st["space_ratio"] == 1.5 and st["cleaned_segments"] > 0
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "log", mode="r")
-    assert r.store.engine.space_ratio == 1.5
+    assert r.store.space_ratio == 1.5
     dsa_core.close(r)
 
 
@@ -222,9 +222,9 @@ def test_cleaning_reads_ahead_with_the_records_of_a_mapped_run(tmp_path, monkeyp
             s = _create(tmp_path / name, slots=2 * B, space_ratio=1.3)
             for idx, g in batches:
                 s = dsa_core.step(s, idx, g)
-            st = s.store.engine.stats()
+            st = s.store.log_stats()
             assert st["cleaned_segments"] > 0
-            assert s.store.engine.verify() == []
+            assert s.store.check_index() == []
             runs.append((s, records(s), st))
     mapped, read = runs[0][2], runs[1][2]
     assert mapped["clean_read_bytes"] == 0 and mapped["clean_waits"] > 0  # nothing read

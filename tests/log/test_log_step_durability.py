@@ -38,7 +38,7 @@ def _memory(state, rows=72):
 def _abandon(state) -> None:
     """What ``kill -9`` leaves of the writer of ``state``: its files as they are (page cache
     included), no flush, the lock released."""
-    state.store.engine.abandon()
+    state.store.abandon()
 
 
 def _manifest(path):
@@ -56,7 +56,7 @@ def _pair(tmp_path, weights=True, **kw):
     a = dsa_core.open(tmp_path / "flush", memory=mem)
     b = dsa_core.create(tmp_path / "step", N, D, init=init, storage="log", memory=mem,
                         weights=weights, durability="step", **kw)
-    b.store.engine.wal_bound = BOUND
+    b.store._commit.wal_bound = BOUND
     return a, b
 
 
@@ -64,7 +64,7 @@ def _reopen(state, mem):
     """Simulate a crash of ``state``'s writer and reopen the store (the log is replayed)."""
     _abandon(state)
     s = dsa_core.open(state.path, memory=mem)
-    s.store.engine.wal_bound = BOUND
+    s.store._commit.wal_bound = BOUND
     return s
 
 
@@ -83,10 +83,10 @@ def test_step_durability_is_bit_identical_to_flush(tmp_path, name):
             b = _reopen(b, mem)
             assert_same_store(a, b)
     assert_same_store(a, b)
-    eng = b.store.engine
-    assert eng.stats()["seals"] > 0 and eng.verify() == []
+    eng = b.store
+    assert eng.log_stats()["seals"] > 0 and eng.check_index() == []
     assert 0 < _manifest(b.path)["count"] < b.count  # the log flushed itself on the way
-    assert eng.wal_bytes() <= BOUND
+    assert eng._commit.wal_bytes() <= BOUND
     final = records(a)
     dsa_core.close(a)
     dsa_core.close(b)
@@ -120,7 +120,7 @@ def test_weights_false_step_durability_is_bit_identical(tmp_path, how):
 
 def test_every_completed_step_survives_a_crash_and_a_reader_sees_it(tmp_path, store_digest):
     _, b = _pair(tmp_path)
-    b.store.engine.wal_bound = 1 << 30  # no flush of its own: everything stays in the log
+    b.store._commit.wal_bound = 1 << 30  # no flush of its own: everything stays in the log
     live = {0: records(b)}
     for idx, g in parity_batches(np.float32, steps=9):
         b = dsa_core.step(b, idx, g)
@@ -132,7 +132,7 @@ def test_every_completed_step_survives_a_crash_and_a_reader_sees_it(tmp_path, st
     r = dsa_core.open(b.path, mode="r")  # replays into its own memory, writes nothing
     assert r.count == 10 and r.durability == "step"
     np.testing.assert_array_equal(records(r), live[9])
-    assert r.store.engine.verify() == []
+    assert r.store.check_index() == []
     dsa_core.close(r)
     assert store_digest(b.path) == before
     s = dsa_core.open(b.path, memory=SMALL)
@@ -260,7 +260,7 @@ def test_unlogged_writes_are_flushed_before_the_next_logged_step(tmp_path):
     """write_records changes rows without a step: the next logged step flushes first, so
     that a replay never lays logged steps over a state that lacks the write."""
     _, b = _pair(tmp_path)
-    b.store.engine.wal_bound = 1 << 30
+    b.store._commit.wal_bound = 1 << 30
     b = dsa_core.step(b, [1, 2], np.ones((2, D), np.float32))
     rec = np.full((1, 3 * D), 0.25, np.float32)
     dsa_core.write_records(b, [7], rec)
@@ -349,7 +349,7 @@ def test_damaged_commit_log_names_are_clear_errors(tmp_path):
 
 def test_cli_shows_the_logged_count(tmp_path, capsys):
     _, b = _pair(tmp_path)
-    b.store.engine.wal_bound = 1 << 30
+    b.store._commit.wal_bound = 1 << 30
     for idx, g in parity_batches(np.float32, steps=4):
         b = dsa_core.step(b, idx, g)
     assert cli(["info", str(b.path), "--json"]) == 0
@@ -372,7 +372,7 @@ def _kill_child(path, point, nth, report):
         if point is not None:
             _log_format.set_crash(point, nth)
         s = dsa_core.open(path, memory=SMALL)
-        s.store.engine.wal_bound = BOUND
+        s.store._commit.wal_bound = BOUND
         batches = list(parity_batches(np.float32, steps=KILL_STEPS, seed=9))
         for idx, g in batches[s.count:]:
             s = dsa_core.step(s, idx, g, lr=0.01 * (1 + s.count % 3))
@@ -449,7 +449,7 @@ def test_kill_9_during_logged_steps_reopens_the_last_completed_step(tmp_path):
             s = dsa_core.open(path, memory=SMALL)
             assert s.count == got
             np.testing.assert_array_equal(records(s), refs[got], err_msg=what)
-            assert s.store.engine.verify() == []
+            assert s.store.check_index() == []
             dsa_core.close(s)
         count = got
         if count == KILL_STEPS:

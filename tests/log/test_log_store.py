@@ -112,17 +112,17 @@ def test_memory_strings():
 def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
     s = dsa_core.create(tmp_path / "s", N, D, storage="log", memory=log_memory(LAYOUT, 10))
     s = dsa_core.step(s, np.arange(8), np.ones((8, D), np.float32))
-    before, stats = records(s), s.store.engine.stats()
+    before, stats = records(s), s.store.log_stats()
     idx = np.concatenate([np.arange(11), np.arange(11)])  # 11 unique rows > 10 slots
     with pytest.raises(ValueError, match="a batch needs 11: raise the budget"):
         dsa_core.step(s, idx, np.ones((22, D), np.float32))
     assert s.current and s.count == 1
     np.testing.assert_array_equal(records(s), before)
-    assert s.store.engine.stats()["seals"] == stats["seals"]
+    assert s.store.log_stats()["seals"] == stats["seals"]
     s = dsa_core.step(s, np.repeat(np.arange(10), 2), np.ones((20, D), np.float32))  # fits
     assert s.count == 2
     # check_batch: the same answer without a step (for callers that step several stores)
-    before, stats = records(s), s.store.engine.stats()
+    before, stats = records(s), s.store.log_stats()
     with pytest.raises(ValueError, match="a batch needs 11: raise the budget"):
         dsa_core.check_batch(s, idx)
     dsa_core.check_batch(s, np.repeat(np.arange(10), 2))  # 20 ids, 10 distinct rows: fits
@@ -130,7 +130,7 @@ def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
     with pytest.raises(IndexError, match=rf"\[0, {N}\); got {N}"):
         dsa_core.check_batch(s, [N])
     np.testing.assert_array_equal(records(s), before)
-    assert s.store.engine.stats()["acquires"] == stats["acquires"] and s.count == 2
+    assert s.store.log_stats()["acquires"] == stats["acquires"] and s.count == 2
     dsa_core.close(s)
     t = dsa_core.create(tmp_path / "t", N, D)  # an in-place store takes any batch
     dsa_core.check_batch(t, np.arange(N))
@@ -139,19 +139,19 @@ def test_batch_larger_than_region_is_refused_before_writing(tmp_path):
 
 def test_open_refuses_inplace_options_and_memory_mismatch(tmp_path):
     _, b = parity_pair(tmp_path)
-    slots = b.store.engine.slots
+    slots = b.store.slots
     dsa_core.close(b)
     with pytest.raises(ValueError, match="access='disk' is for in-place"):
         dsa_core.open(tmp_path / "log", access="disk")
     with pytest.raises(ValueError, match="memory= is for storage='log'"):
         dsa_core.open(tmp_path / "inplace", memory="1GiB")
     s = dsa_core.open(tmp_path / "log")  # the budget given to create (remembered)
-    assert s.store.engine.slots == slots < N
+    assert s.store.slots == slots < N
     dsa_core.close(s)
     s = dsa_core.create(tmp_path / "log", N, D, storage="log", overwrite=True)
     dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log")  # default budget
-    assert s.store.engine.slots == N  # the whole (small) table fits: capped at one slot per row
+    assert s.store.slots == N  # the whole (small) table fits: capped at one slot per row
     with pytest.raises(dsa_core.StoreLockedError):
         dsa_core.open(tmp_path / "log", memory="1MiB")
     dsa_core.close(s)
@@ -164,7 +164,7 @@ def test_hints_change_no_value_and_residency_counts_region_rows(tmp_path):
     assert res < 1.0  # the region is smaller than the table
     dsa_core.prefetch(b, np.arange(N), wait=True)
     assert dsa_core.residency(b, np.arange(N)) == res  # read-ahead: the region is unchanged
-    k = b.store.engine.slots - 1  # no step yet: a load must leave room for one row
+    k = b.store.slots - 1  # no step yet: a load must leave room for one row
     dsa_core.load_range(b, 0, k, wait=True)
     dsa_core.wait_ranges(b)
     assert dsa_core.residency(b, np.arange(k)) == 1.0  # a load loads (and pins)
@@ -269,7 +269,7 @@ def test_kill_9_reopens_at_the_last_flush(tmp_path):
     s = dsa_core.open(tmp_path / "log", memory="1MiB")  # the dead writer's lock is gone
     assert s.count == 20
     np.testing.assert_array_equal(records(s), np.load(tmp_path / "flushed.npy"))
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     dsa_core.close(s)
 
 

@@ -45,7 +45,7 @@ def _reference(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(_log.commit, "BEHIND_BYTES", 0)
         s = _train(_create(tmp_path / "sync", space_ratio=1.05))
-        assert s.store.engine._writer is None
+        assert s.store._segments.writer is None
         want = records(s)
         dsa_core.close(s)
     return want
@@ -79,13 +79,13 @@ def test_slow_background_writes_read_clean_and_drop_pending_segments(tmp_path, m
     monkeypatch.setattr(_log.segments.Segments, "read_into", counting_read)
     monkeypatch.setattr(_log.segments.Segments, "drop", counting_drop)
     s = _train(_create(tmp_path / "behind", space_ratio=1.05))
-    eng = s.store.engine
-    assert eng._writer is not None and eng.stats()["cleaned_segments"] > 0
+    eng = s.store
+    assert eng._segments.writer is not None and eng.log_stats()["cleaned_segments"] > 0
     assert seen["pending_reads"] > 0 and seen["pending_dropped"] > 0  # the races happened
-    assert eng.verify() == []
+    assert eng.check_index() == []
     np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
     dsa_core.close(s)
-    assert not eng._pending
+    assert not eng._segments.pending
     names = set(os.listdir(tmp_path / "behind"))
     m = _log_format.read_manifest(tmp_path / "behind")
     assert {n for n in names if n.startswith("seg-")} == {_log_format.seg_name(i)
@@ -132,7 +132,7 @@ def test_a_failed_background_write_is_retried_and_a_second_failure_changes_nothi
             continue  # the same batch again: the store must end as the reference
         k += 1
     assert failures == 1 and fail["left"] == 0
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     np.testing.assert_array_equal(records(s).view(np.uint8), want.view(np.uint8))
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "flaky", mode="r")
@@ -161,7 +161,7 @@ def test_kill_during_a_background_write_reopens_at_the_last_flush(tmp_path):
     r = dsa_core.open(tmp_path / "k", memory="1MiB")  # the writer: removes the garbage
     assert r.count == 30
     np.testing.assert_array_equal(records(r), want)
-    assert r.store.engine.verify() == []
+    assert r.store.check_index() == []
     dsa_core.close(r)
 
 
@@ -181,13 +181,13 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     assert dropped == paths[:3]  # the newest two (2 x size <= 2.5 x size) stay cached
     s = _create(tmp_path / "eng")
     s = _train(s, steps=20)
-    eng = s.store.engine
-    assert eng._writer is not None
+    eng = s.store
+    assert eng._segments.writer is not None
     segs = _log.segments
     # the share alone (no smaller cap): rows that leave the region are read back from memory
     assert segs.CACHE_MAX is None
-    assert eng._writer.cache_bytes == int(segs.CACHE_SHARE * segs.memory_limit())
-    assert segs.cache_window() == eng._writer.cache_bytes
+    assert eng._segments.writer.cache_bytes == int(segs.CACHE_SHARE * segs.memory_limit())
+    assert segs.cache_window() == eng._segments.writer.cache_bytes
     dsa_core.close(s)
 
 

@@ -51,7 +51,7 @@ def run(cfg):
         if mode == "prefetch":  # the last read-ahead is still queued at exit
             dsa_core.prefetch(s, rng.choice(cfg["rows"], cfg["batch"], replace=False))
     if kind == "log" and mode == "cleaning":
-        assert s.store.engine.stats()["cleaned_segments"] > 0, "the store did not clean"
+        assert s.store.log_stats()["cleaned_segments"] > 0, "the store did not clean"
     print("stepped", path, s.count, flush=True)
     return s
 

@@ -153,7 +153,7 @@ def test_a_forked_reader_refuses_once_the_parent_rewrites_a_segment_file(tmp_pat
         return 4 if ok else 2
 
     pid, w = _fork(child)
-    segs = s.store.engine._segments
+    segs = s.store._segments
     recycled = segs.recycled
     dsa_core.flush(s)
     dsa_core.load_range(s, 0, B, wait=True)

@@ -73,7 +73,7 @@ def _verify(path, capsys) -> tuple[int, str]:
 def _segment_record(path: Path, row_of=None):
     """(segment file, record index, its row, offset of its bytes) of a live record."""
     r = dsa_core.open(path, mode="r")
-    eng = r.store.engine
+    eng = r.store
     disk = eng._pool.disk_locations()
     dsa_core.close(r)
     for seg in sorted(path.glob("seg-*.dsl")):
@@ -191,7 +191,7 @@ def _logged(tmp_path, steps=4):
         refs.append(dsa_core.read_records(s, np.arange(N)))
     m = json.loads((s.path / "manifest.json").read_text())
     assert m["count"] == 6 and m["wal"]
-    s.store.engine.abandon()  # kill -9: nothing more reaches the files
+    s.store.abandon()  # kill -9: nothing more reaches the files
     wal = s.path / m["wal"]
     offsets = [0]
     with wal.open("rb") as f:  # where each entry starts (4096-aligned, sequential)
@@ -257,9 +257,9 @@ def test_a_damaged_record_is_never_served(tmp_path, durability, capsys):
         if mode == "r+":
             with pytest.raises(F.SegmentError, match=f"row {row}"):
                 dsa_core.step(s, [row, other], np.ones((2, D), np.float32))
-            assert s.store.engine.verify() == []  # the engine is as before the step
+            assert s.store.check_index() == []  # the engine is as before the step
             s = dsa_core.step(s, [other], np.ones((1, D), np.float32))  # others still train
-        s.store.engine.abandon()
+        s.store.abandon()
     rc, out = _verify(p, capsys)
     assert rc == 1 and seg.name in out and f"row {row}" in out
     after = _files(p)  # the step of the other row went to the commit log, nothing else
@@ -277,7 +277,7 @@ def test_a_damaged_record_is_never_laundered_by_cleaning(tmp_path, capsys):
     with pytest.raises(F.SegmentError, match=f"{seg.name}.* record {k} \\(row {row}\\)"):
         for idx, g in _batches(400, seed=9, avoid=[row]):  # never the damaged row itself
             s = dsa_core.step(s, idx, g)
-    s.store.engine.abandon()
+    s.store.abandon()
     rc, out = _verify(p, capsys)
     assert rc == 1 and f"row {row}" in out  # still there, still named
 
@@ -310,7 +310,7 @@ def test_record_checksums_leave_the_record_bytes_alone(tmp_path):
         rec = np.frombuffer(raw[rec_off:rec_off + n * stride * 4], np.float32)
         assert zlib.crc32(rec) == h["crc_records"]
         rows = np.frombuffer(raw[4096:4096 + 8 * n], np.int64)
-        live = s.store.engine._pool.disk_locations()[rows] == \
+        live = s.store._pool.disk_locations()[rows] == \
             ((h["id"] << 32) | np.arange(n)) + 1
         np.testing.assert_array_equal(
             rec.reshape(n, stride)[live].view(np.uint32),

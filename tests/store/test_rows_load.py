@@ -45,7 +45,7 @@ def _steps(s, n, rows=None, seed=1):
 
 
 def _stats(s):
-    return s.store.engine.stats()
+    return s.store.log_stats()
 
 
 def _on_disk(s):
@@ -87,7 +87,7 @@ def test_row_loads_and_releases_never_change_a_value(tmp_path, kind):
     np.testing.assert_array_equal(records(a).view(np.uint8), records(b).view(np.uint8))
     if kind == "log":
         assert _stats(b)["row_loads"] == 30 and _stats(b)["range_pinned"] == 0
-        assert b.store.engine.verify() == []
+        assert b.store.check_index() == []
     dsa_core.close(a)
     dsa_core.close(b)
     ra, rb = (dsa_core.open(tmp_path / n, mode="r") for n in "ab")
@@ -183,7 +183,7 @@ def test_loaded_rows_stay_in_the_region_while_others_cycle_it(tmp_path):
     st = _stats(s)
     assert st["range_pinned"] == 0 and dsa_core.residency(s, rows) == 0.0  # sealed, freed
     np.testing.assert_array_equal(records(s), want)
-    assert s.store.engine.verify() == []
+    assert s.store.check_index() == []
     dsa_core.close(s)
 
 
@@ -191,7 +191,7 @@ def test_ranges_and_row_sets_count_and_hold_their_union(tmp_path):
     s = _create(tmp_path / "log", "log", slots=900)
     s = _steps(s, 10)
     _on_disk(s)
-    eng = s.store.engine
+    eng = s.store
     a = np.arange(200, 500, 2)  # 150 rows, 50 of them inside [0, 300)
     b = np.arange(400, 700)  # 300 rows, 50 of them in a
     dsa_core.load_range(s, 0, 300)
@@ -214,7 +214,7 @@ def test_ranges_and_row_sets_count_and_hold_their_union(tmp_path):
     assert dsa_core.residency(s, b) == 1.0 and _stats(s)["range_pinned"] == 300
     dsa_core.release_rows(s, b)
     assert _stats(s)["range_pinned"] == 0 and dsa_core.residency(s, b) == 0.0
-    assert eng.verify() == []
+    assert eng.check_index() == []
     dsa_core.close(s)
 
 
@@ -239,7 +239,7 @@ def test_a_row_set_that_cannot_fit_is_refused_and_changes_nothing(tmp_path, stor
         assert part in msg, (part, msg)
     np.testing.assert_array_equal(records(s), before)
     assert _stats(s) == st and store_digest(tmp_path / "log") == files
-    assert len(s.store.engine._pool.row_sets) == 1
+    assert len(s.store._pool.row_sets) == 1
     dsa_core.release_rows(s, first)
     dsa_core.load_rows(s, rows, wait=True)  # fits once the first set is released
     assert dsa_core.residency(s, rows) == 1.0
@@ -323,7 +323,7 @@ def test_kill_9_with_a_row_load_in_flight(tmp_path, kind, durability):
     s = dsa_core.open(tmp_path / "s", **kw)
     got, count = dsa_core.read_records(s, np.arange(n)), s.count
     if kind == "log":
-        assert s.store.engine.verify() == []
+        assert s.store.check_index() == []
     dsa_core.close(s)
     if durability == "flush":
         assert count == 30
@@ -343,6 +343,6 @@ def test_the_store_keeps_its_own_copy_of_a_loaded_set(tmp_path):
     dsa_core.load_rows(s, rows, wait=True)
     rows[:] = np.arange(1000, 1300)  # the caller's buffer, refilled
     dsa_core.release_rows(s, np.arange(100, 400))  # the set loaded is the one released
-    assert _stats(s)["range_pinned"] == 0 and s.store.engine._pool.row_sets == []
-    assert s.store.engine.verify() == []
+    assert _stats(s)["range_pinned"] == 0 and s.store._pool.row_sets == []
+    assert s.store.check_index() == []
     dsa_core.close(s)

@@ -126,7 +126,7 @@ def test_a_replaced_budget_is_remembered_by_any_flush(tmp_path):
     p = tmp_path / "s"
     dsa_core.close(dsa_core.create(p, N, D, storage="log", memory="1MiB"))
     s = dsa_core.open(p, memory="2MiB")
-    s.store.engine.close()  # the engine's own flush, as the unclosed-store finaliser runs it
+    s.store.close()  # the engine's own flush, as the unclosed-store finaliser runs it
     s = dsa_core.open(p)
     assert s.store.memory_bytes == 2 * MiB
     dsa_core.close(s)

@@ -44,9 +44,9 @@ def test_parity_with_inplace(tmp_path, name):
     assert_same_store(a, b)
     probe = np.array([0, 5, 5, N - 1, 17])
     np.testing.assert_array_equal(dsa_core.gather(a, probe), dsa_core.gather(b, probe))
-    st = b.store.engine.stats()
+    st = b.store.log_stats()
     assert st["seals"] > 0 and st["misses"] > 3 * B  # rows really left and came back
-    assert b.store.engine.verify() == []
+    assert b.store.check_index() == []
     dsa_core.close(a)
     dsa_core.close(b)
 
@@ -60,9 +60,9 @@ def test_cleaning_happens_and_parity_holds(tmp_path):
             dsa_core.flush(a)
             dsa_core.flush(b)
     assert_same_store(a, b)
-    st = b.store.engine.stats()
+    st = b.store.log_stats()
     assert st["cleaned_segments"] > 0
-    assert b.store.engine.verify() == []
+    assert b.store.check_index() == []
     dsa_core.close(a)
     dsa_core.close(b)
 
@@ -198,7 +198,7 @@ def test_bf16m_convert_and_reopen_with_another_region_keep_parity(tmp_path):
         a = dsa_core.step(a, idx, g)
         b = dsa_core.step(b, idx, g)
     assert_same_store(a, b)
-    assert b.store.engine.stats()["misses"] > 3 * B
+    assert b.store.log_stats()["misses"] > 3 * B
     dsa_core.close(a)
     dsa_core.close(b)
 

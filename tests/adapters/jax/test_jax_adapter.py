@@ -1082,7 +1082,7 @@ def test_create_store_resume_and_refusals_on_log(tmp_path):
                                               "3"):
         dj.create_store(path, N, D, storage="log", memory=mem)
     s = dj.create_store(path, N, D, resume=True, storage="log", memory=mem)
-    assert (s.storage, s.count) == ("log", 3) and s.store.engine.slots == SLOTS
+    assert (s.storage, s.count) == ("log", 3) and s.store.slots == SLOTS
     dsa_core.close(s)
     other = dj.create_store(tmp_path / "ip", N, D)
     dsa_core.close(other)
@@ -1124,7 +1124,7 @@ def test_durability_step_on_log_stores_matches_inplace_and_survives_reopen(tmp_p
     want = records(a)
     assert_same_bits(want, records(b))
     path = b.path
-    b.store.engine.abandon()  # as if the process died: nothing flushed since create
+    b.store.abandon()  # as if the process died: nothing flushed since create
     again = dsa_core.open(path, mode="r")
     assert again.count == 12
     assert_same_bits(want, records(again))

@@ -392,7 +392,7 @@ def test_article_loop_on_log_matches_inplace(tmp_path, k, dtype):
     a, b = opts["inplace"], opts["log"]
     st = b.store("emb")
     assert st.storage == "log" and st.count == a.store("emb").count == 30
-    eng = st.store.engine.stats()
+    eng = st.store.log_stats()
     assert eng["segments"] > 0 and eng["slots"] < N  # rows were evicted and read back
     np.testing.assert_array_equal(opt_records(a).view(np.uint8), opt_records(b).view(np.uint8))
     for part in "wmv":  # the views: every row, read in chunks

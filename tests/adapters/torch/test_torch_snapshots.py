@@ -129,7 +129,7 @@ def test_optimizer_state_dict_is_a_checkpoint(tmp_path, kind):
     opt.flush()  # a committed segment's file goes once a newer manifest no longer lists it
     if kind == "log":
         assert first - segment_files(tmp_path / "run" / "emb"), "no segment was deleted"
-    assert all(s.store.engine.stats()["segments"] for s in stores(opt) if s.storage == "log")
+    assert all(s.store.log_stats()["segments"] for s in stores(opt) if s.storage == "log")
     assert [s.count for s in stores(opt)] == [25, 25]
     assert snapshot_of(opt) != saved
     # back to step 5, exactly
