@@ -5,8 +5,10 @@
     python -m benchmarks.adagrad quality --epochs 100           # Kinships MRR vs PBG's update
     python -m benchmarks.adagrad --smoke                        # seconds: all three, tiny
 
-``warm``: one process, the same uniform batches of ``--batch`` ids and gradients (float32,
-dim 128), every table in RAM: ``torch.optim.Adagrad`` on an ``nn.Embedding(sparse=True)``
+``warm``: one process, the same uniform batches of ``--batch`` ids (64 batches cycled, as the
+guard's warm step: after the first pass every row was changed since the last flush, so an
+in-place store's undo file is not in the figure) and gradients (float32, dim 128), every table
+in RAM: ``torch.optim.Adagrad`` on an ``nn.Embedding(sparse=True)``
 (its ``sum`` pre-touched; the timed call is ``opt.step()`` on a prepared sparse gradient),
 ``torch.optim.SparseAdam`` the same way, and ``dsa_core.step`` on in-place stores of
 ``optimizer="adagrad"``, ``"rowwise_adagrad"`` and Adam (every page touched first). Prints
@@ -65,7 +67,8 @@ def warm(a) -> list[dict]:
 
     torch.set_num_threads(dsa_core.get_num_threads())
     dsa_core.warmup(("float32",))
-    ids = batches(a.rows, a.batch, a.steps + a.warmup, "uniform", seed=0)
+    cyc = batches(a.rows, a.batch, 64, "uniform", seed=0)  # cycled, as the guard's warm:
+    ids = [cyc[k % 64] for k in range(a.steps + a.warmup)]  # rows already changed
     rng = np.random.default_rng(1)
     grads = [rng.standard_normal((a.batch, DIM), dtype=np.float32) * 1e-2 for _ in range(8)]
     rows = []
