@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -516,3 +517,20 @@ def run_worker(*args, timeout: float = 300.0) -> tuple[int, list[list[str]], str
     w = Worker(*args)
     rc, err = w.wait(timeout)
     return rc, w.drain(), err
+
+
+def wait_forked(pid: int, timeout: float, hang: str) -> int:
+    """The exit code of the forked child ``pid``, waited for at most ``timeout`` seconds; a
+    child still running then is killed and the test fails with ``hang`` (what it hung on)."""
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(hang)
+        time.sleep(0.01)

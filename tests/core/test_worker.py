@@ -18,7 +18,7 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import REPO, create, train
+from helpers import REPO, create, train, wait_forked
 
 import dsa_core
 from dsa_core._os import Worker
@@ -202,17 +202,7 @@ def test_a_forked_child_neither_joins_nor_closes_the_parents_worker():
             code = 0 if ok and w.error() is None else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 30
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child waited for its parent's worker")
-        time.sleep(0.01)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait_forked(pid, 30, "the forked child waited for its parent's worker") == 0
     gate.set()
     w.submit(3)
     w.join()
@@ -261,17 +251,7 @@ def test_a_forked_child_prefetches_on_threads_of_its_own(tmp_path, kind):
             code = 0
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on its parent's read-ahead thread")
-        time.sleep(0.01)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait_forked(pid, 60, "the forked child hung on its parent's read-ahead thread") == 0
     dsa_core.prefetch(s, np.arange(N), wait=True)  # the parent's thread goes on
     dsa_core.close(s)
 

@@ -11,7 +11,6 @@ import errno
 import gc
 import os
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 import dsa_core
 from dsa_core._inplace import ranges as _ranges
+from helpers import wait_forked
 
 N, D = 20_000, 16
 
@@ -359,17 +359,7 @@ def test_a_forked_child_gets_its_own_worker(tmp_path):
             dsa_core.close(s)
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 30
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on a range request")
-        time.sleep(0.01)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait_forked(pid, 30, "the forked child hung on a range request") == 0
     assert s.store._ranges is parent_worker and parent_worker._worker.thread.is_alive()
     dsa_core.load_range(s, 0, 1000, wait=True)  # the parent's worker goes on
     dsa_core.close(s)
