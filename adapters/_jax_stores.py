@@ -245,12 +245,7 @@ def _hparams(state: dsa_core.State, create_args: dict[str, Any]) -> dict[str, An
         given.get("lr", state.lr), given.get("betas", state.betas),
         given.get("eps", state.eps), given.get("maximize", state.maximize),
         given.get("nonfinite", state.nonfinite), what=_WHAT)
-    durability = given.get("durability", state.durability)
-    if durability not in validation.DURABILITY_MODES:
-        raise ValueError(f"{_WHAT}: durability must be one of "
-                         f"{validation.DURABILITY_MODES}, got {durability!r}")
-    wd = validation.check_weight_decay(given.get("weight_decay", state.weight_decay),
-                                       what=_WHAT)
+    durability, wd = _durability_and_decay(state, given)
     decoupled = given.get("decoupled_weight_decay", state.decoupled_weight_decay)
     if not isinstance(decoupled, (bool, np.bool_)):
         raise TypeError(f"{_WHAT}: decoupled_weight_decay must be a bool, got {decoupled!r}")
@@ -260,6 +255,17 @@ def _hparams(state: dsa_core.State, create_args: dict[str, Any]) -> dict[str, An
     return {"lr": lr, "betas": betas, "eps": eps, "maximize": maximize,
             "nonfinite": nonfinite, "durability": durability, "weight_decay": wd,
             "decoupled_weight_decay": bool(decoupled)}
+
+
+def _durability_and_decay(state: dsa_core.State, given: dict[str, Any]) -> tuple[str, float]:
+    """The ``durability`` and ``weight_decay`` given (else the store's), checked."""
+    durability = given.get("durability", state.durability)
+    if durability not in validation.DURABILITY_MODES:
+        raise ValueError(f"{_WHAT}: durability must be one of "
+                         f"{validation.DURABILITY_MODES}, got {durability!r}")
+    wd = validation.check_weight_decay(given.get("weight_decay", state.weight_decay),
+                                       what=_WHAT)
+    return durability, wd
 
 
 def _adagrad_hparams(state: dsa_core.State, given: dict[str, Any]) -> dict[str, Any]:
@@ -275,12 +281,7 @@ def _adagrad_hparams(state: dsa_core.State, given: dict[str, Any]) -> dict[str, 
         given.get("initial_accumulator_value", state.initial_accumulator_value),
         given.get("maximize", state.maximize), given.get("nonfinite", state.nonfinite),
         what=_WHAT)
-    durability = given.get("durability", state.durability)
-    if durability not in validation.DURABILITY_MODES:
-        raise ValueError(f"{_WHAT}: durability must be one of "
-                         f"{validation.DURABILITY_MODES}, got {durability!r}")
-    wd = validation.check_weight_decay(given.get("weight_decay", state.weight_decay),
-                                       what=_WHAT)
+    durability, wd = _durability_and_decay(state, given)
     return {"lr": lr, "lr_decay": lr_decay, "eps": eps, "initial_accumulator_value": iav,
             "maximize": maximize, "nonfinite": nonfinite, "durability": durability,
             "weight_decay": wd}

@@ -102,16 +102,23 @@ def check_lr(lr: Any, *, allow_zero: bool = False, what: str = "") -> float:
     return lr
 
 
-def check_hparams(lr, betas, eps, maximize, nonfinite, *, what: str = "") -> tuple:
-    """``(lr, (b1, b2), eps, maximize, nonfinite)`` checked and normalised, torch's order."""
-    lr = check_lr(lr, what=what)
+def _check_eps(eps, zero_row: str, example: str, what: str) -> float:
+    """``eps`` as a float, finite and > 0, or torch's "Invalid epsilon value" naming why (eps
+    = 0 divides 0 by 0 for ``zero_row``) and ``example``."""
     try:
         eps = float(eps)
     except (TypeError, ValueError):
         raise TypeError(f"{_p(what)}eps must be a real number > 0, got {eps!r}") from None
     if not (math.isfinite(eps) and eps > 0.0):
         raise ValueError(f"{_p(what)}Invalid epsilon value: {eps}; eps must be a finite "
-                         "number > 0 (eps = 0 divides 0 by 0 for a row with a zero gradient)")
+                         f"number > 0 (eps = 0 divides 0 by 0 for {zero_row}){example}")
+    return eps
+
+
+def check_hparams(lr, betas, eps, maximize, nonfinite, *, what: str = "") -> tuple:
+    """``(lr, (b1, b2), eps, maximize, nonfinite)`` checked and normalised, torch's order."""
+    lr = check_lr(lr, what=what)
+    eps = _check_eps(eps, "a row with a zero gradient", "", what)
     try:
         b1, b2 = (float(b) for b in betas)
     except (TypeError, ValueError):
@@ -202,14 +209,8 @@ def check_adagrad_hparams(lr, lr_decay, eps, initial_accumulator_value, maximize
     lr_decay = _nonneg("lr_decay", lr_decay, "lr_decay", what)
     iav = _nonneg("initial_accumulator_value", initial_accumulator_value,
                   "initial_accumulator_value", what)
-    try:
-        eps = float(eps)
-    except (TypeError, ValueError):
-        raise TypeError(f"{_p(what)}eps must be a real number > 0, got {eps!r}") from None
-    if not (math.isfinite(eps) and eps > 0.0):
-        raise ValueError(f"{_p(what)}Invalid epsilon value: {eps}; eps must be a finite "
-                         "number > 0 (eps = 0 divides 0 by 0 for a row whose accumulator and "
-                         "gradient are 0), e.g. eps=1e-10 (Adagrad's default)")
+    eps = _check_eps(eps, "a row whose accumulator and gradient are 0",
+                     ", e.g. eps=1e-10 (Adagrad's default)", what)
     if not isinstance(maximize, (bool, np.bool_)):
         raise TypeError(f"{_p(what)}maximize must be a bool, got {maximize!r}")
     check_nonfinite(nonfinite, what=what)
