@@ -6,6 +6,7 @@
         --random-seconds 30 --bucket-fraction 0.1
     python -m benchmarks.buckets_ooc --smoke          # seconds; CI runs it so the code never rots
     python -m benchmarks.buckets_ooc --smoke --storage log   # the same on a log store
+    python -m benchmarks.buckets_ooc --optimizer rowwise_adagrad ...  # issue 43: vs Adam
 
 One model, two orders of the same edges, on one store many times larger than the memory the
 training process may use, with the defaults a user gets: the store ``dsa_core.create`` makes
@@ -164,13 +165,18 @@ def evict_tree(*paths: Path) -> None:
                     evict_file(q)
 
 
-def record_bytes(dim: int) -> int:
+def _optimizer_kw(optimizer: str) -> dict:
+    """``dsa_core.create``'s optimizer arguments for ``--optimizer`` (Adam: none)."""
+    return {} if optimizer == "adam" else {"optimizer": optimizer}
+
+
+def record_bytes(dim: int, optimizer: str = "adam") -> int:
     """Bytes of one record of the benchmark's store (created empty once, then removed)."""
     import dsa_core
 
     tmp = Path(tempfile.mkdtemp(prefix="dsa_rec_"))
     try:
-        st = dsa_core.create(tmp / "s", 1, dim, progress=False)
+        st = dsa_core.create(tmp / "s", 1, dim, progress=False, **_optimizer_kw(optimizer))
         n = st.store.layout.stride * st.store.layout.dtype.itemsize
         dsa_core.close(st)
         return n
@@ -211,14 +217,16 @@ def choose_partitions(nodes: int, rec: int, cap: int, reserve: int, edges: int,
     return f.partitions, f.buffer, rule, f.store_memory[0]
 
 
-def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool) -> str:
+def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool,
+                 optimizer: str = "adam") -> str:
     """The benchmark's store, made as a user would (``storage="auto"`` unless forced), every
     row written once; returns its kind (for the report only)."""
     import dsa_core
 
     if keep and (path / "manifest.json").exists():
         st = dsa_core.open(path, mode="r")
-        same = (st.num_rows, st.dim) == (nodes, dim) and storage in ("auto", st.storage)
+        same = ((st.num_rows, st.dim, st.optimizer) == (nodes, dim, optimizer)
+                and storage in ("auto", st.storage))
         kind = st.storage
         dsa_core.close(st)
         if same:
@@ -226,7 +234,8 @@ def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool) -> 
             return kind
     t0 = time.perf_counter()
     st = dsa_core.create(path, nodes, dim, init="uniform", init_scale=1e-3, lr=1e-3,
-                         overwrite=True, progress=True, storage=storage)
+                         overwrite=True, progress=True, storage=storage,
+                         **_optimizer_kw(optimizer))
     if st.store.memory_bytes is not None:  # a region: write every row, sealed in row order
         chunk = 1 << 16
         for lo in range(0, nodes, chunk):
@@ -667,6 +676,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=4096, help="edges per step")
     ap.add_argument("--negatives", type=int, default=4, help="negatives per edge (k)")
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--optimizer", default="adam",
+                    choices=("adam", "adagrad", "rowwise_adagrad"),
+                    help="whose state the store's records hold (the step follows the store)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--random-seconds", type=float, default=120.0,
                     help="time budget of the random-order phase")
@@ -717,7 +729,7 @@ def main(argv=None):
     cap = parse_size(a.cap)
     # bucketing holds ~60 bytes per edge of a chunk at once: a chunk within ~1/4 of the cap
     a.chunk_edges = min(1 << 22, 1 << max(10, (cap // 256).bit_length() - 1))
-    rec = record_bytes(a.dim)
+    rec = record_bytes(a.dim, a.optimizer)
     fixed = (a.partitions, a.buffer)
 
     workdir = Path(a.workdir or tempfile.gettempdir())
@@ -743,7 +755,8 @@ def main(argv=None):
     capped = not a.no_cgroup and cgroup_ok(memcap)
     label = f"cap {a.cap}" if capped else "cold (evicted, no cgroup)"
     try:
-        kind = ensure_store(scratch / "store", a.nodes, a.dim, a.storage, a.keep)
+        kind = ensure_store(scratch / "store", a.nodes, a.dim, a.storage, a.keep,
+                            a.optimizer)
         ensure_edges(scratch / "edges.npy", a.nodes, a.edges, a.seed, a.keep)
         print(f"table + state {table / 1e9:.2f} GB = {table / cap:.1f}x the cap ({a.cap}); "
               f"{label}", flush=True)
