@@ -41,6 +41,14 @@ def loss(out, t):
     return (out * w * pos).sum()
 
 
+def train(emb, opt, ids, t0=0) -> None:
+    """One step of ``opt`` per batch of ``ids`` on ``emb``'s loss, numbered from ``t0``."""
+    for t, i in enumerate(ids, t0):
+        opt.zero_grad()
+        loss(emb(i), t).backward()
+        opt.step()
+
+
 def run(model, opt, sched, ids_list, emb_of=lambda m: m):
     for t, ids in enumerate(ids_list):
         opt.zero_grad()
@@ -245,39 +253,24 @@ def test_state_dict_round_trip_and_checkpoint(tmp_path, kind):
                                       **kw)
 
     ref, ropt = fresh(tmp_path / "ref")
-    for t, i in enumerate(ids):
-        ropt.zero_grad()
-        loss(ref(i), t).backward()
-        ropt.step()
+    train(ref, ropt, ids)
     emb, opt = fresh(tmp_path / "o")
-    for t, i in enumerate(ids[:4]):
-        opt.zero_grad()
-        loss(emb(i), t).backward()
-        opt.step()
+    train(emb, opt, ids[:4])
     sd = opt.state_dict()
     w4 = emb.weight.detach().clone()
     opt.checkpoint(tmp_path / "ck", extra={"model": emb.state_dict()})
-    for t, i in enumerate(ids[4:6], 4):  # steps that the load takes back
-        opt.zero_grad()
-        loss(emb(i), t).backward()
-        opt.step()
+    train(emb, opt, ids[4:6], 4)  # steps that the load takes back
     opt.load_state_dict(sd)
     with torch.no_grad():
         emb.weight.copy_(w4)
     assert opt.store_for(emb.weight).count == 4
-    for t, i in enumerate(ids[4:], 4):
-        opt.zero_grad()
-        loss(emb(i), t).backward()
-        opt.step()
+    train(emb, opt, ids[4:], 4)
     assert torch.equal(emb.weight, ref.weight)
     opt.close()
     emb2, opt2 = fresh(tmp_path / "o2")
     extra = opt2.load_checkpoint(tmp_path / "ck")
     emb2.load_state_dict(extra["model"])
-    for t, i in enumerate(ids[4:], 4):
-        opt2.zero_grad()
-        loss(emb2(i), t).backward()
-        opt2.step()
+    train(emb2, opt2, ids[4:], 4)
     assert torch.equal(emb2.weight, ref.weight)
     opt2.close()
     ropt.close()
@@ -306,10 +299,7 @@ def test_loads_a_torch_adagrad_state_dict(tmp_path, kind):
     with torch.no_grad():
         emb.weight.copy_(w4)
     assert opt.store_for(emb.weight).count == 4
-    for t, i in enumerate(ids[4:], 4):
-        opt.zero_grad()
-        loss(emb(i), t).backward()
-        opt.step()
+    train(emb, opt, ids[4:], 4)
     close_weights(emb.weight.detach(), tw.weight.detach(), torch.float64)
     opt.close()
     e2 = torch.nn.Embedding(N, D, sparse=True, dtype=torch.float64)
