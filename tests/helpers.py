@@ -18,6 +18,9 @@
   raise ENOSPC or EIO, or write short, from their ``nth`` call on).
 * The crash harness: ``Worker`` / ``run_worker`` run ``tests/crash_worker.py`` in a
   subprocess (see test_reliability.py for what it trains and how the kills are checked).
+* Parameter grids: ``sampled_grid(head, tail)`` -- every case of a full grid, the default run
+  keeping each ``head`` combination once with one ``tail`` combination (rotating), the rest
+  marked ``slow``.
 * A real memory cgroup: ``memcap(limit, *command)`` (the command line that runs a command
   under ``benchmarks/memcap.sh``, the repo's own tool) and ``memcap_unavailable()`` (why it
   cannot run here, for a skip; None where it can).
@@ -77,6 +80,33 @@ def memcap_unavailable() -> str | None:
     else:
         ok = False
     return None if ok else "no writable memory cgroup on this machine"
+
+
+# -- parameter grids ---------------------------------------------------------------------------
+def sampled_grid(head: list, tail: list) -> list:
+    """The cases of ``itertools.product(*head, *tail)`` as ``pytest.param`` s, ids joined
+    with ``-`` as stacked ``parametrize`` decorators make them. The default run keeps every
+    combination of the ``head`` axes once, paired with the tail combination numbered by the
+    sum of its axes' indices (so beside each value of any head axis the tail combinations
+    rotate, and every one runs where an axis has that many values); the other cases are marked ``slow`` (``make test-all`` runs the grid).
+
+    >>> [p.id for p in sampled_grid([["a", "b"]], [[1, 2]]) if not p.marks]
+    ['a-1', 'b-2']
+    """
+    import itertools
+
+    import pytest
+
+    tails = list(itertools.product(*tail))
+    out = []
+    for pos in itertools.product(*(range(len(a)) for a in head)):
+        h = tuple(a[k] for a, k in zip(head, pos, strict=True))
+        keep = sum(pos) % len(tails)  # the index sum: every tail beside each value of each axis
+        for j, t in enumerate(tails):
+            vals = (*h, *t)
+            marks = () if j == keep else (pytest.mark.slow,)
+            out.append(pytest.param(*vals, id="-".join(map(str, vals)), marks=marks))
+    return out
 
 
 # -- threads and digests -----------------------------------------------------------------------

@@ -7,6 +7,9 @@ per-row counts are the global count, catch-up decay is plain decoupled decay, la
 dense decay); the exact catch-up factor; and the dense anchors: ``torch.optim.AdamW``,
 ``torch.optim.Adam(weight_decay=)`` and geoopt's ``RiemannianAdam(weight_decay=)``.
 
+The grids run whole with ``-m slow``; the default run keeps every option x geometry x dtype
+(``helpers.sampled_grid``: the other axes rotate across those cases).
+
 Layout, format version, resume and bad inputs of the options: ``test_per_row_step.py``.
 """
 
@@ -27,7 +30,7 @@ from kernel_oracle import (
 )
 
 import dsa_core
-from helpers import num_threads
+from helpers import num_threads, sampled_grid
 from dsa_core import _reference as R
 
 N = 40
@@ -57,11 +60,9 @@ def make(path, c, dtype, init, opts, **kw):
 
 
 # -- the kernels against the oracle ------------------------------------------------------------
-@pytest.mark.parametrize("maximize", [False, True])
-@pytest.mark.parametrize("dim", [3, 16])
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("geom", GEOM_NAMES)
-@pytest.mark.parametrize("opt", OPTIONS)
+@pytest.mark.parametrize("opt,geom,dt,dim,maximize",
+                         sampled_grid([list(OPTIONS), GEOM_NAMES, list(DTYPES)],
+                                      [[3, 16], [False, True]]))
 def test_options_match_reference(tmp_path, opt, geom, dt, dim, maximize):
     """Mixed batches (duplicates, sorted, empty, one id repeated, one row) with an lr that
     changes every step: weights, moments and counters equal the oracle's at every step."""
@@ -83,9 +84,9 @@ def test_options_match_reference(tmp_path, opt, geom, dt, dim, maximize):
     dsa_core.close(state)
 
 
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("geom", ["euclid", "euclid_rw", "euclid_bf16", "ball1"])
-@pytest.mark.parametrize("opt", ["l2", "all", "per_row_l2"])
+@pytest.mark.parametrize("opt,geom,dt", sampled_grid(
+    [["l2", "all", "per_row_l2"], ["euclid", "euclid_rw", "euclid_bf16", "ball1"]],
+    [list(DTYPES)]))
 def test_rows_revisited_after_hundreds_of_steps(tmp_path, spec_batches, spec_init, opt, geom,
                                                 dt):
     """The §5 stream (1000 rows, 200 steps, Zipf ids with up to ~15 duplicates, row 1 only at
@@ -122,9 +123,8 @@ def _bad_batch(rng, dim, dtype):
     return idx, G, np.array([3, 8, 12])
 
 
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("geom", GEOM_NAMES)
-@pytest.mark.parametrize("opt", ["l2", "all"])
+@pytest.mark.parametrize("opt,geom,dt", sampled_grid([["l2", "all"], GEOM_NAMES],
+                                                     [list(DTYPES)]))
 def test_skip_row_leaves_counters_and_decay_alone(tmp_path, opt, geom, dt):
     """nonfinite="skip_row": a skipped row keeps every byte (weights, moments, counts, no
     decay); the others are stepped exactly as the oracle steps the batch without them."""
@@ -217,10 +217,8 @@ def _all_rows_batches(rng, n, dim, dtype, steps):
     return out
 
 
-@pytest.mark.parametrize("maximize", [False, True])
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("geom", GEOM_NAMES)
-@pytest.mark.parametrize("decay", ["none", "l2", "adamw"])
+@pytest.mark.parametrize("decay,geom,dt,maximize", sampled_grid(
+    [["none", "l2", "adamw"], GEOM_NAMES], [list(DTYPES), [False, True]]))
 def test_every_row_every_batch_per_row_counts_are_the_global_count(tmp_path, decay, geom, dt,
                                                                    maximize):
     """When every row is in every batch t_r == t, so per_row_step gives the global run bit
@@ -242,9 +240,8 @@ def test_every_row_every_batch_per_row_counts_are_the_global_count(tmp_path, dec
     dsa_core.close(b)
 
 
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("geom", GEOM_NAMES)
-@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("per_row,geom,dt", sampled_grid([[False, True], GEOM_NAMES],
+                                                         [list(DTYPES)]))
 def test_every_row_every_batch_catch_up_is_plain_decoupled_decay(tmp_path, per_row, geom, dt):
     """Every row in every batch: no row misses a step, so decay_missed_steps decays exactly as
     plain decoupled decay (bit for bit, with a schedule)."""
@@ -265,9 +262,8 @@ def test_every_row_every_batch_catch_up_is_plain_decoupled_decay(tmp_path, per_r
     dsa_core.close(b)
 
 
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("geom", ["euclid", "euclid_rw", "euclid_bf16", "ball1"])
-@pytest.mark.parametrize("idle", [0, 1, 300])
+@pytest.mark.parametrize("idle,geom,dt", sampled_grid(
+    [[0, 1, 300], ["euclid", "euclid_rw", "euclid_bf16", "ball1"]], [list(DTYPES)]))
 def test_idle_row_takes_the_decay_of_every_step_it_missed(tmp_path, idle, geom, dt):
     """Constant lr, zero gradients (so the Adam part of each update is exactly 0): a row
     updated at step 1, idle for ``idle`` steps and revisited is multiplied by exactly
