@@ -28,18 +28,13 @@ the bounds loosened: at 30 steps RotatE's element-wise float32 run reached 4.6 e
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-with warnings.catch_warnings():
-    # torch_geometric 2.8's import scripts two classes with torch.jit.script, which torch
-    # 2.13 deprecates (a DeprecationWarning each; the suite turns warnings into errors)
-    warnings.simplefilter("ignore", DeprecationWarning)
-    kge = pytest.importorskip("torch_geometric.nn.kge")
+kge = pytest.importorskip("torch_geometric.nn.kge")
 
 # the Adagrad tests' helpers: close_weights and the PBG RowAdagrad transcription
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core"))
