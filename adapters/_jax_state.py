@@ -254,9 +254,10 @@ def dsa_states(state: Any, where: str) -> list[DiskAdamState]:
     found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_dsa) if _is_dsa(x)]
     if not found:
         raise TypeError(
-            f"{where}: the optimizer state holds no adapters.jax.sparse_adam state "
-            f"(DiskAdamState); got {type(state).__name__}. Pass the state that tx.init / "
-            "tx.update returned for a transform built with sparse_adam: on its own, or in "
+            f"{where}: the optimizer state holds no adapters.jax.sparse_adam or "
+            f"sparse_adagrad state (DiskAdamState or DiskAdagradState); got "
+            f"{type(state).__name__}. Pass the state that tx.init / tx.update returned for a "
+            "transform built with sparse_adam or sparse_adagrad: on its own, or in "
             "optax.chain, multi_transform, masked or inject_hyperparams")
     return found
 

@@ -63,14 +63,18 @@ class _Rebuilt:
         # "please consider Adam instead" (step checks every gradient before it writes)
         g = p.grad
         if g is not None and g.layout == torch.strided and not isinstance(p, DiskWeight):
+            kind = self._store_optimizer()  # the optimizer state this one keeps, and its name
+            state = {"adam": "m and v", "adagrad": "the Adagrad accumulators",
+                     "rowwise_adagrad": "the row-wise Adagrad accumulators"}[kind]
+            disk_args = "root" if kind == "adam" else f"root, optimizer={kind!r}"
             raise RuntimeError(
                 f"{type(self).__name__} steps row-sparse gradients only, but {where} (shape "
                 f"{tuple(p.shape)}) got a dense one; nothing was written. A PyKEEN model "
                 "gives them when its tables are SparseEmbedding or DiskBackedEmbedding, which "
                 "its default Embedding tables are not: build it with "
                 "model_kwargs=dict(..., **adapters.pykeen.sparse_representations()) (weights "
-                "in RAM, m and v in state_dir) or "
-                "model_kwargs=dict(..., **adapters.pykeen.disk_representations(root)) "
+                f"in RAM, {state} in state_dir) or "
+                f"model_kwargs=dict(..., **adapters.pykeen.disk_representations({disk_args})) "
                 "(weights on disk too). Models with dense parameters beside their tables "
                 "(ConvE, ConvKB, ERMLP, ...) need a dense optimizer (docs/pykeen.md)")
         return super()._prepare(p, where, hp)

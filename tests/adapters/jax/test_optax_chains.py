@@ -216,7 +216,8 @@ def test_helpers_find_sparse_adam_inside_an_optax_state(tmp_path, kind):
 
 def test_helpers_refuse_a_state_without_or_with_two_sparse_adams(tmp_path):
     with pytest.raises(TypeError, match=r"flush: the optimizer state holds no "
-                                        r"adapters.jax.sparse_adam state .* got ScaleByAdamState"):
+                                        r"adapters.jax.sparse_adam or sparse_adagrad state "
+                                        r".* got ScaleByAdamState"):
         dsa_jax.flush(optax.scale_by_adam().init(_mlp_params()))
     tx = optax.multi_transform({"a": dsa_jax.sparse_adam(1e-2), "b": dsa_jax.sparse_adam(1e-3)},
                                {"u": "a", "i": "b"})

@@ -180,6 +180,17 @@ def test_a_store_of_another_optimizer_is_refused(tmp_path):
         dsa_jax.sparse_adagrad(eps=0.0)
 
 
+def test_helpers_given_no_dsa_state_name_both_transforms():
+    """flush / checkpoint / ... given a state with no DSA part name sparse_adagrad's state
+    beside sparse_adam's (they named sparse_adam only)."""
+    with pytest.raises(TypeError, match=r"^flush: the optimizer state holds no "
+                                        r"adapters.jax.sparse_adam or sparse_adagrad state "
+                                        r"\(DiskAdamState or DiskAdagradState\); got "
+                                        r"ScaleByRssState\. .*built with sparse_adam or "
+                                        r"sparse_adagrad"):
+        dsa_jax.flush(optax.adagrad(0.1).init({"w": jnp.zeros(3)})[0])
+
+
 @pytest.mark.parametrize("in_jit", [False, True])
 def test_optax_chain_with_clip_and_helpers(tmp_path, in_jit):
     tx = optax.chain(optax.clip_by_global_norm(1.0),

@@ -848,6 +848,27 @@ def test_dense_gradient_of_a_plain_model_names_the_sparse_tables(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize(("make", "state", "disk_args"), [
+    (lambda p, d: dsa.DiskAdam(p, state_dir=d), "m and v", "root"),
+    (lambda p, d: dsa.DiskAdagrad(p, state_dir=d), "the Adagrad accumulators",
+     "root, optimizer='adagrad'"),
+    (lambda p, d: dsa.DiskAdagrad(p, state_dir=d, rowwise=True),
+     "the row-wise Adagrad accumulators", "root, optimizer='rowwise_adagrad'"),
+], ids=["adam", "adagrad", "rowwise_adagrad"])
+def test_dense_gradient_message_names_the_optimizers_state(tmp_path, make, state, disk_args):
+    """The dense-gradient message says what sparse_representations() keeps in state_dir for
+    this optimizer (Adam's m and v, Adagrad's accumulators: it named m and v for both) and
+    the disk tables it needs (an Adagrad one is made with optimizer=)."""
+    emb = torch.nn.Embedding(5, 3)
+    opt = make(emb.parameters(), tmp_path / "o")
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError) as exc:
+        opt.step()
+    assert f"(weights in RAM, {state} in state_dir)" in str(exc.value)
+    assert f"disk_representations({disk_args})) (weights on disk too)" in str(exc.value)
+    opt.close()
+
+
 @pytest.mark.parametrize("kw, name", [(dict(lr="0.01"), "lr"), (dict(eps="1e-8"), "eps"),
                                       (dict(betas=("0.9", 0.999)), r"betas\[0\]")])
 def test_a_string_hyperparameter_is_named(tmp_path, kw, name):
