@@ -31,8 +31,16 @@ def _batches(steps, seed=1):
     return batches(steps, N, D, batch=B, seed=seed)
 
 
-def _evict_segments(path):
-    """Drop the (clean, flushed) segment pages from the page cache."""
+def _evict_segments(path, state=None):
+    """Drop the (clean, flushed) segment pages from the page cache; with ``state`` (an open
+    log store) those its segment mappings hold as well, which ``posix_fadvise`` leaves (a
+    page mapped in is not dropped: ``MADV_PAGEOUT`` on the mapping first)."""
+    if state is not None:
+        from dsa_core._os import MADV_PAGEOUT, advise_memory
+
+        for seg in state.store._pool.segments.segs.values():
+            for arr in (seg.records, seg.sums):
+                advise_memory(arr, MADV_PAGEOUT)
     for name in os.listdir(path):
         if name.startswith("seg-"):
             fd = os.open(os.path.join(path, name), os.O_RDONLY)
@@ -57,14 +65,14 @@ def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
     addrs, sums, keep = s.store.readahead(rows)
     assert addrs.shape[0] == rows.shape[0] and keep  # all on disk, none resident
     assert sums.shape[0] == rows.shape[0]  # and every record's sum lies in its file
-    _evict_segments(tmp_path / "log")
+    _evict_segments(tmp_path / "log", s)
     if not _log_read.sample_uncached(addrs, s.store.rec_bytes):
         pytest.skip("this filesystem keeps the pages cached (tmpfs?): nothing to read ahead")
     dsa_core.prefetch(s, rows, wait=True)
     ra = s.store._readahead
     assert ra.tasks == 1 and ra.calls > 0  # the hints were issued
     # the engine's own reads hint too: gather of evicted rows, then a step that misses
-    _evict_segments(tmp_path / "log")
+    _evict_segments(tmp_path / "log", s)
     np.testing.assert_array_equal(dsa_core.gather(s, rows), want[rows, :D])
     np.testing.assert_array_equal(records(s), want)
     dsa_core.close(s)
