@@ -271,7 +271,14 @@ def host_step(tables: list[DiskTable], count: int, lr: float | None, idxs: list,
     updates = [(t._core, idx_t, g_t, {"lr": lr, "params": p_t})
                for t, _, _, idx_t, g_t, p_t in plans]
     with dsa_core.tools.deferred_sigint():
-        new = dsa_core.step_many(updates)
+        try:
+            new = dsa_core.step_many(updates)
+        except dsa_core.InDoubtError as exc:  # the step stands: go on from it, then raise
+            if getattr(exc, "states", None) is None:
+                raise
+            for (t, *_), core in zip(plans, exc.states, strict=True):
+                t._core = core
+            raise
         for (t, *_), core in zip(plans, new, strict=True):
             t._core = core
     out = []

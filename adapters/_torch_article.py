@@ -354,11 +354,20 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
         ups = [(self._handles[name].state._replace(betas=betas, eps=eps, weight_decay=wd,
                                                    decoupled_weight_decay=False),
                 idx, g, {"lr": lr}) for name, idx, g in jobs]
-        with dsa_core.tools.deferred_sigint():  # every table or none, a Ctrl-C after the step
-            new = dsa_core.step_many(ups)
+        def adopt(new):
             for (name, _, _), st in zip(jobs, new, strict=True):
                 self._handles[name].state = st
                 self.state[self._placeholders[name]]["step"] = st.count
+
+        with dsa_core.tools.deferred_sigint():  # every table or none, a Ctrl-C after the step
+            try:
+                new = dsa_core.step_many(ups)
+            except dsa_core.InDoubtError as exc:  # the step stands: go on from it, then raise
+                if getattr(exc, "states", None) is None:
+                    raise
+                adopt(exc.states)
+                raise
+            adopt(new)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op (gradients are passed explicitly to :meth:`step`), as in the article."""

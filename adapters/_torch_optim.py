@@ -815,7 +815,14 @@ class DiskSparseAdam(torch.optim.Optimizer):
         # one step over every store: all or nothing (an error or a Ctrl-C never leaves
         # them one step apart), recorded by their group (dsa_core.step_many)
         with dsa_core.tools.deferred_sigint():  # a Ctrl-C waits until the handles are updated too
-            new = dsa_core.step_many(updates)
+            try:
+                new = dsa_core.step_many(updates)
+            except dsa_core.InDoubtError as exc:  # the step stands: go on from it, then raise
+                if getattr(exc, "states", None) is None:
+                    raise
+                for job, st in zip(jobs, exc.states, strict=True):
+                    self._after(job, st)
+                raise
             for job, st in zip(jobs, new, strict=True):
                 self._after(job, st)
         return loss

@@ -18,7 +18,7 @@ the returned value. The core never imports torch or jax; ``adapters.torch`` and
 directories, the paging hint, the shared argument checks: tooling, not the user's API).
 """
 
-from ._files import ForkedReadError
+from ._files import ForkedReadError, InDoubtError
 from ._layout import FORMAT_VERSION
 from ._log.store import region_memory
 from ._pool import get_num_threads, set_num_threads
@@ -55,6 +55,7 @@ __all__ = [
     "Group",
     "GroupCommitError",
     "GroupMismatchError",
+    "InDoubtError",
     "StaleStateError",
     "State",
     "StoreLockedError",

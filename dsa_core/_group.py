@@ -43,7 +43,8 @@ from typing import Any
 from . import _exit, _group_file
 from ._handle import Handle
 from ._state import State, flush, newest_meta, newest_state, require_current, state_meta
-from ._step import StepPlan, abort_step, begin_step, commit_step, plan_step, run_step
+from ._files import InDoubtError
+from ._step import StepPlan, abort_step, begin_step, commit_step, in_doubt, plan_step, run_step
 
 __all__ = ["GROUP_FILE", "Group", "GroupCommitError", "GroupMismatchError", "deferred_sigint",
            "flush_many", "join", "step_many"]
@@ -151,9 +152,19 @@ def _step_many(ups: list[tuple], _before_commit=None) -> list[State]:
             if _before_commit is not None:
                 _before_commit(plans)
             for p in plans:
-                commit_step(p)
+                try:
+                    commit_step(p)
+                except InDoubtError as exc:
+                    if p.begun:  # raised before its commit point: aborted below
+                        raise
+                    committed.append(p)  # past its commit point: the step stands
+                    if len(committed) == len(plans):  # every store has it: no harm done
+                        raise in_doubt(exc, plans) from exc
+                    raise
                 committed.append(p)
         except BaseException as exc:
+            if isinstance(exc, InDoubtError) and hasattr(exc, "states"):
+                raise
             durable = [p for p in committed if p.state.durability == "step"]
             for p in reversed(plans):
                 if p in durable:

@@ -17,6 +17,7 @@ from . import _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._engine import closed_error, scratch
 from ._engines import warmup_engines
+from ._files import InDoubtError
 from ._intrinsics import NO_OPTIONS, WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_adagrad import adagrad_hparams, adagrad_rows, rowwise_adagrad_options_kernel
 from ._kernels_euclid import (
@@ -33,7 +34,7 @@ from ._state import State, maxnorm, require_current, state_meta
 from ._validation import as_index, check_lr, check_weight_decay
 
 __all__ = ["StepPlan", "abort_step", "as_index", "begin_step", "commit_step", "gather",
-           "plan_step", "run_step", "step", "warmup"]
+           "in_doubt", "plan_step", "run_step", "step", "warmup"]
 
 
 def _as_rows(a: Any, n: int, dim: int, dtype: np.dtype, name: str) -> np.ndarray:
@@ -144,6 +145,11 @@ def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
     try:
         run_step(plan)
         commit_step(plan)
+    except InDoubtError as exc:
+        if plan.begun:  # raised before the commit point (not by the engine's commit)
+            abort_step(plan)
+            raise
+        raise in_doubt(exc, [plan]) from exc
     except BaseException:
         abort_step(plan)
         raise
@@ -272,11 +278,35 @@ def run_step(plan: StepPlan) -> None:
 
 def commit_step(plan: StepPlan) -> None:
     """The engine's ``commit_step``: the step takes effect (``count`` becomes ``t``, the
-    newest State's, in its Handle)."""
+    newest State's, in its Handle). An :class:`InDoubtError` from the engine comes after
+    its commit point: the step has taken effect all the same (nothing to abort)."""
     h = plan.state.handle
-    h.store.commit_step(plan.t, plan.meta)
+    try:
+        h.store.commit_step(plan.t, plan.meta)
+    except InDoubtError:
+        plan.begun = False  # abort_step leaves it: the step stands
+        h.count = plan.t
+        h.meta = plan.meta
+        raise
     h.count = plan.t
     h.meta = plan.meta
+
+
+def in_doubt(exc: InDoubtError, plans: list[StepPlan]) -> InDoubtError:
+    """The error a step raises when a store's commit point passed but its directory could
+    not be synced: the steps of ``plans`` all stand; ``states`` (and, for one store,
+    ``state``) are the States to go on from."""
+    states = [p.state._replace(count=p.t) for p in plans]
+    where = ", ".join(f"{str(p.state.path)!r} (step {p.t})" for p in plans)
+    err = InDoubtError(exc.errno, (
+        f"{exc.strerror}. The step was taken: {where} reopen at it, unless a power cut "
+        "loses the directory's last change, which leaves the step before it (consistent "
+        "either way). This process is at the new step: go on from the States this error "
+        "carries (`state = err.state` after dsa_core.step, `states = err.states` after "
+        "step_many), or close and reopen; check the disk (the sync failed)"))
+    err.states = states
+    err.state = states[0] if len(states) == 1 else None
+    return err
 
 
 def abort_step(plan: StepPlan) -> None:

@@ -42,6 +42,7 @@ from .. import _exit, _layout
 from .._coalesce import gather_rows
 from .._files import (
     CHECKSUM_KEY,
+    InDoubtError,
     StoreLockedError,
     copy_file,
     lock_writer,
@@ -630,11 +631,22 @@ class Store:
 
     def commit_step(self, t: int, meta: dict[str, Any]) -> None:
         """``durability="step"``: fdatasync the rows, then the manifest with ``t`` (the
-        commit point); ``"flush"``: the rows are in the mapping, durable at the next flush."""
+        commit point); ``"flush"``: the rows are in the mapping, durable at the next flush.
+
+        An :class:`InDoubtError` (the manifest was renamed in, the directory's sync failed)
+        is raised with the step taken: past the rename the directory reopens at ``t`` with
+        its rows (or, if a power cut loses the rename, at ``t - 1``, whose journal rolls the
+        rows back), so putting the rows back here would pair count ``t`` with the rows of
+        ``t - 1``."""
         if meta.get("durability") == "step":
             if self._undo is not None:
                 self.data_sync()
-            _layout.write_manifest(self.path, self.manifest(t, meta))
+            try:
+                _layout.write_manifest(self.path, self.manifest(t, meta))
+            except InDoubtError:
+                self._undo = None
+                self.count = t
+                raise
         self._undo = None
         self.count = t
 

@@ -98,7 +98,11 @@ def _operate(got: list, op: str, root: Path) -> None:
     State the caller got back (a step that raised returned none)."""
     if op == "step":
         while got[0].count < END:
-            got[0] = dsa_core.step(got[0], *BATCHES[got[0].count])
+            try:
+                got[0] = dsa_core.step(got[0], *BATCHES[got[0].count])
+            except InDoubtError as exc:  # past its commit point: the step stands
+                got[0] = exc.state
+                raise
     elif op == "flush":
         dsa_core.flush(got[0])
     else:
@@ -144,8 +148,8 @@ def _trial(root: Path, kind: str, durability: str, op: str, call: str, nth: int,
         committed = got[0].count
     making = STEPPED if op != "step" else committed + 1  # the commit being made
     count, recs = on_disk(root / "s", root / "disk")
-    if isinstance(e.value, InDoubtError):
-        assert count == making, (count, making)
+    if isinstance(e.value, InDoubtError):  # a step's: the State it carries is at that step
+        assert count == (committed if op == "step" else making), (count, committed, making)
     elif op == "checkpoint":  # its flush may have committed before the copy failed
         assert count in (committed, STEPPED), count
     else:
@@ -174,11 +178,6 @@ def _trial(root: Path, kind: str, durability: str, op: str, call: str, nth: int,
     return f.failed[0]
 
 
-def _skip(kind: str, durability: str, op: str, call: str) -> bool:
-    # test_journaled_step_in_doubt_keeps_its_rows (an in-place bug, xfail)
-    return (kind, durability, op, call) == ("inplace", "step", "step", "fsync_path")
-
-
 # ENOSPC at every operation, EIO and a short write at a flush; the rest with -m slow
 @pytest.mark.parametrize(("error", "op"), [
     pytest.param(e, o, marks=() if e == "ENOSPC" or o == "flush" else pytest.mark.slow)
@@ -189,7 +188,7 @@ def test_a_fault_at_each_write_target(root, kind, op, error, reference):
     hit = set()
     for durability in DURABILITIES:
         for call in OS_WRITES:
-            if (error == "short" and call == "fsync_path") or _skip(kind, durability, op, call):
+            if error == "short" and call == "fsync_path":
                 continue
             for nth in _targets(root / "t", kind, durability, op, call).values():
                 failed = _trial(root / f"{durability}-{call}-{nth}", kind, durability,
@@ -215,24 +214,29 @@ def test_a_full_disk_during_a_checkpoint_copy_raises_enospc(tmp_path):
     assert e.value.errno == errno.ENOSPC and type(e.value) is OSError, repr(e.value)
 
 
-def test_journaled_step_in_doubt_keeps_its_rows(tmp_path, kind, reference, request):
+def test_journaled_step_in_doubt_keeps_its_rows(tmp_path, kind, reference):
     """``durability="step"``: the directory sync after a step's manifest was renamed in
-    fails (an ``InDoubtError``: the step may be durable or not). The directory must reopen
-    at a consistent state: the step's count with its rows (or the count before with the
-    rows before)."""
-    if kind == "inplace":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "in-place bug: the InDoubtError from write_manifest goes through abort_step, "
-            "which puts the rows back from the journal while the new manifest (count t) "
-            "stays renamed in: the directory reopens at count t with the rows of t - 1")))
+    fails (an ``InDoubtError``: the step may be durable or not). The step stands: the
+    directory reopens at its count with its rows, and the error carries the State at that
+    step, from which the process goes on (a power cut that loses the rename would leave the
+    count before with the rows before: the journal rolls them back on open)."""
     got = [_prepared(tmp_path, kind, "step")]
+    before = got[0].count
     with os_fault("fsync_path", 1) as f:
         try:
             _operate(got, "step", tmp_path)
-        except OSError as exc:
-            assert isinstance(exc, InDoubtError), repr(exc)
+        except InDoubtError as exc:
+            assert exc.state is got[0] and exc.states == [got[0]]
+            assert "The step was taken" in str(exc) and f"(step {before + 1})" in str(exc)
     assert kind == "inplace" or f.seen == [], f.seen  # the log kind's steps sync no directory
+    if kind == "inplace":
+        assert got[0].count == before + 1 and got[0].current
     count, recs = on_disk(tmp_path / "s", tmp_path / "disk")
-    assert count in (got[0].count, got[0].count + 1)
+    assert count == got[0].count
     assert_same_bits(recs, reference[count])
-    dsa_core.close(got[0])
+    s = got[0]  # goes on from the State the error carried
+    while s.count < END:
+        s = dsa_core.step(s, *BATCHES[s.count])
+    assert_same_bits(records(s), reference[END])
+    dsa_core.close(s)
+    assert_same_bits(on_disk(tmp_path / "s", tmp_path / "disk")[1], reference[END])

@@ -238,6 +238,50 @@ def test_step_many_puts_every_store_back(tmp_path, kind, durability, monkeypatch
         dsa_core.close(s)
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["first-in-doubt", "last-in-doubt"])
+def test_step_many_with_a_commit_in_doubt(tmp_path, last):
+    """Two in-place stores with durability='step'; the directory sync after one's manifest
+    was renamed in fails. That store has the step (its commit point passed). The last one
+    in doubt: every store has the step, the InDoubtError carries their States and they go
+    on. The first one: the other never committed and is put back, and GroupCommitError
+    says which store has which step."""
+    from helpers import os_fault
+
+    g = np.ones((3, 4), np.float32)
+    a = dsa_core.create(tmp_path / "a", 50, 4, durability="step")
+    b = dsa_core.create(tmp_path / "b", 50, 4, durability="step")
+    ups = [(a, [1, 2, 3], g), (b, [4, 5, 6], g)]
+    with os_fault("fsync_path", None) as f:  # which syncs a step makes, in order
+        a, b = dsa_core.step_many(ups)
+    dirs = [k for k, name in enumerate(f.seen, 1) if name in ("a", "b")]
+    assert [f.seen[k - 1] for k in dirs] == ["a", "b"], f.seen
+    nth = dirs[1] if last else dirs[0]
+    before = [dsa_core.read_records(s, np.arange(50)) for s in (a, b)]
+    with os_fault("fsync_path", nth) as f:
+        if last:
+            with pytest.raises(dsa_core.InDoubtError, match="The step was taken") as e:
+                dsa_core.step_many([(a, [1, 2, 9], g), (b, [4, 5, 6], g)])
+        else:
+            with pytest.raises(dsa_core.GroupCommitError, match=r"'.*a' \(step 2\) have "
+                               r"the step, '.*b' \(step 1\) do not") as e:
+                dsa_core.step_many([(a, [1, 2, 9], g), (b, [4, 5, 6], g)])
+    assert f.failed == (["b"] if last else ["a"])
+    if last:
+        a, b = e.value.states
+        assert (a.count, b.count) == (2, 2) and a.current and b.current
+        a, b = dsa_core.step_many([(a, [7], g[:1]), (b, [8], g[:1])])  # and they go on
+        want = {"a": 3, "b": 3}
+    else:
+        np.testing.assert_array_equal(dsa_core.read_records(b, np.arange(50)), before[1])
+        want = {"a": 2, "b": 1}
+    dsa_core.close(a)
+    dsa_core.close(b)
+    for p, count in want.items():  # each directory reopens at what the error said
+        s = dsa_core.open(tmp_path / p, mode="r")
+        assert s.count == count
+        dsa_core.close(s)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_article_optimizer_steps_its_tables_all_or_nothing(tmp_path, kind, monkeypatch):
     from adapters.torch import DiskSparseRiemannianAdam

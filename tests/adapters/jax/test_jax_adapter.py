@@ -1130,3 +1130,35 @@ def test_durability_step_on_log_stores_matches_inplace_and_survives_reopen(tmp_p
     assert_same_bits(want, records(again))
     dsa_core.close(again)
     dsa_core.close(a)
+
+
+def test_a_step_in_doubt_stands_and_training_goes_on(tmp_path):
+    """In place with durability='step', the directory's sync after a step's manifest was
+    renamed in fails (dsa_core.InDoubtError): the step stands -- the error says so -- and
+    the same optax state goes on from it, ending with the records of a run that met no
+    fault (before, the rows went back while the new manifest stayed: count t, rows t - 1)."""
+    from helpers import os_fault
+
+    ends = []
+    for fault in (False, True):
+        s = dj.create_store(tmp_path / f"fault-{fault}", N, D, init=init_rows(), lr=1e-2,
+                            durability="step")
+        tx = dj.sparse_adam(3e-2)
+        st = tx.init(s)
+        for k, (ids, g) in enumerate(kind_batches(1, 6)):
+            upd = (jnp.asarray(ids), jnp.asarray(g))
+            if fault and k == 3:
+                with os_fault("fsync_path", 1) as f, \
+                        pytest.raises(dsa_core.InDoubtError, match="The step was taken"):
+                    tx.update(upd, st)
+                assert f.failed, "the fault never struck"
+                core = dj.core_states(st)
+                assert core.count == 4 and core.current  # the store is at the step that stood
+                st = tx.init(core)  # an opt_state at that step, as after a reopen
+                continue
+            _, st = tx.update(upd, st)
+        core = dj.core_states(st)
+        assert core.count == 6
+        ends.append(records(core))
+        dj.close(st)
+    assert_same_bits(ends[0], ends[1])

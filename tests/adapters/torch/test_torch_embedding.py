@@ -834,3 +834,34 @@ def test_bad_storage_options(tmp_path, kw, match):
                        state_dir=tmp_path / "o", **kw)
     assert not (tmp_path / "e").exists()
     assert not any((tmp_path / "o").glob("group*"))
+
+
+def test_a_step_in_doubt_stands_and_training_goes_on(tmp_path):
+    """A DiskEmbedding resumed on an in-place store made with durability='step': the
+    directory's sync after a step's manifest was renamed in fails (dsa_core.InDoubtError).
+    The step stands, the optimizer holds the store at it, and the next steps go on to the
+    records of a run that met no fault."""
+    from helpers import assert_same_bits, os_fault, records
+
+    ends = []
+    for fault in (False, True):
+        d = tmp_path / f"fault-{fault}"
+        dsa_core.close(dsa_core.create(d, 50, 4, durability="step", init="normal", seed=3))
+        emb = DiskEmbedding(50, 4, state_dir=d, resume=True)
+        opt = DiskSparseAdam(emb.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(0)
+        for k in range(6):
+            ids = torch.randint(0, 50, (16,), generator=gen)
+            opt.zero_grad()
+            emb(ids).pow(2).sum().backward()
+            if fault and k == 3:
+                with os_fault("fsync_path", 1) as f, \
+                        pytest.raises(dsa_core.InDoubtError, match="The step was taken"):
+                    opt.step()
+                assert f.failed and emb.store.count == 4 and emb.store.current
+                continue
+            opt.step()
+        assert emb.store.count == 6
+        ends.append(records(emb.store))
+        emb.close()
+    assert_same_bits(ends[0], ends[1])
