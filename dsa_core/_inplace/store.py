@@ -146,9 +146,16 @@ class _Files:
         self.flushed: int | None = None  # the manifest's count (what the undo restores)
 
     def clear_mark(self) -> None:
-        """Zero the unclean marker (not synced: a lost clear errs on the side of refusing)."""
+        """Zero the unclean marker (not synced: a lost clear errs on the side of refusing).
+
+        Called past the commit point (the rows synced, the manifest written): a clear that
+        cannot be written (a failing disk) is a lost clear, not a failed commit, so its
+        error is dropped; the marker is written again before the next change."""
         if self.marked:
-            os.pwrite(self.fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+            try:
+                os.pwrite(self.fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+            except OSError:
+                pass
             self.marked = False
 
     def void_journal(self) -> None:
