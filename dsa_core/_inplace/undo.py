@@ -52,6 +52,7 @@ from numba import njit
 from .._coalesce import gather_rows
 from .._intrinsics import prefetch_line
 from .._layout import UNDO_FILE
+from .._os import pwrite_all
 from .._pool import run_chunked
 
 __all__ = ["UndoLog", "Verdict", "boot_id", "discard", "inspect", "warmup"]
@@ -202,17 +203,18 @@ class UndoLog:
         """Write ``buf`` (page-aligned, whole pages) at ``off`` (page-aligned); a filesystem
         that opened ``O_DIRECT`` but refuses its writes gets them through the page cache."""
         try:
-            n = os.pwrite(self.fd, buf, off)
-        except OSError as exc:
-            if not (self.direct and exc.errno == errno.EINVAL):
-                raise
-            os.close(self.fd)
-            self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
-            self.direct = False
-            n = os.pwrite(self.fd, buf, off)
-        if n != len(buf):
-            raise OSError(errno.ENOSPC, f"short write of {str(self.file)!r} ({n} of "
-                          f"{len(buf)} bytes)")
+            try:
+                pwrite_all(self.fd, buf, off)
+            except OSError as exc:
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise
+                os.close(self.fd)
+                self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+                self.direct = False
+                pwrite_all(self.fd, buf, off)
+        except OSError as exc:  # a short write says so (pwrite_all)
+            raise OSError(exc.errno, f"writing {str(self.file)!r} failed: {exc.strerror}"
+                          ) from None
 
     # -- the interval -------------------------------------------------------------------
     def begin(self, base: int) -> None:
