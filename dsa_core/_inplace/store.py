@@ -516,8 +516,12 @@ class Store:
             if self._tracker is not None:  # the last interval's rows, before begin drops them
                 self._tracker.absorb(f.undo)
             f.undo.begin(f.flushed if f.flushed is not None else self.count)
-        pwrite_all(f.fd, UNCLEAN_MARK, UNCLEAN_OFFSET)
-        fdatasync_fd(f.fd)
+        try:
+            pwrite_all(f.fd, UNCLEAN_MARK, UNCLEAN_OFFSET)
+            fdatasync_fd(f.fd)
+        except OSError as exc:  # not marked: the next change tries again
+            raise OSError(exc.errno, f"setting the unclean marker of {str(self.file)!r} "
+                          f"failed: {exc.strerror}; no row was changed") from exc
         f.marked = True
 
     def before_change(self, rows: np.ndarray) -> None:

@@ -27,7 +27,9 @@ of them fail. Every trial checks that
 
 The sweeps run in a tmpfs (``/dev/shm``, where syncs cost nothing: on a disk they take most
 of the time); ``-m slow`` runs them on the disk too, where the checkpoint's copy reads with
-``O_DIRECT`` (a tmpfs refuses it). The real small-filesystem trials (root only) are in
+``O_DIRECT`` (a tmpfs refuses it). The sweeps start with the in-place unclean marker set
+(the store was stepped since its flush): setting it, before the first change after a
+flush, has a test of its own. The real small-filesystem trials (root only) are in
 test_reliability.py. Not reached here: the write-back of mapped pages (the in-place rows,
 ``msync`` and the kernel's own write-back, whose errors surface at the next sync), the
 creation and growth of files (``posix_fallocate``, ``ftruncate``, ``copy_file_range``,
@@ -267,3 +269,35 @@ def test_journaled_step_in_doubt_keeps_its_rows(tmp_path, kind, reference):
     assert_same_bits(records(s), reference[END])
     dsa_core.close(s)
     assert_same_bits(on_disk(tmp_path / "s", tmp_path / "disk")[1], reference[END])
+
+
+@pytest.mark.parametrize("error", FAULTS)
+@pytest.mark.parametrize("call", ["pwrite_all", "fdatasync_fd"])
+def test_a_fault_setting_the_unclean_marker(tmp_path, call, error):
+    """``durability="flush"``, in place: the first step after a flush sets the unclean
+    marker in ``rows.dsa`` (a write, then an fdatasync) before any row changes; the sweep
+    above starts past it. Its write or its sync fails: the step raises an error naming the
+    marker and the file, the directory reopens at the flush with its rows, and the same
+    State steps on once the fault is gone."""
+    s = train(create(tmp_path / "s", N, D), BATCHES[:FLUSHED])
+    dsa_core.flush(s)
+    want = records(s)
+    c = train(create(tmp_path / "c", N, D), BATCHES[:FLUSHED])
+    dsa_core.flush(c)
+    with os_fault(call, None) as f:  # which call of the step reaches the data file
+        c = dsa_core.step(c, *BATCHES[FLUSHED])
+    dsa_core.close(c)
+    nth = f.seen.index("rows.dsa") + 1
+    with os_fault(call, nth, error) as f, pytest.raises(OSError) as e:
+        dsa_core.step(s, *BATCHES[FLUSHED])
+    assert f.failed == ["rows.dsa"]
+    code = errno.EIO if error == "EIO" or (error == "short" and call in OS_SYNCS) \
+        else errno.ENOSPC
+    assert e.value.errno == code and os.strerror(code) in str(e.value), e.value
+    assert "unclean marker" in str(e.value) and "rows.dsa" in str(e.value), e.value
+    count, recs = on_disk(tmp_path / "s", tmp_path / "disk")
+    assert count == FLUSHED
+    assert_same_bits(recs, want)
+    s = dsa_core.step(s, *BATCHES[FLUSHED])
+    assert s.count == FLUSHED + 1
+    dsa_core.close(s)
