@@ -577,7 +577,8 @@ class Store:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         try:  # a journal written or synced in part cannot roll back: no row changes
-            pwritev_all(self._jfd, [memoryview(b).cast("B") for b in (head, ids, rec)], 0)
+            pwritev_all(self._jfd, [memoryview(head), *(memoryview(a.reshape(-1).view(np.uint8))
+                                                        for a in (ids, rec))], 0)
             fdatasync_fd(self._jfd)
         except OSError as exc:
             raise OSError(exc.errno, f"writing the undo journal of {str(self.path)!r} "
