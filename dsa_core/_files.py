@@ -23,7 +23,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ._os import drop_pages, fsync_path, libc, page_residency, pwrite_all
+from ._os import drop_pages, fsync_fd, fsync_path, libc, page_residency, pwrite_all
 
 __all__ = ["CHECKSUM_KEY", "COMMIT_HOOKS", "InDoubtError", "check_json_checksum", "commit_dir",
            "copy_file", "copy_tree", "json_checksum", "reflink", "staged_dir", "write_json"]
@@ -138,7 +138,7 @@ def write_json(path, obj: Any, *, shared: bool = True, checksum: bool = False,
         try:
             pwrite_all(fd, data, 0)  # finishes short writes (a nearly full disk)
             if durable:
-                os.fsync(fd)
+                fsync_fd(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -253,7 +253,7 @@ def reflink(src: Path, dst: Path) -> bool:
             ok = False
         else:
             ok = True
-            os.fsync(fo.fileno())
+            fsync_fd(fo.fileno())
     if not ok:
         dst.unlink(missing_ok=True)
     return ok
@@ -286,7 +286,7 @@ def copy_file(src: Path, dst: Path, *, share: bool = True) -> None:
             off = _copy_direct(src, fo.fileno())
             if off < size:
                 _copy_cached(fi.fileno(), fo.fileno(), off, size, share)
-        os.fsync(fo.fileno())
+        fsync_fd(fo.fileno())
         drop_pages(fo.fileno())
 
 

@@ -2,10 +2,18 @@
 
 One place for the page size, the C library and the calls reached through it (``madvise``,
 ``mincore``, ``sync_file_range``, ``mmap``/``munmap`` without a descriptor), and for the
-loops that finish short ``pwrite``/``pwritev``/``preadv`` calls, the one fsync by path
-(:func:`fsync_path`: a file or a directory) and the page-cache probes of the checkpoint
-copy (:func:`page_residency`, :func:`drop_pages`), and the one background thread shape
-(:class:`Worker`). Nothing here knows about records, segments or stores.
+loops that finish short ``pwrite``/``pwritev``/``preadv`` calls, the syncs
+(:func:`fsync_path`: a file or a directory by path; :func:`fsync_fd`, :func:`fdatasync_fd`:
+an open file), the page-cache probes of the checkpoint copy (:func:`page_residency`,
+:func:`drop_pages`), and the one background thread shape (:class:`Worker`). Nothing here
+knows about records, segments or stores.
+
+Every ``pwrite``, ``pwritev``, ``fsync`` and ``fdatasync`` of the package goes through
+:func:`pwrite_all`, :func:`pwritev_all`, :func:`fsync_path`, :func:`fsync_fd` and
+:func:`fdatasync_fd` (called by these names, so that tests/helpers.py ``os_fault`` reaches
+them all). Not through them: the writes of mappings (``msync``, the kernel's write-back),
+``posix_fallocate``/``ftruncate``/``copy_file_range``, and ``np.save`` of the bucket plans
+(buckets.py, through a file object; the file is then synced with :func:`fsync_fd`).
 
 Users: both engines (``dsa_core._log``, ``dsa_core._inplace``) and the durable file
 operations (``dsa_core._files``).
@@ -133,12 +141,22 @@ def wait_written_back(path: Path) -> None:
 def fsync_path(path: Path) -> None:
     """fsync the file or directory ``path`` (opened read-only for it): a file's data, or a
     directory's entries (the renames and creations inside it). The one fsync by path of
-    the package; an open file is synced with ``os.fsync(fd)``."""
+    the package; an open file is synced with :func:`fsync_fd`."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_fd(fd: int) -> None:
+    """``fsync`` the open file ``fd``: its data and metadata (size, blocks)."""
+    os.fsync(fd)
+
+
+def fdatasync_fd(fd: int) -> None:
+    """``fdatasync`` the open file ``fd``: its data (and the metadata needed to read it)."""
+    os.fdatasync(fd)
 
 
 def page_residency(fd: int, nbytes: int) -> np.ndarray:
@@ -181,12 +199,22 @@ def drop_pages(fd: int, keep: np.ndarray | None = None) -> None:
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:
-    """Write all of ``data`` (a buffer) at ``offset``, finishing short writes."""
+    """Write all of ``data`` (a buffer) at ``offset``, finishing short writes. A write that
+    fails after a short one (a disk that filled up during it) raises its error saying how
+    many bytes were written."""
     view = memoryview(data).cast("B")
+    total = view.nbytes
     while view.nbytes:
-        n = os.pwrite(fd, view, offset)
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as exc:
+            if view.nbytes == total:
+                raise
+            raise OSError(exc.errno, f"{exc.strerror} after a short write "
+                          f"({total - view.nbytes} of {total} bytes written)") from None
         if n <= 0:  # pragma: no cover - pwrite raises on a full disk
-            raise OSError(errno.EIO, "pwrite wrote nothing")
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: pwrite wrote nothing "
+                          f"({total - view.nbytes} of {total} bytes written)")
         view, offset = view[n:], offset + n
 
 

@@ -45,7 +45,7 @@ import dsa_core
 
 from . import _bucket_order, _paging
 from . import _validation as validation
-from ._os import fsync_path
+from ._os import fsync_fd, fsync_path
 
 __all__ = ["DEFAULT_POOL", "DEFAULT_POOL_SHARE", "DEFAULT_RESERVE", "POOL_RATE", "Batch",
            "BatchIterator", "Fit", "Order", "Plan", "fit", "open_plan", "plan"]
@@ -428,7 +428,7 @@ def plan(edges, num_nodes: int, *, partitions: int, buffer: int = 2, seed: int =
         with open(tmp / "offsets.npy", "wb") as f:
             np.save(f, offsets)
             f.flush()
-            os.fsync(f.fileno())
+            fsync_fd(f.fileno())
         dsa_core.tools.write_json(tmp / "plan.json", meta)
     return open_plan(out)
 

@@ -278,11 +278,13 @@ def on_disk(path, scratch) -> tuple[int, np.ndarray]:
 
 # -- faults at the OS layer ---------------------------------------------------------------------
 # the write calls of dsa_core._os; every module of dsa_core that imported one by name is patched
-OS_WRITES = ("pwrite_all", "pwritev_all", "fsync_path")
+OS_WRITES = ("pwrite_all", "pwritev_all", "fsync_path", "fsync_fd", "fdatasync_fd")
+OS_SYNCS = ("fsync_path", "fsync_fd", "fdatasync_fd")  # a "short" fault on these is EIO
 FAULTS = ("ENOSPC", "EIO", "short")
 
 
 def _fd_name(fd) -> str:
+    """The base name of the file open as ``fd`` (the fd's number where /proc cannot say)."""
     try:
         return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
     except OSError:
@@ -296,10 +298,11 @@ class OsFault:
 
     * ``"ENOSPC"`` / ``"EIO"``: raises ``OSError`` of that errno, writing nothing;
     * ``"short"`` (a write call): writes the first half of its bytes, then raises ENOSPC (a
-      disk that filled up during the write); on ``fsync_path`` it is EIO.
+      disk that filled up during the write); on a sync (:data:`OS_SYNCS`) it is EIO.
 
-    ``seen`` lists the file (base name) of every call, failed or not; ``failed`` those that
-    failed. Thread-safe: the log store's writer thread writes segments."""
+    ``seen`` lists the file (base name; of a descriptor, the file it is open on) of every
+    call, failed or not; ``failed`` those that failed. Thread-safe: the log store's writer
+    thread writes segments."""
 
     def __init__(self, call: str, nth: int | None, error: str = "ENOSPC"):
         from dsa_core import _os
@@ -334,6 +337,13 @@ class OsFault:
                     self._raise(name, errno.EIO if self.error == "short" else code)
                 return real(path)
             return fsync_path
+        if self.call in OS_SYNCS:  # fsync_fd, fdatasync_fd
+            def sync_fd(fd):
+                name = _fd_name(fd)
+                if self._fails(name):
+                    self._raise(name, errno.EIO if self.error == "short" else code)
+                return real(fd)
+            return sync_fd
         if self.call == "pwrite_all":
             def pwrite_all(fd, data, offset):
                 name = _fd_name(fd)

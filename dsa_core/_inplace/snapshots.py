@@ -72,7 +72,7 @@ import numpy as np
 from .. import _files, _layout
 from .._files import copy_file, writer_alive
 from .._layout import DATA_FILE, HEADER_BYTES, MANIFEST_FILE, layout_version
-from .._os import drop_pages, fsync_path, pwrite_all
+from .._os import drop_pages, fsync_fd, fsync_path, pwrite_all
 from .._paging import memory_available
 from .undo import _mark
 
@@ -148,7 +148,7 @@ def _write_delta(path: Path, data: np.ndarray, rows: np.ndarray, count: int) -> 
             off += blk.nbytes
         # the header last: a file cut short (a full disk) never has one that checks out
         pwrite_all(fd, _delta_head(rec_bytes, data.shape[0], n, count, crc), 0)
-        os.fsync(fd)
+        fsync_fd(fd)
     finally:
         os.close(fd)
     return {"file": path.name, "rows": n, "count": int(count), "crc": f"{crc:08x}"}
@@ -292,7 +292,7 @@ def _apply_file(fd: int, deltas: list[Delta], layout: dict[str, Any]) -> None:
             mm.flush()
         finally:
             mm.close()
-    os.fsync(fd)
+    fsync_fd(fd)
 
 
 def build_temp(directory: Path, base: str, deltas: list[Delta], layout: dict[str, Any]) -> int:

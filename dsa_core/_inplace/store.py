@@ -70,7 +70,7 @@ from .._layout import (
     parse_header,
     read_manifest,
 )
-from .._os import fsync_path
+from .._os import fdatasync_fd, fsync_path, pwrite_all, pwritev_all
 from .._paging import _RAM_STORES, auto_access, check_access
 from .._pool import run_chunked
 from .readahead import Prefetcher, mapped_residency
@@ -146,9 +146,16 @@ class _Files:
         self.flushed: int | None = None  # the manifest's count (what the undo restores)
 
     def clear_mark(self) -> None:
-        """Zero the unclean marker (not synced: a lost clear errs on the side of refusing)."""
+        """Zero the unclean marker (not synced: a lost clear errs on the side of refusing).
+
+        Called past the commit point (the rows synced, the manifest written): a clear that
+        cannot be written (a failing disk) is a lost clear, not a failed commit, so its
+        error is dropped; the marker is written again before the next change."""
         if self.marked:
-            os.pwrite(self.fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+            try:
+                pwrite_all(self.fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+            except OSError:
+                pass
             self.marked = False
 
     def void_journal(self) -> None:
@@ -158,7 +165,7 @@ class _Files:
         fd = self.jfd if self.jfd >= 0 else os.open(jpath, os.O_RDWR)
         try:
             os.ftruncate(fd, 0)
-            os.fdatasync(fd)
+            fdatasync_fd(fd)
         finally:
             if fd != self.jfd:
                 os.close(fd)
@@ -211,7 +218,7 @@ def _flush_unclosed(f: _Files, pid: int) -> None:
                 manifest["count"] = int(f.count)
                 _layout.write_manifest(f.path, manifest)
                 f.clear_mark()
-                os.fdatasync(f.fd)
+                fdatasync_fd(f.fd)
             if f.undo is not None:
                 f.undo.discard()
     except Exception as exc:  # nowhere to raise to: say so (and exit non-zero, _exit)
@@ -357,7 +364,7 @@ class Store:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(st._fd, st.nbytes)  # filesystem without fallocate
-            os.pwrite(st._fd, header_bytes(layout), 0)
+            pwrite_all(st._fd, header_bytes(layout), 0)
             st._map()
             st.count = 0
             st._f.flushed = 0
@@ -437,7 +444,7 @@ class Store:
                     f"layout needs {st.nbytes:,} ({lay.num_rows} rows x {lay.stride} x "
                     f"{lay.dtype.itemsize} B + {HEADER_BYTES} B header)")
             if not has_crc and mode == "r+":  # a header from before its CRC: add it
-                os.pwrite(st._fd, header_crc(head), HEADER_CRC_OFFSET)
+                pwrite_all(st._fd, header_crc(head), HEADER_CRC_OFFSET)
             marked = head[UNCLEAN_OFFSET:HEADER_BYTES] == UNCLEAN_MARK
             verdict = None
             # read-only beside a live writer: the mark is that writer's interval, no stop
@@ -478,9 +485,9 @@ class Store:
             self.data.flags.writeable = False
             return
         self._mm.flush()
-        os.fdatasync(self._fd)
-        os.pwrite(self._fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
-        os.fdatasync(self._fd)
+        fdatasync_fd(self._fd)
+        pwrite_all(self._fd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+        fdatasync_fd(self._fd)
         _undo.discard(self.path)
 
     def _watch(self) -> None:
@@ -509,8 +516,12 @@ class Store:
             if self._tracker is not None:  # the last interval's rows, before begin drops them
                 self._tracker.absorb(f.undo)
             f.undo.begin(f.flushed if f.flushed is not None else self.count)
-        os.pwrite(f.fd, UNCLEAN_MARK, UNCLEAN_OFFSET)
-        os.fdatasync(f.fd)
+        try:
+            pwrite_all(f.fd, UNCLEAN_MARK, UNCLEAN_OFFSET)
+            fdatasync_fd(f.fd)
+        except OSError as exc:  # not marked: the next change tries again
+            raise OSError(exc.errno, f"setting the unclean marker of {str(self.file)!r} "
+                          f"failed: {exc.strerror}; no row was changed") from exc
         f.marked = True
 
     def before_change(self, rows: np.ndarray) -> None:
@@ -565,12 +576,14 @@ class Store:
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-        written = os.pwritev(self._jfd, [head, ids.data, rec.data], 0)
-        if written != total:  # a short write would leave a journal that cannot roll back
-            raise OSError(errno.ENOSPC, f"short write of the undo journal of "
-                          f"{str(self.path)!r} ({written} of {total} bytes); no row was "
-                          "changed")
-        os.fdatasync(self._jfd)
+        try:  # a journal written or synced in part cannot roll back: no row changes
+            pwritev_all(self._jfd, [memoryview(head), *(memoryview(a.reshape(-1).view(np.uint8))
+                                                        for a in (ids, rec))], 0)
+            fdatasync_fd(self._jfd)
+        except OSError as exc:
+            raise OSError(exc.errno, f"writing the undo journal of {str(self.path)!r} "
+                          f"({total} bytes) failed: {exc.strerror}; no row was changed"
+                          ) from exc
         return rec
 
     def journal_void(self) -> None:
@@ -579,7 +592,7 @@ class Store:
 
     def data_sync(self) -> None:
         """fdatasync the data file: every row written through the mapping is on disk."""
-        os.fdatasync(self._fd)
+        fdatasync_fd(self._fd)
 
     def journal_recover(self, manifest_count: int) -> str:
         """Roll back an uncommitted journaled step; returns what was done (for messages)."""
@@ -1060,8 +1073,8 @@ def roll_forward(directory: Path, payload: dict[str, Any]) -> None:
         _layout.write_manifest(directory, payload)
         dfd = os.open(directory / DATA_FILE, os.O_RDWR)
         try:
-            os.pwrite(dfd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
-            os.fdatasync(dfd)
+            pwrite_all(dfd, bytes(len(UNCLEAN_MARK)), UNCLEAN_OFFSET)
+            fdatasync_fd(dfd)
         finally:
             os.close(dfd)
         _undo.discard(directory)  # the group's rows are synced: nothing to undo

@@ -52,6 +52,7 @@ from numba import njit
 from .._coalesce import gather_rows
 from .._intrinsics import prefetch_line
 from .._layout import UNDO_FILE
+from .._os import pwrite_all
 from .._pool import run_chunked
 
 __all__ = ["UndoLog", "Verdict", "boot_id", "discard", "inspect", "warmup"]
@@ -177,6 +178,7 @@ class UndoLog:
         self.base = -1
         self.end = HEADER_BYTES   # where the next block goes
         self.incomplete = False
+        self.unmarked = False  # incomplete, but the header on disk could not say so
         self.saved: np.ndarray | None = None  # bitmap (bytes, 1): saved in this interval
         self._new = np.empty(0, np.int64)  # the rows of a batch not saved yet
         self.nsaved = 0
@@ -201,17 +203,18 @@ class UndoLog:
         """Write ``buf`` (page-aligned, whole pages) at ``off`` (page-aligned); a filesystem
         that opened ``O_DIRECT`` but refuses its writes gets them through the page cache."""
         try:
-            n = os.pwrite(self.fd, buf, off)
-        except OSError as exc:
-            if not (self.direct and exc.errno == errno.EINVAL):
-                raise
-            os.close(self.fd)
-            self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
-            self.direct = False
-            n = os.pwrite(self.fd, buf, off)
-        if n != len(buf):
-            raise OSError(errno.ENOSPC, f"short write of {str(self.file)!r} ({n} of "
-                          f"{len(buf)} bytes)")
+            try:
+                pwrite_all(self.fd, buf, off)
+            except OSError as exc:
+                if not (self.direct and exc.errno == errno.EINVAL):
+                    raise
+                os.close(self.fd)
+                self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+                self.direct = False
+                pwrite_all(self.fd, buf, off)
+        except OSError as exc:  # a short write says so (pwrite_all)
+            raise OSError(exc.errno, f"writing {str(self.file)!r} failed: {exc.strerror}"
+                          ) from None
 
     # -- the interval -------------------------------------------------------------------
     def begin(self, base: int) -> None:
@@ -225,8 +228,9 @@ class UndoLog:
         used, self.end = self.end, HEADER_BYTES  # what the last interval used
         self.epoch = int.from_bytes(os.urandom(8), "little")
         self.base = int(base)
-        self.incomplete = False
+        self.incomplete = self.unmarked = False
         self._boot = boot_id()
+        emptied = False
         try:
             if self.fd < 0:
                 self._open()
@@ -234,11 +238,15 @@ class UndoLog:
             # header, which says the rows are the manifest's: exact)
             if not self.direct:  # dropped with their pages, before the kernel writes them
                 os.ftruncate(self.fd, 0)
+                emptied = True
             elif os.fstat(self.fd).st_size > max(TRIM_MIN_BYTES, 2 * used):
                 os.ftruncate(self.fd, used)  # kept: what an interval like the last takes
             self._write_header(-1)
         except OSError:
-            self.incomplete = True
+            if self.fd < 0 or emptied:  # no header names this interval or the last
+                self.incomplete = True
+            else:  # the last interval's header may still say the rows are exact
+                self._fail()
 
     def _write_header(self, synced: int) -> None:
         head = _header(self._boot, self.epoch, self.base, synced,
@@ -248,8 +256,14 @@ class UndoLog:
         self._pwrite(self._page, 0)
 
     def _fail(self) -> None:
-        """The interval goes on without undo: say so in the header (a stop is refused)."""
-        self.incomplete = True
+        """The interval goes on without undo: say so in the header (a stop is refused).
+
+        Where neither that nor dropping the header's magic can be written (a disk that
+        fails every write), the header still says the interval is complete while rows
+        would change unsaved (a stop would then put back some rows and not others): an
+        ``OSError`` is raised before any row changes, and each later :meth:`save` tries
+        again until the header is written."""
+        self.incomplete, self.unmarked = True, False
         try:
             self._write_header(-1)
         except OSError:
@@ -258,13 +272,18 @@ class UndoLog:
             try:
                 self._page[:] = bytes(PAGE)
                 self._pwrite(self._page, 0)
-            except OSError:
-                pass
+            except OSError as exc:
+                self.unmarked = True
+                raise OSError(exc.errno, f"the undo file {str(self.file)!r} can neither be "
+                              f"written nor marked incomplete ({exc.strerror}); no row was "
+                              "changed") from exc
 
     def save(self, data: np.ndarray, rows: np.ndarray) -> None:
         """Append the records ``data[rows]`` of the rows not saved yet in this interval
         (``rows``: unique ids). Before those rows change."""
         if self.incomplete or rows.shape[0] == 0:
+            if self.unmarked and rows.shape[0]:
+                self._fail()
             return
         if self._new.shape[0] < rows.shape[0]:
             self._new = np.empty(max(rows.shape[0], 256), np.int64)
@@ -275,6 +294,8 @@ class UndoLog:
     def save_range(self, data: np.ndarray, lo: int, hi: int) -> None:
         """:meth:`save` of the rows ``lo:hi``, in bounded chunks."""
         if self.incomplete:
+            if self.unmarked and hi > lo:
+                self._fail()
             return
         step = max(1, (16 << 20) // max(1, self.record_bytes))
         out = np.empty(min(step, max(0, hi - lo)), np.int64)

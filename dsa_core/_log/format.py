@@ -78,6 +78,7 @@ from .._os import (
     MAP_FAILED,
     Worker,
     advise_memory,
+    fsync_fd,
     mmap_fn,
     munmap_fn,
     pwrite_all,
@@ -597,7 +598,7 @@ def write_index(path: Path, index) -> int:
                 pos += blk.nbytes
                 crc = zlib.crc32(blk, crc)
             part = raw = blk = None  # not held while the next piece is built
-        os.fsync(fd)
+        fsync_fd(fd)
     return crc
 
 

@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._os import pwrite_all, pwritev_all, start_writeback
+from .._os import fdatasync_fd, pwrite_all, pwritev_all, start_writeback
 from .format import PAGE, crash_point
 
 __all__ = ["WAL_MAGIC", "WAL_MIN_BOUND", "WalEntry", "WalError", "WalWriter", "read_entries",
@@ -183,13 +183,13 @@ class WalWriter:
             crash_point("wal-payload")
             pwrite_all(self.fd, _CRC.pack(crc), end)
             crash_point("wal-written")
-            os.fdatasync(self.fd)
+            fdatasync_fd(self.fd)
             crash_point("wal-synced")
         except BaseException:
             self.broken = True
             try:
-                os.pwrite(self.fd, bytes(HEADER_BYTES), self.offset)
-                os.fdatasync(self.fd)
+                pwrite_all(self.fd, bytes(HEADER_BYTES), self.offset)
+                fdatasync_fd(self.fd)
             except OSError:
                 pass
             raise
