@@ -57,6 +57,8 @@ def test_a_failed_json_write_leaves_the_old_file_and_no_temporary(tmp_path, monk
     with contextlib.ExitStack() as stack:
         if call == "write":  # the write goes through the OS layer: half of it, then ENOSPC
             stack.enter_context(os_fault("pwrite_all", 1, "short"))
+        elif call == "fsync":  # so does the file's fsync (an I/O error)
+            stack.enter_context(os_fault("fsync_fd", 1, "EIO"))
         else:
             monkeypatch.setattr(_files, "os", _FailingOs(call, err))
         with pytest.raises(OSError) as info:
