@@ -270,17 +270,12 @@ def host_step(tables: list[DiskTable], count: int, lr: float | None, idxs: list,
     # 0 (a warm-up schedule): dsa_core.step accepts it per step
     updates = [(t._core, idx_t, g_t, {"lr": lr, "params": p_t})
                for t, _, _, idx_t, g_t, p_t in plans]
-    with dsa_core.tools.deferred_sigint():
-        try:
-            new = dsa_core.step_many(updates)
-        except dsa_core.InDoubtError as exc:  # the step stands: go on from it, then raise
-            if getattr(exc, "states", None) is None:
-                raise
-            for (t, *_), core in zip(plans, exc.states, strict=True):
-                t._core = core
-            raise
+    def adopt(new):
         for (t, *_), core in zip(plans, new, strict=True):
             t._core = core
+
+    with dsa_core.tools.deferred_sigint():
+        dsa_core.tools.step_many_into(updates, adopt)  # (also a step that stood in doubt)
     out = []
     for t, b, n, idx_t, g_t, p_t in plans:
         if not return_rows:

@@ -360,14 +360,7 @@ class DiskSparseRiemannianAdam(torch.optim.Optimizer):
                 self.state[self._placeholders[name]]["step"] = st.count
 
         with dsa_core.tools.deferred_sigint():  # every table or none, a Ctrl-C after the step
-            try:
-                new = dsa_core.step_many(ups)
-            except dsa_core.InDoubtError as exc:  # the step stands: go on from it, then raise
-                if getattr(exc, "states", None) is None:
-                    raise
-                adopt(exc.states)
-                raise
-            adopt(new)
+            dsa_core.tools.step_many_into(ups, adopt)  # (also a step that stood in doubt)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op (gradients are passed explicitly to :meth:`step`), as in the article."""

@@ -814,17 +814,12 @@ class DiskSparseAdam(torch.optim.Optimizer):
         updates = [self._update(job) for job in jobs]
         # one step over every store: all or nothing (an error or a Ctrl-C never leaves
         # them one step apart), recorded by their group (dsa_core.step_many)
-        with dsa_core.tools.deferred_sigint():  # a Ctrl-C waits until the handles are updated too
-            try:
-                new = dsa_core.step_many(updates)
-            except dsa_core.InDoubtError as exc:  # the step stands: go on from it, then raise
-                if getattr(exc, "states", None) is None:
-                    raise
-                for job, st in zip(jobs, exc.states, strict=True):
-                    self._after(job, st)
-                raise
+        def adopt(new):
             for job, st in zip(jobs, new, strict=True):
                 self._after(job, st)
+
+        with dsa_core.tools.deferred_sigint():  # a Ctrl-C waits until the handles are updated too
+            dsa_core.tools.step_many_into(updates, adopt)  # (also a step that stood in doubt)
         return loss
 
     def _prepare(self, p: torch.Tensor, where: str, hp: tuple) -> _Job:

@@ -36,7 +36,7 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from ._files import InDoubtError
 from ._step import StepPlan, abort_step, begin_step, commit_step, in_doubt, plan_step, run_step
 
 __all__ = ["GROUP_FILE", "Group", "GroupCommitError", "GroupMismatchError", "deferred_sigint",
-           "flush_many", "join", "step_many"]
+           "flush_many", "join", "step_many", "step_many_into"]
 
 GROUP_FILE = "commit-group.json"  # the default name of a group's commit file
 
@@ -135,6 +135,22 @@ def step_many(updates: Sequence[tuple]) -> list[State]:
     if len(groups) == 1 and only is not None:  # members of one group: it records the step
         return only.step(ups)
     return _step_many(ups)
+
+
+def step_many_into(updates: Sequence[tuple], adopt: Callable[[list[State]], None]) -> None:
+    """:func:`step_many`, its new States handed to ``adopt``: also, before it propagates,
+    when an :class:`InDoubtError` says the step stood (its commit point passed, a directory
+    sync failed; the error carries the States), so that a caller holding States (an
+    adapter's tables) is at the stores' step whatever the outcome."""
+    try:
+        new = step_many(updates)
+    except InDoubtError as exc:
+        states = getattr(exc, "states", None)
+        if states is None:  # raised before a commit point: nothing stood
+            raise
+        adopt(states)
+        raise
+    adopt(new)
 
 
 def _step_many(ups: list[tuple], _before_commit=None) -> list[State]:
