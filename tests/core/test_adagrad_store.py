@@ -281,18 +281,23 @@ def test_another_optimizer_is_refused_and_nothing_changes(tmp_path, kind):
     dsa_core.close(a)
 
 
+def _manifest_versions(tmp_path, storage: str) -> tuple[int, int]:
+    """The manifest versions of a row-wise Adagrad store ``g`` and an Adam store ``a`` of
+    ``storage``, made (and closed) in ``tmp_path``."""
+    out = []
+    for name, opt in (("g", "rowwise_adagrad"), ("a", "adam")):
+        dsa_core.close(dsa_core.create(tmp_path / name, N, D, optimizer=opt, storage=storage))
+        out.append(json.loads((tmp_path / name / "manifest.json").read_text())["version"])
+    return out[0], out[1]
+
+
 def test_format_version_5_and_older_readers(tmp_path, monkeypatch):
     """An Adagrad store is format version 5 (manifest and data-file header); Adam stores keep
     theirs. A dsa_core that reads only versions up to 4 refuses it with "Upgrade dsa_core"."""
     from dsa_core import _layout
     from dsa_core._inplace import store as inplace_store
 
-    g = dsa_core.create(tmp_path / "g", N, D, optimizer="rowwise_adagrad", storage="inplace")
-    a = dsa_core.create(tmp_path / "a", N, D, storage="inplace")
-    dsa_core.close(g)
-    dsa_core.close(a)
-    assert json.loads((tmp_path / "g" / "manifest.json").read_text())["version"] == 5
-    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["version"] == 1
+    assert _manifest_versions(tmp_path, "inplace") == (5, 1)
     head = (tmp_path / "g" / "rows.dsa").read_bytes()[:16]
     assert int.from_bytes(head[8:12], "little") == 5
     assert _layout.FORMAT_VERSION == 5
@@ -319,12 +324,7 @@ def test_log_store_manifest_version_4_and_older_readers(tmp_path, monkeypatch):
     reads log manifests up to version 3 refuses it with "Upgrade dsa_core"."""
     from dsa_core._log import format as log_format
 
-    g = dsa_core.create(tmp_path / "g", N, D, optimizer="rowwise_adagrad", storage="log")
-    a = dsa_core.create(tmp_path / "a", N, D, storage="log")
-    dsa_core.close(g)
-    dsa_core.close(a)
-    assert json.loads((tmp_path / "g" / "manifest.json").read_text())["version"] == 4
-    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["version"] == 3
+    assert _manifest_versions(tmp_path, "log") == (4, 3)
     monkeypatch.setattr(log_format, "READ_VERSIONS", log_format.READ_VERSIONS[:3])
     with pytest.raises(ValueError, match="format version 4.*Upgrade dsa_core"):
         dsa_core.open(tmp_path / "g")
