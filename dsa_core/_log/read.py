@@ -41,6 +41,19 @@ limit) instead of one read at a time.
   of core (4M x 128 under a 1 GiB cgroup) a seal that cleaned spent ~0.35 s in such faults.
   The cleaner (``cleaner``) decides what is read and when.
 
+**Reads someone waits for go first.** A read-ahead for a later batch queues one request per
+record; the device serves requests in the order they arrive (a virtual disk's queue, 256
+deep here, whatever the scheduler), so while it runs, a miss of the batch being stepped or
+gathered now -- a record whose page was reclaimed since its own read-ahead, a sum's page --
+waits behind hundreds of the later batch's requests, and the copy that needs it waits for
+the whole stream: in the random-order torch loop out of core (2M x 128 log store, 1 GiB
+cgroup, 24.6k rows per batch, the next batch prefetched) a gather lasted as long as the next
+batch's read-ahead, ~530 ms, of which ~150 ms was copying. So :meth:`Segments.read_into`
+(``segments``) holds :data:`FOREGROUND` while it reads, and the background read-ahead issues
+its requests in chunks of :data:`HINT_CHUNK` records, waiting before each chunk until no
+foreground read is running (at most :data:`HINT_WAIT` seconds per chunk: a hint is never
+starved for good). Measured: docs/notebook.md (issue 44, foreground reads first).
+
 Hints never change a value: the records are still copied from the mappings, under the
 engine's own control, so a hint that is late, early or wrong (a location that moved since)
 costs at most a wasted read. A task holds references to the segments it hints, so their
@@ -71,12 +84,15 @@ from .._os import (
     preadv_fd,
 )
 
-__all__ = ["CLEAN_DUTY", "CLEAN_GAP_BYTES", "CLEAN_HELD_BYTES", "CLEAN_READ_BYTES",
+__all__ = ["CLEAN_DUTY", "CLEAN_GAP_BYTES", "CLEAN_HELD_BYTES", "CLEAN_READ_BYTES", "FOREGROUND",
+           "HINT_CHUNK", "HINT_WAIT",
            "MADV_RANDOM", "MADV_WILLNEED", "PAGE", "WHOLE_MAX", "CleaningReads", "ReadAhead", "advise",
            "advise_whole", "hint_uncached", "read_file_into", "read_plan", "record_spans",
            "sample_uncached"]
 
 SAMPLE = 16         # misses probed with mincore before deciding to issue read-ahead
+HINT_CHUNK = 256    # background read-ahead: records advised between two looks at FOREGROUND
+HINT_WAIT = 1.0     # the longest a background chunk waits for the foreground reads (seconds)
 # cleaning reads (CleaningReads): what they may hold and how they meet the disk. The sizes
 # are the budget's (budget.cleaning_limits scales them down for a small store); these are
 # the defaults of a CleaningReads of its own, and caps the cleaner applies on top of the
@@ -120,6 +136,42 @@ def _pick_rows(blk, ks, k_lo, out):
         out[i, :] = blk[ks[i] - k_lo, :]
 
 
+class Foreground:
+    """Counts the reads running now that a caller waits for (``with FOREGROUND:``); the
+    background read-ahead waits for none to be running before each chunk (``wait_idle``).
+    One per process: the reads of every store in it share the device's queue."""
+
+    def __init__(self):
+        self._cv = threading.Condition(threading.Lock())
+        self._n = 0
+
+    def __enter__(self) -> Foreground:
+        with self._cv:
+            self._n += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cv:
+            self._n -= 1
+            if not self._n:
+                self._cv.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        return self._n > 0
+
+    def wait_idle(self, most: float) -> None:
+        """Until no foreground read runs, or ``most`` seconds."""
+        if self._n:
+            with self._cv:
+                self._cv.wait_for(lambda: not self._n, timeout=most)
+
+
+FOREGROUND = Foreground()
+if hasattr(os, "register_at_fork"):  # a child starts with no foreground read of its own
+    os.register_at_fork(after_in_child=lambda: FOREGROUND.__init__())
+
+
 def record_spans(addrs: np.ndarray, rec_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted page-aligned spans ``(lo, hi)`` covering the records that start at ``addrs``."""
     a = np.sort(np.asarray(addrs, np.int64))
@@ -128,12 +180,21 @@ def record_spans(addrs: np.ndarray, rec_bytes: int) -> tuple[np.ndarray, np.ndar
     return lo, hi
 
 
-def advise(addrs: np.ndarray, rec_bytes: int, advice: int = MADV_WILLNEED) -> int:
-    """Issue ``advice`` for the pages of the records at ``addrs``; returns the syscalls made."""
+def advise(addrs: np.ndarray, rec_bytes: int, advice: int = MADV_WILLNEED,
+           yield_to: Foreground | None = None) -> int:
+    """Issue ``advice`` for the pages of the records at ``addrs``; returns the syscalls made.
+    ``yield_to``: in chunks of :data:`HINT_CHUNK` records, each after its foreground reads
+    (``Foreground.wait_idle``)."""
     if not addrs.shape[0]:
         return 0
     lo, hi = record_spans(addrs, rec_bytes)
-    return int(_advise_spans(lo, hi, advice))
+    if yield_to is None:
+        return int(_advise_spans(lo, hi, advice))
+    calls = 0
+    for i in range(0, lo.shape[0], HINT_CHUNK):
+        yield_to.wait_idle(HINT_WAIT)
+        calls += int(_advise_spans(lo[i:i + HINT_CHUNK], hi[i:i + HINT_CHUNK], advice))
+    return calls
 
 
 def advise_whole(records: np.ndarray, advice: int = MADV_WILLNEED) -> None:
@@ -158,15 +219,17 @@ def sample_uncached(addrs: np.ndarray, rec_bytes: int, k: int = SAMPLE) -> bool:
     return False
 
 
-def hint_uncached(addrs: np.ndarray, rec_bytes: int, sums: np.ndarray | None = None) -> int:
+def hint_uncached(addrs: np.ndarray, rec_bytes: int, sums: np.ndarray | None = None,
+                  yield_to: Foreground | None = None) -> int:
     """Read ahead the records at ``addrs`` if a sample of them is not cached, and then the
     8-byte sums at ``sums`` too (each read record is checked against its sum); returns the
-    syscalls made (0: the sample was cached, nothing issued)."""
+    syscalls made (0: the sample was cached, nothing issued). ``yield_to``: a background
+    read-ahead's, issued around the foreground reads (:func:`advise`)."""
     if addrs.shape[0] < 2 or not sample_uncached(addrs, rec_bytes):
         return 0
-    calls = advise(addrs, rec_bytes)
+    calls = advise(addrs, rec_bytes, yield_to=yield_to)
     if sums is not None and sums.shape[0]:
-        calls += advise(sums, 8)
+        calls += advise(sums, 8, yield_to=yield_to)
     return calls
 
 
@@ -190,7 +253,7 @@ class ReadAhead:
     def _run(self, task) -> None:
         addrs, sums, _keep = task
         try:
-            self.calls += hint_uncached(addrs, self.rec_bytes, sums)
+            self.calls += hint_uncached(addrs, self.rec_bytes, sums, yield_to=FOREGROUND)
         except OSError:  # pragma: no cover - a hint that fails changes nothing
             return
         self.tasks += 1

@@ -46,7 +46,7 @@ from .._pool import run_chunked
 from . import format as _format
 from .budget import WRITE_BUFFERS, behind_records
 from .format import Segment, SegmentError, crash_point, map_segment, seg_name
-from .read import hint_uncached
+from .read import FOREGROUND, hint_uncached
 from .sums import gather_checked
 from .writer import SegmentWriter, WriteJob
 
@@ -254,6 +254,14 @@ class Segments:
         used = locs[order] - 1
         sids = used >> 32
         ks = used & LOW32
+        # a background read-ahead for later batches waits while this one reads (FOREGROUND:
+        # read's docstring): the copy below waits for these records, not for those
+        with FOREGROUND:
+            self._copy_checked(n, order, sids, ks, out, out_idx, cols)
+
+    def _copy_checked(self, n, order, sids, ks, out, out_idx, cols) -> None:
+        """``read_into`` once the locations are sorted (``order``) and split (``sids``,
+        ``ks``)."""
         addrs = self.seg_addr[sids] + ks * self.rec_bytes
         # queue the reads of records not in the page cache all at once (queue depth), then
         # copy: the copy waits only for reads already in flight (read)

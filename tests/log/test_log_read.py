@@ -413,3 +413,66 @@ def test_a_fault_on_a_segment_reads_its_own_page_only(tmp_path):
     assert resident() <= 3 * 2  # each fault its own page (and a neighbour at most)
     del seg
     gc.collect()
+
+
+def test_background_read_ahead_waits_for_the_foreground_reads(monkeypatch):
+    """Reads a caller waits for go first (read's docstring): a background hint issues its
+    requests in chunks, none while a foreground read runs, and is never held past
+    ``HINT_WAIT`` per chunk."""
+    import threading
+    import time
+
+    calls = []
+    monkeypatch.setattr(_log_read, "_advise_spans", lambda lo, hi, advice: calls.append(
+        lo.shape[0]) or lo.shape[0])
+    monkeypatch.setattr(_log_read, "HINT_CHUNK", 4)
+    fg = _log_read.Foreground()
+    addrs = np.arange(10, dtype=np.int64) * 8192  # ten records two pages apart: ten spans
+    done = []
+    with fg:
+        assert fg.busy
+        t = threading.Thread(target=lambda: done.append(
+            _log_read.advise(addrs, 100, yield_to=fg)))
+        t.start()
+        time.sleep(0.3)
+        assert not calls and t.is_alive()  # held while the foreground read runs
+    t.join(5)
+    assert not fg.busy and calls == [4, 4, 2] and done == [10]
+    # unhinted calls (a foreground read's own) never wait
+    calls.clear()
+    with fg:
+        assert _log_read.advise(addrs, 100) == 10 and calls == [10]
+    # a foreground read that never ends delays each chunk by HINT_WAIT at most
+    monkeypatch.setattr(_log_read, "HINT_WAIT", 0.05)
+    calls.clear()
+    with fg:
+        t0 = time.perf_counter()
+        assert _log_read.advise(addrs, 100, yield_to=fg) == 10
+        assert time.perf_counter() - t0 < 2.0 and calls == [4, 4, 2]
+
+
+@pytest.mark.parametrize("what", ["gather", "step"])
+def test_the_engine_reads_its_misses_as_foreground_reads(tmp_path, monkeypatch, what):
+    """``Segments.read_into`` (a gather's and a step's misses) holds ``FOREGROUND`` while it
+    reads, and only then; the values are the same."""
+    from dsa_core._log import segments as _segments
+
+    s = _create(tmp_path / "log", slots=500)
+    for idx, g in _batches(40):
+        s = dsa_core.step(s, idx, g)
+    dsa_core.close(s)
+    r = dsa_core.open(tmp_path / "log", mode="r")
+    want = records(r)
+    dsa_core.close(r)
+    s = dsa_core.open(tmp_path / "log", memory=log_memory(s.layout, 500))
+    seen = []
+    real = _segments.hint_uncached
+    monkeypatch.setattr(_segments, "hint_uncached", lambda *a, **k: (
+        seen.append(_log_read.FOREGROUND.busy), real(*a, **k))[1])
+    rows = np.arange(0, N, 11)
+    if what == "gather":
+        np.testing.assert_array_equal(dsa_core.gather(s, rows), want[rows, :D])
+    else:
+        s = dsa_core.step(s, rows[:200], np.zeros((200, D), np.float32))
+    assert seen and all(seen) and not _log_read.FOREGROUND.busy
+    dsa_core.close(s)
