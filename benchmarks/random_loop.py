@@ -138,7 +138,7 @@ def child(a) -> dict:
     store = getattr(emb, "store", None)
     kind = (getattr(store, "storage", None) or type(getattr(store, "store", None)).__module__
             .rsplit(".", 2)[-2].strip("_"))
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(a.seed)
     B, K, N = a.batch, a.negatives, a.rows
 
     def draw():
@@ -214,7 +214,8 @@ def run_child(a, phase: str) -> dict:
            "--rows", str(a.rows), "--dim", str(a.dim), "--batch", str(a.batch),
            "--negatives", str(a.negatives), "--seconds", str(a.seconds),
            "--warmup", str(a.warmup), "--threads", str(a.threads), "--dir", str(a.dir),
-           "--storage", a.storage, "--report-every", str(a.report_every)]
+           "--storage", a.storage, "--report-every", str(a.report_every),
+           "--seed", str(getattr(a, "seed", 1))]
     if a.fresh:
         cmd.append("--fresh")
     if a.lib:
@@ -246,6 +247,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1,
+                    help="the batches' seed: another one per run on a kept log store (a log "
+                    "store writes the rows it stepped together, so a replay of the same "
+                    "batches reads fewer pages)")
+    ap.add_argument("--name", default="random_loop",
+                    help="the result file benchmarks/results/NAME.json")
     ap.add_argument("--report-every", type=float, default=0.0,
                     help="print the last window's rates every this many seconds")
     ap.add_argument("--cap", default="2G", help="the cgroup's memory limit")
@@ -288,7 +295,7 @@ def main(argv=None) -> dict:
     Path(a.dir).mkdir(parents=True, exist_ok=True)
     try:
         res = {"rows": a.rows, "dim": a.dim, "batch": a.batch, "negatives": a.negatives,
-               "cap": None if a.no_cgroup else a.cap, "lib": a.lib}
+               "cap": None if a.no_cgroup else a.cap, "lib": a.lib, "seed": a.seed}
         if not (a.keep and (Path(a.dir) / "emb").exists()):
             shutil.rmtree(Path(a.dir) / "emb", ignore_errors=True)
             res["create"] = run_child(a, "create")
@@ -304,7 +311,7 @@ def main(argv=None) -> dict:
               "ms per step: " + ", ".join(f"{k} {v:.0f}" for k, v in t["ms_per_step"].items()),
               flush=True)
         if not a.lib:
-            out = HERE / "results" / f"random_loop{'_smoke' if a.smoke else ''}.json"
+            out = HERE / "results" / f"{a.name}{'_smoke' if a.smoke else ''}.json"
             out.parent.mkdir(exist_ok=True)
             out.write_text(json.dumps(res, indent=1) + "\n")
         return res
