@@ -15,7 +15,7 @@ same way. What an engine cannot hide is declared here as data (:attr:`Engine.tab
 :attr:`Engine.reads_last_flush`) and listed with its reason in ``docs/storage.md``; code
 outside the engines never asks which kind it holds (``tests/store/test_engine_seam.py`` guards
 that). What the core keeps about an open store -- the newest State's count and meta, the
-settings to remember, the commit group, its reused buffers -- lives in the core's
+settings to remember, the commit group, its reused buffers, whether it is closed -- lives in the core's
 ``_handle.Handle``, never on the engine: an engine knows nothing of States or groups.
 
 The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
@@ -74,7 +74,6 @@ class Engine(Protocol):
     # -- live state ---------------------------------------------------------------------------
     count: int                 # the count of its last commit (``commit_step``, ``flush``,
                                #   ``install_commit``; ``abort_step`` takes one back)
-    closed: bool
     access: str                # how its memory is paged ("ram" | "disk" | "log")
 
     @property
@@ -186,7 +185,9 @@ class Engine(Protocol):
     def verify(self) -> list[str]:
         """The engine's own checks of its files; a list of problems (empty: ok)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Flush (when writable) and release its files and writer lock; safe twice. Only
+        the core calls it (``dsa_core.close``, which marks the ``Handle`` closed)."""
 
 
 _SCRATCH_MAX_BYTES = 16 << 20

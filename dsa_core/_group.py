@@ -217,7 +217,7 @@ class _Member:
     def sync(self) -> None:
         """Make its last installed manifest durable: before the commit file that holds it
         is replaced."""
-        if self.unsynced and not self.handle.store.closed:
+        if self.unsynced and not self.handle.closed:
             self.handle.store.sync_commit()
         self.unsynced = False
 
@@ -240,9 +240,9 @@ class _Core:
 
     # -- helpers ------------------------------------------------------------------------------
     def live(self) -> list[_Member]:
-        keep = [m for m in self.members if not m.handle.store.closed]
+        keep = [m for m in self.members if not m.handle.closed]
         for m in self.members:
-            if m.handle.store.closed:
+            if m.handle.closed:
                 m.handle.group = None
         self.members = keep
         return keep

@@ -88,12 +88,12 @@ class State(NamedTuple):
     @property
     def closed(self) -> bool:
         """True after :func:`dsa_core.close` (by this or any State of the same store)."""
-        return self.handle.store.closed
+        return self.handle.closed
 
     @property
     def writable(self) -> bool:
         """True while the store is open for writing (``mode="r+"``, not closed)."""
-        return not self.handle.store.closed and self.handle.store.mode == "r+"
+        return not self.handle.closed and self.handle.store.mode == "r+"
 
     @property
     def current(self) -> bool:
@@ -1120,7 +1120,7 @@ def restore(live: State, snapshot: State) -> State:
     """
     require_current(live)
     check_same_layout(live, snapshot)
-    if snapshot.store.closed:
+    if snapshot.closed:
         raise closed_error(snapshot.store, "the snapshot", read_only=True)
     live.store.before_restore()
     _copy_records(snapshot, live)
@@ -1166,7 +1166,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     memory = check_memory_arg(memory, storage)
     h = src.handle
     st = h.store
-    if st.closed:
+    if h.closed:
         raise closed_error(st, "the source", read_only=True)
     if optimizer is not None:
         check_store_optimizer(st.layout.optimizer, check_optimizer(optimizer), st.path,
@@ -1231,7 +1231,7 @@ def read_records(state: State, idx: Any) -> np.ndarray:
     layout entries (resharding, merging) without knowing what a record holds.
     """
     st = state.store
-    if st.closed:
+    if state.closed:
         raise closed_error(st)
     return st.read(as_index(idx, st.layout.num_rows))
 
@@ -1268,7 +1268,7 @@ def close(state: State) -> None:
     """
     h = state.handle
     st = h.store
-    if st.closed:
+    if h.closed:
         return
     if st.mode == "r+":
         if state.count != h.count:
@@ -1284,11 +1284,12 @@ def close(state: State) -> None:
     if h.group is not None:  # it leaves its group (which commits without it from now on)
         h.group.leave(h)
     st.close()
+    h.closed = True
 
 
 def _require_writable(state: State) -> None:
     st = state.handle.store
-    if st.closed:
+    if state.handle.closed:
         raise closed_error(st)
     if st.mode != "r+":
         raise ValueError(f"store {str(st.path)!r} was opened read-only (mode='r'); "

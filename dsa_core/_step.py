@@ -458,7 +458,7 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Copy the weight rows ``idx`` out of the store: shape ``(len(idx), dim)``, store dtype."""
     st = state.handle.store
     lay = st.layout
-    if st.closed:
+    if state.handle.closed:
         raise closed_error(st)
     if lay.w_off is None:
         raise ValueError(f"store {str(st.path)!r} was created with weights=False and holds no "

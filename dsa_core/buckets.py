@@ -1010,7 +1010,7 @@ class BatchIterator:
     def _hint(self, fn, p: int, skip_closed: bool = False) -> None:
         lo, hi = int(self.plan.bounds[p]), int(self.plan.bounds[p + 1])
         for s in self.stores:
-            if not (skip_closed and s.store.closed):
+            if not (skip_closed and s.closed):
                 fn(s, lo, hi)
 
     def _batches(self) -> Iterator[Batch]:  # noqa: C901 - one walk over states and groups
@@ -1177,7 +1177,7 @@ class BatchIterator:
     def _pool_hint(self, fn, rows: np.ndarray, skip_closed: bool = False) -> None:
         """``fn`` (``dsa_core.load_rows`` / ``release_rows``) of a pool on every store."""
         for st in self.stores:
-            if not (skip_closed and st.store.closed):
+            if not (skip_closed and st.closed):
                 fn(st, rows)
 
     def _after(self, e: int, s: int, end: int) -> tuple[set, set]:

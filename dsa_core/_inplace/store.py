@@ -255,7 +255,7 @@ class Store:
         self.access = ""  # "ram" or "disk" once mapped
         self.layout = Layout.from_dict(layout)  # the record layout, one frozen value
         self.mode = mode
-        self.closed = False
+        self._closed = False  # the core's Handle says so to the core; this, to its threads
         # the descriptors, mapping, count and marker state (``_Files``); ``count`` is the
         # count of the last commit (a step's, a flush's): what an exit flush records
         self._f = _Files(self.path)
@@ -812,12 +812,12 @@ class Store:
     # -- lifetime ----------------------------------------------------------------------------
     def sync(self) -> None:
         """msync the mapping: every row written so far is on disk when this returns."""
-        if self._mm is not None and self.mode == "r+" and not self.closed:
+        if self._mm is not None and self.mode == "r+" and not self._closed:
             self._mm.flush()
 
     def close(self) -> None:
         """Release the writer lock; the mapping lives on until the arrays are collected."""
-        if self.closed:
+        if self._closed:
             return
         if self._prefetcher is not None:
             self._prefetcher.close()
@@ -826,7 +826,7 @@ class Store:
         self.sync()
         if self._f.undo is not None and not self._f.marked:
             self._f.undo.discard()  # flushed: nothing to undo
-        self.closed = True
+        self._closed = True
         if self.data is not None:
             self.data.flags.writeable = False
             self.counters.flags.writeable = False
@@ -844,7 +844,7 @@ class Store:
         self._f.release()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else self.mode
+        state = "closed" if self._closed else self.mode
         lay = self.layout
         return (f"Store({str(self.path)!r}, rows={lay.num_rows}, dim={lay.dim}, "
                 f"dtype={lay.dtype.name}, curvature={lay.curvature}, {state})")

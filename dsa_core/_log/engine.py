@@ -173,7 +173,7 @@ def _flush_unclosed(parts: dict[str, Any], pid: int) -> None:
     """Flush a log store that was never closed: when its last ``State`` is garbage-collected,
     or when the interpreter exits normally (``weakref.finalize`` runs at exit too).
 
-    ``parts`` is the store's ``__dict__`` (its components and its ``closed`` flag and lock,
+    ``parts`` is the store's ``__dict__`` (its components and its ``_closed`` flag and lock,
     not the store itself, which the finalizer must not keep alive): the flush runs on a
     :class:`LogStore` shell over them (:meth:`LogStore._watch`).
 
@@ -200,7 +200,7 @@ def _flush_unclosed(parts: dict[str, Any], pid: int) -> None:
     store = LogStore.__new__(LogStore)
     store.__dict__ = parts
     try:
-        if store.closed:
+        if store._closed:
             return
         gone = _exit.store_gone(store.path, store._lockfd, MANIFEST_FILE)
         if gone == "removed":
@@ -215,7 +215,7 @@ def _flush_unclosed(parts: dict[str, Any], pid: int) -> None:
                 "deleting or replacing their directories")
         store._shut(flush=True)  # flushes, then releases the writer lock
     except Exception as exc:  # nowhere to raise to: say so
-        if not store.closed and _exit.store_gone(store.path, store._lockfd,
+        if not store._closed and _exit.store_gone(store.path, store._lockfd,
                                                  MANIFEST_FILE) == "removed":
             store._shut(flush=False)  # deleted while it flushed: nothing to lose either
             return
@@ -231,7 +231,7 @@ class LogStore:
     ``_log.store``). Shared by every ``State`` derived from one ``create``/``open``.
     ``count`` is that of its last commit (the one the next seal and flush record); ``layout``
     the record layout (one frozen ``_layout.Layout``); ``slots`` (S), ``seal_unit``,
-    ``mode``, ``closed``, ``memory_bytes``.
+    ``mode``, ``memory_bytes``.
 
     The work is done by its components, each holding the state it owns and references to
     the components it uses: ``_pool`` (``pool.Pool``: ``region`` (S, stride) records that
@@ -256,7 +256,7 @@ class LogStore:
                  memory_bytes: int | None, lockfd: int):
         self.path = Path(directory)
         self.mode = mode
-        self.closed = False
+        self._closed = False
         self._lockfd = lockfd
         lay = dict(manifest["layout"])
         self.layout = Layout.from_dict(lay)  # the record layout, one frozen value
@@ -342,7 +342,7 @@ class LogStore:
 
     # -- guards ---------------------------------------------------------------------------
     def _require_open(self) -> None:
-        if self.closed:
+        if self._closed:
             raise closed_error(self)
 
     def _require_writable(self) -> None:
@@ -1061,14 +1061,14 @@ class LogStore:
     def _shut(self, flush: bool) -> None:
         """:meth:`close` (``flush``) or :meth:`abandon` but the read-ahead thread (what the
         unclosed-store finalizer runs, :func:`_flush_unclosed`)."""
-        if self.closed:
+        if self._closed:
             return
         if flush:
             if self.mode == "r+":
                 self.flush()  # a failed flush leaves the store open: fix the cause, close again
             self._commit.close_wal()
         self._stop_threads()  # abandoned: its segment files are garbage for the next open
-        self.closed = True
+        self._closed = True
         self._segments.delete_spares()
         self._segments.segs.clear()
         unmap_pending()  # the segments no array uses any more are unmapped on return
@@ -1085,7 +1085,7 @@ class LogStore:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else self.mode
+        state = "closed" if self._closed else self.mode
         lay = self.layout
         return (f"LogStore({str(self.path)!r}, rows={lay.num_rows}, stride={lay.stride}, "
                 f"dtype={lay.dtype.name}, slots={self.slots}, count={self.count}, {state})")
