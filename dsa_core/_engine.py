@@ -11,17 +11,17 @@ to an open store only through the :class:`Engine` protocol below. Two engines im
 
 Which one a store uses is a performance choice (``storage=``), never a behaviour: the same
 calls give the same numbers, the same files mean the same thing, a crash is recovered the
-same way. What an engine cannot hide is declared here as data (:attr:`Engine.table_view`,
-:attr:`Engine.reads_last_flush`) and listed with its reason in ``docs/storage.md``; code
-outside the engines never asks which kind it holds (``tests/store/test_engine_seam.py`` guards
-that). What the core keeps about an open store -- the newest State's count and meta, the
+same way. What an engine cannot hide is declared as data, in one frozen :class:`Info`
+(``Engine.info``: ``table_view``, ``reads_last_flush``, and what it tells ``dsa info`` and
+the checks) and listed with its reason in ``docs/storage.md``; code outside the engines never
+asks which kind it holds (``tests/store/test_engine_seam.py`` guards that). What the core keeps about an open store -- the newest State's count and meta, the
 settings to remember, the commit group, its reused buffers, whether it is closed -- lives in the core's
 ``_handle.Handle``, never on the engine: an engine knows nothing of States or groups.
 
 The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
 
-1. ``check_batch(n)`` -- raise before anything changes if ``n`` distinct rows cannot be
-   stepped at once (a log store's region must hold them);
+1. the core refuses a batch of more than ``info.max_batch`` distinct rows before anything
+   changes (:func:`refuse_batch`: a log store's region must hold them);
 2. ``data, where = begin_step(rows, count, meta)`` -- the records the kernels update are
    ``data[where[k]]`` for ``rows[k]`` (the mapped rows themselves in place; region slots,
    or a private copy of them when each step is committed on its own);
@@ -48,6 +48,7 @@ provides ``read_group_ref(directory)`` and ``roll_forward(directory, payload)`` 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,7 +56,26 @@ import numpy as np
 
 from ._layout import Layout
 
-__all__ = ["Engine", "closed_error", "scratch"]
+__all__ = ["Engine", "Info", "closed_error", "refuse_batch", "scratch"]
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    """What an open store is, as data (fixed once it is open): what an engine cannot hide
+    and what the core reports of it. One frozen value (``Engine.info``), never a verb."""
+
+    table_view: bool          # ``.data``/``.counters`` are the whole table as ndarrays (in
+    #                           place only)
+    reads_last_flush: bool    # a reader beside a writer sees the writer's last flush
+    access: str               # how its memory is paged ("ram" | "disk" | "log": State.access)
+    memory_bytes: int | None  # the anonymous memory it holds for rows beside the page cache
+    #                           (a log store's region budget); None when it holds none (an
+    #                           in-place store, a read-only open)
+    nbytes: int               # the bytes of its records (and header) as one table
+    max_batch: int            # the most distinct rows one step may hold (``num_rows``
+    #                           when unbounded; a log store's region: its budget's slots)
+    description: str          # what ``dsa info`` says of the kind
+    checks: str               # what its open checked (``dsa verify``)
 
 
 @runtime_checkable
@@ -68,33 +88,17 @@ class Engine(Protocol):
     mode: str                  # "r+" (the one writer) | "r"
     layout: Layout             # the record layout, one frozen value: sizes, dtype, curvature,
                                #   offsets (``_layout.Layout``; ``as_dict()``: the manifest's)
-    table_view: bool           # ``.data`` is the whole table as an ndarray (in place only)
-    reads_last_flush: bool     # a reader beside a writer sees the writer's last flush
+    info: Info                 # the rest of what it is, as data (:class:`Info`)
 
     # -- live state ---------------------------------------------------------------------------
     count: int                 # the count of its last commit (``commit_step``, ``flush``,
                                #   ``install_commit``; ``abort_step`` takes one back)
-    access: str                # how its memory is paged ("ram" | "disk" | "log")
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def memory_bytes(self) -> int | None:
-        """The anonymous memory the engine holds for rows beside the page cache (a log
-        store's region budget); None when it holds none (an in-place store, a read-only
-        open)."""
 
     # -- stepping -----------------------------------------------------------------------------
-    def check_batch(self, n: int) -> None:
-        """Raise ``ValueError`` if ``n`` distinct rows cannot be stepped at once."""
-
-    def max_batch(self) -> int:
-        """The most distinct rows one step may hold (``num_rows`` when unbounded)."""
-
     def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
                    ) -> tuple[np.ndarray, np.ndarray]:
-        """Where the kernels update the records of ``rows`` (unique, checked ids)."""
+        """Where the kernels update the records of ``rows`` (unique, checked ids, at most
+        ``info.max_batch`` of them)."""
 
     def commit_step(self, t: int, meta: dict[str, Any]) -> None:
         """Step ``t`` takes effect (``count`` becomes ``t``)."""
@@ -117,7 +121,8 @@ class Engine(Protocol):
 
     def view_handed_out(self) -> None:
         """A writable whole-table view of the records was handed out (``table_view``
-        engines: ``State.weights`` & co.): rows may change without the engine seeing it."""
+        engines, ``info.table_view``: ``State.weights`` & co.): rows may change without the
+        engine seeing it."""
 
     # -- durability -------------------------------------------------------------------------
     def flush(self, count: int, meta: dict[str, Any]) -> None:
@@ -188,6 +193,16 @@ class Engine(Protocol):
     def close(self) -> None:
         """Flush (when writable) and release its files and writer lock; safe twice. Only
         the core calls it (``dsa_core.close``, which marks the ``Handle`` closed)."""
+
+
+def refuse_batch(st: Engine, n: int) -> None:
+    """Raise the ``ValueError`` of a step of ``n`` distinct rows, more than ``info.max_batch``
+    (the core calls it before anything changes): they do not fit the store's memory budget
+    (a log store's region), and the error says what budget (``memory=``) would hold them."""
+    from ._log.budget import check_memory  # the budget's own words (memory=)
+    check_memory(st.layout.as_dict(), st.info.memory_bytes or 0, int(n))
+    raise ValueError(f"store {str(st.path)!r} steps at most {st.info.max_batch} distinct rows "
+                     f"at once, got {int(n)}")
 
 
 _SCRATCH_MAX_BYTES = 16 << 20

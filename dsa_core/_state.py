@@ -117,7 +117,7 @@ class State(NamedTuple):
     def access(self) -> str:
         """How the mapping is paged: ``"ram"`` or ``"disk"`` (``"auto"`` resolved at open);
         ``"log"`` for a log-structured store (no mapping: its region is its memory)."""
-        return self.handle.store.access
+        return self.handle.store.info.access
 
     @property
     def storage(self) -> str:
@@ -133,10 +133,10 @@ class State(NamedTuple):
         segments): read and write rows with :func:`dsa_core.gather`,
         :func:`dsa_core.read_records` and :func:`dsa_core.write_records`, which work on
         every store."""
-        return self.handle.store.table_view
+        return self.handle.store.info.table_view
 
     def _require_view(self, name: str) -> None:
-        if not self.handle.store.table_view:
+        if not self.handle.store.info.table_view:
             self.handle.store.no_view(f"State.{name}")
 
     def _handed_out(self, view: np.ndarray) -> np.ndarray:
@@ -295,7 +295,7 @@ class State(NamedTuple):
                 np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
             raise ValueError(f"exp_avg must be a real ({self.num_rows}, {self.dim}) array for "
                              f"store {str(self.path)!r}; got {m.dtype} of shape {m.shape}")
-        if not st.table_view:
+        if not st.info.table_view:
             _require_writable(self)
             lay = self.layout
             o, bf16 = lay["m"], lay.get("first_moment") == "bfloat16"

@@ -149,7 +149,7 @@ def writeback(state, idx: Any) -> None:
     ``benchmarks.ooc --modes pipeline``.
     """
     st = state.store
-    if st._closed or st.mode != "r+" or not st.table_view:  # a mapping's pages only
+    if st._closed or st.mode != "r+" or not st.info.table_view:  # a mapping's pages only
         return
     rows = as_index(idx, st.layout.num_rows)
     if rows.size:

@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import _exit, _layout
 from .._coalesce import gather_rows
+from .._engine import Info
 from .._files import (
     CHECKSUM_KEY,
     InDoubtError,
@@ -243,10 +244,6 @@ class Store:
     """
 
     kind = "inplace"
-    table_view = True         # ``data`` is the whole table
-    reads_last_flush = False  # a reader beside a writer sees rows as the writer changes them
-    description = "one mapped file of records"
-    checks = "manifest checksum, header CRC and size ok"
 
     def __init__(self, directory: Path, layout: dict[str, Any], mode: str,
                  access: str = "auto"):
@@ -256,6 +253,7 @@ class Store:
         self.layout = Layout.from_dict(layout)  # the record layout, one frozen value
         self.mode = mode
         self._closed = False  # the core's Handle says so to the core; this, to its threads
+        self._info: Info | None = None  # ``info``, once the mapping's paging is known
         # the descriptors, mapping, count and marker state (``_Files``); ``count`` is the
         # count of the last commit (a step's, a flush's): what an exit flush records
         self._f = _Files(self.path)
@@ -296,9 +294,17 @@ class Store:
         return HEADER_BYTES + lay.num_rows * lay.stride * lay.dtype.itemsize
 
     @property
-    def memory_bytes(self) -> None:
-        """None: an in-place store keeps its rows in the page cache, no region of its own."""
-        return None
+    def info(self) -> Info:
+        """What it is (``_engine.Info``): a whole-table view (``data``), rows a reader sees as
+        the writer changes them, paged as ``access``, no memory of its own for rows (the
+        page cache holds them), any batch."""
+        if self._info is None:
+            self._info = Info(
+                table_view=True, reads_last_flush=False, access=self.access,
+                memory_bytes=None, nbytes=self.nbytes, max_batch=self.layout.num_rows,
+                description="one mapped file of records",
+                checks="manifest checksum, header CRC and size ok")
+        return self._info
 
     def _lock(self) -> None:
         self._lockfd = lock_writer(self.path)
@@ -326,6 +332,7 @@ class Store:
                 self._mm.madvise(mmap.MADV_NOHUGEPAGE)
             self._mm.madvise(mmap.MADV_RANDOM)
         self.access = resolved
+        self._info = None  # ``info.access`` follows
 
     def _map(self, private: bool = False) -> None:
         """Map the file (``private``: a read-only open's copy-on-write mapping, into which an
@@ -621,12 +628,6 @@ class Store:
         return action
 
     # -- the engine interface (dsa_core._engine) -----------------------------------------
-    def check_batch(self, n: int) -> None:
-        """Any batch fits: the rows are stepped where they lie."""
-
-    def max_batch(self) -> int:
-        return self.layout.num_rows
-
     def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
                    ) -> tuple[np.ndarray, np.ndarray]:
         """The mapped rows themselves; with ``durability="step"`` their undo record first

@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 
 from .. import _exit
-from .._engine import closed_error, scratch
+from .._engine import Info, closed_error, scratch
 from .._files import CHECKSUM_KEY, ForkedReadError
 from .._init import InitSpec
 from .._layout import Layout
@@ -231,7 +231,7 @@ class LogStore:
     ``_log.store``). Shared by every ``State`` derived from one ``create``/``open``.
     ``count`` is that of its last commit (the one the next seal and flush record); ``layout``
     the record layout (one frozen ``_layout.Layout``); ``slots`` (S), ``seal_unit``,
-    ``mode``, ``memory_bytes``.
+    ``mode``, ``memory_bytes`` (and ``info``, what it is as data: ``_engine.Info``).
 
     The work is done by its components, each holding the state it owns and references to
     the components it uses: ``_pool`` (``pool.Pool``: ``region`` (S, stride) records that
@@ -246,11 +246,6 @@ class LogStore:
     """
 
     kind = "log"
-    access = "log"  # no mapping to page: the region is the memory (``State.access``)
-    table_view = False       # records live in a region and in segments: no whole table
-    description = "log-structured, storage='log'"
-    checks = "manifest checksum, segment and index CRCs checked, every record's checksum"
-    reads_last_flush = True  # a reader opens the files of the writer's last flush
 
     def __init__(self, directory: Path, manifest: dict[str, Any], mode: str,
                  memory_bytes: int | None, lockfd: int):
@@ -298,6 +293,7 @@ class LogStore:
         self._readahead: ReadAhead | None = None
         self._meta_before: tuple | None = None
         self._memory_setting: int | None = None
+        self._info: Info | None = None  # ``info``, for the budget it was made for
 
     def _watch(self) -> None:
         """Flush this store if it is dropped unclosed, or left open at exit
@@ -320,6 +316,22 @@ class LogStore:
     def nbytes(self) -> int:
         lay = self.layout
         return lay.num_rows * lay.stride * lay.dtype.itemsize
+
+    @property
+    def info(self) -> Info:
+        """What it is (``_engine.Info``): no whole table (records live in a region and in
+        segments), a reader opens the files of the writer's last flush, no mapping to page
+        (the region is the memory: ``access="log"``), a batch at most the slots its budget
+        pays for (``budget.slots_for``: 0 without a budget, a read-only open)."""
+        m = self._pool.memory_bytes
+        if self._info is None or self._info.memory_bytes != m:
+            self._info = Info(
+                table_view=False, reads_last_flush=True, access="log", memory_bytes=m,
+                nbytes=self.nbytes, max_batch=slots_for(self.layout.as_dict(), m or 0),
+                description="log-structured, storage='log'",
+                checks="manifest checksum, segment and index CRCs checked, every record's "
+                "checksum")
+        return self._info
 
     def view_handed_out(self) -> None:
         """Never called: a log store hands out no whole-table view (:meth:`no_view`)."""
@@ -350,14 +362,6 @@ class LogStore:
         if self.mode != "r+":
             raise ValueError(f"log store {str(self.path)!r} was opened read-only (mode='r'); "
                              "open it with mode='r+' to change it")
-
-    def check_batch(self, n: int) -> None:
-        """Raise ``ValueError`` unless the region holds a batch of ``n`` rows (the ``n``
-        distinct rows of one step)."""
-        self._pool.check_batch(n)
-
-    def max_batch(self) -> int:
-        return self.slots
 
     def _changed(self) -> None:
         """Rows are about to change (a step, a write, a restore): see :class:`ForkGuard`."""
