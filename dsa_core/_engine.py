@@ -31,17 +31,21 @@ The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
    that of 2 (also after an in-memory ``commit_step`` that a later store's failure takes
    back, ``_group``; the records then come back from the core's copy).
 
-``meta`` is the dict of the store's hyperparameters and durability that a flush records
+``meta`` is the dict of the store's hyperparameters and durability that a commit records
 (``{"hparams": {...}, "durability": ...}``, ``"settings"``: the open-time settings to remember,
 and ``"group"``: the commit group the store belongs to, if any); every commit point writes it
 with the count.
 
-A flush in two halves, for a group of stores that commit together (``_group``):
-``payload = prepare_commit(count, meta)`` makes the new state durable without installing it
-and returns the manifest that would commit it; ``install_commit()`` writes it (after the
-group's commit file recorded every member's payload); ``cancel_commit()`` drops it. Between
-prepare and install/cancel the store refuses to flush on its own. Each engine module also
-provides ``read_group_ref(directory)`` and ``roll_forward(directory, payload)`` (``_engines``).
+A commit in two halves: ``payload = prepare_commit(count, meta)`` makes the new state
+durable without installing it and returns the manifest that would commit it;
+``install_commit()`` writes it; ``cancel_commit()`` drops it. Between prepare and
+install/cancel the store refuses to commit on its own. A flush is both halves at once
+(:func:`commit`: ``prepare_commit(..., lone=True)``, which returns None when the last
+commit already holds everything, then ``install_commit()``); a group of stores that commit
+together (``_group``) installs each member's after the group's commit file recorded every
+payload, with ``install_commit(durable=False)`` and :func:`sync_commit` later. Each engine
+module also provides ``read_group_ref(directory)`` and ``roll_forward(directory, payload)``
+(``_engines``).
 
 ``tests/store/test_engine_seam.py`` pins the protocol's size: a new member is a decision.
 """
@@ -54,9 +58,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ._layout import Layout
+from ._layout import MANIFEST_FILE, Layout
+from ._os import fsync_path
 
-__all__ = ["Engine", "Info", "closed_error", "refuse_batch", "scratch"]
+__all__ = ["Engine", "Info", "closed_error", "commit", "refuse_batch", "scratch",
+           "sync_commit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +97,7 @@ class Engine(Protocol):
     info: Info                 # the rest of what it is, as data (:class:`Info`)
 
     # -- live state ---------------------------------------------------------------------------
-    count: int                 # the count of its last commit (``commit_step``, ``flush``,
+    count: int                 # the count of its last commit (``commit_step``,
                                #   ``install_commit``; ``abort_step`` takes one back)
 
     # -- stepping -----------------------------------------------------------------------------
@@ -125,19 +131,16 @@ class Engine(Protocol):
         engine seeing it."""
 
     # -- durability -------------------------------------------------------------------------
-    def flush(self, count: int, meta: dict[str, Any]) -> None:
-        """Every step so far durable, committed at ``count`` with ``meta`` (``count``
-        becomes the engine's: ``dsa_core.set_count``)."""
-
-    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
-        """The first half of a flush: durable, not installed; the manifest to install."""
+    def prepare_commit(self, count: int, meta: dict[str, Any], *, lone: bool = False
+                       ) -> dict[str, Any] | None:
+        """The first half of a commit at ``count`` with ``meta``: durable, not installed;
+        the manifest to install. ``lone=True`` (a flush, :func:`commit`): None when the
+        store's last commit already holds all of it -- nothing to write."""
 
     def install_commit(self, durable: bool = True) -> None:
         """The second half: the prepared manifest written (the store is at ``count``);
-        ``durable=False``: not synced yet (its group's commit file holds it)."""
-
-    def sync_commit(self) -> None:
-        """Sync the manifest an ``install_commit(durable=False)`` wrote."""
+        ``durable=False``: not synced yet (its group's commit file holds it;
+        :func:`sync_commit`)."""
 
     def cancel_commit(self) -> None:
         """Drop a prepared commit: the store stays at its last commit."""
@@ -193,6 +196,27 @@ class Engine(Protocol):
     def close(self) -> None:
         """Flush (when writable) and release its files and writer lock; safe twice. Only
         the core calls it (``dsa_core.close``, which marks the ``Handle`` closed)."""
+
+
+# -- the core's side of the seam: what every engine's verbs make ------------------------------
+def commit(st: Engine, count: int, meta: dict[str, Any]) -> None:
+    """A flush: every step so far durable, committed at ``count`` with ``meta``
+    (``prepare_commit`` and ``install_commit`` at once; nothing written when the last commit
+    already holds it all). A failed install leaves no prepared commit behind."""
+    if st.prepare_commit(count, meta, lone=True) is None:
+        return
+    try:
+        st.install_commit()
+    except BaseException:
+        st.cancel_commit()
+        raise
+
+
+def sync_commit(st: Engine) -> None:
+    """Make the manifest an ``install_commit(durable=False)`` wrote durable: the file, then
+    its directory (both kinds keep it at ``path / MANIFEST_FILE``)."""
+    fsync_path(st.path / MANIFEST_FILE)
+    fsync_path(st.path)
 
 
 def refuse_batch(st: Engine, n: int) -> None:

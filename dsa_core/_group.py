@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _exit, _group_file
+from ._engine import sync_commit
 from ._handle import Handle
 from ._state import State, flush, newest_meta, newest_state, require_current, state_meta
 from ._files import InDoubtError
@@ -218,7 +219,7 @@ class _Member:
         """Make its last installed manifest durable: before the commit file that holds it
         is replaced."""
         if self.unsynced and not self.handle.closed:
-            self.handle.store.sync_commit()
+            sync_commit(self.handle.store)
         self.unsynced = False
 
 

@@ -21,7 +21,7 @@ from . import _layout
 from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
-from ._engine import closed_error
+from ._engine import closed_error, commit
 from ._files import copy_tree, staged_dir
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._group_file import recover
@@ -951,7 +951,7 @@ def flush(state: State) -> None:
             g.flush([state])
             h.meta = meta
             return
-    h.store.flush(int(state.count), meta)
+    commit(h.store, int(state.count), meta)
     h.meta = meta  # the newest State's (its count is h.count)
 
 
@@ -1278,7 +1278,7 @@ def close(state: State) -> None:
             if g is not None and g.stepped_since():
                 g.flush()  # every member at its newest step, as one commit
             else:
-                st.flush(h.count, h.meta)
+                commit(st, h.count, h.meta)
         else:
             flush(state)  # with its group, if a member stepped since the group's last commit
     if h.group is not None:  # it leaves its group (which commits without it from now on)

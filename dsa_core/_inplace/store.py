@@ -693,7 +693,7 @@ class Store:
         run_chunked(gather_rows, (self.data, rows, self.layout.w_off, out), rows.shape[0],
                     max(16, 16384 // self.layout.dim))
 
-    def flush(self, count: int, meta: dict[str, Any]) -> None:
+    def _flush(self, count: int, meta: dict[str, Any]) -> None:
         """msync the rows, void the undo journal, then the manifest (the commit point)."""
         self._not_in_doubt()
         self.sync()
@@ -713,9 +713,11 @@ class Store:
                 "own. Close the process; dsa_core.open installs the commit if its group "
                 "committed it")
 
-    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+    def prepare_commit(self, count: int, meta: dict[str, Any], *, lone: bool = False
+                       ) -> dict[str, Any]:
         """msync the rows and void the undo journal; returns the manifest that would commit
-        them, not yet written (the unclean marker stays until :meth:`install_commit`)."""
+        them, not yet written (the unclean marker stays until :meth:`install_commit`). A
+        flush (``lone``) writes the manifest even when nothing changed."""
         self._not_in_doubt()
         self.sync()
         self.journal_void()
@@ -737,11 +739,6 @@ class Store:
     def cancel_commit(self) -> None:
         self._f.prepared = None
 
-    def sync_commit(self) -> None:
-        """Make the manifest of an ``install_commit(durable=False)`` durable."""
-        fsync_path(self.path / MANIFEST_FILE)
-        fsync_path(self.path)
-
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:
         """Flush, then write the snapshot into a staged directory renamed into place:
@@ -749,7 +746,7 @@ class Store:
         this writer's last snapshot (a delta of the rows changed since it) or a full copy
         (``_inplace.snapshots``); ``share=False`` a full copy that shares nothing, which no
         later snapshot builds on."""
-        self.flush(count, meta)
+        self._flush(count, meta)
         dest.parent.mkdir(parents=True, exist_ok=True)
         snap = {k: v for k, v in meta.items() if k != "group"}  # a snapshot is in no group
         manifest = self.manifest(count, snap)

@@ -798,33 +798,38 @@ class LogStore:
         index generation and the segments that no manifest lists any more, and retires the
         previous commit log (kept for reuse while ``wal_on``, else deleted). After a flush
         every slot is clean (and still resident).
+
+        The engine's own (its close, the first commit of a new store, a standalone
+        ``LogStore``); the core flushes through ``prepare_commit(lone=True)`` and
+        ``install_commit`` (``_engine.commit``), which do the same.
         """
         if meta is not None:
             self._commit_meta(meta)
         self._require_writable()
         self._commit.flush(None if count is None else int(count))
 
-    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
-        """The first half of :meth:`flush` (``dsa_core._group``): seal, sync the segments,
-        write the next index (and commit log); returns the manifest that would commit them,
-        not yet written (``commit.Commit.prepare``). Until then the store cannot flush on
-        its own."""
+    def prepare_commit(self, count: int, meta: dict[str, Any], *, lone: bool = False
+                       ) -> dict[str, Any] | None:
+        """The first half of :meth:`flush` (a group's, ``dsa_core._group``; a flush's,
+        ``lone``): seal, sync the segments, write the next index (and commit log); returns
+        the manifest that would commit them, not yet written (``commit.Commit.prepare``).
+        Until then the store cannot flush on its own. ``lone``: None when nothing changed
+        since the last commit (the count, the meta, the index and the commit log's
+        generation as they are: nothing to write); ``meta`` stays this store's either way, as
+        a flush leaves it (a cancel puts back only what a group's prepare found)."""
         c = self._commit
-        self._meta_before = (c.meta, c.wal_on)
+        if not lone:
+            self._meta_before = (c.meta, c.wal_on)
         self._commit_meta(meta)
         self._require_writable()
-        return c.prepare(int(count))
+        return c.prepare(int(count), if_changed=lone)
 
     def install_commit(self, durable: bool = True) -> None:
         """The second half of :meth:`flush`: the prepared manifest is written (``durable=
-        False``: not synced; :meth:`sync_commit` does it later); the previous generation's
+        False``: not synced; ``_engine.sync_commit`` does it later); the previous generation's
         files go."""
         self._require_writable()
         self._commit.install(durable)
-
-    def sync_commit(self) -> None:
-        """Make the manifest of an ``install_commit(durable=False)`` durable."""
-        self._commit.sync_manifest()
 
     def cancel_commit(self) -> None:
         """Drop a prepared commit (its files are garbage)."""

@@ -203,13 +203,15 @@ def test_both_engines_implement_the_protocol(tmp_path, storage):
 # (submit_range, submit_rows): 33. The core owns the life cycle: whether a store is closed
 # is its Handle's (every close goes through dsa_core.close): 32. What it is as one frozen
 # Info (table_view, reads_last_flush, access, nbytes, memory_bytes, max_batch), the core
-# refusing a batch over info.max_batch (check_batch): 26. A new member changes this count
-ENGINE_MEMBERS = 26
+# refusing a batch over info.max_batch (check_batch): 26. The core flushes with
+# prepare_commit(lone=True) + install_commit (flush) and syncs a group member's manifest
+# itself (sync_commit): 24. A new member changes this count
+ENGINE_MEMBERS = 24
 # what the core keeps in its Handle, never on an engine (issue 41)
 CORE_STATE = ("group", "group_ref", "scratch", "settings", "access_request", "closed")
 # what became data in the engine's Info, or the core's (issue 41)
 GONE = ("table_view", "reads_last_flush", "access", "nbytes", "memory_bytes", "max_batch",
-        "check_batch", "closed")
+        "check_batch", "closed", "flush", "sync_commit")
 LAYOUT_FIELDS = ("num_rows", "dim", "dtype", "curvature", "stride", "w_off", "m_off", "v_off",
                  "v_width", "m_width", "rowwise", "m_bf16", "rs_off", "ls_off")
 
