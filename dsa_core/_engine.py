@@ -120,7 +120,9 @@ class Engine(Protocol):
 
     def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
         """Overwrite the whole records of unique checked ids, or of the rows
-        ``slice(lo, hi)`` (durable at the next flush)."""
+        ``slice(lo, hi)`` (durable at the next flush). A range write is a bulk overwrite
+        (restore, convert): no record of an earlier step may roll its rows back at the next
+        open (an in-place store voids its undo journal first)."""
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """The weight rows of checked ids into ``out`` (len(rows), dim); residency unchanged."""
@@ -151,9 +153,6 @@ class Engine(Protocol):
         it names no commit group) that later changes of the store never reach (it may
         share disk with the store or with earlier snapshots); ``share=False``: one that
         shares no disk blocks with anything (a full copy)."""
-
-    def before_restore(self) -> None:
-        """Called before every record is overwritten from a snapshot."""
 
     # -- hints and loads (never change a value) ---------------------------------------------
     def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:

@@ -1122,9 +1122,31 @@ def restore(live: State, snapshot: State) -> State:
     check_same_layout(live, snapshot)
     if snapshot.closed:
         raise closed_error(snapshot.store, "the snapshot", read_only=True)
-    live.store.before_restore()
-    _copy_records(snapshot, live)
+    _copy_records(snapshot, live)  # range writes: no undo journal rolls them back
     return set_count(live, snapshot.count)
+
+
+def restore_records(live: State, records: Any, count: int) -> State:
+    """:func:`restore` from every record of a store held in memory (a state dict's rows)
+    rather than from a snapshot store: ``records`` of shape ``(num_rows, stride)`` in the
+    store dtype (:func:`read_records` of every row), written in chunks of ~16 MiB as range
+    writes (no undo journal of the last step may roll them back), then ``live`` flushed at
+    ``count``. Checked before anything is written; ``live`` must be current; the State
+    returned is, and earlier ones are outdated.
+    """
+    require_current(live)
+    st = live.store
+    lay = st.layout
+    rec = np.asarray(records)
+    if rec.dtype != lay.dtype or rec.shape != (lay.num_rows, lay.stride):
+        raise ValueError(f"records must be a ({lay.num_rows}, {lay.stride}) {lay.dtype.name} "
+                         f"array (every record of store {str(st.path)!r}), got "
+                         f"{rec.shape} {rec.dtype}")
+    step = max(1, _RESTORE_CHUNK_BYTES // max(1, lay.stride * rec.itemsize))
+    for lo in range(0, lay.num_rows, step):
+        hi = min(lay.num_rows, lo + step)
+        st.write(slice(lo, hi), rec[lo:hi])
+    return set_count(live, count)
 
 
 def _copy_records(src: State, dst: State) -> None:

@@ -254,6 +254,7 @@ class Store:
         self.mode = mode
         self._closed = False  # the core's Handle says so to the core; this, to its threads
         self._info: Info | None = None  # ``info``, once the mapping's paging is known
+        self._journal_live = True  # the undo journal may hold a step (voided: False)
         # the descriptors, mapping, count and marker state (``_Files``); ``count`` is the
         # count of the last commit (a step's, a flush's): what an exit flush records
         self._f = _Files(self.path)
@@ -575,6 +576,7 @@ class Store:
         ids = np.ascontiguousarray(rows, dtype=np.int64)
         crc = zlib.crc32(rec.data, zlib.crc32(ids.data))
         head = _JHEAD.pack(JOURNAL_MAGIC, int(count_before), ids.shape[0], crc)
+        self._journal_live = True  # from here on it may hold this step
         if self._jfd < 0:
             self._jfd = os.open(self.path / JOURNAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         total = len(head) + ids.nbytes + rec.nbytes
@@ -596,6 +598,7 @@ class Store:
     def journal_void(self) -> None:
         """Truncate the undo journal durably: no journal may roll back past a flush."""
         self._f.void_journal()
+        self._journal_live = False
 
     def data_sync(self) -> None:
         """fdatasync the data file: every row written through the mapping is on disk."""
@@ -683,7 +686,11 @@ class Store:
         return self.data[rows] if cols is None else self.data[rows, cols]
 
     def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        """A range write (restore, convert) voids the undo journal first: a journal of the
+        last step could roll the rows back at the next open."""
         if isinstance(rows, slice):
+            if self._journal_live:
+                self.journal_void()
             self.before_change_range(rows.start, rows.stop)
         else:
             self.before_change(rows)
@@ -770,10 +777,6 @@ class Store:
         of this open is a full copy."""
         if self.mode == "r+":
             self.tracker.views = True
-
-    def before_restore(self) -> None:
-        """A journal of the last step could roll restored rows back at the next open."""
-        self.journal_void()
 
     def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
         """A hint: the page-cache read-ahead thread; a range or a row set: the range

@@ -859,10 +859,6 @@ class LogStore:
         return self._commit.checkpoint(dest, None if count is None else int(count),
                                        overwrite=overwrite, share=share)
 
-    def before_restore(self) -> None:
-        """No undo journal: a commit log holds only steps after its manifest's count, and
-        every flush starts a new one."""
-
     # -- inspection ------------------------------------------------------------------------
     # -- inspection ------------------------------------------------------------------------
     def log_stats(self) -> dict[str, Any]:
