@@ -2,7 +2,9 @@
 
 ``dsa_core``'s functions (``step``, ``gather``, ``flush``, ``checkpoint``, ``restore``,
 ``convert``, ``read_records``/``write_records``, the read-ahead and range hints, the CLI) talk
-to an open store only through the :class:`Engine` protocol below. Two engines implement it:
+to an open store only through the :class:`Engine` protocol below: a pager's width of verbs
+(after SQLite's ``sqlite3_io_methods``: verbs, no data) and a transaction's life (after LMDB's
+``txn_begin``/``commit``/``abort``). Two engines implement it:
 
 * ``_inplace.store.Store`` -- the **in-place** store: one mapped file of fixed-size records, updated
   where they lie;
@@ -14,8 +16,9 @@ calls give the same numbers, the same files mean the same thing, a crash is reco
 same way. What an engine cannot hide is declared as data, in one frozen :class:`Info`
 (``Engine.info``: ``table_view``, ``reads_last_flush``, and what it tells ``dsa info`` and
 the checks) and listed with its reason in ``docs/storage.md``; code outside the engines never
-asks which kind it holds (``tests/store/test_engine_seam.py`` guards that). What the core keeps about an open store -- the newest State's count and meta, the
-settings to remember, the commit group, its reused buffers, whether it is closed -- lives in the core's
+asks which kind it holds (``tests/store/test_engine_seam.py`` guards that). What the core
+keeps about an open store -- the newest State's count and meta, the settings to remember,
+the commit group, its reused buffers, whether it is closed -- lives in the core's
 ``_handle.Handle``, never on the engine: an engine knows nothing of States or groups.
 
 The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
@@ -71,7 +74,7 @@ class Info:
     and what the core reports of it. One frozen value (``Engine.info``), never a verb."""
 
     table_view: bool          # ``.data``/``.counters`` are the whole table as ndarrays (in
-    #                           place only)
+    #                           place only; ``read(slice, cols, view=True)`` hands them out)
     reads_last_flush: bool    # a reader beside a writer sees the writer's last flush
     access: str               # how its memory is paged ("ram" | "disk" | "log": State.access)
     memory_bytes: int | None  # the anonymous memory it holds for rows beside the page cache
@@ -100,7 +103,7 @@ class Engine(Protocol):
     count: int                 # the count of its last commit (``commit_step``,
                                #   ``install_commit``; ``abort_step`` takes one back)
 
-    # -- stepping -----------------------------------------------------------------------------
+    # -- stepping (a transaction: begin, commit, abort) ---------------------------------------
     def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
                    ) -> tuple[np.ndarray, np.ndarray]:
         """Where the kernels update the records of ``rows`` (unique, checked ids, at most
@@ -114,9 +117,13 @@ class Engine(Protocol):
         ``begin_step`` was given (after an in-memory ``commit_step`` too)."""
 
     # -- records ----------------------------------------------------------------------------
-    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None, *,
+             view: bool = False) -> np.ndarray:
         """The records (or the columns ``cols`` of them) of checked ids, a copy; or of the
-        rows ``slice(lo, hi)`` (restore, convert: chunks of a table), maybe a view."""
+        rows ``slice(lo, hi)`` (restore, convert: chunks of a table), maybe a view.
+        ``view=True`` (``info.table_view`` engines: ``State.weights`` & co.): the mapped
+        rows themselves, a writable view handed out -- rows may change through it where the
+        engine does not see them (an in-place store's later snapshots are full copies)."""
 
     def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
         """Overwrite the whole records of unique checked ids, or of the rows
@@ -126,33 +133,6 @@ class Engine(Protocol):
 
     def gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """The weight rows of checked ids into ``out`` (len(rows), dim); residency unchanged."""
-
-    def view_handed_out(self) -> None:
-        """A writable whole-table view of the records was handed out (``table_view``
-        engines, ``info.table_view``: ``State.weights`` & co.): rows may change without the
-        engine seeing it."""
-
-    # -- durability -------------------------------------------------------------------------
-    def prepare_commit(self, count: int, meta: dict[str, Any], *, lone: bool = False
-                       ) -> dict[str, Any] | None:
-        """The first half of a commit at ``count`` with ``meta``: durable, not installed;
-        the manifest to install. ``lone=True`` (a flush, :func:`commit`): None when the
-        store's last commit already holds all of it -- nothing to write."""
-
-    def install_commit(self, durable: bool = True) -> None:
-        """The second half: the prepared manifest written (the store is at ``count``);
-        ``durable=False``: not synced yet (its group's commit file holds it;
-        :func:`sync_commit`)."""
-
-    def cancel_commit(self) -> None:
-        """Drop a prepared commit: the store stays at its last commit."""
-
-    def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
-                   overwrite: bool, share: bool = True) -> Path:
-        """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing;
-        it names no commit group) that later changes of the store never reach (it may
-        share disk with the store or with earlier snapshots); ``share=False``: one that
-        shares no disk blocks with anything (a full copy)."""
 
     # -- hints and loads (never change a value) ---------------------------------------------
     def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
@@ -178,11 +158,35 @@ class Engine(Protocol):
         active load holds are unpinned, the dirty ones sealed, their slots freed; in place:
         nothing is dropped)."""
 
-    def residency(self, rows: np.ndarray) -> float: ...
-
-    def wait_ranges(self) -> None:
+    def wait(self) -> None:
         """Until every load and release submitted so far is done; then raise the first
         error one met in the background, once."""
+
+    def residency(self, rows: np.ndarray) -> float:
+        """The fraction of ``rows`` (unique checked ids) in the engine's memory (in place:
+        of their pages in the page cache; a log store: resident in its region)."""
+
+    # -- durability -------------------------------------------------------------------------
+    def prepare_commit(self, count: int, meta: dict[str, Any], *, lone: bool = False
+                       ) -> dict[str, Any] | None:
+        """The first half of a commit at ``count`` with ``meta``: durable, not installed;
+        the manifest to install. ``lone=True`` (a flush, :func:`commit`): None when the
+        store's last commit already holds all of it -- nothing to write."""
+
+    def install_commit(self, durable: bool = True) -> None:
+        """The second half: the prepared manifest written (the store is at ``count``);
+        ``durable=False``: not synced yet (its group's commit file holds it;
+        :func:`sync_commit`)."""
+
+    def cancel_commit(self) -> None:
+        """Drop a prepared commit: the store stays at its last commit."""
+
+    def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
+                   overwrite: bool, share: bool = True) -> Path:
+        """Flush, then a consistent, openable snapshot at ``dest`` (atomic: all or nothing;
+        it names no commit group) that later changes of the store never reach (it may
+        share disk with the store or with earlier snapshots); ``share=False``: one that
+        shares no disk blocks with anything (a full copy)."""
 
     # -- information and life cycle ---------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -313,6 +313,6 @@ def wait_ranges(state: Any) -> None:
     >>> dsa_core.wait_ranges(state)
     >>> dsa_core.close(state)
     """
-    _store_of(state).wait_ranges()
+    _store_of(state).wait()
 
 

@@ -139,11 +139,11 @@ class State(NamedTuple):
         if not self.handle.store.info.table_view:
             self.handle.store.no_view(f"State.{name}")
 
-    def _handed_out(self, view: np.ndarray) -> np.ndarray:
-        """A writable whole-table view leaves the store's sight: rows written through it
-        are seen by no undo record, so its later snapshots are full copies."""
-        self.handle.store.view_handed_out()
-        return view
+    def _handed_out(self, cols: slice) -> np.ndarray:
+        """A writable whole-table view of the columns ``cols`` leaves the store's sight
+        (``read(..., view=True)``): rows written through it are seen by no undo record, so
+        its later snapshots are full copies."""
+        return self.handle.store.read(slice(None), cols, view=True)
 
     @property
     def num_rows(self) -> int:
@@ -193,7 +193,7 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} is an Adam store (optimizer='adam') and "
                              "keeps no Adagrad accumulator; its state is exp_avg and "
                              "exp_avg_sq")
-        return self._handed_out(self.handle.store.data[:, lay.v_off:lay.v_off + lay.v_width])
+        return self._handed_out(slice(lay.v_off, lay.v_off + lay.v_width))
 
     def _require_adam(self, name: str) -> None:
         opt = self.handle.store.layout.optimizer
@@ -238,7 +238,8 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} was created without {option}=True "
                              f"and keeps no {name}; create the store with "
                              f"dsa_core.create(..., {option}=True) to have them")
-        return self._handed_out(self.handle.store.counters[:, off])
+        ints = _layout.counter_dtype(self.handle.store.layout.dtype)  # the records as ints
+        return self._handed_out(slice(off, off + 1)).view(ints)[:, 0]
 
     @property
     def weights(self) -> np.ndarray:
@@ -251,7 +252,7 @@ class State(NamedTuple):
                 f"store {str(self.path)!r} was created with weights=False and holds no "
                 "weights; the caller keeps them (pass them to step(..., params=rows))")
         o = self.handle.store.layout.w_off
-        return self._handed_out(self.handle.store.data[:, o:o + self.dim])
+        return self._handed_out(slice(o, o + self.dim))
 
     @property
     def first_moment(self) -> str:
@@ -271,11 +272,12 @@ class State(NamedTuple):
         st = self.handle.store
         o = st.layout.m_off
         if st.layout.m_bf16:
-            raw = st.data[:, o:o + st.layout.m_width].view(np.uint16)[:, :self.dim]
+            packed = st.read(slice(None), slice(o, o + st.layout.m_width))  # not handed out
+            raw = packed.view(np.uint16)[:, :self.dim]
             out = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
             out.flags.writeable = False
             return out
-        return self._handed_out(st.data[:, o:o + self.dim])
+        return self._handed_out(slice(o, o + self.dim))
 
     def set_exp_avg(self, m: Any) -> None:
         """Write the first moments: ``m`` of shape (num_rows, dim), any real dtype.
@@ -333,7 +335,7 @@ class State(NamedTuple):
         self._require_view("exp_avg_sq")
         self._require_adam("exp_avg_sq")
         o = self.handle.store.layout.v_off
-        return self._handed_out(self.handle.store.data[:, o:o + self.handle.store.layout.v_width])
+        return self._handed_out(slice(o, o + self.handle.store.layout.v_width))
 
     def __repr__(self) -> str:
         if self.optimizer != "adam":

@@ -681,8 +681,14 @@ class Store:
         return {"format": FORMAT_NAME, "version": layout_version(lay), "layout": lay,
                 "count": int(count), **meta}
 
-    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
-        """A copy of the records of ids; the mapped rows themselves for a slice."""
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None, *,
+             view: bool = False) -> np.ndarray:
+        """A copy of the records of ids; the mapped rows themselves for a slice. ``view``:
+        a writable whole-table view (``State.weights`` & co.) is handed out: rows may change
+        through it where no undo file or bitmap sees them, so every later snapshot of this
+        open is a full copy."""
+        if view and self.mode == "r+":
+            self.tracker.views = True
         return self.data[rows] if cols is None else self.data[rows, cols]
 
     def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
@@ -771,13 +777,6 @@ class Store:
         tracker.taken(last)
         return dest
 
-    def view_handed_out(self) -> None:
-        """A writable whole-table view (``State.weights`` & co.) was handed out: rows may
-        change through it where no undo file or bitmap sees them, so every later snapshot
-        of this open is a full copy."""
-        if self.mode == "r+":
-            self.tracker.views = True
-
     def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
         """A hint: the page-cache read-ahead thread; a range or a row set: the range
         thread (``_inplace.ranges``)."""
@@ -795,7 +794,7 @@ class Store:
     def residency(self, rows: np.ndarray) -> float:
         return mapped_residency(self, rows)
 
-    def wait_ranges(self) -> None:
+    def wait(self) -> None:
         wait_mapped(self)
 
     def stats(self) -> dict[str, Any]:

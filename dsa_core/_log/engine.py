@@ -333,9 +333,6 @@ class LogStore:
                 "checksum")
         return self._info
 
-    def view_handed_out(self) -> None:
-        """Never called: a log store hands out no whole-table view (:meth:`no_view`)."""
-
     def no_view(self, what: str):
         raise ValueError(
             f"store {str(self.path)!r} is a log-structured store (storage='log'), which has "
@@ -453,7 +450,7 @@ class LogStore:
         self._require_open()
         return self._pool.readahead(rows)
 
-    def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
+    def read(self, rows: Any, cols: slice | None = None, *, view: bool = False) -> np.ndarray:
         """A copy of the records of ``rows``: shape ``(len(rows), stride)``, store dtype.
 
         Any rows (or a ``slice(lo, hi)`` of them), duplicates allowed. Resident rows come
@@ -461,8 +458,10 @@ class LogStore:
         initial record. Residency is not
         changed (for gather and export). ``cols``: a ``slice`` of record columns to copy
         (e.g. the weights ``slice(w, w + dim)`` for gather); the result then has that many
-        columns.
+        columns. ``view``: there is no whole-table view to hand out (:meth:`no_view`).
         """
+        if view:
+            self.no_view("a whole-table view")
         if isinstance(rows, slice):
             rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         self._require_open()
@@ -536,7 +535,7 @@ class LogStore:
         From now on the range's resident rows are pinned (CLOCK never evicts them); its
         other rows' records are read in the background, sequentially (``ranges``), and put
         into the region, clean and pinned, at the next :meth:`acquire`, :meth:`write`,
-        range call or :meth:`wait_ranges`. An :meth:`acquire` that misses rows of a range
+        range call or :meth:`wait`. An :meth:`acquire` that misses rows of a range
         still loading waits for that load first (one sequential read instead of random
         ones). No value changes: a row resident before its record arrives (maybe dirty) is
         kept as it is, one that moved meanwhile is read again from where it lies.
@@ -764,7 +763,7 @@ class LogStore:
         else:
             self.release_rows(rows)
 
-    def wait_ranges(self) -> None:
+    def wait(self) -> None:
         """Wait until every load in flight is read and installed (then raise the error an
         earlier load met, once), and every read-ahead hint is done."""
         self._require_open()

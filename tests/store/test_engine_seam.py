@@ -200,20 +200,20 @@ def test_both_engines_implement_the_protocol(tmp_path, storage):
 # for its ``_handle.Handle`` (group, group_ref, scratch, settings, access_request; unclean
 # became a stat): 37; read/write take a slice for a range (read_range and write_range
 # went): 35; one submit of a hint (prefetch) or a load or release of a range or a row set
-# (submit_range, submit_rows): 33. The core owns the life cycle: whether a store is closed
-# is its Handle's (every close goes through dsa_core.close): 32. What it is as one frozen
-# Info (table_view, reads_last_flush, access, nbytes, memory_bytes, max_batch), the core
-# refusing a batch over info.max_batch (check_batch): 26. The core flushes with
-# prepare_commit(lone=True) + install_commit (flush) and syncs a group member's manifest
-# itself (sync_commit): 24. A range write voids the undo journal (before_restore; the torch
-# adapter restores a state dict with tools.restore_records): 23. A new member changes this
-# count
-ENGINE_MEMBERS = 23
+# (submit_range, submit_rows): 33. A seam the width of a pager: what it is as one frozen
+# Info (table_view, reads_last_flush, access, nbytes, memory_bytes, max_batch); the core
+# refuses a batch over info.max_batch (check_batch), flushes with prepare_commit(lone=True)
+# + install_commit (flush), syncs the manifest (sync_commit) and owns the life cycle in its
+# Handle (closed); a range write voids the undo journal (before_restore), read(view=True)
+# hands a table view out (view_handed_out); wait_ranges is the wait verb: 22. A new member
+# changes this count
+ENGINE_MEMBERS = 22
 # what the core keeps in its Handle, never on an engine (issue 41)
 CORE_STATE = ("group", "group_ref", "scratch", "settings", "access_request", "closed")
 # what became data in the engine's Info, or the core's (issue 41)
 GONE = ("table_view", "reads_last_flush", "access", "nbytes", "memory_bytes", "max_batch",
-        "check_batch", "closed", "flush", "sync_commit", "before_restore")
+        "check_batch", "flush", "sync_commit", "closed", "before_restore", "view_handed_out",
+        "wait_ranges")
 LAYOUT_FIELDS = ("num_rows", "dim", "dtype", "curvature", "stride", "w_off", "m_off", "v_off",
                  "v_width", "m_width", "rowwise", "m_bf16", "rs_off", "ls_off")
 
