@@ -376,13 +376,8 @@ def restore_from(live: dsa_core.State, snap) -> dsa_core.State:
     every record written, then the count set (and the store flushed)."""
     if not isinstance(snap, SavedRows):
         return dsa_core.restore(live, snap)
-    live.store.before_restore()  # as dsa_core.restore: no undo record may roll them back
-    rec = snap.records
-    chunk = max(1, (16 << 20) // max(1, rec.shape[1] * rec.itemsize))
-    for lo in range(0, live.num_rows, chunk):
-        hi = min(live.num_rows, lo + chunk)
-        dsa_core.write_records(live, np.arange(lo, hi, dtype=np.int64), rec[lo:hi])
-    return dsa_core.set_count(live, snap.count)
+    # as dsa_core.restore: range writes, which no undo record may roll back
+    return dsa_core.tools.restore_records(live, snap.records, snap.count)
 
 
 def close_saved(snap) -> None:

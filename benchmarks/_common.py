@@ -123,7 +123,7 @@ def predirty(state) -> bool:
     threshold: pre-dirtying it would only start writeback and throttle the timed steps.
     """
     data = state.store.data
-    if state.store.nbytes > dirty_background_bytes():
+    if state.store.info.nbytes > dirty_background_bytes():
         return False
     step = max(1, (1 << 26) // data[0].nbytes)
     for lo in range(0, data.shape[0], step):

@@ -236,7 +236,7 @@ def ensure_store(path: Path, nodes: int, dim: int, storage: str, keep: bool,
     st = dsa_core.create(path, nodes, dim, init="uniform", init_scale=1e-3, lr=1e-3,
                          overwrite=True, progress=True, storage=storage,
                          **_optimizer_kw(optimizer))
-    if st.store.memory_bytes is not None:  # a region: write every row, sealed in row order
+    if st.store.info.memory_bytes is not None:  # a region: write every row, sealed in row order
         chunk = 1 << 16
         for lo in range(0, nodes, chunk):
             hi = min(nodes, lo + chunk)
@@ -257,7 +257,7 @@ def has_region(path: Path) -> bool:
 
     st = dsa_core.open(path)
     try:
-        return st.store.memory_bytes is not None
+        return st.store.info.memory_bytes is not None
     finally:
         dsa_core.close(st)
 
@@ -280,7 +280,7 @@ def store_settings(path: Path, nodes: int, P: int, c: int, batch: int, k: int,
 
     st = dsa_core.open(path)
     try:
-        if st.store.memory_bytes is None:
+        if st.store.info.memory_bytes is None:
             return {"train": {}, "ram": {"access": "ram"}, "region_rows": 0}
         parts = min(c + 1, P) * -(-nodes // P)
         pools = min(2 * pool_rows(pool, k), max(nodes - parts, 0))

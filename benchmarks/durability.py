@@ -99,7 +99,7 @@ def run_mode(mode: str, root: Path, n: int, d: int, ids: list[np.ndarray],
                                                 for i in ids]))
                                    if mode == "log:step" else 0),
         "log_flushes": int(flushes),
-        "region_bytes": int(state.store.memory_bytes) if log else 0,
+        "region_bytes": int(state.store.info.memory_bytes) if log else 0,
     }
 
 

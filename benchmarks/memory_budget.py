@@ -74,7 +74,7 @@ def _child(a) -> dict:
     base = mem()["RssAnon"]
     peak = _Peak()
     s = dsa_core.create(os.path.join(root, "s"), a.rows, a.dim, storage="log", memory=a.memory)
-    budget = int(s.store.memory_bytes)
+    budget = int(s.store.info.memory_bytes)
     out = {"rows": a.rows, "dim": a.dim, "batch": a.batch, "memory_mib": budget / 2**20,
            "base_anon_mib": round(base / 2**20, 1)}
     updates, per_pass, fresh = 0, a.rows, None

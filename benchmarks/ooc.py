@@ -98,7 +98,7 @@ def ensure_store(path: Path, rows: int, dim: int, keep: bool, align: int = 0,
                          second_moment=second_moment, first_moment=first_moment)
     dsa_core.close(st)  # msync: every page written to disk, no sparse holes
     dt = time.perf_counter() - t0
-    gb = st.store.nbytes / 1e9
+    gb = st.store.info.nbytes / 1e9
     print(f"created {path}: {gb:.1f} GB in {dt:.0f} s ({gb / dt:.2f} GB/s)")
 
 

@@ -384,7 +384,7 @@ def cmd_info(a) -> int:
             print(f"{k:>{width}}: {v}")
             continue
         elif k == "storage":
-            v = f"{v} ({st.store.description})"
+            v = f"{v} ({st.store.info.description})"
         elif k == "summary":
             continue
         if v is None:
@@ -414,7 +414,7 @@ def cmd_export(a) -> int:
     out = Path(a.out)
     if out.exists() and not a.force:
         raise SystemExit(f"dsa: {str(out)!r} exists; pass --force to overwrite it")
-    if not st.store.reads_last_flush and lock_held(Path(st.path) / WRITER_LOCK):
+    if not st.store.info.reads_last_flush and lock_held(Path(st.path) / WRITER_LOCK):
         print("note: a writer holds this store; rows it changed since its last flush may "
               "already be in the export", file=sys.stderr)
     # written beside OUT and renamed when complete: an interrupted export leaves no .npy
@@ -491,13 +491,13 @@ def cmd_verify(a) -> int:
     if _unclean(st):
         problems.append(f"unclean stop: the manifest says count {st.count}, but {UNCLEAN_NOTE}")
     version = (_manifest(Path(st.path)) or {}).get("version")
-    print(f"{st.path}: {st.storage} store, format v{version}, {st.store.checks}, "
+    print(f"{st.path}: {st.storage} store, format v{version}, {st.store.info.checks}, "
           f"count {st.count}")
     for name, _, what in files:
         print(f"  file {name}: ok ({what})")
     if lock_held(Path(st.path) / WRITER_LOCK):
         print("  note: a writer holds this store; " + (
-            "this checked the files of its last flush" if st.store.reads_last_flush
+            "this checked the files of its last flush" if st.store.info.reads_last_flush
             else "rows it is changing now may read half-done"))
     for p in problems:
         print(f"  PROBLEM: {p}")
@@ -530,7 +530,7 @@ def cmd_convert(a) -> int:
         if is_store and lock_held(dest / WRITER_LOCK):
             raise SystemExit(f"dsa: DEST {a.dest!r} is open for writing by a training "
                              "process; close it there first")
-    if not st.store.reads_last_flush and lock_held(src_path / WRITER_LOCK):
+    if not st.store.info.reads_last_flush and lock_held(src_path / WRITER_LOCK):
         raise SystemExit(
             f"dsa: a writer holds SRC {a.src!r}: an in-place store's rows change on disk "
             "during training, ahead of the count in its manifest, so a copy now could pair "
@@ -549,7 +549,7 @@ def cmd_convert(a) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"dsa: converting {a.src!r} failed, {a.dest!r} was not changed: "
                          f"{exc}") from None
-    note = (" (read at its writer's last flush)" if st.store.reads_last_flush
+    note = (" (read at its writer's last flush)" if st.store.info.reads_last_flush
             and lock_held(src_path / WRITER_LOCK) else "")
     print(f"wrote {dest} (storage={a.storage}, {what}){note}")
     return 0

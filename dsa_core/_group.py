@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _exit, _group_file
+from ._engine import sync_commit
 from ._handle import Handle
 from ._state import State, flush, newest_meta, newest_state, require_current, state_meta
 from ._files import InDoubtError
@@ -217,8 +218,8 @@ class _Member:
     def sync(self) -> None:
         """Make its last installed manifest durable: before the commit file that holds it
         is replaced."""
-        if self.unsynced and not self.handle.store.closed:
-            self.handle.store.sync_commit()
+        if self.unsynced and not self.handle.closed:
+            sync_commit(self.handle.store)
         self.unsynced = False
 
 
@@ -240,9 +241,9 @@ class _Core:
 
     # -- helpers ------------------------------------------------------------------------------
     def live(self) -> list[_Member]:
-        keep = [m for m in self.members if not m.handle.store.closed]
+        keep = [m for m in self.members if not m.handle.closed]
         for m in self.members:
-            if m.handle.store.closed:
+            if m.handle.closed:
                 m.handle.group = None
         self.members = keep
         return keep

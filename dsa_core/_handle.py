@@ -13,7 +13,10 @@ The Handle is the one home of:
 * the open-time ``settings`` the store remembers (written with every commit point);
 * its commit group: ``group_ref``, the group its manifest names, and ``group``, the open
   group that commits it (``_group``, which talks to Handles);
-* ``scratch``, the core's reused buffers (one writer, steps one after another: safe).
+* ``scratch``, the core's reused buffers (one writer, steps one after another: safe);
+* ``closed``: whether ``dsa_core.close`` closed it (every close of an open store goes
+  through the core; the engine's exit-time flush of a store nobody closed runs only once
+  no State of it is left, or at exit).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class Handle:
     """An open store as the core keeps it (see the module docstring). ``store``: the engine;
     None only while ``create`` makes it."""
 
-    __slots__ = ("store", "count", "meta", "settings", "group_ref", "group", "scratch")
+    __slots__ = ("store", "count", "meta", "settings", "group_ref", "group", "scratch",
+                 "closed")
 
     def __init__(self, store: Any, count: int, settings: dict[str, Any],
                  group_ref: dict[str, Any] | None = None):
@@ -57,6 +61,7 @@ class Handle:
         self.group_ref = group_ref     # the commit group its manifest names, or None
         self.group: Committer | None = None  # the open group that commits it
         self.scratch: dict[str, Any] = {}    # the core's reused buffers (``_engine.scratch``)
+        self.closed = False                  # ``dsa_core.close`` closed it
 
     def __repr__(self) -> str:
         return f"Handle({self.store!r}, count={self.count})"

@@ -189,7 +189,7 @@ _RAM_STORES: weakref.WeakSet = weakref.WeakSet()  # open stores of this process 
 
 def ram_bytes_held() -> int:
     """Bytes of the stores this process holds open with ``access="ram"``."""
-    return sum(st.nbytes for st in list(_RAM_STORES) if not st.closed)
+    return sum(st.info.nbytes for st in list(_RAM_STORES))  # a store leaves it as it closes
 
 
 def auto_access(nbytes: int) -> str:

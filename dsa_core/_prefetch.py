@@ -31,7 +31,7 @@ def prefetch(state, idx: Any, *, wait: bool = False) -> None:
     ``step`` that needs them copies them into the region without waiting on the disk).
     """
     st = state.store
-    if st.closed:
+    if state.closed:
         raise closed_error(st)
     rows = as_index(idx, st.layout.num_rows)
     if rows.size:
@@ -70,7 +70,7 @@ def residency(state, idx: Any) -> float:
     (``storage="log"``): the fraction of the rows that are resident in its memory region.
     """
     st = state.store
-    if st.closed:
+    if state.closed:
         raise closed_error(st)
     rows = np.unique(as_index(idx, st.layout.num_rows))
     if rows.size == 0:

@@ -26,11 +26,14 @@ __all__ = ["load_range", "load_rows", "release_range", "release_rows", "wait_ran
 
 
 # -- public API -----------------------------------------------------------------------------
-def _store_of(state: Any):
+def _store_of(state: Any, *, open_: bool = False):
+    """The engine of ``state``; ``open_``: a ``ValueError`` if the store is closed."""
     st = getattr(state, "store", None)
     if st is None or not hasattr(st, "layout"):
         raise TypeError(f"state must be a dsa_core.State (from dsa_core.create/open), got "
                         f"{type(state).__name__}")
+    if open_ and state.closed:
+        raise closed_error(st)
     return st
 
 
@@ -55,9 +58,7 @@ def _check_range(st, start: Any, stop: Any) -> tuple[int, int]:
 
 
 def _submit(kind: str, state: Any, start: Any, stop: Any, wait: bool) -> None:
-    st = _store_of(state)
-    if st.closed:
-        raise closed_error(st)
+    st = _store_of(state, open_=True)
     start, stop = _check_range(st, start, stop)
     st.submit(kind, slice(start, stop), wait)
 
@@ -184,9 +185,7 @@ def _check_rows(st, rows: Any) -> np.ndarray:
 
 
 def _submit_rows(kind: str, state: Any, rows: Any, wait: bool) -> None:
-    st = _store_of(state)
-    if st.closed:
-        raise closed_error(st)
+    st = _store_of(state, open_=True)
     st.submit(kind, _check_rows(st, rows), wait)
 
 
@@ -314,6 +313,6 @@ def wait_ranges(state: Any) -> None:
     >>> dsa_core.wait_ranges(state)
     >>> dsa_core.close(state)
     """
-    _store_of(state).wait_ranges()
+    _store_of(state).wait()
 
 

@@ -21,7 +21,7 @@ from . import _layout
 from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
-from ._engine import closed_error
+from ._engine import closed_error, commit
 from ._files import copy_tree, staged_dir
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._group_file import recover
@@ -88,12 +88,12 @@ class State(NamedTuple):
     @property
     def closed(self) -> bool:
         """True after :func:`dsa_core.close` (by this or any State of the same store)."""
-        return self.handle.store.closed
+        return self.handle.closed
 
     @property
     def writable(self) -> bool:
         """True while the store is open for writing (``mode="r+"``, not closed)."""
-        return not self.handle.store.closed and self.handle.store.mode == "r+"
+        return not self.handle.closed and self.handle.store.mode == "r+"
 
     @property
     def current(self) -> bool:
@@ -117,7 +117,7 @@ class State(NamedTuple):
     def access(self) -> str:
         """How the mapping is paged: ``"ram"`` or ``"disk"`` (``"auto"`` resolved at open);
         ``"log"`` for a log-structured store (no mapping: its region is its memory)."""
-        return self.handle.store.access
+        return self.handle.store.info.access
 
     @property
     def storage(self) -> str:
@@ -133,17 +133,17 @@ class State(NamedTuple):
         segments): read and write rows with :func:`dsa_core.gather`,
         :func:`dsa_core.read_records` and :func:`dsa_core.write_records`, which work on
         every store."""
-        return self.handle.store.table_view
+        return self.handle.store.info.table_view
 
     def _require_view(self, name: str) -> None:
-        if not self.handle.store.table_view:
+        if not self.handle.store.info.table_view:
             self.handle.store.no_view(f"State.{name}")
 
-    def _handed_out(self, view: np.ndarray) -> np.ndarray:
-        """A writable whole-table view leaves the store's sight: rows written through it
-        are seen by no undo record, so its later snapshots are full copies."""
-        self.handle.store.view_handed_out()
-        return view
+    def _handed_out(self, cols: slice) -> np.ndarray:
+        """A writable whole-table view of the columns ``cols`` leaves the store's sight
+        (``read(..., view=True)``): rows written through it are seen by no undo record, so
+        its later snapshots are full copies."""
+        return self.handle.store.read(slice(None), cols, view=True)
 
     @property
     def num_rows(self) -> int:
@@ -193,7 +193,7 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} is an Adam store (optimizer='adam') and "
                              "keeps no Adagrad accumulator; its state is exp_avg and "
                              "exp_avg_sq")
-        return self._handed_out(self.handle.store.data[:, lay.v_off:lay.v_off + lay.v_width])
+        return self._handed_out(slice(lay.v_off, lay.v_off + lay.v_width))
 
     def _require_adam(self, name: str) -> None:
         opt = self.handle.store.layout.optimizer
@@ -238,7 +238,8 @@ class State(NamedTuple):
             raise ValueError(f"store {str(self.path)!r} was created without {option}=True "
                              f"and keeps no {name}; create the store with "
                              f"dsa_core.create(..., {option}=True) to have them")
-        return self._handed_out(self.handle.store.counters[:, off])
+        ints = _layout.counter_dtype(self.handle.store.layout.dtype)  # the records as ints
+        return self._handed_out(slice(off, off + 1)).view(ints)[:, 0]
 
     @property
     def weights(self) -> np.ndarray:
@@ -251,7 +252,7 @@ class State(NamedTuple):
                 f"store {str(self.path)!r} was created with weights=False and holds no "
                 "weights; the caller keeps them (pass them to step(..., params=rows))")
         o = self.handle.store.layout.w_off
-        return self._handed_out(self.handle.store.data[:, o:o + self.dim])
+        return self._handed_out(slice(o, o + self.dim))
 
     @property
     def first_moment(self) -> str:
@@ -271,11 +272,12 @@ class State(NamedTuple):
         st = self.handle.store
         o = st.layout.m_off
         if st.layout.m_bf16:
-            raw = st.data[:, o:o + st.layout.m_width].view(np.uint16)[:, :self.dim]
+            packed = st.read(slice(None), slice(o, o + st.layout.m_width))  # not handed out
+            raw = packed.view(np.uint16)[:, :self.dim]
             out = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
             out.flags.writeable = False
             return out
-        return self._handed_out(st.data[:, o:o + self.dim])
+        return self._handed_out(slice(o, o + self.dim))
 
     def set_exp_avg(self, m: Any) -> None:
         """Write the first moments: ``m`` of shape (num_rows, dim), any real dtype.
@@ -295,7 +297,7 @@ class State(NamedTuple):
                 np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
             raise ValueError(f"exp_avg must be a real ({self.num_rows}, {self.dim}) array for "
                              f"store {str(self.path)!r}; got {m.dtype} of shape {m.shape}")
-        if not st.table_view:
+        if not st.info.table_view:
             _require_writable(self)
             lay = self.layout
             o, bf16 = lay["m"], lay.get("first_moment") == "bfloat16"
@@ -333,7 +335,7 @@ class State(NamedTuple):
         self._require_view("exp_avg_sq")
         self._require_adam("exp_avg_sq")
         o = self.handle.store.layout.v_off
-        return self._handed_out(self.handle.store.data[:, o:o + self.handle.store.layout.v_width])
+        return self._handed_out(slice(o, o + self.handle.store.layout.v_width))
 
     def __repr__(self) -> str:
         if self.optimizer != "adam":
@@ -951,7 +953,7 @@ def flush(state: State) -> None:
             g.flush([state])
             h.meta = meta
             return
-    h.store.flush(int(state.count), meta)
+    commit(h.store, int(state.count), meta)
     h.meta = meta  # the newest State's (its count is h.count)
 
 
@@ -1120,11 +1122,33 @@ def restore(live: State, snapshot: State) -> State:
     """
     require_current(live)
     check_same_layout(live, snapshot)
-    if snapshot.store.closed:
+    if snapshot.closed:
         raise closed_error(snapshot.store, "the snapshot", read_only=True)
-    live.store.before_restore()
-    _copy_records(snapshot, live)
+    _copy_records(snapshot, live)  # range writes: no undo journal rolls them back
     return set_count(live, snapshot.count)
+
+
+def restore_records(live: State, records: Any, count: int) -> State:
+    """:func:`restore` from every record of a store held in memory (a state dict's rows)
+    rather than from a snapshot store: ``records`` of shape ``(num_rows, stride)`` in the
+    store dtype (:func:`read_records` of every row), written in chunks of ~16 MiB as range
+    writes (no undo journal of the last step may roll them back), then ``live`` flushed at
+    ``count``. Checked before anything is written; ``live`` must be current; the State
+    returned is, and earlier ones are outdated.
+    """
+    require_current(live)
+    st = live.store
+    lay = st.layout
+    rec = np.asarray(records)
+    if rec.dtype != lay.dtype or rec.shape != (lay.num_rows, lay.stride):
+        raise ValueError(f"records must be a ({lay.num_rows}, {lay.stride}) {lay.dtype.name} "
+                         f"array (every record of store {str(st.path)!r}), got "
+                         f"{rec.shape} {rec.dtype}")
+    step = max(1, _RESTORE_CHUNK_BYTES // max(1, lay.stride * rec.itemsize))
+    for lo in range(0, lay.num_rows, step):
+        hi = min(lay.num_rows, lo + step)
+        st.write(slice(lo, hi), rec[lo:hi])
+    return set_count(live, count)
 
 
 def _copy_records(src: State, dst: State) -> None:
@@ -1166,7 +1190,7 @@ def convert(src: State, dest, *, storage: str, memory: int | str | None = None,
     memory = check_memory_arg(memory, storage)
     h = src.handle
     st = h.store
-    if st.closed:
+    if h.closed:
         raise closed_error(st, "the source", read_only=True)
     if optimizer is not None:
         check_store_optimizer(st.layout.optimizer, check_optimizer(optimizer), st.path,
@@ -1231,7 +1255,7 @@ def read_records(state: State, idx: Any) -> np.ndarray:
     layout entries (resharding, merging) without knowing what a record holds.
     """
     st = state.store
-    if st.closed:
+    if state.closed:
         raise closed_error(st)
     return st.read(as_index(idx, st.layout.num_rows))
 
@@ -1268,7 +1292,7 @@ def close(state: State) -> None:
     """
     h = state.handle
     st = h.store
-    if st.closed:
+    if h.closed:
         return
     if st.mode == "r+":
         if state.count != h.count:
@@ -1278,17 +1302,18 @@ def close(state: State) -> None:
             if g is not None and g.stepped_since():
                 g.flush()  # every member at its newest step, as one commit
             else:
-                st.flush(h.count, h.meta)
+                commit(st, h.count, h.meta)
         else:
             flush(state)  # with its group, if a member stepped since the group's last commit
     if h.group is not None:  # it leaves its group (which commits without it from now on)
         h.group.leave(h)
     st.close()
+    h.closed = True
 
 
 def _require_writable(state: State) -> None:
     st = state.handle.store
-    if st.closed:
+    if state.handle.closed:
         raise closed_error(st)
     if st.mode != "r+":
         raise ValueError(f"store {str(st.path)!r} was opened read-only (mode='r'); "

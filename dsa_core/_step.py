@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
-from ._engine import closed_error, scratch
+from ._engine import closed_error, refuse_batch, scratch
 from ._engines import warmup_engines
 from ._files import InDoubtError
 from ._intrinsics import NO_OPTIONS, WD_DECOUPLED, WD_L2, WD_NONE, options_array
@@ -247,7 +247,8 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             srows, G, inv = coalesce(idx, grad, want_inverse=lay.w_off is None,
                                      out=scratch(h.scratch, "coalesced", b * lay.dim,
                                                  lay.dtype))
-        st.check_batch(srows.shape[0])  # before anything changes
+        if srows.shape[0] > st.info.max_batch:  # before anything changes
+            refuse_batch(st, srows.shape[0])
     else:
         srows, G, inv = idx, grad, None
     plan = StepPlan(state, t, lr, srows, G, inv, params, table, state_meta(state))
@@ -339,9 +340,10 @@ def check_batch(state: State, idx: Any) -> None:
     lay = st.layout
     idx = as_index(idx, lay.num_rows)
     n = idx.shape[0]
-    if n > st.max_batch():  # only a batch longer than the limit can fail: count its rows
+    if n > st.info.max_batch:  # only a batch longer than the limit can fail: count its rows
         n = np.unique(idx).shape[0]
-    st.check_batch(n)
+        if n > st.info.max_batch:
+            refuse_batch(st, n)
 
 
 def _min_chunk(dim: int) -> int:
@@ -458,7 +460,7 @@ def gather(state: State, idx: Any, out: np.ndarray | None = None) -> np.ndarray:
     """Copy the weight rows ``idx`` out of the store: shape ``(len(idx), dim)``, store dtype."""
     st = state.handle.store
     lay = st.layout
-    if st.closed:
+    if state.handle.closed:
         raise closed_error(st)
     if lay.w_off is None:
         raise ValueError(f"store {str(st.path)!r} was created with weights=False and holds no "

@@ -576,7 +576,7 @@ def _tables(tables) -> tuple[int, int, int, list]:
             per_row += b
             # a store with a memory region of its own (a log store) holds the partitions it
             # loads there; one without (in place) holds them as page cache
-            region = t.store.memory_bytes is not None
+            region = t.store.info.memory_bytes is not None
             regioned.append(t if region else None)
             paged += 0 if region else b
         else:
@@ -1010,7 +1010,7 @@ class BatchIterator:
     def _hint(self, fn, p: int, skip_closed: bool = False) -> None:
         lo, hi = int(self.plan.bounds[p]), int(self.plan.bounds[p + 1])
         for s in self.stores:
-            if not (skip_closed and s.store.closed):
+            if not (skip_closed and s.closed):
                 fn(s, lo, hi)
 
     def _batches(self) -> Iterator[Batch]:  # noqa: C901 - one walk over states and groups
@@ -1177,7 +1177,7 @@ class BatchIterator:
     def _pool_hint(self, fn, rows: np.ndarray, skip_closed: bool = False) -> None:
         """``fn`` (``dsa_core.load_rows`` / ``release_rows``) of a pool on every store."""
         for st in self.stores:
-            if not (skip_closed and st.store.closed):
+            if not (skip_closed and st.closed):
                 fn(st, rows)
 
     def _after(self, e: int, s: int, end: int) -> tuple[set, set]:
@@ -1241,13 +1241,13 @@ def _check_regions(stores: tuple, plan: Plan, batch_size: int, negatives: int,
     held = parts + pools
     step = min(batch_size * (2 + negatives), plan.num_nodes)
     for n, s in enumerate(stores):
-        have = s.store.memory_bytes
+        have = s.store.info.memory_bytes
         if have is None:
             continue
         need = dsa_core.region_memory(s, held + step)
         if have < need:
             mib = 1 << 20
-            slots = s.store.max_batch()  # the rows its region holds
+            slots = s.store.info.max_batch  # the rows its region holds
             part = (slots - step - 2 * pool) // k  # rows per partition that would fit
             c = plan.buffer
             smaller = (f"plan with partitions={-(-plan.num_nodes // part)} or more (buffer="

@@ -316,7 +316,7 @@ def _worker(st, create: bool) -> RangeWorker | None:
     with _CREATE_LOCK:
         w = st._ranges
         if w is None or w.pid != os.getpid():
-            if st.closed:
+            if st._closed:
                 raise closed_error(st)
             w = st._ranges = RangeWorker(st)
     return w
@@ -381,13 +381,13 @@ def wait_mapped(st: Any) -> None:
     """``wait_ranges`` of an in-place store: a barrier through its range thread."""
     w = _worker(st, create=False)
     if w is None:
-        if st.closed:
+        if st._closed:
             raise closed_error(st)
         return
     try:
         req = w.submit("barrier", 0, 0, st)
     except ValueError:
-        if st.closed:
+        if st._closed:
             raise
         req = None
     if req is not None:

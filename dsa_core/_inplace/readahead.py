@@ -106,7 +106,7 @@ class Prefetcher:
 
     def _hint(self, rows: np.ndarray, write: bool) -> None:
         fd = self._store._fd
-        if fd >= 0 and not self._store.closed:
+        if fd >= 0 and not self._store._closed:
             self._calls[write] += _advise_rows(fd, rows, HEADER_BYTES, self._rec_bytes, PAGE,
                                                SYNC_FILE_RANGE_WRITE if write else _WILLNEED,
                                                write)
@@ -149,7 +149,7 @@ def writeback(state, idx: Any) -> None:
     ``benchmarks.ooc --modes pipeline``.
     """
     st = state.store
-    if st.closed or st.mode != "r+" or not st.table_view:  # a mapping's pages only
+    if st._closed or st.mode != "r+" or not st.info.table_view:  # a mapping's pages only
         return
     rows = as_index(idx, st.layout.num_rows)
     if rows.size:

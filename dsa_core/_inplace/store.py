@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import _exit, _layout
 from .._coalesce import gather_rows
+from .._engine import Info
 from .._files import (
     CHECKSUM_KEY,
     InDoubtError,
@@ -243,10 +244,6 @@ class Store:
     """
 
     kind = "inplace"
-    table_view = True         # ``data`` is the whole table
-    reads_last_flush = False  # a reader beside a writer sees rows as the writer changes them
-    description = "one mapped file of records"
-    checks = "manifest checksum, header CRC and size ok"
 
     def __init__(self, directory: Path, layout: dict[str, Any], mode: str,
                  access: str = "auto"):
@@ -255,7 +252,9 @@ class Store:
         self.access = ""  # "ram" or "disk" once mapped
         self.layout = Layout.from_dict(layout)  # the record layout, one frozen value
         self.mode = mode
-        self.closed = False
+        self._closed = False  # the core's Handle says so to the core; this, to its threads
+        self._info: Info | None = None  # ``info``, once the mapping's paging is known
+        self._journal_live = True  # the undo journal may hold a step (voided: False)
         # the descriptors, mapping, count and marker state (``_Files``); ``count`` is the
         # count of the last commit (a step's, a flush's): what an exit flush records
         self._f = _Files(self.path)
@@ -296,9 +295,17 @@ class Store:
         return HEADER_BYTES + lay.num_rows * lay.stride * lay.dtype.itemsize
 
     @property
-    def memory_bytes(self) -> None:
-        """None: an in-place store keeps its rows in the page cache, no region of its own."""
-        return None
+    def info(self) -> Info:
+        """What it is (``_engine.Info``): a whole-table view (``data``), rows a reader sees as
+        the writer changes them, paged as ``access``, no memory of its own for rows (the
+        page cache holds them), any batch."""
+        if self._info is None:
+            self._info = Info(
+                table_view=True, reads_last_flush=False, access=self.access,
+                memory_bytes=None, nbytes=self.nbytes, max_batch=self.layout.num_rows,
+                description="one mapped file of records",
+                checks="manifest checksum, header CRC and size ok")
+        return self._info
 
     def _lock(self) -> None:
         self._lockfd = lock_writer(self.path)
@@ -326,6 +333,7 @@ class Store:
                 self._mm.madvise(mmap.MADV_NOHUGEPAGE)
             self._mm.madvise(mmap.MADV_RANDOM)
         self.access = resolved
+        self._info = None  # ``info.access`` follows
 
     def _map(self, private: bool = False) -> None:
         """Map the file (``private``: a read-only open's copy-on-write mapping, into which an
@@ -568,6 +576,7 @@ class Store:
         ids = np.ascontiguousarray(rows, dtype=np.int64)
         crc = zlib.crc32(rec.data, zlib.crc32(ids.data))
         head = _JHEAD.pack(JOURNAL_MAGIC, int(count_before), ids.shape[0], crc)
+        self._journal_live = True  # from here on it may hold this step
         if self._jfd < 0:
             self._jfd = os.open(self.path / JOURNAL_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         total = len(head) + ids.nbytes + rec.nbytes
@@ -589,6 +598,7 @@ class Store:
     def journal_void(self) -> None:
         """Truncate the undo journal durably: no journal may roll back past a flush."""
         self._f.void_journal()
+        self._journal_live = False
 
     def data_sync(self) -> None:
         """fdatasync the data file: every row written through the mapping is on disk."""
@@ -621,12 +631,6 @@ class Store:
         return action
 
     # -- the engine interface (dsa_core._engine) -----------------------------------------
-    def check_batch(self, n: int) -> None:
-        """Any batch fits: the rows are stepped where they lie."""
-
-    def max_batch(self) -> int:
-        return self.layout.num_rows
-
     def begin_step(self, rows: np.ndarray, count: int, meta: dict[str, Any]
                    ) -> tuple[np.ndarray, np.ndarray]:
         """The mapped rows themselves; with ``durability="step"`` their undo record first
@@ -677,12 +681,22 @@ class Store:
         return {"format": FORMAT_NAME, "version": layout_version(lay), "layout": lay,
                 "count": int(count), **meta}
 
-    def read(self, rows: np.ndarray | slice, cols: slice | None = None) -> np.ndarray:
-        """A copy of the records of ids; the mapped rows themselves for a slice."""
+    def read(self, rows: np.ndarray | slice, cols: slice | None = None, *,
+             view: bool = False) -> np.ndarray:
+        """A copy of the records of ids; the mapped rows themselves for a slice. ``view``:
+        a writable whole-table view (``State.weights`` & co.) is handed out: rows may change
+        through it where no undo file or bitmap sees them, so every later snapshot of this
+        open is a full copy."""
+        if view and self.mode == "r+":
+            self.tracker.views = True
         return self.data[rows] if cols is None else self.data[rows, cols]
 
     def write(self, rows: np.ndarray | slice, records: np.ndarray) -> None:
+        """A range write (restore, convert) voids the undo journal first: a journal of the
+        last step could roll the rows back at the next open."""
         if isinstance(rows, slice):
+            if self._journal_live:
+                self.journal_void()
             self.before_change_range(rows.start, rows.stop)
         else:
             self.before_change(rows)
@@ -692,7 +706,7 @@ class Store:
         run_chunked(gather_rows, (self.data, rows, self.layout.w_off, out), rows.shape[0],
                     max(16, 16384 // self.layout.dim))
 
-    def flush(self, count: int, meta: dict[str, Any]) -> None:
+    def _flush(self, count: int, meta: dict[str, Any]) -> None:
         """msync the rows, void the undo journal, then the manifest (the commit point)."""
         self._not_in_doubt()
         self.sync()
@@ -712,9 +726,11 @@ class Store:
                 "own. Close the process; dsa_core.open installs the commit if its group "
                 "committed it")
 
-    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
+    def prepare_commit(self, count: int, meta: dict[str, Any], *, lone: bool = False
+                       ) -> dict[str, Any]:
         """msync the rows and void the undo journal; returns the manifest that would commit
-        them, not yet written (the unclean marker stays until :meth:`install_commit`)."""
+        them, not yet written (the unclean marker stays until :meth:`install_commit`). A
+        flush (``lone``) writes the manifest even when nothing changed."""
         self._not_in_doubt()
         self.sync()
         self.journal_void()
@@ -736,11 +752,6 @@ class Store:
     def cancel_commit(self) -> None:
         self._f.prepared = None
 
-    def sync_commit(self) -> None:
-        """Make the manifest of an ``install_commit(durable=False)`` durable."""
-        fsync_path(self.path / MANIFEST_FILE)
-        fsync_path(self.path)
-
     def checkpoint(self, dest: Path, count: int, meta: dict[str, Any], *,
                    overwrite: bool, share: bool = True) -> Path:
         """Flush, then write the snapshot into a staged directory renamed into place:
@@ -748,7 +759,7 @@ class Store:
         this writer's last snapshot (a delta of the rows changed since it) or a full copy
         (``_inplace.snapshots``); ``share=False`` a full copy that shares nothing, which no
         later snapshot builds on."""
-        self.flush(count, meta)
+        self._flush(count, meta)
         dest.parent.mkdir(parents=True, exist_ok=True)
         snap = {k: v for k, v in meta.items() if k != "group"}  # a snapshot is in no group
         manifest = self.manifest(count, snap)
@@ -765,17 +776,6 @@ class Store:
             last.path = Path(os.path.abspath(dest))  # renamed: the same files
         tracker.taken(last)
         return dest
-
-    def view_handed_out(self) -> None:
-        """A writable whole-table view (``State.weights`` & co.) was handed out: rows may
-        change through it where no undo file or bitmap sees them, so every later snapshot
-        of this open is a full copy."""
-        if self.mode == "r+":
-            self.tracker.views = True
-
-    def before_restore(self) -> None:
-        """A journal of the last step could roll restored rows back at the next open."""
-        self.journal_void()
 
     def submit(self, kind: str, rows: np.ndarray | slice, wait: bool) -> None:
         """A hint: the page-cache read-ahead thread; a range or a row set: the range
@@ -794,7 +794,7 @@ class Store:
     def residency(self, rows: np.ndarray) -> float:
         return mapped_residency(self, rows)
 
-    def wait_ranges(self) -> None:
+    def wait(self) -> None:
         wait_mapped(self)
 
     def stats(self) -> dict[str, Any]:
@@ -812,12 +812,12 @@ class Store:
     # -- lifetime ----------------------------------------------------------------------------
     def sync(self) -> None:
         """msync the mapping: every row written so far is on disk when this returns."""
-        if self._mm is not None and self.mode == "r+" and not self.closed:
+        if self._mm is not None and self.mode == "r+" and not self._closed:
             self._mm.flush()
 
     def close(self) -> None:
         """Release the writer lock; the mapping lives on until the arrays are collected."""
-        if self.closed:
+        if self._closed:
             return
         if self._prefetcher is not None:
             self._prefetcher.close()
@@ -826,7 +826,7 @@ class Store:
         self.sync()
         if self._f.undo is not None and not self._f.marked:
             self._f.undo.discard()  # flushed: nothing to undo
-        self.closed = True
+        self._closed = True
         if self.data is not None:
             self.data.flags.writeable = False
             self.counters.flags.writeable = False
@@ -844,7 +844,7 @@ class Store:
         self._f.release()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else self.mode
+        state = "closed" if self._closed else self.mode
         lay = self.layout
         return (f"Store({str(self.path)!r}, rows={lay.num_rows}, dim={lay.dim}, "
                 f"dtype={lay.dtype.name}, curvature={lay.curvature}, {state})")

@@ -47,7 +47,6 @@ from .budget import SEAL_BYTES
 from .checks import check_count, check_meta
 from .cleaner import CLEAN_UNITS, Cleaner
 from .format import (
-    MANIFEST_FILE,
     MAX_SEGMENT_ID,
     Segment,
     check_records,
@@ -276,16 +275,8 @@ class Commit:
     def flush(self, count: int | None = None) -> None:
         """Make everything so far durable, at step ``count`` (default: ``self.count``); see
         ``LogStore.flush``."""
-        self._not_in_doubt()
-        count = self.count if count is None else check_count(count)
-        meta = check_meta(self.meta)
-        self.count = count
-        self._seal_dirty()
-        if not self.index_dirty and self.count == self.manifest["count"] \
-                and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
-            return
-        self._prepare_sealed(meta)
-        self.install()
+        if self.prepare(count, if_changed=True) is not None:
+            self.install()
 
     def _not_in_doubt(self) -> None:
         if self.prepared is not None:
@@ -302,18 +293,25 @@ class Commit:
         self.segments.settle(block=True)  # every background write done (or retried) first
         crash_point("flush-sealed")
 
-    def prepare(self, count: int | None = None) -> dict[str, Any]:
+    def prepare(self, count: int | None = None, *, if_changed: bool = False
+                ) -> dict[str, Any] | None:
         """The first half of a flush: every record sealed and synced, the next index
         generation and commit log written, and the manifest that would commit them built
         but not written (returned: a copy). Nothing is installed: without :meth:`install`
         the store reopens at its last commit and the new files are garbage. For a commit of
         several stores together (``dsa_core._group``): each member prepares, the group's
-        commit file records every manifest, then each member installs its own."""
+        commit file records every manifest, then each member installs its own.
+        ``if_changed`` (a flush): None, nothing written past the seals, when the manifest
+        already holds the count and meta, no seal changed the index and the commit log's
+        generation need not change."""
         self._not_in_doubt()
         count = self.count if count is None else check_count(count)
         meta = check_meta(self.meta)
         self.count = count
         self._seal_dirty()
+        if if_changed and not self.index_dirty and self.count == self.manifest["count"] \
+                and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
+            return None
         return self._prepare_sealed(meta)
 
     def _prepare_sealed(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -347,7 +345,7 @@ class Commit:
     def install(self, durable: bool = True) -> None:
         """The second half of a flush: write the prepared manifest (the commit point of a
         lone store), then delete what it no longer references. ``durable=False``: the
-        manifest is not synced (a group's commit file holds it; ``sync_manifest`` later)."""
+        manifest is not synced (a group's commit file holds it; ``_engine.sync_commit`` later)."""
         manifest, gen, new_wal = self.prepared
         try:
             write_manifest(self.path, manifest, durable)
@@ -366,11 +364,6 @@ class Commit:
             (self.path / index_name(old_gen)).unlink(missing_ok=True)
         segs.delete_doomed()
         self._retire_wal(old_wal, new_wal)
-
-    def sync_manifest(self) -> None:
-        """Make a manifest installed with ``durable=False`` durable (file and directory)."""
-        fsync_path(self.path / MANIFEST_FILE)
-        fsync_path(self.path)
 
     def checkpoint(self, dest, count: int | None = None, *, overwrite: bool = False,
                    share: bool = True) -> Path:

@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 
 from .. import _exit
-from .._engine import closed_error, scratch
+from .._engine import Info, closed_error, scratch
 from .._files import CHECKSUM_KEY, ForkedReadError
 from .._init import InitSpec
 from .._layout import Layout
@@ -173,7 +173,7 @@ def _flush_unclosed(parts: dict[str, Any], pid: int) -> None:
     """Flush a log store that was never closed: when its last ``State`` is garbage-collected,
     or when the interpreter exits normally (``weakref.finalize`` runs at exit too).
 
-    ``parts`` is the store's ``__dict__`` (its components and its ``closed`` flag and lock,
+    ``parts`` is the store's ``__dict__`` (its components and its ``_closed`` flag and lock,
     not the store itself, which the finalizer must not keep alive): the flush runs on a
     :class:`LogStore` shell over them (:meth:`LogStore._watch`).
 
@@ -200,7 +200,7 @@ def _flush_unclosed(parts: dict[str, Any], pid: int) -> None:
     store = LogStore.__new__(LogStore)
     store.__dict__ = parts
     try:
-        if store.closed:
+        if store._closed:
             return
         gone = _exit.store_gone(store.path, store._lockfd, MANIFEST_FILE)
         if gone == "removed":
@@ -215,7 +215,7 @@ def _flush_unclosed(parts: dict[str, Any], pid: int) -> None:
                 "deleting or replacing their directories")
         store._shut(flush=True)  # flushes, then releases the writer lock
     except Exception as exc:  # nowhere to raise to: say so
-        if not store.closed and _exit.store_gone(store.path, store._lockfd,
+        if not store._closed and _exit.store_gone(store.path, store._lockfd,
                                                  MANIFEST_FILE) == "removed":
             store._shut(flush=False)  # deleted while it flushed: nothing to lose either
             return
@@ -231,7 +231,7 @@ class LogStore:
     ``_log.store``). Shared by every ``State`` derived from one ``create``/``open``.
     ``count`` is that of its last commit (the one the next seal and flush record); ``layout``
     the record layout (one frozen ``_layout.Layout``); ``slots`` (S), ``seal_unit``,
-    ``mode``, ``closed``, ``memory_bytes``.
+    ``mode``, ``memory_bytes`` (and ``info``, what it is as data: ``_engine.Info``).
 
     The work is done by its components, each holding the state it owns and references to
     the components it uses: ``_pool`` (``pool.Pool``: ``region`` (S, stride) records that
@@ -246,17 +246,12 @@ class LogStore:
     """
 
     kind = "log"
-    access = "log"  # no mapping to page: the region is the memory (``State.access``)
-    table_view = False       # records live in a region and in segments: no whole table
-    description = "log-structured, storage='log'"
-    checks = "manifest checksum, segment and index CRCs checked, every record's checksum"
-    reads_last_flush = True  # a reader opens the files of the writer's last flush
 
     def __init__(self, directory: Path, manifest: dict[str, Any], mode: str,
                  memory_bytes: int | None, lockfd: int):
         self.path = Path(directory)
         self.mode = mode
-        self.closed = False
+        self._closed = False
         self._lockfd = lockfd
         lay = dict(manifest["layout"])
         self.layout = Layout.from_dict(lay)  # the record layout, one frozen value
@@ -298,6 +293,7 @@ class LogStore:
         self._readahead: ReadAhead | None = None
         self._meta_before: tuple | None = None
         self._memory_setting: int | None = None
+        self._info: Info | None = None  # ``info``, for the budget it was made for
 
     def _watch(self) -> None:
         """Flush this store if it is dropped unclosed, or left open at exit
@@ -321,8 +317,21 @@ class LogStore:
         lay = self.layout
         return lay.num_rows * lay.stride * lay.dtype.itemsize
 
-    def view_handed_out(self) -> None:
-        """Never called: a log store hands out no whole-table view (:meth:`no_view`)."""
+    @property
+    def info(self) -> Info:
+        """What it is (``_engine.Info``): no whole table (records live in a region and in
+        segments), a reader opens the files of the writer's last flush, no mapping to page
+        (the region is the memory: ``access="log"``), a batch at most the slots its budget
+        pays for (``budget.slots_for``: 0 without a budget, a read-only open)."""
+        m = self._pool.memory_bytes
+        if self._info is None or self._info.memory_bytes != m:
+            self._info = Info(
+                table_view=False, reads_last_flush=True, access="log", memory_bytes=m,
+                nbytes=self.nbytes, max_batch=slots_for(self.layout.as_dict(), m or 0),
+                description="log-structured, storage='log'",
+                checks="manifest checksum, segment and index CRCs checked, every record's "
+                "checksum")
+        return self._info
 
     def no_view(self, what: str):
         raise ValueError(
@@ -342,7 +351,7 @@ class LogStore:
 
     # -- guards ---------------------------------------------------------------------------
     def _require_open(self) -> None:
-        if self.closed:
+        if self._closed:
             raise closed_error(self)
 
     def _require_writable(self) -> None:
@@ -350,14 +359,6 @@ class LogStore:
         if self.mode != "r+":
             raise ValueError(f"log store {str(self.path)!r} was opened read-only (mode='r'); "
                              "open it with mode='r+' to change it")
-
-    def check_batch(self, n: int) -> None:
-        """Raise ``ValueError`` unless the region holds a batch of ``n`` rows (the ``n``
-        distinct rows of one step)."""
-        self._pool.check_batch(n)
-
-    def max_batch(self) -> int:
-        return self.slots
 
     def _changed(self) -> None:
         """Rows are about to change (a step, a write, a restore): see :class:`ForkGuard`."""
@@ -449,7 +450,7 @@ class LogStore:
         self._require_open()
         return self._pool.readahead(rows)
 
-    def read(self, rows: Any, cols: slice | None = None) -> np.ndarray:
+    def read(self, rows: Any, cols: slice | None = None, *, view: bool = False) -> np.ndarray:
         """A copy of the records of ``rows``: shape ``(len(rows), stride)``, store dtype.
 
         Any rows (or a ``slice(lo, hi)`` of them), duplicates allowed. Resident rows come
@@ -457,8 +458,10 @@ class LogStore:
         initial record. Residency is not
         changed (for gather and export). ``cols``: a ``slice`` of record columns to copy
         (e.g. the weights ``slice(w, w + dim)`` for gather); the result then has that many
-        columns.
+        columns. ``view``: there is no whole-table view to hand out (:meth:`no_view`).
         """
+        if view:
+            self.no_view("a whole-table view")
         if isinstance(rows, slice):
             rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         self._require_open()
@@ -532,7 +535,7 @@ class LogStore:
         From now on the range's resident rows are pinned (CLOCK never evicts them); its
         other rows' records are read in the background, sequentially (``ranges``), and put
         into the region, clean and pinned, at the next :meth:`acquire`, :meth:`write`,
-        range call or :meth:`wait_ranges`. An :meth:`acquire` that misses rows of a range
+        range call or :meth:`wait`. An :meth:`acquire` that misses rows of a range
         still loading waits for that load first (one sequential read instead of random
         ones). No value changes: a row resident before its record arrives (maybe dirty) is
         kept as it is, one that moved meanwhile is read again from where it lies.
@@ -760,7 +763,7 @@ class LogStore:
         else:
             self.release_rows(rows)
 
-    def wait_ranges(self) -> None:
+    def wait(self) -> None:
         """Wait until every load in flight is read and installed (then raise the error an
         earlier load met, once), and every read-ahead hint is done."""
         self._require_open()
@@ -794,33 +797,38 @@ class LogStore:
         index generation and the segments that no manifest lists any more, and retires the
         previous commit log (kept for reuse while ``wal_on``, else deleted). After a flush
         every slot is clean (and still resident).
+
+        The engine's own (its close, the first commit of a new store, a standalone
+        ``LogStore``); the core flushes through ``prepare_commit(lone=True)`` and
+        ``install_commit`` (``_engine.commit``), which do the same.
         """
         if meta is not None:
             self._commit_meta(meta)
         self._require_writable()
         self._commit.flush(None if count is None else int(count))
 
-    def prepare_commit(self, count: int, meta: dict[str, Any]) -> dict[str, Any]:
-        """The first half of :meth:`flush` (``dsa_core._group``): seal, sync the segments,
-        write the next index (and commit log); returns the manifest that would commit them,
-        not yet written (``commit.Commit.prepare``). Until then the store cannot flush on
-        its own."""
+    def prepare_commit(self, count: int, meta: dict[str, Any], *, lone: bool = False
+                       ) -> dict[str, Any] | None:
+        """The first half of :meth:`flush` (a group's, ``dsa_core._group``; a flush's,
+        ``lone``): seal, sync the segments, write the next index (and commit log); returns
+        the manifest that would commit them, not yet written (``commit.Commit.prepare``).
+        Until then the store cannot flush on its own. ``lone``: None when nothing changed
+        since the last commit (the count, the meta, the index and the commit log's
+        generation as they are: nothing to write); ``meta`` stays this store's either way, as
+        a flush leaves it (a cancel puts back only what a group's prepare found)."""
         c = self._commit
-        self._meta_before = (c.meta, c.wal_on)
+        if not lone:
+            self._meta_before = (c.meta, c.wal_on)
         self._commit_meta(meta)
         self._require_writable()
-        return c.prepare(int(count))
+        return c.prepare(int(count), if_changed=lone)
 
     def install_commit(self, durable: bool = True) -> None:
         """The second half of :meth:`flush`: the prepared manifest is written (``durable=
-        False``: not synced; :meth:`sync_commit` does it later); the previous generation's
+        False``: not synced; ``_engine.sync_commit`` does it later); the previous generation's
         files go."""
         self._require_writable()
         self._commit.install(durable)
-
-    def sync_commit(self) -> None:
-        """Make the manifest of an ``install_commit(durable=False)`` durable."""
-        self._commit.sync_manifest()
 
     def cancel_commit(self) -> None:
         """Drop a prepared commit (its files are garbage)."""
@@ -849,10 +857,6 @@ class LogStore:
         self._require_writable()
         return self._commit.checkpoint(dest, None if count is None else int(count),
                                        overwrite=overwrite, share=share)
-
-    def before_restore(self) -> None:
-        """No undo journal: a commit log holds only steps after its manifest's count, and
-        every flush starts a new one."""
 
     # -- inspection ------------------------------------------------------------------------
     # -- inspection ------------------------------------------------------------------------
@@ -1061,14 +1065,14 @@ class LogStore:
     def _shut(self, flush: bool) -> None:
         """:meth:`close` (``flush``) or :meth:`abandon` but the read-ahead thread (what the
         unclosed-store finalizer runs, :func:`_flush_unclosed`)."""
-        if self.closed:
+        if self._closed:
             return
         if flush:
             if self.mode == "r+":
                 self.flush()  # a failed flush leaves the store open: fix the cause, close again
             self._commit.close_wal()
         self._stop_threads()  # abandoned: its segment files are garbage for the next open
-        self.closed = True
+        self._closed = True
         self._segments.delete_spares()
         self._segments.segs.clear()
         unmap_pending()  # the segments no array uses any more are unmapped on return
@@ -1085,7 +1089,7 @@ class LogStore:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else self.mode
+        state = "closed" if self._closed else self.mode
         lay = self.layout
         return (f"LogStore({str(self.path)!r}, rows={lay.num_rows}, stride={lay.stride}, "
                 f"dtype={lay.dtype.name}, slots={self.slots}, count={self.count}, {state})")

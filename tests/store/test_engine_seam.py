@@ -200,10 +200,20 @@ def test_both_engines_implement_the_protocol(tmp_path, storage):
 # for its ``_handle.Handle`` (group, group_ref, scratch, settings, access_request; unclean
 # became a stat): 37; read/write take a slice for a range (read_range and write_range
 # went): 35; one submit of a hint (prefetch) or a load or release of a range or a row set
-# (submit_range, submit_rows): 33. A new member changes this count
-ENGINE_MEMBERS = 33
+# (submit_range, submit_rows): 33. A seam the width of a pager: what it is as one frozen
+# Info (table_view, reads_last_flush, access, nbytes, memory_bytes, max_batch); the core
+# refuses a batch over info.max_batch (check_batch), flushes with prepare_commit(lone=True)
+# + install_commit (flush), syncs the manifest (sync_commit) and owns the life cycle in its
+# Handle (closed); a range write voids the undo journal (before_restore), read(view=True)
+# hands a table view out (view_handed_out); wait_ranges is the wait verb: 22. A new member
+# changes this count
+ENGINE_MEMBERS = 22
 # what the core keeps in its Handle, never on an engine (issue 41)
-CORE_STATE = ("group", "group_ref", "scratch", "settings", "access_request")
+CORE_STATE = ("group", "group_ref", "scratch", "settings", "access_request", "closed")
+# what became data in the engine's Info, or the core's (issue 41)
+GONE = ("table_view", "reads_last_flush", "access", "nbytes", "memory_bytes", "max_batch",
+        "check_batch", "flush", "sync_commit", "closed", "before_restore", "view_handed_out",
+        "wait_ranges")
 LAYOUT_FIELDS = ("num_rows", "dim", "dtype", "curvature", "stride", "w_off", "m_off", "v_off",
                  "v_width", "m_width", "rowwise", "m_bf16", "rs_off", "ls_off")
 
@@ -219,6 +229,30 @@ def test_the_engine_protocol_size_is_pinned():
     assert Engine.__annotations__["layout"] == "Layout"
     assert not set(LAYOUT_FIELDS) & set(members)
     assert not set(CORE_STATE) & set(members) and "unclean" not in members  # a stat now
+    assert not set(GONE) & set(members)
+    assert Engine.__annotations__["info"] == "Info"
+
+
+@pytest.mark.parametrize("storage", ["inplace", "log"])
+def test_what_an_engine_is_is_one_frozen_info(tmp_path, storage):
+    import dataclasses
+
+    import dsa_core
+    from dsa_core._engine import Info
+
+    st = dsa_core.create(tmp_path / "s", 16, 4, storage=storage)
+    try:
+        info = st.store.info
+        assert type(info) is Info and not hasattr(info, "__dict__")
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            info.max_batch = 1
+        assert (info.table_view, info.reads_last_flush) == (storage == "inplace",
+                                                            storage == "log")
+        assert st.access == info.access and st.has_table_view == info.table_view
+        assert info.max_batch == 16 if storage == "inplace" else 0 < info.max_batch <= 16
+    finally:
+        dsa_core.close(st)
+    assert st.closed and st.handle.closed
 
 
 @pytest.mark.parametrize("storage", ["inplace", "log"])
