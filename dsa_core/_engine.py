@@ -64,8 +64,8 @@ import numpy as np
 from ._layout import MANIFEST_FILE, Layout
 from ._os import fsync_path
 
-__all__ = ["Engine", "Info", "closed_error", "commit", "refuse_batch", "scratch",
-           "sync_commit"]
+__all__ = ["Engine", "Info", "closed_error", "commit", "no_view_error", "refuse_batch",
+           "scratch", "sync_commit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +249,17 @@ def scratch(buffers: dict[str, np.ndarray], key: str, n: int, dtype: np.dtype) -
         if buf.nbytes <= _SCRATCH_MAX_BYTES:  # a one-off huge batch is not kept
             buffers[key] = buf
     return buf[:n]
+
+
+def no_view_error(st: Engine, what: str) -> ValueError:
+    """The error of asking a store without whole-table views (``info.table_view`` False: a
+    log store) for one (``what``): the one text of it, kind-neutral (``info.description``
+    names the kind), with the calls that work on every store."""
+    return ValueError(
+        f"store {str(st.path)!r} ({st.info.description}) has no whole-table view ({what}): "
+        "its records are not one array. Read rows with dsa_core.gather(state, idx) or "
+        "dsa_core.read_records(state, idx) in chunks, or convert it to an in-place store "
+        "with dsa_core.convert(state, dest, storage='inplace')")
 
 
 def closed_error(st: Engine, role: str = "", *, read_only: bool = False) -> ValueError:

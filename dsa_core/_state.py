@@ -21,7 +21,7 @@ from . import _layout
 from ._init import INIT_CHUNK_BYTES, chunks
 from ._paging import auto_storage, check_access
 from ._settings import settings_field
-from ._engine import closed_error, commit
+from ._engine import closed_error, commit, no_view_error
 from ._files import copy_tree, staged_dir
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._group_file import recover
@@ -137,7 +137,7 @@ class State(NamedTuple):
 
     def _require_view(self, name: str) -> None:
         if not self.handle.store.info.table_view:
-            self.handle.store.no_view(f"State.{name}")
+            raise no_view_error(self.handle.store, f"State.{name}")
 
     def _handed_out(self, cols: slice) -> np.ndarray:
         """A writable whole-table view of the columns ``cols`` leaves the store's sight
@@ -286,9 +286,9 @@ class State(NamedTuple):
         store takes each value rounded to the nearest bfloat16 (ties to even, as
         ``torch.Tensor.to(torch.bfloat16)``; NaN stays NaN): a one-time conversion wants the
         smallest error, not the step's stochastic rounding. Checked before anything is written.
-        On every store kind: a store without whole-table views (a log store) takes it in
-        chunks of records (:func:`read_records`, the m columns replaced, :func:`write_records`;
-        the other columns keep their bits), durable at the next flush.
+        The same on every store kind: chunks of records (:func:`read_records`, the m columns
+        replaced, :func:`write_records`; the other columns keep their bits), durable at the
+        next flush.
         """
         st = self.handle.store
         self._require_adam("exp_avg")
@@ -297,36 +297,28 @@ class State(NamedTuple):
                 np.issubdtype(m.dtype, np.floating) or np.issubdtype(m.dtype, np.integer)):
             raise ValueError(f"exp_avg must be a real ({self.num_rows}, {self.dim}) array for "
                              f"store {str(self.path)!r}; got {m.dtype} of shape {m.shape}")
-        if not st.info.table_view:
-            _require_writable(self)
-            lay = self.layout
-            o, bf16 = lay["m"], lay.get("first_moment") == "bfloat16"
-            step = max(1, _RESTORE_CHUNK_BYTES // (int(lay["stride"]) * self.dtype.itemsize))
-            for lo in range(0, self.num_rows, step):
-                idx = np.arange(lo, min(self.num_rows, lo + step), dtype=np.int64)
-                rec = read_records(self, idx)
-                if bf16:
-                    x = np.ascontiguousarray(m[lo:lo + idx.size], dtype=np.float32)
-                    rec[:, o:o + lay["m_width"]].view(np.uint16)[:, :self.dim] = \
-                        bf16_nearest_even(x)
-                else:
-                    rec[:, o:o + self.dim] = m[lo:lo + idx.size]
-                write_records(self, idx, rec)
-            return
-        if not st.data.flags.writeable:
+        if self.handle.closed:
+            raise closed_error(st)
+        if st.mode != "r+":
             raise ValueError(f"store {str(self.path)!r} is open read-only (mode='r'); open it "
                              "with dsa_core.open(path) (mode='r+', the writer) to set its moments")
-        st.before_change_range(0, self.num_rows)  # the marker, and the old records (undo)
-        o = st.layout.m_off
-        if not st.layout.m_bf16:
-            st.data[:, o:o + self.dim] = m  # (no view handed out: the rows were saved above)
-            return
-        step = max(1, (1 << 22) // max(1, self.dim))  # rows per chunk: 16 MiB of float32
+        require_current(self)  # as write_records, before anything is written
+        # one path for every kind: chunks of whole records read, their m columns replaced,
+        # written back (the other columns keep their bits; an in-place store saves each
+        # row's old record for its undo file as any write does)
+        lay = self.layout
+        o, bf16 = lay["m"], lay.get("first_moment") == "bfloat16"
+        step = max(1, _RESTORE_CHUNK_BYTES // (int(lay["stride"]) * self.dtype.itemsize))
         for lo in range(0, self.num_rows, step):
-            x = np.ascontiguousarray(m[lo:lo + step], dtype=np.float32)
-            w = st.layout.m_width
-            raw = st.data[lo:lo + step, o:o + w].view(np.uint16)[:, :self.dim]
-            raw[...] = bf16_nearest_even(x)
+            idx = np.arange(lo, min(self.num_rows, lo + step), dtype=np.int64)
+            rec = read_records(self, idx)
+            if bf16:
+                x = np.ascontiguousarray(m[lo:lo + idx.size], dtype=np.float32)
+                rec[:, o:o + lay["m_width"]].view(np.uint16)[:, :self.dim] = \
+                    bf16_nearest_even(x)
+            else:
+                rec[:, o:o + self.dim] = m[lo:lo + idx.size]
+            write_records(self, idx, rec)
 
     @property
     def exp_avg_sq(self) -> np.ndarray:

@@ -157,7 +157,11 @@ class Commit:
         """The pool's eviction (``Pool.acquire``): CLOCK victims, the dirty ones sealed."""
         victims, ep = self.pool.evict(need, pinned)
         if victims.shape[0]:
-            self.seal(victims, evict=True, ep=ep)
+            try:
+                self.seal(victims, evict=True, ep=ep)
+            except BaseException:
+                self.segments.quiesce()  # the step's error leaves no write running behind it
+                raise
 
     def seal(self, slots: np.ndarray, evict: bool, ep: int | None = None) -> None:
         """Write the records of ``slots`` (dirty) as one new segment, plus cleaning copies.
@@ -308,11 +312,15 @@ class Commit:
         count = self.count if count is None else check_count(count)
         meta = check_meta(self.meta)
         self.count = count
-        self._seal_dirty()
-        if if_changed and not self.index_dirty and self.count == self.manifest["count"] \
-                and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
-            return None
-        return self._prepare_sealed(meta)
+        try:
+            self._seal_dirty()
+            if if_changed and not self.index_dirty and self.count == self.manifest["count"] \
+                    and meta == self.manifest.get("meta", {}) and not self._wal_rotation_due():
+                return None
+            return self._prepare_sealed(meta)
+        except BaseException:
+            self.segments.quiesce()  # the error leaves no write running behind it
+            raise
 
     def _prepare_sealed(self, meta: dict[str, Any]) -> dict[str, Any]:
         """:meth:`prepare` once every dirty slot is sealed (``meta`` checked)."""

@@ -72,7 +72,7 @@ from typing import Any
 import numpy as np
 
 from .. import _exit
-from .._engine import Info, closed_error, scratch
+from .._engine import Info, closed_error, no_view_error, scratch
 from .._files import CHECKSUM_KEY, ForkedReadError
 from .._init import InitSpec
 from .._layout import Layout
@@ -334,12 +334,7 @@ class LogStore:
         return self._info
 
     def no_view(self, what: str):
-        raise ValueError(
-            f"store {str(self.path)!r} is a log-structured store (storage='log'), which has "
-            f"no whole-table view ({what}): its records live in a memory region and in "
-            "immutable segments. Read rows with dsa_core.gather(state, idx) or "
-            "dsa_core.read_records(state, idx) in chunks, or convert it to an in-place store "
-            "with dsa_core.convert(state, dest, storage='inplace')")
+        raise no_view_error(self, what)
 
     @property
     def data(self):

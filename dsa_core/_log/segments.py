@@ -363,6 +363,19 @@ class Segments:
                     f"writing segment {job.sid}; abandon this state and open the store again "
                     "(it reopens at its last flush)")
 
+    def quiesce(self) -> None:
+        """Wait until no background write is running, whatever its outcome (a write that
+        failed stays pending: the next :meth:`settle` retries it). Called when a seal or a
+        flush raises: the error then reaches its caller with nothing left changing the
+        directory behind it (the writer thread removes the file of a write that fails), so
+        the files are as a kill -9 at that moment would leave them, and a caller that copies
+        the directory (a backup after a full disk) copies a still one."""
+        for job in list(self.pending.values()):
+            try:
+                self.wait_job(job)
+            except RuntimeError:  # pragma: no cover - a writer thread gone (wait_job)
+                return
+
     def seal_buffer(self, n: int) -> np.ndarray:
         """An ``(n, stride)`` buffer for a background seal: a spare one when it is large
         enough (fresh memory costs a page fault per page, as much as the copy itself), else
