@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import operator
-import os
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
