@@ -573,7 +573,7 @@ class Guard:
             rows=c["ooc_rows"], dim=c["dim"], batch=c["random_batch"], negatives=c["negatives"],
             seconds=c["random_seconds"], warmup=c["random_warmup"], threads=_cores(),
             dir=str(directory), storage="log", report_every=0.0, fresh=False, lib=self.lib,
-            no_cgroup=not self.capped, create_capped=False, cap=c["random_cap"])
+            no_cgroup=not self.capped, create_capped=False, cap=c["random_cap"], seed=1)
 
     def _random(self, live: Path) -> dict:
         """One run of random_loop's training child on the snapshot ``live`` (evicted, the

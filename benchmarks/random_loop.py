@@ -215,7 +215,7 @@ def run_child(a, phase: str) -> dict:
            "--negatives", str(a.negatives), "--seconds", str(a.seconds),
            "--warmup", str(a.warmup), "--threads", str(a.threads), "--dir", str(a.dir),
            "--storage", a.storage, "--report-every", str(a.report_every),
-           "--seed", str(getattr(a, "seed", 1))]
+           "--seed", str(a.seed)]
     if a.fresh:
         cmd.append("--fresh")
     if a.lib:

@@ -308,9 +308,8 @@ class State(NamedTuple):
         # row's old record for its undo file as any write does)
         lay = self.layout
         o, bf16 = lay["m"], lay.get("first_moment") == "bfloat16"
-        step = max(1, _RESTORE_CHUNK_BYTES // (int(lay["stride"]) * self.dtype.itemsize))
-        for lo in range(0, self.num_rows, step):
-            idx = np.arange(lo, min(self.num_rows, lo + step), dtype=np.int64)
+        for lo, hi in _record_chunks(st.layout):
+            idx = np.arange(lo, hi, dtype=np.int64)
             rec = read_records(self, idx)
             if bf16:
                 x = np.ascontiguousarray(m[lo:lo + idx.size], dtype=np.float32)
@@ -1136,20 +1135,23 @@ def restore_records(live: State, records: Any, count: int) -> State:
         raise ValueError(f"records must be a ({lay.num_rows}, {lay.stride}) {lay.dtype.name} "
                          f"array (every record of store {str(st.path)!r}), got "
                          f"{rec.shape} {rec.dtype}")
-    step = max(1, _RESTORE_CHUNK_BYTES // max(1, lay.stride * rec.itemsize))
-    for lo in range(0, lay.num_rows, step):
-        hi = min(lay.num_rows, lo + step)
+    for lo, hi in _record_chunks(lay):
         st.write(slice(lo, hi), rec[lo:hi])
     return set_count(live, count)
+
+
+def _record_chunks(lay) -> Iterator[tuple[int, int]]:
+    """Row ranges ``(lo, hi)`` of ~16 MiB of records (``_RESTORE_CHUNK_BYTES``) covering the
+    table of layout ``lay``: the unit of every whole-table copy."""
+    step = max(1, _RESTORE_CHUNK_BYTES // (lay.stride * lay.dtype.itemsize))
+    for lo in range(0, lay.num_rows, step):
+        yield lo, min(lay.num_rows, lo + step)
 
 
 def _copy_records(src: State, dst: State) -> None:
     """Every record of ``src`` into ``dst`` (equal layouts), in chunks of ~16 MiB."""
     st = dst.store
-    lay = st.layout
-    step = max(1, _RESTORE_CHUNK_BYTES // (lay.stride * lay.dtype.itemsize))
-    for lo in range(0, lay.num_rows, step):
-        hi = min(lay.num_rows, lo + step)
+    for lo, hi in _record_chunks(st.layout):
         st.write(slice(lo, hi), src.store.read(slice(lo, hi)))  # in place: marked unclean first
 
 

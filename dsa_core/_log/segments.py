@@ -257,37 +257,32 @@ class Segments:
         # a background read-ahead for later batches waits while this one reads (FOREGROUND:
         # read's docstring): the copy below waits for these records, not for those
         with FOREGROUND:
-            self._copy_checked(n, order, sids, ks, out, out_idx, cols)
-
-    def _copy_checked(self, n, order, sids, ks, out, out_idx, cols) -> None:
-        """``read_into`` once the locations are sorted (``order``) and split (``sids``,
-        ``ks``)."""
-        addrs = self.seg_addr[sids] + ks * self.rec_bytes
-        # queue the reads of records not in the page cache all at once (queue depth), then
-        # copy: the copy waits only for reads already in flight (read)
-        hint_uncached(addrs, self.rec_bytes, self.sum_addresses(sids, ks))
-        held = [self.segs.get(int(sid)) for sid in np.unique(sids)]  # alive while copied
-        if None in held:  # pragma: no cover - an engine bug: verify() would report it
-            sid = int(np.unique(sids)[held.index(None)])
-            raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
-                               f"segment {sid}, which is not live; run verify()")
-        chk = self.chk_addr[sids]
-        sums = np.where(chk != 0, chk + ks * 8, 0) if _format.CHECK_RECORDS \
-            else np.zeros(n, np.int64)
-        isz = self.dtype.itemsize
-        b0, b1, _ = cols.indices(self.stride)
-        dest = np.ascontiguousarray(out_idx[order], np.int64)
-        rows = out.view(np.uint8).reshape(out.shape[0], -1)
-        bad = np.zeros(n, np.uint8)
-        run_chunked(gather_checked, (addrs, sums, self.rec_bytes, b0 * isz, b1 * isz, rows,
-                                     dest, bad), n, 64)
-        del held
-        if bad.any():  # a damaged record is never served: name the first segment's
-            first = np.flatnonzero(bad)
-            sid = int(sids[first[0]])
-            wrong = first[sids[first] == sid]
-            raise SegmentError(_format._record_damage(self.segs[sid].path, ks[wrong],
-                                                      self.segs[sid].rows))
+            addrs = self.seg_addr[sids] + ks * self.rec_bytes
+            # queue the reads of records not in the page cache all at once (queue depth), then
+            # copy: the copy waits only for reads already in flight (read)
+            hint_uncached(addrs, self.rec_bytes, self.sum_addresses(sids, ks))
+            held = [self.segs.get(int(sid)) for sid in np.unique(sids)]  # alive while copied
+            if None in held:  # pragma: no cover - an engine bug: verify() would report it
+                sid = int(np.unique(sids)[held.index(None)])
+                raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
+                                   f"segment {sid}, which is not live; run verify()")
+            chk = self.chk_addr[sids]
+            sums = np.where(chk != 0, chk + ks * 8, 0) if _format.CHECK_RECORDS \
+                else np.zeros(n, np.int64)
+            isz = self.dtype.itemsize
+            b0, b1, _ = cols.indices(self.stride)
+            dest = np.ascontiguousarray(out_idx[order], np.int64)
+            rows = out.view(np.uint8).reshape(out.shape[0], -1)
+            bad = np.zeros(n, np.uint8)
+            run_chunked(gather_checked, (addrs, sums, self.rec_bytes, b0 * isz, b1 * isz, rows,
+                                         dest, bad), n, 64)
+            del held
+            if bad.any():  # a damaged record is never served: name the first segment's
+                first = np.flatnonzero(bad)
+                sid = int(sids[first[0]])
+                wrong = first[sids[first] == sid]
+                raise SegmentError(_format._record_damage(self.segs[sid].path, ks[wrong],
+                                                          self.segs[sid].rows))
 
     def addresses(self, locs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """The addresses of the records at ``locs`` (locations > 0), of their sums (those
