@@ -12,7 +12,8 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
     slot of the region has been touched, so the open's own copies fit in the region's share.
 ``region``
     ``S * (record bytes + SLOT_OVERHEAD)``: the slots' records and their bookkeeping
-    (``SLOT_OVERHEAD = 42``: five int64 and two uint8 arrays per slot, ``pool``).
+    (``SLOT_OVERHEAD = 66``: four int64 and two uint8 arrays per slot, ``pool``, and the
+    resident map's 32 bytes per slot, ``resident``).
 ``write_buffers``
     ``WRITE_BUFFERS`` buffers of ``BEHIND_UNITS * u`` records each: a seal up to that size is
     gathered into a buffer and written in the background (``writer``); the segment table
@@ -66,7 +67,7 @@ __all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "CLEAN_READ_BYTES", "CLEAN_REQUESTS"
            "memory_for",
            "seal_unit_for", "slots_for", "split"]
 
-SLOT_OVERHEAD = 42       # bytes per slot besides its record: see the module docstring
+SLOT_OVERHEAD = 66       # bytes per slot besides its record: see the module docstring
 SEAL_BYTES = 32 << 20    # a seal unit holds at most this many bytes of records
 INDEX_BYTES = 8          # per row: ``loc`` (a flush writes the index in pieces)
 BEHIND_UNITS = 2         # a seal of at most this many seal units is written behind

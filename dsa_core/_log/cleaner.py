@@ -1,7 +1,6 @@
 """The cleaner of a log store: keeps the segments' records within ``space_ratio`` of the live.
 
-A record is live when its row's location (``loc``, or the ``slot_disk`` of a resident row)
-points at it. A live record never comes back once dead (a row's location only moves to a
+A record is live when its row's location (``loc``) points at it. A live record never comes back once dead (a row's location only moves to a
 newer record), so the live records of a segment at any moment are a subset of those at any
 earlier moment.
 
@@ -60,6 +59,7 @@ from .budget import cleaning_limits
 from .format import Segment, crash_point, segment_geometry
 from .pool import Pool
 from .read import CleaningReads, advise, advise_whole
+from .resident import find_one
 from .segments import Segments
 
 __all__ = ["AHEAD_SEALS", "CLEAN_UNITS", "HINT_SEGMENTS", "POLICIES", "READ_LEAD_UNITS",
@@ -74,33 +74,33 @@ HINT_SEGMENTS = 2  # victims after those read ahead whose ids are asked for a se
 
 
 @njit(cache=True, nogil=True)
-def _scan_segment(seg_rows, base, loc, slot_disk, mark, ep, out_k, out_slots):
+def _scan_segment(seg_rows, base, loc, table, mark, ep, out_k, out_slots):
     """The live records of one segment (locations ``base + k``): returns ``(nk, ns)``.
 
-    ``out_k[:nk]``: records whose row is not resident and points at them (to be copied from
-    the segment). ``out_slots[:ns]``: resident slots whose ``slot_disk`` points at them and
+    ``out_k[:nk]``: records whose row points at them and is not resident (to be copied
+    from the segment). ``out_slots[:ns]``: the slots of resident rows that point at them and
     that are not already in the seal (``mark != ep``; they are marked now): their newest
     record comes from the region.
     """
     nk = 0
     ns = 0
     for k in range(seg_rows.shape[0]):
-        L = base + k
-        lr = loc[seg_rows[k]]
-        if lr == L:
+        r = seg_rows[k]
+        if loc[r] != base + k:
+            continue
+        s = find_one(table, r)
+        if s < 0:
             out_k[nk] = k
             nk += 1
-        elif lr < 0:
-            s = -lr - 1
-            if slot_disk[s] == L and mark[s] != ep:
-                mark[s] = ep
-                out_slots[ns] = s
-                ns += 1
+        elif mark[s] != ep:
+            mark[s] = ep
+            out_slots[ns] = s
+            ns += 1
     return nk, ns
 
 
 @njit(cache=True, nogil=True)
-def _live_records(seg_rows, base, loc, slot_disk, dirty, out):
+def _live_records(seg_rows, base, loc, table, dirty, out):
     """The live records of one segment that a seal cleaning it later may copy from it:
     ``out[:n]``. Those on disk, and those behind a *clean* resident slot (the row may leave
     the region before the clean, pointing at its record again). A dirty slot's record is
@@ -108,11 +108,12 @@ def _live_records(seg_rows, base, loc, slot_disk, dirty, out):
     it was sealed before (its record is dead)."""
     n = 0
     for k in range(seg_rows.shape[0]):
-        L = base + k
-        lr = loc[seg_rows[k]]
-        if lr == L or (lr < 0 and slot_disk[-lr - 1] == L and dirty[-lr - 1] == 0):
-            out[n] = k
-            n += 1
+        r = seg_rows[k]
+        if loc[r] == base + k:
+            s = find_one(table, r)
+            if s < 0 or dirty[s] == 0:
+                out[n] = k
+                n += 1
     return n
 
 
@@ -260,7 +261,7 @@ class Cleaner:
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
             nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.loc,
-                                   pool.slot_disk, pool.mark, ep, out_k, out_s)
+                                   pool.table, pool.mark, ep, out_k, out_s)
             copies.append(self._source(seg, out_k[:nk].copy()))
             self.victim_records += seg.n
             res.append(out_s[:ns].copy())
@@ -340,7 +341,7 @@ class Cleaner:
             seg = segs.segs[sid]
             _rows_ahead(seg)
             out = np.empty(seg.n, np.int64)
-            n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.loc, pool.slot_disk,
+            n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.loc, pool.table,
                               pool.dirty, out)
             if not r.ahead(sid, seg.path, self._offset(seg), out[:n].copy(), pool.stride,
                            pool.dtype):

@@ -174,7 +174,7 @@ class Commit:
         if ep is None:
             ep = pool.next_seal_epoch()
         pool.mark[slots] = ep
-        n_new_loc = int(np.count_nonzero(pool.slot_disk[slots] == 0))
+        n_new_loc = int(np.count_nonzero(pool.loc[pool.slot_row[slots]] == 0))
         res, copies = cleaner.choose(slots.shape[0], n_new_loc, ep)
         if copies:
             crash_point("clean")
@@ -237,10 +237,11 @@ class Commit:
         crash_point("sealed")
         # the old on-disk copies of everything in the seal are dead now
         newloc = np.int64((sid << 32) + 1) + np.arange(n, dtype=np.int64)
-        old = [pool.slot_disk[rslots]]
+        rrows = rows[:m]  # the rows of the region's slots in the seal
+        old = [pool.loc[rrows]]
         n_user = int(np.count_nonzero(pool.dirty[rslots]))
         segs.live_total += int(np.count_nonzero(old[0] == 0))
-        pool.slot_disk[rslots] = newloc[:m]
+        pool.loc[rrows] = newloc[:m]
         pool.dirty[rslots] = 0
         off = m
         for c, r in zip(copies, crow, strict=True):

@@ -594,7 +594,7 @@ class LogStore:
     def _submit_job(self, start: int, stop: int, rows: np.ndarray | None = None) -> None:
         """Plan the reads of a load just made active and queue them on the loader."""
         self._job_seq += 1
-        job = plan_job(self._job_seq, start, stop, self._pool.loc, self._segments, self.init,
+        job = plan_job(self._job_seq, start, stop, self._pool, self._segments, self.init,
                        self._records_offset, rows)
         if job.files or job.ready or job.fresh is not None:
             if self._loader is None or self._loader.pid != os.getpid():
@@ -659,7 +659,7 @@ class LogStore:
         if r.dtype.kind not in "iu" or r.ndim != 1:
             return  # the pool's check says what is wrong
         r = r[(r >= 0) & (r < self.layout.num_rows)]
-        miss = r[self._pool.loc[r] >= 0]
+        miss = r[~self._pool.resident(r)]
         if not miss.shape[0]:
             return
         waits = {j.id for j in self._jobs.values() if not j.cancelled and j.covers(miss).any()}
@@ -955,9 +955,9 @@ class LogStore:
     def check_index(self) -> list[str]:
         """Check the index against the segments and the region; returns the problems found.
 
-        Every location (``loc``, or a resident row's ``slot_disk``) must point inside a live
-        segment at a record that carries that row; live counts, record totals, residency
-        (``loc`` <-> ``slot_row``) and the free-slot stack must agree. An empty list: all
+        Every location (``loc``) must point inside a live segment at a record that carries
+        that row; live counts, record totals, residency (the resident map <-> ``slot_row``)
+        and the free-slot stack must agree. An empty list: all
         consistent.
         """
         self._require_open()

@@ -2,20 +2,20 @@
 
 In memory
     ``region`` (S, stride) records, anonymous memory (``np.zeros``: faulted in on first use,
-    never written back behind our back). ``loc`` (num_rows,) int64: ``< 0`` means resident
-    in slot ``-loc - 1``; ``>= 0`` is the row's location on disk as in the index file
-    (0: never written, the row reads as its initial record, ``_init``). Per slot:
-    ``slot_row`` (-1 when free), ``slot_disk`` (the location of the row's newest on-disk
-    record, 0 if none; it may be older than the slot when the slot is dirty), ``dirty``, a
-    CLOCK reference bit, the pin mark (the current :meth:`Pool.acquire`'s epoch, or
-    ``RANGE_PIN``: held by a loaded range) and the mark of the seal a slot is going into,
-    and the free-slot stack.
+    never written back behind our back). ``loc`` (num_rows,) int64: the location of each
+    row's newest on-disk record, as in the index file (0: never written, the row reads as
+    its initial record, ``_init``); for a resident row it may be older than the slot (the
+    slot is dirty). ``table``: which rows are resident, in which slot (``resident``: a map
+    sized by the region, not by the table). Per slot: ``slot_row`` (-1 when free),
+    ``dirty``, a CLOCK reference bit, the pin mark (the current :meth:`Pool.acquire`'s
+    epoch, or ``RANGE_PIN``: held by a loaded range) and the mark of the seal a slot is
+    going into, and the free-slot stack.
 Acquiring
     :meth:`Pool.acquire` makes the rows of a batch resident and dirty. When the free slots do
     not cover its misses, the caller's ``make_room`` runs (``commit``): :meth:`Pool.evict`
     (CLOCK, second chance) picks victims among the slots not used by this call until
     ``misses + seal_unit`` slots are free: clean victims are dropped at once (their row's
-    location is their ``slot_disk``), dirty ones are returned to be sealed together. Misses
+    ``loc`` is their record), dirty ones are returned to be sealed together. Misses
     are then read from their segment (``segments``) or initialised.
 Reading
     :meth:`Pool.read` copies records without changing residency: from the region, from the
@@ -54,6 +54,11 @@ from .._pool import run_chunked
 from .._validation import as_index
 from .budget import check_memory, index_piece_rows, slots_for
 from .format import Segment, SegmentError
+from .resident import find as _find
+from .resident import insert as _insert
+from .resident import new_table
+from .resident import remove as _remove
+from .resident import remove_one as _remove_one
 from .segments import Segments
 
 __all__ = ["RANGE_PIN", "Pool", "gather_records"]
@@ -101,14 +106,14 @@ def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _evict(target, hand, slot_row, slot_disk, ref, dirty, pin, epoch, mark, ep, loc, free,
+def _evict(target, hand, slot_row, ref, dirty, pin, epoch, mark, ep, table, free,
            nfree, victims):
     """CLOCK until ``nfree + victims >= target``; returns ``(hand, nfree, n_victims)``.
 
     Slots pinned by this call (``pin == epoch``) or by a loaded range (``pin < 0``) or
     already chosen (``mark == ep``) are skipped; a referenced slot loses its bit and is
-    passed over once. A clean victim is freed at once (its row points at its on-disk record
-    again); a dirty one is marked ``ep`` and returned in ``victims`` for the seal.
+    passed over once. A clean victim is freed at once (its row leaves ``table``: its
+    ``loc`` is its record); a dirty one is marked ``ep`` and returned in ``victims`` for the seal.
     ``n_victims < 0``: the target cannot be met (the caller asked for more than the unpinned
     slots), nothing more was chosen.
     """
@@ -134,19 +139,11 @@ def _evict(target, hand, slot_row, slot_disk, ref, dirty, pin, epoch, mark, ep, 
             victims[nv] = s
             nv += 1
         else:
-            loc[r] = slot_disk[s]
+            _remove_one(table, r)
             slot_row[s] = -1
             free[nfree] = s
             nfree += 1
     return hand, nfree, nv
-
-
-@njit(cache=True, nogil=True)
-def _disk_index(loc, slot_disk, out):
-    """The on-disk location of every row: ``loc``, or the ``slot_disk`` of a resident row."""
-    for r in range(loc.shape[0]):
-        lr = loc[r]
-        out[r] = lr if lr >= 0 else slot_disk[-lr - 1]
 
 
 def gather_records(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
@@ -184,7 +181,7 @@ class Pool:
         # the kernel allows: a first touch fills 2 MiB, and fewer TLB misses)
         self.region = np.zeros((S, self.stride), self.dtype)
         self.slot_row = np.full(S, -1, np.int64)
-        self.slot_disk = np.zeros(S, np.int64)
+        self.table = new_table(S)  # resident rows -> their slots
         self.pin = np.zeros(S, np.int64)
         self.mark = np.zeros(S, np.int64)
         self.free = np.arange(S - 1, -1, -1, dtype=np.int64)  # a stack: pops take slot 0 first
@@ -231,45 +228,49 @@ class Pool:
         width = len(range(*cols.indices(self.stride)))
         n = rows.shape[0]
         out = np.empty((n, width), self.dtype)
-        lr = self.loc[rows]
-        res = lr < 0
+        sl = self.slots_of(rows)
+        res = sl >= 0
         if res.any():
-            out[res] = self.region[-lr[res] - 1, cols]
+            out[res] = self.region[sl[res], cols]
+        lr = np.where(res, -1, self.loc[rows])  # -1: served from the region
         disk = np.flatnonzero(lr > 0)
         self.segments.read_into(lr[disk], out, disk, cols)
         never = np.flatnonzero(lr == 0)
         self.initial_into(rows[never], out, never, cols)
         return out
 
+    def slots_of(self, rows: np.ndarray) -> np.ndarray:
+        """The slot of each of ``rows`` (checked ids), -1 where it is not resident."""
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        out = np.empty(rows.shape[0], np.int64)
+        _find(self.table, rows, out)
+        return out
+
+    def resident(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` (checked ids) is resident."""
+        return self.slots_of(rows) >= 0
+
     def residency(self, rows: np.ndarray) -> float:
         """The fraction of ``rows`` (checked ids) resident in the region."""
-        return float((self.loc[rows] < 0).mean())
+        return float(self.resident(rows).mean()) if rows.shape[0] else float("nan")
 
     def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """Where the on-disk records of ``rows`` (checked ids) lie (see
         ``LogStore.readahead``)."""
         lr = self.loc[rows]
-        return self.segments.addresses(lr[lr > 0])
+        return self.segments.addresses(lr[(lr > 0) & ~self.resident(rows)])
 
     def disk_location_chunks(self, rows: int | None = None):
-        """:meth:`disk_locations` in pieces of at most ``rows`` rows (default: the budget's
-        ``index_piece_rows``), one at a time: a flush writes them in turn, so the memory
-        budget charges no second whole index."""
+        """``loc`` (what the index file holds) in pieces of at most ``rows`` rows (default:
+        the budget's ``index_piece_rows``): views, written in turn by a flush."""
         if rows is None:
             rows = index_piece_rows(self.slots, self.stride * self.dtype.itemsize)
         for lo in range(0, self.num_rows, rows):
-            hi = min(lo + rows, self.num_rows)
-            out = np.empty(hi - lo, np.int64)
-            _disk_index(self.loc[lo:hi], self.slot_disk, out)
-            yield out
-            out = None  # not held while the next piece is built
+            yield self.loc[lo:min(lo + rows, self.num_rows)]
 
     def disk_locations(self) -> np.ndarray:
-        """The on-disk location of every row (what the index file holds), as one array
-        (recovery and checks; a flush writes :meth:`disk_location_chunks`)."""
-        out = np.empty(self.num_rows, np.int64)
-        _disk_index(self.loc, self.slot_disk, out)
-        return out
+        """A copy of ``loc``: the on-disk location of every row (checks and tests)."""
+        return self.loc.copy()
 
     # -- acquiring ----------------------------------------------------------------------------
     def acquire(self, rows: Any, make_room: Callable[[int, int], None], *, load: bool = True,
@@ -294,10 +295,9 @@ class Pool:
         if not n:
             return slots
         self.epoch += 1
-        lr = self.loc[rows]
-        hit = lr < 0
-        hslots = -lr[hit] - 1
-        slots[hit] = hslots
+        _find(self.table, rows, slots)
+        hit = slots >= 0
+        hslots = slots[hit]
         hpin = self.pin[hslots]
         ranged = hpin < 0  # held by a loaded range: stays so (and stays pinned)
         self.pin[hslots[~ranged]] = self.epoch
@@ -311,7 +311,7 @@ class Pool:
                 pinned = n - need
             make_room(need, pinned)
         mrows = rows[miss]
-        old = self.loc[mrows]  # read again: cleaning during the seal may have moved them
+        old = self.loc[mrows]  # after the seal: cleaning may have moved them
         top = self.nfree
         mslots = self.free[top - need:top][::-1].copy()
         self.nfree = top - need
@@ -325,8 +325,7 @@ class Pool:
                 self.nfree = top   # the slots only read into go back to the free stack
                 raise
         self.slot_row[mslots] = mrows
-        self.slot_disk[mslots] = old
-        self.loc[mrows] = -mslots - 1
+        _insert(self.table, mrows, mslots)
         if self.loads_active:  # rows of an active load read before its load came: pinned
             held = mslots[self.in_ranges(mrows)]
             self.pin[held] = RANGE_PIN
@@ -361,8 +360,8 @@ class Pool:
         """Write the resident records of ``rows`` out and make their slots free (see
         ``LogStore.release``); ``seal_all(slots, evict)`` seals dirty slots (``commit``)."""
         rows = np.unique(as_index(rows, self.num_rows, "rows"))
-        lr = self.loc[rows]
-        slots = -lr[lr < 0] - 1  # in row order
+        slots = self.slots_of(rows)
+        slots = slots[slots >= 0]  # in row order
         if not slots.shape[0]:
             return 0
         dirty = self.dirty[slots] != 0
@@ -386,9 +385,8 @@ class Pool:
         victims = np.empty(max(target, 1), np.int64)
         before = self.nfree
         self.hand, self.nfree, nv = _evict(
-            target, self.hand, self.slot_row, self.slot_disk, self.ref, self.dirty,
-            self.pin, self.epoch, self.mark, ep, self.loc, self.free, self.nfree,
-            victims)
+            target, self.hand, self.slot_row, self.ref, self.dirty, self.pin, self.epoch,
+            self.mark, ep, self.table, self.free, self.nfree, victims)
         if nv < 0:  # pragma: no cover - acquire checks the batch against the region first
             raise RuntimeError(f"log store {str(self.path)!r}: eviction could not free "
                                f"{target} slots of {self.slots} ({pinned} pinned)")
@@ -405,8 +403,8 @@ class Pool:
         self.loc = index
 
     def free_slots(self, slots: np.ndarray) -> None:
-        """Make clean resident ``slots`` free: their rows point at their on-disk records."""
-        self.loc[self.slot_row[slots]] = self.slot_disk[slots]
+        """Make clean resident ``slots`` free: their rows are read from their ``loc`` again."""
+        _remove(self.table, self.slot_row[slots])
         self.slot_row[slots] = -1
         self.ref[slots] = 0
         held = self.pin[slots] < 0
@@ -448,17 +446,17 @@ class Pool:
 
     def _pin_resident(self, rows: np.ndarray) -> None:
         """Pin the slots of the resident ones of ``rows`` that are not pinned yet."""
-        lr = self.loc[rows]
-        slots = -lr[lr < 0] - 1
+        slots = self.slots_of(rows)
+        slots = slots[slots >= 0]
         slots = slots[self.pin[slots] >= 0]
         self.pin[slots] = RANGE_PIN
         self.range_pinned += slots.shape[0]
 
     def _unpin_free(self, rows: np.ndarray) -> None:
         """Unpin the resident ones of ``rows`` that no active range or row set holds."""
-        lr = self.loc[rows]
-        res = np.flatnonzero(lr < 0)
-        slots = -lr[res] - 1
+        sl = self.slots_of(rows)
+        res = np.flatnonzero(sl >= 0)
+        slots = sl[res]
         free = (self.pin[slots] < 0) & ~self.in_ranges(rows[res])
         self.pin[slots[free]] = 0
         self.range_pinned -= int(np.count_nonzero(free))
@@ -524,7 +522,7 @@ class Pool:
         """
         if not rows.shape[0]:
             return 0
-        want = np.flatnonzero((self.loc[rows] >= 0) & self.in_ranges(rows))
+        want = np.flatnonzero(~self.resident(rows) & self.in_ranges(rows))
         if not want.shape[0]:
             return 0
         need = want.shape[0]
@@ -534,7 +532,7 @@ class Pool:
                 self.epoch += 1  # pins nothing: a new epoch no slot carries
                 make_room(min(need, room), self.range_pinned)
             # making room seals and may clean: rows can have moved (never become resident)
-            want = want[self.loc[rows[want]] >= 0][:self.nfree]
+            want = want[:self.nfree]
             need = want.shape[0]
             if not need:
                 return 0
@@ -553,8 +551,7 @@ class Pool:
         self.region[slots[keep]] = records[want[keep]]
         self.nfree = top - need
         self.slot_row[slots] = r
-        self.slot_disk[slots] = now
-        self.loc[r] = -slots - 1
+        _insert(self.table, r, slots)
         self.dirty[slots] = 0
         self.ref[slots] = 1
         self.pin[slots] = RANGE_PIN
@@ -572,41 +569,41 @@ class Pool:
         n = rows.shape[0]
         if not n:
             return
-        lr = self.loc[rows]
-        new = lr >= 0
+        slots = self.slots_of(rows)
+        new = slots < 0
         k = int(np.count_nonzero(new))
         if k > self.nfree:  # the writer reused the file meanwhile: read again
             raise SegmentError(f"commit log of {str(self.path)!r} changed while it was read")
-        slots = np.empty(n, np.int64)
-        slots[~new] = -lr[~new] - 1
         fresh = self.free[self.nfree - k:self.nfree][::-1].copy()
         self.nfree -= k
         slots[new] = fresh
         self.slot_row[fresh] = rows[new]
-        self.slot_disk[fresh] = lr[new]
-        self.loc[rows[new]] = -fresh - 1
+        _insert(self.table, rows[new], fresh)
         self.region[slots] = records
         self.dirty[slots] = 1
 
     # -- checking -----------------------------------------------------------------------------
     def verify(self) -> tuple[list[str], bool]:
-        """Residency (``loc`` <-> ``slot_row``) and the free-slot stack must agree: returns
+        """Residency (``table`` <-> ``slot_row``) and the free-slot stack must agree: returns
         the problems found and whether the locations can be checked further (not when a row
         is resident past the region; the segments' part is ``recovery.verify``'s)."""
         problems: list[str] = []
         S = self.slots
-        resident = np.flatnonzero(self.loc < 0)
-        rslot = -self.loc[resident] - 1
-        if resident.shape[0] and (rslot >= S).any():
-            problems.append(f"rows {resident[rslot >= S][:5].tolist()} are resident in slots "
+        keyed = self.table[:, 0] >= 0
+        resident, rslot = self.table[keyed, 0], self.table[keyed, 1]
+        if resident.shape[0] and ((rslot >= S) | (rslot < 0)).any():
+            bad = (rslot >= S) | (rslot < 0)
+            problems.append(f"rows {resident[bad][:5].tolist()} are resident in slots "
                             f"past the region ({S})")
             return problems, False
+        if resident.shape[0] > 1 and np.unique(resident).shape[0] != resident.shape[0]:
+            problems.append("rows are resident in two slots at once")
         wrong = self.slot_row[rslot] != resident
         if wrong.any():
             problems.append(f"rows {resident[wrong][:5].tolist()} are resident in slots that "
                             "hold other rows")
         used = np.flatnonzero(self.slot_row >= 0)
-        back = self.loc[self.slot_row[used]] != -used - 1
+        back = self.slots_of(self.slot_row[used]) != used
         if back.any():
             problems.append(f"slots {used[back][:5].tolist()} hold rows whose location is "
                             "elsewhere")

@@ -86,24 +86,27 @@ class Job:
         return inside & (self.rows[k] == rows)
 
 
-def plan_job(job_id: int, start: int, stop: int, loc: np.ndarray, segments, init: InitSpec,
+def plan_job(job_id: int, start: int, stop: int, pool, segments, init: InitSpec,
              rec_off, rows: np.ndarray | None = None) -> Job:
     """The reads of the non-resident rows of ``[start, stop)`` -- or, given ``rows`` (sorted,
     unique, non-empty: a ``load_rows``), of those rows, with ``[start, stop)`` their bounds
-    -- (``loc``: the pool's row locations; ``rec_off(seg)``: where a segment's records start
-    in its file). Per segment the records are read in file order, whatever the rows."""
+    -- (``pool``: the row locations and which rows are resident; ``rec_off(seg)``: where a
+    segment's records start in its file). Per segment the records are read in file order,
+    whatever the rows."""
     job = Job(job_id, start, stop, rows=rows)
     if rows is None:
-        lr = loc[start:stop]
+        lr = pool.loc[start:stop].copy()
+        lr[pool.resident(np.arange(start, stop, dtype=np.int64))] = -1
 
         def ids(k):
             return k + start
     else:
-        lr = loc[rows]
+        lr = pool.loc[rows]
+        lr[pool.resident(rows)] = -1
 
         def ids(k):
             return rows[k]
-    on = np.flatnonzero(lr > 0)
+    on = np.flatnonzero(lr > 0)  # -1: resident, not read
     never = np.flatnonzero(lr == 0)
     if never.shape[0]:
         job.fresh = ids(never)

@@ -230,7 +230,7 @@ def verify(pool: Pool, segments: Segments) -> list[str]:
     problems, go_on = pool.verify()
     if not go_on:
         return problems
-    disk = pool.disk_locations() if pool.slots else pool.loc.copy()
+    disk = pool.loc
     problems += segments.check_rows_of_records(disk)
     located = disk[disk > 0] - 1
     size = segments.live.shape[0]

@@ -110,7 +110,8 @@ def test_a_load_keeps_resident_dirty_rows_and_loads_never_written_ones(tmp_path)
     assert not np.array_equal(want[100:150], init[100:150])
     dsa_core.load_range(s, 0, 500, wait=True)
     eng = s.store
-    slots = -eng._pool.loc[100:150] - 1
+    slots = eng._pool.slots_of(np.arange(100, 150))
+    assert (slots >= 0).all()
     assert (eng._pool.dirty[slots] == 1).all()  # still the step's records, still dirty
     np.testing.assert_array_equal(records(s), want)
     np.testing.assert_array_equal(records(s)[:100], init[:100])  # the initial records
