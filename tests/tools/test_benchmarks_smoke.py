@@ -65,6 +65,9 @@ SMOKES = {
     "state_dict_disk": (["--smoke"], None, "run_dir"),  # writes no result files in smoke
     "step_ab": (["--smoke"], None, "rows_per_s"),  # prints its figures only
     "adagrad": (["--smoke"], "adagrad_ooc_smoke", "x_adam_bytes"),
+    "big_index": (["--rows", "20000", "--dim", "4", "--steps", "2", "--memory", "16MiB",
+                   "--cap", "none", "--no-drop-caches", "--name", "big_index_smoke"],
+                  "big_index_smoke", "open (median of 3)"),
     # the in-process measure (its reference, comparison and results files): ~5 s; every
     # measure once, the out-of-core ones with their cgroup and drive probe (~25 s):
     # test_guard_smoke_every_measure (slow). Without a cgroup or a compiler it falls back
@@ -79,7 +82,8 @@ WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "pykeen_ooc": "--workdir",
            "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
            "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir",
-           "guard": "--workdir", "step_ab": "--workdir", "adagrad": "--workdir"}
+           "guard": "--workdir", "step_ab": "--workdir", "adagrad": "--workdir",
+           "big_index": "--workdir"}
 
 
 @pytest.fixture
