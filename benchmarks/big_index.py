@@ -119,7 +119,6 @@ def id_sampler(n: int, b: int, alpha: float, rng: np.random.Generator):
 def measure(a) -> dict:
     """Every figure of the module docstring, as one dict (``refused`` set if create refused)."""
     import dsa_core
-    from dsa_core import _layout
 
     if a.threads:
         dsa_core.set_num_threads(a.threads)
@@ -127,7 +126,11 @@ def measure(a) -> dict:
     path, ckpt = work / "store", work / "ckpt"
     for p in (path, ckpt):
         shutil.rmtree(p, ignore_errors=True)
-    lay = _layout.make_layout(a.rows, a.dim, np.float32, 0.0, True, 0)
+    # the record layout of this dim, from a one-row store (the table's may be refused)
+    one = dsa_core.create(work / "one-row", 1, a.dim, storage="log")
+    lay = {"num_rows": a.rows, "stride": int(one.store.layout.stride), "dtype": "float32"}
+    dsa_core.close(one)
+    shutil.rmtree(work / "one-row")
     rec_bytes = int(lay["stride"]) * 4
     res = {"rows": a.rows, "dim": a.dim, "memory": a.memory, "batch": a.batch,
            "steps": a.steps, "zipf": a.zipf, "record_bytes": rec_bytes,

@@ -16,9 +16,11 @@ Durability
     make anything durable: updates since the last flush live in the region only and are gone
     if the process ends without one. A flush seals every dirty slot (segments of a seal unit
     each), waits for the background writes, fsyncs the new segments, writes the next index
-    generation (fsync'd), starts the next commit-log generation when ``wal_on``, commits the
-    manifest, and only then deletes the previous index generation and the segments no
-    manifest lists any more, and retires the previous commit log (kept for reuse while
+    base (fsync'd) when the segments sealed since the last base hold more than
+    ``BASE_REPLAY_SHARE`` of the table's rows in records (else the manifest's
+    ``index_from`` says which segments an open applies over the base: ``format``), starts
+    the next commit-log generation when ``wal_on``, commits the manifest, and only then
+    deletes the previous index base and the segments no manifest lists any more, and retires the previous commit log (kept for reuse while
     ``wal_on``): after ``kill -9`` at any moment the store reopens at the last completed
     flush (``recovery``).
 The commit log (``durability="step"``)
@@ -64,6 +66,9 @@ from .segments import Segments
 from .wal import WalWriter, wal_bound, wal_name
 from .writer import WriteJob
 
+BASE_REPLAY_SHARE = 0.25  # a flush writes a new index base past this many records per row
+                          # in the segments sealed since the last one (format: index_from)
+
 __all__ = ["BEHIND_BYTES", "TOTALS", "Commit", "name_wal"]
 
 # seals up to this size, and up to a write buffer of the memory budget
@@ -104,7 +109,8 @@ class Commit:
     """Seals, flushes, checkpoints and the commit log of one open store (module docstring).
 
     It owns what a flush commits: ``count``, ``meta``, the last committed ``manifest``, the
-    index generation and whether the disk locations changed since (``index_dirty``), the
+    index base's generation and the first segment it does not reflect (``index_from``),
+    whether the disk locations changed since the flush (``index_dirty``), the
     commit-log generation, and the write counters of earlier writers (``totals_base``).
     The region and slots are the ``pool``'s, the segments the ``segments``'; ``stats``: the
     engine's counters (the seal and write ones are counted here).
@@ -128,6 +134,7 @@ class Commit:
                              f"{manifest['index']!r}, not an index-<gen>.bin file; the store "
                              "is damaged")
         self.gen = kind[1]
+        self.index_from = int(manifest["index_from"])  # segments from here on: over the base
         self.manifest = dict(manifest)              # the last committed manifest
         self.index_dirty = False                    # disk locations changed since the flush
         # the write counters of earlier writers, committed by their flushes (Engine.stats)
@@ -147,6 +154,7 @@ class Commit:
         self.wal_acquires = 0                    # acquire calls that they reflect
         self.wal_spare: Path | None = None       # a retired log file, reused next
         self.prepared: tuple | None = None       # (manifest, index gen, new log): prepare
+        self.base_writes = 0                     # index bases this open wrote
 
     def totals(self) -> dict[str, int]:
         """The write counters over the store's life: earlier writers' plus this open's."""
@@ -330,11 +338,12 @@ class Commit:
         crash_point("flush-synced")
         manifest = dict(self.manifest)
         gen = self.gen
-        if self.index_dirty:
+        if self.index_dirty and self.base_due():
             gen += 1
             manifest["index"] = index_name(gen)
             manifest["index_crc32"] = write_index(self.path / index_name(gen),
                                                   self.pool.disk_location_chunks())
+            manifest["index_from"] = int(segs.next_segment)
             crash_point("flush-index")
         new_wal = self._start_wal() if self.wal_on else None
         fsync_path(self.path)  # the new files' names are durable before the manifest is
@@ -343,6 +352,18 @@ class Commit:
         name_wal(manifest, new_wal)
         self.prepared = (manifest, gen, new_wal)
         return dict(manifest)
+
+    def replay_records(self) -> int:
+        """Records in the segments an open would apply over the index base."""
+        segs = self.segments
+        return int(sum(segs.seg_n[sid] for sid in segs.segs if sid >= self.index_from))
+
+    def base_due(self) -> bool:
+        """A flush writes a new index base: the segments sealed since the last one hold more
+        than ``BASE_REPLAY_SHARE`` records per row of the table (an open reads their row ids,
+        8 bytes per record, against the base's 8 bytes per row; a base costs 8 bytes per
+        row to write, so at most ``8 / BASE_REPLAY_SHARE`` = 32 bytes per sealed record)."""
+        return self.replay_records() > BASE_REPLAY_SHARE * self.pool.num_rows
 
     def cancel(self) -> None:
         """Drop a prepared commit: its files are garbage (the next one rewrites them)."""
@@ -365,6 +386,9 @@ class Commit:
         crash_point("flush-committed")
         segs = self.segments
         old_gen, self.gen = self.gen, gen
+        self.index_from = int(manifest["index_from"])
+        if old_gen != gen:
+            self.base_writes += 1
         old_wal = self.manifest.get("wal")
         self.manifest = manifest
         segs.committed_now()
@@ -395,12 +419,8 @@ class Commit:
             for sid in manifest["segments"]:
                 _link_or_copy(self.path / seg_name(sid), tmp / seg_name(sid), share)
                 crash_point("ckpt-link")
-            if manifest["index"] is not None:
-                if share:
-                    copy_file(self.path / manifest["index"], tmp / manifest["index"])
-                else:
-                    copy_file(self.path / manifest["index"], tmp / manifest["index"],
-                              share=False)
+            if manifest["index"] is not None:  # immutable, as the segments: linked
+                _link_or_copy(self.path / manifest["index"], tmp / manifest["index"], share)
             write_manifest(tmp, manifest)
             crash_point("ckpt-staged")
         return dest

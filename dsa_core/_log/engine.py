@@ -1158,7 +1158,7 @@ def create(path, layout: dict[str, Any], *, memory_bytes: int, init: str = "zero
             "format": FORMAT_NAME, "version": FORMAT_VERSION, "layout": lay, "count": count,
             "seed": int(seed), "init": init, "init_scale": init_scale,
             "ball_maxnorm": ball_maxnorm, "index": None, "index_crc32": None, "segments": [],
-            "next_segment": 1, "space_ratio": space_ratio, "meta": meta,
+            "next_segment": 1, "index_from": 1, "space_ratio": space_ratio, "meta": meta,
         }
         write_manifest(directory, manifest)
         eng = LogStore(directory, manifest, "r+", memory_bytes, lockfd)

@@ -6,9 +6,8 @@ writes and checks the bytes. Files of a log store directory:
 ``manifest.json``
     ``{"format": "dsa-log", "version": 3, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
-    "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "segments": [ids],
-    "next_segment":
-    int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
+    "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "index_from": int,
+    "segments": [ids], "next_segment": int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
     int}`` (``meta``: the caller's JSON data, e.g. the optimizer's hyperparameters;
     ``wal``/``wal_salt``: the commit log of ``durability="step"`` stores, ``wal``; a
     manifest without them has none; ``checksum``: ``_files.json_checksum`` of the rest,
@@ -40,11 +39,20 @@ writes and checks the bytes. Files of a log store directory:
     part of the store once a manifest lists it. At open, a writer removes the segment files
     that a checksummed manifest proves are garbage (``recovery.remove_garbage``).
 ``index-<gen:08d>.bin``
-    Absent (``"index": null``) until the first flush that writes a row: every row then reads
-    as its initial record, so creating a store writes nothing of the table's size. Else
-    ``num_rows`` int64: 0 for a row never written (it reads as its initial record), else
-    ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment. A flush writes
-    a new generation; the old one is removed once the manifest naming the new one is durable.
+    The *base* of the index. Absent (``"index": null``) until a flush writes one: every row
+    then reads as its initial record, so creating a store writes nothing of the table's
+    size. Else ``num_rows`` int64: 0 for a row never written (it reads as its initial
+    record), else ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment.
+    The index is the base plus the segments sealed after it: ``index_from`` (manifest
+    version 5) is the first segment id the base does not reflect, and an open applies the
+    row ids of every listed segment from ``index_from`` on, in id order, over the base (a
+    row's newest record is in the highest segment that holds it: seals and the cleaner's
+    copies only ever write into new, higher ids). A flush writes a new base only when the
+    records those segments hold pass a quarter of the table's rows
+    (``commit.BASE_REPLAY_SHARE``), so a flush of a few changed rows writes their records
+    and a manifest, not 8 bytes per row of the table; the old base is removed once the
+    manifest naming the new one is durable. Without ``index_from`` (versions 1-4) the base
+    is the whole index.
 ``wal-<gen:08d>.log``
     The commit log named by the manifest (``wal`` describes it); the next generation's
     name may hold a retired log kept for reuse. Others are garbage, removed at open.
@@ -89,7 +97,8 @@ from .checks import check_count, check_init_settings, check_layout
 from .sums import record_sums
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_OPTIMIZER", "FORMAT_VERSION_SUMS",
+    "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_INDEX_FROM", "FORMAT_VERSION_OPTIMIZER",
+    "FORMAT_VERSION_SUMS",
     "FORMAT_VERSION_WAL", "LOCK_FILE",
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
@@ -108,8 +117,12 @@ FORMAT_VERSION_SUMS = 3
 # records hold an accumulator where Adam's hold m and v): a reader of version 3 would step
 # Adam on them, so it must refuse them ("upgrade dsa_core"). Adam stores stay version 3.
 FORMAT_VERSION_OPTIMIZER = 4
+# a manifest with ``index_from``: the index is its base plus the segments from that id on (a
+# reader of version 4 would take the base for the whole index and serve stale records, so it
+# must refuse it). What this module writes, for every optimizer.
+FORMAT_VERSION_INDEX_FROM = 5
 READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_WAL, FORMAT_VERSION_SUMS,
-                 FORMAT_VERSION_OPTIMIZER)
+                 FORMAT_VERSION_OPTIMIZER, FORMAT_VERSION_INDEX_FROM)
 SEG_MAGIC = b"DSALOG01"
 SUM_MAGIC = b"DSASUM01"  # the header extension of a segment with per-record sums
 # segment parts start on multiples of this many bytes (a format constant, not the OS's page)
@@ -365,9 +378,9 @@ def _crc_of_file_range(fd: int, off: int, nbytes: int) -> int:
 
 
 def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows: int,
-                  full: bool = True) -> tuple[int, int]:
-    """Check a referenced segment; returns ``(records, version)`` or raises
-    :class:`SegmentError`.
+                  full: bool = True, with_rows: bool = False) -> tuple:
+    """Check a referenced segment; returns ``(records, version)`` (``with_rows``: and its
+    checked row ids, ``(records, version, rows)``) or raises :class:`SegmentError`.
 
     Header (magic, CRC, id, stride, itemsize), file size, the CRCs of rows, steps and record
     sums, rows inside ``[0, num_rows)``, and with ``full`` (always for a version-1 segment,
@@ -429,7 +442,7 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
                 raise SegmentError(_record_damage(path, wrong, rows))
     finally:
         os.close(fd)
-    return n, version
+    return (n, version, rows) if with_rows else (n, version)
 
 
 def _record_damage(path: Path, ks: np.ndarray, rows: np.ndarray | None,
@@ -632,11 +645,12 @@ _FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "ind
 
 def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
     """Replace ``manifest.json`` atomically and durably (one writer: the lock), as version
-    :data:`FORMAT_VERSION_SUMS` with its checksum (:data:`FORMAT_VERSION_OPTIMIZER` when its
-    layout names an optimizer other than Adam; ``manifest["version"]`` is set);
-    ``durable=False``: not synced, see ``_files.write_json``."""
-    opt = manifest.get("layout", {}).get("optimizer", "adam")
-    manifest["version"] = FORMAT_VERSION_SUMS if opt == "adam" else FORMAT_VERSION_OPTIMIZER
+    :data:`FORMAT_VERSION_INDEX_FROM` with its checksum (``manifest["version"]`` is set;
+    ``manifest["index_from"]`` must be there); ``durable=False``: not synced, see
+    ``_files.write_json``."""
+    if "index_from" not in manifest:  # pragma: no cover - every writer sets it
+        raise ValueError("a version-5 manifest needs index_from")
+    manifest["version"] = FORMAT_VERSION_INDEX_FROM
     manifest.pop(CHECKSUM_KEY, None)
     write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True,
                durable=durable)
@@ -703,6 +717,13 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                 and (parse_name(str(manifest["index"])) or ("",))[0] != "index":
             raise ValueError(f"index must name an index-<gen>.bin file, got "
                              f"{manifest['index']!r}")
+        if version >= FORMAT_VERSION_INDEX_FROM:
+            ifrom = manifest.get("index_from")
+            if isinstance(ifrom, bool) or not isinstance(ifrom, int) or not 1 <= ifrom <= nxt:
+                raise ValueError(f"index_from must be an int in [1, next_segment={nxt}], got "
+                                 f"{ifrom!r}")
+        else:  # the base is the whole index: no segment is newer than it
+            manifest["index_from"] = nxt
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"manifest {str(mpath)!r} holds a setting that create refuses: "
                          f"{exc}; the store is damaged (or the file was edited by hand), "

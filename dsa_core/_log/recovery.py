@@ -51,17 +51,24 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
          segments: Segments) -> None:
     """Check and map the manifest's segments, load its index, count live records (into a
     fresh ``pool`` and ``segments``)."""
-    listed = [int(s) for s in manifest["segments"]]
-    ns, versions = {}, {}
+    listed = sorted(int(s) for s in manifest["segments"])
+    index_from = int(manifest["index_from"])
+    ns, versions, newer = {}, {}, []
     for sid in listed:
         if not 0 < sid < segments.next_segment:
             raise ValueError(f"manifest of {str(path)!r} lists segment {sid} outside "
                              f"[1, next_segment={segments.next_segment}); the store is "
                              "damaged")
-        ns[sid], versions[sid] = check_segment(path / seg_name(sid), sid, pool.stride,
-                                               pool.dtype.itemsize, pool.num_rows, full_check)
+        got = check_segment(path / seg_name(sid), sid, pool.stride, pool.dtype.itemsize,
+                            pool.num_rows, full_check, with_rows=sid >= index_from)
+        ns[sid], versions[sid] = got[:2]
+        if sid >= index_from:
+            newer.append((sid, got[2]))
     index = np.zeros(pool.num_rows, np.int64) if manifest["index"] is None else \
         read_index(path / manifest["index"], pool.num_rows, manifest.get("index_crc32"))
+    for sid, rows in newer:  # the segments sealed after the base, oldest first
+        index[rows] = np.int64((sid << 32) + 1) + np.arange(rows.shape[0], dtype=np.int64)
+    newer = None
     segments.ensure_id(segments.next_segment)
     size = segments.live.shape[0]
     used = index[index > 0] - 1
@@ -208,7 +215,7 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
         name = seg_name(int(sid))
         try:
             n, version = check_segment(directory / name, int(sid), stride, dtype.itemsize,
-                                       num_rows, True)
+                                       num_rows, True)[:2]
             out.append((name, None, f"header, rows, steps and {n} records (" + (
                 "each against its checksum)" if version >= 2 else
                 "their CRC; a segment of format 1 has no per-record checksums)")))

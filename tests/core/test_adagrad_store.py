@@ -319,15 +319,17 @@ def test_log_store_manifest_names_no_betas(tmp_path):
     assert m["layout"]["optimizer"] == "adagrad" and "m" not in m["layout"]
 
 
-def test_log_store_manifest_version_4_and_older_readers(tmp_path, monkeypatch):
-    """An Adagrad log store's manifest is version 4 (an Adam one's stays 3): a dsa_core that
-    reads log manifests up to version 3 refuses it with "Upgrade dsa_core"."""
+def test_log_store_manifest_version_5_and_older_readers(tmp_path, monkeypatch):
+    """Log manifests are version 5 (an index base plus the segments after it), Adagrad's and
+    Adam's: a dsa_core that reads log manifests up to version 3 (before Adagrad) or 4 (before
+    ``index_from``) refuses an Adagrad store with "Upgrade dsa_core"."""
     from dsa_core._log import format as log_format
 
-    assert _manifest_versions(tmp_path, "log") == (4, 3)
-    monkeypatch.setattr(log_format, "READ_VERSIONS", log_format.READ_VERSIONS[:3])
-    with pytest.raises(ValueError, match="format version 4.*Upgrade dsa_core"):
-        dsa_core.open(tmp_path / "g")
+    assert _manifest_versions(tmp_path, "log") == (5, 5)
+    for upto in (3, 4):
+        monkeypatch.setattr(log_format, "READ_VERSIONS", log_format.READ_VERSIONS[:upto])
+        with pytest.raises(ValueError, match="format version 5.*Upgrade dsa_core"):
+            dsa_core.open(tmp_path / "g")
 
 
 # -- refusals at create and at step ----------------------------------------------------------------

@@ -319,13 +319,22 @@ def test_keep_snapshots_0_state_dicts_are_descriptions(tmp_path, kind):
 # -- a snapshot cut short ----------------------------------------------------------------------
 def cut_copy(action):
     """A stand-in for ``dsa_core._files.copy_file`` that copies the first half of the file
-    (an in-place store's data file; a log store's index, after its segments are linked),
-    then calls ``action()`` (a SIGKILL, or raising KeyboardInterrupt)."""
+    (an in-place store's data file), then calls ``action()`` (a SIGKILL, or raising
+    KeyboardInterrupt)."""
     def copy_file(src, dst):
         data = Path(src).read_bytes()
         Path(dst).write_bytes(data[:len(data) // 2])
         action()
     return copy_file
+
+
+def cut_link(action):
+    """A stand-in for ``dsa_core._log.commit._link_or_copy`` (a log store's snapshot links its
+    segments and index base) that links the first file, then calls ``action()``."""
+    def link_or_copy(src, dst, share=True):
+        os.link(src, dst)
+        action()
+    return link_or_copy
 
 
 def cut_delta(action):
@@ -353,7 +362,8 @@ def patch_cut(where: str, action) -> None:
     from dsa_core._inplace import store as _store
     from dsa_core._log import commit
     if where == "copy":  # the copies of the in-place engine's and the log engine's snapshots
-        _store.copy_file = commit.copy_file = _snapshots.copy_file = cut_copy(action)
+        _store.copy_file = _snapshots.copy_file = cut_copy(action)
+        commit._link_or_copy = cut_link(action)
         _snapshots._write_delta = cut_delta(action)  # an in-place snapshot on an earlier one
     else:
         _files.commit_dir = commit_cut(action)
@@ -484,7 +494,7 @@ def test_ctrl_c_while_a_snapshot_is_taken(tmp_path, kind, where, monkeypatch):
     def interrupt():
         raise KeyboardInterrupt
 
-    for mod, name in ((_store, "copy_file"), (commit, "copy_file"), (_files, "commit_dir"),
+    for mod, name in ((_store, "copy_file"), (commit, "_link_or_copy"), (_files, "commit_dir"),
                       (_snapshots, "copy_file"), (_snapshots, "_write_delta")):
         monkeypatch.setattr(mod, name, getattr(mod, name))  # undone at the end of the test
     patch_cut(where, interrupt)

@@ -1,0 +1,156 @@
+"""A log store's index on disk: a base plus the segments sealed after it (``index_from``).
+
+A flush writes the records it changed and a manifest, not 8 bytes per row of the table: an
+open applies the row ids of the segments from ``index_from`` on over the index base, and a
+new base is written only when those segments hold more than ``BASE_REPLAY_SHARE`` records
+per row. Whatever the base's age, every open (writer, reader, checkpoint) sees exactly the
+flushed records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import dsa_core
+from dsa_core._files import write_json
+from dsa_core._log import commit as _commit
+from dsa_core._log import format as _format
+from helpers import batches, create, records, train
+
+N, D = 4000, 4
+
+
+def _manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _index_files(path):
+    return sorted(p.name for p in path.glob("index-*.bin"))
+
+
+def _reopened(path):
+    r = dsa_core.open(path, mode="r")
+    try:
+        return records(r)
+    finally:
+        dsa_core.close(r)
+
+
+def test_a_flush_of_few_rows_writes_no_index_base_until_the_replay_share(tmp_path):
+    """Flushes below the share write segments and a manifest only; the flush past it writes
+    a base, moves index_from to the next segment, and removes the old base after the commit.
+    Every reopen in between sees exactly the flushed records."""
+    p = tmp_path / "s"
+    s = create(p, N, D, "log", slots=300)
+    share = _commit.BASE_REPLAY_SHARE * N  # 1000 records
+    bases, froms = [], []
+    for k in range(12):
+        s = train(s, batches(4, N, D, batch=32, seed=k))  # <= 128 rows per flush
+        dsa_core.flush(s)
+        want = records(s)
+        m = _manifest(p)
+        assert m["version"] == _format.FORMAT_VERSION_INDEX_FROM
+        assert _index_files(p) == ([] if m["index"] is None else [m["index"]])
+        bases.append(m["index"])
+        froms.append(m["index_from"])
+        np.testing.assert_array_equal(_reopened(p), want)
+        assert s.store._commit.replay_records() <= share  # else this flush wrote a base
+    assert bases[0] is None and froms[0] == 1  # the first flushes: no base at all
+    assert bases[-1] is not None  # a base was written once the segments passed the share
+    assert len(set(froms)) >= 2 and froms == sorted(froms)
+    dsa_core.close(s)
+    s = dsa_core.open(p)  # the writer's open applies the same segments
+    np.testing.assert_array_equal(records(s), want)
+    assert s.store.check_index() == []
+    dsa_core.close(s)
+
+
+def test_a_flush_writes_its_records_not_the_index_of_the_table(tmp_path):
+    """A table of 2M rows: a flush of 64 changed rows adds one small segment, no index."""
+    p = tmp_path / "big"
+    n = 2_000_000
+    s = dsa_core.create(p, n, D, storage="log", memory="48MiB", init="normal", seed=1)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        idx = rng.choice(n, 64, replace=False)
+        s = dsa_core.step(s, idx, rng.standard_normal((64, D)).astype(np.float32))
+        before = {q.name: q.stat().st_size for q in p.iterdir()}
+        dsa_core.flush(s)
+        added = {q.name: q.stat().st_size for q in p.iterdir() if q.name not in before}
+        assert not any(k.startswith("index-") for k in added)
+        assert sum(added.values()) < 64 * 1024  # a segment of 64 records, not 16 MB of index
+    want = dsa_core.gather(s, np.arange(n - 10, n))
+    dsa_core.close(s)
+    r = dsa_core.open(p, mode="r")
+    np.testing.assert_array_equal(dsa_core.gather(r, np.arange(n - 10, n)), want)
+    dsa_core.close(r)
+
+
+def test_a_checkpoint_links_the_base_and_outlives_the_live_store_moving_on(tmp_path,
+                                                                           monkeypatch):
+    """The checkpoint links the (immutable) base and segments; the live store then writes a
+    new base and deletes the old one; the checkpoint still opens at its own state."""
+    monkeypatch.setattr(_commit, "BASE_REPLAY_SHARE", 0.01)  # a base at almost every flush
+    p = tmp_path / "s"
+    s = train(create(p, N, D, "log", slots=300), 20, batch=32)
+    ck = dsa_core.checkpoint(s, tmp_path / "ck")
+    want = records(s)
+    base = _manifest(ck)["index"]
+    assert base is not None and os.stat(ck / base).st_nlink == 2  # shared with the store
+    s = train(s, batches(20, N, D, batch=32, seed=9))
+    dsa_core.flush(s)
+    assert _manifest(p)["index"] != base and not (p / base).exists()
+    assert os.stat(ck / base).st_nlink == 1
+    np.testing.assert_array_equal(_reopened(ck), want)
+    dsa_core.close(s)
+
+
+def test_a_checkpoint_before_any_base_replays_every_segment(tmp_path):
+    p = tmp_path / "s"
+    s = train(create(p, N, D, "log", slots=300), 3, batch=32)
+    ck = dsa_core.checkpoint(s, tmp_path / "ck")
+    m = _manifest(ck)
+    assert m["index"] is None and m["index_from"] == 1 and m["segments"]
+    np.testing.assert_array_equal(_reopened(ck), records(s))
+    dsa_core.close(s)
+
+
+def test_an_older_manifest_without_index_from_takes_its_base_as_the_whole_index(tmp_path,
+                                                                                monkeypatch):
+    """A version-3 manifest (before index_from) names a base that is the whole index: the
+    open applies no segment over it; the writer's next flush rewrites it as version 5."""
+    monkeypatch.setattr(_commit, "BASE_REPLAY_SHARE", 0.0)  # every flush writes a base
+    p = tmp_path / "s"
+    s = train(create(p, N, D, "log", slots=300), 10, batch=32)
+    want = records(s)
+    dsa_core.close(s)
+    m = _manifest(p)
+    assert m["index"] is not None and m["index_from"] == m["next_segment"]
+    m.pop("checksum")
+    m.pop("index_from")
+    m["version"] = _format.FORMAT_VERSION_SUMS
+    write_json(p / "manifest.json", m, shared=False, checksum=True)
+    np.testing.assert_array_equal(_reopened(p), want)
+    s = dsa_core.open(p)
+    s = train(s, 2, batch=32)
+    dsa_core.close(s)
+    assert _manifest(p)["version"] == _format.FORMAT_VERSION_INDEX_FROM
+
+
+@pytest.mark.parametrize("bad", [0, "next+1", "3", True])
+def test_a_manifest_with_a_bad_index_from_is_refused_and_left_alone(tmp_path, bad):
+    p = tmp_path / "s"
+    s = train(create(p, N, D, "log", slots=300), 3, batch=32)
+    dsa_core.close(s)
+    m = _manifest(p)
+    m.pop("checksum")
+    m["index_from"] = m["next_segment"] + 1 if bad == "next+1" else bad
+    write_json(p / "manifest.json", m, shared=False, checksum=True)
+    files = {q.name: q.read_bytes() for q in p.iterdir() if q.is_file()}
+    with pytest.raises(ValueError, match=r"index_from must be an int in \[1, next_segment="):
+        dsa_core.open(p)
+    assert {q.name: q.read_bytes() for q in p.iterdir() if q.is_file()} == files
