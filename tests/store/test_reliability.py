@@ -278,9 +278,13 @@ def test_sigkill_during_checkpoints_few(server, tmp_path, kind):
 
 @pytest.mark.slow
 def test_sigkill_during_checkpoints_many(server, tmp_path, kind):
-    stats = ckpt_trials(server, tmp_path, trials=120, seed=8, window=0.15, kind=kind)
+    # a log store's checkpoint is a flush and hard links (it copied the 8-byte-per-row index
+    # before the index base was linked): 8 and 10 of 120 kills landed inside one, so the
+    # log kind takes twice the trials for the same > 10
+    trials = 120 if kind == "inplace" else 240
+    stats = ckpt_trials(server, tmp_path, trials=trials, seed=8, window=0.15, kind=kind)
     print(f"\ncheckpoints, {kind}: {dict(stats)}")
-    assert stats["trials"] + stats["no checkpoint yet"] == 120
+    assert stats["trials"] + stats["no checkpoint yet"] == trials
     assert stats["kills leaving a ckpt.tmp-* leftover"] > 10  # kills inside checkpoints
     assert stats["checkpoints advanced"] > 10
     if kind == "inplace":
