@@ -1,6 +1,6 @@
 """The cleaner of a log store: keeps the segments' records within ``space_ratio`` of the live.
 
-A record is live when its row's location (``loc``) points at it. A live record never comes back once dead (a row's location only moves to a
+A record is live when its row's location (``index``) points at it. A live record never comes back once dead (a row's location only moves to a
 newer record), so the live records of a segment at any moment are a subset of those at any
 earlier moment.
 
@@ -59,6 +59,7 @@ from .budget import cleaning_limits
 from .format import Segment, crash_point, segment_geometry
 from .pool import Pool
 from .read import CleaningReads, advise, advise_whole
+from .index import loc_of
 from .resident import find_one
 from .segments import Segments
 
@@ -74,8 +75,9 @@ HINT_SEGMENTS = 2  # victims after those read ahead whose ids are asked for a se
 
 
 @njit(cache=True, nogil=True)
-def _scan_segment(seg_rows, base, loc, table, mark, ep, out_k, out_slots):
-    """The live records of one segment (locations ``base + k``): returns ``(nk, ns)``.
+def _scan_segment(seg_rows, at, ibase, idelta, table, mark, ep, out_k, out_slots):
+    """The live records of one segment (locations ``at + k``; the index is ``ibase`` and
+    ``idelta``: ``index.loc_of``): returns ``(nk, ns)``.
 
     ``out_k[:nk]``: records whose row points at them and is not resident (to be copied
     from the segment). ``out_slots[:ns]``: the slots of resident rows that point at them and
@@ -86,7 +88,7 @@ def _scan_segment(seg_rows, base, loc, table, mark, ep, out_k, out_slots):
     ns = 0
     for k in range(seg_rows.shape[0]):
         r = seg_rows[k]
-        if loc[r] != base + k:
+        if loc_of(ibase, idelta, r) != at + k:
             continue
         s = find_one(table, r)
         if s < 0:
@@ -100,7 +102,7 @@ def _scan_segment(seg_rows, base, loc, table, mark, ep, out_k, out_slots):
 
 
 @njit(cache=True, nogil=True)
-def _live_records(seg_rows, base, loc, table, dirty, out):
+def _live_records(seg_rows, at, ibase, idelta, table, dirty, out):
     """The live records of one segment that a seal cleaning it later may copy from it:
     ``out[:n]``. Those on disk, and those behind a *clean* resident slot (the row may leave
     the region before the clean, pointing at its record again). A dirty slot's record is
@@ -109,7 +111,7 @@ def _live_records(seg_rows, base, loc, table, dirty, out):
     n = 0
     for k in range(seg_rows.shape[0]):
         r = seg_rows[k]
-        if loc[r] == base + k:
+        if loc_of(ibase, idelta, r) == at + k:
             s = find_one(table, r)
             if s < 0 or dirty[s] == 0:
                 out[n] = k
@@ -260,8 +262,8 @@ class Cleaner:
             _rows_ahead(seg)
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
-            nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.loc,
-                                   pool.table, pool.mark, ep, out_k, out_s)
+            nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.index.base,
+                                   pool.index.delta, pool.table, pool.mark, ep, out_k, out_s)
             copies.append(self._source(seg, out_k[:nk].copy()))
             self.victim_records += seg.n
             res.append(out_s[:ns].copy())
@@ -341,8 +343,8 @@ class Cleaner:
             seg = segs.segs[sid]
             _rows_ahead(seg)
             out = np.empty(seg.n, np.int64)
-            n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.loc, pool.table,
-                              pool.dirty, out)
+            n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.index.base,
+                              pool.index.delta, pool.table, pool.dirty, out)
             if not r.ahead(sid, seg.path, self._offset(seg), out[:n].copy(), pool.stride,
                            pool.dtype):
                 stop = i

@@ -182,7 +182,7 @@ class Commit:
         if ep is None:
             ep = pool.next_seal_epoch()
         pool.mark[slots] = ep
-        n_new_loc = int(np.count_nonzero(pool.loc[pool.slot_row[slots]] == 0))
+        n_new_loc = int(np.count_nonzero(pool.index.get(pool.slot_row[slots]) == 0))
         res, copies = cleaner.choose(slots.shape[0], n_new_loc, ep)
         if copies:
             crash_point("clean")
@@ -246,15 +246,15 @@ class Commit:
         # the old on-disk copies of everything in the seal are dead now
         newloc = np.int64((sid << 32) + 1) + np.arange(n, dtype=np.int64)
         rrows = rows[:m]  # the rows of the region's slots in the seal
-        old = [pool.loc[rrows]]
+        old = [pool.index.get(rrows)]
         n_user = int(np.count_nonzero(pool.dirty[rslots]))
         segs.live_total += int(np.count_nonzero(old[0] == 0))
-        pool.loc[rrows] = newloc[:m]
+        pool.index.set(rrows, newloc[:m])
         pool.dirty[rslots] = 0
         off = m
         for c, r in zip(copies, crow, strict=True):
             old.append(np.int64((c.seg.id << 32) + 1) + c.ks)
-            pool.loc[r] = newloc[off:off + c.ks.shape[0]]
+            pool.index.set(r, newloc[off:off + c.ks.shape[0]])
             off += c.ks.shape[0]
         dead = np.concatenate(old)
         gone = segs.kill(dead[dead > 0] - 1)

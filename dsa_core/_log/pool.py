@@ -2,10 +2,10 @@
 
 In memory
     ``region`` (S, stride) records, anonymous memory (``np.zeros``: faulted in on first use,
-    never written back behind our back). ``loc`` (num_rows,) int64: the location of each
-    row's newest on-disk record, as in the index file (0: never written, the row reads as
-    its initial record, ``_init``); for a resident row it may be older than the slot (the
-    slot is dirty). ``table``: which rows are resident, in which slot (``resident``: a map
+    never written back behind our back). ``index`` (``index.RowIndex``): the location of
+    each row's newest on-disk record (0: never written, the row reads as its initial
+    record, ``_init``); for a resident row it may be older than the slot (the slot is
+    dirty). ``table``: which rows are resident, in which slot (``resident``: a map
     sized by the region, not by the table). Per slot: ``slot_row`` (-1 when free),
     ``dirty``, a CLOCK reference bit, the pin mark (the current :meth:`Pool.acquire`'s
     epoch, or ``RANGE_PIN``: held by a loaded range) and the mark of the seal a slot is
@@ -15,7 +15,7 @@ Acquiring
     not cover its misses, the caller's ``make_room`` runs (``commit``): :meth:`Pool.evict`
     (CLOCK, second chance) picks victims among the slots not used by this call until
     ``misses + seal_unit`` slots are free: clean victims are dropped at once (their row's
-    ``loc`` is their record), dirty ones are returned to be sealed together. Misses
+    index points at their record), dirty ones are returned to be sealed together. Misses
     are then read from their segment (``segments``) or initialised.
 Reading
     :meth:`Pool.read` copies records without changing residency: from the region, from the
@@ -54,6 +54,7 @@ from .._pool import run_chunked
 from .._validation import as_index
 from .budget import check_memory, index_piece_rows, slots_for
 from .format import Segment, SegmentError
+from .index import RowIndex
 from .resident import find as _find
 from .resident import insert as _insert
 from .resident import new_table
@@ -112,8 +113,8 @@ def _evict(target, hand, slot_row, ref, dirty, pin, epoch, mark, ep, table, free
 
     Slots pinned by this call (``pin == epoch``) or by a loaded range (``pin < 0``) or
     already chosen (``mark == ep``) are skipped; a referenced slot loses its bit and is
-    passed over once. A clean victim is freed at once (its row leaves ``table``: its
-    ``loc`` is its record); a dirty one is marked ``ep`` and returned in ``victims`` for the seal.
+    passed over once. A clean victim is freed at once (its row leaves ``table``: the
+    index points at its record); a dirty one is marked ``ep`` and returned in ``victims`` for the seal.
     ``n_victims < 0``: the target cannot be met (the caller asked for more than the unpinned
     slots), nothing more was chosen.
     """
@@ -191,7 +192,7 @@ class Pool:
         self.hand = 0
         self.epoch = 0       # one per acquire: pins
         self.seal_epoch = 0  # one per seal: marks the slots going into it
-        self.loc = np.zeros(self.num_rows, np.int64)
+        self.index = RowIndex(self.num_rows)
         self.ranges: list[tuple[int, int]] = []  # active loaded ranges, in load order
         self.row_sets: list[np.ndarray] = []     # active loaded row sets (sorted, unique)
         self.row_union = _NO_ROWS                # their union (sorted, unique)
@@ -232,7 +233,7 @@ class Pool:
         res = sl >= 0
         if res.any():
             out[res] = self.region[sl[res], cols]
-        lr = np.where(res, -1, self.loc[rows])  # -1: served from the region
+        lr = np.where(res, -1, self.index.get(rows))  # -1: served from the region
         disk = np.flatnonzero(lr > 0)
         self.segments.read_into(lr[disk], out, disk, cols)
         never = np.flatnonzero(lr == 0)
@@ -257,20 +258,20 @@ class Pool:
     def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """Where the on-disk records of ``rows`` (checked ids) lie (see
         ``LogStore.readahead``)."""
-        lr = self.loc[rows]
+        lr = self.index.get(rows)
         return self.segments.addresses(lr[(lr > 0) & ~self.resident(rows)])
 
     def disk_location_chunks(self, rows: int | None = None):
-        """``loc`` (what the index file holds) in pieces of at most ``rows`` rows (default:
-        the budget's ``index_piece_rows``): views, written in turn by a flush."""
+        """Every row's location (what an index base file holds) in pieces of at most
+        ``rows`` rows (default: the budget's ``index_piece_rows``), written in turn by a
+        flush."""
         if rows is None:
             rows = index_piece_rows(self.slots, self.stride * self.dtype.itemsize)
-        for lo in range(0, self.num_rows, rows):
-            yield self.loc[lo:min(lo + rows, self.num_rows)]
+        return self.index.chunks(rows)
 
     def disk_locations(self) -> np.ndarray:
-        """A copy of ``loc``: the on-disk location of every row (checks and tests)."""
-        return self.loc.copy()
+        """The on-disk location of every row, as one array (checks and tests)."""
+        return self.index.all()
 
     # -- acquiring ----------------------------------------------------------------------------
     def acquire(self, rows: Any, make_room: Callable[[int, int], None], *, load: bool = True,
@@ -311,7 +312,7 @@ class Pool:
                 pinned = n - need
             make_room(need, pinned)
         mrows = rows[miss]
-        old = self.loc[mrows]  # after the seal: cleaning may have moved them
+        old = self.index.get(mrows)  # after the seal: cleaning may have moved them
         top = self.nfree
         mslots = self.free[top - need:top][::-1].copy()
         self.nfree = top - need
@@ -398,12 +399,12 @@ class Pool:
         return np.flatnonzero(self.dirty)
 
     def adopt_index(self, index: np.ndarray) -> None:
-        """Take ``index`` (a checked index generation: per row its on-disk location, 0 for
-        none) as the rows' locations (an open, ``recovery.load``)."""
-        self.loc = index
+        """Take ``index`` (checked: per row its on-disk location, 0 for none) as the rows'
+        locations (an open, ``recovery.load``)."""
+        self.index.adopt(index)
 
     def free_slots(self, slots: np.ndarray) -> None:
-        """Make clean resident ``slots`` free: their rows are read from their ``loc`` again."""
+        """Make clean resident ``slots`` free: their rows are read from their location again."""
         _remove(self.table, self.slot_row[slots])
         self.slot_row[slots] = -1
         self.ref[slots] = 0
@@ -537,7 +538,7 @@ class Pool:
             if not need:
                 return 0
         r = rows[want]
-        now = self.loc[r]
+        now = self.index.get(r)
         top = self.nfree
         slots = self.free[top - need:top][::-1].copy()
         same = now == locs[want]

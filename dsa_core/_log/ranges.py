@@ -95,13 +95,14 @@ def plan_job(job_id: int, start: int, stop: int, pool, segments, init: InitSpec,
     whatever the rows."""
     job = Job(job_id, start, stop, rows=rows)
     if rows is None:
-        lr = pool.loc[start:stop].copy()
-        lr[pool.resident(np.arange(start, stop, dtype=np.int64))] = -1
+        span = np.arange(start, stop, dtype=np.int64)
+        lr = pool.index.get(span)
+        lr[pool.resident(span)] = -1
 
         def ids(k):
             return k + start
     else:
-        lr = pool.loc[rows]
+        lr = pool.index.get(rows)
         lr[pool.resident(rows)] = -1
 
         def ids(k):

@@ -237,7 +237,7 @@ def verify(pool: Pool, segments: Segments) -> list[str]:
     problems, go_on = pool.verify()
     if not go_on:
         return problems
-    disk = pool.loc
+    disk = pool.disk_locations()
     problems += segments.check_rows_of_records(disk)
     located = disk[disk > 0] - 1
     size = segments.live.shape[0]

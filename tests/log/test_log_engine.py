@@ -214,9 +214,9 @@ def test_read_with_duplicates_and_write_whole_records(tmp_path):
     ref[rows] = rec
     idx = np.array([5, 3, 3, 0, 2999, 5, 6])
     pool = eng._pool
-    where = (pool.loc.copy(), pool.slot_row.copy(), pool.dirty.copy(), eng.log_stats())
+    where = (pool.disk_locations(), pool.slot_row.copy(), pool.dirty.copy(), eng.log_stats())
     np.testing.assert_array_equal(eng.read(idx), ref[idx])
-    after = (pool.loc, pool.slot_row, pool.dirty, eng.log_stats())
+    after = (pool.disk_locations(), pool.slot_row, pool.dirty, eng.log_stats())
     assert all(np.array_equal(a, b) for a, b in zip(where[:3], after[:3], strict=True))
     assert where[3] == after[3]  # read never changes residency
     w = slice(lay["w"], lay["w"] + lay["dim"])
@@ -258,7 +258,7 @@ def test_region_accounting(tmp_path):
     per_slot = sum(getattr(eng._pool, a).nbytes for a in ("slot_row", "table", "pin", "mark",
                                                          "free", "dirty", "ref")) / S
     assert per_slot == _log.SLOT_OVERHEAD
-    assert eng._pool.loc.nbytes == 8 * lay["num_rows"]
+    assert eng._pool.index.base.nbytes == 8 * lay["num_rows"]
     with pytest.raises(ValueError, match="must pay for the index and at least one record"):
         _log.create(tmp_path / "t", lay, memory_bytes=8 * lay["num_rows"] + 100)
     region = eng._pool.region
@@ -1070,14 +1070,14 @@ def test_verify_finds_planted_inconsistencies(tmp_path):
     eng = _log.create(tmp_path / "s", lay, memory_bytes=_log.memory_for(lay, 150))
     train(eng, None, lay, 1, 40, 100, "uniform", flush_every=13)
     assert eng.check_index() == []
-    on_disk = np.flatnonzero(eng._pool.loc > 0)
+    on_disk = np.flatnonzero(eng._pool.index.base > 0)
     a, b = int(on_disk[0]), int(on_disk[1])
-    saved = eng._pool.loc[a]
-    eng._pool.loc[a] = eng._pool.loc[b]  # row a now points at row b's record
+    saved = eng._pool.index.base[a]
+    eng._pool.index.base[a] = eng._pool.index.base[b]  # row a now points at row b's record
     problems = eng.check_index()
     assert any(f"row {a} points at record" in p and f"holds row {b}" in p for p in problems)
     assert any("live records counted" in p for p in problems), problems
-    eng._pool.loc[a] = saved
+    eng._pool.index.base[a] = saved
     assert eng.check_index() == []
     sid = next(iter(eng._segments.segs))
     eng._segments.live[sid] += 1

@@ -60,7 +60,7 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
     s = dsa_core.open(tmp_path / "log", memory=log_memory(LAYOUT, 1200))
     want = records(s)
     assert dsa_core.residency(s, np.arange(N)) == 0.0
-    loc = s.store._pool.loc[1000:2000]
+    loc = s.store._pool.index.get(np.arange(1000, 2000))
     files = np.unique((loc[loc > 0] - 1) >> 32).shape[0]  # segments holding the range
     never = int(np.count_nonzero(loc == 0))  # never written: their initial records
     dsa_core.load_range(s, 1000, 2000, wait=True)
@@ -133,13 +133,13 @@ def test_an_install_never_puts_back_a_stale_record(tmp_path):
     eng = s.store
     pool = eng._pool
     rows = np.arange(0, 300, dtype=np.int64)
-    read_at = pool.loc[rows].copy()  # where the loader read them
+    read_at = pool.index.get(rows)  # where the loader read them
     s = dsa_core.step(s, np.arange(0, 100), np.ones((100, D), np.float32))  # resident now
     dsa_core.release_range(s, 50, 100)  # sealed again: they moved
     pool.pin_range(0, 300)  # the range is active, as load_range makes it
     want = records(s)
     garbage = np.full((300, LAYOUT["stride"]), np.nan, np.float32)
-    fresh = np.flatnonzero(read_at[100:] == pool.loc[100:300]) + 100
+    fresh = np.flatnonzero(read_at[100:] == pool.index.get(np.arange(100, 300))) + 100
     garbage[fresh] = want[fresh]  # what the loader would have read for the unmoved ones
     n = pool.install_loaded(rows, read_at, garbage, eng._commit.make_room)
     assert n == 250  # rows 0-49 were resident: kept
@@ -336,8 +336,8 @@ def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path)
     dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log", mode="r")
     want = records(s)
-    row = int(np.flatnonzero(s.store._pool.loc[1000:] > 0)[0]) + 1000
-    loc = int(s.store._pool.loc[row]) - 1
+    row = int(np.flatnonzero(s.store._pool.disk_locations()[1000:] > 0)[0]) + 1000
+    loc = int(s.store._pool.disk_locations()[row]) - 1
     dsa_core.close(s)
     seg = tmp_path / "log" / seg_name(loc >> 32)
     head = read_header(seg)

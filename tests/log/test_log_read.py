@@ -137,7 +137,7 @@ def test_release_seals_the_dirty_rows_in_row_order_and_frees_their_slots(tmp_pat
     dsa_core.release_range(s, 0, 450)
     assert eng.log_stats()["slots_used"] == used - resident
     assert dsa_core.residency(s, np.arange(0, 450)) == 0.0
-    loc = eng._pool.loc[100:400]
+    loc = eng._pool.index.get(np.arange(100, 400))
     segs = ((loc - 1) >> 32).tolist()
     # the rows in row order, in consecutive segments of a seal unit each
     assert (loc > 0).all() and (np.diff(loc) > 0).all()
