@@ -5,11 +5,16 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
 (``u = min(S // 8, SEAL_BYTES // record bytes)``, at least 1), into:
 
 ``index``
-    ``loc``: 8 bytes per row of the table, always in memory. A flush writes the next index
-    generation in pieces (``Pool.disk_location_chunks``), not as a second whole array: a
-    piece of :func:`index_piece_rows` rows fits in the staging share, which no seal uses
-    while a flush writes the index. At open the index is read into memory before any
-    slot of the region has been touched, so the open's own copies fit in the region's share.
+    where each row's newest record lies (``index.RowIndex``). While its 8 bytes per row
+    take at most half of ``memory_bytes`` it is in memory, 8 bytes per row (a flush writes
+    a base in pieces, ``Pool.disk_location_chunks``, not as a second whole array: a piece
+    of :func:`index_piece_rows` rows fits in the staging share, which no seal uses while a
+    flush writes it; at open the base is read before any slot of the region has been
+    touched, so the open's own copies fit in the region's share). Past that (a table of
+    more rows than ``memory_bytes / 16``) the index is *mapped* (:func:`index_mapped`):
+    half of ``memory_bytes`` pays for the mapped base's page sums and checked bits (8 bytes
+    + 1 bit per 512 rows) and a delta of :func:`delta_capacity` rows (32 bytes each), and
+    the base's pages are page cache, not charged (reclaimable).
 ``region``
     ``S * (record bytes + SLOT_OVERHEAD)``: the slots' records and their bookkeeping
     (``SLOT_OVERHEAD = 66``: four int64 and two uint8 arrays per slot, ``pool``, and the
@@ -61,13 +66,16 @@ import numpy as np
 from .._paging import memory_limit
 
 __all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "CLEAN_READ_BYTES", "CLEAN_REQUESTS",
-           "INDEX_BYTES", "SEAL_BYTES", "SEAL_META", "SLOT_OVERHEAD",
+           "DELTA_ENTRY", "INDEX_BYTES", "MIN_DELTA", "SEAL_BYTES", "SEAL_META",
+           "SLOT_OVERHEAD", "delta_capacity", "index_mapped",
            "STAGING_CHUNK", "WHOLE_MAX", "WRITE_BUFFERS", "behind_records", "check_memory",
            "check_memory_bytes", "cleaning_limits", "describe", "index_piece_rows",
            "memory_for",
            "seal_unit_for", "slots_for", "split"]
 
 SLOT_OVERHEAD = 66       # bytes per slot besides its record: see the module docstring
+DELTA_ENTRY = 32         # bytes per row of a mapped index's delta (``index``: 2 entries)
+MIN_DELTA = 4096         # rows a mapped index's delta holds at least
 SEAL_BYTES = 32 << 20    # a seal unit holds at most this many bytes of records
 INDEX_BYTES = 8          # per row: ``loc`` (a flush writes the index in pieces)
 BEHIND_UNITS = 2         # a seal of at most this many seal units is written behind
@@ -84,9 +92,41 @@ def _rec_bytes(layout: dict[str, Any]) -> int:
     return int(layout["stride"]) * np.dtype(layout["dtype"]).itemsize
 
 
-def _index_bytes(layout: dict[str, Any]) -> int:
-    """The in-memory index (``loc``), paid from the budget."""
+def _flat_index(layout: dict[str, Any]) -> int:
     return INDEX_BYTES * int(layout.get("num_rows", 0))
+
+
+def _mapped_floor(layout: dict[str, Any]) -> int:
+    """The smallest budget whose half pays for a mapped index with ``MIN_DELTA`` rows."""
+    return 2 * (_mapped_fixed(layout) + MIN_DELTA * DELTA_ENTRY)
+
+
+def index_mapped(layout: dict[str, Any], memory_bytes: int) -> bool:
+    """Whether a store of ``layout`` with ``memory_bytes`` keeps its index mapped: its 8
+    bytes per row would take more than half the budget, and half the budget pays for a
+    delta of at least ``MIN_DELTA`` rows (else the index is in memory, as it fits or not)."""
+    m = int(memory_bytes)
+    return 2 * _flat_index(layout) > m >= _mapped_floor(layout)
+
+
+def _mapped_fixed(layout: dict[str, Any]) -> int:
+    """A mapped index's bytes besides its delta: a sum and a checked flag per page."""
+    pages = -(-int(layout.get("num_rows", 0)) // 512)
+    return 9 * pages
+
+
+def delta_capacity(layout: dict[str, Any], memory_bytes: int) -> int:
+    """Rows the delta of a mapped index holds with ``memory_bytes`` (0: not mapped)."""
+    if not index_mapped(layout, memory_bytes):
+        return 0
+    return max(0, (int(memory_bytes) // 2 - _mapped_fixed(layout)) // DELTA_ENTRY)
+
+
+def _index_bytes(layout: dict[str, Any], memory_bytes: int) -> int:
+    """The index's part of ``memory_bytes`` (module docstring)."""
+    if index_mapped(layout, memory_bytes):
+        return int(memory_bytes) // 2
+    return _flat_index(layout)
 
 
 def seal_unit_for(slots: int, rec_bytes: int) -> int:
@@ -131,33 +171,41 @@ def split(layout: dict[str, Any], memory_bytes: int, slots: int | None = None
     ``cleaning_buffers``, ``staging``, ``total`` (their sum, at most ``memory_bytes`` when
     ``slots`` is not given), ``slots`` and ``seal_unit`` (records)."""
     S = slots_for(layout, memory_bytes) if slots is None else int(slots)
-    rb = _rec_bytes(layout)
-    u = seal_unit_for(S, rb)
-    behind = behind_records(u) * rb
-    parts = {"index": _index_bytes(layout), "region": S * (rb + SLOT_OVERHEAD),
-             "write_buffers": WRITE_BUFFERS * behind,
-             "cleaning_buffers": cleaning_limits(u, rb)["total"],
-             "staging": min(STAGING_CHUNK, S * rb) + SEAL_META * behind_records(u)}
+    parts = {"index": _index_bytes(layout, memory_bytes) if memory_bytes else
+             _flat_index(layout), **_rest_parts(layout, S)}
     parts["total"] = sum(parts.values())
-    parts["slots"], parts["seal_unit"] = S, u
+    parts["slots"], parts["seal_unit"] = S, seal_unit_for(S, _rec_bytes(layout))
     return parts
 
 
-def _cost(layout: dict[str, Any], slots: int) -> int:
-    return split(layout, 0, slots)["total"]
+def _rest_parts(layout: dict[str, Any], S: int) -> dict[str, int]:
+    """The parts besides the index, for a region of ``S`` slots."""
+    rb = _rec_bytes(layout)
+    u = seal_unit_for(S, rb)
+    behind = behind_records(u) * rb
+    return {"region": S * (rb + SLOT_OVERHEAD),
+             "write_buffers": WRITE_BUFFERS * behind,
+             "cleaning_buffers": cleaning_limits(u, rb)["total"],
+             "staging": min(STAGING_CHUNK, S * rb) + SEAL_META * behind_records(u)}
+
+
+def _rest(layout: dict[str, Any], slots: int) -> int:
+    return sum(_rest_parts(layout, slots).values())
 
 
 def slots_for(layout: dict[str, Any], memory_bytes: int) -> int:
     """Record slots of the region that ``memory_bytes`` pays for: the largest ``S`` whose
-    parts (module docstring) add up to at most ``memory_bytes``; 0 if not even one fits."""
+    parts (module docstring) add up to at most ``memory_bytes``; 0 if not even one fits
+    (or a mapped index's delta would hold fewer than ``MIN_DELTA`` rows)."""
     m = int(memory_bytes)
-    lo, hi = 0, max(0, m) // (_rec_bytes(layout) + SLOT_OVERHEAD) + 1  # cost(hi) > m
-    if _cost(layout, 1) > m:
+    avail = m - _index_bytes(layout, m)
+    lo, hi = 0, max(0, avail) // (_rec_bytes(layout) + SLOT_OVERHEAD) + 1  # rest(hi) > avail
+    if _rest(layout, 1) > avail:
         return 0
     lo = 1
-    while hi - lo > 1:  # cost(lo) <= m < cost(hi); cost grows with S
+    while hi - lo > 1:  # rest(lo) <= avail < rest(hi); rest grows with S
         mid = (lo + hi) // 2
-        if _cost(layout, mid) <= m:
+        if _rest(layout, mid) <= avail:
             lo = mid
         else:
             hi = mid
@@ -166,8 +214,22 @@ def slots_for(layout: dict[str, Any], memory_bytes: int) -> int:
 
 def memory_for(layout: dict[str, Any], batch: int) -> int:
     """The smallest ``memory_bytes`` whose region holds ``batch`` records (at least one),
-    every other part included."""
-    return _cost(layout, max(1, int(batch)))
+    every other part included: with the index in memory, or mapped when that is smaller
+    (the budget left beside the index grows with ``memory_bytes`` either way)."""
+    batch = max(1, int(batch))
+    rest = _rest(layout, batch)
+    flat = _flat_index(layout)
+    switch, floor = 2 * flat, _mapped_floor(layout)  # mapped: floor <= m < switch
+    cands = [max(switch, flat + rest)]  # in memory past the switch: always enough
+    if not floor <= flat + rest < switch:
+        cands.append(flat + rest)  # in memory below the mapped range
+    mapped = max(2 * rest - 1, floor)  # the budget's other half (rounded up) holds rest
+    if mapped < switch:
+        cands.append(mapped)
+    m = min(cands)
+    while slots_for(layout, m) < batch:  # rounding: a few bytes at most
+        m += 1
+    return m
 
 
 def _mib(n: int) -> str:
@@ -207,7 +269,8 @@ def check_memory(layout: dict[str, Any], memory_bytes: int, batch: int) -> None:
             f"{have} rows. memory={int(memory_bytes)} ({_mib(int(memory_bytes))}) covers "
             f"everything the store keeps in memory, its region of one slot per row of a "
             f"batch and the rest; at {need} bytes: {describe(split(layout, need))} (the "
-            f"index: {INDEX_BYTES} bytes per row of the table's {rows}; the write and the "
+            f"index: {INDEX_BYTES} bytes per row of the table's {rows} while that is at most "
+            f"half the budget, else half the budget, mapped; the write and the "
             f"cleaning buffers grow with the region, up to "
             f"{_mib(WRITE_BUFFERS * BEHIND_UNITS * SEAL_BYTES)} and "
             f"{_mib(CLEAN_BUFFERS * WHOLE_MAX + CLEAN_REQUESTS * CLEAN_READ_BYTES)})")
@@ -226,7 +289,8 @@ def check_memory_bytes(memory_bytes: Any, layout: dict[str, Any]) -> int:
                          f"with its buffers: at least {need} bytes ({_mib(need)}), the "
                          "smallest budget that works for this table "
                          f"({describe(split(layout, need))}; "
-                         f"{INDEX_BYTES} bytes per row of the table for the index, a "
+                         f"{INDEX_BYTES} bytes per row of the table for the index (or half "
+                         "the budget, mapped, when that is less), a "
                          f"{_rec_bytes(layout)}-byte record + {SLOT_OVERHEAD} bytes per slot), "
                          f"got {memory_bytes}; give the store more memory")
     return int(memory_bytes)

@@ -49,11 +49,13 @@ from .budget import SEAL_BYTES
 from .checks import check_count, check_meta
 from .cleaner import CLEAN_UNITS, Cleaner
 from .format import (
+    INDEX_PAGE_ROWS,
     MAX_SEGMENT_ID,
     Segment,
     check_records,
     crash_point,
     index_name,
+    map_index,
     parse_name,
     seg_name,
     segment_geometry,
@@ -133,8 +135,13 @@ class Commit:
             raise ValueError(f"manifest of {str(path)!r} names the index "
                              f"{manifest['index']!r}, not an index-<gen>.bin file; the store "
                              "is damaged")
-        self.gen = kind[1]
-        self.index_from = int(manifest["index_from"])  # segments from here on: over the base
+        self.gen = kind[1]  # the committed index base (0: none)
+        # the base the index rests on now: the committed one, or one a rebase wrote since
+        # (a mapped index, ``rebase``): its generation, CRC, whether it has page sums, and
+        # the first segment it does not reflect (``index_from``)
+        self.cur_gen, self.cur_crc = self.gen, manifest.get("index_crc32")
+        self.cur_pages = manifest.get("index_pages") is not None
+        self.index_from = int(manifest["index_from"])
         self.manifest = dict(manifest)              # the last committed manifest
         self.index_dirty = False                    # disk locations changed since the flush
         # the write counters of earlier writers, committed by their flushes (Engine.stats)
@@ -154,7 +161,7 @@ class Commit:
         self.wal_acquires = 0                    # acquire calls that they reflect
         self.wal_spare: Path | None = None       # a retired log file, reused next
         self.prepared: tuple | None = None       # (manifest, index gen, new log): prepare
-        self.base_writes = 0                     # index bases this open wrote
+        self.base_writes = 0                     # index bases this open committed
 
     def totals(self) -> dict[str, int]:
         """The write counters over the store's life: earlier writers' plus this open's."""
@@ -184,6 +191,10 @@ class Commit:
         pool.mark[slots] = ep
         n_new_loc = int(np.count_nonzero(pool.index.get(pool.slot_row[slots]) == 0))
         res, copies = cleaner.choose(slots.shape[0], n_new_loc, ep)
+        moving = slots.shape[0] + sum(r.shape[0] for r in res) + sum(c.ks.shape[0]
+                                                                     for c in copies)
+        if pool.index.full(moving):  # before any row moves: the new base is this state
+            self.rebase()
         if copies:
             crash_point("clean")
         rslots = np.concatenate([slots, *res]) if res else slots
@@ -337,21 +348,49 @@ class Commit:
         segs.sync_new()
         crash_point("flush-synced")
         manifest = dict(self.manifest)
-        gen = self.gen
-        if self.index_dirty and self.base_due():
-            gen += 1
-            manifest["index"] = index_name(gen)
-            manifest["index_crc32"] = write_index(self.path / index_name(gen),
-                                                  self.pool.disk_location_chunks())
-            manifest["index_from"] = int(segs.next_segment)
+        base = (self.cur_gen, self.cur_crc, self.cur_pages, self.index_from)
+        if self.index_dirty and not self.pool.index.mapped and self.base_due():
+            gen = self.cur_gen + 1
+            crc = write_index(self.path / index_name(gen), self.pool.disk_location_chunks())
+            base = (gen, crc, True, int(segs.next_segment))
             crash_point("flush-index")
+        gen, crc, pages, ifrom = base
+        manifest.update(index=index_name(gen) if gen else None, index_crc32=crc if gen else None,
+                        index_from=ifrom)
+        if pages and gen:
+            manifest["index_pages"] = INDEX_PAGE_ROWS
+        else:
+            manifest.pop("index_pages", None)
         new_wal = self._start_wal() if self.wal_on else None
         fsync_path(self.path)  # the new files' names are durable before the manifest is
-        manifest.update(totals=self.totals(), count=int(self.count), segments=sorted(segs.segs),
-                        next_segment=int(segs.next_segment), meta=meta)
+        listed = sorted(segs.segs)
+        manifest.update(totals=self.totals(), count=int(self.count), segments=listed,
+                        next_segment=int(segs.next_segment), meta=meta,
+                        live=[int(segs.live[sid]) for sid in listed],
+                        located=int(segs.live_total))
         name_wal(manifest, new_wal)
-        self.prepared = (manifest, gen, new_wal)
+        self.prepared = (manifest, base, new_wal)
         return dict(manifest)
+
+    def rebase(self) -> None:
+        """A mapped index whose delta is full: write base and delta together as the next
+        base file, map it and empty the delta (``index.RowIndex``). Not a commit: the new
+        base reflects every seal so far, and the next flush's manifest names it (with
+        ``index_from`` the next segment id); until then the committed base stays, and a base
+        that no manifest named is deleted when the next replaces it (garbage at an open
+        after a crash)."""
+        pool, segs = self.pool, self.segments
+        gen = self.cur_gen + 1
+        path = self.path / index_name(gen)
+        crc = write_index(path, pool.disk_location_chunks())
+        crash_point("rebase")
+        pool.index.map(path, *map_index(path, pool.num_rows, crc))
+        old = self.cur_gen
+        self.cur_gen, self.cur_crc, self.cur_pages = gen, crc, True
+        self.index_from = int(segs.next_segment)
+        self.stats["index_rebases"] += 1
+        if old and old != self.gen:  # written by an earlier rebase, named by no manifest
+            (self.path / index_name(old)).unlink(missing_ok=True)
 
     def replay_records(self) -> int:
         """Records in the segments an open would apply over the index base."""
@@ -376,7 +415,8 @@ class Commit:
         """The second half of a flush: write the prepared manifest (the commit point of a
         lone store), then delete what it no longer references. ``durable=False``: the
         manifest is not synced (a group's commit file holds it; ``_engine.sync_commit`` later)."""
-        manifest, gen, new_wal = self.prepared
+        manifest, base, new_wal = self.prepared
+        gen = base[0]
         try:
             write_manifest(self.path, manifest, durable)
         except BaseException:
@@ -386,14 +426,14 @@ class Commit:
         crash_point("flush-committed")
         segs = self.segments
         old_gen, self.gen = self.gen, gen
-        self.index_from = int(manifest["index_from"])
+        self.cur_gen, self.cur_crc, self.cur_pages, self.index_from = base
         if old_gen != gen:
             self.base_writes += 1
         old_wal = self.manifest.get("wal")
         self.manifest = manifest
         segs.committed_now()
         self.index_dirty = False
-        if old_gen != gen:
+        if old_gen and old_gen != gen:
             (self.path / index_name(old_gen)).unlink(missing_ok=True)
         segs.delete_doomed()
         self._retire_wal(old_wal, new_wal)

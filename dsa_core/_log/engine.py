@@ -165,7 +165,7 @@ class ForkGuard:
 
 _STATS = ("seals", "cleaned_segments", "user_records", "sealed_records", "cleaned_records",
           "file_bytes_written", "acquires", "misses", "evicted_clean", "range_loads",
-          "range_records", "range_rereads", "range_pins_dropped", "row_loads")
+          "range_records", "range_rereads", "range_pins_dropped", "row_loads", "index_rebases")
 
 
 
@@ -936,6 +936,10 @@ class LogStore:
             "range_pinned": self._pool.range_pinned,
             "range_pins_dropped": st["range_pins_dropped"],
             "row_loads": st["row_loads"],
+            "index_mapped": self._pool.index.mapped,
+            "index_rebases": st["index_rebases"],
+            "index_delta_rows": self._pool.index.entries,
+            "index_memory_bytes": self._pool.index.memory_bytes(),
             "total_user_bytes": t_user,
             "total_written_bytes": t_written,
             "total_file_bytes_written": tot["file_bytes_written"],

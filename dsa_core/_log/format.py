@@ -102,6 +102,7 @@ __all__ = [
     "FORMAT_VERSION_WAL", "LOCK_FILE",
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
+    "INDEX_PAGE_ROWS", "index_damage", "index_geometry", "map_index", "page_sums",
     "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
     "segment_geometry", "set_crash", "unmap_pending", "write_index", "write_manifest",
     "write_segment",
@@ -593,44 +594,121 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
     return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps), records, size, sums)
 
 
-# -- index generations ---------------------------------------------------------------------
+# -- index bases ---------------------------------------------------------------------------
+INDEX_PAGE_ROWS = 512  # rows per checksummed page of an index base (4 KiB of locations)
+
+
+def index_geometry(num_rows: int) -> tuple[int, int, int]:
+    """``(pages, sums_offset, size)`` of a paged index base of ``num_rows`` rows."""
+    pages = -(-int(num_rows) // INDEX_PAGE_ROWS)
+    off = pages * INDEX_PAGE_ROWS * 8
+    return pages, off, off + 8 * pages
+
+
+def page_sums(pages: np.ndarray) -> np.ndarray:
+    """The checksum of each page of ``pages`` ((k, INDEX_PAGE_ROWS) int64)."""
+    return record_sums(pages)
+
+
 def write_index(path: Path, index) -> int:
-    """Write an index generation sequentially and fsync it; returns its CRC32.
+    """Write an index base sequentially and fsync it; returns the CRC32 of its sums part.
 
     ``index``: the int64 locations of every row, as one array or as an iterable of arrays
     written one after the other (so that a flush need not build a second whole index in
-    memory: ``Pool.disk_location_chunks``)."""
+    memory: ``Pool.disk_location_chunks``). The file holds them padded with zeros to whole
+    pages of :data:`INDEX_PAGE_ROWS` rows, then one uint64 checksum per page
+    (:func:`page_sums`): the manifest's CRC covers the sums, each sum its page, so a page
+    can be checked alone when it is first read (``index.RowIndex``)."""
     parts = [index] if isinstance(index, np.ndarray) else index
-    crc, pos = 0, 0
+    pos, carry = 0, np.zeros(0, np.int64)
+    sums: list[np.ndarray] = []
     with _new_file(path) as (fd, _):
-        for part in parts:
-            raw = memoryview(np.ascontiguousarray(part, np.int64)).cast("B")
+        def put(locs):
+            nonlocal pos
+            pages = locs.reshape(-1, INDEX_PAGE_ROWS)
+            sums.append(page_sums(pages))
+            raw = memoryview(locs).cast("B")
             for off in range(0, raw.nbytes, _IO_CHUNK):
                 blk = raw[off:off + _IO_CHUNK]
                 pwrite_all(fd, blk, pos)
                 pos += blk.nbytes
-                crc = zlib.crc32(blk, crc)
-            part = raw = blk = None  # not held while the next piece is built
+
+        for part in parts:
+            part = np.ascontiguousarray(part, np.int64)
+            if carry.shape[0]:
+                part = np.concatenate([carry, part])
+            whole = part.shape[0] // INDEX_PAGE_ROWS * INDEX_PAGE_ROWS
+            if whole:
+                put(part[:whole])
+            carry = part[whole:].copy()
+            part = None  # not held while the next piece is built
+        if carry.shape[0]:
+            put(np.concatenate([carry, np.zeros(INDEX_PAGE_ROWS - carry.shape[0], np.int64)]))
+        table = np.concatenate(sums) if sums else np.zeros(0, np.uint64)
+        pwrite_all(fd, memoryview(table).cast("B"), pos)
         fsync_fd(fd)
-    return crc
+    return zlib.crc32(table)
 
 
-def read_index(path: Path, num_rows: int, crc: int | None) -> np.ndarray:
-    """Load an index generation (``num_rows`` int64), checking size and CRC (which a
-    manifest naming an index must give)."""
+def _index_size(path: Path, size_wanted: int, what: str) -> None:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
         raise FileNotFoundError(f"index file {str(path)!r} named by the manifest is missing; "
                                 "restore the store from a checkpoint") from None
-    if size != 8 * num_rows:
+    if size != size_wanted:
         raise ValueError(f"index file {str(path)!r} has {size:,} bytes, the store's "
-                         f"{num_rows} rows need {8 * num_rows:,}; restore the store from a "
-                         "checkpoint")
+                         f"{what} need {size_wanted:,}; restore the store from a checkpoint")
+
+
+def _index_crc(path: Path, crc: Any) -> None:
     if not isinstance(crc, int) or isinstance(crc, bool):
         raise ValueError(f"the manifest names the index file {str(path)!r} but no CRC of it "
                          f"(index_crc32 is {crc!r}); the store is damaged, restore it from a "
                          "checkpoint")
+
+
+def index_damage(path: Path, pages: np.ndarray) -> ValueError:
+    """The error for pages of an index base whose checksums do not match."""
+    return ValueError(f"index file {str(path)!r} is corrupt: page(s) "
+                      f"{pages[:5].tolist()} (rows {int(pages[0]) * INDEX_PAGE_ROWS}...) do "
+                      "not match their checksums; restore the store from a checkpoint")
+
+
+def map_index(path: Path, num_rows: int, crc: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A paged index base, mapped read-only: ``(pages, sums)``, ``pages`` the
+    ``(P, INDEX_PAGE_ROWS)`` locations (page cache: read when first touched), ``sums`` their
+    checksums, read and checked against the manifest's CRC now. The pages are checked
+    against their sums when first used (``index.RowIndex``), not here: an open reads
+    ``8 / INDEX_PAGE_ROWS`` bytes per row."""
+    npages, off, size = index_geometry(num_rows)
+    _index_size(path, size, f"{num_rows} rows (in pages of {INDEX_PAGE_ROWS}, with sums)")
+    _index_crc(path, crc)
+    sums = np.fromfile(path, np.uint64, npages, offset=off)
+    if sums.shape[0] != npages or zlib.crc32(sums) != crc:
+        raise ValueError(f"index file {str(path)!r} is corrupt (the CRC of its page checksums "
+                         "does not match); restore the store from a checkpoint")
+    if not npages:
+        return np.zeros((0, INDEX_PAGE_ROWS), np.int64), sums
+    mm = np.memmap(path, np.int64, "r", 0, (npages, INDEX_PAGE_ROWS))
+    advise_memory(np.asarray(mm).reshape(-1).view(np.uint8), MADV_RANDOM)
+    return np.asarray(mm), sums
+
+
+def read_index(path: Path, num_rows: int, crc: Any, pages: bool = True) -> np.ndarray:
+    """Load an index base whole (``num_rows`` int64, a writable array), checking its size
+    and CRC (which a manifest naming an index must give): with ``pages`` (manifests with
+    ``index_pages``) the sums part's CRC and every page against its sum; without, the CRC
+    of the whole file (bases written before the pages)."""
+    if pages:
+        table, sums = map_index(path, num_rows, crc)
+        locs = np.array(table)  # read whole, then checked
+        bad = np.flatnonzero(page_sums(locs) != sums)
+        if bad.shape[0]:
+            raise index_damage(path, bad)
+        return locs.reshape(-1)[:num_rows]
+    _index_size(path, 8 * num_rows, f"{num_rows} rows")
+    _index_crc(path, crc)
     index = np.fromfile(path, np.int64, num_rows)
     if zlib.crc32(index) != crc:
         raise ValueError(f"index file {str(path)!r} is corrupt (CRC mismatch); restore the "
@@ -717,6 +795,17 @@ def read_manifest(directory: Path) -> dict[str, Any]:
                 and (parse_name(str(manifest["index"])) or ("",))[0] != "index":
             raise ValueError(f"index must name an index-<gen>.bin file, got "
                              f"{manifest['index']!r}")
+        if manifest.get("index_pages", INDEX_PAGE_ROWS) != INDEX_PAGE_ROWS:
+            raise ValueError(f"index_pages must be {INDEX_PAGE_ROWS}, got "
+                             f"{manifest['index_pages']!r}")
+        live = manifest.get("live")
+        if live is not None and (
+                not isinstance(live, list) or len(live) != len(segs)
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in live)
+                or not isinstance(manifest.get("located"), int)
+                or sum(live) != manifest["located"]):
+            raise ValueError(f"live must list a count >= 0 per segment, summing to located; "
+                             f"got live={str(live)[:80]}, located={manifest.get('located')!r}")
         if version >= FORMAT_VERSION_INDEX_FROM:
             ifrom = manifest.get("index_from")
             if isinstance(ifrom, bool) or not isinstance(ifrom, int) or not 1 <= ifrom <= nxt:

@@ -10,12 +10,20 @@ Two parts, read through one lookup (:func:`loc_of`, for the kernels; :meth:`RowI
     ``(num_rows,)`` int64, the locations of every row; an empty array stands for all 0.
 ``delta``
     a map row -> location (``resident``'s table, its values locations) of the rows whose
-    location changed since the base was read, kept only while the base is read-only.
+    location changed since the base was written, kept only while the base is read-only.
 
-Today the base is an array in memory (``np.zeros``, or the base file read whole at open)
-that changes in place, and the delta stays empty: :meth:`RowIndex.set` writes the base.
-The delta is the seam for a base that is not all in memory (a read-only mapping of the
-base file, ``docs/log-index-plan.md``): the kernels already look a row up through both.
+Two ways to hold the base (``budget``: which one ``memory=`` pays for):
+
+in memory
+    an array (``np.zeros``, or the base file read whole and checked at open) that changes
+    in place: :meth:`RowIndex.set` writes it, the delta stays empty. 8 bytes per row.
+mapped (*paged*)
+    the base file mapped read-only (``format.map_index``: page cache, read as rows are
+    looked up); each 4 KiB page is checked against its sum the first time a lookup reads
+    it. Changes go to the delta, which holds at most ``capacity`` rows: a seal that would
+    pass it first writes a new base file of base and delta together
+    (``commit.Commit.rebase``) and maps that. Memory: the delta (32 bytes per entry), the
+    sums (8 bytes per 512 rows) and a bit per page, whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .format import INDEX_PAGE_ROWS, index_damage, page_sums
 from .resident import LOAD, MIN_ENTRIES, find_one
 
 __all__ = ["RowIndex", "loc_of", "locs_of"]
@@ -78,16 +87,40 @@ def _table(entries: int) -> np.ndarray:
 class RowIndex:
     """The row index of one open store (module docstring)."""
 
-    def __init__(self, num_rows: int):
+    def __init__(self, num_rows: int, capacity: int | None = None):
         self.num_rows = int(num_rows)
         self.base = np.zeros(self.num_rows, np.int64)  # anonymous: untouched pages cost 0
         self.delta = _table(0)
         self.entries = 0  # rows in the delta
+        self.capacity = capacity  # rows the delta may hold (mapped); None: no bound
+        self.path = None          # the mapped base file
+        self.pages = self.sums = self.checked = None  # mapped: pages, their sums, checked
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the base is a read-only mapping of its file (the delta takes changes)."""
+        return self.pages is not None
 
     # -- lookups ---------------------------------------------------------------------------
+    def check_rows(self, rows: np.ndarray) -> None:
+        """Check the mapped base's pages that ``rows`` need and no lookup has checked yet
+        against their sums (each page once per open); raise ``ValueError`` on damage."""
+        if self.checked is None or not rows.shape[0] or not self.base.shape[0]:
+            return
+        p = rows // INDEX_PAGE_ROWS
+        p = p[~self.checked[p]]
+        if not p.shape[0]:
+            return
+        p = np.unique(p)
+        bad = p[page_sums(self.pages[p]) != self.sums[p]]
+        if bad.shape[0]:
+            raise index_damage(self.path, bad)
+        self.checked[p] = True
+
     def get(self, rows: np.ndarray) -> np.ndarray:
         """The location of each of ``rows`` (checked int64 ids)."""
         rows = np.ascontiguousarray(rows, dtype=np.int64)
+        self.check_rows(rows)
         out = np.empty(rows.shape[0], np.int64)
         locs_of(self.base, self.delta, rows, out)
         return out
@@ -121,9 +154,41 @@ class RowIndex:
         keyed = old[:, 0] >= 0
         self.entries = _upsert(self.delta, old[keyed, 0].copy(), old[keyed, 1].copy())
 
+    def full(self, more: int) -> bool:
+        """A mapped index whose delta would pass its capacity with ``more`` rows."""
+        return (self.mapped and self.capacity is not None
+                and self.entries + int(more) > self.capacity)
+
     def adopt(self, base: np.ndarray) -> None:
-        """Take ``base`` (checked: every row's location) as the base, with an empty delta
-        (an open)."""
+        """Take ``base`` (checked: every row's location, writable) as the base, in memory,
+        with an empty delta (an open)."""
         self.base = base
         self.delta = _table(0)
         self.entries = 0
+        self.path = self.pages = self.sums = self.checked = None
+
+    def map(self, path, pages: np.ndarray, sums: np.ndarray) -> None:
+        """Take the mapped base file ``path`` (``format.map_index``: its pages and sums) as
+        the base, with an empty delta (an open, or after a rebase wrote it)."""
+        self.base = pages.reshape(-1)[:self.num_rows]
+        self.delta = _table(0)
+        self.entries = 0
+        self.path, self.pages, self.sums = path, pages, sums
+        self.checked = np.zeros(pages.shape[0], bool)
+
+    def unmapped(self) -> None:
+        """A mapped index without a base file yet: every row at 0 but for the delta."""
+        self.base = np.zeros(0, np.int64)
+        self.delta = _table(0)
+        self.entries = 0
+        self.path = None
+        self.pages = np.zeros((0, INDEX_PAGE_ROWS), np.int64)
+        self.sums = np.zeros(0, np.uint64)
+        self.checked = np.zeros(0, bool)
+
+    def memory_bytes(self) -> int:
+        """Anonymous memory the index holds now (the mapped base's pages are page cache)."""
+        own = self.delta.nbytes
+        if self.mapped:
+            return own + self.sums.nbytes + self.checked.nbytes
+        return own + self.base.nbytes

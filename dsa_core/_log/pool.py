@@ -52,7 +52,7 @@ from .._coalesce import _dedup, gather_rows
 from .._init import InitSpec, initial_records
 from .._pool import run_chunked
 from .._validation import as_index
-from .budget import check_memory, index_piece_rows, slots_for
+from .budget import check_memory, delta_capacity, index_mapped, index_piece_rows, slots_for
 from .format import Segment, SegmentError
 from .index import RowIndex
 from .resident import find as _find
@@ -65,6 +65,7 @@ from .segments import Segments
 __all__ = ["RANGE_PIN", "Pool", "gather_records"]
 
 RANGE_PIN = -1  # ``pin`` of a slot held by an active loaded range or row set (epochs > 0)
+READER_INDEX_BYTES = 256 << 20  # a reader without memory= maps an index larger than this
 _NO_ROWS = np.empty(0, np.int64)
 
 
@@ -192,7 +193,14 @@ class Pool:
         self.hand = 0
         self.epoch = 0       # one per acquire: pins
         self.seal_epoch = 0  # one per seal: marks the slots going into it
-        self.index = RowIndex(self.num_rows)
+        # the row index: in memory, or mapped (``budget.index_mapped``; a reader without a
+        # budget maps an index of more than READER_INDEX_BYTES)
+        self.index_mapped = (index_mapped(layout, memory_bytes) if memory_bytes is not None
+                             else 8 * self.num_rows > READER_INDEX_BYTES)
+        self.index = RowIndex(self.num_rows, delta_capacity(layout, memory_bytes)
+                              if self.index_mapped and memory_bytes is not None else None)
+        if self.index_mapped:
+            self.index.unmapped()  # no base file yet (an open maps the manifest's)
         self.ranges: list[tuple[int, int]] = []  # active loaded ranges, in load order
         self.row_sets: list[np.ndarray] = []     # active loaded row sets (sorted, unique)
         self.row_union = _NO_ROWS                # their union (sorted, unique)

@@ -30,6 +30,7 @@ from .format import (
     MANIFEST_FILE,
     check_segment,
     crash_point,
+    map_index,
     parse_name,
     read_index,
     read_manifest,
@@ -64,13 +65,33 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
         ns[sid], versions[sid] = got[:2]
         if sid >= index_from:
             newer.append((sid, got[2]))
-    index = np.zeros(pool.num_rows, np.int64) if manifest["index"] is None else \
-        read_index(path / manifest["index"], pool.num_rows, manifest.get("index_crc32"))
+    name, crc = manifest["index"], manifest.get("index_crc32")
+    paged = manifest.get("index_pages") is not None
+    if name is None:
+        if pool.index_mapped:
+            pool.index.unmapped()
+    elif pool.index_mapped and paged:  # mapped: read as rows are looked up
+        pool.index.map(path / name, *map_index(path / name, pool.num_rows, crc))
+    else:  # in memory (a base written before the pages: in memory whatever the budget)
+        pool.adopt_index(read_index(path / name, pool.num_rows, crc, pages=paged))
     for sid, rows in newer:  # the segments sealed after the base, oldest first
-        index[rows] = np.int64((sid << 32) + 1) + np.arange(rows.shape[0], dtype=np.int64)
+        pool.index.set(rows, np.int64((sid << 32) + 1)
+                       + np.arange(rows.shape[0], dtype=np.int64))
     newer = None
     segments.ensure_id(segments.next_segment)
     size = segments.live.shape[0]
+    if pool.index.mapped and manifest.get("live") is not None and not full_check:
+        # the live counts the writer committed: an open reads no page of the base
+        live = np.zeros(size, np.int64)
+        for sid, n in zip(listed, sorted_live(manifest), strict=True):
+            if n > ns[sid]:
+                raise ValueError(f"manifest of {str(path)!r} counts {n} live records in "
+                                 f"segment {sid} of {ns[sid]}; the store is damaged, restore "
+                                 "it from a checkpoint")
+            live[sid] = n
+        segments.adopt(ns, live, int(manifest["located"]), versions)
+        return
+    index = pool.index.base if not pool.index.mapped else pool.disk_locations()
     used = index[index > 0] - 1
     sids, ks = used >> 32, used & LOW32
     problems = []
@@ -94,13 +115,18 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                          f"not match its segments: {'; '.join(problems)}; restore the store "
                          "from a checkpoint")
     live = np.bincount(sids, minlength=size) if sids.shape[0] else np.zeros(size, np.int64)
-    pool.adopt_index(index)
     segments.adopt(ns, live, int(used.shape[0]), versions)
     bad = segments.check_rows_of_records(index)
     if bad:
         raise ValueError(f"index {manifest['index']!r} of log store {str(path)!r} "
                          f"does not match its segments: {bad[0]}; restore the store from a "
                          "checkpoint")
+
+
+def sorted_live(manifest: dict[str, Any]) -> list[int]:
+    """The manifest's live counts in the order of its sorted segment ids."""
+    pairs = sorted(zip(manifest["segments"], manifest["live"], strict=True))
+    return [int(n) for _, n in pairs]
 
 
 def log_entries(directory: Path, manifest: dict[str, Any]):
@@ -207,7 +233,8 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
     stride, dtype, num_rows = int(lay["stride"]), np.dtype(lay["dtype"]), int(lay["num_rows"])
     if manifest["index"] is not None:
         try:
-            read_index(directory / manifest["index"], num_rows, manifest.get("index_crc32"))
+            read_index(directory / manifest["index"], num_rows, manifest.get("index_crc32"),
+                       pages=manifest.get("index_pages") is not None)
             out.append((manifest["index"], None, f"size and CRC ({num_rows} rows)"))
         except (OSError, ValueError) as exc:
             out.append((manifest["index"], str(exc), "size and CRC"))

@@ -49,7 +49,12 @@ def test_the_parts_add_up_to_the_budget_and_memory_for_is_the_smallest(lay):
         assert p["total"] <= mem < budget.memory_for(lay, p["slots"] + 1)
         assert p["total"] == sum(p[k] for k in ("index", "region", "write_buffers",
                                                 "cleaning_buffers", "staging"))
-        assert p["index"] == 8 * lay["num_rows"]
+        # the index in memory, or mapped in half the budget when its 8 bytes per row would
+        # take more (and half pays for a delta of MIN_DELTA rows)
+        mapped = 16 * lay["num_rows"] > mem >= budget._mapped_floor(lay)
+        assert budget.index_mapped(lay, mem) == mapped
+        assert p["index"] == (mem // 2 if mapped else 8 * lay["num_rows"])
+        assert not mapped or budget.delta_capacity(lay, mem) >= budget.MIN_DELTA
         assert p["region"] == p["slots"] * (rb + budget.SLOT_OVERHEAD)
         assert p["seal_unit"] == budget.seal_unit_for(p["slots"], rb)
         # write buffers: two of two seal units, at most 128 MiB together
@@ -293,15 +298,23 @@ def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path
 
 
 def test_an_index_written_in_pieces_is_the_same_file(tmp_path):
-    """``format.write_index`` takes the index whole or in pieces: same bytes, same CRC
-    (a flush may then write it without a second copy of it in memory)."""
+    """``format.write_index`` takes the index whole or in pieces of any length: same bytes,
+    same CRC (a flush may then write it without a second copy of it in memory): the
+    locations padded to whole pages of 512, then a checksum per page."""
     from dsa_core._log import format as _log_format
 
     idx = np.random.default_rng(0).integers(0, 1 << 40, 300_001).astype(np.int64)
     crc = _log_format.write_index(tmp_path / "a", idx)
-    pieces = (idx[lo:lo + 65_536] for lo in range(0, idx.shape[0], 65_536))
+    pieces = (idx[lo:lo + 65_537] for lo in range(0, idx.shape[0], 65_537))
     assert _log_format.write_index(tmp_path / "b", pieces) == crc
-    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == idx.tobytes()
+    raw = (tmp_path / "a").read_bytes()
+    assert raw == (tmp_path / "b").read_bytes()
+    pages, off, size = _log_format.index_geometry(idx.shape[0])
+    assert len(raw) == size and raw[:8 * idx.shape[0]] == idx.tobytes()
+    assert raw[8 * idx.shape[0]:off] == bytes(off - 8 * idx.shape[0])  # zero padding
+    sums = np.frombuffer(raw[off:], np.uint64)
+    np.testing.assert_array_equal(sums, _log_format.page_sums(
+        np.frombuffer(raw[:off], np.int64).reshape(pages, 512)))
     np.testing.assert_array_equal(_log_format.read_index(tmp_path / "b", idx.shape[0], crc), idx)
 
 

@@ -785,7 +785,10 @@ def _crash_trials(tmp_path: Path, trials: int, seed: int, logged: bool = False) 
             np.testing.assert_array_equal(eng.read(np.arange(CRASH_ROWS)), refs[eng.count],
                                           err_msg=what)
             assert eng.check_index() == []
-            assert files_of(path) == referenced(path), what
+            # and the open's own spares: segments its commit-log replay sealed and that died
+            # before its flush listed them (kept to be overwritten; close deletes them)
+            spares = {q.name for q, _ in eng._segments.spares}
+            assert files_of(path) == referenced(path) | spares, what
             count = eng.count
             eng.close()
         else:
@@ -1013,10 +1016,11 @@ def test_corrupt_index_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=f"index file .*{m['index']}.* is corrupt"):
         _log.open(tmp_path / "s", memory_bytes=10**6)
     idx.write_bytes(bytes(raw[:-8]))
-    with pytest.raises(ValueError, match="the store's 3000 rows need 24,000"):
+    with pytest.raises(ValueError, match=r"the store's 3000 rows \(in pages of 512, with "
+                                         r"sums\) need 24,624"):
         _log.open(tmp_path / "s", memory_bytes=10**6)
-    # an index with a valid CRC whose locations do not fit the segments
-    good = np.frombuffer(bytes(raw), np.int64).copy()
+    # an index with valid checksums whose locations do not fit the segments
+    good = np.frombuffer(bytes(raw), np.int64)[:N].copy()
     good[17] ^= 0x10  # undo the flipped bit
     sid = m["segments"][0]
     n = _log_format.read_header(tmp_path / "s" / _log_format.seg_name(sid))["n"]
@@ -1025,15 +1029,15 @@ def test_corrupt_index_is_a_clear_error(tmp_path):
                      (-5, "have negative locations")]:
         planted = good.copy()
         planted[3] = bad
-        idx.write_bytes(planted.tobytes())
-        _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=zlib.crc32(planted)))
+        crc = _log_format.write_index(idx, planted)
+        _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=crc))
         with pytest.raises(ValueError, match=f"does not match its segments: rows \\[3\\] {pat}"):
             _log.open(tmp_path / "s", mode="r")
     a, b = np.flatnonzero(good > 0)[:2].tolist()
     planted = good.copy()
     planted[b] = good[a]  # two rows, one record
-    idx.write_bytes(planted.tobytes())
-    _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=zlib.crc32(planted)))
+    crc = _log_format.write_index(idx, planted)
+    _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=crc))
     with pytest.raises(ValueError, match=f"row {b} points at record .* which holds row {a}"):
         _log.open(tmp_path / "s", mode="r")
 

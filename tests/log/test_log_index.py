@@ -154,3 +154,109 @@ def test_a_manifest_with_a_bad_index_from_is_refused_and_left_alone(tmp_path, ba
     with pytest.raises(ValueError, match=r"index_from must be an int in \[1, next_segment="):
         dsa_core.open(p)
     assert {q.name: q.read_bytes() for q in p.iterdir() if q.is_file()} == files
+
+
+# -- a mapped index (more rows than memory= / 16) ---------------------------------------------
+NM = 50_000  # rows: a small region makes the index mapped (budget.index_mapped)
+
+
+def _pair(tmp_path):
+    """A store whose index is mapped (a region of 300 slots) and one whose index is in
+    memory (memory= large enough), same table."""
+    a = create(tmp_path / "mapped", NM, D, "log", slots=300)
+    b = create(tmp_path / "flat", NM, D, "log", memory="16MiB")
+    assert a.store.log_stats()["index_mapped"] and not b.store.log_stats()["index_mapped"]
+    return a, b
+
+
+def _same(a, b):
+    np.testing.assert_array_equal(records(a).view(np.uint32), records(b).view(np.uint32))
+
+
+def test_a_mapped_index_trains_to_the_same_bits_and_rebases_within_its_delta(tmp_path):
+    """Bit-for-bit the in-memory index's results, through rebases (a full delta written
+    with the base as the next base file), flushes, reopens; the delta never holds more
+    rows than the budget pays for, and an open reads no page of the base."""
+    a, b = _pair(tmp_path)
+    cap = a.store._pool.index.capacity
+    for k in range(6):
+        steps = batches(8, NM, D, batch=512, seed=20 + k)
+        a, b = train(a, steps), train(b, steps)
+        st = a.store.log_stats()
+        assert st["index_delta_rows"] <= cap
+        dsa_core.flush(a)
+        dsa_core.flush(b)
+        _same(a, b)
+    assert a.store.log_stats()["index_rebases"] >= 2
+    m = _manifest(tmp_path / "mapped")
+    assert m["index"] is not None and m["index_pages"] == 512 and len(m["live"]) == len(
+        m["segments"])
+    assert _index_files(tmp_path / "mapped") == [m["index"]]  # uncommitted bases deleted
+    want = records(b)
+    for s in (a, b):
+        dsa_core.close(s)
+    a = dsa_core.open(tmp_path / "mapped", memory=a.store.memory_bytes)
+    idx = a.store._pool.index
+    assert idx.mapped and not idx.checked.any()  # the open read no page of the base
+    got = dsa_core.gather(a, np.arange(0, NM, 997))
+    np.testing.assert_array_equal(got, want[::997, :D])
+    assert 0 < idx.checked.sum() <= 51
+    np.testing.assert_array_equal(records(a), want)
+    assert a.store.check_index() == []
+    dsa_core.close(a)
+    r = dsa_core.open(tmp_path / "mapped", mode="r")  # a reader with the index in memory
+    np.testing.assert_array_equal(records(r), want)
+    dsa_core.close(r)
+
+
+def test_a_damaged_page_of_a_mapped_base_is_refused_where_it_is_read(tmp_path):
+    a, _ = _pair(tmp_path)
+    a = train(a, batches(30, NM, D, batch=512, seed=3))
+    assert a.store.log_stats()["index_rebases"] >= 1
+    dsa_core.close(a)
+    p = tmp_path / "mapped"
+    base = p / _manifest(p)["index"]
+    raw = bytearray(base.read_bytes())
+    raw[8 * 600 + 3] ^= 0x10  # row 600's location: page 1
+    base.write_bytes(bytes(raw))
+    files = {q.name: q.read_bytes() for q in p.iterdir() if q.is_file()}
+    s = dsa_core.open(p, memory=a.store.memory_bytes)
+    dsa_core.gather(s, np.arange(0, 512))  # page 0: fine
+    with pytest.raises(ValueError, match=r"index file .* is corrupt: page\(s\) \[1\]"):
+        dsa_core.gather(s, np.array([700]))
+    dsa_core.close(s)
+    for name, data in files.items():  # nothing on disk changed (the close flushed nothing)
+        if name != "manifest.json":
+            assert (p / name).read_bytes() == data
+
+
+def test_kill_9_at_a_rebase_reopens_at_the_last_flush(tmp_path):
+    """SIGKILL while a rebase writes the next base (between flushes): the store reopens at
+    its last flush, bit for bit, and the unnamed base file is removed at the open."""
+    from dsa_core._log import format as log_format
+
+    a, b = _pair(tmp_path)
+    dsa_core.close(b)
+    steps = batches(40, NM, D, batch=512, seed=5)
+    a = train(a, steps[:4])
+    dsa_core.flush(a)
+    budget = a.store.memory_bytes
+    dsa_core.close(a)
+    mem = _manifest(tmp_path / "mapped")
+    pid = os.fork()
+    if pid == 0:  # the child trains on and dies at its first rebase
+        try:
+            log_format.set_crash("rebase", 1)
+            train(dsa_core.open(tmp_path / "mapped", memory=budget), steps[4:])
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -9
+    assert len(_index_files(tmp_path / "mapped")) == 1 + (mem["index"] is not None)
+    s = dsa_core.open(tmp_path / "mapped", memory=budget)
+    assert s.count == 4 and _index_files(tmp_path / "mapped") == (
+        [mem["index"]] if mem["index"] else [])
+    ref = train(dsa_core.open(tmp_path / "flat"), steps[:4])
+    _same(s, ref)
+    dsa_core.close(s)
+    dsa_core.close(ref)
