@@ -202,6 +202,11 @@ def measure(a) -> dict:
     res["checkpoint_dirty_rows"] = touched
     res["checkpoint_dirty_bytes"] = touched * rec_bytes
     committed("checkpoint", lambda: dsa_core.checkpoint(st, ckpt), ckpt)
+    ls = st.store.log_stats()
+    res.update(index_mapped=bool(ls.get("index_mapped", False)),
+               index_rebases=int(ls.get("index_rebases", 0)),
+               index_memory_bytes=int(ls.get("index_memory_bytes", 8 * a.rows)),
+               index_delta_rows=int(ls.get("index_delta_rows", 0)))
     seen: set = set()
     disk_bytes(path, seen=seen)
     res["checkpoint_own_disk"] = disk_bytes(ckpt, seen=seen)  # not shared with the store
@@ -244,6 +249,10 @@ def table_rows(r: dict) -> list[dict]:
            row("memory= given", r["memory"]),
            row("index (8 B/row)", r["index_bytes"] / MIB, "MiB"),
            row("smallest memory= to open", r["need_open_bytes"] / MIB, "MiB"),
+           row("index mapped (else in memory)", r.get("index_mapped", False)),
+           row("index memory after training", r.get("index_memory_bytes", 0) / MIB,
+               f"MiB (delta {r.get('index_delta_rows', 0):,} rows, "
+               f"{r.get('index_rebases', 0)} rebases)"),
            row(f"smallest memory= for a batch of {r['batch']}", r["need_batch_bytes"] / MIB,
                "MiB")]
     if "refused" in r:
