@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit
 
 from .format import INDEX_PAGE_ROWS, index_damage, page_sums
-from .resident import LOAD, MIN_ENTRIES, find_one
+from .resident import LOAD, MIN_ENTRIES, find_one, probe
 
 __all__ = ["RowIndex", "loc_of", "locs_of"]
 
@@ -58,25 +58,13 @@ def locs_of(base, delta, rows, out):
 @njit(cache=True, nogil=True)
 def _upsert(delta, rows, locs):
     """Set the delta entry of each of ``rows`` to ``locs``; returns the new entries made."""
-    n = delta.shape[0]
     made = 0
     for k in range(rows.shape[0]):
-        row = rows[k]
-        h = np.uint64(row) * np.uint64(0x9E3779B97F4A7C15)
-        i = np.int64(((h >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32))
-        while True:
-            r = delta[i, 0]
-            if r == row:
-                delta[i, 1] = locs[k]
-                break
-            if r < 0:
-                delta[i, 0] = row
-                delta[i, 1] = locs[k]
-                made += 1
-                break
-            i += 1
-            if i == n:
-                i = 0
+        i = probe(delta, rows[k])
+        if delta[i, 0] != rows[k]:
+            delta[i, 0] = rows[k]
+            made += 1
+        delta[i, 1] = locs[k]
     return made
 
 

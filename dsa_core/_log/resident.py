@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["BYTES_PER_SLOT", "LOAD", "find", "find_one", "insert", "new_table", "remove",
-           "remove_one", "slots_of"]
+__all__ = ["BYTES_PER_SLOT", "LOAD", "find", "find_one", "insert", "new_table", "probe",
+           "remove", "remove_one", "slots_of"]
 
 LOAD = 2              # entries per slot: at most half of the entries are used
 MIN_ENTRIES = 16
@@ -42,19 +42,24 @@ def _home(row, n):
 
 
 @njit(cache=True, nogil=True)
-def find_one(table, row):
-    """The slot of ``row``, or -1 when it is not resident."""
+def probe(table, row):
+    """The entry of ``table`` that holds ``row``, or the empty one where it would go."""
     n = table.shape[0]
     i = _home(row, n)
     while True:
         r = table[i, 0]
-        if r == row:
-            return table[i, 1]
-        if r < 0:
-            return -1
+        if r == row or r < 0:
+            return i
         i += 1
         if i == n:
             i = 0
+
+
+@njit(cache=True, nogil=True)
+def find_one(table, row):
+    """The slot of ``row``, or -1 when it is not resident."""
+    i = probe(table, row)
+    return table[i, 1] if table[i, 0] == row else -1
 
 
 @njit(cache=True, nogil=True)
@@ -72,15 +77,9 @@ def find(table, rows, out):
 @njit(cache=True, nogil=True)
 def insert(table, rows, slots):
     """Map each of ``rows`` (not resident, unique) to its slot in ``slots``."""
-    n = table.shape[0]
     for k in range(rows.shape[0]):
-        row = rows[k]
-        i = _home(row, n)
-        while table[i, 0] >= 0:
-            i += 1
-            if i == n:
-                i = 0
-        table[i, 0] = row
+        i = probe(table, rows[k])
+        table[i, 0] = rows[k]
         table[i, 1] = slots[k]
 
 
@@ -88,16 +87,9 @@ def insert(table, rows, slots):
 def remove_one(table, row):
     """Unmap ``row`` (a no-op when it is not resident): backward-shift deletion."""
     n = table.shape[0]
-    i = _home(row, n)
-    while True:
-        r = table[i, 0]
-        if r == row:
-            break
-        if r < 0:
-            return
-        i += 1
-        if i == n:
-            i = 0
+    i = probe(table, row)
+    if table[i, 0] != row:
+        return
     # entries after the hole whose home lies at or before it (cyclically) move into it
     j = i
     while True:
