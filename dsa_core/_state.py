@@ -599,7 +599,8 @@ def create(path, num_rows: int, dim: int, *, curvature: float = 0.0, lr: float =
     memory : int or str, optional
         ``storage="log"`` only: all the memory the store keeps, bytes or a string such
         as ``"4GiB"``, ``"512MiB"``, ``"1.5G"`` (SI k/M/G/T, IEC Ki/Mi/Gi/Ti): its index
-        (8 bytes per row), the buffers of its background writes and of cleaning (growing
+        (8 bytes per row, or half the budget, mapped from its file, when that is less), the
+        buffers of its background writes and of cleaning (growing
         with the region, up to about 210-250 MiB together) and, with the rest, its in-memory
         region (docs/storage.md, "Memory"; ``dsa info`` shows the split). Default: 25%
         of the memory this process may use (cgroup-aware), at most what the whole table

@@ -265,8 +265,10 @@ def check_memory(layout: dict[str, Any], memory_bytes: int, batch: int) -> None:
         rows = int(layout.get("num_rows", 0))
         raise ValueError(
             f"memory budget holds {have} records, a batch needs {batch}: raise the budget "
-            f"(memory=) to at least {need} bytes ({_mib(need)}), or pass batches of at most "
-            f"{have} rows. memory={int(memory_bytes)} ({_mib(int(memory_bytes))}) covers "
+            f"(memory=) to at least {need} bytes ({_mib(need)})"
+            + (f", or pass batches of at most {have} rows" if have else
+               " (this budget holds no record at all)")
+            + f". memory={int(memory_bytes)} ({_mib(int(memory_bytes))}) covers "
             f"everything the store keeps in memory, its region of one slot per row of a "
             f"batch and the rest; at {need} bytes: {describe(split(layout, need))} (the "
             f"index: {INDEX_BYTES} bytes per row of the table's {rows} while that is at most "

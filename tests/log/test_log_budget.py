@@ -87,6 +87,10 @@ def test_a_batch_too_large_for_the_budget_is_a_clear_error_naming_one_that_works
     # what must hold, what came, how to fix it, and what the budget pays for
     assert "memory budget holds 100 records, a batch needs 101" in msg
     assert "or pass batches of at most 100 rows" in msg
+    lay = _layout()
+    with pytest.raises(ValueError, match=r"to at least \d+ bytes .* \(this budget holds no "
+                                         r"record at all\)\. memory="):
+        budget.check_memory(lay, budget.memory_for(lay, 1) - 1, 1)  # not "at most 0 rows"
     for part in ("index", "region", "write buffers", "cleaning buffers", "seal staging"):
         assert part in msg
     need = int(re.search(r"to at least (\d+) bytes", msg).group(1))
