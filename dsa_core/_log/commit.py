@@ -160,8 +160,7 @@ class Commit:
         self.wal_count = self.count              # the count that manifest + log hold
         self.wal_acquires = 0                    # acquire calls that they reflect
         self.wal_spare: Path | None = None       # a retired log file, reused next
-        self.prepared: tuple | None = None       # (manifest, index gen, new log): prepare
-        self.base_writes = 0                     # index bases this open committed
+        self.prepared: tuple | None = None       # (manifest, index base, new log): prepare
 
     def totals(self) -> dict[str, int]:
         """The write counters over the store's life: earlier writers' plus this open's."""
@@ -427,8 +426,6 @@ class Commit:
         segs = self.segments
         old_gen, self.gen = self.gen, gen
         self.cur_gen, self.cur_crc, self.cur_pages, self.index_from = base
-        if old_gen != gen:
-            self.base_writes += 1
         old_wal = self.manifest.get("wal")
         self.manifest = manifest
         segs.committed_now()

@@ -57,7 +57,7 @@ from .format import Segment, SegmentError
 from .index import RowIndex
 from .resident import find as _find
 from .resident import insert as _insert
-from .resident import new_table
+from .resident import new_table, slots_of
 from .resident import remove as _remove
 from .resident import remove_one as _remove_one
 from .segments import Segments
@@ -241,7 +241,7 @@ class Pool:
         res = sl >= 0
         if res.any():
             out[res] = self.region[sl[res], cols]
-        lr = np.where(res, -1, self.index.get(rows))  # -1: served from the region
+        lr = self.disk_locs(rows, res)  # -1: served from the region
         disk = np.flatnonzero(lr > 0)
         self.segments.read_into(lr[disk], out, disk, cols)
         never = np.flatnonzero(lr == 0)
@@ -250,9 +250,17 @@ class Pool:
 
     def slots_of(self, rows: np.ndarray) -> np.ndarray:
         """The slot of each of ``rows`` (checked ids), -1 where it is not resident."""
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
-        out = np.empty(rows.shape[0], np.int64)
-        _find(self.table, rows, out)
+        return slots_of(self.table, rows)
+
+    def disk_locs(self, rows: np.ndarray, resident: np.ndarray | None = None) -> np.ndarray:
+        """The location of each of ``rows`` (checked ids) that is not resident, -1 for the
+        resident ones (``resident``: their mask, if known). Only the others are looked up:
+        a mapped index reads (and checks) no page for a row served from the region."""
+        if resident is None:
+            resident = self.resident(rows)
+        out = np.full(rows.shape[0], -1, np.int64)
+        away = ~resident
+        out[away] = self.index.get(rows[away])
         return out
 
     def resident(self, rows: np.ndarray) -> np.ndarray:
@@ -266,8 +274,8 @@ class Pool:
     def readahead(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Segment]]:
         """Where the on-disk records of ``rows`` (checked ids) lie (see
         ``LogStore.readahead``)."""
-        lr = self.index.get(rows)
-        return self.segments.addresses(lr[(lr > 0) & ~self.resident(rows)])
+        lr = self.disk_locs(rows)
+        return self.segments.addresses(lr[lr > 0])
 
     def disk_location_chunks(self, rows: int | None = None):
         """Every row's location (what an index base file holds) in pieces of at most
@@ -600,8 +608,8 @@ class Pool:
         S = self.slots
         keyed = self.table[:, 0] >= 0
         resident, rslot = self.table[keyed, 0], self.table[keyed, 1]
-        if resident.shape[0] and ((rslot >= S) | (rslot < 0)).any():
-            bad = (rslot >= S) | (rslot < 0)
+        bad = (rslot >= S) | (rslot < 0)
+        if bad.any():
             problems.append(f"rows {resident[bad][:5].tolist()} are resident in slots "
                             f"past the region ({S})")
             return problems, False

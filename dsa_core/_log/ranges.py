@@ -95,15 +95,12 @@ def plan_job(job_id: int, start: int, stop: int, pool, segments, init: InitSpec,
     whatever the rows."""
     job = Job(job_id, start, stop, rows=rows)
     if rows is None:
-        span = np.arange(start, stop, dtype=np.int64)
-        lr = pool.index.get(span)
-        lr[pool.resident(span)] = -1
+        lr = pool.disk_locs(np.arange(start, stop, dtype=np.int64))
 
         def ids(k):
             return k + start
     else:
-        lr = pool.index.get(rows)
-        lr[pool.resident(rows)] = -1
+        lr = pool.disk_locs(rows)
 
         def ids(k):
             return rows[k]

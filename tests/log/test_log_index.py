@@ -201,6 +201,12 @@ def test_a_mapped_index_trains_to_the_same_bits_and_rebases_within_its_delta(tmp
     got = dsa_core.gather(a, np.arange(0, NM, 997))
     np.testing.assert_array_equal(got, want[::997, :D])
     assert 0 < idx.checked.sum() <= 51
+    rows = np.arange(0, NM, 997)
+    a = dsa_core.step(a, rows, np.zeros((rows.shape[0], D), np.float32))  # now resident
+    want[rows] = records(a)[rows]
+    idx.checked[:] = False
+    dsa_core.gather(a, rows)  # served from the region: no page of the base read
+    assert not idx.checked.any()
     np.testing.assert_array_equal(records(a), want)
     assert a.store.check_index() == []
     dsa_core.close(a)
