@@ -291,6 +291,7 @@ class LogStore:
         self._step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._begun = 0
         self._readahead: ReadAhead | None = None
+        self._hint_next: np.ndarray | None = None  # rows whose index pages were hinted
         self._meta_before: tuple | None = None
         self._memory_setting: int | None = None
         self._info: Info | None = None  # ``info``, for the budget it was made for
@@ -713,14 +714,34 @@ class LogStore:
             self._submit_rows(kind, rows, wait)
 
     def _read_ahead(self, rows: np.ndarray, wait: bool) -> None:
-        """A hint of unique ``rows`` on this process's read-ahead thread."""
+        """A hint of unique ``rows`` on this process's read-ahead thread.
+
+        With a mapped index (``index``) a record's location is known only once its row's
+        index page is read: looking the rows up now would fault those pages in one at a
+        time, on the caller's thread. So the rows' index pages are hinted now (queued, not
+        waited for) and the rows kept; their records are looked up and hinted at the next
+        hint (the batch after: ``prefetched`` hints a batch ahead, so the pages have a
+        step's time to arrive), at :meth:`wait`, or with ``wait``."""
         ra = self._readahead
         if ra is None or ra.pid != os.getpid():  # none yet, or the parent's (fork)
             ra = self._readahead = ReadAhead(self.rec_bytes)
-        addrs, sums, keep = self.readahead(rows)
-        ra.submit(addrs, keep, sums)
+            self._hint_next = None
+        ahead, self._hint_next = self._hint_next, None
+        if ahead is not None:
+            self._hint_records(ra, ahead)
+        if self._pool.index.mapped and not wait:
+            away = rows[~self._pool.resident(rows)]
+            self._pool.index.hint(away)
+            self._hint_next = away
+            return
+        self._hint_records(ra, rows)
         if wait:
             ra.join()
+
+    def _hint_records(self, ra: ReadAhead, rows: np.ndarray) -> None:
+        """The on-disk records of ``rows`` read ahead on ``ra``'s thread."""
+        addrs, sums, keep = self.readahead(rows)
+        ra.submit(addrs, keep, sums)
 
     def _submit_range(self, kind: str, start: int, stop: int, wait: bool) -> None:
         """A load (:meth:`load_range`) pins the range's rows in the region and reads its
@@ -766,6 +787,9 @@ class LogStore:
             self._wait_loads()
         ra = self._readahead
         if ra is not None and ra.pid == os.getpid():
+            ahead, self._hint_next = self._hint_next, None
+            if ahead is not None:
+                self._hint_records(ra, ahead)
             ra.join()
 
     def _wait_loads(self) -> None:
@@ -938,6 +962,7 @@ class LogStore:
             "row_loads": st["row_loads"],
             "index_mapped": self._pool.index.mapped,
             "index_rebases": st["index_rebases"],
+            "index_page_reads": self._pool.index.page_reads,
             "index_delta_rows": self._pool.index.entries,
             "index_memory_bytes": self._pool.index.memory_bytes(),
             "total_user_bytes": t_user,
@@ -1046,6 +1071,7 @@ class LogStore:
 
     def _stop_readahead(self) -> None:
         ra, self._readahead = self._readahead, None
+        self._hint_next = None
         if ra is not None and ra.pid == os.getpid():
             ra.close()
 

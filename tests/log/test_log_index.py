@@ -9,6 +9,7 @@ flushed records.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -213,6 +214,65 @@ def test_a_mapped_index_trains_to_the_same_bits_and_rebases_within_its_delta(tmp
     r = dsa_core.open(tmp_path / "mapped", mode="r")  # a reader with the index in memory
     np.testing.assert_array_equal(records(r), want)
     dsa_core.close(r)
+
+
+def _uncache(path):
+    """Drop a file's pages from the page cache (clean pages: nothing is lost)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_mapped_base_reads_the_pages_a_batch_needs_ahead_and_prefetch_one_call_early(
+        tmp_path):
+    """Uncached index pages are hinted (read at depth), counted, and change no value: a
+    lookup hints its rows' pages before reading them; ``prefetch`` hints a batch's index
+    pages and looks up (and reads ahead) its records at the next hint or at ``wait``."""
+    a, b = _pair(tmp_path)
+    a = train(a, batches(30, NM, D, batch=512, seed=5))
+    assert a.store.log_stats()["index_rebases"] >= 1
+    budget = a.store.memory_bytes
+    want = records(a)
+    dsa_core.close(a)
+    dsa_core.close(b)
+    del a, b  # a closed State still maps the base: a page mapped is not dropped
+    gc.collect()
+    p = tmp_path / "mapped"
+    base = p / _manifest(p)["index"]
+    _uncache(base)
+    s = dsa_core.open(p, memory=budget)
+    assert s.store.log_stats()["index_page_reads"] == 0
+    rows = np.arange(3, NM, 211)  # 237 rows over all 98 pages
+    np.testing.assert_array_equal(dsa_core.gather(s, rows), want[rows, :D])
+    got = s.store.log_stats()["index_page_reads"]
+    assert 0 < got <= 98, got  # what the page cache lacked, once
+    np.testing.assert_array_equal(dsa_core.gather(s, rows), want[rows, :D])
+    assert s.store.log_stats()["index_page_reads"] == got  # cached now: nothing hinted
+    dsa_core.close(s)
+    del s
+    gc.collect()
+    _uncache(base)
+    s = dsa_core.open(p, memory=budget)
+    eng = s.store
+    first, second = np.arange(7, NM, 409), np.arange(11, NM, 401)
+    dsa_core.prefetch(s, first)  # pages hinted, records not yet
+    assert eng.log_stats()["index_page_reads"] > 0
+    np.testing.assert_array_equal(eng._hint_next, first)
+    dsa_core.prefetch(s, second)  # now the first batch's records, the second's pages
+    np.testing.assert_array_equal(eng._hint_next, second)
+    dsa_core.prefetch(s, second, wait=True)  # everything hinted, nothing left behind
+    assert eng._hint_next is None
+    for r in (first, second):
+        np.testing.assert_array_equal(dsa_core.gather(s, r), want[r, :D])
+    s = dsa_core.step(s, first, np.ones((first.shape[0], D), np.float32))
+    dsa_core.prefetch(s, second)
+    dsa_core.close(s)  # with a hint pending: nothing of it is kept or written
+    s = dsa_core.open(p, memory=budget)
+    np.testing.assert_array_equal(dsa_core.gather(s, second), want[second, :D])
+    assert s.store.check_index() == []
+    dsa_core.close(s)
 
 
 def test_a_damaged_page_of_a_mapped_base_is_refused_where_it_is_read(tmp_path):
