@@ -52,6 +52,10 @@ process has for that file, set here by its memory cgroup's limit.
    - drops the page cache again (as above; the index's pages mapped by the process stay until
      the limit reclaims them), then times ``--steps`` steps.
 
+   The room is thus ``share * index_file_bytes + --slack``: where the slack is not small
+   against the index (a small table, or a 1% share), the index's pages may take the slack
+   too, and the shares differ less than their names say (the table's ``room_mib``).
+
    Per case: rows/s over the whole timed loop (rows stepped, the unique ids, over its wall
    time: id draws and read-ahead submission included; ``step_rows_per_s_median``: the median
    of the per-step rates, the step call alone), read I/Os per row (reads completed by the
@@ -388,8 +392,8 @@ def run_child(a, dist: str, share: float, seed: int, capped: bool) -> dict:
     return res
 
 
-COLS = ["ids", "cache", "limit_mib", "rows_per_s", "vs_qd32", "read_ios_per_row",
-        "kb_read_per_row", "index_page_reads_per_row", "misses_per_row", "majflt_per_row",
+COLS = ["ids", "cache", "limit_mib", "room_mib", "not_file_growth_mib", "rows_per_s", "vs_qd32",
+        "read_ios_per_row", "kb_read_per_row", "index_page_reads_per_row", "misses_per_row", "majflt_per_row",
         "step_ms_median", "steps"]
 
 
@@ -477,6 +481,12 @@ def main(argv=None) -> dict:
             r = run_child(a, dist, share, a.seed + 1 + k, capped)
             r["evicted_before_open"] = dropped
             r["limit_mib"] = r.get("limit", 0) / MIB
+            # the page cache room the limit left (the index's share and the slack together:
+            # the index's pages may take the slack too), and what the charge that is not page
+            # cache grew by during the timed steps (taken from that room)
+            r["room_mib"] = (r["limit"] - r["not_file_before"]) / MIB if "limit" in r else 0.0
+            r["not_file_growth_mib"] = (r["not_file_after"] - r["not_file_before"]) / MIB \
+                if "not_file_after" in r else 0.0
             r["vs_qd32"] = r["rows_per_s"] / probe["qd32_reads_per_s"]
             cases.append(r)
             log(f"{dist} cache {share:g}: {r['rows_per_s']:,.0f} rows/s "
