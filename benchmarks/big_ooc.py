@@ -393,8 +393,8 @@ def run_child(a, dist: str, share: float, seed: int, capped: bool) -> dict:
 
 
 COLS = ["ids", "cache", "limit_mib", "room_mib", "not_file_growth_mib", "rows_per_s", "vs_qd32",
-        "read_ios_per_row", "kb_read_per_row", "index_page_reads_per_row", "misses_per_row", "majflt_per_row",
-        "step_ms_median", "steps"]
+        "read_ios_per_row", "kb_read_per_row", "index_page_reads_per_row", "misses_per_row",
+        "majflt_per_row", "step_ms_median", "steps"]
 
 
 def main(argv=None) -> dict:
