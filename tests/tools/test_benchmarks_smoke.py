@@ -68,6 +68,12 @@ SMOKES = {
     "big_index": (["--rows", "20000", "--dim", "4", "--steps", "2", "--memory", "16MiB",
                    "--cap", "none", "--no-drop-caches", "--name", "big_index_smoke"],
                   "big_index_smoke", "open (median of 3)"),
+    # the index mapped (16 B x 20,000 rows > 300 KiB); one case (zipf: the uniform case only
+    # draws other ids), uncapped (the cgroup limit is what the real run adds)
+    "big_ooc": (["--rows", "20000", "--dim", "4", "--memory", "300KiB", "--batch", "64",
+                 "--steps", "3", "--warmup", "2", "--caches", "0.1", "--dists", "zipf",
+                 "--probe-seconds", "0.2", "--cap-none", "--no-drop-caches",
+                 "--name", "big_ooc_smoke"], "big_ooc_smoke", "rows_per_s"),
     # the in-process measure (its reference, comparison and results files): ~5 s; every
     # measure once, the out-of-core ones with their cgroup and drive probe (~25 s):
     # test_guard_smoke_every_measure (slow). Without a cgroup or a compiler it falls back
@@ -83,7 +89,7 @@ WORKDIR = {"warm": "--workdir", "ooc": "--workdir", "breakdown": "--workdir",
            "write_path": "--workdir", "clean_sim": "--workdir", "memory_budget": "--workdir",
            "seal_tail": "--workdir", "undo_cost": "--dir", "state_dict_disk": "--dir",
            "guard": "--workdir", "step_ab": "--workdir", "adagrad": "--workdir",
-           "big_index": "--workdir"}
+           "big_index": "--workdir", "big_ooc": "--workdir"}
 
 
 @pytest.fixture
