@@ -17,7 +17,7 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
     the base's pages are page cache, not charged (reclaimable).
 ``region``
     ``S * (record bytes + SLOT_OVERHEAD)``: the slots' records and their bookkeeping
-    (``SLOT_OVERHEAD = 66``: four int64 and two uint8 arrays per slot, ``pool``, and the
+    (``SLOT_OVERHEAD = 74``: five int64 and two uint8 arrays per slot, ``pool``, and the
     resident map's 32 bytes per slot, ``resident``).
 ``write_buffers``
     ``WRITE_BUFFERS`` buffers of ``BEHIND_UNITS * u`` records each: a seal up to that size is
@@ -73,7 +73,7 @@ __all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "CLEAN_READ_BYTES", "CLEAN_REQUESTS"
            "memory_for",
            "seal_unit_for", "slots_for", "split"]
 
-SLOT_OVERHEAD = 66       # bytes per slot besides its record: see the module docstring
+SLOT_OVERHEAD = 74       # bytes per slot besides its record: see the module docstring
 DELTA_ENTRY = 32         # bytes per row of a mapped index's delta (``index``: 2 entries)
 MIN_DELTA = 4096         # rows a mapped index's delta holds at least
 SEAL_BYTES = 32 << 20    # a seal unit holds at most this many bytes of records

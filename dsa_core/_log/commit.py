@@ -188,7 +188,7 @@ class Commit:
         if ep is None:
             ep = pool.next_seal_epoch()
         pool.mark[slots] = ep
-        n_new_loc = int(np.count_nonzero(pool.index.get(pool.slot_row[slots]) == 0))
+        n_new_loc = int(np.count_nonzero(pool.slot_locs(slots) == 0))
         res, copies = cleaner.choose(slots.shape[0], n_new_loc, ep)
         moving = slots.shape[0] + sum(r.shape[0] for r in res) + sum(c.ks.shape[0]
                                                                      for c in copies)
@@ -256,10 +256,11 @@ class Commit:
         # the old on-disk copies of everything in the seal are dead now
         newloc = np.int64((sid << 32) + 1) + np.arange(n, dtype=np.int64)
         rrows = rows[:m]  # the rows of the region's slots in the seal
-        old = [pool.index.get(rrows)]
+        old = [pool.slot_locs(rslots)]
         n_user = int(np.count_nonzero(pool.dirty[rslots]))
         segs.live_total += int(np.count_nonzero(old[0] == 0))
         pool.index.set(rrows, newloc[:m])
+        pool.slot_loc[rslots] = newloc[:m]
         pool.dirty[rslots] = 0
         off = m
         for c, r in zip(copies, crow, strict=True):

@@ -183,6 +183,9 @@ class Pool:
         # the kernel allows: a first touch fills 2 MiB, and fewer TLB misses)
         self.region = np.zeros((S, self.stride), self.dtype)
         self.slot_row = np.full(S, -1, np.int64)
+        # the on-disk location of each slot's row (what the index says; -1: not known, look
+        # it up): a seal learns the old locations it kills without reading index pages
+        self.slot_loc = np.full(S, -1, np.int64)
         self.table = new_table(S)  # resident rows -> their slots
         self.pin = np.zeros(S, np.int64)
         self.mark = np.zeros(S, np.int64)
@@ -251,6 +254,15 @@ class Pool:
     def slots_of(self, rows: np.ndarray) -> np.ndarray:
         """The slot of each of ``rows`` (checked ids), -1 where it is not resident."""
         return slots_of(self.table, rows)
+
+    def slot_locs(self, slots: np.ndarray) -> np.ndarray:
+        """The on-disk location of the rows of resident ``slots`` (0: never written), from
+        what each slot remembers; looked up in the index only where it does not know."""
+        locs = self.slot_loc[slots]
+        unknown = np.flatnonzero(locs < 0)
+        if unknown.shape[0]:
+            locs[unknown] = self.index.get(self.slot_row[slots[unknown]])
+        return locs
 
     def disk_locs(self, rows: np.ndarray, resident: np.ndarray | None = None) -> np.ndarray:
         """The location of each of ``rows`` (checked ids) that is not resident, -1 for the
@@ -342,6 +354,7 @@ class Pool:
                 self.nfree = top   # the slots only read into go back to the free stack
                 raise
         self.slot_row[mslots] = mrows
+        self.slot_loc[mslots] = old
         _insert(self.table, mrows, mslots)
         if self.loads_active:  # rows of an active load read before its load came: pinned
             held = mslots[self.in_ranges(mrows)]
@@ -568,6 +581,7 @@ class Pool:
         self.region[slots[keep]] = records[want[keep]]
         self.nfree = top - need
         self.slot_row[slots] = r
+        self.slot_loc[slots] = now
         _insert(self.table, r, slots)
         self.dirty[slots] = 0
         self.ref[slots] = 1
@@ -595,6 +609,7 @@ class Pool:
         self.nfree -= k
         slots[new] = fresh
         self.slot_row[fresh] = rows[new]
+        self.slot_loc[fresh] = -1  # a reader's: never sealed
         _insert(self.table, rows[new], fresh)
         self.region[slots] = records
         self.dirty[slots] = 1
@@ -629,6 +644,11 @@ class Pool:
             problems.append("the free-slot stack does not list exactly the unused slots")
         if self.dirty[self.slot_row < 0].any():
             problems.append("free slots are marked dirty")
+        known = used[self.slot_loc[used] >= 0]
+        stale = self.slot_loc[known] != self.index.get(self.slot_row[known])
+        if stale.any():
+            problems.append(f"slots {known[stale][:5].tolist()} remember on-disk locations "
+                            "their rows' index does not hold")
         held = self.pin < 0
         if int(np.count_nonzero(held)) != self.range_pinned or (self.slot_row[held] < 0).any():
             problems.append(f"{int(np.count_nonzero(held))} slots are pinned by loaded ranges "

@@ -255,8 +255,8 @@ def test_region_accounting(tmp_path):
     assert parts["staging"] == min(8 << 20, S * lay["stride"] * 4) + 64 * 2 * eng.seal_unit
     assert parts["total"] <= mem < budget.memory_for(lay, S + 1)
     assert 2 * S >= 16  # the resident map's smallest size: two entries per slot from here
-    per_slot = sum(getattr(eng._pool, a).nbytes for a in ("slot_row", "table", "pin", "mark",
-                                                         "free", "dirty", "ref")) / S
+    per_slot = sum(getattr(eng._pool, a).nbytes for a in (
+        "slot_row", "slot_loc", "table", "pin", "mark", "free", "dirty", "ref")) / S
     assert per_slot == _log.SLOT_OVERHEAD
     assert eng._pool.index.base.nbytes == 8 * lay["num_rows"]
     with pytest.raises(ValueError, match="must pay for the index and at least one record"):

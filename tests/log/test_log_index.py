@@ -275,6 +275,51 @@ def test_a_mapped_base_reads_the_pages_a_batch_needs_ahead_and_prefetch_one_call
     dsa_core.close(s)
 
 
+def test_a_seal_learns_the_old_locations_from_its_slots_not_from_the_index(tmp_path,
+                                                                           monkeypatch):
+    """Each slot remembers its row's on-disk location: a seal (here every flush and
+    eviction) looks up no row in the index (a mapped base would read a page per row, again,
+    since the miss that brought the row in). A slot that does not know (-1) is looked up;
+    ``check_index`` finds a slot that remembers wrong."""
+    a, b = _pair(tmp_path)
+    first = batches(10, NM, D, batch=512, seed=8)
+    a, b = train(a, first), train(b, first)  # rows on disk, rebased
+    pool = a.store._pool
+    asked = []
+    real = pool.index.get
+
+    def get(rows):
+        asked.append(np.asarray(rows).copy())
+        return real(rows)
+
+    monkeypatch.setattr(pool.index, "get", get)  # this store's index only
+    misses = a.store.log_stats()["misses"]
+    steps = batches(12, NM, D, batch=512, seed=9)
+    a, b = train(a, steps), train(b, steps)
+    looked_up = sum(r.shape[0] for r in asked)
+    assert a.store.log_stats()["misses"] - misses == looked_up > 0  # the misses', only
+    asked.clear()
+    dsa_core.flush(a)  # seals every dirty slot
+    assert sum(r.shape[0] for r in asked) == 0
+    dsa_core.flush(b)
+    _same(a, b)
+    monkeypatch.undo()
+    assert a.store.check_index() == []
+    used = np.flatnonzero(pool.slot_row >= 0)
+    pool.slot_loc[used[:3]] = -1  # forgotten: looked up again, the same result
+    assert a.store.check_index() == []
+    a = train(a, batches(3, NM, D, batch=512, seed=10))
+    dsa_core.flush(a)
+    b = train(b, batches(3, NM, D, batch=512, seed=10))
+    _same(a, b)
+    used = np.flatnonzero(pool.slot_row >= 0)
+    pool.slot_loc[used[0]] += 1  # remembered wrong: check_index says so
+    assert any("remember on-disk locations" in p for p in a.store.check_index())
+    pool.slot_loc[used[0]] = -1
+    for s in (a, b):
+        dsa_core.close(s)
+
+
 def test_a_damaged_page_of_a_mapped_base_is_refused_where_it_is_read(tmp_path):
     a, _ = _pair(tmp_path)
     a = train(a, batches(30, NM, D, batch=512, seed=3))
