@@ -123,11 +123,10 @@ def log(msg: str) -> None:
 
 
 def store_files(path: Path) -> tuple[list[Path], Path | None]:
-    """The store's segment files (from its manifest) and its index base file (or None)."""
-    from dsa_core._log.format import read_manifest, seg_name
-
-    man = read_manifest(path)
-    segs = [path / seg_name(int(s)) for s in man["segments"]]
+    """The store's segment files (those its manifest lists) and its index base file (or
+    None), from the manifest as the format documents it (docs/storage.md)."""
+    man = json.loads((path / "manifest.json").read_text())
+    segs = [path / f"seg-{int(s):08d}.dsl" for s in man["segments"]]
     idx = path / man["index"] if man.get("index") else None
     return segs, idx
 

@@ -37,7 +37,9 @@ its region. It is split, for a region of ``S`` slots and seal unit ``u`` records
 ``staging``
     what a seal allocates besides: one chunk of a streamed seal (``STAGING_CHUNK``, or the
     region if smaller) and ``SEAL_META`` bytes per record of a written-behind seal (its row
-    ids, steps, new locations, the file's rows/steps part and per-record sums). A flush
+    ids, steps, new locations, the file's rows/steps part). Seals lay their records out as
+    the segment file holds them, each followed by its sums (``sums.record_pitch``: 16-23
+    bytes more per record), so the write buffers and a streamed chunk are charged that. A flush
     writes the index in pieces of at most that size (:func:`index_piece_rows`). (Misses are
     copied straight into place through one record of scratch: ``segments.read_into``.)
 
@@ -64,11 +66,13 @@ from typing import Any
 import numpy as np
 
 from .._paging import memory_limit
+from .sums import record_pitch
 
 __all__ = ["BEHIND_UNITS", "CLEAN_BUFFERS", "CLEAN_READ_BYTES", "CLEAN_REQUESTS",
            "DELTA_ENTRY", "INDEX_BYTES", "MIN_DELTA", "SEAL_BYTES", "SEAL_META",
            "SLOT_OVERHEAD", "delta_capacity", "index_mapped",
            "STAGING_CHUNK", "WHOLE_MAX", "WRITE_BUFFERS", "behind_records", "check_memory",
+
            "check_memory_bytes", "cleaning_limits", "describe", "index_piece_rows",
            "memory_for",
            "seal_unit_for", "slots_for", "split"]
@@ -130,8 +134,9 @@ def _index_bytes(layout: dict[str, Any], memory_bytes: int) -> int:
 
 
 def seal_unit_for(slots: int, rec_bytes: int) -> int:
-    """Records per seal: ``min(slots // 8, SEAL_BYTES of records)``, at least 1."""
-    return max(1, min(slots // 8, SEAL_BYTES // rec_bytes))
+    """Records per seal: ``min(slots // 8, SEAL_BYTES of segment file)`` (each record there
+    followed by its sums: ``sums.record_pitch``), at least 1."""
+    return max(1, min(slots // 8, SEAL_BYTES // record_pitch(rec_bytes)))
 
 
 def behind_records(seal_unit: int) -> int:
@@ -151,12 +156,15 @@ def cleaning_limits(seal_unit: int, rec_bytes: int) -> dict[str, int]:
     buffers of the reads), ``request`` (one read request, whole records) and ``total``
     (``held + CLEAN_REQUESTS * request``, the ``cleaning_buffers`` part of :func:`split`).
 
+    Records are read as the segment file holds them, each followed by its sums
+    (``sums.record_pitch``: ``rec_bytes`` 128 -> 144 bytes).
+
     >>> cleaning_limits(1 << 20, 128)  # a large store: 2 x 32 MiB, requests of 4 MiB
-    {'whole': 33554432, 'held': 67108864, 'request': 4194304, 'total': 75497472}
+    {'whole': 33554432, 'held': 67108864, 'request': 4194288, 'total': 75497440}
     >>> cleaning_limits(10, 96)  # a small one: two write buffers' worth, requests of 1 record
-    {'whole': 1920, 'held': 3840, 'request': 192, 'total': 4224}
+    {'whole': 2240, 'held': 4480, 'request': 224, 'total': 4928}
     """
-    rb = int(rec_bytes)
+    rb = record_pitch(int(rec_bytes))
     whole = min(WHOLE_MAX, behind_records(seal_unit) * rb)
     request = max(1, min(CLEAN_READ_BYTES, whole // 8) // rb) * rb
     held = CLEAN_BUFFERS * whole
@@ -181,12 +189,13 @@ def split(layout: dict[str, Any], memory_bytes: int, slots: int | None = None
 def _rest_parts(layout: dict[str, Any], S: int) -> dict[str, int]:
     """The parts besides the index, for a region of ``S`` slots."""
     rb = _rec_bytes(layout)
+    pitch = record_pitch(rb)  # a record as a seal writes it: with its sums after it
     u = seal_unit_for(S, rb)
-    behind = behind_records(u) * rb
+    behind = behind_records(u) * pitch
     return {"region": S * (rb + SLOT_OVERHEAD),
              "write_buffers": WRITE_BUFFERS * behind,
              "cleaning_buffers": cleaning_limits(u, rb)["total"],
-             "staging": min(STAGING_CHUNK, S * rb) + SEAL_META * behind_records(u)}
+             "staging": min(STAGING_CHUNK, S * pitch) + SEAL_META * behind_records(u)}
 
 
 def _rest(layout: dict[str, Any], slots: int) -> int:
@@ -257,7 +266,7 @@ def check_memory(layout: dict[str, Any], memory_bytes: int, batch: int) -> None:
     Traceback (most recent call last):
     ...
     ValueError: memory budget holds 9 records, a batch needs 10: raise the budget (memory=) to at
-    least 3028 bytes (3.0 KiB), or pass batches of at most 9 rows. memory=3027 (3.0 KiB) ...
+    least 3428 bytes (3.3 KiB), or pass batches of at most 9 rows. memory=3427 (3.3 KiB) ...
     """
     have = slots_for(layout, memory_bytes)
     if batch > have:

@@ -133,12 +133,28 @@ def _rows_ahead(seg: Segment) -> None:
 class Copy:
     """One victim of a seal: its live records ``ks`` (not resident) are ``records[idx]``."""
 
-    __slots__ = ("idx", "ks", "records", "seg", "buffered")
+    __slots__ = ("buffered", "idx", "ks", "records", "seg", "sums")
 
     def __init__(self, seg: Segment, ks: np.ndarray, records: np.ndarray, idx: np.ndarray,
-                 buffered: bool):
+                 buffered: bool, sums: np.ndarray | None = None):
         self.seg, self.ks, self.records, self.idx = seg, ks, records, idx
         self.buffered = buffered  # from a CleaningReads buffer (released after the seal)
+        self.sums = sums  # the sums read with them (``sums[idx]``), else the segment's
+
+    def sums_of(self, lo: int = 0, hi: int | None = None) -> np.ndarray | None:
+        """The sums to check the copies of ``ks[lo:hi]`` against (None: the segment's)."""
+        return None if self.sums is None else self.sums[self.idx[lo:hi]]
+
+
+def _buffered(seg: Segment, ks: np.ndarray, buf: np.ndarray, idx: np.ndarray,
+              stride: int, dtype: np.dtype) -> Copy:
+    """A copy from a cleaning read's buffer: records, or (a version-3 segment) the bytes of
+    records and their sums as they lie in the file (``CleaningReads._buffer``)."""
+    if buf.dtype == dtype:
+        return Copy(seg, ks, buf, idx, True)
+    rb = stride * dtype.itemsize
+    return Copy(seg, ks, buf[:, :rb].view(dtype), idx, True,
+                buf[:, buf.shape[1] - 16:].view(np.uint64))
 
 
 class Cleaner:
@@ -222,25 +238,28 @@ class Cleaner:
         is not done, or reading now)."""
         if seg.id in self.segments.pending:
             return Copy(seg, ks, seg.records, ks, False)
-        pool, rb = self.pool, self.segments.rec_bytes
+        pool, segs = self.pool, self.segments
+        pitch = int(segs.pitch[seg.id])
         r = self._reader()
         got = r.get(seg.id)
         if got is not None:
             buf, ks0 = got
             idx = np.searchsorted(ks0, ks)
             if not ks.shape[0] or (idx[-1] < ks0.shape[0] and np.array_equal(ks0[idx], ks)):
-                return Copy(seg, ks, buf, idx, True)
+                return _buffered(seg, ks, buf, idx, pool.stride, pool.dtype)
             # pragma: no cover - a live record not read ahead: impossible (a live record
             # never comes back, a dirty slot's is never copied). Counted: the tests
             # require none; read again below
             self.fallbacks += 1
             r.release(seg.id)
-        if ks.shape[0] * rb <= self.whole():
-            buf = r.now(seg.id, seg.path, self._offset(seg), ks, pool.stride, pool.dtype)
+        if ks.shape[0] * pitch <= self.whole():
+            buf = r.now(seg.id, seg.path, self._offset(seg), ks, pool.stride, pool.dtype,
+                        pitch)
             if buf is not None:
-                return Copy(seg, ks, buf, np.arange(ks.shape[0]), True)
+                return _buffered(seg, ks, buf, np.arange(ks.shape[0]), pool.stride,
+                                 pool.dtype)
         # too large for the buffers' room: through the mapping, after a read-ahead hint
-        advise(self.segments.seg_addr[seg.id] + ks * rb, rb)
+        advise(segs.seg_addr[seg.id] + ks * pitch, pitch)
         return Copy(seg, ks, seg.records, ks, False)
 
     def choose(self, n_seal: int, n_new_loc: int, ep: int) -> tuple[list[np.ndarray],
@@ -306,7 +325,7 @@ class Cleaner:
             self.reads.release(copy.seg.id)
             # the buffer is free once released: the seal keeps ``copy`` (its seg and ks)
             # to the end, and starts the next reads before it ends
-            copy.records = copy.idx = None
+            copy.records = copy.idx = copy.sums = None
 
     # -- reading ahead --------------------------------------------------------------------------
     def read_ahead(self) -> int:
@@ -335,7 +354,7 @@ class Cleaner:
             if sid in segs.pending or r.has(sid):
                 need -= frees
                 continue
-            nbytes = int(segs.live[sid]) * segs.rec_bytes  # its live records, at most
+            nbytes = int(segs.live[sid]) * int(segs.pitch[sid])  # its live records, at most
             if nbytes > self.whole():
                 continue
             if not r.room(nbytes + 8 * int(segs.live[sid])):  # its buffer and record numbers
@@ -348,7 +367,7 @@ class Cleaner:
             n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.index.base,
                               pool.index.delta, pool.table, pool.dirty, out)
             if not r.ahead(sid, seg.path, self._offset(seg), out[:n].copy(), pool.stride,
-                           pool.dtype):
+                           pool.dtype, int(segs.pitch[sid])):
                 stop = i
                 break
             need -= frees

@@ -57,6 +57,7 @@ from .format import (
     index_name,
     map_index,
     parse_name,
+    records_of,
     seg_name,
     segment_geometry,
     write_index,
@@ -209,14 +210,15 @@ class Commit:
         steps = np.concatenate([np.full(m, self.count, np.int64),
                                 *[c.seg.steps[c.ks] for c in copies]])
         path = self.path / seg_name(sid)
-        rec_bytes, stride, dtype = segs.rec_bytes, pool.stride, pool.dtype
+        stride, dtype = pool.stride, pool.dtype
         size = segment_geometry(n, stride, dtype.itemsize)[3]  # the file's bytes
         # the victims' live records are in memory (cleaner: read in the background), or
         # in their segment's mapping; each copy is checked against its sums first
-        if n * rec_bytes <= min(BEHIND_BYTES, segs.behind_bytes):
+        if n * segs.rec_pitch <= min(BEHIND_BYTES, segs.behind_bytes):
             # write-behind (writer): gather the records into a buffer of the segment's
             # own, which serves its reads until the file is written and mapped
-            recs = segs.seal_buffer(n)
+            raw = segs.seal_buffer(n)  # laid out as in the file: each record, then its sums
+            recs = records_of(raw, stride, dtype)
             gather_records(pool.region, rslots, recs)
             off = m
             for c in copies:
@@ -224,29 +226,38 @@ class Commit:
                 # straight into the buffer, no temporary of k records (mode="clip": with
                 # the default "raise", numpy buffers ``out``); idx is in range by construction
                 np.take(c.records, c.idx, axis=0, out=recs[off:off + k], mode="clip")
-                check_records(c.seg, c.ks, recs[off:off + k])  # never copy damage
+                check_records(c.seg, c.ks, recs[off:off + k], c.sums_of())  # never copy damage
                 off += k
             recs.flags.writeable = False  # as the mapping that replaces it
             if copies:
                 crash_point("clean-copied")
-            segs.write_behind(WriteJob(path, sid, rows, steps, recs, self.count,
-                                       segs.take_spare(size)))
+            segs.write_behind(WriteJob(path, sid, rows, steps, raw, self.count,
+                                       segs.take_spare(size), segs.head, stride, dtype))
             segs.add(Segment(sid, n, path, rows, steps, recs, size))
         else:  # a large seal (a flush, a range release): streamed in chunks, written now
-            chunk = max(1, _CHUNK_BYTES // rec_bytes)
+            pitch = segs.rec_pitch  # a record and its sums, as the file holds them
+            chunk = max(1, _CHUNK_BYTES // pitch)
 
             def blocks():
                 for lo in range(0, m, chunk):
-                    yield pool.region[rslots[lo:lo + chunk]]
+                    idx = rslots[lo:lo + chunk]
+                    raw = np.empty((idx.shape[0], pitch), np.uint8)
+                    gather_records(pool.region, idx, records_of(raw, stride, dtype))
+                    yield raw
+                    raw = None  # one chunk at a time (staging): not held past its write
                 for c in copies:
                     for lo in range(0, c.ks.shape[0], chunk):
-                        blk = c.records[c.idx[lo:lo + chunk]]
-                        check_records(c.seg, c.ks[lo:lo + chunk], blk)  # never copy damage
-                        yield blk
-                        blk = None  # one chunk at a time (staging): not held past its write
+                        idx = c.idx[lo:lo + chunk]
+                        raw = np.empty((idx.shape[0], pitch), np.uint8)
+                        blk = records_of(raw, stride, dtype)
+                        np.take(c.records, idx, axis=0, out=blk, mode="clip")
+                        check_records(c.seg, c.ks[lo:lo + chunk], blk,  # never copy damage
+                                      c.sums_of(lo, lo + chunk))
+                        yield raw
+                        raw = blk = None
 
             write_segment(path, sid, rows, steps, blocks(), stride, dtype, self.count,
-                          recycle=segs.take_spare(size))
+                          recycle=segs.take_spare(size), head=segs.head)
             segs.map(path, sid, n)
         for c in copies:  # a failed seal keeps them: its retry finds them read
             cleaner.done_with(c)

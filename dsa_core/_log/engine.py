@@ -89,6 +89,7 @@ from .budget import split as split_budget
 from .checks import check_count, check_init_settings, check_layout, check_meta
 from .cleaner import Cleaner
 from .commit import Commit
+from .sums import head_bytes
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -267,7 +268,8 @@ class LogStore:
         self.seal_unit = seal_unit_for(S, self.rec_bytes)
         self._stats = dict.fromkeys(_STATS, 0)
         self._segments = Segments(self.path, stride, dtype, self.seal_unit,
-                                  int(manifest["next_segment"]))
+                                  int(manifest["next_segment"]),
+                                  head_bytes(lay["w"], int(lay["dim"]), dtype.itemsize))
         self._pool = Pool(self.path, lay, S, self.seal_unit, memory_bytes, self.init,
                           self._segments, self._stats)
         self._cleaner = Cleaner(self._pool, self._segments, self.space_ratio)
@@ -724,7 +726,7 @@ class LogStore:
         step's time to arrive), at :meth:`wait`, or with ``wait``."""
         ra = self._readahead
         if ra is None or ra.pid != os.getpid():  # none yet, or the parent's (fork)
-            ra = self._readahead = ReadAhead(self.rec_bytes)
+            ra = self._readahead = ReadAhead(self._segments.rec_pitch)
             self._hint_next = None
         ahead, self._hint_next = self._hint_next, None
         if ahead is not None:

@@ -4,7 +4,7 @@ Nothing here knows about memory budgets or eviction (``pool``, ``commit``); this
 writes and checks the bytes. Files of a log store directory:
 
 ``manifest.json``
-    ``{"format": "dsa-log", "version": 3, "layout": {...}, "count": int, "seed": int,
+    ``{"format": "dsa-log", "version": 6, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
     "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "index_from": int,
     "segments": [ids], "next_segment": int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
@@ -16,25 +16,31 @@ writes and checks the bytes. Files of a log store directory:
     store is what its manifest references (plus the valid entries of its commit log),
     nothing else. Its settings are checked at every read with ``create``'s rules.
 ``seg-<id:08d>.dsl``
-    One immutable segment of ``n`` records. Five parts, each starting on a 4096-byte
+    One immutable segment of ``n`` records. Four parts, each starting on a 4096-byte
     boundary (zero padding between them)::
 
         header (4096 B): b"DSALOG01" | u64 id | u64 n | u32 stride | u32 itemsize
                          | u64 count | u32 crc32(rows) | u32 crc32(steps) | u32 crc32(records)
                          | u32 crc32 of the header bytes before it
-                         | b"DSASUM01" | u32 crc32(sums) | u32 crc32 of the 68 bytes before
+                         | b"DSASUM03" | u32 head | u32 crc32 of the 68 bytes before
                          | zeros
         rows           : n int64, the row of each record
         steps          : n int64, the step count at which each record was written
-        records        : (n, stride) in the store dtype, the layout's records
-        sums           : n uint64, the checksum of each record (``sums.record_sums``)
+        records        : n rows of ``record_pitch`` bytes: the record ((stride,) in the store
+                         dtype), zeros to a multiple of 8 bytes, then two uint64 checksums
+                         (``sums.split_sums``): of its first ``head`` bytes (the weights:
+                         ``sums.head_bytes``) and of the rest
 
-    (little-endian; the CRCs cover the unpadded parts). The ``sums`` part and the header's
-    ``DSASUM01`` extension are segment version 2 (manifest version 3): every record read
-    back from the file is checked against its sum (``segments.Segments.read_into``, the
-    cleaner's copies, ``dsa verify``). A version-1 segment (no extension: zeros there, no
-    ``sums`` part) is still read: at open its records are read whole, checked against the
-    file's records CRC and hashed, so reads of it are checked against those sums. A segment is written under its final
+    (little-endian; the CRCs cover the unpadded parts, the records' CRC the whole rows
+    with their checksums). This is segment version 3 (manifest version 6): every record read
+    back from the file is checked against its checksums, which a read of the record brings
+    in with it (``segments.Segments.read_into``, the cleaner's copies, ``dsa verify``); a
+    read of the weights alone (``gather``) checks the first. Older segments are still read:
+    version 2 (header extension ``b"DSASUM01" | u32 crc32(sums)``; the records ``(n,
+    stride)`` back to back, then a fifth part ``sums``: n uint64, one checksum of each whole
+    record, ``sums.record_sums``) and version 1 (no extension: zeros there, no checksums; at
+    open its records are read whole, checked against the file's records CRC and hashed, so
+    reads of it are checked against those sums). A segment is written under its final
     name with a few large ``pwrite`` calls, records in chunks, the header last; it is only
     part of the store once a manifest lists it. At open, a writer removes the segment files
     that a checksummed manifest proves are garbage (``recovery.remove_garbage``).
@@ -94,11 +100,13 @@ from .._os import (
     write_back,
 )
 from .checks import check_count, check_init_settings, check_layout
-from .sums import record_sums
+from .sums import fill_sums, record_sums, split_sums
+from .sums import record_pitch as _pitch
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_INDEX_FROM", "FORMAT_VERSION_OPTIMIZER",
-    "FORMAT_VERSION_SUMS",
+    "FORMAT_VERSION_SPLIT_SUMS", "FORMAT_VERSION_SUMS", "SEG_VERSION", "laid_out",
+    "record_offset", "record_pitch", "records_of",
     "FORMAT_VERSION_WAL", "LOCK_FILE",
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
@@ -122,10 +130,16 @@ FORMAT_VERSION_OPTIMIZER = 4
 # reader of version 4 would take the base for the whole index and serve stale records, so it
 # must refuse it). What this module writes, for every optimizer.
 FORMAT_VERSION_INDEX_FROM = 5
+# segments of version 3 (each record followed by its two sums: an older reader would call
+# their headers corrupt, so it must refuse the manifest first). What this module writes.
+FORMAT_VERSION_SPLIT_SUMS = 6
 READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_WAL, FORMAT_VERSION_SUMS,
-                 FORMAT_VERSION_OPTIMIZER, FORMAT_VERSION_INDEX_FROM)
+                 FORMAT_VERSION_OPTIMIZER, FORMAT_VERSION_INDEX_FROM,
+                 FORMAT_VERSION_SPLIT_SUMS)
 SEG_MAGIC = b"DSALOG01"
 SUM_MAGIC = b"DSASUM01"  # the header extension of a segment with per-record sums
+SPLIT_MAGIC = b"DSASUM03"  # ... of a segment whose records carry their two sums (version 3)
+SEG_VERSION = 3  # the segment version this module writes
 # segment parts start on multiples of this many bytes (a format constant, not the OS's page)
 PAGE = 4096
 MANIFEST_FILE = "manifest.json"
@@ -201,15 +215,31 @@ def _pad(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
+def record_pitch(stride: int, itemsize: int, version: int = SEG_VERSION) -> int:
+    """Bytes from one record of a segment file to the next: the record's own, and for
+    ``version`` 3 its two sums after it (``sums.record_pitch``)."""
+    return _pitch(int(stride) * int(itemsize), version)
+
+
 def segment_geometry(n: int, stride: int, itemsize: int,
-                     version: int = 2) -> tuple[int, int, int, int]:
+                     version: int = SEG_VERSION) -> tuple[int, int, int, int]:
     """``(rows_offset, steps_offset, records_offset, file_size)`` of an ``n``-record segment
-    (``version`` 2: with the ``sums`` part after the records, at :func:`sums_offset`)."""
+    (``version`` 2: with the ``sums`` part after the records, at :func:`sums_offset`; 3:
+    each record followed by its sums, :func:`record_pitch` bytes apart)."""
     rows_off = PAGE
     steps_off = rows_off + _pad(8 * n)
     rec_off = steps_off + _pad(8 * n)
-    end = rec_off + _pad(n * stride * itemsize)
-    return rows_off, steps_off, rec_off, end + (_pad(8 * n) if version >= 2 else 0)
+    end = rec_off + _pad(n * record_pitch(stride, itemsize, version))
+    return rows_off, steps_off, rec_off, end + (_pad(8 * n) if version == 2 else 0)
+
+
+def record_offset(header: dict[str, int], k: int) -> int:
+    """Where record ``k`` of the segment whose header is ``header`` (:func:`read_header`)
+    starts in its file (its sums follow it in a version-3 segment)."""
+    rec_off = segment_geometry(header["n"], header["stride"], header["itemsize"],
+                               header["version"])[2]
+    return rec_off + int(k) * record_pitch(header["stride"], header["itemsize"],
+                                           header["version"])
 
 
 def sums_offset(n: int, stride: int, itemsize: int) -> int:
@@ -218,71 +248,98 @@ def sums_offset(n: int, stride: int, itemsize: int) -> int:
 
 
 # -- segments --------------------------------------------------------------------------------
+
+
 def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
                   chunks, stride: int, dtype: np.dtype, count: int,
-                  paced: bool = False, recycle: Path | None = None) -> int:
-    """Write one segment file; returns its size in bytes.
+                  paced: bool = False, recycle: Path | None = None, head: int = 0) -> int:
+    """Write one segment file (version :data:`SEG_VERSION`: each record followed by its
+    sums, of its first ``head`` bytes and of the rest); returns its size in bytes.
 
-    ``rows``/``steps``: int64 ``(n,)``. ``chunks``: an iterable of C-contiguous record blocks
-    ``(k, stride)`` of the store dtype whose lengths add up to ``n``, written in that order,
-    each with one ``pwrite``. The file is created exclusively (a leftover of that name is
-    unlinked first: only our own name goes, a checkpoint's hard link keeps its inode), sized
-    with ``ftruncate``, filled, and its write-back started; the caller fsyncs it before a
-    manifest refers to it. On any error the partial file is removed. ``paced``: each block
-    is on the disk before the next is written (``write_back``), so that the device never
-    holds more than a block of this file's writes in its queue (the background writer).
-    ``recycle``: a dead segment file of this writer's that no manifest ever listed, renamed
-    to ``path`` and overwritten instead of creating a new file (``_new_file``).
+    ``rows``/``steps``: int64 ``(n,)``. ``chunks``: an iterable of record blocks whose
+    lengths add up to ``n``, written in that order, each with one ``pwrite``: C-contiguous
+    ``(k, pitch)`` uint8 rows laid out as in the file (:func:`record_pitch`; each record in
+    its row's first ``stride * itemsize`` bytes: the seals' buffers are made so), whose sums
+    are written into them here, in place; or ``(k, stride)`` records of the store dtype,
+    laid out into a copy first (tools, tests). The file is created exclusively (a leftover
+    of that name is unlinked first: only our own name goes, a checkpoint's hard link keeps
+    its inode), sized with ``ftruncate``, filled, and its write-back started; the caller
+    fsyncs it before a manifest refers to it. On any error the partial file is removed.
+    ``paced``: each block is on the disk before the next is written (``write_back``), so
+    that the device never holds more than a block of this file's writes in its queue (the
+    background writer). ``recycle``: a dead segment file of this writer's that no manifest
+    ever listed, renamed to ``path`` and overwritten instead of creating a new file
+    (``_new_file``).
     """
     n = int(rows.shape[0])
     if not 0 < n < MAX_SEGMENT_RECORDS:
         raise ValueError(f"a segment holds 1 .. {MAX_SEGMENT_RECORDS - 1} records, got {n}")
     itemsize = np.dtype(dtype).itemsize
     rows_off, steps_off, rec_off, size = segment_geometry(n, stride, itemsize)
+    rb = stride * itemsize
+    pitch = record_pitch(stride, itemsize)
+    if head % 4 or not 0 <= head <= rb:
+        raise ValueError(f"head must be a multiple of 4 in [0, {rb}], got {head}")
     rows = np.ascontiguousarray(rows, np.int64)
     steps = np.ascontiguousarray(steps, np.int64)
     with_pad = np.zeros((rec_off - rows_off) // 8, np.int64)
     with_pad[:n] = rows
     with_pad[(steps_off - rows_off) // 8:(steps_off - rows_off) // 8 + n] = steps
-    sums = np.empty(n, np.uint64)
     with _new_file(path, recycle) as (fd, reused):
         os.ftruncate(fd, size)
         pwrite_all(fd, with_pad, rows_off)
         crash_point("seal-rows")
         crc, off, done = 0, rec_off, 0
         for blk in chunks:
-            blk = np.ascontiguousarray(blk)
-            if blk.dtype != dtype or blk.ndim != 2 or blk.shape[1] != stride:
-                raise ValueError(f"record block {blk.shape} {blk.dtype} does not match the "
-                                 f"layout ({stride} x {np.dtype(dtype).name})")
+            blk = laid_out(blk, stride, dtype)
             if not blk.shape[0]:
                 continue
             if done + blk.shape[0] > n:
                 raise ValueError(f"segment {seg_id}: more than the {n} records announced")
+            fill_sums(blk, rb, head)
             pwrite_all(fd, blk, off)
             if paced:
                 write_back(fd, off, blk.nbytes, path)
             crc = zlib.crc32(blk, crc)
-            record_sums(blk, sums[done:done + blk.shape[0]])
             off += blk.nbytes
             done += blk.shape[0]
             blk = None  # not held while the next block is built (one chunk at a time)
             crash_point("seal-chunk")
         if done != n:
             raise ValueError(f"segment {seg_id}: {done} records written, {n} announced")
-        s_off = sums_offset(n, stride, itemsize)
-        pwrite_all(fd, sums, s_off)
-        if reused:  # the padding after the records and after the sums, as a new file's
-            pwrite_all(fd, np.zeros(s_off - off, np.uint8), off)
-            pwrite_all(fd, np.zeros(size - s_off - sums.nbytes, np.uint8), s_off + sums.nbytes)
-        head = _HEAD.pack(SEG_MAGIC, seg_id, n, stride, itemsize, int(count),
-                          zlib.crc32(rows), zlib.crc32(steps), crc)
-        head += _HCRC.pack(zlib.crc32(head))
-        head += _HEXT.pack(SUM_MAGIC, zlib.crc32(sums))
+        if reused:  # the padding after the records, as a new file's
+            pwrite_all(fd, np.zeros(size - off, np.uint8), off)
+        hdr = _HEAD.pack(SEG_MAGIC, seg_id, n, stride, itemsize, int(count),
+                         zlib.crc32(rows), zlib.crc32(steps), crc)
+        hdr += _HCRC.pack(zlib.crc32(hdr))
+        hdr += _HEXT.pack(SPLIT_MAGIC, int(head))
         crash_point("seal-header")
-        pwrite_all(fd, head + _HCRC.pack(zlib.crc32(head)), 0)
+        pwrite_all(fd, hdr + _HCRC.pack(zlib.crc32(hdr)), 0)
         start_writeback(fd)  # the flush's fsync then has little left to do
     return size
+
+
+def laid_out(blk: np.ndarray, stride: int, dtype: np.dtype) -> np.ndarray:
+    """A block of records as :func:`write_segment` writes it: ``(k, pitch)`` uint8 rows
+    (C order) as given, or ``(k, stride)`` records of ``dtype`` copied into such rows."""
+    blk = np.asarray(blk)
+    rb = stride * np.dtype(dtype).itemsize
+    pitch = record_pitch(stride, np.dtype(dtype).itemsize)
+    if blk.dtype == np.uint8 and blk.ndim == 2 and blk.shape[1] == pitch \
+            and blk.flags.c_contiguous:
+        return blk
+    if blk.dtype != dtype or blk.ndim != 2 or blk.shape[1] != stride:
+        raise ValueError(f"record block {blk.shape} {blk.dtype} does not match the "
+                         f"layout ({stride} x {np.dtype(dtype).name}, or {pitch}-byte rows "
+                         "laid out as in a segment file)")
+    out = np.empty((blk.shape[0], pitch), np.uint8)
+    out[:, :rb] = np.ascontiguousarray(blk).reshape(blk.shape[0], -1).view(np.uint8)
+    return out
+
+
+def records_of(raw: np.ndarray, stride: int, dtype: np.dtype) -> np.ndarray:
+    """The ``(k, stride)`` records (a strided view) of rows laid out as in a segment file."""
+    return raw[:, :stride * np.dtype(dtype).itemsize].view(dtype)
 
 
 @contextlib.contextmanager
@@ -351,19 +408,23 @@ def read_header(path: Path) -> dict[str, int]:
     if _HCRC.unpack(raw[_HEAD.size:_HEAD.size + _HCRC.size])[0] != zlib.crc32(head):
         raise SegmentError(f"segment file {str(path)!r} has a corrupt header (CRC mismatch); "
                            "restore the store from a checkpoint")
-    version, crc_sums = 1, None
+    version, crc_sums, head_b = 1, None, 0
     ext = raw[_HEAD.size + _HCRC.size:]
     if len(ext) == _HEXT.size + _HCRC.size and any(ext):
-        smagic, crc_sums = _HEXT.unpack(ext[:_HEXT.size])
-        if smagic != SUM_MAGIC or _HCRC.unpack(ext[_HEXT.size:])[0] \
-                != zlib.crc32(raw[:-_HCRC.size]):
+        smagic, value = _HEXT.unpack(ext[:_HEXT.size])
+        if smagic not in (SUM_MAGIC, SPLIT_MAGIC) or _HCRC.unpack(ext[_HEXT.size:])[0] \
+                != zlib.crc32(raw[:-_HCRC.size]) or (
+                    smagic == SPLIT_MAGIC and (value % 4 or value > stride * itemsize)):
             raise SegmentError(f"segment file {str(path)!r} has a corrupt header (the "
                                "extension naming its record checksums does not check out); "
                                "restore the store from a checkpoint")
-        version = 2
+        if smagic == SUM_MAGIC:
+            version, crc_sums = 2, value
+        else:
+            version, head_b = 3, value
     return {"id": seg_id, "n": n, "stride": stride, "itemsize": itemsize, "count": count,
             "crc_rows": crc_r, "crc_steps": crc_s, "crc_records": crc_rec,
-            "version": version, "crc_sums": crc_sums}
+            "version": version, "crc_sums": crc_sums, "head": head_b}
 
 
 def _crc_of_file_range(fd: int, off: int, nbytes: int) -> int:
@@ -379,7 +440,7 @@ def _crc_of_file_range(fd: int, off: int, nbytes: int) -> int:
 
 
 def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows: int,
-                  full: bool = True, with_rows: bool = False) -> tuple:
+                  full: bool = True, with_rows: bool = False, head: int | None = None) -> tuple:
     """Check a referenced segment; returns ``(records, version)`` (``with_rows``: and its
     checked row ids, ``(records, version, rows)``) or raises :class:`SegmentError`.
 
@@ -398,6 +459,9 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
         raise SegmentError(f"{bad} has records of {h['stride']} x {h['itemsize']} B, the "
                            f"layout needs {stride} x {itemsize} B{fix}")
     n, version = h["n"], h["version"]
+    if version >= 3 and head is not None and h["head"] != head:
+        raise SegmentError(f"{bad} checks the first {h['head']} bytes of each record apart, "
+                           f"the layout's weights take {head}{fix}")
     rows_off, steps_off, rec_off, size = segment_geometry(n, stride, itemsize, version)
     actual = os.stat(path).st_size
     if actual != size:
@@ -414,7 +478,7 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
         if n and (rows.min() < 0 or rows.max() >= num_rows):
             raise SegmentError(f"{bad} holds row ids outside [0, {num_rows}){fix}")
         sums = None
-        if version >= 2:
+        if version == 2:
             sums = np.frombuffer(os.pread(fd, 8 * n, sums_offset(n, stride, itemsize)),
                                  np.uint64)
             if sums.shape[0] != n or zlib.crc32(sums) != h["crc_sums"]:
@@ -422,16 +486,22 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
                                    f"not match{fix}")
         if full or version < 2:
             rec_bytes = stride * itemsize
-            per = max(1, _IO_CHUNK // rec_bytes)
+            pitch = record_pitch(stride, itemsize, version)
+            per = max(1, _IO_CHUNK // pitch)
             crc, wrong = 0, []
             for lo in range(0, n, per):
                 k = min(per, n - lo)
-                blk = os.pread(fd, k * rec_bytes, rec_off + lo * rec_bytes)
-                if len(blk) != k * rec_bytes:
+                blk = os.pread(fd, k * pitch, rec_off + lo * pitch)
+                if len(blk) != k * pitch:
                     raise SegmentError(f"{bad} is torn: its records end early{fix}")
                 crc = zlib.crc32(blk, crc)
-                if sums is not None:
-                    got = record_sums(np.frombuffer(blk, np.uint8).reshape(k, rec_bytes))
+                raw = np.frombuffer(blk, np.uint8).reshape(k, pitch)
+                if version >= 3:
+                    got = split_sums(raw[:, :rec_bytes], h["head"])
+                    have = raw[:, pitch - 16:].copy().view(np.uint64)
+                    wrong.append(lo + np.flatnonzero((got != have).any(axis=1)))
+                elif sums is not None:
+                    got = record_sums(raw)
                     wrong.append(lo + np.flatnonzero(got != sums[lo:lo + k]))
             wrong = np.concatenate(wrong) if wrong else np.empty(0, np.int64)
             if crc != h["crc_records"]:
@@ -459,14 +529,20 @@ def _record_damage(path: Path, ks: np.ndarray, rows: np.ndarray | None,
             "restore the store from a checkpoint (dsa verify checks every record)")
 
 
-def check_records(seg: Segment, ks: np.ndarray, records: np.ndarray) -> None:
-    """``records`` (copies of the records ``ks`` of ``seg``, whole) must match their sums;
-    else :class:`SegmentError` naming the file, the records and their rows. Free when
+def check_records(seg: Segment, ks: np.ndarray, records: np.ndarray,
+                  sums: np.ndarray | None = None) -> None:
+    """``records`` (copies of the records ``ks`` of ``seg``, whole) must match their sums
+    (``sums``: read with them, else the segment's own: ``seg.sums[ks]``); else
+    :class:`SegmentError` naming the file, the records and their rows. Free when
     ``CHECK_RECORDS`` is off (the benchmark's baseline) or the segment is in memory."""
     if not CHECK_RECORDS or seg.sums is None or not ks.shape[0]:
         return
-    got = record_sums(records)
-    wrong = np.flatnonzero(got != seg.sums[ks])
+    if sums is None:
+        sums = seg.sums[ks]
+    if seg.version >= 3:
+        wrong = np.flatnonzero((split_sums(records, seg.head) != sums).any(axis=1))
+    else:
+        wrong = np.flatnonzero(record_sums(records) != sums)
     if wrong.shape[0]:
         raise SegmentError(_record_damage(seg.path, ks[wrong], seg.rows))
 
@@ -558,17 +634,22 @@ class _ReadOnlyMap:
 class Segment:
     """One mapped segment: read-only views of its rows, steps and records (page cache)."""
 
-    __slots__ = ("id", "n", "path", "rows", "steps", "records", "nbytes", "sums")
+    __slots__ = ("head", "id", "n", "nbytes", "path", "records", "rows", "steps", "sums",
+                 "version")
 
     def __init__(self, seg_id: int, n: int, path: Path, rows, steps, records, nbytes: int,
-                 sums=None):
+                 sums=None, version: int = 0, head: int = 0):
         self.id, self.n, self.path = seg_id, n, path
         self.rows, self.steps, self.records, self.nbytes = rows, steps, records, nbytes
-        self.sums = sums  # per-record checksums (None: in memory, reads need no check)
+        # per-record checksums (None: in memory, reads need no check): (n,) uint64 of the
+        # whole record (version 1, 2), or (n, 2) of its first ``head`` bytes and the rest,
+        # each beside its record (version 3: ``records`` is then a strided view)
+        self.sums = sums
+        self.version, self.head = version, head
 
 
 def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
-                version: int = 2) -> Segment:
+                version: int = SEG_VERSION, head: int = 0) -> Segment:
     """Map a segment read-only (clean page-cache pages, reclaimable, never written back); no
     file descriptor stays open. The whole file is mapped ``MADV_RANDOM``: a fault reads its
     own page only (records are read one by one, with explicit read-ahead: ``read``). That
@@ -583,6 +664,14 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
     mm = np.asarray(_ReadOnlyMap(path, size))
     rows = mm[rows_off:rows_off + 8 * n].view(np.int64)
     steps = mm[steps_off:steps_off + 8 * n].view(np.int64)
+    if version >= 3:
+        pitch = record_pitch(stride, itemsize, version)
+        part = mm[rec_off:rec_off + n * pitch].reshape(n, pitch)
+        records = part[:, :stride * itemsize].view(dtype)
+        sums = part[:, pitch - 16:].view(np.uint64)
+        advise_memory(mm, MADV_RANDOM)
+        return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps), records, size,
+                       sums, version, head)
     records = np.asarray(mm[rec_off:rec_off + n * stride * itemsize].view(dtype)
                          ).reshape(n, stride)
     if version >= 2:
@@ -591,7 +680,8 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
     else:
         sums = record_sums(records)
     advise_memory(mm, MADV_RANDOM)
-    return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps), records, size, sums)
+    return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps), records, size, sums,
+                   version)
 
 
 # -- index bases ---------------------------------------------------------------------------
@@ -723,12 +813,12 @@ _FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "ind
 
 def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
     """Replace ``manifest.json`` atomically and durably (one writer: the lock), as version
-    :data:`FORMAT_VERSION_INDEX_FROM` with its checksum (``manifest["version"]`` is set;
+    :data:`FORMAT_VERSION_SPLIT_SUMS` with its checksum (``manifest["version"]`` is set;
     ``manifest["index_from"]`` must be there); ``durable=False``: not synced, see
     ``_files.write_json``."""
     if "index_from" not in manifest:  # pragma: no cover - every writer sets it
         raise ValueError("a version-5 manifest needs index_from")
-    manifest["version"] = FORMAT_VERSION_INDEX_FROM
+    manifest["version"] = FORMAT_VERSION_SPLIT_SUMS
     manifest.pop(CHECKSUM_KEY, None)
     write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True,
                durable=durable)

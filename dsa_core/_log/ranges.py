@@ -227,8 +227,8 @@ class Loader:
                                                                     for i, j in big]
                 if small:  # scattered records: read at queue depth through the mapping
                     sel = np.concatenate(small)
-                    advise(seg.records.__array_interface__["data"][0]
-                           + ks[sel] * self.rec_bytes, self.rec_bytes)
+                    pitch = seg.records.strides[0]  # with its sums beside it (version 3)
+                    advise(seg.records.__array_interface__["data"][0] + ks[sel] * pitch, pitch)
                     pieces += [(sel[a:a + per], 0, 0) for a in range(0, sel.shape[0], per)]
                 for sel, i, j in pieces:
                     if job.cancelled or self._worker.stopping:
@@ -273,16 +273,25 @@ class Loader:
                    out: np.ndarray) -> None:
         """``out[:] =`` the records ``ks`` (sorted, one span) of the segment file ``fd``."""
         k0, k1 = int(ks[0]), int(ks[-1]) + 1
-        pos = off + k0 * self.rec_bytes
+        pitch = seg.records.strides[0]  # the record and, in a version-3 file, its sums
+        pos = off + k0 * pitch
         dense = k1 - k0 == ks.shape[0]
-        dst = out if dense else np.empty((k1 - k0, self.stride), self.dtype)
+        sums = None
+        if pitch != self.rec_bytes:  # as they lie: records and their sums
+            dst = np.empty((k1 - k0, pitch), np.uint8)
+        else:
+            dst = out if dense else np.empty((k1 - k0, self.stride), self.dtype)
         view = memoryview(dst).cast("B")
         total = len(view)
         self.stats["reads"] += preadv_fd(fd, view, pos, seg.path)
         self.stats["read_bytes"] += total
-        if not dense:
+        if pitch != self.rec_bytes:
+            pick = dst[ks - k0]
+            out[...] = pick[:, :self.rec_bytes].view(self.dtype)
+            sums = pick[:, pitch - 16:].copy().view(np.uint64)
+        elif not dense:
             np.take(dst, ks - k0, axis=0, out=out)
-        check_records(seg, ks, out)  # a damaged record is never installed
+        check_records(seg, ks, out, sums)  # a damaged record is never installed
         try:
             os.posix_fadvise(fd, pos, total, os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):  # pragma: no cover - a hint

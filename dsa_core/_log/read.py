@@ -442,9 +442,20 @@ class CleaningReads:
                 self.held -= r.nbytes
 
     @staticmethod
-    def cost(ks: np.ndarray, stride: int, dtype) -> int:
+    def _buffer(ks: np.ndarray, stride: int, dtype, pitch: int | None) -> np.ndarray:
+        """The buffer of a read of the records ``ks``: ``(len(ks), stride)`` records, or, in
+        a file whose records are ``pitch`` bytes apart with their sums beside them (segment
+        version 3), ``(len(ks), pitch)`` bytes read as they lie: records and sums."""
+        rb = stride * np.dtype(dtype).itemsize
+        if pitch is None or pitch == rb:
+            return np.empty((ks.shape[0], stride), dtype)
+        return np.empty((ks.shape[0], pitch), np.uint8)
+
+    @staticmethod
+    def cost(ks: np.ndarray, stride: int, dtype, pitch: int | None = None) -> int:
         """What a read of the records ``ks`` holds: its buffer and ``ks``."""
-        return ks.shape[0] * stride * np.dtype(dtype).itemsize + ks.nbytes
+        width = stride * np.dtype(dtype).itemsize if pitch is None else pitch
+        return ks.shape[0] * width + ks.nbytes
 
     def room(self, nbytes: int) -> bool:
         """Whether a buffer of ``nbytes`` more stays within ``held_bytes``."""
@@ -452,12 +463,12 @@ class CleaningReads:
         return self.held + nbytes <= self.held_bytes
 
     def ahead(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
-              dtype) -> bool:
+              dtype, pitch: int | None = None) -> bool:
         if sid in self._reads:
             return True
-        if not self.room(self.cost(ks, stride, dtype)):
+        if not self.room(self.cost(ks, stride, dtype, pitch)):
             return False
-        out = np.empty((ks.shape[0], stride), dtype)
+        out = self._buffer(ks, stride, dtype, pitch)
         hurry = threading.Event()
         try:
             fut = self._pool.submit(self._run, path, offset, ks, out, hurry)
@@ -468,13 +479,13 @@ class CleaningReads:
         return True
 
     def now(self, sid: int, path: Path, offset: int, ks: np.ndarray, stride: int,
-            dtype) -> np.ndarray | None:
+            dtype, pitch: int | None = None) -> np.ndarray | None:
         """Read the records ``ks`` on the caller's thread into a buffer held as a read of
         ``sid`` (``release`` it); None, nothing read, when it would exceed ``held_bytes``."""
         self.forget(sid)
-        if not self.room(self.cost(ks, stride, dtype)):
+        if not self.room(self.cost(ks, stride, dtype, pitch)):
             return None
-        out = self._read(path, offset, ks, np.empty((ks.shape[0], stride), dtype), None)
+        out = self._read(path, offset, ks, self._buffer(ks, stride, dtype, pitch), None)
         fut: Future = Future()
         fut.set_result(out)
         self._reads[sid] = _Read(ks, out, fut)

@@ -38,6 +38,7 @@ from .format import (
 )
 from .pool import Pool
 from .segments import LOW32, Segments
+from .sums import head_bytes
 from .wal import WalEntry, read_entries, wal_name
 
 __all__ = ["check_files", "install_log", "load", "lock", "log_entries", "remove_garbage",
@@ -61,7 +62,8 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                              f"[1, next_segment={segments.next_segment}); the store is "
                              "damaged")
         got = check_segment(path / seg_name(sid), sid, pool.stride, pool.dtype.itemsize,
-                            pool.num_rows, full_check, with_rows=sid >= index_from)
+                            pool.num_rows, full_check, with_rows=sid >= index_from,
+                            head=segments.head)
         ns[sid], versions[sid] = got[:2]
         if sid >= index_from:
             newer.append((sid, got[2]))
@@ -242,7 +244,8 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
         name = seg_name(int(sid))
         try:
             n, version = check_segment(directory / name, int(sid), stride, dtype.itemsize,
-                                       num_rows, True)[:2]
+                                       num_rows, True, head=head_bytes(
+                                           lay["w"], int(lay["dim"]), dtype.itemsize))[:2]
             out.append((name, None, f"header, rows, steps and {n} records (" + (
                 "each against its checksum)" if version >= 2 else
                 "their CRC; a segment of format 1 has no per-record checksums)")))

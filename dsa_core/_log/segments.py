@@ -45,9 +45,17 @@ from .._paging import memory_limit
 from .._pool import run_chunked
 from . import format as _format
 from .budget import WRITE_BUFFERS, behind_records
-from .format import Segment, SegmentError, crash_point, map_segment, seg_name
+from .format import (
+    SEG_VERSION,
+    Segment,
+    SegmentError,
+    crash_point,
+    map_segment,
+    record_pitch,
+    seg_name,
+)
 from .read import FOREGROUND, hint_uncached
-from .sums import gather_checked
+from .sums import KIND_NONE, KIND_ONE, KIND_SPLIT, gather_checked
 from .writer import SegmentWriter, WriteJob
 
 __all__ = ["CACHE_SHARE", "LOW32", "cache_window", "SPARE_SEGMENTS", "Segments"]
@@ -89,14 +97,18 @@ class Segments:
     """The live segments of one open store (see the module docstring)."""
 
     def __init__(self, path: Path, stride: int, dtype: np.dtype, seal_unit: int,
-                 next_segment: int):
+                 next_segment: int, head: int = 0):
         self.path = path
         self.stride, self.dtype = stride, dtype
         self.rec_bytes = stride * dtype.itemsize
+        self.head = int(head)  # the record bytes a segment's first sum covers (sums.head_bytes)
+        # bytes per record in the segments written now (and in the seals' buffers): the
+        # record, then its sums (format.record_pitch); what a read of one record touches
+        self.rec_pitch = record_pitch(stride, dtype.itemsize)
         self.seal_unit = seal_unit
         # the largest seal written behind, and the size of every write buffer (budget)
         self.behind_records = behind_records(seal_unit)
-        self.behind_bytes = self.behind_records * self.rec_bytes
+        self.behind_bytes = self.behind_records * self.rec_pitch  # a write buffer's bytes
         self.next_segment = next_segment
         self.segs: dict[int, Segment] = {}          # live segments (>= 1 live record), mapped
         self.live = np.zeros(16, np.int64)          # live records per segment id
@@ -104,6 +116,9 @@ class Segments:
         self.seg_addr = np.zeros(16, np.int64)      # address of its mapped records, 0: none
         self.sum_addr = np.zeros(16, np.int64)      # address of its mapped sums, 0: none
         self.chk_addr = np.zeros(16, np.int64)      # address of the sums reads check, 0: none
+        self.pitch = np.zeros(16, np.int64)         # bytes from a record to the next
+        self.chk_pitch = np.zeros(16, np.int64)     # ... from a record's sums to the next's
+        self.kind = np.zeros(16, np.int64)          # how its reads are checked (sums.KIND_*)
         self.total_records = 0                      # records of the live segments
         self.live_total = 0                         # rows with an on-disk location
         self.committed: set[int] = set()            # segments the last manifest lists
@@ -124,27 +139,39 @@ class Segments:
         """Grow the per-id arrays to hold ``seg_id``."""
         if seg_id >= self.live.shape[0]:
             size = max(2 * self.live.shape[0], seg_id + 1)
-            for name in ("live", "seg_n", "seg_addr", "sum_addr", "chk_addr"):
+            for name in ("live", "seg_n", "seg_addr", "sum_addr", "chk_addr", "pitch",
+                         "chk_pitch", "kind"):
                 old = getattr(self, name)
                 new = np.zeros(size, np.int64)
                 new[:old.shape[0]] = old
                 setattr(self, name, new)
 
-    def map(self, path: Path, sid: int, n: int, version: int = 2) -> None:
+    def map(self, path: Path, sid: int, n: int, version: int = SEG_VERSION) -> None:
         """Map segment ``sid`` (``n`` records, segment format ``version``) and note where
-        its records start."""
-        seg = self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype, version)
+        its records and their sums lie."""
+        seg = self.segs[sid] = map_segment(path, sid, n, self.stride, self.dtype, version,
+                                           self.head)
         self.seg_addr[sid] = seg.records.__array_interface__["data"][0]
-        # a version-1 segment's sums are computed in memory: nothing of them to read
-        self.sum_addr[sid] = seg.sums.__array_interface__["data"][0] if version >= 2 else 0
+        self.pitch[sid] = record_pitch(self.stride, self.dtype.itemsize, version)
         self.chk_addr[sid] = _addr_of(seg.sums)
+        if version >= 3:  # beside each record: read with it
+            self.sum_addr[sid] = 0
+            self.chk_pitch[sid] = self.pitch[sid]
+            self.kind[sid] = KIND_SPLIT
+        else:  # a part of their own (a version-1 segment's: computed in memory, not read)
+            self.sum_addr[sid] = self.chk_addr[sid] if version == 2 else 0
+            self.chk_pitch[sid] = 8
+            self.kind[sid] = KIND_ONE
 
     def add(self, seg: Segment) -> None:
         """A segment whose records are in memory (a pending write's buffer)."""
         self.segs[seg.id] = seg
         self.seg_addr[seg.id] = seg.records.__array_interface__["data"][0]
+        self.pitch[seg.id] = seg.records.strides[0]
         self.sum_addr[seg.id] = 0
-        self.chk_addr[seg.id] = _addr_of(seg.sums)
+        self.chk_addr[seg.id] = 0
+        self.chk_pitch[seg.id] = 0
+        self.kind[seg.id] = KIND_NONE
 
     def sealed(self, sid: int, n: int) -> None:
         """Count the new segment ``sid`` of ``n`` records, all live, not yet fsync'd."""
@@ -172,6 +199,7 @@ class Segments:
             self.seg_addr[sid] = 0
             self.sum_addr[sid] = 0
             self.chk_addr[sid] = 0
+            self.kind[sid] = KIND_NONE
             job = self.pending.pop(sid, None)
             if job is not None:  # let its write end before the file goes
                 self.wait_job(job)
@@ -257,25 +285,24 @@ class Segments:
         # a background read-ahead for later batches waits while this one reads (FOREGROUND:
         # read's docstring): the copy below waits for these records, not for those
         with FOREGROUND:
-            addrs = self.seg_addr[sids] + ks * self.rec_bytes
+            addrs = self.seg_addr[sids] + ks * self.pitch[sids]
             # queue the reads of records not in the page cache all at once (queue depth), then
             # copy: the copy waits only for reads already in flight (read)
-            hint_uncached(addrs, self.rec_bytes, self.sum_addresses(sids, ks))
+            hint_uncached(addrs, self.rec_pitch, self.sum_addresses(sids, ks))
             held = [self.segs.get(int(sid)) for sid in np.unique(sids)]  # alive while copied
             if None in held:  # pragma: no cover - an engine bug: verify() would report it
                 sid = int(np.unique(sids)[held.index(None)])
                 raise RuntimeError(f"log store {str(self.path)!r}: a location points at "
                                    f"segment {sid}, which is not live; run verify()")
-            chk = self.chk_addr[sids]
-            sums = np.where(chk != 0, chk + ks * 8, 0) if _format.CHECK_RECORDS \
-                else np.zeros(n, np.int64)
+            kinds = self.kind[sids] if _format.CHECK_RECORDS else np.zeros(n, np.int64)
+            sums = self.chk_addr[sids] + ks * self.chk_pitch[sids]
             isz = self.dtype.itemsize
             b0, b1, _ = cols.indices(self.stride)
             dest = np.ascontiguousarray(out_idx[order], np.int64)
             rows = out.view(np.uint8).reshape(out.shape[0], -1)
             bad = np.zeros(n, np.uint8)
-            run_chunked(gather_checked, (addrs, sums, self.rec_bytes, b0 * isz, b1 * isz, rows,
-                                         dest, bad), n, 64)
+            run_chunked(gather_checked, (addrs, sums, kinds, self.rec_bytes, self.head,
+                                         b0 * isz, b1 * isz, rows, dest, bad), n, 64)
             del held
             if bad.any():  # a damaged record is never served: name the first segment's
                 first = np.flatnonzero(bad)
@@ -290,7 +317,7 @@ class Segments:
         used = locs - 1
         sids = used >> 32
         ks = used & LOW32
-        addrs = self.seg_addr[sids] + ks * self.rec_bytes
+        addrs = self.seg_addr[sids] + ks * self.pitch[sids]
         return (addrs, self.sum_addresses(sids, ks),
                 [self.segs[int(s)] for s in np.unique(sids)])
 
@@ -372,7 +399,9 @@ class Segments:
                 return
 
     def seal_buffer(self, n: int) -> np.ndarray:
-        """An ``(n, stride)`` buffer for a background seal: a spare one when it is large
+        """An ``(n, pitch)`` byte buffer for a background seal, its rows laid out as in the
+        file (each record, then its sums: ``format.records_of`` views its records; the
+        writer fills the sums in): a spare one when it is large
         enough (fresh memory costs a page fault per page, as much as the copy itself), else
         a new one of ``behind_records`` records (or ``n``, if more). At most
         ``WRITE_BUFFERS`` buffers exist at once (pending or spare, ``budget``): while that
@@ -391,7 +420,7 @@ class Segments:
                 continue
             self.settle_oldest()
         cap = max(n, self.behind_records)
-        return np.empty((cap, self.stride), self.dtype)[:n]
+        return np.empty((cap, self.rec_pitch), np.uint8)[:n]
 
     def reuse(self, records: np.ndarray) -> None:
         """Keep the buffer behind a written segment's records for the next seals, unless
@@ -437,7 +466,7 @@ class Segments:
                 raise (OSError(msg) if code is None else OSError(code, msg)) from job.error
         del self.pending[sid]
         seg = self.segs.get(sid)
-        if seg is not None and seg.records is job.records:  # still live: map the file
+        if seg is not None and seg.sums is None:  # still live, in the buffer: map the file
             self.map(job.path, sid, seg.n)
         if keep:
             self.reuse(job.records)

@@ -19,7 +19,13 @@ from numba import carray, njit
 
 from .._intrinsics import prefetch_line_addr, u8_ptr
 
-__all__ = ["gather_checked", "record_sums"]
+__all__ = ["KIND_NONE", "KIND_ONE", "KIND_SPLIT", "fill_sums", "gather_checked",
+           "head_bytes", "record_pitch", "record_sums", "split_sums"]
+
+# how a record read from a segment is checked (``gather_checked``'s ``kinds``)
+KIND_NONE = 0   # not at all (a pending segment's buffer: never left memory)
+KIND_ONE = 2    # one sum of the whole record, in the segment's sums part (segment version 2)
+KIND_SPLIT = 3  # two sums beside the record: of its head (the weights) and of the rest (3)
 
 @njit(cache=True, nogil=True, inline="always")
 def _rotl(x, r):
@@ -72,11 +78,22 @@ def _sums(words, out):
 
 
 @njit(cache=True, nogil=True)
-def gather_checked(addrs, sum_addrs, rec_bytes, b0, b1, out, dest, bad, lo, hi):
+def _sums_split(words, hw, out):
+    """``out[i]`` = the hashes of words ``[0, hw)`` and ``[hw, nw)`` of row ``i``."""
+    for i in range(words.shape[0]):
+        out[i, 0] = _hash_row(words[i, :hw])
+        out[i, 1] = _hash_row(words[i, hw:])
+
+
+@njit(cache=True, nogil=True)
+def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, bad, lo, hi):
     """Copy the records at the addresses ``addrs[lo:hi]`` into ``out[dest[i]]`` (its bytes
-    ``b0:b1`` of each record) and check each against the 8-byte sum at ``sum_addrs[i]``
-    (0: not checked); where it fails, ``bad[i] = 1`` and ``out[dest[i]]`` is not written.
-    ``out``: the destination rows as bytes ((n, b1 - b0) uint8, C order).
+    ``b0:b1`` of each record) and check each against its sums at ``sum_addrs[i]``, as
+    ``kinds[i]`` says (``KIND_*``: none, one sum of the record, or the sums of its first
+    ``head`` bytes and of the rest -- of which only the head's when the bytes served lie
+    in the head: ``gather`` of the weights hashes the weights alone); where it fails,
+    ``bad[i] = 1`` and ``out[dest[i]]`` is not written. ``out``: the destination rows as
+    bytes ((n, b1 - b0) uint8, C order).
 
     Hashed while copied: each record is copied once, whole, into a scratch row, hashed
     there, and the bytes served are taken from that same copy, so what is checked is what
@@ -86,20 +103,30 @@ def gather_checked(addrs, sum_addrs, rec_bytes, b0, b1, out, dest, bad, lo, hi):
     caller holds the segments (their mappings or buffers) for the duration."""
     tmp = np.empty(rec_bytes, np.uint8)
     words = tmp.view(np.uint32)
+    hw = head // 4
+    head_only = b1 <= 4 * hw  # the bytes served lie in the head: its sum alone checks them
     width = b1 - b0
     for i in range(lo, hi):
         if i + 4 < hi:
             prefetch_line_addr(addrs[i + 4])
-        src = carray(u8_ptr(addrs[i]), (rec_bytes,))
+        kind = kinds[i]
         row = out[dest[i]]
-        a = sum_addrs[i]
-        if a == 0 and width == rec_bytes:  # not checked (a pending segment's buffer)
-            for j in range(rec_bytes):
+        if kind == KIND_NONE:  # not checked (a pending segment's buffer): the bytes served
+            src = carray(u8_ptr(addrs[i] + b0), (width,))
+            for j in range(width):
                 row[j] = src[j]
             continue
-        for j in range(rec_bytes):
+        n = 4 * hw if kind == KIND_SPLIT and head_only else rec_bytes  # bytes hashed
+        src = carray(u8_ptr(addrs[i]), (n,))
+        for j in range(n):
             tmp[j] = src[j]
-        if a != 0 and _hash_row(words) != carray(u8_ptr(a), (8,)).view(np.uint64)[0]:
+        sums = carray(u8_ptr(sum_addrs[i]), (16 if kind == KIND_SPLIT else 8,)).view(np.uint64)
+        if kind == KIND_SPLIT:
+            ok = _hash_row(words[:hw]) == sums[0] and (
+                head_only or _hash_row(words[hw:]) == sums[1])
+        else:
+            ok = _hash_row(words) == sums[0]
+        if not ok:
             bad[i] = 1  # never served: its row is left as it was
             continue
         for j in range(width):
@@ -115,3 +142,51 @@ def record_sums(records: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     if k:
         _sums(rec.reshape(k, -1).view(np.uint32), out)
     return out
+
+
+def split_sums(records: np.ndarray, head: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The two checksums of each record of ``records`` ((k, stride), any store dtype) beside
+    it in a version-3 segment: of its first ``head`` bytes (a multiple of 4: the weights,
+    :func:`head_bytes`) and of the rest; uint64 (k, 2)."""
+    rec = np.ascontiguousarray(records)
+    k = rec.shape[0]
+    if out is None:
+        out = np.empty((k, 2), np.uint64)
+    if k:
+        _sums_split(rec.reshape(k, -1).view(np.uint32), int(head) // 4, out)
+    return out
+
+
+def head_bytes(w_off, dim: int, itemsize: int) -> int:
+    """The bytes of a record that its first sum covers: its weights (the whole 4-byte words
+    of them, at the record's start; what ``gather`` serves), 0 for a store without."""
+    return 0 if w_off is None else (int(dim) * int(itemsize)) // 4 * 4
+
+
+def record_pitch(rec_bytes: int, version: int = 3) -> int:
+    """Bytes from one record of a segment file to the next: the record's own ``rec_bytes``,
+    and for ``version`` 3 its two sums after it (on a multiple of 8 bytes)."""
+    rb = int(rec_bytes)
+    return -(-rb // 8) * 8 + 16 if version >= 3 else rb
+
+
+@njit(cache=True, nogil=True)
+def _fill(raw, rb, hw):
+    pitch = raw.shape[1]
+    at = pitch - 16
+    for i in range(raw.shape[0]):
+        row = raw[i]
+        words = row[:rb].view(np.uint32)
+        for j in range(rb, at):
+            row[j] = 0
+        s = row[at:].view(np.uint64)
+        s[0] = _hash_row(words[:hw])
+        s[1] = _hash_row(words[hw:])
+
+
+def fill_sums(raw: np.ndarray, rec_bytes: int, head: int) -> None:
+    """Rows laid out as in a version-3 segment ((k, pitch) bytes, C order, the record in
+    each row's first ``rec_bytes``): write each row's two sums (:func:`split_sums`) into its
+    last 16 bytes and zero the bytes between, in place."""
+    if raw.shape[0]:
+        _fill(raw, int(rec_bytes), int(head) // 4)

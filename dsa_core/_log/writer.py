@@ -80,15 +80,20 @@ PACE_BYTES = 4 << 20
 class WriteJob:
     """One segment to write: its file, rows, steps and records (an in-memory buffer)."""
 
-    __slots__ = ("count", "cpu_s", "done", "dtype", "error", "path", "records", "recycle",
-                 "rows", "sid", "size", "steps", "stride")
+    __slots__ = ("count", "cpu_s", "done", "dtype", "error", "head", "path", "records",
+                 "recycle", "rows", "sid", "size", "steps", "stride")
 
     def __init__(self, path: Path, sid: int, rows: np.ndarray, steps: np.ndarray,
-                 records: np.ndarray, count: int, recycle: Path | None = None):
+                 records: np.ndarray, count: int, recycle: Path | None = None,
+                 head: int = 0, stride: int | None = None, dtype=None):
         self.path, self.sid, self.rows, self.steps = path, sid, rows, steps
+        self.head = int(head)  # the record bytes the first sum covers (format.write_segment)
         self.recycle = recycle  # a dead file to overwrite (format.write_segment), used once
+        # the records: (n, stride) of the store's dtype, or (n, pitch) bytes laid out as in
+        # the file (a seal's buffer: format.laid_out), whose sums the write fills in
         self.records, self.count = records, int(count)
-        self.stride, self.dtype = records.shape[1], records.dtype
+        self.stride = records.shape[1] if stride is None else int(stride)
+        self.dtype = records.dtype if dtype is None else np.dtype(dtype)
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.size = 0
@@ -103,13 +108,13 @@ class WriteJob:
         self.error = None
         t0 = time.thread_time()
         try:
-            k = max(1, PACE_BYTES // (self.stride * self.dtype.itemsize)) if PACE_BYTES else 0
+            k = max(1, PACE_BYTES // self.records[:1].nbytes) if PACE_BYTES else 0
             blocks = ([self.records[lo:lo + k] for lo in range(0, self.rows.shape[0], k)] if k
                       else [self.records])
             recycle, self.recycle = self.recycle, None  # a retry writes a new file
             self.size = write_segment(self.path, self.sid, self.rows, self.steps, blocks,
                                       self.stride, self.dtype, self.count, paced=bool(k),
-                                      recycle=recycle)
+                                      recycle=recycle, head=self.head)
             wait_written_back(self.path)
             if drop:
                 _drop_cached(self.path)

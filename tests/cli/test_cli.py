@@ -422,7 +422,7 @@ def test_info_reports_the_seals_that_waited_for_cleaning(tmp_path, capsys, monke
 
 
 def test_info_and_verify_on_a_log_store(tmp_path, capsys):
-    mem = 6812  # 30 slots (and their buffers): seals, cleaning
+    mem = 7948  # 30 slots (and their buffers): seals, cleaning
     _trained(tmp_path / "s", steps=30, storage="log", memory=mem)
     assert main(["info", str(tmp_path / "s"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

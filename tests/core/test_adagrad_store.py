@@ -319,16 +319,17 @@ def test_log_store_manifest_names_no_betas(tmp_path):
     assert m["layout"]["optimizer"] == "adagrad" and "m" not in m["layout"]
 
 
-def test_log_store_manifest_version_5_and_older_readers(tmp_path, monkeypatch):
-    """Log manifests are version 5 (an index base plus the segments after it), Adagrad's and
-    Adam's: a dsa_core that reads log manifests up to version 3 (before Adagrad) or 4 (before
-    ``index_from``) refuses an Adagrad store with "Upgrade dsa_core"."""
+def test_log_store_manifest_version_6_and_older_readers(tmp_path, monkeypatch):
+    """Log manifests are version 6 (records with their checksums beside them), Adagrad's and
+    Adam's: a dsa_core that reads log manifests up to version 3 (before Adagrad), 4 (before
+    ``index_from``) or 5 (before segment format 3) refuses an Adagrad store with "Upgrade
+    dsa_core"."""
     from dsa_core._log import format as log_format
 
-    assert _manifest_versions(tmp_path, "log") == (5, 5)
-    for upto in (3, 4):
+    assert _manifest_versions(tmp_path, "log") == (6, 6)
+    for upto in (3, 4, 5):
         monkeypatch.setattr(log_format, "READ_VERSIONS", log_format.READ_VERSIONS[:upto])
-        with pytest.raises(ValueError, match="format version 5.*Upgrade dsa_core"):
+        with pytest.raises(ValueError, match="format version 6.*Upgrade dsa_core"):
             dsa_core.open(tmp_path / "g")
 
 

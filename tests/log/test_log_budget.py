@@ -25,6 +25,7 @@ from dsa_core import _log
 from dsa_core._log import budget
 from dsa_core._log import segments as _log_segments
 from dsa_core._log import writer as _log_writer
+from dsa_core._log.sums import record_pitch
 
 N, D, B = 2000, 8, 64
 BIG = {"num_rows": 4_000_000, "stride": 388, "dtype": "float32"}  # 4M x 128, 1,552-B records
@@ -58,12 +59,14 @@ def test_the_parts_add_up_to_the_budget_and_memory_for_is_the_smallest(lay):
         assert p["region"] == p["slots"] * (rb + budget.SLOT_OVERHEAD)
         assert p["seal_unit"] == budget.seal_unit_for(p["slots"], rb)
         # write buffers: two of two seal units, at most 128 MiB together
-        assert p["write_buffers"] == 4 * p["seal_unit"] * rb
+        # (each record as a segment file holds it: followed by its sums)
+        assert p["write_buffers"] == 4 * p["seal_unit"] * record_pitch(rb)
         assert p["write_buffers"] <= 4 * budget.SEAL_BYTES
         # cleaning: two victims' buffers of at most a write buffer (at most 32 MiB) and two
         # request buffers of an eighth of that (at most 4 MiB, at least a record)
-        whole = min(32 << 20, 2 * p["seal_unit"] * rb)
-        request = max(rb, min(4 << 20, whole // 8) // rb * rb)
+        pitch = record_pitch(rb)  # read as the file holds them, with their sums
+        whole = min(32 << 20, 2 * p["seal_unit"] * pitch)
+        request = max(pitch, min(4 << 20, whole // 8) // pitch * pitch)
         assert p["cleaning_buffers"] == 2 * whole + 2 * request <= 72 << 20
     # a large budget goes to the region: the buffers stop growing at 32 MiB seal units
     big = budget.split(BIG, 64 << 30)

@@ -28,6 +28,7 @@ from dsa_core._log import budget
 from dsa_core._log import format as _log_format
 from dsa_core._log import segments as _segments
 from dsa_core._log import wal as _log_wal
+from dsa_core._log.sums import record_pitch, record_sums, split_sums
 from dsa_core import StoreLockedError
 
 N = 3000
@@ -244,15 +245,16 @@ def test_region_accounting(tmp_path):
     # the buffers: two write buffers of 2 seal units; cleaning: two of those and two
     # request buffers (an eighth of one, at least a record); a seal's staging
     rb = lay["stride"] * 4
-    behind = 2 * eng.seal_unit * rb
+    pitch = record_pitch(rb)  # a record as the segment file holds it: followed by its sums
+    behind = 2 * eng.seal_unit * pitch
     assert parts["write_buffers"] == 2 * behind
-    assert parts["cleaning_buffers"] == 2 * behind + 2 * max(rb, behind // 8 // rb * rb)
+    assert parts["cleaning_buffers"] == 2 * behind + 2 * max(pitch, behind // 8 // pitch * pitch)
     # the cleaner's reads are given exactly that share
     lim = eng._cleaner.limits
     assert lim["held"] + 2 * lim["request"] == parts["cleaning_buffers"]
     r = eng._cleaner._reader()
-    assert r.held_bytes == lim["held"] and r.request_bytes(rb) == lim["request"]
-    assert parts["staging"] == min(8 << 20, S * lay["stride"] * 4) + 64 * 2 * eng.seal_unit
+    assert r.held_bytes == lim["held"] and r.request_bytes(record_pitch(rb)) == lim["request"]
+    assert parts["staging"] == min(8 << 20, S * record_pitch(rb)) + 64 * 2 * eng.seal_unit
     assert parts["total"] <= mem < budget.memory_for(lay, S + 1)
     assert 2 * S >= 16  # the resident map's smallest size: two entries per slot from here
     per_slot = sum(getattr(eng._pool, a).nbytes for a in (
@@ -1105,8 +1107,17 @@ def test_crc_of_records_is_the_header_crc(tmp_path):
     assert len(raw) == size and raw[:8] == b"DSALOG01"
     assert rows_off % 4096 == steps_off % 4096 == rec_off % 4096 == 0
     rows = np.frombuffer(raw[rows_off:rows_off + 8 * h["n"]], np.int64)
-    recs = np.frombuffer(raw[rec_off:rec_off + h["n"] * lay["stride"] * 4], np.float32)
-    assert zlib.crc32(rows) == h["crc_rows"] and zlib.crc32(recs) == h["crc_records"]
+    # version 3: each record followed by its two sums (of its weights, of the rest)
+    rb = lay["stride"] * 4
+    pitch = _log_format.record_pitch(lay["stride"], 4)
+    assert h["version"] == 3 and pitch == -(-rb // 8) * 8 + 16
+    part = np.frombuffer(raw[rec_off:rec_off + h["n"] * pitch], np.uint8).reshape(-1, pitch)
+    assert zlib.crc32(rows) == h["crc_rows"] and zlib.crc32(part) == h["crc_records"]
+    recs = part[:, :rb].copy().view(np.float32)
+    sums = part[:, pitch - 16:].copy().view(np.uint64)
+    assert h["head"] == 4 * lay["dim"]  # the weights
+    np.testing.assert_array_equal(sums, split_sums(recs, h["head"]))
+    np.testing.assert_array_equal(sums[:, 0], record_sums(recs[:, :lay["dim"]]))
     m = _log_format.read_manifest(tmp_path / "s")
     index = np.fromfile(tmp_path / "s" / m["index"], np.int64)
     mine = np.flatnonzero((index > 0) & ((index - 1) >> 32 == h["id"]))

@@ -329,7 +329,7 @@ def test_a_full_disk_in_a_release_loses_nothing(tmp_path):
 
 
 def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path):
-    from dsa_core._log.format import SegmentError, read_header, seg_name, segment_geometry
+    from dsa_core._log.format import SegmentError, read_header, record_offset, seg_name
     s = _create(tmp_path / "log", slots=1200)
     s = _steps(s, 40)
     dsa_core.release_range(s, 0, N)
@@ -341,9 +341,8 @@ def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path)
     dsa_core.close(s)
     seg = tmp_path / "log" / seg_name(loc >> 32)
     head = read_header(seg)
-    rec_off = segment_geometry(head["n"], head["stride"], head["itemsize"])[2]
     raw = bytearray(seg.read_bytes())
-    raw[rec_off + (loc & 0xFFFFFFFF) * LAYOUT["stride"] * 4 + 3] ^= 0xFF  # a bit of its record
+    raw[record_offset(head, loc & 0xFFFFFFFF) + 3] ^= 0xFF  # a bit of its record
     seg.write_bytes(bytes(raw))
     s = dsa_core.open(tmp_path / "log", memory=log_memory(LAYOUT, 1200))
     dsa_core.load_range(s, row - 300, row + 600)

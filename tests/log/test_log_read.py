@@ -64,7 +64,7 @@ def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
     rows = np.arange(0, N, 7)
     addrs, sums, keep = s.store.readahead(rows)
     assert addrs.shape[0] == rows.shape[0] and keep  # all on disk, none resident
-    assert sums.shape[0] == rows.shape[0]  # and every record's sum lies in its file
+    assert sums.shape[0] == 0  # each record's sums lie beside it: read with it
     _evict_segments(tmp_path / "log", s)
     if not _log_read.sample_uncached(addrs, s.store.rec_bytes):
         pytest.skip("this filesystem keeps the pages cached (tmpfs?): nothing to read ahead")
@@ -411,7 +411,7 @@ def test_a_fault_on_a_segment_reads_its_own_page_only(tmp_path):
     if resident():
         pytest.skip("this filesystem keeps the pages cached (tmpfs?): nothing is read")
     assert n * rec > 64 * PAGE
-    _ = int(seg.sums[n // 2]), int(seg.rows[n // 3])  # two faults, away from the records
+    _ = int(seg.steps[n // 2]), int(seg.rows[n // 3])  # two faults, away from the records
     _ = float(seg.records[n // 2, 0])
     assert resident() <= 3 * 2  # each fault its own page (and a neighbour at most)
     del seg

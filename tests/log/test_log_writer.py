@@ -223,13 +223,17 @@ def test_a_segment_is_written_back_a_block_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(_log_writer, "PACE_BYTES", 4096)
     rows, steps, recs, stride = _segment_args()
     n = rows.shape[0]
-    job = _log_writer.WriteJob(tmp_path / "paced.dsl", 5, rows, steps, recs, 7)
+    # a seal's buffer: each record followed by room for its sums, as in the file
+    raw = _log_format.laid_out(recs, stride, np.dtype(np.float32))
+    pitch = raw.shape[1]
+    job = _log_writer.WriteJob(tmp_path / "paced.dsl", 5, rows, steps, raw, 7, None, 0,
+                               stride, np.float32)
     job.run()
     assert job.error is None
     rec_off = _log_format.segment_geometry(n, stride, 4)[2]
-    per = 4096 // (stride * 4)
-    assert [w[0] for w in waits] == [rec_off + lo * stride * 4 for lo in range(0, n, per)]
-    assert all(0 < w[1] <= 4096 for w in waits) and sum(w[1] for w in waits) == recs.nbytes
+    per = 4096 // pitch
+    assert [w[0] for w in waits] == [rec_off + lo * pitch for lo in range(0, n, per)]
+    assert all(0 < w[1] <= 4096 for w in waits) and sum(w[1] for w in waits) == n * pitch
     _log_format.write_segment(tmp_path / "once.dsl", 5, rows, steps, [recs], stride,
                               np.dtype(np.float32), 7)
     assert (tmp_path / "paced.dsl").read_bytes() == (tmp_path / "once.dsl").read_bytes()

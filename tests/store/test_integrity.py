@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import zlib
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import pytest
 import dsa_core
 from dsa_core._files import json_checksum
 from dsa_core._log import format as F
+from dsa_core._log.sums import record_sums, split_sums
 from dsa_core.__main__ import main as cli
 
 N, D = 2000, 8
@@ -78,12 +80,11 @@ def _segment_record(path: Path, row_of=None):
     dsa_core.close(r)
     for seg in sorted(path.glob("seg-*.dsl")):
         h = F.read_header(seg)
-        _, _, rec_off, _ = F.segment_geometry(h["n"], h["stride"], h["itemsize"])
         rows = np.fromfile(seg, np.int64, h["n"], offset=4096)
         for k in range(h["n"]):
             if disk[rows[k]] == ((h["id"] << 32) | k) + 1 and (row_of is None
                                                                or rows[k] == row_of):
-                return seg, k, int(rows[k]), rec_off + k * h["stride"] * h["itemsize"]
+                return seg, k, int(rows[k]), F.record_offset(h, k)
     raise AssertionError("no live record found")
 
 
@@ -295,42 +296,133 @@ def test_a_damaged_record_is_not_exported_nor_converted(tmp_path, capsys):
     assert not (tmp_path / "w.npy").exists()
 
 
-def test_record_checksums_leave_the_record_bytes_alone(tmp_path):
-    """The sums are a part of their own: the records part of a segment is where it was
-    and holds exactly the records (what parity_sha compares)."""
+def test_each_record_is_followed_by_its_two_sums_and_its_bytes_are_left_alone(tmp_path):
+    """Segment version 3: the records part holds each record as it was (what parity_sha
+    compares), then its sums -- of its weights and of the rest -- so that a read of a record
+    from disk reads its sums with it, and gather hashes the weights alone."""
     p = _trained(tmp_path, "log", steps=3)
     s = dsa_core.open(p, mode="r")
+    assert s.store.layout.w_off == 0
     for seg in sorted(p.glob("seg-*.dsl")):
         h = F.read_header(seg)
-        assert h["version"] == 2
+        assert h["version"] == 3 and h["head"] == 4 * D  # the weights' bytes
         n, stride = h["n"], h["stride"]
         _, _, rec_off, size = F.segment_geometry(n, stride, 4)
         assert size == seg.stat().st_size
-        raw = seg.read_bytes()
-        rec = np.frombuffer(raw[rec_off:rec_off + n * stride * 4], np.float32)
-        assert zlib.crc32(rec) == h["crc_records"]
-        rows = np.frombuffer(raw[4096:4096 + 8 * n], np.int64)
-        live = s.store._pool.disk_locations()[rows] == \
-            ((h["id"] << 32) | np.arange(n)) + 1
+        pitch = F.record_pitch(stride, 4)
+        raw = np.frombuffer(seg.read_bytes(), np.uint8)
+        part = raw[rec_off:rec_off + n * pitch].reshape(n, pitch)
+        assert zlib.crc32(part) == h["crc_records"]
+        rec = part[:, :stride * 4].copy().view(np.float32)
+        sums = part[:, pitch - 16:].copy().view(np.uint64)
+        np.testing.assert_array_equal(sums, split_sums(rec, 4 * D))
+        rows = raw[4096:4096 + 8 * n].view(np.int64)
+        live = s.store._pool.disk_locations()[rows] == ((h["id"] << 32) | np.arange(n)) + 1
         np.testing.assert_array_equal(
-            rec.reshape(n, stride)[live].view(np.uint32),
-            dsa_core.read_records(s, rows[live]).view(np.uint32))
+            rec[live].view(np.uint32), dsa_core.read_records(s, rows[live]).view(np.uint32))
     dsa_core.close(s)
 
 
-def _as_format_1(p: Path) -> None:
-    """Rewrite a closed log store as this code's predecessor wrote it: segments without
-    the sums part or the header extension, a version-2 manifest without a checksum."""
+@pytest.mark.parametrize("part", ["weights", "state", "sum of the weights", "sum of the rest"])
+def test_gather_checks_the_weights_it_serves_a_whole_read_checks_everything(tmp_path, part):
+    """Check what is served: a flipped bit in a record's Adam state does not stop ``gather``
+    of its (intact, checked) weights, and is caught by every read of the whole record (a
+    step, read_records); one in its weights, or in the weights' sum, is caught by both."""
+    p = _trained(tmp_path, "log")
+    seg, k, row, at = _segment_record(p)
+    h = F.read_header(seg)
+    pitch = F.record_pitch(h["stride"], 4)
+    where = {"weights": 1, "state": 4 * D + 2, "sum of the weights": pitch - 16 + 3,
+             "sum of the rest": pitch - 8 + 5}[part]
+    s = dsa_core.open(p, mode="r")
+    want = dsa_core.read_records(s, [row])[0, :D]
+    dsa_core.close(s)
+    _flip(seg, at + where)
+    s = dsa_core.open(p)
+    if part in ("state", "sum of the rest"):
+        np.testing.assert_array_equal(dsa_core.gather(s, [row])[0], want)
+    else:
+        with pytest.raises(F.SegmentError, match=f"record {k} \\(row {row}\\)"):
+            dsa_core.gather(s, [row])
+    with pytest.raises(F.SegmentError, match=f"row {row}"):
+        dsa_core.read_records(s, [row])
+    with pytest.raises(F.SegmentError, match=f"row {row}"):
+        dsa_core.step(s, [row], np.ones((1, D), np.float32))
+    assert s.store.check_index() == []
+    s.store.abandon()
+
+
+def _as_version(p: Path, version: int) -> None:
+    """Rewrite a closed log store's segments as this code's predecessors wrote them:
+    version 2 (the records, then a part of their sums, ``DSASUM01``), or version 1 (no sums
+    at all); the manifest as version 5, or as version 1 without a checksum."""
     for seg in p.glob("seg-*.dsl"):
         h = F.read_header(seg)
-        raw = bytearray(seg.read_bytes())
-        raw[56:72] = bytes(16)  # the DSASUM01 extension and its CRC
-        size = F.segment_geometry(h["n"], h["stride"], h["itemsize"], 1)[3]
-        seg.write_bytes(bytes(raw[:size]))
+        if h["version"] != 3:  # an older one already
+            continue
+        n, stride, isz = h["n"], h["stride"], h["itemsize"]
+        raw = np.frombuffer(seg.read_bytes(), np.uint8)
+        rec_off = F.segment_geometry(n, stride, isz)[2]
+        pitch = F.record_pitch(stride, isz)
+        rec = np.ascontiguousarray(
+            raw[rec_off:rec_off + n * pitch].reshape(n, pitch)[:, :stride * isz])
+        out = np.zeros(F.segment_geometry(n, stride, isz, version)[3], np.uint8)
+        out[4096:rec_off] = raw[4096:rec_off]  # rows, steps
+        out[rec_off:rec_off + rec.nbytes] = rec.reshape(-1)
+        head = F._HEAD.pack(F.SEG_MAGIC, h["id"], n, stride, isz, h["count"], h["crc_rows"],
+                            h["crc_steps"], zlib.crc32(rec))
+        head += F._HCRC.pack(zlib.crc32(head))
+        if version == 2:
+            sums = record_sums(rec.view(np.float32))
+            off = F.sums_offset(n, stride, isz)
+            out[off:off + 8 * n] = sums.view(np.uint8)
+            head += F._HEXT.pack(F.SUM_MAGIC, zlib.crc32(sums))
+            head += F._HCRC.pack(zlib.crc32(head))
+        out[:len(head)] = np.frombuffer(head, np.uint8)
+        seg.write_bytes(out.tobytes())
+        assert F.read_header(seg)["version"] == version
     m = json.loads((p / "manifest.json").read_text())
-    del m["checksum"]
-    m["version"] = 1
+    m.pop("checksum")
+    m["version"] = 1 if version == 1 else 5
+    if version != 1:
+        m["checksum"] = json_checksum(m)
     (p / "manifest.json").write_text(json.dumps(m))
+
+
+def _as_format_1(p: Path) -> None:
+    _as_version(p, 1)
+
+
+def test_a_version_2_store_reads_checks_and_trains_on(tmp_path):
+    """Compatibility: a store of the version before (sums in a part of their own) opens,
+    reads the same records, catches a damaged record, and trains on (its new segments are
+    version 3; the old ones stay until cleaned)."""
+    p = _trained(tmp_path, "log", steps=6)
+    s = dsa_core.open(p, mode="r")
+    ref = dsa_core.read_records(s, np.arange(N))
+    dsa_core.close(s)
+    _as_version(p, 2)
+    q = tmp_path / "copy"
+    shutil.copytree(p, q)
+    s = dsa_core.open(p, mode="r")
+    np.testing.assert_array_equal(dsa_core.read_records(s, np.arange(N)), ref)
+    dsa_core.close(s)
+    s = dsa_core.open(p)
+    for idx, g in _batches(40, seed=4):
+        s = dsa_core.step(s, idx, g)
+    ref2 = dsa_core.read_records(s, np.arange(N))
+    assert s.store.check_index() == []
+    dsa_core.close(s)
+    assert {F.read_header(f)["version"] for f in p.glob("seg-*.dsl")} >= {3}
+    s = dsa_core.open(p, mode="r")
+    np.testing.assert_array_equal(dsa_core.read_records(s, np.arange(N)), ref2)
+    dsa_core.close(s)
+    seg, k, row, at = _segment_record(q)
+    _flip(seg, at + 2)
+    s = dsa_core.open(q, mode="r")
+    with pytest.raises(F.SegmentError, match=f"record {k} \\(row {row}\\)"):
+        dsa_core.gather(s, [row])
+    dsa_core.close(s)
 
 
 def test_a_format_1_store_is_read_and_its_records_checked(tmp_path):
@@ -347,7 +439,7 @@ def test_a_format_1_store_is_read_and_its_records_checked(tmp_path):
         s = dsa_core.step(s, idx, g)
     dsa_core.close(s)
     m = json.loads((p / "manifest.json").read_text())
-    assert m["version"] == 5 and m["checksum"]  # upgraded by the writer's flush
+    assert m["version"] == 6 and m["checksum"]  # upgraded by the writer's flush
     _as_format_1(p)
     seg, _, row, at = _segment_record(p)
     _flip(seg, at)
