@@ -279,6 +279,7 @@ class Cleaner:
             """Clean ``sid``: returns the records it frees (net of its copies)."""
             seg = segs.segs[sid]
             _rows_ahead(seg)
+            segs.check_meta(seg)  # its row ids and steps, checked once since the open
             pool.index.prepare(seg.rows)  # a mapped base: its pages read ahead and checked
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
@@ -362,6 +363,7 @@ class Cleaner:
                 break  # the buffers are full: the reads of the next seals come first
             seg = segs.segs[sid]
             _rows_ahead(seg)
+            segs.check_meta(seg)  # its row ids and steps, checked once since the open
             pool.index.prepare(seg.rows)  # a mapped base: its pages read ahead and checked
             out = np.empty(seg.n, np.int64)
             n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.index.base,

@@ -269,7 +269,8 @@ class LogStore:
         self._stats = dict.fromkeys(_STATS, 0)
         self._segments = Segments(self.path, stride, dtype, self.seal_unit,
                                   int(manifest["next_segment"]),
-                                  head_bytes(lay["w"], int(lay["dim"]), dtype.itemsize))
+                                  head_bytes(lay["w"], int(lay["dim"]), dtype.itemsize),
+                                  int(lay["num_rows"]))
         self._pool = Pool(self.path, lay, S, self.seal_unit, memory_bytes, self.init,
                           self._segments, self._stats)
         self._cleaner = Cleaner(self._pool, self._segments, self.space_ratio)

@@ -89,6 +89,7 @@ import numpy as np
 from .._files import CHECKSUM_KEY, check_json_checksum, write_json
 from .._os import (
     MADV_RANDOM,
+    MADV_WILLNEED,
     MAP_FAILED,
     Worker,
     advise_memory,
@@ -109,7 +110,8 @@ __all__ = [
     "record_offset", "record_pitch", "records_of",
     "FORMAT_VERSION_WAL", "LOCK_FILE",
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
-    "SEG_MAGIC", "Segment", "SegmentError", "check_segment", "crash_point", "index_name",
+    "SEG_MAGIC", "Segment", "SegmentError", "check_meta", "check_segment", "crash_point",
+    "index_name",
     "INDEX_PAGE_ROWS", "index_damage", "index_geometry", "map_index", "page_sums",
     "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
     "segment_geometry", "set_crash", "unmap_pending", "write_index", "write_manifest",
@@ -440,14 +442,17 @@ def _crc_of_file_range(fd: int, off: int, nbytes: int) -> int:
 
 
 def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows: int,
-                  full: bool = True, with_rows: bool = False, head: int | None = None) -> tuple:
+                  full: bool = True, with_rows: bool = False, head: int | None = None,
+                  meta: bool = True) -> tuple:
     """Check a referenced segment; returns ``(records, version)`` (``with_rows``: and its
     checked row ids, ``(records, version, rows)``) or raises :class:`SegmentError`.
 
-    Header (magic, CRC, id, stride, itemsize), file size, the CRCs of rows, steps and record
-    sums, rows inside ``[0, num_rows)``, and with ``full`` (always for a version-1 segment,
-    whose reads are checked against sums computed from a checked read) the CRC of the
-    records and every record against its sum (a read of the whole file).
+    Header (magic, CRC, id, stride, itemsize), file size, and with ``meta`` the CRCs of rows,
+    steps and (version 2) record sums, rows inside ``[0, num_rows)`` (without: only the
+    rows of ``with_rows``; the rest waits for :func:`check_meta`, before the segment's rows
+    or steps are first used), and with ``full`` (always for a version-1 segment, whose
+    reads are checked against sums computed from a checked read) the CRC of the records and
+    every record against its sums (a read of the whole file).
     """
     h = read_header(path)
     bad = f"segment file {str(path)!r}"
@@ -467,18 +472,22 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
     if actual != size:
         raise SegmentError(f"{bad} is torn: {actual:,} bytes, its header announces {n} "
                            f"records ({size:,} bytes){fix}")
+    meta = meta or full or version < 2
     fd = os.open(path, os.O_RDONLY)
     try:
-        rows = np.frombuffer(os.pread(fd, 8 * n, rows_off), np.int64)
-        if rows.shape[0] != n or zlib.crc32(rows) != h["crc_rows"]:
-            raise SegmentError(f"{bad} is corrupt: the CRC of its row ids does not match{fix}")
-        if _crc_of_file_range(fd, steps_off, 8 * n) != h["crc_steps"]:
+        rows = None
+        if meta or with_rows:
+            rows = np.frombuffer(os.pread(fd, 8 * n, rows_off), np.int64)
+            if rows.shape[0] != n or zlib.crc32(rows) != h["crc_rows"]:
+                raise SegmentError(f"{bad} is corrupt: the CRC of its row ids does not "
+                                   f"match{fix}")
+            if n and (rows.min() < 0 or rows.max() >= num_rows):
+                raise SegmentError(f"{bad} holds row ids outside [0, {num_rows}){fix}")
+        if meta and _crc_of_file_range(fd, steps_off, 8 * n) != h["crc_steps"]:
             raise SegmentError(f"{bad} is corrupt: the CRC of its step counts does not "
                                f"match{fix}")
-        if n and (rows.min() < 0 or rows.max() >= num_rows):
-            raise SegmentError(f"{bad} holds row ids outside [0, {num_rows}){fix}")
         sums = None
-        if version == 2:
+        if version == 2 and meta:
             sums = np.frombuffer(os.pread(fd, 8 * n, sums_offset(n, stride, itemsize)),
                                  np.uint64)
             if sums.shape[0] != n or zlib.crc32(sums) != h["crc_sums"]:
@@ -514,6 +523,30 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
     finally:
         os.close(fd)
     return (n, version, rows) if with_rows else (n, version)
+
+
+def check_meta(seg: Segment, num_rows: int) -> None:
+    """The checks of :func:`check_segment` that an open left for later (``meta=False``),
+    on the mapped segment ``seg``, once: the CRCs of its row ids, steps and (version 2)
+    record sums, its rows inside ``[0, num_rows)``. Raises :class:`SegmentError`."""
+    if not seg.unchecked:
+        return
+    h = read_header(seg.path)
+    bad = f"segment file {str(seg.path)!r}"
+    fix = "; restore the store from a checkpoint"
+    for arr in (seg.rows, seg.steps, seg.sums if seg.version == 2 else None):
+        if arr is not None:
+            advise_memory(np.asarray(arr).view(np.uint8), MADV_WILLNEED)  # read at depth
+    if zlib.crc32(seg.rows) != h["crc_rows"]:
+        raise SegmentError(f"{bad} is corrupt: the CRC of its row ids does not match{fix}")
+    if zlib.crc32(seg.steps) != h["crc_steps"]:
+        raise SegmentError(f"{bad} is corrupt: the CRC of its step counts does not match{fix}")
+    if seg.version == 2 and zlib.crc32(seg.sums) != h["crc_sums"]:
+        raise SegmentError(f"{bad} is corrupt: the CRC of its record checksums does not "
+                           f"match{fix}")
+    if seg.n and (seg.rows.min() < 0 or seg.rows.max() >= num_rows):
+        raise SegmentError(f"{bad} holds row ids outside [0, {num_rows}){fix}")
+    seg.unchecked = False
 
 
 def _record_damage(path: Path, ks: np.ndarray, rows: np.ndarray | None,
@@ -635,7 +668,7 @@ class Segment:
     """One mapped segment: read-only views of its rows, steps and records (page cache)."""
 
     __slots__ = ("head", "id", "n", "nbytes", "path", "records", "rows", "steps", "sums",
-                 "version")
+                 "unchecked", "version")
 
     def __init__(self, seg_id: int, n: int, path: Path, rows, steps, records, nbytes: int,
                  sums=None, version: int = 0, head: int = 0):
@@ -646,6 +679,7 @@ class Segment:
         # each beside its record (version 3: ``records`` is then a strided view)
         self.sums = sums
         self.version, self.head = version, head
+        self.unchecked = False  # rows, steps, sums not CRC-checked since the open (check_meta)
 
 
 def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,

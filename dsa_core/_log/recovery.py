@@ -63,7 +63,7 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                              "damaged")
         got = check_segment(path / seg_name(sid), sid, pool.stride, pool.dtype.itemsize,
                             pool.num_rows, full_check, with_rows=sid >= index_from,
-                            head=segments.head)
+                            head=segments.head, meta=full_check)
         ns[sid], versions[sid] = got[:2]
         if sid >= index_from:
             newer.append((sid, got[2]))
@@ -91,7 +91,7 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                                  f"segment {sid} of {ns[sid]}; the store is damaged, restore "
                                  "it from a checkpoint")
             live[sid] = n
-        segments.adopt(ns, live, int(manifest["located"]), versions)
+        segments.adopt(ns, live, int(manifest["located"]), versions, not full_check)
         return
     index = pool.index.base if not pool.index.mapped else pool.disk_locations()
     used = index[index > 0] - 1
@@ -117,7 +117,7 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
                          f"not match its segments: {'; '.join(problems)}; restore the store "
                          "from a checkpoint")
     live = np.bincount(sids, minlength=size) if sids.shape[0] else np.zeros(size, np.int64)
-    segments.adopt(ns, live, int(used.shape[0]), versions)
+    segments.adopt(ns, live, int(used.shape[0]), versions, not full_check)
     bad = segments.check_rows_of_records(index)
     if bad:
         raise ValueError(f"index {manifest['index']!r} of log store {str(path)!r} "

@@ -49,6 +49,7 @@ from .format import (
     SEG_VERSION,
     Segment,
     SegmentError,
+    check_meta,
     crash_point,
     map_segment,
     record_pitch,
@@ -97,8 +98,9 @@ class Segments:
     """The live segments of one open store (see the module docstring)."""
 
     def __init__(self, path: Path, stride: int, dtype: np.dtype, seal_unit: int,
-                 next_segment: int, head: int = 0):
+                 next_segment: int, head: int = 0, num_rows: int = 1 << 62):
         self.path = path
+        self.num_rows = int(num_rows)  # row ids of a segment lie in [0, num_rows)
         self.stride, self.dtype = stride, dtype
         self.rec_bytes = stride * dtype.itemsize
         self.head = int(head)  # the record bytes a segment's first sum covers (sums.head_bytes)
@@ -330,6 +332,12 @@ class Segments:
         on = base != 0
         return base[on] + ks[on] * 8
 
+    def check_meta(self, seg: Segment) -> None:
+        """Before ``seg``'s row ids or steps are used (cleaning, checks): the CRCs an open
+        left for later (``format.check_meta``; once). Raises ``SegmentError``."""
+        if seg.unchecked:
+            check_meta(seg, self.num_rows)
+
     def check_rows_of_records(self, disk: np.ndarray) -> list[str]:
         """Each located row's record must carry that row's id (one pass per segment)."""
         problems = []
@@ -349,6 +357,11 @@ class Segments:
                                 "has no live mapping")
                 continue
             ks = used[a:b] & LOW32
+            try:
+                self.check_meta(seg)
+            except SegmentError as exc:
+                problems.append(str(exc))
+                continue
             if (ks >= seg.n).any():
                 problems.append(f"rows {rows[a:b][ks >= seg.n][:5].tolist()} point past the end "
                                 f"of segment {sid} ({seg.n} records)")
@@ -481,10 +494,12 @@ class Segments:
 
     # -- opening and commits ------------------------------------------------------------------
     def adopt(self, ns: dict[int, int], live: np.ndarray, live_total: int,
-              versions: dict[int, int] | None = None) -> None:
+              versions: dict[int, int] | None = None, unchecked: bool = False) -> None:
         """Take the segments a manifest lists (``ns``: id -> records, checked; ``versions``:
         id -> segment format, 2 if absent) with their live counts: map the live ones; a dead
-        one (an older writer's choice) goes at the next flush."""
+        one (an older writer's choice) goes at the next flush. ``unchecked``: the open
+        checked their headers only (``format.check_segment`` without ``meta``): their row
+        ids, steps and sums are checked before first use (:meth:`check_meta`)."""
         versions = versions or {}
         for sid, n in ns.items():
             self.seg_n[sid] = n
@@ -494,6 +509,7 @@ class Segments:
         for sid, n in ns.items():
             if self.live[sid] > 0:
                 self.map(self.path / seg_name(sid), sid, n, versions.get(sid, 2))
+                self.segs[sid].unchecked = unchecked
                 self.total_records += n
             else:
                 self.doomed.add(sid)
