@@ -22,6 +22,7 @@ from .._intrinsics import prefetch_line_addr, u8_ptr
 __all__ = ["KIND_NONE", "KIND_ONE", "KIND_SPLIT", "fill_sums", "gather_checked",
            "head_bytes", "record_pitch", "record_sums", "split_sums"]
 
+_AHEAD = 8  # gather_checked prefetches the record this many ahead
 # how a record read from a segment is checked (``gather_checked``'s ``kinds``)
 KIND_NONE = 0   # not at all (a pending segment's buffer: never left memory)
 KIND_ONE = 2    # one sum of the whole record, in the segment's sums part (segment version 2)
@@ -107,8 +108,16 @@ def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, 
     head_only = b1 <= 4 * hw  # the bytes served lie in the head: its sum alone checks them
     width = b1 - b0
     for i in range(lo, hi):
-        if i + 4 < hi:
-            prefetch_line_addr(addrs[i + 4])
+        if i + _AHEAD < hi:  # every line the copy of a later record reads, and its sums:
+            j = i + _AHEAD   # the hash's dependent chain stalls the core, so the hardware
+            kj = kinds[j]    # would not run ahead to them on its own (232 -> 126 ns a row)
+            if kj == KIND_NONE:
+                a, nb = addrs[j] + b0, width
+            else:
+                a, nb = addrs[j], (4 * hw if kj == KIND_SPLIT and head_only else rec_bytes)
+                prefetch_line_addr(sum_addrs[j])
+            for c in range(0, nb, 64):
+                prefetch_line_addr(a + c)
         kind = kinds[i]
         row = out[dest[i]]
         if kind == KIND_NONE:  # not checked (a pending segment's buffer): the bytes served
