@@ -140,9 +140,18 @@ def _trials(server, reference, tmp: Path, kind: str, sig: int, trials: int, seed
                    tests=str(Path(__file__).resolve().parent))
         job = server.start(json.dumps(cfg), code=WORKER)
         assert job.expect("ckpt", timeout=120) == EVERY  # training, checkpoints taken
-        time.sleep(rng.uniform(0.0, 0.6))
+        # a random moment of the run, whatever the machine's speed: past a random checkpoint
+        # (two or more before the end), within one checkpoint interval of it (a fixed 0-0.6 s
+        # outlived the whole run on a fast day: the worker ended before the signal)
+        t0 = time.monotonic()
+        last = job.expect("ckpt", timeout=120)
+        interval = time.monotonic() - t0
+        target = int(rng.integers(2, STEPS // EVERY - 2)) * EVERY
+        while last < target:
+            last = job.expect("ckpt", timeout=120)
+        time.sleep(rng.uniform(0.0, interval))
         lines = job.kill(sig)
-        reported = max([EVERY] + [int(x[1]) for x in lines if x[0] == "ckpt"])
+        reported = max([last] + [int(x[1]) for x in lines if x[0] == "ckpt"])
         # resume=True and nothing else: the store is exactly at its last flush (a checkpoint)
         emb, opt = _build(root, kind, model, resume=True)
         count = opt.store_for(next(iter(emb.parameters()))).count
