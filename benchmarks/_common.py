@@ -265,3 +265,25 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(cols, width, strict=True)))
     for x in cells:
         print("  ".join(v.ljust(w) for v, w in zip(x, width, strict=True)))
+
+
+def result_args(ap, default_name: str) -> None:
+    """``--name``, ``--no-save`` and the hidden ``--child`` of a benchmark that writes one
+    result file and runs each case in a child process of its own (under a memory cgroup)."""
+    import argparse
+
+    ap.add_argument("--name", default=None, help="result file benchmarks/results/NAME.json "
+                    f"(default: {default_name})")
+    ap.add_argument("--no-save", action="store_true", help="write no result file")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def child_reply(a, run) -> bool:
+    """In a ``--child`` process: print ``run(a)`` as one JSON line (the parent reads it) and
+    return True; else False."""
+    if not a.child:
+        return False
+    import json
+
+    print(json.dumps(run(a)), flush=True)
+    return True

@@ -52,7 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import disk_bytes, machine, mem, print_table, write_results
+from ._common import (child_reply, disk_bytes, machine, mem, print_table, result_args,
+                      write_results)
 
 HERE = Path(__file__).resolve().parent
 MEMCAP = HERE / "memcap.sh"
@@ -333,14 +334,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--keep", action="store_true", help="keep the store and the checkpoint")
     ap.add_argument("--no-drop-caches", action="store_true", help="never drop the page cache "
                     "before an open (default: dropped when running as root)")
-    ap.add_argument("--name", default=None, help="result file benchmarks/results/NAME.json "
-                    "(default: big_index_<date>)")
-    ap.add_argument("--no-save", action="store_true", help="write no result file")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    result_args(ap, "big_index_<date>")
     raw = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(raw)
-    if a.child:
-        print(json.dumps(measure(a)), flush=True)
+    if child_reply(a, measure):
         return {}
     tmp = None
     if a.workdir is None:

@@ -94,12 +94,14 @@ from pathlib import Path
 import numpy as np
 
 from ._common import (
+    child_reply,
     disk_bytes,
     disk_stat_file,
     machine,
     mem,
     own_cgroup,
     print_table,
+    result_args,
     write_results,
 )
 from .big_index import drop_caches, id_sampler, proc_io
@@ -132,17 +134,12 @@ def store_files(path: Path) -> tuple[list[Path], Path | None]:
 
 
 def evict(path: Path, drop: bool) -> str:
-    """Write back and drop the store's files from the page cache (``fadvise(DONTNEED)``: pages
-    mapped by a process stay), and drop the whole page cache too when ``drop`` and root; says
-    what it did."""
-    for name in os.listdir(path):
-        if name.startswith(("seg-", "index-")):
-            fd = os.open(path / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    """Write back and drop the store's files from the page cache (``ooc.evict``:
+    ``fadvise(DONTNEED)``, pages mapped by a process stay), and drop the whole page cache too
+    when ``drop`` and root; says what it did."""
+    from .ooc import evict as evict_files
+
+    evict_files(path)
     if drop_caches(drop and os.geteuid() == 0):
         return "drop_caches"
     return "fadvise"
@@ -437,16 +434,12 @@ def main(argv=None) -> dict:
                     "there")
     ap.add_argument("--no-drop-caches", action="store_true", help="no drop_caches (the store's "
                     "files are still dropped with fadvise)")
-    ap.add_argument("--name", default=None, help="result file benchmarks/results/NAME.json "
-                    "(default: big_ooc_<date>)")
-    ap.add_argument("--no-save", action="store_true", help="write no result file")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    result_args(ap, "big_ooc_<date>")
     ap.add_argument("--dist", default="uniform", help=argparse.SUPPRESS)
     ap.add_argument("--share", type=float, default=1.0, help=argparse.SUPPRESS)
     raw = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(raw)
-    if a.child:
-        print(json.dumps(run_case(a)), flush=True)
+    if child_reply(a, run_case):
         return {}
     from .probes import build_drive_probe, drive_rate
 
