@@ -107,6 +107,7 @@ def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, 
     hw = head // 4
     head_only = b1 <= 4 * hw  # the bytes served lie in the head: its sum alone checks them
     width = b1 - b0
+    served = tmp[b0:b1]  # the bytes served, of the checked copy
     for i in range(lo, hi):
         if i + _AHEAD < hi:  # every line the copy of a later record reads, and its sums:
             j = i + _AHEAD   # the hash's dependent chain stalls the core, so the hardware
@@ -138,8 +139,8 @@ def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, 
         if not ok:
             bad[i] = 1  # never served: its row is left as it was
             continue
-        for j in range(width):
-            row[j] = tmp[b0 + j]
+        for j in range(width):  # a view, not tmp[b0 + j]: numba's negative-index check
+            row[j] = served[j]  # on b0 + j kept this copy scalar (+170 ns a 512-B row)
 
 
 def record_sums(records: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
