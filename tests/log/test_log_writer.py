@@ -118,10 +118,10 @@ def test_a_failed_background_write_is_retried_and_a_second_failure_changes_nothi
     rng = np.random.default_rng(1)
     batches = [(rng.integers(0, 4 * B, B), rng.standard_normal((B, D)).astype(np.float32))
                for _ in range(150)]
-    k, failures = 0, 0
+    k, failures, arm = 0, 0, {40: 1, 90: 2}
     while k < len(batches):
-        if k in (40, 90):  # once: the retry succeeds; twice (background, retry): it raises
-            fail.update(sid=None, armed=True, left=1 if k == 40 else 2)
+        if k in arm:  # once: the retry succeeds; twice (background, retry): it raises
+            fail.update(sid=None, armed=True, left=arm.pop(k))  # armed once, not per retry
         before = s.count
         try:
             s = dsa_core.step(s, *batches[k])
