@@ -215,10 +215,10 @@ def test_a_failed_write_found_by_a_waiting_seal_changes_nothing(tmp_path, monkey
     rng = np.random.default_rng(1)
     batches = [(rng.choice(4 * B, B, replace=False),
                 rng.standard_normal((B, D)).astype(np.float32)) for _ in range(100)]
-    k, failures = 0, 0
+    k, failures, arm = 0, 0, {30: 1, 60: 2}
     while k < len(batches):
-        if k in (30, 60):  # once: the retry succeeds; twice: the step raises
-            fail.update(sid=s.store._segments.next_segment, left=1 if k == 30 else 2)
+        if k in arm:  # once: the retry succeeds; twice: the step raises (armed once, not
+            fail.update(sid=s.store._segments.next_segment, left=arm.pop(k))  # per retry)
         before = s.count
         try:
             s = dsa_core.step(s, *batches[k])
