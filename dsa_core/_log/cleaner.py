@@ -56,7 +56,7 @@ from numba import njit
 
 from . import read as _read
 from .budget import cleaning_limits
-from .format import Segment, crash_point, segment_geometry
+from .format import Segment, crash_point, records_of, segment_geometry, sums_of
 from .pool import Pool
 from .read import CleaningReads, advise, advise_whole
 from .index import loc_of
@@ -152,9 +152,7 @@ def _buffered(seg: Segment, ks: np.ndarray, buf: np.ndarray, idx: np.ndarray,
     records and their sums as they lie in the file (``CleaningReads._buffer``)."""
     if buf.dtype == dtype:
         return Copy(seg, ks, buf, idx, True)
-    rb = stride * dtype.itemsize
-    return Copy(seg, ks, buf[:, :rb].view(dtype), idx, True,
-                buf[:, buf.shape[1] - 16:].view(np.uint64))
+    return Copy(seg, ks, records_of(buf, stride, dtype), idx, True, sums_of(buf))
 
 
 class Cleaner:

@@ -107,7 +107,7 @@ from .sums import record_pitch as _pitch
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_INDEX_FROM", "FORMAT_VERSION_OPTIMIZER",
     "FORMAT_VERSION_SPLIT_SUMS", "FORMAT_VERSION_SUMS", "SEG_VERSION", "laid_out",
-    "record_offset", "record_pitch", "records_of",
+    "record_offset", "record_pitch", "records_of", "sums_of",
     "FORMAT_VERSION_WAL", "LOCK_FILE",
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_meta", "check_segment", "crash_point",
@@ -250,8 +250,6 @@ def sums_offset(n: int, stride: int, itemsize: int) -> int:
 
 
 # -- segments --------------------------------------------------------------------------------
-
-
 def write_segment(path: Path, seg_id: int, rows: np.ndarray, steps: np.ndarray,
                   chunks, stride: int, dtype: np.dtype, count: int,
                   paced: bool = False, recycle: Path | None = None, head: int = 0) -> int:
@@ -342,6 +340,21 @@ def laid_out(blk: np.ndarray, stride: int, dtype: np.dtype) -> np.ndarray:
 def records_of(raw: np.ndarray, stride: int, dtype: np.dtype) -> np.ndarray:
     """The ``(k, stride)`` records (a strided view) of rows laid out as in a segment file."""
     return raw[:, :stride * np.dtype(dtype).itemsize].view(dtype)
+
+
+def sums_of(raw: np.ndarray) -> np.ndarray:
+    """The ``(k, 2)`` uint64 checksums (a strided view) of rows laid out as in a segment
+    file: each row's last 16 bytes."""
+    return raw[:, raw.shape[1] - 16:].view(np.uint64)
+
+
+def _mismatched(records: np.ndarray, sums: np.ndarray, version: int, head: int) -> np.ndarray:
+    """Which of ``records`` ((k, stride), whole) do not match their ``sums`` (a segment of
+    ``version``'s: (k,) of the whole record, or (k, 2) of its first ``head`` bytes and the
+    rest): their indices."""
+    if version >= 3:
+        return np.flatnonzero((split_sums(records, head) != sums).any(axis=1))
+    return np.flatnonzero(record_sums(records) != sums)
 
 
 @contextlib.contextmanager
@@ -506,12 +519,10 @@ def check_segment(path: Path, seg_id: int, stride: int, itemsize: int, num_rows:
                 crc = zlib.crc32(blk, crc)
                 raw = np.frombuffer(blk, np.uint8).reshape(k, pitch)
                 if version >= 3:
-                    got = split_sums(raw[:, :rec_bytes], h["head"])
-                    have = raw[:, pitch - 16:].copy().view(np.uint64)
-                    wrong.append(lo + np.flatnonzero((got != have).any(axis=1)))
+                    wrong.append(lo + _mismatched(raw[:, :rec_bytes], sums_of(raw), version,
+                                                  h["head"]))
                 elif sums is not None:
-                    got = record_sums(raw)
-                    wrong.append(lo + np.flatnonzero(got != sums[lo:lo + k]))
+                    wrong.append(lo + _mismatched(raw, sums[lo:lo + k], version, 0))
             wrong = np.concatenate(wrong) if wrong else np.empty(0, np.int64)
             if crc != h["crc_records"]:
                 which = f" ({_record_damage(path, wrong, rows, short=True)})" \
@@ -570,12 +581,8 @@ def check_records(seg: Segment, ks: np.ndarray, records: np.ndarray,
     ``CHECK_RECORDS`` is off (the benchmark's baseline) or the segment is in memory."""
     if not CHECK_RECORDS or seg.sums is None or not ks.shape[0]:
         return
-    if sums is None:
-        sums = seg.sums[ks]
-    if seg.version >= 3:
-        wrong = np.flatnonzero((split_sums(records, seg.head) != sums).any(axis=1))
-    else:
-        wrong = np.flatnonzero(record_sums(records) != sums)
+    wrong = _mismatched(records, seg.sums[ks] if sums is None else sums, seg.version,
+                        seg.head)
     if wrong.shape[0]:
         raise SegmentError(_record_damage(seg.path, ks[wrong], seg.rows))
 
@@ -701,11 +708,9 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
     if version >= 3:
         pitch = record_pitch(stride, itemsize, version)
         part = mm[rec_off:rec_off + n * pitch].reshape(n, pitch)
-        records = part[:, :stride * itemsize].view(dtype)
-        sums = part[:, pitch - 16:].view(np.uint64)
         advise_memory(mm, MADV_RANDOM)
-        return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps), records, size,
-                       sums, version, head)
+        return Segment(seg_id, n, path, np.asarray(rows), np.asarray(steps),
+                       records_of(part, stride, dtype), size, sums_of(part), version, head)
     records = np.asarray(mm[rec_off:rec_off + n * stride * itemsize].view(dtype)
                          ).reshape(n, stride)
     if version >= 2:
@@ -851,7 +856,7 @@ def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = Tr
     ``manifest["index_from"]`` must be there); ``durable=False``: not synced, see
     ``_files.write_json``."""
     if "index_from" not in manifest:  # pragma: no cover - every writer sets it
-        raise ValueError("a version-5 manifest needs index_from")
+        raise ValueError("a manifest needs index_from")
     manifest["version"] = FORMAT_VERSION_SPLIT_SUMS
     manifest.pop(CHECKSUM_KEY, None)
     write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True,

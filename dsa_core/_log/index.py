@@ -130,14 +130,22 @@ class RowIndex:
         return self.pages is not None
 
     # -- lookups ---------------------------------------------------------------------------
+    def _idle(self, rows: np.ndarray) -> bool:
+        """No page to read or check for ``rows``: an index in memory, a mapped one without
+        a base file yet, or no rows."""
+        return self.checked is None or not rows.shape[0] or not self.base.shape[0]
+
     def hint(self, rows: np.ndarray) -> int:
         """Queue the reads of the mapped base's pages that ``rows`` (checked ids) need and the
         page cache lacks (``madvise(MADV_WILLNEED)``; nothing is waited for); returns their
         number. Nothing to do for an index in memory, or when a sample of
         :data:`HINT_SAMPLE` of the pages is cached (a hot set: a few syscalls per batch)."""
-        if self.checked is None or not rows.shape[0] or not self.base.shape[0]:
+        if self._idle(rows):
             return 0
-        pages = np.unique(rows // INDEX_PAGE_ROWS)
+        return self._hint_pages(np.unique(rows // INDEX_PAGE_ROWS))
+
+    def _hint_pages(self, pages: np.ndarray) -> int:
+        """:meth:`hint` for the sorted unique index pages ``pages``."""
         addr0 = self.pages.ctypes.data
         if pages.shape[0] > HINT_SAMPLE:
             pick = pages[np.linspace(0, pages.shape[0] - 1, HINT_SAMPLE).astype(np.int64)]
@@ -150,20 +158,26 @@ class RowIndex:
     def prepare(self, rows: np.ndarray) -> None:
         """Before looking up ``rows`` (checked int64 ids) in the base directly (the kernels
         of ``cleaner``): their pages read ahead (:meth:`hint`) and checked
-        (:meth:`check_rows`)."""
-        self.hint(rows)
-        self.check_rows(rows)
+        (:meth:`check_rows`), the pages found once for both."""
+        if self._idle(rows):
+            return
+        pages = np.unique(rows // INDEX_PAGE_ROWS)
+        self._hint_pages(pages)
+        self._check_pages(pages)
 
     def check_rows(self, rows: np.ndarray) -> None:
         """Check the mapped base's pages that ``rows`` need and no lookup has checked yet
         against their sums (each page once per open); raise ``ValueError`` on damage."""
-        if self.checked is None or not rows.shape[0] or not self.base.shape[0]:
+        if self._idle(rows):
             return
         p = rows // INDEX_PAGE_ROWS
-        p = p[~self.checked[p]]
+        self._check_pages(np.unique(p[~self.checked[p]]))
+
+    def _check_pages(self, pages: np.ndarray) -> None:
+        """:meth:`check_rows` for the sorted unique index pages ``pages``."""
+        p = pages[~self.checked[pages]]
         if not p.shape[0]:
             return
-        p = np.unique(p)
         bad = p[page_sums(self.pages[p]) != self.sums[p]]
         if bad.shape[0]:
             raise index_damage(self.path, bad)

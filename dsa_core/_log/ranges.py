@@ -47,7 +47,7 @@ import numpy as np
 
 from .._init import InitSpec, initial_records
 from .._os import Worker, preadv_fd
-from .format import Segment, check_records
+from .format import Segment, check_records, records_of, sums_of
 from .read import advise
 
 __all__ = ["CHUNK_BYTES", "GAP_BYTES", "SPAN_BYTES", "STAGED", "Job", "Loader", "loader_for",
@@ -287,8 +287,8 @@ class Loader:
         self.stats["read_bytes"] += total
         if pitch != self.rec_bytes:
             pick = dst[ks - k0]
-            out[...] = pick[:, :self.rec_bytes].view(self.dtype)
-            sums = pick[:, pitch - 16:].copy().view(np.uint64)
+            out[...] = records_of(pick, self.stride, self.dtype)
+            sums = sums_of(pick)
         elif not dense:
             np.take(dst, ks - k0, axis=0, out=out)
         check_records(seg, ks, out, sums)  # a damaged record is never installed

@@ -111,7 +111,7 @@ def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, 
     for i in range(lo, hi):
         if i + _AHEAD < hi:  # every line the copy of a later record reads, and its sums:
             j = i + _AHEAD   # the hash's dependent chain stalls the core, so the hardware
-            kj = kinds[j]    # would not run ahead to them on its own (232 -> 126 ns a row)
+            kj = kinds[j]    # would not run ahead to them on its own (433 -> 289 ns a row)
             if kj == KIND_NONE:
                 a, nb = addrs[j] + b0, width
             else:
@@ -180,23 +180,11 @@ def record_pitch(rec_bytes: int, version: int = 3) -> int:
     return -(-rb // 8) * 8 + 16 if version >= 3 else rb
 
 
-@njit(cache=True, nogil=True)
-def _fill(raw, rb, hw):
-    pitch = raw.shape[1]
-    at = pitch - 16
-    for i in range(raw.shape[0]):
-        row = raw[i]
-        words = row[:rb].view(np.uint32)
-        for j in range(rb, at):
-            row[j] = 0
-        s = row[at:].view(np.uint64)
-        s[0] = _hash_row(words[:hw])
-        s[1] = _hash_row(words[hw:])
-
-
 def fill_sums(raw: np.ndarray, rec_bytes: int, head: int) -> None:
     """Rows laid out as in a version-3 segment ((k, pitch) bytes, C order, the record in
     each row's first ``rec_bytes``): write each row's two sums (:func:`split_sums`) into its
     last 16 bytes and zero the bytes between, in place."""
     if raw.shape[0]:
-        _fill(raw, int(rec_bytes), int(head) // 4)
+        rb, at = int(rec_bytes), raw.shape[1] - 16
+        raw[:, rb:at] = 0
+        _sums_split(raw[:, :rb].view(np.uint32), int(head) // 4, raw[:, at:].view(np.uint64))
