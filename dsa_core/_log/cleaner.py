@@ -75,9 +75,9 @@ HINT_SEGMENTS = 2  # victims after those read ahead whose ids are asked for a se
 
 
 @njit(cache=True, nogil=True)
-def _scan_segment(seg_rows, at, ibase, idelta, table, mark, ep, out_k, out_slots):
+def _scan_segment(seg_rows, at, ibase, ifence, idelta, table, mark, ep, out_k, out_slots):
     """The live records of one segment (locations ``at + k``; the index is ``ibase`` and
-    ``idelta``: ``index.loc_of``): returns ``(nk, ns)``.
+    ``ifence`` and ``idelta``: ``index.loc_of``): returns ``(nk, ns)``.
 
     ``out_k[:nk]``: records whose row points at them and is not resident (to be copied
     from the segment). ``out_slots[:ns]``: the slots of resident rows that point at them and
@@ -88,7 +88,7 @@ def _scan_segment(seg_rows, at, ibase, idelta, table, mark, ep, out_k, out_slots
     ns = 0
     for k in range(seg_rows.shape[0]):
         r = seg_rows[k]
-        if loc_of(ibase, idelta, r) != at + k:
+        if loc_of(ibase, ifence, idelta, r) != at + k:
             continue
         s = find_one(table, r)
         if s < 0:
@@ -102,7 +102,7 @@ def _scan_segment(seg_rows, at, ibase, idelta, table, mark, ep, out_k, out_slots
 
 
 @njit(cache=True, nogil=True)
-def _live_records(seg_rows, at, ibase, idelta, table, dirty, out):
+def _live_records(seg_rows, at, ibase, ifence, idelta, table, dirty, out):
     """The live records of one segment that a seal cleaning it later may copy from it:
     ``out[:n]``. Those on disk, and those behind a *clean* resident slot (the row may leave
     the region before the clean, pointing at its record again). A dirty slot's record is
@@ -111,7 +111,7 @@ def _live_records(seg_rows, at, ibase, idelta, table, dirty, out):
     n = 0
     for k in range(seg_rows.shape[0]):
         r = seg_rows[k]
-        if loc_of(ibase, idelta, r) == at + k:
+        if loc_of(ibase, ifence, idelta, r) == at + k:
             s = find_one(table, r)
             if s < 0 or dirty[s] == 0:
                 out[n] = k
@@ -282,7 +282,7 @@ class Cleaner:
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
             nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.index.base,
-                                   pool.index.delta, pool.table, pool.mark, ep, out_k, out_s)
+                                   pool.index.fence, pool.index.delta, pool.table, pool.mark, ep, out_k, out_s)
             copies.append(self._source(seg, out_k[:nk].copy()))
             self.victim_records += seg.n
             res.append(out_s[:ns].copy())
@@ -365,7 +365,7 @@ class Cleaner:
             pool.index.prepare(seg.rows)  # a mapped base: its pages read ahead and checked
             out = np.empty(seg.n, np.int64)
             n = _live_records(seg.rows, np.int64((sid << 32) + 1), pool.index.base,
-                              pool.index.delta, pool.table, pool.dirty, out)
+                              pool.index.fence, pool.index.delta, pool.table, pool.dirty, out)
             if not r.ahead(sid, seg.path, self._offset(seg), out[:n].copy(), pool.stride,
                            pool.dtype, int(segs.pitch[sid])):
                 stop = i

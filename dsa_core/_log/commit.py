@@ -138,10 +138,12 @@ class Commit:
                              "is damaged")
         self.gen = kind[1]  # the committed index base (0: none)
         # the base the index rests on now: the committed one, or one a rebase wrote since
-        # (a mapped index, ``rebase``): its generation, CRC, whether it has page sums, and
-        # the first segment it does not reflect (``index_from``)
+        # (a mapped index, ``rebase``): its generation, CRC, whether it has page sums, the
+        # rows it lists if sparse (else None), and the first segment it does not reflect
+        # (``index_from``)
         self.cur_gen, self.cur_crc = self.gen, manifest.get("index_crc32")
         self.cur_pages = manifest.get("index_pages") is not None
+        self.cur_listed = manifest.get("index_entries")
         self.index_from = int(manifest["index_from"])
         self.manifest = dict(manifest)              # the last committed manifest
         self.index_dirty = False                    # disk locations changed since the flush
@@ -359,19 +361,21 @@ class Commit:
         segs.sync_new()
         crash_point("flush-synced")
         manifest = dict(self.manifest)
-        base = (self.cur_gen, self.cur_crc, self.cur_pages, self.index_from)
+        base = (self.cur_gen, self.cur_crc, self.cur_pages, self.cur_listed, self.index_from)
         if self.index_dirty and not self.pool.index.mapped and self.base_due():
             gen = self.cur_gen + 1
-            crc = write_index(self.path / index_name(gen), self.pool.disk_location_chunks())
-            base = (gen, crc, True, int(segs.next_segment))
+            crc, listed = self._write_base(gen)
+            base = (gen, crc, True, listed, int(segs.next_segment))
             crash_point("flush-index")
-        gen, crc, pages, ifrom = base
+        gen, crc, pages, listed, ifrom = base
         manifest.update(index=index_name(gen) if gen else None, index_crc32=crc if gen else None,
                         index_from=ifrom)
+        manifest.pop("index_pages", None)
+        manifest.pop("index_entries", None)
         if pages and gen:
             manifest["index_pages"] = INDEX_PAGE_ROWS
-        else:
-            manifest.pop("index_pages", None)
+            if listed is not None:
+                manifest["index_entries"] = int(listed)
         new_wal = self._start_wal() if self.wal_on else None
         fsync_path(self.path)  # the new files' names are durable before the manifest is
         listed = sorted(segs.segs)
@@ -393,15 +397,21 @@ class Commit:
         pool, segs = self.pool, self.segments
         gen = self.cur_gen + 1
         path = self.path / index_name(gen)
-        crc = write_index(path, pool.disk_location_chunks())
+        crc, listed = self._write_base(gen)
         crash_point("rebase")
-        pool.index.map(path, *map_index(path, pool.num_rows, crc))
+        pool.index.map(path, *map_index(path, pool.num_rows, crc, listed))
         old = self.cur_gen
-        self.cur_gen, self.cur_crc, self.cur_pages = gen, crc, True
+        self.cur_gen, self.cur_crc, self.cur_pages, self.cur_listed = gen, crc, True, listed
         self.index_from = int(segs.next_segment)
         self.stats["index_rebases"] += 1
         if old and old != self.gen:  # written by an earlier rebase, named by no manifest
             (self.path / index_name(old)).unlink(missing_ok=True)
+
+    def _write_base(self, gen: int) -> tuple[int, int | None]:
+        """Write the index as it is now (base and delta) as base file ``gen``: dense, or
+        sparse when few rows have a location (``format.write_index``); ``(crc, listed)``."""
+        return write_index(self.path / index_name(gen), self.pool.num_rows,
+                           self.pool.disk_entries(), int(self.segments.live_total))
 
     def replay_records(self) -> int:
         """Records in the segments an open would apply over the index base."""
@@ -437,7 +447,7 @@ class Commit:
         crash_point("flush-committed")
         segs = self.segments
         old_gen, self.gen = self.gen, gen
-        self.cur_gen, self.cur_crc, self.cur_pages, self.index_from = base
+        self.cur_gen, self.cur_crc, self.cur_pages, self.cur_listed, self.index_from = base
         old_wal = self.manifest.get("wal")
         self.manifest = manifest
         segs.committed_now()

@@ -4,7 +4,7 @@ Nothing here knows about memory budgets or eviction (``pool``, ``commit``); this
 writes and checks the bytes. Files of a log store directory:
 
 ``manifest.json``
-    ``{"format": "dsa-log", "version": 6, "layout": {...}, "count": int, "seed": int,
+    ``{"format": "dsa-log", "version": 7, "layout": {...}, "count": int, "seed": int,
     "init": "zeros"|"normal"|"uniform", "init_scale": float, "ball_maxnorm": float|null,
     "index": "index-<gen:08d>.bin"|null, "index_crc32": int|null, "index_from": int,
     "segments": [ids], "next_segment": int, "space_ratio": float, "meta": {...}, "wal": "wal-<gen:08d>.log"|null, "wal_salt":
@@ -47,8 +47,12 @@ writes and checks the bytes. Files of a log store directory:
 ``index-<gen:08d>.bin``
     The *base* of the index. Absent (``"index": null``) until a flush writes one: every row
     then reads as its initial record, so creating a store writes nothing of the table's
-    size. Else ``num_rows`` int64: 0 for a row never written (it reads as its initial
-    record), else ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment.
+    size. A row's location is 0 for a row never written (it reads as its initial record),
+    else ``((segment_id << 32) | slot) + 1``, the record ``slot`` of that segment. A base
+    is *dense* (``num_rows`` int64 locations; pages of zeros left holes) or, when fewer
+    than a quarter of the rows have a location (manifest ``index_entries``: how many it
+    lists, version 7), *sparse*: the rows with a location and theirs, in ascending row
+    order; both in checksummed 4 KiB pages (:func:`write_index`).
     The index is the base plus the segments sealed after it: ``index_from`` (manifest
     version 5) is the first segment id the base does not reflect, and an open applies the
     row ids of every listed segment from ``index_from`` on, in id order, over the base (a
@@ -106,13 +110,15 @@ from .sums import record_pitch as _pitch
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSION_INDEX_FROM", "FORMAT_VERSION_OPTIMIZER",
-    "FORMAT_VERSION_SPLIT_SUMS", "FORMAT_VERSION_SUMS", "SEG_VERSION", "laid_out",
+    "FORMAT_VERSION_SPARSE_INDEX", "FORMAT_VERSION_SPLIT_SUMS", "FORMAT_VERSION_SUMS",
+    "SEG_VERSION", "laid_out",
     "record_offset", "record_pitch", "records_of", "sums_of",
     "FORMAT_VERSION_WAL", "LOCK_FILE",
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_meta", "check_segment", "crash_point",
     "index_name",
-    "INDEX_PAGE_ROWS", "index_damage", "index_geometry", "map_index", "page_sums",
+    "INDEX_PAGE_ENTRIES", "INDEX_PAGE_ROWS", "NO_ROW", "check_index_pages", "dense_entries",
+    "index_damage", "index_geometry", "map_index", "page_sums", "sparse_base", "sparse_rows",
     "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
     "segment_geometry", "set_crash", "unmap_pending", "write_index", "write_manifest",
     "write_segment",
@@ -135,9 +141,13 @@ FORMAT_VERSION_INDEX_FROM = 5
 # segments of version 3 (each record followed by its two sums: an older reader would call
 # their headers corrupt, so it must refuse the manifest first). What this module writes.
 FORMAT_VERSION_SPLIT_SUMS = 6
+# a manifest whose index base may be sparse (``index_entries``: the base lists its rows; an
+# older reader would take it for a dense base of the wrong size and call the store damaged,
+# so it must refuse it). What this module writes.
+FORMAT_VERSION_SPARSE_INDEX = 7
 READ_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_WAL, FORMAT_VERSION_SUMS,
                  FORMAT_VERSION_OPTIMIZER, FORMAT_VERSION_INDEX_FROM,
-                 FORMAT_VERSION_SPLIT_SUMS)
+                 FORMAT_VERSION_SPLIT_SUMS, FORMAT_VERSION_SPARSE_INDEX)
 SEG_MAGIC = b"DSALOG01"
 SUM_MAGIC = b"DSASUM01"  # the header extension of a segment with per-record sums
 SPLIT_MAGIC = b"DSASUM03"  # ... of a segment whose records carry their two sums (version 3)
@@ -724,14 +734,28 @@ def map_segment(path: Path, seg_id: int, n: int, stride: int, dtype: np.dtype,
 
 
 # -- index bases ---------------------------------------------------------------------------
-INDEX_PAGE_ROWS = 512  # rows per checksummed page of an index base (4 KiB of locations)
+INDEX_PAGE_ROWS = 512  # rows per checksummed page of a dense index base (4 KiB of locations)
+INDEX_PAGE_ENTRIES = INDEX_PAGE_ROWS // 2  # (row, location) pairs per page of a sparse base
+NO_ROW = np.iinfo(np.int64).max  # the row of an unused entry of a sparse base's last page
+# a base lists its rows (sparse: 16 bytes per row with a location) when fewer than one row
+# in SPARSE_SHARE has a location; else it holds every row's location (dense: 8 bytes a row)
+SPARSE_SHARE = 4
+_INDEX_WINDOW = 1 << 20  # bytes of pages a base is built and written in
 
 
-def index_geometry(num_rows: int) -> tuple[int, int, int]:
-    """``(pages, sums_offset, size)`` of a paged index base of ``num_rows`` rows."""
-    pages = -(-int(num_rows) // INDEX_PAGE_ROWS)
-    off = pages * INDEX_PAGE_ROWS * 8
-    return pages, off, off + 8 * pages
+def sparse_base(located: int, num_rows: int) -> bool:
+    """Whether a base of ``num_rows`` rows, ``located`` of them with a location, is sparse."""
+    return int(located) * SPARSE_SHARE < int(num_rows)
+
+
+def index_geometry(num_rows: int, listed: int | None = None) -> tuple[int, int, int]:
+    """``(pages, sums_offset, size)`` of a paged index base of ``num_rows`` rows: dense
+    (``listed`` None), or sparse listing ``listed`` rows (its fence after the sums)."""
+    if listed is None:
+        pages = -(-int(num_rows) // INDEX_PAGE_ROWS)
+        return pages, pages * INDEX_PAGE_ROWS * 8, pages * (INDEX_PAGE_ROWS * 8 + 8)
+    pages = -(-int(listed) // INDEX_PAGE_ENTRIES)
+    return pages, pages * INDEX_PAGE_ROWS * 8, pages * (INDEX_PAGE_ROWS * 8 + 16)
 
 
 def page_sums(pages: np.ndarray) -> np.ndarray:
@@ -739,44 +763,111 @@ def page_sums(pages: np.ndarray) -> np.ndarray:
     return record_sums(pages)
 
 
-def write_index(path: Path, index) -> int:
-    """Write an index base sequentially and fsync it; returns the CRC32 of its sums part.
+def dense_entries(locs: np.ndarray, lo: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(rows, locations)`` entries (what :func:`write_index` takes) of the rows with a
+    location among ``locs``, the locations of rows ``lo, lo + 1, ...``."""
+    nz = np.flatnonzero(locs)
+    return nz.astype(np.int64) + int(lo), np.asarray(locs, np.int64)[nz]
 
-    ``index``: the int64 locations of every row, as one array or as an iterable of arrays
-    written one after the other (so that a flush need not build a second whole index in
-    memory: ``Pool.disk_location_chunks``). The file holds them padded with zeros to whole
-    pages of :data:`INDEX_PAGE_ROWS` rows, then one uint64 checksum per page
-    (:func:`page_sums`): the manifest's CRC covers the sums, each sum its page, so a page
-    can be checked alone when it is first read (``index.RowIndex``)."""
-    parts = [index] if isinstance(index, np.ndarray) else index
-    pos, carry = 0, np.zeros(0, np.int64)
+
+def _dense_pages(num_rows: int, entries, window: int):
+    """A dense base's pages in order, ``(first page, (k, INDEX_PAGE_ROWS) locations)``,
+    built from sorted ``entries`` pieces ``window`` pages at a time."""
+    npages = -(-int(num_rows) // INDEX_PAGE_ROWS)
+    buf = np.zeros((max(1, min(window, npages)), INDEX_PAGE_ROWS), np.int64)
+    flat, p0, w = buf.reshape(-1), 0, buf.shape[0]
+    for rows, locs in entries:
+        while rows.shape[0]:
+            k = int(np.searchsorted(rows, (p0 + w) * INDEX_PAGE_ROWS))
+            flat[rows[:k] - p0 * INDEX_PAGE_ROWS] = locs[:k]
+            if k == rows.shape[0]:
+                break
+            rows, locs = rows[k:], locs[k:]
+            yield p0, buf[:min(w, npages - p0)]
+            buf[:] = 0
+            p0 += w
+    while p0 < npages:
+        yield p0, buf[:min(w, npages - p0)]
+        buf[:] = 0
+        p0 += w
+
+
+def _sparse_pages(entries, window: int):
+    """A sparse base's pages in order (each :data:`INDEX_PAGE_ENTRIES` rows ascending, then
+    their locations; the last padded with :data:`NO_ROW` and 0), as ``(first page,
+    pages)``, built from sorted ``entries`` pieces."""
+    e = INDEX_PAGE_ENTRIES
+    rows_c = locs_c = np.zeros(0, np.int64)
+    p0 = 0
+
+    def paged(r, v):
+        out = np.empty((r.shape[0] // e, INDEX_PAGE_ROWS), np.int64)
+        out[:, :e] = r.reshape(-1, e)
+        out[:, e:] = v.reshape(-1, e)
+        return out
+
+    for rows, locs in entries:
+        if rows_c.shape[0]:
+            rows, locs = np.concatenate([rows_c, rows]), np.concatenate([locs_c, locs])
+        whole = rows.shape[0] // e * e
+        for a in range(0, whole, window * e):
+            b = min(whole, a + window * e)
+            yield p0, paged(rows[a:b], locs[a:b])
+            p0 += (b - a) // e
+        rows_c, locs_c = rows[whole:].copy(), locs[whole:].copy()
+    if rows_c.shape[0]:
+        pad = e - rows_c.shape[0]
+        yield p0, paged(np.concatenate([rows_c, np.full(pad, NO_ROW, np.int64)]),
+                        np.concatenate([locs_c, np.zeros(pad, np.int64)]))
+
+
+def write_index(path: Path, num_rows: int, entries, located: int) -> tuple[int, int | None]:
+    """Write an index base sequentially and fsync it; returns ``(crc, listed)``: the CRC32
+    of its tail (the manifest's ``index_crc32``) and, for a sparse base, the number of rows
+    it lists (the manifest's ``index_entries``; None for a dense base).
+
+    ``entries``: an iterable of ``(rows, locations)`` int64 pieces, each row with a location
+    once, rows ascending (``index.RowIndex.located``: the index is never built whole in
+    memory); ``located``: how many there are, which picks the kind (:func:`sparse_base`).
+    Either kind is pages of 4 KiB (``INDEX_PAGE_ROWS`` int64) followed by one uint64
+    checksum per page (:func:`page_sums`), so that a page is checked alone when a lookup
+    first reads it (``index.RowIndex``):
+
+    dense
+        the location of every row, 0 for none, padded with zeros to whole pages. A page of
+        zeros is left a hole: the file takes disk only for pages that hold a location.
+        The CRC covers the sums.
+    sparse
+        the rows with a location, :data:`INDEX_PAGE_ENTRIES` a page (their ids, then their
+        locations), then after the sums the first row of each page (the *fence*: an open
+        reads it to find a row's page without reading pages). The CRC covers the sums and
+        the fence. 16 bytes per row written, whatever the table's rows."""
+    sparse = sparse_base(located, num_rows)
+    window = _INDEX_WINDOW // (8 * INDEX_PAGE_ROWS)  # pages built and written at a time
+    pieces = _sparse_pages(entries, window) if sparse else _dense_pages(num_rows, entries,
+                                                                        window)
     sums: list[np.ndarray] = []
+    fence: list[np.ndarray] = []
+    listed = npages = 0
     with _new_file(path) as (fd, _):
-        def put(locs):
-            nonlocal pos
-            pages = locs.reshape(-1, INDEX_PAGE_ROWS)
+        for p0, pages in pieces:
             sums.append(page_sums(pages))
-            raw = memoryview(locs).cast("B")
-            for off in range(0, raw.nbytes, _IO_CHUNK):
-                blk = raw[off:off + _IO_CHUNK]
-                pwrite_all(fd, blk, pos)
-                pos += blk.nbytes
-
-        for part in parts:
-            part = np.ascontiguousarray(part, np.int64)
-            if carry.shape[0]:
-                part = np.concatenate([carry, part])
-            whole = part.shape[0] // INDEX_PAGE_ROWS * INDEX_PAGE_ROWS
-            if whole:
-                put(part[:whole])
-            carry = part[whole:].copy()
-            part = None  # not held while the next piece is built
-        if carry.shape[0]:
-            put(np.concatenate([carry, np.zeros(INDEX_PAGE_ROWS - carry.shape[0], np.int64)]))
-        table = np.concatenate(sums) if sums else np.zeros(0, np.uint64)
-        pwrite_all(fd, memoryview(table).cast("B"), pos)
+            if sparse:
+                fence.append(pages[:, 0].view(np.uint64).copy())
+                listed += int(np.count_nonzero(pages[:, :INDEX_PAGE_ENTRIES] != NO_ROW))
+            used = np.flatnonzero(pages.any(axis=1))  # zero pages: holes
+            for run in np.split(used, np.flatnonzero(np.diff(used) != 1) + 1):
+                if run.shape[0]:
+                    a, b = int(run[0]), int(run[-1]) + 1
+                    pwrite_all(fd, memoryview(pages[a:b]).cast("B"),
+                               (p0 + a) * INDEX_PAGE_ROWS * 8)
+            npages = p0 + pages.shape[0]
+        tail = np.concatenate([*sums, *fence]) if sums else np.zeros(0, np.uint64)
+        os.ftruncate(fd, npages * INDEX_PAGE_ROWS * 8 + tail.nbytes)
+        if tail.nbytes:
+            pwrite_all(fd, memoryview(tail).cast("B"), npages * INDEX_PAGE_ROWS * 8)
         fsync_fd(fd)
-    return zlib.crc32(table)
+    return zlib.crc32(tail), (listed if sparse else None)
 
 
 def _index_size(path: Path, size_wanted: int, what: str) -> None:
@@ -799,43 +890,90 @@ def _index_crc(path: Path, crc: Any) -> None:
 
 def index_damage(path: Path, pages: np.ndarray) -> ValueError:
     """The error for pages of an index base whose checksums do not match."""
-    return ValueError(f"index file {str(path)!r} is corrupt: page(s) "
-                      f"{pages[:5].tolist()} (rows {int(pages[0]) * INDEX_PAGE_ROWS}...) do "
+    return ValueError(f"index file {str(path)!r} is corrupt: page(s) {pages[:5].tolist()} do "
                       "not match their checksums; restore the store from a checkpoint")
 
 
-def map_index(path: Path, num_rows: int, crc: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A paged index base, mapped read-only: ``(pages, sums)``, ``pages`` the
-    ``(P, INDEX_PAGE_ROWS)`` locations (page cache: read when first touched), ``sums`` their
-    checksums, read and checked against the manifest's CRC now. The pages are checked
-    against their sums when first used (``index.RowIndex``), not here: an open reads
-    ``8 / INDEX_PAGE_ROWS`` bytes per row."""
-    npages, off, size = index_geometry(num_rows)
-    _index_size(path, size, f"{num_rows} rows (in pages of {INDEX_PAGE_ROWS}, with sums)")
+def map_index(path: Path, num_rows: int, crc: Any, listed: int | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A paged index base, mapped read-only: ``(pages, sums, fence)``, ``pages`` the
+    ``(P, INDEX_PAGE_ROWS)`` int64 pages (page cache: read when first touched), ``sums``
+    their checksums and ``fence`` (sparse, ``listed`` rows: each page's first row; dense:
+    empty) read and checked against the manifest's CRC now. The pages are checked against
+    their sums when first used (``index.RowIndex``), not here: an open reads 8 bytes per
+    512 rows of a dense base, 16 per 256 listed rows of a sparse one."""
+    npages, off, size = index_geometry(num_rows, listed)
+    what = (f"{num_rows} rows (in pages of {INDEX_PAGE_ROWS}, with sums)" if listed is None
+            else f"{listed} listed rows (in pages of {INDEX_PAGE_ENTRIES}, with sums and "
+            "fence)")
+    _index_size(path, size, what)
     _index_crc(path, crc)
-    sums = np.fromfile(path, np.uint64, npages, offset=off)
-    if sums.shape[0] != npages or zlib.crc32(sums) != crc:
+    tail = np.fromfile(path, np.uint64, size // 8 - off // 8, offset=off)
+    if zlib.crc32(tail) != crc:
         raise ValueError(f"index file {str(path)!r} is corrupt (the CRC of its page checksums "
                          "does not match); restore the store from a checkpoint")
+    sums, fence = tail[:npages], tail[npages:].view(np.int64)
+    if listed is not None and npages and (
+            (np.diff(fence) <= 0).any() or fence[0] < 0 or fence[-1] >= num_rows):
+        raise ValueError(f"index file {str(path)!r} is damaged: its pages' first rows are not "
+                         f"ascending rows of the table's {num_rows}; restore the store from a "
+                         "checkpoint")
     if not npages:
-        return np.zeros((0, INDEX_PAGE_ROWS), np.int64), sums
+        return np.zeros((0, INDEX_PAGE_ROWS), np.int64), sums, fence
     mm = np.memmap(path, np.int64, "r", 0, (npages, INDEX_PAGE_ROWS))
     advise_memory(np.asarray(mm).reshape(-1).view(np.uint8), MADV_RANDOM)
-    return np.asarray(mm), sums
+    return np.asarray(mm), sums, fence
 
 
-def read_index(path: Path, num_rows: int, crc: Any, pages: bool = True) -> np.ndarray:
-    """Load an index base whole (``num_rows`` int64, a writable array), checking its size
-    and CRC (which a manifest naming an index must give): with ``pages`` (manifests with
-    ``index_pages``) the sums part's CRC and every page against its sum; without, the CRC
-    of the whole file (bases written before the pages)."""
-    if pages:
-        table, sums = map_index(path, num_rows, crc)
-        locs = np.array(table)  # read whole, then checked
-        bad = np.flatnonzero(page_sums(locs) != sums)
+def sparse_rows(path: Path, pages: np.ndarray, num_rows: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(rows, locations)`` a sparse base's ``pages`` (checked) list, checking that
+    they are rows of the table, ascending."""
+    rows = pages[:, :INDEX_PAGE_ENTRIES].reshape(-1)
+    locs = pages[:, INDEX_PAGE_ENTRIES:].reshape(-1)
+    keep = rows != NO_ROW
+    rows, locs = rows[keep], locs[keep]
+    if rows.shape[0] and ((np.diff(rows) <= 0).any() or rows[0] < 0 or rows[-1] >= num_rows
+                          or (locs <= 0).any()):
+        raise ValueError(f"index file {str(path)!r} is damaged: it lists rows out of order, "
+                         f"outside the table's {num_rows} rows or without a location; "
+                         "restore the store from a checkpoint")
+    return rows, locs
+
+
+def check_index_pages(path: Path, pages: np.ndarray, sums: np.ndarray, fence: np.ndarray,
+                      num_rows: int, window: int = 2048) -> None:
+    """Check every page of a mapped base (:func:`map_index`) against its sum, ``window``
+    pages at a time (a whole base is never read into memory at once); a sparse one's rows
+    too (:func:`sparse_rows`, each page's first row its fence's)."""
+    for a in range(0, pages.shape[0], window):
+        blk = np.array(pages[a:a + window])
+        bad = np.flatnonzero(page_sums(blk) != sums[a:a + window])
         if bad.shape[0]:
-            raise index_damage(path, bad)
-        return locs.reshape(-1)[:num_rows]
+            raise index_damage(path, bad + a)
+        if fence.shape[0]:
+            sparse_rows(path, blk, num_rows)
+            if (blk[:, 0] != fence[a:a + window]).any():
+                raise ValueError(f"index file {str(path)!r} is damaged: a page's first row is "
+                                 "not its fence's; restore the store from a checkpoint")
+
+
+def read_index(path: Path, num_rows: int, crc: Any, pages: bool = True,
+               listed: int | None = None) -> np.ndarray:
+    """Load an index base whole as every row's location (``num_rows`` int64, a writable
+    array), checking its size and CRC (which a manifest naming an index must give): with
+    ``pages`` (manifests with ``index_pages``) the CRC of its tail and every page against
+    its sum (a sparse base, ``listed`` rows: spread over the rows); without, the CRC of the
+    whole file (bases written before the pages)."""
+    if pages:
+        table, sums, fence = map_index(path, num_rows, crc, listed)
+        check_index_pages(path, table, sums, fence, num_rows)
+        if listed is None:
+            return np.array(table).reshape(-1)[:num_rows]
+        out = np.zeros(num_rows, np.int64)
+        rows, locs = sparse_rows(path, table, num_rows)
+        out[rows] = locs
+        return out
     _index_size(path, 8 * num_rows, f"{num_rows} rows")
     _index_crc(path, crc)
     index = np.fromfile(path, np.int64, num_rows)
@@ -852,12 +990,12 @@ _FIELDS = ("layout", "count", "seed", "init", "init_scale", "ball_maxnorm", "ind
 
 def write_manifest(directory: Path, manifest: dict[str, Any], durable: bool = True) -> None:
     """Replace ``manifest.json`` atomically and durably (one writer: the lock), as version
-    :data:`FORMAT_VERSION_SPLIT_SUMS` with its checksum (``manifest["version"]`` is set;
+    :data:`FORMAT_VERSION_SPARSE_INDEX` with its checksum (``manifest["version"]`` is set;
     ``manifest["index_from"]`` must be there); ``durable=False``: not synced, see
     ``_files.write_json``."""
     if "index_from" not in manifest:  # pragma: no cover - every writer sets it
         raise ValueError("a manifest needs index_from")
-    manifest["version"] = FORMAT_VERSION_SPLIT_SUMS
+    manifest["version"] = FORMAT_VERSION_SPARSE_INDEX
     manifest.pop(CHECKSUM_KEY, None)
     write_json(Path(directory) / MANIFEST_FILE, manifest, shared=False, checksum=True,
                durable=durable)
@@ -927,6 +1065,12 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         if manifest.get("index_pages", INDEX_PAGE_ROWS) != INDEX_PAGE_ROWS:
             raise ValueError(f"index_pages must be {INDEX_PAGE_ROWS}, got "
                              f"{manifest['index_pages']!r}")
+        listed = manifest.get("index_entries")
+        if listed is not None and (isinstance(listed, bool) or not isinstance(listed, int)
+                                   or listed < 0 or manifest.get("index_pages") is None
+                                   or manifest["index"] is None):
+            raise ValueError(f"index_entries must be an int >= 0 beside index and "
+                             f"index_pages, got {listed!r}")
         live = manifest.get("live")
         if live is not None and (
                 not isinstance(live, list) or len(live) != len(segs)

@@ -42,31 +42,68 @@ import numpy as np
 from numba import njit
 
 from .._os import MADV_WILLNEED, PAGE, madvise_addr, mincore_addr
-from .format import INDEX_PAGE_ROWS, index_damage, page_sums
+from .format import (
+    INDEX_PAGE_ENTRIES,
+    INDEX_PAGE_ROWS,
+    index_damage,
+    page_sums,
+    sparse_rows,
+)
 from .resident import LOAD, MIN_ENTRIES, find_one, probe
 
 __all__ = ["HINT_SAMPLE", "RowIndex", "loc_of", "locs_of"]
 
 HINT_SAMPLE = 16  # pages probed with mincore before deciding whether to look at them all
 _PAGE_BYTES = 8 * INDEX_PAGE_ROWS  # an index page (4 KiB)
+_PAGE_ROWS, _PAGE_ENTRIES = INDEX_PAGE_ROWS, INDEX_PAGE_ENTRIES  # numba: module constants
+_NO_FENCE = np.zeros(0, np.int64)
 
 
 @njit(cache=True, nogil=True)
-def loc_of(base, delta, row):
-    """The location of ``row``: its delta entry, else its base entry (0 without a base)."""
+def _listed(base, fence, row):
+    """The location a sparse base (its pages flat, ``fence`` their first rows) lists for
+    ``row``, 0 if none: the page by the fence (in memory), the row by its page."""
+    lo, hi = 0, fence.shape[0]  # the last page whose first row <= row
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if fence[mid] <= row:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo == 0:
+        return 0
+    o = (lo - 1) * _PAGE_ROWS
+    a, b = o, o + _PAGE_ENTRIES
+    while a < b:
+        mid = (a + b) >> 1
+        if base[mid] < row:
+            a = mid + 1
+        else:
+            b = mid
+    if a < o + _PAGE_ENTRIES and base[a] == row:
+        return base[a + _PAGE_ENTRIES]
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def loc_of(base, fence, delta, row):
+    """The location of ``row``: its delta entry, else its base entry (0 without a base):
+    ``base[row]`` of a dense base, what a sparse one (``fence`` not empty) lists."""
     v = find_one(delta, row)
     if v >= 0:
         return v
+    if fence.shape[0]:
+        return _listed(base, fence, row)
     if base.shape[0]:
         return base[row]
     return 0
 
 
 @njit(cache=True, nogil=True)
-def locs_of(base, delta, rows, out):
+def locs_of(base, fence, delta, rows, out):
     """``out[i]`` = the location of ``rows[i]``."""
     for k in range(rows.shape[0]):
-        out[k] = loc_of(base, delta, rows[k])
+        out[k] = loc_of(base, fence, delta, rows[k])
 
 
 @njit(cache=True, nogil=True)
@@ -106,6 +143,18 @@ def _uncached_pages(addr0, pages, vec, advise):
     return n
 
 
+def _overlay(rows, locs, drows, dlocs):
+    """The sorted entries ``rows``/``locs`` with the sorted ``drows``/``dlocs`` over them (a
+    row in both takes its ``dlocs`` location)."""
+    r = np.concatenate([rows, drows])
+    v = np.concatenate([locs, dlocs])
+    o = np.argsort(r, kind="stable")  # a base entry before the delta's of its row
+    r, v = r[o], v[o]
+    last = np.ones(r.shape[0], bool)
+    last[:-1] = r[1:] != r[:-1]
+    return r[last], v[last]
+
+
 def _table(entries: int) -> np.ndarray:
     return np.full((max(MIN_ENTRIES, LOAD * int(entries)), 2), -1, np.int64)
 
@@ -121,6 +170,7 @@ class RowIndex:
         self.capacity = capacity  # rows the delta may hold (mapped); None: no bound
         self.path = None          # the mapped base file
         self.pages = self.sums = self.checked = None  # mapped: pages, their sums, checked
+        self.fence = _NO_FENCE    # a sparse base: each page's first row (else empty)
         self.page_reads = 0  # mapped: index pages hinted because they were not cached
         self._vec = np.zeros(1, np.uint8)
 
@@ -142,7 +192,14 @@ class RowIndex:
         :data:`HINT_SAMPLE` of the pages is cached (a hot set: a few syscalls per batch)."""
         if self._idle(rows):
             return 0
-        return self._hint_pages(np.unique(rows // INDEX_PAGE_ROWS))
+        return self._hint_pages(np.unique(self._pages_of(rows)))
+
+    def _pages_of(self, rows: np.ndarray) -> np.ndarray:
+        """The pages of the mapped base that hold ``rows`` (or would list them: sparse)."""
+        if not self.fence.shape[0]:
+            return rows // INDEX_PAGE_ROWS
+        p = np.searchsorted(self.fence, rows, "right") - 1
+        return p[p >= 0]
 
     def _hint_pages(self, pages: np.ndarray) -> int:
         """:meth:`hint` for the sorted unique index pages ``pages``."""
@@ -161,7 +218,7 @@ class RowIndex:
         (:meth:`check_rows`), the pages found once for both."""
         if self._idle(rows):
             return
-        pages = np.unique(rows // INDEX_PAGE_ROWS)
+        pages = np.unique(self._pages_of(rows))
         self._hint_pages(pages)
         self._check_pages(pages)
 
@@ -170,7 +227,7 @@ class RowIndex:
         against their sums (each page once per open); raise ``ValueError`` on damage."""
         if self._idle(rows):
             return
-        p = rows // INDEX_PAGE_ROWS
+        p = self._pages_of(rows)
         self._check_pages(np.unique(p[~self.checked[p]]))
 
     def _check_pages(self, pages: np.ndarray) -> None:
@@ -178,9 +235,15 @@ class RowIndex:
         p = pages[~self.checked[pages]]
         if not p.shape[0]:
             return
-        bad = p[page_sums(self.pages[p]) != self.sums[p]]
+        got = self.pages[p]
+        bad = p[page_sums(got) != self.sums[p]]
         if bad.shape[0]:
             raise index_damage(self.path, bad)
+        if self.fence.shape[0]:  # its rows ascending, in the table, each page's first its fence's
+            sparse_rows(self.path, got, self.num_rows)
+            if (got[:, 0] != self.fence[p]).any():
+                raise ValueError(f"index file {str(self.path)!r} is damaged: a page's first "
+                                 "row is not its fence's; restore the store from a checkpoint")
         self.checked[p] = True
 
     def get(self, rows: np.ndarray) -> np.ndarray:
@@ -188,23 +251,51 @@ class RowIndex:
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         self.prepare(rows)
         out = np.empty(rows.shape[0], np.int64)
-        locs_of(self.base, self.delta, rows, out)
+        locs_of(self.base, self.fence, self.delta, rows, out)
         return out
 
-    def chunks(self, rows: int):
-        """Every row's location, in pieces of at most ``rows`` rows (a base file's parts)."""
-        for lo in range(0, self.num_rows, rows):
-            hi = min(lo + rows, self.num_rows)
-            if self.checked is not None and self.base.shape[0]:  # one span, read ahead whole
-                a = self.pages.ctypes.data + (lo // INDEX_PAGE_ROWS) * _PAGE_BYTES
-                b = self.pages.ctypes.data + -(-hi // INDEX_PAGE_ROWS) * _PAGE_BYTES
-                a &= ~(PAGE - 1)
-                madvise_addr(a, b - a, MADV_WILLNEED)
-            r = np.arange(lo, hi, dtype=np.int64)
-            self.check_rows(r)
-            out = np.empty(r.shape[0], np.int64)
-            locs_of(self.base, self.delta, r, out)
-            yield out
+    def located(self, piece: int):
+        """Every row with a location and its location, ``(rows, locations)`` in ascending
+        row order, in pieces of about ``piece`` rows' bytes of locations (what a base file
+        is written from: ``format.write_index``): the base's, each overridden by its delta
+        entry, and the delta's other rows. A mapped base is read a span of pages at a time
+        (read ahead whole, checked); only a dense base costs a scan of every row."""
+        keyed = self.delta[:, 0] >= 0
+        order = np.argsort(self.delta[keyed, 0], kind="stable")
+        drows, dlocs = self.delta[keyed, 0][order], self.delta[keyed, 1][order]
+        piece = max(1, int(piece) // 2)  # an entry is 16 bytes where a location was 8
+        if not self.base.shape[0]:  # no base: the delta is the index
+            for a in range(0, drows.shape[0], piece):
+                yield drows[a:a + piece], dlocs[a:a + piece]
+            return
+        sparse = self.fence.shape[0] > 0
+        npages = self.pages.shape[0] if self.mapped else 0
+        step = max(1, piece // (INDEX_PAGE_ENTRIES if sparse else INDEX_PAGE_ROWS))
+        spans = range(0, npages, step) if self.mapped else range(0, self.num_rows, piece)
+        for lo in spans:
+            if self.mapped:
+                p1 = min(npages, lo + step)
+                a = (self.pages.ctypes.data + lo * _PAGE_BYTES) & ~(PAGE - 1)
+                madvise_addr(a, self.pages.ctypes.data + p1 * _PAGE_BYTES - a, MADV_WILLNEED)
+                self._check_pages(np.arange(lo, p1, dtype=np.int64))
+                got = self.pages[lo:p1]
+                if sparse:
+                    r0 = int(self.fence[lo]) if lo else 0
+                    r1 = int(self.fence[p1]) if p1 < npages else self.num_rows
+                    rows, locs = sparse_rows(self.path, got, self.num_rows)
+                else:
+                    r0, r1 = lo * INDEX_PAGE_ROWS, min(self.num_rows, p1 * INDEX_PAGE_ROWS)
+                    flat = got.reshape(-1)[:r1 - r0]
+                    nz = np.flatnonzero(flat)
+                    rows, locs = nz + r0, flat[nz]
+            else:  # in memory: changes in place, the delta is empty
+                r0, r1 = lo, min(self.num_rows, lo + piece)
+                nz = np.flatnonzero(self.base[r0:r1])
+                rows, locs = nz + r0, self.base[r0:r1][nz]
+            a, b = np.searchsorted(drows, [r0, r1])
+            if a < b:
+                rows, locs = _overlay(rows, locs, drows[a:b], dlocs[a:b])
+            yield rows, locs
 
     def all(self) -> np.ndarray:
         """Every row's location, as one array (checks)."""
@@ -239,14 +330,17 @@ class RowIndex:
         """Take ``base`` (checked: every row's location, writable) as the base, in memory,
         with an empty delta (an open)."""
         self.base = base
+        self.fence = _NO_FENCE
         self.delta = _table(0)
         self.entries = 0
         self.path = self.pages = self.sums = self.checked = None
 
-    def map(self, path, pages: np.ndarray, sums: np.ndarray) -> None:
-        """Take the mapped base file ``path`` (``format.map_index``: its pages and sums) as
-        the base, with an empty delta (an open, or after a rebase wrote it)."""
-        self.base = pages.reshape(-1)[:self.num_rows]
+    def map(self, path, pages: np.ndarray, sums: np.ndarray, fence: np.ndarray) -> None:
+        """Take the mapped base file ``path`` (``format.map_index``: its pages, sums and, if
+        sparse, fence) as the base, with an empty delta (an open, or after a rebase wrote
+        it)."""
+        self.base = pages.reshape(-1) if fence.shape[0] else pages.reshape(-1)[:self.num_rows]
+        self.fence = np.ascontiguousarray(fence, np.int64) if fence.shape[0] else _NO_FENCE
         self.delta = _table(0)
         self.entries = 0
         self.path, self.pages, self.sums = path, pages, sums
@@ -255,6 +349,7 @@ class RowIndex:
     def unmapped(self) -> None:
         """A mapped index without a base file yet: every row at 0 but for the delta."""
         self.base = np.zeros(0, np.int64)
+        self.fence = _NO_FENCE
         self.delta = _table(0)
         self.entries = 0
         self.path = None
@@ -266,5 +361,5 @@ class RowIndex:
         """Anonymous memory the index holds now (the mapped base's pages are page cache)."""
         own = self.delta.nbytes
         if self.mapped:
-            return own + self.sums.nbytes + self.checked.nbytes
+            return own + self.sums.nbytes + self.checked.nbytes + self.fence.nbytes
         return own + self.base.nbytes

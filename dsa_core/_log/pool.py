@@ -289,13 +289,13 @@ class Pool:
         lr = self.disk_locs(rows)
         return self.segments.addresses(lr[lr > 0])
 
-    def disk_location_chunks(self, rows: int | None = None):
-        """Every row's location (what an index base file holds) in pieces of at most
-        ``rows`` rows (default: the budget's ``index_piece_rows``), written in turn by a
-        flush."""
+    def disk_entries(self, rows: int | None = None):
+        """Every row with an on-disk location and its location (what an index base file is
+        written from: ``RowIndex.located``) in pieces of about ``rows`` rows (default: the
+        budget's ``index_piece_rows``), written in turn by a flush or a rebase."""
         if rows is None:
             rows = index_piece_rows(self.slots, self.stride * self.dtype.itemsize)
-        return self.index.chunks(rows)
+        return self.index.located(rows)
 
     def disk_locations(self) -> np.ndarray:
         """The on-disk location of every row, as one array (checks and tests)."""

@@ -28,6 +28,7 @@ from .._os import fsync_path
 from .commit import Commit
 from .format import (
     MANIFEST_FILE,
+    check_index_pages,
     check_segment,
     crash_point,
     map_index,
@@ -68,14 +69,14 @@ def load(path: Path, manifest: dict[str, Any], full_check: bool, pool: Pool,
         if sid >= index_from:
             newer.append((sid, got[2]))
     name, crc = manifest["index"], manifest.get("index_crc32")
-    paged = manifest.get("index_pages") is not None
+    paged, entries = manifest.get("index_pages") is not None, manifest.get("index_entries")
     if name is None:
         if pool.index_mapped:
             pool.index.unmapped()
     elif pool.index_mapped and paged:  # mapped: read as rows are looked up
-        pool.index.map(path / name, *map_index(path / name, pool.num_rows, crc))
+        pool.index.map(path / name, *map_index(path / name, pool.num_rows, crc, entries))
     else:  # in memory (a base written before the pages: in memory whatever the budget)
-        pool.adopt_index(read_index(path / name, pool.num_rows, crc, pages=paged))
+        pool.adopt_index(read_index(path / name, pool.num_rows, crc, paged, entries))
     for sid, rows in newer:  # the segments sealed after the base, oldest first
         pool.index.set(rows, np.int64((sid << 32) + 1)
                        + np.arange(rows.shape[0], dtype=np.int64))
@@ -235,9 +236,16 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
     stride, dtype, num_rows = int(lay["stride"]), np.dtype(lay["dtype"]), int(lay["num_rows"])
     if manifest["index"] is not None:
         try:
-            read_index(directory / manifest["index"], num_rows, manifest.get("index_crc32"),
-                       pages=manifest.get("index_pages") is not None)
-            out.append((manifest["index"], None, f"size and CRC ({num_rows} rows)"))
+            ipath, crc = directory / manifest["index"], manifest.get("index_crc32")
+            listed = manifest.get("index_entries")
+            if manifest.get("index_pages") is not None:  # page by page, not whole in memory
+                check_index_pages(ipath, *map_index(ipath, num_rows, crc, listed), num_rows)
+                what = (f"size, CRC and every page ({num_rows} rows)" if listed is None else
+                        f"size, CRC and every page ({listed} of {num_rows} rows listed)")
+            else:
+                read_index(ipath, num_rows, crc, pages=False)
+                what = f"size and CRC ({num_rows} rows)"
+            out.append((manifest["index"], None, what))
         except (OSError, ValueError) as exc:
             out.append((manifest["index"], str(exc), "size and CRC"))
     for sid in manifest["segments"]:

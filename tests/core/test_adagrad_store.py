@@ -319,17 +319,17 @@ def test_log_store_manifest_names_no_betas(tmp_path):
     assert m["layout"]["optimizer"] == "adagrad" and "m" not in m["layout"]
 
 
-def test_log_store_manifest_version_6_and_older_readers(tmp_path, monkeypatch):
-    """Log manifests are version 6 (records with their checksums beside them), Adagrad's and
-    Adam's: a dsa_core that reads log manifests up to version 3 (before Adagrad), 4 (before
-    ``index_from``) or 5 (before segment format 3) refuses an Adagrad store with "Upgrade
-    dsa_core"."""
+def test_log_store_manifest_version_7_and_older_readers(tmp_path, monkeypatch):
+    """Log manifests are version 7 (an index base that may list only its written rows),
+    Adagrad's and Adam's: a dsa_core that reads log manifests up to version 3 (before
+    Adagrad), 4 (before ``index_from``), 5 (before segment format 3) or 6 (before sparse
+    index bases) refuses an Adagrad store with "Upgrade dsa_core"."""
     from dsa_core._log import format as log_format
 
-    assert _manifest_versions(tmp_path, "log") == (6, 6)
-    for upto in (3, 4, 5):
+    assert _manifest_versions(tmp_path, "log") == (7, 7)
+    for upto in (3, 4, 5, 6):
         monkeypatch.setattr(log_format, "READ_VERSIONS", log_format.READ_VERSIONS[:upto])
-        with pytest.raises(ValueError, match="format version 6.*Upgrade dsa_core"):
+        with pytest.raises(ValueError, match="format version 7.*Upgrade dsa_core"):
             dsa_core.open(tmp_path / "g")
 
 

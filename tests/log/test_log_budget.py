@@ -305,24 +305,60 @@ def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path
 
 
 def test_an_index_written_in_pieces_is_the_same_file(tmp_path):
-    """``format.write_index`` takes the index whole or in pieces of any length: same bytes,
-    same CRC (a flush may then write it without a second copy of it in memory): the
-    locations padded to whole pages of 512, then a checksum per page."""
+    """``format.write_index`` takes the entries whole or in pieces of any length: same bytes,
+    same CRC (a flush may then write it without a second copy of it in memory). Dense: the
+    locations padded to whole pages of 512, then a checksum per page; sparse: the rows and
+    their locations, 256 a page, then the checksums and each page's first row."""
     from dsa_core._log import format as _log_format
 
-    idx = np.random.default_rng(0).integers(0, 1 << 40, 300_001).astype(np.int64)
-    crc = _log_format.write_index(tmp_path / "a", idx)
-    pieces = (idx[lo:lo + 65_537] for lo in range(0, idx.shape[0], 65_537))
-    assert _log_format.write_index(tmp_path / "b", pieces) == crc
-    raw = (tmp_path / "a").read_bytes()
-    assert raw == (tmp_path / "b").read_bytes()
-    pages, off, size = _log_format.index_geometry(idx.shape[0])
-    assert len(raw) == size and raw[:8 * idx.shape[0]] == idx.tobytes()
-    assert raw[8 * idx.shape[0]:off] == bytes(off - 8 * idx.shape[0])  # zero padding
-    sums = np.frombuffer(raw[off:], np.uint64)
-    np.testing.assert_array_equal(sums, _log_format.page_sums(
-        np.frombuffer(raw[:off], np.int64).reshape(pages, 512)))
-    np.testing.assert_array_equal(_log_format.read_index(tmp_path / "b", idx.shape[0], crc), idx)
+    rows = 300_001
+    idx = np.random.default_rng(0).integers(0, 1 << 40, rows).astype(np.int64)
+    idx[np.random.default_rng(1).random(rows) < 0.3] = 0  # rows never written
+    few = np.zeros(rows, np.int64)
+    few[::7] = idx[::7] | 1  # a seventh of the rows: a sparse base
+    for locs, sparse in [(idx, False), (few, True)]:
+        r, v = _log_format.dense_entries(locs)
+        crc, listed = _log_format.write_index(tmp_path / "a", rows, [(r, v)], r.shape[0])
+        assert (listed is not None) == sparse and listed in (None, r.shape[0])
+        pieces = ((r[lo:lo + 65_537], v[lo:lo + 65_537]) for lo in range(0, r.shape[0], 65_537))
+        assert _log_format.write_index(tmp_path / "b", rows, pieces, r.shape[0]) == (crc, listed)
+        raw = (tmp_path / "a").read_bytes()
+        assert raw == (tmp_path / "b").read_bytes()
+        pages, off, size = _log_format.index_geometry(rows, listed)
+        assert len(raw) == size
+        got = np.frombuffer(raw[:off], np.int64).reshape(pages, 512)
+        if sparse:
+            np.testing.assert_array_equal(got[:, :256].reshape(-1)[:r.shape[0]], r)
+            np.testing.assert_array_equal(got[:, 256:].reshape(-1)[:r.shape[0]], v)
+            assert (got[:, :256].reshape(-1)[r.shape[0]:] == _log_format.NO_ROW).all()
+            fence = np.frombuffer(raw[off + 8 * pages:], np.int64)
+            np.testing.assert_array_equal(fence, got[:, 0])
+        else:
+            assert raw[:8 * rows] == locs.tobytes()
+            assert raw[8 * rows:off] == bytes(off - 8 * rows)  # zero padding
+        sums = np.frombuffer(raw[off:off + 8 * pages], np.uint64)
+        np.testing.assert_array_equal(sums, _log_format.page_sums(got))
+        np.testing.assert_array_equal(
+            _log_format.read_index(tmp_path / "b", rows, crc, listed=listed), locs)
+
+
+def test_a_dense_index_leaves_its_pages_of_zeros_holes(tmp_path):
+    """Pages of a dense base that hold no location are not written: the file takes disk
+    for the pages written (a table whose ids come in ranges), and reads back the same."""
+    from dsa_core._log import format as _log_format
+
+    rows = 4_000_000  # 7,813 pages, 31 MiB
+    locs = np.zeros(rows, np.int64)
+    locs[:1_500_000] = np.arange(1, 1_500_001)  # the first 2,930 pages only
+    crc, listed = _log_format.write_index(tmp_path / "a", rows,
+                                          [_log_format.dense_entries(locs)], 1_500_000)
+    assert listed is None
+    st = os.stat(tmp_path / "a")
+    assert st.st_size == _log_format.index_geometry(rows)[2]
+    if st.st_blocks * 512 >= st.st_size:  # pragma: no cover - a filesystem without holes
+        pytest.skip("this filesystem allocates holes")
+    assert st.st_blocks * 512 < 13 << 20  # 11.4 MiB of pages + 61 KiB of sums
+    np.testing.assert_array_equal(_log_format.read_index(tmp_path / "a", rows, crc), locs)
 
 
 def test_misses_are_copied_straight_into_place_with_one_record_of_scratch(tmp_path,
@@ -363,10 +399,14 @@ def test_a_flush_writes_the_index_in_pieces_within_the_staging_share(tmp_path, m
     whole = pool.disk_locations()
     rows = budget.index_piece_rows(pool.slots, eng.rec_bytes)
     assert rows * 8 <= budget.split(_layout(), eng.memory_bytes)["staging"]
-    assert [p.shape[0] for p in pool.disk_location_chunks()] == [min(rows, N)]
-    pieces = list(pool.disk_location_chunks(300))  # pieces make up the same index
-    assert [p.shape[0] for p in pieces] == [300] * 6 + [200]
-    np.testing.assert_array_equal(np.concatenate(pieces), whole)
+    located = np.flatnonzero(whole)
+    got = list(pool.disk_entries())  # (row, location) pairs: half as many as locations
+    assert all(p[0].shape[0] <= rows // 2 for p in got)
+    np.testing.assert_array_equal(np.concatenate([p[0] for p in got]), located)
+    pieces = list(pool.disk_entries(300))  # pieces make up the same index
+    assert len(pieces) == 14 and all(p[0].shape[0] <= 150 for p in pieces)  # 16 B an entry
+    np.testing.assert_array_equal(np.concatenate([p[0] for p in pieces]), located)
+    np.testing.assert_array_equal(np.concatenate([p[1] for p in pieces]), whole[located])
 
     def no_whole_index(self):
         raise AssertionError("a flush built the whole index")

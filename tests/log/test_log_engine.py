@@ -1031,14 +1031,14 @@ def test_corrupt_index_is_a_clear_error(tmp_path):
                      (-5, "have negative locations")]:
         planted = good.copy()
         planted[3] = bad
-        crc = _log_format.write_index(idx, planted)
+        crc, _ = _log_format.write_index(idx, N, [_log_format.dense_entries(planted)], N)
         _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=crc))
         with pytest.raises(ValueError, match=f"does not match its segments: rows \\[3\\] {pat}"):
             _log.open(tmp_path / "s", mode="r")
     a, b = np.flatnonzero(good > 0)[:2].tolist()
     planted = good.copy()
     planted[b] = good[a]  # two rows, one record
-    crc = _log_format.write_index(idx, planted)
+    crc, _ = _log_format.write_index(idx, N, [_log_format.dense_entries(planted)], N)
     _log_format.write_manifest(tmp_path / "s", dict(m, index_crc32=crc))
     with pytest.raises(ValueError, match=f"row {b} points at record .* which holds row {a}"):
         _log.open(tmp_path / "s", mode="r")

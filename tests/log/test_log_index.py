@@ -140,7 +140,7 @@ def test_an_older_manifest_without_index_from_takes_its_base_as_the_whole_index(
     s = dsa_core.open(p)
     s = train(s, 2, batch=32)
     dsa_core.close(s)
-    assert _manifest(p)["version"] == _format.FORMAT_VERSION_SPLIT_SUMS
+    assert _manifest(p)["version"] == _format.FORMAT_VERSION_SPARSE_INDEX
 
 
 @pytest.mark.parametrize("bad", [0, "next+1", "3", True])
@@ -175,7 +175,21 @@ def _same(a, b):
     np.testing.assert_array_equal(records(a).view(np.uint32), records(b).view(np.uint32))
 
 
-def test_a_mapped_index_trains_to_the_same_bits_and_rebases_within_its_delta(tmp_path):
+@pytest.fixture(params=["dense", "sparse"])
+def base_kind(request, monkeypatch):
+    """Every index base written dense, or sparse (``format.sparse_base`` picks by the rows
+    with a location; here both kinds are made whatever the count)."""
+    monkeypatch.setattr(_format, "sparse_base", lambda located, rows: request.param == "sparse")
+    return request.param
+
+
+def _listed_in(m, kind):
+    """The manifest ``m`` names a base of ``kind``."""
+    return ("index_entries" in m) == (kind == "sparse")
+
+
+def test_a_mapped_index_trains_to_the_same_bits_and_rebases_within_its_delta(tmp_path,
+                                                                             base_kind):
     """Bit-for-bit the in-memory index's results, through rebases (a full delta written
     with the base as the next base file), flushes, reopens; the delta never holds more
     rows than the budget pays for, and an open reads no page of the base."""
@@ -192,7 +206,7 @@ def test_a_mapped_index_trains_to_the_same_bits_and_rebases_within_its_delta(tmp
     assert a.store.log_stats()["index_rebases"] >= 2
     m = _manifest(tmp_path / "mapped")
     assert m["index"] is not None and m["index_pages"] == 512 and len(m["live"]) == len(
-        m["segments"])
+        m["segments"]) and _listed_in(m, base_kind)
     assert _index_files(tmp_path / "mapped") == [m["index"]]  # uncommitted bases deleted
     want = records(b)
     for s in (a, b):
@@ -227,7 +241,7 @@ def _uncache(path):
 
 
 def test_a_mapped_base_reads_the_pages_a_batch_needs_ahead_and_prefetch_one_call_early(
-        tmp_path):
+        tmp_path, base_kind):
     """Uncached index pages are hinted (read at depth), counted, and change no value: a
     lookup hints its rows' pages before reading them; ``prefetch`` hints a batch's index
     pages and looks up (and reads ahead) its records at the next hint or at ``wait``."""
@@ -366,28 +380,36 @@ def test_a_mapped_open_reads_segment_headers_only_and_checks_the_rest_before_use
     assert found == [seg.name]  # dsa verify reads every part of every segment
 
 
-def test_a_damaged_page_of_a_mapped_base_is_refused_where_it_is_read(tmp_path):
+def test_a_damaged_page_of_a_mapped_base_is_refused_where_it_is_read(tmp_path, base_kind):
     a, _ = _pair(tmp_path)
     a = train(a, batches(30, NM, D, batch=512, seed=3))
     assert a.store.log_stats()["index_rebases"] >= 1
     dsa_core.close(a)
     p = tmp_path / "mapped"
-    base = p / _manifest(p)["index"]
+    m = _manifest(p)
+    assert _listed_in(m, base_kind)
+    base = p / m["index"]
     raw = bytearray(base.read_bytes())
-    raw[8 * 600 + 3] ^= 0x10  # row 600's location: page 1
+    if base_kind == "dense":
+        raw[8 * 600 + 3] ^= 0x10  # row 600's location: page 1
+        first, inside = 512, 700  # page 1's first row, one of its rows
+    else:
+        raw[4096 + 8 * 256 + 3] ^= 0x10  # page 1's first location
+        rows = np.frombuffer(bytes(raw[:2 * 4096]), np.int64)
+        first, inside = int(rows[512]), int(rows[512 + 100])
     base.write_bytes(bytes(raw))
     files = {q.name: q.read_bytes() for q in p.iterdir() if q.is_file()}
     s = dsa_core.open(p, memory=a.store.memory_bytes)
-    dsa_core.gather(s, np.arange(0, 512))  # page 0: fine
+    dsa_core.gather(s, np.arange(0, first))  # page 0: fine
     with pytest.raises(ValueError, match=r"index file .* is corrupt: page\(s\) \[1\]"):
-        dsa_core.gather(s, np.array([700]))
+        dsa_core.gather(s, np.array([inside]))
     dsa_core.close(s)
     for name, data in files.items():  # nothing on disk changed (the close flushed nothing)
         if name != "manifest.json":
             assert (p / name).read_bytes() == data
 
 
-def test_kill_9_at_a_rebase_reopens_at_the_last_flush(tmp_path):
+def test_kill_9_at_a_rebase_reopens_at_the_last_flush(tmp_path, base_kind):
     """SIGKILL while a rebase writes the next base (between flushes): the store reopens at
     its last flush, bit for bit, and the unnamed base file is removed at the open."""
     from dsa_core._log import format as log_format
@@ -417,3 +439,41 @@ def test_kill_9_at_a_rebase_reopens_at_the_last_flush(tmp_path):
     _same(s, ref)
     dsa_core.close(s)
     dsa_core.close(ref)
+
+
+def test_a_base_of_few_written_rows_lists_them_and_takes_disk_for_them_only(tmp_path):
+    """A table of 20M rows, 240k of them written: the rebases write a sparse base (the rows
+    with a location and theirs, 16 bytes each, not 8 bytes per row of the table: 160 MB), in
+    pages the lookups read and check as they go; it reopens to the same values (mapped, and
+    read whole into memory), and ``dsa verify`` checks every page of it."""
+    p, n = tmp_path / "s", 20_000_000
+    s = dsa_core.create(p, n, D, storage="log", memory="8MiB", init="normal", seed=1)
+    rng = np.random.default_rng(0)
+    seen = []
+    while s.store.log_stats()["index_rebases"] < 2:
+        rows = np.unique(rng.integers(0, n, 2048))
+        seen.append(rows)
+        s = dsa_core.step(s, rows, rng.standard_normal((rows.shape[0], D)).astype(np.float32))
+    dsa_core.flush(s)
+    rows = np.unique(np.concatenate(seen))
+    probe = np.concatenate([rows[::97], np.arange(0, n, n // 50)])  # written and never
+    want = dsa_core.gather(s, probe)
+    dsa_core.close(s)
+    m = _manifest(p)
+    listed = m["index_entries"]
+    assert 0 < listed <= rows.shape[0] and listed * _format.SPARSE_SHARE < n
+    st = os.stat(p / m["index"])
+    assert st.st_size == _format.index_geometry(n, listed)[2] <= 17 * listed + 8192
+    for memory in ("8MiB", "1GiB"):  # the base mapped, and read whole
+        s = dsa_core.open(p, memory=memory, mode="r")
+        assert s.store.log_stats()["index_mapped"] == (memory == "8MiB")
+        np.testing.assert_array_equal(dsa_core.gather(s, probe), want)
+        assert s.store.check_index() == []
+        dsa_core.close(s)
+    assert [f for f, problem, _ in check_files(p) if problem] == []
+    raw = bytearray((p / m["index"]).read_bytes())
+    raw[st.st_size - 5] ^= 0x01  # the fence
+    (p / m["index"]).write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="CRC of its page checksums does not match"):
+        dsa_core.open(p, memory="8MiB")
+    assert [f for f, problem, _ in check_files(p) if problem] == [m["index"]]

@@ -238,7 +238,7 @@ def test_switching_durability_with_replace(tmp_path):
         c = dsa_core.step(c, idx, g)
         ref = dsa_core.step(ref, idx, g)
     m = _manifest(c.path)
-    assert m["wal"] and m["version"] == 6 and m["count"] == 3  # flushed before step 4
+    assert m["wal"] and m["version"] == 7 and m["count"] == 3  # flushed before step 4
     assert m["meta"]["durability"] == "step"
     c = _reopen(c, SMALL)
     assert c.count == 6 and c.durability == "step"
@@ -249,7 +249,7 @@ def test_switching_durability_with_replace(tmp_path):
         ref = dsa_core.step(ref, idx, g)
     dsa_core.flush(c)
     m = _manifest(c.path)
-    assert m["wal"] is None and m["version"] == 6 and m["meta"]["durability"] == "flush"
+    assert m["wal"] is None and m["version"] == 7 and m["meta"]["durability"] == "flush"
     assert not list(c.path.glob("wal-*"))
     assert_same_store(ref, c)
     dsa_core.close(c)

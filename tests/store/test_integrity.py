@@ -439,7 +439,7 @@ def test_a_format_1_store_is_read_and_its_records_checked(tmp_path):
         s = dsa_core.step(s, idx, g)
     dsa_core.close(s)
     m = json.loads((p / "manifest.json").read_text())
-    assert m["version"] == 6 and m["checksum"]  # upgraded by the writer's flush
+    assert m["version"] == 7 and m["checksum"]  # upgraded by the writer's flush
     _as_format_1(p)
     seg, _, row, at = _segment_record(p)
     _flip(seg, at)
