@@ -22,10 +22,11 @@ and compared. This measures what that costs on the out-of-core read path, where 
 3. prints rows/s per mode and operation (medians over rounds), the checked/unchecked
    ratio, the share of the checked time that the checks take (``check_share`` = 1 -
    unchecked time / checked time, of the medians, with its range over the rounds'
-   checked/unchecked pairs), and the proof that the rounds were cold: the store's bytes
-   still in the page cache after the drop (``mincore``) and the bytes this process read
-   from the disk per timed row (``/proc/self/io`` ``read_bytes``, medians); plus the
-   hash's own speed in memory (GB/s).
+   checked/unchecked pairs), the process's CPU time per row (all threads: what the checks
+   add, less exposed than wall time to a busy machine), and the proof that the rounds
+   were cold: the store's bytes still in the page cache after the drop (``mincore``) and
+   the bytes this process read from the disk per timed row (``/proc/self/io``
+   ``read_bytes``, medians); plus the hash's own speed in memory (GB/s).
 
 Why the store is closed before each drop: the kernel does not drop a page some process
 maps, and an open store maps its segments (``format.map_segment``), so a drop with the
@@ -167,19 +168,21 @@ def main(argv=None):
                     log_format.CHECK_RECORDS = mode == "checked"
                     try:
                         io0 = _read_bytes()
-                        t0 = time.perf_counter()
+                        c0, t0 = time.process_time(), time.perf_counter()
                         for idx in ids:
                             if op == "gather":
                                 dsa_core.gather(st, idx, out=out)
                             else:
                                 st = dsa_core.step(st, idx, g)
                         t = time.perf_counter() - t0
+                        cpu = time.process_time() - c0
                         io1 = _read_bytes()
                     finally:
                         log_format.CHECK_RECORDS = True
                     _released(st)  # a step run's flush: not timed
                     runs.setdefault((mode, op), []).append({
-                        "round": r, "seconds": t, "disk_read_bytes": io1 - io0,
+                        "round": r, "seconds": t, "cpu_seconds": cpu,
+                        "disk_read_bytes": io1 - io0,
                         "cached_after_drop": cached_drop, "cached_after_open": cached_open,
                         "store_bytes": store_bytes})
     rows = []
@@ -196,12 +199,15 @@ def main(argv=None):
                 "check_share": round(share, 4),
                 "check_share_min": round(float(per_round.min()), 4),
                 "check_share_max": round(float(per_round.max()), 4),
+                "cpu_us_per_row": round(float(np.median(
+                    [x["cpu_seconds"] for x in rs])) / n_rows * 1e6, 3),
                 "disk_bytes_per_row": round(float(np.median(
                     [x["disk_read_bytes"] for x in rs])) / n_rows, 1),
                 "cached_mib_after_drop": round(max(x["cached_after_drop"] for x in rs) / 2**20, 2),
                 "cached_mib_after_open": round(max(x["cached_after_open"] for x in rs) / 2**20, 2),
                 "store_mib": round(rs[-1]["store_bytes"] / 2**20, 1),
                 "seconds": [round(x["seconds"], 4) for x in rs],
+                "cpu_seconds": [round(x["cpu_seconds"], 4) for x in rs],
             })
     blk = rng.standard_normal((65536, 3 * a.dim)).astype(np.float32)
     record_sums(blk[:8])
@@ -210,10 +216,12 @@ def main(argv=None):
         record_sums(blk)
     gbs = 5 * blk.nbytes / (time.perf_counter() - t0) / 1e9
     print_table(rows, ["op", "mode", "rows_per_s", "checked_over_unchecked", "check_share",
-                       "check_share_min", "check_share_max", "disk_bytes_per_row",
+                       "check_share_min", "check_share_max", "cpu_us_per_row",
+                       "disk_bytes_per_row",
                        "cached_mib_after_drop", "cached_mib_after_open", "store_mib"])
     print(f"check_share = 1 - unchecked/checked time (medians of {a.rounds} rounds; min/max: "
-          f"each round's pair); disk_bytes_per_row: /proc/self/io read_bytes of the timed "
+          f"each round's pair); cpu_us_per_row: this process's CPU time (all threads) of "
+          f"the timed batches per row; disk_bytes_per_row: /proc/self/io read_bytes of the timed "
           f"batches / {n_rows:,} rows; cached_mib: the store's pages in the page cache "
           f"(mincore, the largest over rounds) after the drop and after the reopen")
     print(f"record hash in memory: {gbs:.2f} GB/s ({3 * a.dim * 4} B records)")
