@@ -7,7 +7,11 @@ the index's business (``resident``): a row keeps its location while it is in the
 Two parts, read through one lookup (:func:`loc_of`, for the kernels; :meth:`RowIndex.get`):
 
 ``base``
-    ``(num_rows,)`` int64, the locations of every row; an empty array stands for all 0.
+    dense: ``(num_rows,)`` int64, the locations of every row; an empty array stands for all
+    0. Sparse (a mapped base file that lists its rows, ``format.write_index``): its pages
+    flat, each the ids of 256 rows ascending then their locations, with ``fence`` (in
+    memory) the first row of each page: a lookup finds the page by the fence and the row in
+    it (:func:`loc_of`); a row not listed is at 0.
 ``delta``
     a map row -> location (``resident``'s table, its values locations) of the rows whose
     location changed since the base was written, kept only while the base is read-only.
