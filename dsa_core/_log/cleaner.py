@@ -281,8 +281,9 @@ class Cleaner:
             pool.index.prepare(seg.rows)  # a mapped base: its pages read ahead and checked
             out_k = np.empty(seg.n, np.int64)
             out_s = np.empty(seg.n, np.int64)
-            nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), pool.index.base,
-                                   pool.index.fence, pool.index.delta, pool.table, pool.mark, ep, out_k, out_s)
+            idx = pool.index
+            nk, ns = _scan_segment(seg.rows, np.int64((sid << 32) + 1), idx.base, idx.fence,
+                                   idx.delta, pool.table, pool.mark, ep, out_k, out_s)
             copies.append(self._source(seg, out_k[:nk].copy()))
             self.victim_records += seg.n
             res.append(out_s[:ns].copy())

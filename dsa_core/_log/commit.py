@@ -64,7 +64,7 @@ from .format import (
     write_manifest,
     write_segment,
 )
-from .pool import Pool, gather_records
+from .pool import Pool
 from .segments import Segments
 from .wal import WalWriter, wal_bound, wal_name
 from .writer import WriteJob
@@ -190,7 +190,7 @@ class Commit:
         segs.settle(block=False)  # raises a failed background write, changing nothing
         if ep is None:
             ep = pool.next_seal_epoch()
-        pool.mark[slots] = ep
+        pool.mark_sealing(slots, ep)
         n_new_loc = int(np.count_nonzero(pool.slot_locs(slots) == 0))
         res, copies = cleaner.choose(slots.shape[0], n_new_loc, ep)
         moving = slots.shape[0] + sum(r.shape[0] for r in res) + sum(c.ks.shape[0]
@@ -208,7 +208,9 @@ class Commit:
         sid = segs.next_segment
         if sid > MAX_SEGMENT_ID:  # pragma: no cover - 2**31 seals
             raise OverflowError(f"log store {str(self.path)!r} ran out of segment ids")
-        rows = np.concatenate([pool.slot_row[rslots], *crow]) if crow else pool.slot_row[rslots]
+        rows = pool.rows_of_slots(rslots)
+        if crow:
+            rows = np.concatenate([rows, *crow])
         steps = np.concatenate([np.full(m, self.count, np.int64),
                                 *[c.seg.steps[c.ks] for c in copies]])
         path = self.path / seg_name(sid)
@@ -221,7 +223,7 @@ class Commit:
             # own, which serves its reads until the file is written and mapped
             raw = segs.seal_buffer(n)  # laid out as in the file: each record, then its sums
             recs = records_of(raw, stride, dtype)
-            gather_records(pool.region, rslots, recs)
+            pool.gather_slots(rslots, recs)
             off = m
             for c in copies:
                 k = c.ks.shape[0]
@@ -244,7 +246,7 @@ class Commit:
                 for lo in range(0, m, chunk):
                     idx = rslots[lo:lo + chunk]
                     raw = np.empty((idx.shape[0], pitch), np.uint8)
-                    gather_records(pool.region, idx, records_of(raw, stride, dtype))
+                    pool.gather_slots(idx, records_of(raw, stride, dtype))
                     yield raw
                     raw = None  # one chunk at a time (staging): not held past its write
                 for c in copies:
@@ -270,11 +272,9 @@ class Commit:
         newloc = np.int64((sid << 32) + 1) + np.arange(n, dtype=np.int64)
         rrows = rows[:m]  # the rows of the region's slots in the seal
         old = [pool.slot_locs(rslots)]
-        n_user = int(np.count_nonzero(pool.dirty[rslots]))
         segs.live_total += int(np.count_nonzero(old[0] == 0))
         pool.index.set(rrows, newloc[:m])
-        pool.slot_loc[rslots] = newloc[:m]
-        pool.dirty[rslots] = 0
+        n_user = pool.sealed_slots(rslots, newloc[:m])
         off = m
         for c, r in zip(copies, crow, strict=True):
             old.append(np.int64((c.seg.id << 32) + 1) + c.ks)
@@ -520,7 +520,7 @@ class Commit:
                                f"{self.wal_count}, the engine is at {self.count})")
         self.wal.append(int(t), rows, records)
         if slots.shape[0]:
-            self.pool.region[slots] = records
+            self.pool.put_slots(slots, records)
         self.count = self.wal_count = int(t)
         self.wal_acquires = self.stats["acquires"]
 

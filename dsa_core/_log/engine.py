@@ -923,6 +923,7 @@ class LogStore:
         t_written = (tot["sealed_records"] + tot["cleaned_records"]) * rb
         t_user = tot["user_records"] * rb
         clean_read = self._cleaner.read_counts()
+        used, dirty = self._pool.occupancy()
         return {
             "segments": len(segs.segs),
             "segment_records": int(segs.total_records),
@@ -937,8 +938,8 @@ class LogStore:
             "space_used": segs.total_records / segs.live_total if segs.live_total else 0.0,
             "space_ratio": self.space_ratio,
             "slots": self.slots,
-            "slots_used": self.slots - self._pool.nfree,
-            "slots_dirty": int(np.count_nonzero(self._pool.dirty)),
+            "slots_used": used,
+            "slots_dirty": dirty,
             "seal_unit": self.seal_unit,
             "seals": st["seals"],
             "cleaned_segments": st["cleaned_segments"],

@@ -400,11 +400,41 @@ class Pool:
         self.free_slots(slots[~dirty])  # after the seal: cleaning may have moved them
         return int(slots.shape[0])
 
-    # -- eviction ---------------------------------------------------------------------------
+    # -- sealing (``commit.Commit.seal``) --------------------------------------------------
     def next_seal_epoch(self) -> int:
         """A new seal mark (slots marked with it are going into that seal)."""
         self.seal_epoch += 1
         return self.seal_epoch
+
+    def mark_sealing(self, slots: np.ndarray, ep: int) -> None:
+        """``slots`` go into the seal of mark ``ep`` (the cleaner's scan skips them)."""
+        self.mark[slots] = ep
+
+    def rows_of_slots(self, slots: np.ndarray) -> np.ndarray:
+        """The row each of ``slots`` (resident) holds."""
+        return self.slot_row[slots]
+
+    def gather_slots(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """``out[i]`` = the record in slot ``slots[i]`` (``out``: records, any layout)."""
+        gather_records(self.region, slots, out)
+
+    def put_slots(self, slots: np.ndarray, records: np.ndarray) -> None:
+        """The records of ``slots`` (resident, dirty) become ``records``."""
+        self.region[slots] = records
+
+    def sealed_slots(self, slots: np.ndarray, locs: np.ndarray) -> int:
+        """``slots`` were written at ``locs`` (a seal): they are clean and remember where;
+        returns how many of them were dirty (the user's changes, not cleaning's)."""
+        n_user = int(np.count_nonzero(self.dirty[slots]))
+        self.slot_loc[slots] = locs
+        self.dirty[slots] = 0
+        return n_user
+
+    def occupancy(self) -> tuple[int, int]:
+        """``(slots used, slots dirty)`` of the region."""
+        return self.slots - self.nfree, int(np.count_nonzero(self.dirty))
+
+    # -- eviction ---------------------------------------------------------------------------
 
     def evict(self, need: int, pinned: int) -> tuple[np.ndarray, int]:
         """CLOCK until ``need + seal_unit`` slots (at most all but the ``pinned`` ones) are
