@@ -24,7 +24,7 @@ the commit group, its reused buffers, whether it is closed -- lives in the core'
 The step protocol, for one step ``t = count + 1`` of the unique rows ``rows``:
 
 1. the core refuses a batch of more than ``info.max_batch`` distinct rows before anything
-   changes (:func:`refuse_batch`: a log store's region must hold them);
+   changes (``_step.refuse_batch``: a log store's region must hold them);
 2. ``data, where = begin_step(rows, count, meta)`` -- the records the kernels update are
    ``data[where[k]]`` for ``rows[k]`` (the mapped rows themselves in place; region slots,
    or a private copy of them when each step is committed on its own);
@@ -64,8 +64,7 @@ import numpy as np
 from ._layout import MANIFEST_FILE, Layout
 from ._os import fsync_path
 
-__all__ = ["Engine", "Info", "closed_error", "commit", "no_view_error", "refuse_batch",
-           "scratch", "sync_commit"]
+__all__ = ["Engine", "Info", "closed_error", "commit", "no_view_error", "scratch", "sync_commit"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,16 +219,6 @@ def sync_commit(st: Engine) -> None:
     its directory (both kinds keep it at ``path / MANIFEST_FILE``)."""
     fsync_path(st.path / MANIFEST_FILE)
     fsync_path(st.path)
-
-
-def refuse_batch(st: Engine, n: int) -> None:
-    """Raise the ``ValueError`` of a step of ``n`` distinct rows, more than ``info.max_batch``
-    (the core calls it before anything changes): they do not fit the store's memory budget
-    (a log store's region), and the error says what budget (``memory=``) would hold them."""
-    from ._log.budget import check_memory  # the budget's own words (memory=)
-    check_memory(st.layout.as_dict(), st.info.memory_bytes or 0, int(n))
-    raise ValueError(f"store {str(st.path)!r} steps at most {st.info.max_batch} distinct rows "
-                     f"at once, got {int(n)}")
 
 
 _SCRATCH_MAX_BYTES = 16 << 20

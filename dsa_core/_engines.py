@@ -20,6 +20,8 @@
 * ``read_group_ref(directory)``: the commit group its manifest names (``_group``), or None;
 * ``roll_forward(directory, payload)``: install the manifest its group committed for it.
 * ``warmup()``: compile (or load from numba's cache) the engine's own kernels.
+* ``check_batch(layout, memory_bytes, rows)``: raise the kind's error for a step of more
+  distinct rows than ``info.max_batch`` (``_step.refuse_batch``), if it has its own.
 
 The open engines implement :class:`dsa_core._engine.Engine`.
 """

@@ -26,7 +26,6 @@ from ._files import copy_tree, staged_dir
 from ._engines import ENGINES, kind_of, orphaned_files, orphans_error, remove_orphans
 from ._group_file import recover
 from ._handle import Handle
-from ._inplace.store import check_unclean
 from ._validation import (
     DURABILITY_MODES,
     INIT_NAMES,
@@ -42,6 +41,7 @@ from ._validation import (
     check_second_moment,
     check_seed,
     check_storage,
+    check_unclean,
     check_weight_decay_options,
 )
 from ._validation import as_index

@@ -15,8 +15,8 @@ import numpy as np
 
 from . import _pool
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
-from ._engine import closed_error, refuse_batch, scratch
-from ._engines import warmup_engines
+from ._engine import Engine, closed_error, scratch
+from ._engines import ENGINES, warmup_engines
 from ._files import InDoubtError
 from ._intrinsics import NO_OPTIONS, WD_DECOUPLED, WD_L2, WD_NONE, options_array
 from ._kernels_adagrad import adagrad_hparams, adagrad_rows, rowwise_adagrad_options_kernel
@@ -35,6 +35,16 @@ from ._validation import as_index, check_lr, check_weight_decay
 
 __all__ = ["StepPlan", "abort_step", "as_index", "begin_step", "commit_step", "gather",
            "in_doubt", "plan_step", "run_step", "step", "warmup"]
+
+
+def refuse_batch(st: Engine, n: int) -> None:
+    """Raise the ``ValueError`` of a step of ``n`` distinct rows, more than ``info.max_batch``
+    (called before anything changes): they do not fit the store's memory budget (a log
+    store's region), and the kind's error (``check_batch``) says what ``memory=`` would
+    hold them."""
+    ENGINES[st.kind].check_batch(st.layout.as_dict(), st.info.memory_bytes or 0, int(n))
+    raise ValueError(f"store {str(st.path)!r} steps at most {st.info.max_batch} distinct rows "
+                     f"at once, got {int(n)}")
 
 
 def _as_rows(a: Any, n: int, dim: int, dtype: np.dtype, name: str) -> np.ndarray:

@@ -34,6 +34,7 @@ __all__ = [
     "NONFINITE_MODES",
     "OPTIMIZERS",
     "SECOND_MOMENTS",
+    "UNCLEAN_CHOICES",
     "check_access",
     "check_adagrad_hparams",
     "check_adagrad_options",
@@ -48,6 +49,7 @@ __all__ = [
     "check_second_moment",
     "check_seed",
     "check_storage",
+    "check_unclean",
     "check_weight_decay",
     "check_weight_decay_options",
 ]
@@ -387,6 +389,19 @@ _SUFFIXES = {"": 1, "b": 1,
              "t": 10**12, "tb": 10**12,
              "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
              "ti": 2**40, "tib": 2**40}
+
+
+UNCLEAN_CHOICES = ("refuse", "accept")  # open(..., unclean=): what to do with an unclean stop
+
+
+def check_unclean(unclean: str) -> str:
+    """The ``unclean=`` argument of ``dsa_core.open``, checked."""
+    if not isinstance(unclean, str) or unclean not in UNCLEAN_CHOICES:
+        raise ValueError(f"unclean must be one of {UNCLEAN_CHOICES} (what open does with a "
+                         "store whose writer stopped without flushing: 'refuse' raises "
+                         "UncleanStopError, 'accept' opens its rows as they are), got "
+                         f"{unclean!r}")
+    return unclean
 
 
 def check_memory_arg(memory: Any, storage: str = "log", *, what: str = "") -> int | None:

@@ -79,14 +79,13 @@ from .ranges import submit_mapped, submit_mapped_rows, wait_mapped
 from . import snapshots as _snapshots
 from . import undo as _undo
 from .._settings import remembered
-from .._validation import check_memory_arg
+from .._validation import UNCLEAN_CHOICES, check_memory_arg, check_unclean
 
 __all__ = ["SETTINGS", "UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanStopError",
            "check_settings", "check_unclean", "create_store", "open_store", "remove_store"]
 
 JOURNAL_MAGIC = b"DSAJRNL1"
 _JHEAD = struct.Struct("<8sQQI")
-UNCLEAN_CHOICES = ("refuse", "accept")  # open(..., unclean=): what to do with an unclean stop
 
 
 class UncleanStopError(RuntimeError):
@@ -94,16 +93,6 @@ class UncleanStopError(RuntimeError):
     and its rows cannot be put back at the last flush (the machine restarted since, so the
     undo record of the interval cannot be trusted, or there is none): its rows may mix later
     steps with its count."""
-
-
-def check_unclean(unclean: str) -> str:
-    """The ``unclean=`` argument of ``dsa_core.open``, checked."""
-    if not isinstance(unclean, str) or unclean not in UNCLEAN_CHOICES:
-        raise ValueError(f"unclean must be one of {UNCLEAN_CHOICES} (what open does with a "
-                         "store whose writer stopped without flushing: 'refuse' raises "
-                         "UncleanStopError, 'accept' opens its rows as they are), got "
-                         f"{unclean!r}")
-    return unclean
 
 
 def _unclean_message(path: Path, count: int, reason: str = "") -> str:
@@ -1049,6 +1038,11 @@ def check_files(directory: Path) -> list[tuple[str, str | None, str]]:
 def warmup() -> None:
     """Compile the engine's own kernels (``dsa_core.warmup``): the undo file's."""
     _undo.warmup()
+
+
+def check_batch(layout: dict[str, Any], memory_bytes: int, rows: int) -> None:
+    """Nothing: an in-place store steps any batch of its rows (``info.max_batch`` is the
+    table's rows), so no budget refuses one."""
 
 
 def owns_file(name: str) -> bool:

@@ -116,6 +116,12 @@ def create_store(directory: Path, layout: dict[str, Any], settings: dict[str, An
     return eng
 
 
+def check_batch(layout: dict[str, Any], memory_bytes: int, rows: int) -> None:
+    """Raise the budget's ``ValueError`` for a step of ``rows`` distinct rows that the
+    region of ``memory_bytes`` cannot hold: it names the ``memory=`` that would."""
+    budget.check_memory(layout, memory_bytes, rows)
+
+
 def warmup() -> None:
     """Nothing of its own to compile beyond the core's kernels (``dsa_core.warmup``)."""
 
