@@ -20,7 +20,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import log_memory, records
+from helpers import create, log_memory, records
 
 import dsa_core
 
@@ -28,12 +28,10 @@ N, D, B = 3000, 8, 64
 LAYOUT = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
 
 
-def _create(path, kind, slots=600, **kw):
-    if kind == "log":
-        return dsa_core.create(path, N, D, init="normal", seed=5, storage="log",
-                               memory=log_memory(LAYOUT, slots), **kw)
-    return dsa_core.create(path, N, D, init="normal", seed=5, storage="inplace",
-                           access="disk", **kw)
+# the stores (helpers.create; a log store's region holds slots= records), by kind:
+# dsa_core.create's init_scale, seed 5; in place paged from disk
+STORE = {"inplace": {"init_scale": 0.01, "seed": 5, "access": "disk"},
+         "log": {"init_scale": 0.01, "seed": 5}}
 
 
 def _steps(s, n, rows=None, seed=1):
@@ -62,7 +60,7 @@ def test_row_loads_and_releases_never_change_a_value(tmp_path, kind):
     rng = np.random.default_rng(7)
     batches = [(rng.integers(0, N, B), rng.standard_normal((B, D)).astype(np.float32))
                for _ in range(90)]
-    a, b = (_create(tmp_path / n, kind, slots=900) for n in "ab")
+    a, b = (create(tmp_path / n, N, D, kind, **STORE[kind], slots=900) for n in "ab")
     held: list[np.ndarray] = []
     all_rows = np.arange(N)
     for t, (idx, g) in enumerate(batches):
@@ -98,7 +96,7 @@ def test_row_loads_and_releases_never_change_a_value(tmp_path, kind):
 
 
 def test_loaded_rows_are_in_memory(tmp_path, kind):
-    s = _create(tmp_path / "s", kind, slots=1200)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=1200)
     s = _steps(s, 30)
     _on_disk(s)
     rows = np.sort(np.random.default_rng(2).choice(N, 200, replace=False))
@@ -128,7 +126,7 @@ def test_loaded_rows_are_in_memory(tmp_path, kind):
 @pytest.mark.parametrize("fn", ["load_rows", "release_rows"])
 def test_bad_rows_are_refused_and_change_nothing(tmp_path, kind, store_digest, bad, error,
                                                  words, fn):
-    s = _create(tmp_path / "s", kind)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=600)
     s = _steps(s, 3)
     dsa_core.flush(s)
     dsa_core.load_rows(s, [1, 2, 3], wait=True)
@@ -149,7 +147,7 @@ def test_bad_rows_are_refused_and_change_nothing(tmp_path, kind, store_digest, b
 
 
 def test_empty_and_outdated_states(tmp_path, kind):
-    s = _create(tmp_path / "s", kind)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=600)
     old = s
     s = _steps(s, 2)
     dsa_core.load_rows(old, [], wait=True)  # nothing
@@ -164,7 +162,7 @@ def test_empty_and_outdated_states(tmp_path, kind):
 
 # -- a log store's region ---------------------------------------------------------------------
 def test_loaded_rows_stay_in_the_region_while_others_cycle_it(tmp_path):
-    s = _create(tmp_path / "log", "log", slots=600)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=600)
     s = _steps(s, 30)
     _on_disk(s)
     rows = np.sort(np.random.default_rng(3).choice(N, 300, replace=False))
@@ -188,7 +186,7 @@ def test_loaded_rows_stay_in_the_region_while_others_cycle_it(tmp_path):
 
 
 def test_ranges_and_row_sets_count_and_hold_their_union(tmp_path):
-    s = _create(tmp_path / "log", "log", slots=900)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=900)
     s = _steps(s, 10)
     _on_disk(s)
     eng = s.store
@@ -219,7 +217,7 @@ def test_ranges_and_row_sets_count_and_hold_their_union(tmp_path):
 
 
 def test_a_row_set_that_cannot_fit_is_refused_and_changes_nothing(tmp_path, store_digest):
-    s = _create(tmp_path / "log", "log", slots=500)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=500)
     s = _steps(s, 5)
     dsa_core.flush(s)
     dsa_core.load_range(s, 0, 200)
@@ -249,7 +247,7 @@ def test_a_row_set_that_cannot_fit_is_refused_and_changes_nothing(tmp_path, stor
 def test_a_step_waits_for_the_row_load_it_needs(tmp_path):
     """A step that misses rows of a set still loading installs that load first: it reads
     none of them itself (``misses``)."""
-    s = _create(tmp_path / "log", "log", slots=1500)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=1500)
     s = _steps(s, 30)
     _on_disk(s)
     rows = np.sort(np.random.default_rng(6).choice(N, 1000, replace=False))
@@ -262,7 +260,7 @@ def test_a_step_waits_for_the_row_load_it_needs(tmp_path):
 
 
 def test_a_read_only_store_reads_row_sets_ahead_and_releases_nothing(tmp_path, kind):
-    s = _create(tmp_path / "s", kind)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=600)
     s = _steps(s, 10)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "s", mode="r")
@@ -338,7 +336,7 @@ def test_kill_9_with_a_row_load_in_flight(tmp_path, kind, durability):
 
 def test_the_store_keeps_its_own_copy_of_a_loaded_set(tmp_path):
     """A caller that reuses its array after ``load_rows`` changes nothing the store holds."""
-    s = _create(tmp_path / "log", "log", slots=900)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=900)
     rows = np.arange(100, 400, dtype=np.int64)  # sorted, unique, int64: taken as it is
     dsa_core.load_rows(s, rows, wait=True)
     rows[:] = np.arange(1000, 1300)  # the caller's buffer, refilled
