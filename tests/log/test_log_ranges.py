@@ -21,7 +21,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import create, log_memory, records
+from helpers import batches, create, log_memory, records, train
 
 import dsa_core
 
@@ -32,14 +32,6 @@ B = 64
 
 # the stores (helpers.create with slots=): dsa_core.create's init_scale, seed 5
 LOG = {"kind": "log", "init_scale": 0.01, "seed": 5}
-
-
-def _steps(s, n, lo=0, hi=N, seed=1, b=B):
-    rng = np.random.default_rng(seed)
-    for _ in range(n):
-        s = dsa_core.step(s, rng.integers(lo, hi, b),
-                          rng.standard_normal((b, D)).astype(np.float32))
-    return s
 
 
 def _stats(s):
@@ -53,7 +45,7 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
     if span == "sequential":  # this table's segments are small: make them count as large
         monkeypatch.setattr(ranges, "SPAN_BYTES", 4096)
     s = create(tmp_path / "log", N, D, **LOG, slots=1200)
-    s = _steps(s, 40)
+    s = train(s, 40, batch=B)
     dsa_core.release_range(s, 0, N)  # every row sealed in row order, none resident
     dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log", memory=log_memory(LAYOUT, 1200))
@@ -74,7 +66,7 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
         assert st["range_reads"] == 0 and st["range_mapped_records"] == 1000 - never
     assert st["slots_dirty"] == 0  # loaded rows are clean until a step writes them
     misses = st["misses"]
-    s = _steps(s, 10, 1000, 2000)
+    s = train(s, 10, batch=B, rows=np.arange(1000, 2000))
     assert _stats(s)["misses"] == misses  # every row was there
     np.testing.assert_array_equal(records(s)[:1000], want[:1000])
     assert s.store.check_index() == []
@@ -83,14 +75,15 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
 
 def test_loaded_rows_are_never_evicted_until_released(tmp_path):
     s = create(tmp_path / "log", N, D, **LOG, slots=600)
-    s = _steps(s, 30)
+    s = train(s, 30, batch=B)
     dsa_core.load_range(s, 0, 400)
-    s = _steps(s, 60, 400, N, seed=2)  # many misses elsewhere: CLOCK runs all the time
+    # many misses elsewhere: CLOCK runs all the time
+    s = train(s, 60, batch=B, rows=np.arange(400, N), seed=2)
     st = _stats(s)
     assert st["seals"] > 0 and st["range_pins_dropped"] == 0
     assert dsa_core.residency(s, np.arange(400)) == 1.0
     m = st["misses"]
-    s = _steps(s, 5, 0, 400, seed=3)
+    s = train(s, 5, batch=B, rows=np.arange(400), seed=3)
     assert _stats(s)["misses"] == m
     dsa_core.release_range(s, 0, 400)
     st = _stats(s)
@@ -127,7 +120,7 @@ def test_an_install_never_puts_back_a_stale_record(tmp_path):
     """Records read before the row moved (a seal or the cleaner) or became resident: the
     install compares locations and reads the moved rows again; resident ones are kept."""
     s = create(tmp_path / "log", N, D, **LOG, slots=1000)
-    s = _steps(s, 20)
+    s = train(s, 20, batch=B)
     dsa_core.release_range(s, 0, N)
     eng = s.store
     pool = eng._pool
@@ -149,14 +142,12 @@ def test_an_install_never_puts_back_a_stale_record(tmp_path):
 
 
 def test_loads_racing_steps_seals_and_cleaning_change_no_value(tmp_path):
-    rng = np.random.default_rng(4)
-    batches = [(rng.integers(0, N, B), rng.standard_normal((B, D)).astype(np.float32))
-               for _ in range(150)]
+    plan = batches(150, N, D, batch=B, seed=4)
     out = []
     for name, loads in (("plain", False), ("loaded", True)):
         s = create(tmp_path / name, N, D, **LOG, slots=400, space_ratio=1.3)
         held = []
-        for k, (idx, g) in enumerate(batches):
+        for k, (idx, g) in enumerate(plan):
             if loads and k % 5 == 0:
                 if len(held) == 2:
                     dsa_core.release_range(s, *held.pop(0))
@@ -176,7 +167,7 @@ def test_loads_racing_steps_seals_and_cleaning_change_no_value(tmp_path):
 
 def test_a_range_that_cannot_fit_is_refused_and_changes_nothing(tmp_path):
     s = create(tmp_path / "log", N, D, **LOG, slots=500)
-    s = _steps(s, 5)
+    s = train(s, 5, batch=B)
     dsa_core.load_range(s, 0, 300)
     before, st = records(s), _stats(s)
     with pytest.raises(ValueError) as e:
@@ -198,8 +189,8 @@ def test_a_batch_that_does_not_fit_beside_the_pins_unpins_them(tmp_path):
     fail because of it: the pins yield (counted), the values are those of any step."""
     s = create(tmp_path / "log", N, D, **LOG, slots=300)
     dsa_core.load_range(s, 0, 250, wait=True)
-    want = _steps(create(tmp_path / "ref", N, D, **LOG, slots=300), 1, b=200)
-    s = _steps(s, 1, b=200)
+    want = train(create(tmp_path / "ref", N, D, **LOG, slots=300), 1, batch=200)
+    s = train(s, 1, batch=200)
     assert _stats(s)["range_pins_dropped"] == 1
     np.testing.assert_array_equal(records(s), records(want))
     assert s.store.check_index() == []
@@ -209,7 +200,7 @@ def test_a_batch_that_does_not_fit_beside_the_pins_unpins_them(tmp_path):
 
 def test_close_with_a_load_in_flight(tmp_path):
     s = create(tmp_path / "log", N, D, **LOG, slots=2500)
-    s = _steps(s, 20)
+    s = train(s, 20, batch=B)
     dsa_core.release_range(s, 0, N)
     want = records(s)
     dsa_core.load_range(s, 0, 2000)  # not waited for
@@ -303,11 +294,11 @@ def test_a_full_disk_in_a_release_loses_nothing(tmp_path):
     from store.test_reliability import fill, small_fs
     with small_fs(tmp_path / "fs", "8m") as fs:
         s = create(fs / "log", N, D, **LOG, slots=1500)
-        s = _steps(s, 30)
+        s = train(s, 30, batch=B)
         dsa_core.release_range(s, 0, N)
         dsa_core.flush(s)
         dsa_core.load_range(s, 0, 1000, wait=True)
-        s = _steps(s, 20, 0, 1000, seed=7)  # the range is dirty now
+        s = train(s, 20, batch=B, rows=np.arange(1000), seed=7)  # the range is dirty now
         want = records(s)
         filler = fill(fs)
         with pytest.raises(OSError) as e:
@@ -330,7 +321,7 @@ def test_a_full_disk_in_a_release_loses_nothing(tmp_path):
 def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path):
     from dsa_core._log.format import SegmentError, read_header, record_offset, seg_name
     s = create(tmp_path / "log", N, D, **LOG, slots=1200)
-    s = _steps(s, 40)
+    s = train(s, 40, batch=B)
     dsa_core.release_range(s, 0, N)
     dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log", mode="r")
