@@ -236,11 +236,14 @@ def create(path, num_rows: int, dim: int, kind: str = "inplace", *, slots: int |
     return dsa_core.create(path, num_rows, dim, storage=kind, **kw)
 
 
-def batches(steps: int, num_rows: int, dim: int, *, batch: int, seed: int = 1, rows=None,
+def batches(steps: int, num_rows: int, dim: int, *, batch: int, seed=1, rows=None,
             unique: bool = False, sort: bool = False, dtype=np.float32) -> list:
     """``steps`` random ``(idx, grad)`` pairs of ``batch`` ids each: drawn from
     ``range(num_rows)`` (or from ``rows``), with duplicates unless ``unique``, sorted if
-    ``sort``; standard-normal gradients of ``dtype``."""
+    ``sort``; standard-normal gradients of ``dtype``. ``seed`` is an int or a
+    ``np.random.Generator``, which the draws then continue (and advance): a test's own stream.
+    Per step the ids are drawn first, then the gradients: with duplicates, the same values as
+    ``rng.integers(0, num_rows, batch)`` then ``rng.standard_normal((batch, dim))``."""
     rng = np.random.default_rng(seed)
     pool = num_rows if rows is None else np.asarray(rows)
     out = []

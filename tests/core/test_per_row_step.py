@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import batches
 from kernel_oracle import GEOMS, Oracle, geo_kw, init_rows, store_arrays
 
 import dsa_core
@@ -20,11 +21,6 @@ from dsa_core import _layout
 N, D = 50, 16
 ALL = {"weight_decay": 0.1, "decoupled_weight_decay": True, "decay_missed_steps": True,
        "per_row_step": True}
-
-
-def _batches(rng, steps=8, b=30, n=N, d=D, dtype=np.float32):
-    return [(rng.integers(0, n, b), rng.standard_normal((b, d)).astype(dtype))
-            for _ in range(steps)]
 
 
 # -- layout and format ------------------------------------------------------------------------
@@ -140,13 +136,13 @@ def test_resume_continues_the_same_trajectory(tmp_path, geom):
     kw = {"curvature": c, "init": init, "lr": 0.05, **geo_kw(c), **ALL}
     a = dsa_core.create(tmp_path / "a", N, D, **kw)
     b = dsa_core.create(tmp_path / "b", N, D, **kw)
-    batches = _batches(np.random.default_rng(1), steps=10)
-    for idx, g in batches[:5]:
+    plan = batches(10, N, D, batch=30, seed=1)
+    for idx, g in plan[:5]:
         a = dsa_core.step(a, idx, g)
         b = dsa_core.step(b, idx, g)
     dsa_core.close(b)
     b = dsa_core.open(tmp_path / "b")
-    for idx, g in batches[5:]:
+    for idx, g in plan[5:]:
         a = dsa_core.step(a, idx, g)
         b = dsa_core.step(b, idx, g)
     assert a.store.data.tobytes() == b.store.data.tobytes()
@@ -158,13 +154,13 @@ def test_resume_continues_the_same_trajectory(tmp_path, geom):
 def test_checkpoint_and_restore_carry_the_counters(tmp_path):
     rng = np.random.default_rng(2)
     s = dsa_core.create(tmp_path / "s", N, D, lr=0.05, **ALL)
-    batches = _batches(rng, steps=8)
-    for idx, g in batches[:4]:
+    plan = batches(8, N, D, batch=30, seed=rng)
+    for idx, g in plan[:4]:
         s = dsa_core.step(s, idx, g)
     dsa_core.checkpoint(s, tmp_path / "ckpt")
     rows_at_4, last_at_4 = s.row_steps.copy(), s.last_steps.copy()
     data_at_4 = s.store.data.copy()
-    for idx, g in batches[4:]:
+    for idx, g in plan[4:]:
         s = dsa_core.step(s, idx, g)
     assert not np.array_equal(s.row_steps, rows_at_4)
     snap = dsa_core.open(tmp_path / "ckpt", mode="r")
@@ -177,7 +173,7 @@ def test_checkpoint_and_restore_carry_the_counters(tmp_path):
     np.testing.assert_array_equal(s.store.data, data_at_4)
     # and restore continues exactly as the run did from step 4
     r = dsa_core.open(tmp_path / "ckpt")
-    for idx, g in batches[4:]:
+    for idx, g in plan[4:]:
         s = dsa_core.step(s, idx, g)
         r = dsa_core.step(r, idx, g)
     assert s.store.data.tobytes() == r.store.data.tobytes()
@@ -247,7 +243,7 @@ def test_per_row_counts_past_the_table(tmp_path, geom, betas):
     s = dsa_core.set_count(s, 1000)
     ref = Oracle(init, c, {"per_row_step": True})
     ref.rows[:] = counts
-    for idx, g in _batches(rng, steps=4, b=60, n=n):
+    for idx, g in batches(4, n, D, batch=60, seed=rng):  # rng: after init_rows
         s = dsa_core.step(s, idx, g)
         ref.step(s, idx, g, s.count)
     ref.check(s, dtype, D)
@@ -331,7 +327,7 @@ def test_decoupled_switched_off_later_falls_back_to_l2_and_keeps_counting(tmp_pa
     s = dsa_core.create(tmp_path / "s", N, D, init=init, lr=0.05, **opts)
     s = s._replace(decoupled_weight_decay=False)
     ref = Oracle(init, 0.0, {**opts, "decoupled_weight_decay": False})
-    for t, (idx, g) in enumerate(_batches(rng, steps=5), start=1):
+    for t, (idx, g) in enumerate(batches(5, N, D, batch=30, seed=rng), start=1):
         s = dsa_core.step(s, idx, g)
         ref.step(s, idx, g, t)
     ref.check(s, np.float32, D)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from helpers import records
+from helpers import batches, create, records, train
 from dsa_core import _log
 from dsa_core._log import budget
 from dsa_core._log import segments as _log_segments
@@ -130,18 +130,14 @@ def _track_buffers(monkeypatch):
     return made
 
 
-def _train(s, steps, seed=1, hot=4 * B):
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        ids = rng.choice(hot, B, replace=False)
-        s = dsa_core.step(s, ids, rng.standard_normal((B, D)).astype(np.float32))
-    return s
-
-
-def _create(path, **kw):
-    init = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
-    return dsa_core.create(path, N, D, init=init, storage="log",
-                           memory=budget.memory_for(_layout(), 3 * B), **kw)
+# the stores (helpers.create): a region of 3 * B records (memory=budget.memory_for(_layout(),
+# 3 * B)), the weights one fixed draw
+INIT = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
+INIT.flags.writeable = False  # one array for every store: none may change it
+LOG = {"kind": "log", "slots": 3 * B, "init": INIT}
+# the steps (helpers.train, batch=B, rows=HOT, unique=True): B distinct ids a step from a hot
+# set a third larger than the region
+HOT = np.arange(4 * B)
 
 
 def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, monkeypatch):
@@ -149,7 +145,8 @@ def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, mo
     records are those of a run that writes every seal at once."""
     with monkeypatch.context() as m:
         m.setattr(_log.commit, "BEHIND_BYTES", 0)  # the reference: no writer thread
-        s = _train(_create(tmp_path / "sync", space_ratio=1.2), 120)
+        s = train(create(tmp_path / "sync", N, D, **LOG, space_ratio=1.2), 120, batch=B,
+                  rows=HOT, unique=True)
         want = records(s)
         dsa_core.close(s)
     made = _track_buffers(monkeypatch)
@@ -160,7 +157,7 @@ def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, mo
         return real_write(*a, **kw)
 
     monkeypatch.setattr(_log_writer, "write_segment", slow_write)
-    s = _create(tmp_path / "slow", space_ratio=1.2)
+    s = create(tmp_path / "slow", N, D, **LOG, space_ratio=1.2)
     segs = s.store._segments  # commit writes behind at most a write buffer's seal
     most, real_seal = [0], _log.commit.Commit.seal
 
@@ -171,7 +168,7 @@ def test_write_buffers_stay_within_their_share_when_the_writer_lags(tmp_path, mo
         assert all(b.nbytes <= segs.behind_bytes for b in alive)
 
     monkeypatch.setattr(_log.commit.Commit, "seal", counting_seal)
-    s = _train(s, 120)
+    s = train(s, 120, batch=B, rows=HOT, unique=True)
     assert s.store.log_stats()["cleaned_segments"] > 0 and len(made) >= budget.WRITE_BUFFERS
     assert most[0] == budget.WRITE_BUFFERS  # used, never exceeded
     assert s.store.check_index() == []
@@ -188,7 +185,8 @@ def test_a_failed_write_found_by_a_waiting_seal_changes_nothing(tmp_path, monkey
     same batch again ends as the reference."""
     with monkeypatch.context() as m:
         m.setattr(_log.commit, "BEHIND_BYTES", 0)
-        s = _train(_create(tmp_path / "sync", space_ratio=1.2), 100)
+        s = train(create(tmp_path / "sync", N, D, **LOG, space_ratio=1.2), 100, batch=B,
+                  rows=HOT, unique=True)
         want = records(s)
         dsa_core.close(s)
     real_write = _log_writer.write_segment
@@ -211,17 +209,15 @@ def test_a_failed_write_found_by_a_waiting_seal_changes_nothing(tmp_path, monkey
 
     monkeypatch.setattr(_log_writer, "write_segment", flaky_write)
     monkeypatch.setattr(_log_segments.Segments, "settle_oldest", counting_oldest)
-    s = _create(tmp_path / "flaky", space_ratio=1.2)
-    rng = np.random.default_rng(1)
-    batches = [(rng.choice(4 * B, B, replace=False),
-                rng.standard_normal((B, D)).astype(np.float32)) for _ in range(100)]
+    s = create(tmp_path / "flaky", N, D, **LOG, space_ratio=1.2)
+    plan = batches(100, N, D, batch=B, rows=HOT, unique=True)  # the reference's steps
     k, failures, arm = 0, 0, {30: 1, 60: 2}
-    while k < len(batches):
+    while k < len(plan):
         if k in arm:  # once: the retry succeeds; twice: the step raises (armed once, not
             fail.update(sid=s.store._segments.next_segment, left=arm.pop(k))  # per retry)
         before = s.count
         try:
-            s = dsa_core.step(s, *batches[k])
+            s = dsa_core.step(s, *plan[k])
         except OSError as exc:
             assert "the next seal or flush tries again" in str(exc)
             failures += 1
@@ -275,7 +271,8 @@ def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path
     """kill -9 (a crash point in the writer thread's nth record block) while the writer
     lags and seals wait for its oldest write: the store reopens exactly at its last flush,
     without the unfinished segments (garbage for the writer's open)."""
-    s = _train(_create(tmp_path / "k", space_ratio=1.2), 30)
+    s = train(create(tmp_path / "k", N, D, **LOG, space_ratio=1.2), 30, batch=B, rows=HOT,
+              unique=True)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "k", mode="r")
     want = records(r)
@@ -292,7 +289,7 @@ def test_kill_while_seals_wait_for_the_writer_reopens_at_the_last_flush(tmp_path
             _log_writer.write_segment = slow_write
             _log.format.set_crash("seal-chunk", nth)
             s2 = dsa_core.open(tmp_path / "k", memory=budget.memory_for(_layout(), 3 * B))
-            _train(s2, 100, seed=5)
+            train(s2, 100, batch=B, rows=HOT, unique=True, seed=5)
         finally:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
@@ -393,7 +390,8 @@ def test_misses_are_copied_straight_into_place_with_one_record_of_scratch(tmp_pa
 def test_a_flush_writes_the_index_in_pieces_within_the_staging_share(tmp_path, monkeypatch):
     """The budget charges 8 bytes per row for the index: a flush never builds a second whole
     index, it writes pieces of at most the staging chunk, which make up the same file."""
-    s = _train(_create(tmp_path / "s", space_ratio=1.2), 20)
+    s = train(create(tmp_path / "s", N, D, **LOG, space_ratio=1.2), 20, batch=B, rows=HOT,
+              unique=True)
     eng = s.store
     pool = eng._pool
     whole = pool.disk_locations()
@@ -412,7 +410,7 @@ def test_a_flush_writes_the_index_in_pieces_within_the_staging_share(tmp_path, m
         raise AssertionError("a flush built the whole index")
 
     monkeypatch.setattr(_log.pool.Pool, "disk_locations", no_whole_index)
-    s = _train(s, 5)
+    s = train(s, 5, batch=B, rows=HOT, unique=True)
     dsa_core.flush(s)
     monkeypatch.undo()
     want = records(s)

@@ -21,7 +21,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import log_memory, records
+from helpers import batches, create, log_memory, records, train
 
 import dsa_core
 
@@ -30,17 +30,8 @@ LAYOUT = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
 B = 64
 
 
-def _create(path, slots, init="normal", **kw):
-    return dsa_core.create(path, N, D, init=init, seed=5, storage="log",
-                           memory=log_memory(LAYOUT, slots), **kw)
-
-
-def _steps(s, n, lo=0, hi=N, seed=1, b=B):
-    rng = np.random.default_rng(seed)
-    for _ in range(n):
-        s = dsa_core.step(s, rng.integers(lo, hi, b),
-                          rng.standard_normal((b, D)).astype(np.float32))
-    return s
+# the stores (helpers.create with slots=): dsa_core.create's init_scale, seed 5
+LOG = {"kind": "log", "init_scale": 0.01, "seed": 5}
 
 
 def _stats(s):
@@ -53,8 +44,8 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
     from dsa_core._log import ranges
     if span == "sequential":  # this table's segments are small: make them count as large
         monkeypatch.setattr(ranges, "SPAN_BYTES", 4096)
-    s = _create(tmp_path / "log", slots=1200)
-    s = _steps(s, 40)
+    s = create(tmp_path / "log", N, D, **LOG, slots=1200)
+    s = train(s, 40, batch=B)
     dsa_core.release_range(s, 0, N)  # every row sealed in row order, none resident
     dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log", memory=log_memory(LAYOUT, 1200))
@@ -75,7 +66,7 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
         assert st["range_reads"] == 0 and st["range_mapped_records"] == 1000 - never
     assert st["slots_dirty"] == 0  # loaded rows are clean until a step writes them
     misses = st["misses"]
-    s = _steps(s, 10, 1000, 2000)
+    s = train(s, 10, batch=B, rows=np.arange(1000, 2000))
     assert _stats(s)["misses"] == misses  # every row was there
     np.testing.assert_array_equal(records(s)[:1000], want[:1000])
     assert s.store.check_index() == []
@@ -83,15 +74,16 @@ def test_a_load_reads_the_range_in_a_few_large_reads_then_steps_do_not_miss(tmp_
 
 
 def test_loaded_rows_are_never_evicted_until_released(tmp_path):
-    s = _create(tmp_path / "log", slots=600)
-    s = _steps(s, 30)
+    s = create(tmp_path / "log", N, D, **LOG, slots=600)
+    s = train(s, 30, batch=B)
     dsa_core.load_range(s, 0, 400)
-    s = _steps(s, 60, 400, N, seed=2)  # many misses elsewhere: CLOCK runs all the time
+    # many misses elsewhere: CLOCK runs all the time
+    s = train(s, 60, batch=B, rows=np.arange(400, N), seed=2)
     st = _stats(s)
     assert st["seals"] > 0 and st["range_pins_dropped"] == 0
     assert dsa_core.residency(s, np.arange(400)) == 1.0
     m = st["misses"]
-    s = _steps(s, 5, 0, 400, seed=3)
+    s = train(s, 5, batch=B, rows=np.arange(400), seed=3)
     assert _stats(s)["misses"] == m
     dsa_core.release_range(s, 0, 400)
     st = _stats(s)
@@ -102,7 +94,7 @@ def test_loaded_rows_are_never_evicted_until_released(tmp_path):
 
 
 def test_a_load_keeps_resident_dirty_rows_and_loads_never_written_ones(tmp_path):
-    s = _create(tmp_path / "log", slots=1000)
+    s = create(tmp_path / "log", N, D, **LOG, slots=1000)
     init = records(s)  # nothing written yet: every row reads as its initial record
     s = dsa_core.step(s, np.arange(100, 150), np.ones((50, D), np.float32))  # dirty, resident
     dsa_core.release_range(s, 0, 100)  # (nothing there)
@@ -127,8 +119,8 @@ def test_a_load_keeps_resident_dirty_rows_and_loads_never_written_ones(tmp_path)
 def test_an_install_never_puts_back_a_stale_record(tmp_path):
     """Records read before the row moved (a seal or the cleaner) or became resident: the
     install compares locations and reads the moved rows again; resident ones are kept."""
-    s = _create(tmp_path / "log", slots=1000)
-    s = _steps(s, 20)
+    s = create(tmp_path / "log", N, D, **LOG, slots=1000)
+    s = train(s, 20, batch=B)
     dsa_core.release_range(s, 0, N)
     eng = s.store
     pool = eng._pool
@@ -150,14 +142,12 @@ def test_an_install_never_puts_back_a_stale_record(tmp_path):
 
 
 def test_loads_racing_steps_seals_and_cleaning_change_no_value(tmp_path):
-    rng = np.random.default_rng(4)
-    batches = [(rng.integers(0, N, B), rng.standard_normal((B, D)).astype(np.float32))
-               for _ in range(150)]
+    plan = batches(150, N, D, batch=B, seed=4)
     out = []
     for name, loads in (("plain", False), ("loaded", True)):
-        s = _create(tmp_path / name, slots=400, space_ratio=1.3)
+        s = create(tmp_path / name, N, D, **LOG, slots=400, space_ratio=1.3)
         held = []
-        for k, (idx, g) in enumerate(batches):
+        for k, (idx, g) in enumerate(plan):
             if loads and k % 5 == 0:
                 if len(held) == 2:
                     dsa_core.release_range(s, *held.pop(0))
@@ -176,8 +166,8 @@ def test_loads_racing_steps_seals_and_cleaning_change_no_value(tmp_path):
 
 
 def test_a_range_that_cannot_fit_is_refused_and_changes_nothing(tmp_path):
-    s = _create(tmp_path / "log", slots=500)
-    s = _steps(s, 5)
+    s = create(tmp_path / "log", N, D, **LOG, slots=500)
+    s = train(s, 5, batch=B)
     dsa_core.load_range(s, 0, 300)
     before, st = records(s), _stats(s)
     with pytest.raises(ValueError) as e:
@@ -197,10 +187,10 @@ def test_a_range_that_cannot_fit_is_refused_and_changes_nothing(tmp_path):
 def test_a_batch_that_does_not_fit_beside_the_pins_unpins_them(tmp_path):
     """A load was checked against the batches stepped so far; a larger batch later must not
     fail because of it: the pins yield (counted), the values are those of any step."""
-    s = _create(tmp_path / "log", slots=300)
+    s = create(tmp_path / "log", N, D, **LOG, slots=300)
     dsa_core.load_range(s, 0, 250, wait=True)
-    want = _steps(_create(tmp_path / "ref", slots=300), 1, b=200)
-    s = _steps(s, 1, b=200)
+    want = train(create(tmp_path / "ref", N, D, **LOG, slots=300), 1, batch=200)
+    s = train(s, 1, batch=200)
     assert _stats(s)["range_pins_dropped"] == 1
     np.testing.assert_array_equal(records(s), records(want))
     assert s.store.check_index() == []
@@ -209,8 +199,8 @@ def test_a_batch_that_does_not_fit_beside_the_pins_unpins_them(tmp_path):
 
 
 def test_close_with_a_load_in_flight(tmp_path):
-    s = _create(tmp_path / "log", slots=2500)
-    s = _steps(s, 20)
+    s = create(tmp_path / "log", N, D, **LOG, slots=2500)
+    s = train(s, 20, batch=B)
     dsa_core.release_range(s, 0, N)
     want = records(s)
     dsa_core.load_range(s, 0, 2000)  # not waited for
@@ -303,12 +293,12 @@ def test_ctrl_c_between_load_and_release_flushes_at_exit(tmp_path):
 def test_a_full_disk_in_a_release_loses_nothing(tmp_path):
     from store.test_reliability import fill, small_fs
     with small_fs(tmp_path / "fs", "8m") as fs:
-        s = _create(fs / "log", slots=1500)
-        s = _steps(s, 30)
+        s = create(fs / "log", N, D, **LOG, slots=1500)
+        s = train(s, 30, batch=B)
         dsa_core.release_range(s, 0, N)
         dsa_core.flush(s)
         dsa_core.load_range(s, 0, 1000, wait=True)
-        s = _steps(s, 20, 0, 1000, seed=7)  # the range is dirty now
+        s = train(s, 20, batch=B, rows=np.arange(1000), seed=7)  # the range is dirty now
         want = records(s)
         filler = fill(fs)
         with pytest.raises(OSError) as e:
@@ -330,8 +320,8 @@ def test_a_full_disk_in_a_release_loses_nothing(tmp_path):
 
 def test_a_damaged_record_is_never_loaded_and_its_error_is_raised_once(tmp_path):
     from dsa_core._log.format import SegmentError, read_header, record_offset, seg_name
-    s = _create(tmp_path / "log", slots=1200)
-    s = _steps(s, 40)
+    s = create(tmp_path / "log", N, D, **LOG, slots=1200)
+    s = train(s, 40, batch=B)
     dsa_core.release_range(s, 0, N)
     dsa_core.close(s)
     s = dsa_core.open(tmp_path / "log", mode="r")

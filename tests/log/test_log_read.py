@@ -13,22 +13,17 @@ import numpy as np
 import pytest
 
 import dsa_core
-from helpers import batches, log_memory, records
+from helpers import batches, create, log_memory, records, train
 from dsa_core._log import read as _log_read
 
 N, D = 3000, 8
 B = 64
 
 
-def _create(path, slots, **kw):
-    layout = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
-    init = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
-    return dsa_core.create(path, N, D, init=init, storage="log",
-                           memory=log_memory(layout, slots), **kw)
-
-
-def _batches(steps, seed=1):
-    return batches(steps, N, D, batch=B, seed=seed)
+# the stores (helpers.create with slots=): the weights one fixed draw
+INIT = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
+INIT.flags.writeable = False  # one array for every store: none may change it
+LOG = {"kind": "log", "init": INIT}
 
 
 def _evict_segments(path, state=None):
@@ -51,9 +46,8 @@ def _evict_segments(path, state=None):
 
 
 def test_readahead_reads_uncached_records_and_changes_nothing(tmp_path):
-    s = _create(tmp_path / "log", slots=500)
-    for idx, g in _batches(40):
-        s = dsa_core.step(s, idx, g)
+    s = create(tmp_path / "log", N, D, **LOG, slots=500)
+    s = train(s, 40, batch=B)
     dsa_core.close(s)  # flushed: every record is in a segment, none resident after reopen
     r = dsa_core.open(tmp_path / "log", mode="r")
     want = records(r)
@@ -92,11 +86,11 @@ def test_prefetch_and_releases_racing_steps_give_identical_records(tmp_path, spa
     """Read-ahead of future batches (a background thread) and range releases between steps,
     with a small region and a tight space bound (seals and cleaning all the time): the
     records are exactly those of the same run without any hint."""
-    batches = _batches(120)
+    plan = batches(120, N, D, batch=B)
     runs = []
     for name, hints in (("plain", False), ("hinted", True)):
-        s = _create(tmp_path / name, slots=2 * B, space_ratio=space_ratio)
-        feed = dsa_core.prefetched(s, batches, ahead=3) if hints else batches
+        s = create(tmp_path / name, N, D, **LOG, slots=2 * B, space_ratio=space_ratio)
+        feed = dsa_core.prefetched(s, plan, ahead=3) if hints else plan
         held = []  # loaded ranges: at most two of 30 rows beside a batch of 64 in 128 slots
         for k, (idx, g) in enumerate(feed):
             s = dsa_core.step(s, idx, g)
@@ -123,7 +117,7 @@ def test_prefetch_and_releases_racing_steps_give_identical_records(tmp_path, spa
 
 
 def test_release_seals_the_dirty_rows_in_row_order_and_frees_their_slots(tmp_path):
-    s = _create(tmp_path / "log", slots=1000)
+    s = create(tmp_path / "log", N, D, **LOG, slots=1000)
     rows = np.random.default_rng(2).permutation(np.arange(100, 400))
     s = dsa_core.step(s, rows, np.ones((rows.shape[0], D), np.float32))
     s = dsa_core.step(s, [5, 6], np.ones((2, D), np.float32))
@@ -152,9 +146,8 @@ def test_release_seals_the_dirty_rows_in_row_order_and_frees_their_slots(tmp_pat
 
 
 def test_read_only_store_prefetches_and_ignores_releases(tmp_path):
-    s = _create(tmp_path / "log", slots=500)
-    for idx, g in _batches(10):
-        s = dsa_core.step(s, idx, g)
+    s = create(tmp_path / "log", N, D, **LOG, slots=500)
+    s = train(s, 10, batch=B)
     want = records(s)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "log", mode="r")
@@ -181,8 +174,8 @@ def test_space_ratio_is_checked_before_anything_is_written(tmp_path, bad):
 
 
 def test_space_ratio_is_stored_and_bounds_the_segments(tmp_path):
-    s = _create(tmp_path / "log", slots=2 * B, space_ratio=1.5)
-    for idx, g in _batches(150):
+    s = create(tmp_path / "log", N, D, **LOG, slots=2 * B, space_ratio=1.5)
+    for idx, g in batches(150, N, D, batch=B):
         s = dsa_core.step(s, idx, g)
         st = s.store.log_stats()
         # after every step, within the slack the store may run above space_ratio
@@ -225,14 +218,13 @@ def test_cleaning_reads_ahead_with_the_records_of_a_mapped_run(tmp_path, monkeyp
     """Cleaning copies the live records read ahead by a thread; the records are
     bit-identical to a run that reads nothing ahead (every victim copied through its
     mapping, at a wait past the slack)."""
-    batches = _batches(150)
+    plan = batches(150, N, D, batch=B)
     runs = []
     for name, whole in (("mapped", 0), ("read", _log_read.WHOLE_MAX)):
         with monkeypatch.context() as m:
             m.setattr(_log_read, "WHOLE_MAX", whole)
-            s = _create(tmp_path / name, slots=2 * B, space_ratio=1.3)
-            for idx, g in batches:
-                s = dsa_core.step(s, idx, g)
+            s = create(tmp_path / name, N, D, **LOG, slots=2 * B, space_ratio=1.3)
+            s = train(s, plan)
             st = s.store.log_stats()
             assert st["cleaned_segments"] > 0
             assert s.store.check_index() == []
@@ -460,9 +452,8 @@ def test_the_engine_reads_its_misses_as_foreground_reads(tmp_path, monkeypatch, 
     reads, and only then; the values are the same."""
     from dsa_core._log import segments as _segments
 
-    s = _create(tmp_path / "log", slots=500)
-    for idx, g in _batches(40):
-        s = dsa_core.step(s, idx, g)
+    s = create(tmp_path / "log", N, D, **LOG, slots=500)
+    s = train(s, 40, batch=B)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "log", mode="r")
     want = records(r)

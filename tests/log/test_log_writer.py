@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dsa_core
-from helpers import log_memory, records
+from helpers import batches, create, log_memory, records, train
 from dsa_core import _log
 from dsa_core._log import format as _log_format
 from dsa_core._log import writer as _log_writer
@@ -23,28 +23,21 @@ from dsa_core._log import writer as _log_writer
 N, D, B = 2000, 8, 64
 
 
-def _create(path, **kw):
-    layout = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
-    init = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
-    return dsa_core.create(path, N, D, init=init, storage="log",
-                           memory=log_memory(layout, 3 * B), **kw)
-
-
-def _train(s, steps=150, seed=1):
-    """Ids from a hot set a third larger than the region: its rows leave and come back all
-    the time, so young segments die (all their records rewritten) within a few seals."""
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        ids = rng.integers(0, 4 * B, B)
-        s = dsa_core.step(s, ids, rng.standard_normal((B, D)).astype(np.float32))
-    return s
+# the stores (helpers.create): a region of 3 * B records, the weights one fixed draw
+INIT = (np.random.default_rng(0).standard_normal((N, D)) * 0.1).astype(np.float32)
+INIT.flags.writeable = False  # one array for every store: none may change it
+LOG = {"kind": "log", "slots": 3 * B, "init": INIT}
+# the steps (helpers.train, batch=B, rows=HOT): ids from a hot set a third larger than the
+# region, so its rows leave and come back all the time and young segments die (all their
+# records rewritten) within a few seals
+HOT = np.arange(4 * B)
 
 
 def _reference(tmp_path, monkeypatch):
     """The same run with every seal written at once, in the seal (no writer thread)."""
     with monkeypatch.context() as m:
         m.setattr(_log.commit, "BEHIND_BYTES", 0)
-        s = _train(_create(tmp_path / "sync", space_ratio=1.05))
+        s = train(create(tmp_path / "sync", N, D, **LOG, space_ratio=1.05), 150, batch=B, rows=HOT)
         assert s.store._segments.writer is None
         want = records(s)
         dsa_core.close(s)
@@ -78,7 +71,8 @@ def test_slow_background_writes_read_clean_and_drop_pending_segments(tmp_path, m
     monkeypatch.setattr(_log.segments, "WRITE_BUFFERS", 8)  # (more buffers than the budget's)
     monkeypatch.setattr(_log.segments.Segments, "read_into", counting_read)
     monkeypatch.setattr(_log.segments.Segments, "drop", counting_drop)
-    s = _train(_create(tmp_path / "behind", space_ratio=1.05))
+    s = train(create(tmp_path / "behind", N, D, **LOG, space_ratio=1.05), 150, batch=B,
+              rows=HOT)
     eng = s.store
     assert eng._segments.writer is not None and eng.log_stats()["cleaned_segments"] > 0
     assert seen["pending_reads"] > 0 and seen["pending_dropped"] > 0  # the races happened
@@ -114,17 +108,15 @@ def test_a_failed_background_write_is_retried_and_a_second_failure_changes_nothi
         return real_write(path, sid, *a, **kw)
 
     monkeypatch.setattr(_log_writer, "write_segment", flaky_write)
-    s = _create(tmp_path / "flaky", space_ratio=1.05)
-    rng = np.random.default_rng(1)
-    batches = [(rng.integers(0, 4 * B, B), rng.standard_normal((B, D)).astype(np.float32))
-               for _ in range(150)]
+    s = create(tmp_path / "flaky", N, D, **LOG, space_ratio=1.05)
+    plan = batches(150, N, D, batch=B, rows=HOT)  # the reference's steps
     k, failures, arm = 0, 0, {40: 1, 90: 2}
-    while k < len(batches):
+    while k < len(plan):
         if k in arm:  # once: the retry succeeds; twice (background, retry): it raises
             fail.update(sid=None, armed=True, left=arm.pop(k))  # armed once, not per retry
         before = s.count
         try:
-            s = dsa_core.step(s, *batches[k])
+            s = dsa_core.step(s, *plan[k])
         except OSError as exc:
             assert "the next seal or flush tries again" in str(exc)
             failures += 1
@@ -142,7 +134,7 @@ def test_a_failed_background_write_is_retried_and_a_second_failure_changes_nothi
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_kill_during_a_background_write_reopens_at_the_last_flush(tmp_path):
-    s = _train(_create(tmp_path / "k", space_ratio=1.05), steps=30)
+    s = train(create(tmp_path / "k", N, D, **LOG, space_ratio=1.05), 30, batch=B, rows=HOT)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "k", mode="r")
     want = records(r)
@@ -153,7 +145,7 @@ def test_kill_during_a_background_write_reopens_at_the_last_flush(tmp_path):
             _log_format.set_crash("seal-chunk", 3)  # the third record block written...
             s2 = dsa_core.open(tmp_path / "k", memory=log_memory(
                 {"num_rows": N, "stride": 3 * D, "dtype": "float32"}, 3 * B))
-            _train(s2, steps=100, seed=5)  # ...by the writer thread, which kills us
+            train(s2, 100, batch=B, rows=HOT, seed=5)  # ...by the writer thread, which kills us
         finally:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
@@ -179,8 +171,8 @@ def test_the_writer_keeps_a_window_of_recent_segments_cached(tmp_path, monkeypat
     w.close()
     assert all(j.error is None and j.size == size for j in jobs)
     assert dropped == paths[:3]  # the newest two (2 x size <= 2.5 x size) stay cached
-    s = _create(tmp_path / "eng")
-    s = _train(s, steps=20)
+    s = create(tmp_path / "eng", N, D, **LOG)
+    s = train(s, 20, batch=B, rows=HOT)
     eng = s.store
     assert eng._segments.writer is not None
     segs = _log.segments
@@ -315,8 +307,8 @@ def test_a_failed_flush_leaves_no_segment_write_running(tmp_path, monkeypatch):
             time.sleep(0.3)
         return real_run(self, drop)
 
-    s = _create(tmp_path / "s")
-    s = _train(s, steps=40)
+    s = create(tmp_path / "s", N, D, **LOG)
+    s = train(s, 40, batch=B, rows=HOT)
     segs = s.store._segments
     monkeypatch.setattr(_log_writer.WriteJob, "run", slow_run)
     rng = np.random.default_rng(5)

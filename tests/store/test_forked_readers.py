@@ -33,11 +33,7 @@ def _trained(path, kind: str, steps: int = 12, **kw):
     if kind == "log":
         dsa_core.close(s)
         s = dsa_core.open(path, memory=log_memory(s, 2 * B))
-    return _train(s, 0, steps)
-
-
-def _train(s, seed: int, steps: int):
-    return train(s, steps, batch=B, seed=seed, unique=True)
+    return train(s, steps, batch=B, seed=0, unique=True)
 
 
 def _fork(child) -> tuple[int, int]:
@@ -102,7 +98,7 @@ def test_a_forked_reader_sees_the_current_rows_or_refuses(tmp_path, kind, change
         rec[:, :D] += 1.0
         dsa_core.write_records(s, ids[:7], rec)
     else:
-        s = _train(s, 1, 1)
+        s = train(s, 1, batch=B, seed=1, unique=True)
     dsa_core.flush(s)
     np.save(tmp_path / "weights.npy", dsa_core.gather(s, ids))
     np.save(tmp_path / "records.npy", dsa_core.read_records(s, ids))
@@ -186,7 +182,7 @@ def test_a_multiprocessing_fork_worker(tmp_path, kind):
 
     p = ctx.Process(target=late_read, args=(s, ids, q))
     p.start()
-    s = _train(s, 1, 1)
+    s = train(s, 1, batch=B, seed=1, unique=True)
     go.set()
     got = q.get(timeout=30)
     p.join(30)

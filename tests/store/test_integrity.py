@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import dsa_core
+from helpers import batches, create, train
 from dsa_core._files import json_checksum
 from dsa_core._log import format as F
 from dsa_core._log.sums import record_sums, split_sums
@@ -33,25 +34,18 @@ KINDS = ["inplace", "log"]
 DURABILITY = ["flush", "step"]
 
 
-def _batches(steps, seed=0, avoid=()):
-    rng = np.random.default_rng(seed)
-    pool = np.setdiff1d(np.arange(N), np.asarray(avoid, np.int64))
-    for _ in range(steps):
-        idx = np.sort(rng.choice(pool, 200, replace=False))
-        yield idx, rng.standard_normal((200, D)).astype(np.float32)
-
-
-def _create(path, kind, durability="flush"):
-    kw = {"memory": "292KiB"} if kind == "log" else {}  # a region of 774 slots
-    return dsa_core.create(path, N, D, storage=kind, init="normal", seed=3,
-                           durability=durability, **kw)
+# the stores (helpers.create), by kind: dsa_core.create's init_scale, seed 3; a log store's
+# memory a region of 774 slots
+STORE = {"inplace": {"init_scale": 0.01, "seed": 3},
+         "log": {"init_scale": 0.01, "seed": 3, "memory": "292KiB"}}
+# the steps (helpers.batches / train with these and a seed): 200 distinct ids, sorted
+SORTED = {"batch": 200, "unique": True, "sort": True}
 
 
 def _trained(tmp_path, kind, durability="flush", steps=20, name="s"):
     """A closed store of ``kind`` after ``steps`` steps (a log store: many segments)."""
-    s = _create(tmp_path / name, kind, durability)
-    for idx, g in _batches(steps):
-        s = dsa_core.step(s, idx, g)
+    s = create(tmp_path / name, N, D, kind, **STORE[kind], durability=durability)
+    s = train(s, steps, seed=0, **SORTED)
     dsa_core.close(s)
     return tmp_path / name
 
@@ -181,13 +175,13 @@ def test_a_flipped_bit_in_the_index_is_named_by_verify_file_by_file(tmp_path, du
 def _logged(tmp_path, steps=4):
     """A durability="step" log store with ``steps`` logged steps after its last flush, its
     writer gone as after kill -9; and the reference records after each step."""
-    s = _create(tmp_path / "w", "log", "step")
-    batches = list(_batches(6 + steps, seed=5))
-    for idx, g in batches[:6]:
+    s = create(tmp_path / "w", N, D, "log", **STORE["log"], durability="step")
+    plan = batches(6 + steps, N, D, seed=5, **SORTED)
+    for idx, g in plan[:6]:
         s = dsa_core.step(s, idx, g)
     dsa_core.flush(s)
     refs = [dsa_core.read_records(s, np.arange(N))]
-    for idx, g in batches[6:]:
+    for idx, g in plan[6:]:
         s = dsa_core.step(s, idx, g)
         refs.append(dsa_core.read_records(s, np.arange(N)))
     m = json.loads((s.path / "manifest.json").read_text())
@@ -276,7 +270,8 @@ def test_a_damaged_record_is_never_laundered_by_cleaning(tmp_path, capsys):
     _flip(seg, at + 5, 0x80)
     s = dsa_core.open(p)
     with pytest.raises(F.SegmentError, match=f"{seg.name}.* record {k} \\(row {row}\\)"):
-        for idx, g in _batches(400, seed=9, avoid=[row]):  # never the damaged row itself
+        others = np.setdiff1d(np.arange(N), [row])  # never the damaged row itself
+        for idx, g in batches(400, N, D, seed=9, rows=others, **SORTED):
             s = dsa_core.step(s, idx, g)
     s.store.abandon()
     rc, out = _verify(p, capsys)
@@ -408,8 +403,7 @@ def test_a_version_2_store_reads_checks_and_trains_on(tmp_path):
     np.testing.assert_array_equal(dsa_core.read_records(s, np.arange(N)), ref)
     dsa_core.close(s)
     s = dsa_core.open(p)
-    for idx, g in _batches(40, seed=4):
-        s = dsa_core.step(s, idx, g)
+    s = train(s, 40, seed=4, **SORTED)
     ref2 = dsa_core.read_records(s, np.arange(N))
     assert s.store.check_index() == []
     dsa_core.close(s)
@@ -435,8 +429,7 @@ def test_a_format_1_store_is_read_and_its_records_checked(tmp_path):
     _as_format_1(p)
     s = dsa_core.open(p)
     np.testing.assert_array_equal(dsa_core.read_records(s, np.arange(N)), ref)
-    for idx, g in _batches(5, seed=4):
-        s = dsa_core.step(s, idx, g)
+    s = train(s, 5, seed=4, **SORTED)
     dsa_core.close(s)
     m = json.loads((p / "manifest.json").read_text())
     assert m["version"] == 7 and m["checksum"]  # upgraded by the writer's flush
@@ -495,7 +488,7 @@ def test_a_store_without_its_manifest_is_damaged_and_kept(tmp_path, kind, durabi
     for other in KINDS:
         with pytest.raises(FileExistsError, match=r"holds a data file .* but no manifest\.json: "
                                                   r"a damaged store .* pass overwrite=True"):
-            _create(p, other)
+            create(p, N, D, other, **STORE[other])
     with pytest.raises(SystemExit, match="damaged"):
         cli(["verify", "--quiet", str(p)])
     assert _files(p) == before
@@ -527,9 +520,8 @@ def test_garbage_at_open_only_when_a_checksummed_manifest_proves_it(tmp_path):
 # -- 7. checkpoints that share no blocks -----------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_copy_checkpoint_shares_no_blocks_and_survives_damage(tmp_path, kind, capsys):
-    s = _create(tmp_path / "s", kind)
-    for idx, g in _batches(12):
-        s = dsa_core.step(s, idx, g)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind])
+    s = train(s, 12, seed=0, **SORTED)
     link = dsa_core.checkpoint(s, tmp_path / "link")
     full = dsa_core.checkpoint(s, tmp_path / "full", copy=True)
     ref = dsa_core.read_records(s, np.arange(N))
@@ -617,7 +609,7 @@ def test_an_interrupted_create_is_no_damaged_store(tmp_path):
     file's temporary (an interrupted create) is no store's file; create again just works."""
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "rows.dsa.tmp").write_bytes(b"\0" * 64)
-    dsa_core.close(_create(tmp_path / "s", "inplace"))
+    dsa_core.close(create(tmp_path / "s", N, D, "inplace", **STORE["inplace"]))
     r = dsa_core.open(tmp_path / "s", mode="r")
     assert r.count == 0
     dsa_core.close(r)
@@ -629,9 +621,9 @@ def test_a_damaged_group_commit_file_is_named_at_open(tmp_path, kind, damage):
     """Two stores that commit together (``dsa_core.join``): a changed digit in their group
     commit file, or a torn one, is refused at the open of a member, naming the file and the
     remedy, and neither store's files are touched."""
-    a, b = _create(tmp_path / "a", kind), _create(tmp_path / "b", kind)
+    a, b = (create(tmp_path / n, N, D, kind, **STORE[kind]) for n in "ab")
     dsa_core.join([a, b])
-    for idx, g in _batches(3):
+    for idx, g in batches(3, N, D, seed=0, **SORTED):
         a, b = dsa_core.step_many([(a, idx, g), (b, idx, g)])
     dsa_core.flush_many([a, b])
     dsa_core.close(a)

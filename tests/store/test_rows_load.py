@@ -20,7 +20,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import log_memory, records
+from helpers import batches, create, log_memory, records, train
 
 import dsa_core
 
@@ -28,20 +28,10 @@ N, D, B = 3000, 8, 64
 LAYOUT = {"num_rows": N, "stride": 3 * D, "dtype": "float32"}
 
 
-def _create(path, kind, slots=600, **kw):
-    if kind == "log":
-        return dsa_core.create(path, N, D, init="normal", seed=5, storage="log",
-                               memory=log_memory(LAYOUT, slots), **kw)
-    return dsa_core.create(path, N, D, init="normal", seed=5, storage="inplace",
-                           access="disk", **kw)
-
-
-def _steps(s, n, rows=None, seed=1):
-    rng = np.random.default_rng(seed)
-    for _ in range(n):
-        idx = rng.integers(0, N, B) if rows is None else rng.choice(rows, B)
-        s = dsa_core.step(s, idx, rng.standard_normal((B, D)).astype(np.float32))
-    return s
+# the stores (helpers.create; a log store's region holds slots= records), by kind:
+# dsa_core.create's init_scale, seed 5; in place paged from disk
+STORE = {"inplace": {"init_scale": 0.01, "seed": 5, "access": "disk"},
+         "log": {"init_scale": 0.01, "seed": 5}}
 
 
 def _stats(s):
@@ -60,12 +50,11 @@ def test_row_loads_and_releases_never_change_a_value(tmp_path, kind):
     a loaded range, some never waited for) between the steps: every byte as the same steps
     without them; a gather right before and after a load or release gives the same rows."""
     rng = np.random.default_rng(7)
-    batches = [(rng.integers(0, N, B), rng.standard_normal((B, D)).astype(np.float32))
-               for _ in range(90)]
-    a, b = (_create(tmp_path / n, kind, slots=900) for n in "ab")
+    plan = batches(90, N, D, batch=B, seed=rng)  # drawn first; rng then picks the loaded rows
+    a, b = (create(tmp_path / n, N, D, kind, **STORE[kind], slots=900) for n in "ab")
     held: list[np.ndarray] = []
     all_rows = np.arange(N)
-    for t, (idx, g) in enumerate(batches):
+    for t, (idx, g) in enumerate(plan):
         a = dsa_core.step(a, idx, g)
         if t % 3 == 0:
             before = dsa_core.gather(b, all_rows)
@@ -98,8 +87,8 @@ def test_row_loads_and_releases_never_change_a_value(tmp_path, kind):
 
 
 def test_loaded_rows_are_in_memory(tmp_path, kind):
-    s = _create(tmp_path / "s", kind, slots=1200)
-    s = _steps(s, 30)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=1200)
+    s = train(s, 30, batch=B)
     _on_disk(s)
     rows = np.sort(np.random.default_rng(2).choice(N, 200, replace=False))
     if kind == "inplace" and dsa_core.residency(s, rows) == 1.0:
@@ -128,8 +117,8 @@ def test_loaded_rows_are_in_memory(tmp_path, kind):
 @pytest.mark.parametrize("fn", ["load_rows", "release_rows"])
 def test_bad_rows_are_refused_and_change_nothing(tmp_path, kind, store_digest, bad, error,
                                                  words, fn):
-    s = _create(tmp_path / "s", kind)
-    s = _steps(s, 3)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=600)
+    s = train(s, 3, batch=B)
     dsa_core.flush(s)
     dsa_core.load_rows(s, [1, 2, 3], wait=True)
     want, files = records(s), store_digest(tmp_path / "s")
@@ -149,9 +138,9 @@ def test_bad_rows_are_refused_and_change_nothing(tmp_path, kind, store_digest, b
 
 
 def test_empty_and_outdated_states(tmp_path, kind):
-    s = _create(tmp_path / "s", kind)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=600)
     old = s
-    s = _steps(s, 2)
+    s = train(s, 2, batch=B)
     dsa_core.load_rows(old, [], wait=True)  # nothing
     dsa_core.load_rows(old, np.array([5, 5, 9], np.int32), wait=True)  # an outdated State
     assert dsa_core.residency(s, [5, 9]) == 1.0
@@ -164,19 +153,20 @@ def test_empty_and_outdated_states(tmp_path, kind):
 
 # -- a log store's region ---------------------------------------------------------------------
 def test_loaded_rows_stay_in_the_region_while_others_cycle_it(tmp_path):
-    s = _create(tmp_path / "log", "log", slots=600)
-    s = _steps(s, 30)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=600)
+    s = train(s, 30, batch=B)
     _on_disk(s)
     rows = np.sort(np.random.default_rng(3).choice(N, 300, replace=False))
     others = np.setdiff1d(np.arange(N), rows)
     dsa_core.load_rows(s, rows, wait=True)
     st = _stats(s)
-    s = _steps(s, 80, others, seed=4)  # 5,120 touches of 2,700 other rows in 300 free slots
+    # 5,120 touches of 2,700 other rows in 300 free slots
+    s = train(s, 80, batch=B, rows=others, seed=4)
     st2 = _stats(s)
     assert st2["seals"] > st["seals"] and st2["misses"] - st["misses"] > 1000  # cycled
     assert st2["range_pins_dropped"] == 0 and st2["range_pinned"] == 300
     assert dsa_core.residency(s, rows) == 1.0
-    s = _steps(s, 10, rows, seed=5)
+    s = train(s, 10, batch=B, rows=rows, seed=5)
     assert _stats(s)["misses"] == st2["misses"]  # no step read one of them
     want = records(s)
     dsa_core.release_rows(s, rows)
@@ -188,8 +178,8 @@ def test_loaded_rows_stay_in_the_region_while_others_cycle_it(tmp_path):
 
 
 def test_ranges_and_row_sets_count_and_hold_their_union(tmp_path):
-    s = _create(tmp_path / "log", "log", slots=900)
-    s = _steps(s, 10)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=900)
+    s = train(s, 10, batch=B)
     _on_disk(s)
     eng = s.store
     a = np.arange(200, 500, 2)  # 150 rows, 50 of them inside [0, 300)
@@ -219,8 +209,8 @@ def test_ranges_and_row_sets_count_and_hold_their_union(tmp_path):
 
 
 def test_a_row_set_that_cannot_fit_is_refused_and_changes_nothing(tmp_path, store_digest):
-    s = _create(tmp_path / "log", "log", slots=500)
-    s = _steps(s, 5)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=500)
+    s = train(s, 5, batch=B)
     dsa_core.flush(s)
     dsa_core.load_range(s, 0, 200)
     first = np.arange(1000, 3000, 10)  # 200 rows
@@ -249,8 +239,8 @@ def test_a_row_set_that_cannot_fit_is_refused_and_changes_nothing(tmp_path, stor
 def test_a_step_waits_for_the_row_load_it_needs(tmp_path):
     """A step that misses rows of a set still loading installs that load first: it reads
     none of them itself (``misses``)."""
-    s = _create(tmp_path / "log", "log", slots=1500)
-    s = _steps(s, 30)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=1500)
+    s = train(s, 30, batch=B)
     _on_disk(s)
     rows = np.sort(np.random.default_rng(6).choice(N, 1000, replace=False))
     m = _stats(s)["misses"]
@@ -262,8 +252,8 @@ def test_a_step_waits_for_the_row_load_it_needs(tmp_path):
 
 
 def test_a_read_only_store_reads_row_sets_ahead_and_releases_nothing(tmp_path, kind):
-    s = _create(tmp_path / "s", kind)
-    s = _steps(s, 10)
+    s = create(tmp_path / "s", N, D, kind, **STORE[kind], slots=600)
+    s = train(s, 10, batch=B)
     dsa_core.close(s)
     r = dsa_core.open(tmp_path / "s", mode="r")
     want = records(r)
@@ -338,7 +328,7 @@ def test_kill_9_with_a_row_load_in_flight(tmp_path, kind, durability):
 
 def test_the_store_keeps_its_own_copy_of_a_loaded_set(tmp_path):
     """A caller that reuses its array after ``load_rows`` changes nothing the store holds."""
-    s = _create(tmp_path / "log", "log", slots=900)
+    s = create(tmp_path / "log", N, D, "log", **STORE["log"], slots=900)
     rows = np.arange(100, 400, dtype=np.int64)  # sorted, unique, int64: taken as it is
     dsa_core.load_rows(s, rows, wait=True)
     rows[:] = np.arange(1000, 1300)  # the caller's buffer, refilled
