@@ -52,7 +52,7 @@ from dsa_core._log import writer as _writer
 from ._common import disk_stat_file, machine, print_table, write_results
 
 PARTS = [(_commit.Commit, "seal", "seal"), (_pool.Pool, "evict", "evict"),
-         (_commit, "gather_records", "gather"), (_cleaner.Cleaner, "choose", "choose"),
+         (_pool.Pool, "gather_slots", "gather"), (_cleaner.Cleaner, "choose", "choose"),
          (_cleaner.Cleaner, "read_ahead", "read_ahead"),
          (_segments.Segments, "write_behind", "write_behind"),
          (_segments.Segments, "settle", "settle"), (_segments.Segments, "kill", "kill"),
