@@ -170,13 +170,12 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
     if mode == "ckpt":
         ref = Replay(tmp / "ref")
     else:
-        ref = TorchReplay(tmp / "ref")
+        ref = TorchReplay(tmp / "ref", kind)
     stats = Counter()
     claimed = last = 0
     try:
         for _ in range(trials):
-            w = server.start(mode, live, dest, "--every", every,
-                             *(("--storage", kind) if mode == "ckpt" else ()))
+            w = server.start(mode, live, dest, "--every", every, "--storage", kind)
             assert w.expect("open") == last  # resumed from the checkpoint
             time.sleep(rng.uniform(0.0, window))
             for line in w.kill():
@@ -194,9 +193,9 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
                 if kind == "inplace":
                     stats[f"{assert_snapshot_files(dest)} checkpoints"] += 1
                 snap = dsa_core.open(dest, mode="r")
-                assert snap.storage == kind
             else:
                 snap = check_torch_checkpoint(dest)
+            assert snap.storage == kind
             count = snap.count
             assert count % every == 0 and count >= max(claimed, last), (count, claimed, last)
             ref.to(count)
@@ -214,10 +213,11 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
 
 
 class TorchReplay(Replay):
-    """The oracle of the torch-ckpt worker: the same DiskEmbedding + DiskSparseAdam code."""
+    """The oracle of the torch-ckpt worker: the same DiskEmbedding + DiskSparseAdam code
+    (on a store of the same kind)."""
 
-    def __init__(self, path: Path):
-        self.emb, self.opt = cw.torch_model(path, None)
+    def __init__(self, path: Path, kind: str = "inplace"):
+        self.emb, self.opt = cw.torch_model(path, None, kind)
 
     @property
     def state(self):
@@ -291,17 +291,19 @@ def test_sigkill_during_checkpoints_many(server, tmp_path, kind):
         assert stats["chain checkpoints"] > 10  # snapshots on the last one, killed too
 
 
-def test_sigkill_during_torch_checkpoints_few(server, tmp_path):
+def test_sigkill_during_torch_checkpoints_few(server, tmp_path, kind):
     pytest.importorskip("torch")
-    stats = ckpt_trials(server, tmp_path, trials=1, seed=9, window=0.4, mode="torch-ckpt")
+    stats = ckpt_trials(server, tmp_path, trials=1, seed=9, window=0.4, mode="torch-ckpt",
+                        kind=kind)
     assert stats["trials"] + stats["no checkpoint yet"] == 1
 
 
 @pytest.mark.slow
-def test_sigkill_during_torch_checkpoints_many(server, tmp_path):
+def test_sigkill_during_torch_checkpoints_many(server, tmp_path, kind):
     pytest.importorskip("torch")
-    stats = ckpt_trials(server, tmp_path, trials=25, seed=10, window=0.4, mode="torch-ckpt")
-    print(f"\ntorch checkpoints: {dict(stats)}")
+    stats = ckpt_trials(server, tmp_path, trials=25, seed=10, window=0.4, mode="torch-ckpt",
+                        kind=kind)
+    print(f"\ntorch checkpoints, {kind}: {dict(stats)}")
     assert stats["trials"] + stats["no checkpoint yet"] == 25
     assert stats["checkpoints advanced"] > 5
 
