@@ -531,16 +531,17 @@ def _torch_run(emb, opt, steps, t0, sched=None):
             sched.step()
 
 
-def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
+def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path, store_digest, kind):
     torch = pytest.importorskip("torch")
     from adapters.torch import DiskEmbedding, DiskSparseAdam
 
     def build(state_dir, emb_dir, resume=False):
         torch.manual_seed(0)
         emb = torch.nn.Embedding(400, 8, sparse=True)
-        de = DiskEmbedding(300, 8, state_dir=emb_dir, init="normal", seed=1, resume=resume)
+        de = DiskEmbedding(300, 8, state_dir=emb_dir, init="normal", seed=1, resume=resume,
+                           storage=kind)
         opt = DiskSparseAdam([{"params": [emb.weight]}, {"params": [de.weight], "lr": 0.03}],
-                             lr=0.02, state_dir=state_dir, resume=resume)
+                             lr=0.02, state_dir=state_dir, resume=resume, storage=kind)
         return emb, de, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
 
     def run(emb, de, opt, sched, t0, steps):
@@ -561,13 +562,20 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     lrs_at_7 = [g["lr"] for g in opt.param_groups]
     ck = opt.checkpoint(tmp_path / "ck")
     assert sorted(os.listdir(ck)) == ["group0_param0", "group1_param0", "optimizer.pt"]
+    for p in ("group0_param0", "group1_param0"):
+        snap = dsa_core.open(ck / p, mode="r")
+        assert snap.storage == kind
+        dsa_core.close(snap)
     assert dsa_core.open(ck / "group1_param0", mode="r").has_weights  # the DiskEmbedding's
     run(emb, de, opt, sched, 8, 6)  # the reference continuation
 
     # resume into another optimizer (own state_dir, a fresh DiskEmbedding) from the checkpoint
     moved = shutil.move(str(ck), str(tmp_path / "moved"))  # a moved checkpoint works too
-    ck_bytes = {p: (Path(moved) / p / "rows.dsa").read_bytes()
-                for p in ("group0_param0", "group1_param0")}
+    if kind == "inplace":  # its one data file
+        ck_bytes = {p: (Path(moved) / p / "rows.dsa").read_bytes()
+                    for p in ("group0_param0", "group1_param0")}
+    else:  # a log checkpoint has no rows.dsa: its segments, index base and manifest, each
+        ck_bytes = {p: store_digest(Path(moved) / p) for p in ("group0_param0", "group1_param0")}
     emb2, de2, opt2, sched2 = build(tmp_path / "opt2", tmp_path / "de2")
     with torch.no_grad():
         emb2.weight.copy_(weights_at_7)  # plain parameters come from the model's state dict
@@ -581,9 +589,12 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     for p, q in ((emb.weight, emb2.weight), (de.weight, de2.weight)):
         a, b = opt.store_for(p), opt2.store_for(q)
         assert a.count == b.count == 13
-        assert a.store.data.tobytes() == b.store.data.tobytes()
+        assert records(a).tobytes() == records(b).tobytes()
     for p, raw in ck_bytes.items():  # the checkpoint was not modified
-        assert (Path(moved) / p / "rows.dsa").read_bytes() == raw
+        if kind == "inplace":
+            assert (Path(moved) / p / "rows.dsa").read_bytes() == raw
+        else:
+            assert store_digest(Path(moved) / p) == raw
     opt2.close()
     de2.close()
 
@@ -595,19 +606,19 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     sched3.load_state_dict(sched_at_7)
     run(emb3, de3, opt3, sched3, 8, 6)
     assert torch.equal(emb3.weight, emb.weight)
-    assert opt3.store_for(de3.weight).store.data.tobytes() == \
-        opt.store_for(de.weight).store.data.tobytes()
+    assert records(opt3.store_for(de3.weight)).tobytes() == \
+        records(opt.store_for(de.weight)).tobytes()
     for o, d in ((opt, de), (opt3, de3)):
         o.close()
         d.close()
 
 
-def test_torch_checkpoint_refusals(tmp_path, store_digest):
+def test_torch_checkpoint_refusals(tmp_path, store_digest, kind):
     torch = pytest.importorskip("torch")
     from adapters.torch import DiskSparseAdam
 
     emb = torch.nn.Embedding(50, 4, sparse=True)
-    opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "opt")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "opt", storage=kind)
     _torch_run(emb, opt, 2, 1)
     opt.checkpoint(tmp_path / "ck")
     before = store_digest(tmp_path)
@@ -620,7 +631,7 @@ def test_torch_checkpoint_refusals(tmp_path, store_digest):
         opt.load_checkpoint(tmp_path / "opt")
     assert store_digest(tmp_path) == before
     other = torch.nn.Embedding(51, 4, sparse=True)
-    o2 = DiskSparseAdam(other.parameters(), lr=0.1, state_dir=tmp_path / "o2")
+    o2 = DiskSparseAdam(other.parameters(), lr=0.1, state_dir=tmp_path / "o2", storage=kind)
     before2 = store_digest(tmp_path)
     with pytest.raises(ValueError, match="is 50 x 4 float32 with curvature 0.0, but the "
                                          "parameter in its position has a 51 x 4"):
@@ -631,36 +642,38 @@ def test_torch_checkpoint_refusals(tmp_path, store_digest):
     opt.checkpoint(tmp_path / "ck", overwrite=True)
     assert torch.load(tmp_path / "ck" / "optimizer.pt", weights_only=True)[
         "dsa_manifest"]["params"][0]["count"] == 3
-    assert dsa_core.open(tmp_path / "ck" / "group0_param0", mode="r").count == 3
+    snap = dsa_core.open(tmp_path / "ck" / "group0_param0", mode="r")
+    assert (snap.count, snap.storage) == (3, kind)
+    dsa_core.close(snap)
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     opt.close()
 
 
-def test_disk_embedding_checkpoint(tmp_path):
+def test_disk_embedding_checkpoint(tmp_path, kind):
     pytest.importorskip("torch")
     from adapters.torch import DiskEmbedding, DiskSparseAdam
 
-    de = DiskEmbedding(200, 6, state_dir=tmp_path / "de", init="uniform", seed=2)
+    de = DiskEmbedding(200, 6, state_dir=tmp_path / "de", init="uniform", seed=2, storage=kind)
     opt = DiskSparseAdam(de.parameters(), lr=0.05)
     _torch_run(de, opt, 5, 1)
     de.checkpoint(tmp_path / "ck")
     _torch_run(de, opt, 4, 6)
     # a fresh table restored from the checkpoint
-    de2 = DiskEmbedding(200, 6, state_dir=tmp_path / "de2", init="zeros")
+    de2 = DiskEmbedding(200, 6, state_dir=tmp_path / "de2", init="zeros", storage=kind)
     opt2 = DiskSparseAdam(de2.parameters(), lr=0.05)
     de2.load_checkpoint(tmp_path / "ck")
     assert de2.store.count == 5
     _torch_run(de2, opt2, 4, 6)
-    assert de2.store.store.data.tobytes() == de.store.store.data.tobytes()
+    assert records(de2.store).tobytes() == records(de.store).tobytes()
     # or a table opened on the checkpoint itself
     opt2.close()
     de2.close()
-    de3 = DiskEmbedding(200, 6, state_dir=tmp_path / "ck", resume=True)
+    de3 = DiskEmbedding(200, 6, state_dir=tmp_path / "ck", resume=True, storage=kind)
     opt3 = DiskSparseAdam(de3.parameters(), lr=0.05)
-    assert de3.store.count == 5
+    assert (de3.store.count, de3.store.storage) == (5, kind)
     _torch_run(de3, opt3, 4, 6)
-    assert de3.store.store.data.tobytes() == de.store.store.data.tobytes()
-    wrong = DiskEmbedding(201, 6, state_dir=tmp_path / "wrong")
+    assert records(de3.store).tobytes() == records(de.store).tobytes()
+    wrong = DiskEmbedding(201, 6, state_dir=tmp_path / "wrong", storage=kind)
     with pytest.raises(ValueError, match="holds a 200 x 6 float32 table"):
         wrong.load_checkpoint(tmp_path / "ck")
     with pytest.raises(FileExistsError):
