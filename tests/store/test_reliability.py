@@ -5,14 +5,17 @@
   number; the test SIGKILLs it (at random moments, or at a chosen point of the commit
   protocol), reopens the store and compares it, bit for bit, with a store replayed for
   ``count`` steps without crashes (:class:`Replay`). A few trials run by
-  default; ``-m slow`` runs >= 100 per scenario. The random kills run on both kinds; the
-  chosen points of the commit protocol, the undo journal and the small-filesystem trials
-  are the in-place store's (docs/storage.md; the log store's crash points and disk faults
-  are in tests/log/test_log_engine.py and store/test_faults.py).
-* Checkpoints of the core and of both adapters: resume exactly, refuse to clobber.
-* Space: stores on a 4 MiB tmpfs (skipped where mounting is not allowed).
+  default; ``-m slow`` runs >= 100 per scenario. The random kills run on both kinds (of
+  journaled training, of core checkpoints and of the torch adapter's checkpoints); the
+  chosen points of the commit protocol, the undo journal (a restore voiding a stale one
+  included) and the small-filesystem trials are the in-place store's (docs/storage.md; the
+  log store's crash points and disk faults are in tests/log/test_log_engine.py and
+  store/test_faults.py).
+* Checkpoints of the core and of both adapters (torch optimizer, DiskEmbedding, JAX), on
+  both kinds: resume exactly, refuse to clobber, and hold a store of the kind checkpointed.
+* Space: stores on a 4 MiB tmpfs (skipped where mounting is not allowed), in-place.
 * Property: closing and reopening (or checkpointing and resuming) at random points changes
-  nothing.
+  nothing (in-place stores only so far: it compares their rows.dsa files).
 
 A process kill cannot lose the page cache, so these tests check the ordering of the commit
 protocol as seen by the next process (what a ``kill -9`` or an OOM kill does), not what a
