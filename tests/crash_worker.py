@@ -16,8 +16,9 @@ Modes
     Resume from the checkpoint: ``LIVE`` is replaced by a copy of ``DEST`` (or created fresh,
     of ``KIND``: :func:`store_kw`, when there is no ``DEST`` yet), then steps with
     ``dsa_core.checkpoint(state, DEST, overwrite=True)`` after every ``K``-th step.
-``torch-ckpt LIVE DEST --steps N --every K``
-    The same through ``adapters.torch``: a ``DiskEmbedding`` stepped by ``DiskSparseAdam``,
+``torch-ckpt LIVE DEST --steps N --every K [--storage KIND]``
+    The same through ``adapters.torch``: a ``DiskEmbedding`` of ``KIND`` (:func:`store_kw`'s
+    ``storage`` and ``memory``) stepped by ``DiskSparseAdam``,
     ``opt.checkpoint(DEST, overwrite=True)`` every ``K`` steps, ``opt.load_checkpoint(DEST)``
     on start.
 ``flushk STORE --steps N --every K --end HOW``
@@ -302,12 +303,15 @@ def ckpt(live: Path, dest: Path, steps: int, every: int, curvature: float,
     dsa_core.close(state)
 
 
-def torch_model(live: Path, dest: Path | None):
-    """A DiskEmbedding stepped by DiskSparseAdam; resumed from ``dest`` when given."""
+def torch_model(live: Path, dest: Path | None, storage: str = "inplace"):
+    """A DiskEmbedding of kind ``storage`` (a log one with :func:`store_kw`'s region)
+    stepped by DiskSparseAdam; resumed from ``dest`` when given."""
     from adapters.torch import DiskEmbedding, DiskSparseAdam
 
     init = np.random.default_rng(7).standard_normal((NUM_ROWS, DIM)).astype(np.float32) * 0.1
-    emb = DiskEmbedding(NUM_ROWS, DIM, state_dir=live, init=init, overwrite=True)
+    kw = store_kw(storage)
+    emb = DiskEmbedding(NUM_ROWS, DIM, state_dir=live, init=init, overwrite=True,
+                        storage=kw["storage"], memory=kw.get("memory"))
     opt = DiskSparseAdam(emb.parameters(), lr=LR)
     if dest is not None and dest.exists():
         opt.load_checkpoint(dest)
@@ -325,7 +329,8 @@ def torch_step(emb, opt, t: int) -> None:
     opt.zero_grad()
 
 
-def torch_ckpt(live: Path, dest: Path, steps: int, every: int) -> None:
+def torch_ckpt(live: Path, dest: Path, steps: int, every: int,
+               storage: str = "inplace") -> None:
     import torch
 
     import dsa_core
@@ -334,7 +339,7 @@ def torch_ckpt(live: Path, dest: Path, steps: int, every: int) -> None:
         dsa_core.warmup(("float32",), readonly=False)
         w = torch.nn.Embedding(4, 2, sparse=True)
         w(torch.tensor([1, 1])).sum().backward()
-    emb, opt = torch_model(live, dest)
+    emb, opt = torch_model(live, dest, storage)
     count = emb.store.count
     say("open", count)
     while count < steps:
@@ -373,7 +378,7 @@ def main(argv=None) -> None:
     elif a.mode == "ckpt":
         ckpt(Path(a.paths[0]), Path(a.paths[1]), a.steps, a.every, a.curvature, a.storage)
     else:
-        torch_ckpt(Path(a.paths[0]), Path(a.paths[1]), a.steps, a.every)
+        torch_ckpt(Path(a.paths[0]), Path(a.paths[1]), a.steps, a.every, a.storage)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@
   number; the test SIGKILLs it (at random moments, or at a chosen point of the commit
   protocol), reopens the store and compares it, bit for bit, with a store replayed for
   ``count`` steps without crashes (:class:`Replay`). A few trials run by
-  default; ``-m slow`` runs >= 100 per scenario. The random kills run on both kinds; the
-  chosen points of the commit protocol, the undo journal and the small-filesystem trials
-  are the in-place store's (docs/storage.md; the log store's crash points and disk faults
-  are in tests/log/test_log_engine.py and store/test_faults.py).
-* Checkpoints of the core and of both adapters: resume exactly, refuse to clobber.
-* Space: stores on a 4 MiB tmpfs (skipped where mounting is not allowed).
+  default; ``-m slow`` runs >= 100 per scenario. The random kills run on both kinds (of
+  journaled training, of core checkpoints and of the torch adapter's checkpoints); the
+  chosen points of the commit protocol, the undo journal (a restore voiding a stale one
+  included) and the small-filesystem trials are the in-place store's (docs/storage.md; the
+  log store's crash points and disk faults are in tests/log/test_log_engine.py and
+  store/test_faults.py).
+* Checkpoints of the core and of both adapters (torch optimizer, DiskEmbedding, JAX), on
+  both kinds: resume exactly, refuse to clobber, and hold a store of the kind checkpointed.
+* Space: stores on a 4 MiB tmpfs (skipped where mounting is not allowed), in-place.
 * Property: closing and reopening (or checkpointing and resuming) at random points changes
-  nothing.
+  nothing (in-place stores only so far: it compares their rows.dsa files).
 
 A process kill cannot lose the page cache, so these tests check the ordering of the commit
 protocol as seen by the next process (what a ``kill -9`` or an OOM kill does), not what a
@@ -170,13 +173,12 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
     if mode == "ckpt":
         ref = Replay(tmp / "ref")
     else:
-        ref = TorchReplay(tmp / "ref")
+        ref = TorchReplay(tmp / "ref", kind)
     stats = Counter()
     claimed = last = 0
     try:
         for _ in range(trials):
-            w = server.start(mode, live, dest, "--every", every,
-                             *(("--storage", kind) if mode == "ckpt" else ()))
+            w = server.start(mode, live, dest, "--every", every, "--storage", kind)
             assert w.expect("open") == last  # resumed from the checkpoint
             time.sleep(rng.uniform(0.0, window))
             for line in w.kill():
@@ -194,9 +196,9 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
                 if kind == "inplace":
                     stats[f"{assert_snapshot_files(dest)} checkpoints"] += 1
                 snap = dsa_core.open(dest, mode="r")
-                assert snap.storage == kind
             else:
                 snap = check_torch_checkpoint(dest)
+            assert snap.storage == kind
             count = snap.count
             assert count % every == 0 and count >= max(claimed, last), (count, claimed, last)
             ref.to(count)
@@ -214,10 +216,11 @@ def ckpt_trials(server, tmp: Path, trials: int, seed: int, window: float, every:
 
 
 class TorchReplay(Replay):
-    """The oracle of the torch-ckpt worker: the same DiskEmbedding + DiskSparseAdam code."""
+    """The oracle of the torch-ckpt worker: the same DiskEmbedding + DiskSparseAdam code
+    (on a store of the same kind)."""
 
-    def __init__(self, path: Path):
-        self.emb, self.opt = cw.torch_model(path, None)
+    def __init__(self, path: Path, kind: str = "inplace"):
+        self.emb, self.opt = cw.torch_model(path, None, kind)
 
     @property
     def state(self):
@@ -291,17 +294,19 @@ def test_sigkill_during_checkpoints_many(server, tmp_path, kind):
         assert stats["chain checkpoints"] > 10  # snapshots on the last one, killed too
 
 
-def test_sigkill_during_torch_checkpoints_few(server, tmp_path):
+def test_sigkill_during_torch_checkpoints_few(server, tmp_path, kind):
     pytest.importorskip("torch")
-    stats = ckpt_trials(server, tmp_path, trials=1, seed=9, window=0.4, mode="torch-ckpt")
+    stats = ckpt_trials(server, tmp_path, trials=1, seed=9, window=0.4, mode="torch-ckpt",
+                        kind=kind)
     assert stats["trials"] + stats["no checkpoint yet"] == 1
 
 
 @pytest.mark.slow
-def test_sigkill_during_torch_checkpoints_many(server, tmp_path):
+def test_sigkill_during_torch_checkpoints_many(server, tmp_path, kind):
     pytest.importorskip("torch")
-    stats = ckpt_trials(server, tmp_path, trials=25, seed=10, window=0.4, mode="torch-ckpt")
-    print(f"\ntorch checkpoints: {dict(stats)}")
+    stats = ckpt_trials(server, tmp_path, trials=25, seed=10, window=0.4, mode="torch-ckpt",
+                        kind=kind)
+    print(f"\ntorch checkpoints, {kind}: {dict(stats)}")
     assert stats["trials"] + stats["no checkpoint yet"] == 25
     assert stats["checkpoints advanced"] > 5
 
@@ -529,16 +534,17 @@ def _torch_run(emb, opt, steps, t0, sched=None):
             sched.step()
 
 
-def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
+def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path, store_digest, kind):
     torch = pytest.importorskip("torch")
     from adapters.torch import DiskEmbedding, DiskSparseAdam
 
     def build(state_dir, emb_dir, resume=False):
         torch.manual_seed(0)
         emb = torch.nn.Embedding(400, 8, sparse=True)
-        de = DiskEmbedding(300, 8, state_dir=emb_dir, init="normal", seed=1, resume=resume)
+        de = DiskEmbedding(300, 8, state_dir=emb_dir, init="normal", seed=1, resume=resume,
+                           storage=kind)
         opt = DiskSparseAdam([{"params": [emb.weight]}, {"params": [de.weight], "lr": 0.03}],
-                             lr=0.02, state_dir=state_dir, resume=resume)
+                             lr=0.02, state_dir=state_dir, resume=resume, storage=kind)
         return emb, de, opt, torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
 
     def run(emb, de, opt, sched, t0, steps):
@@ -559,13 +565,20 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     lrs_at_7 = [g["lr"] for g in opt.param_groups]
     ck = opt.checkpoint(tmp_path / "ck")
     assert sorted(os.listdir(ck)) == ["group0_param0", "group1_param0", "optimizer.pt"]
+    for p in ("group0_param0", "group1_param0"):
+        snap = dsa_core.open(ck / p, mode="r")
+        assert snap.storage == kind
+        dsa_core.close(snap)
     assert dsa_core.open(ck / "group1_param0", mode="r").has_weights  # the DiskEmbedding's
     run(emb, de, opt, sched, 8, 6)  # the reference continuation
 
     # resume into another optimizer (own state_dir, a fresh DiskEmbedding) from the checkpoint
     moved = shutil.move(str(ck), str(tmp_path / "moved"))  # a moved checkpoint works too
-    ck_bytes = {p: (Path(moved) / p / "rows.dsa").read_bytes()
-                for p in ("group0_param0", "group1_param0")}
+    if kind == "inplace":  # its one data file
+        ck_bytes = {p: (Path(moved) / p / "rows.dsa").read_bytes()
+                    for p in ("group0_param0", "group1_param0")}
+    else:  # a log checkpoint has no rows.dsa: its segments, index base and manifest, each
+        ck_bytes = {p: store_digest(Path(moved) / p) for p in ("group0_param0", "group1_param0")}
     emb2, de2, opt2, sched2 = build(tmp_path / "opt2", tmp_path / "de2")
     with torch.no_grad():
         emb2.weight.copy_(weights_at_7)  # plain parameters come from the model's state dict
@@ -579,9 +592,12 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     for p, q in ((emb.weight, emb2.weight), (de.weight, de2.weight)):
         a, b = opt.store_for(p), opt2.store_for(q)
         assert a.count == b.count == 13
-        assert a.store.data.tobytes() == b.store.data.tobytes()
+        assert records(a).tobytes() == records(b).tobytes()
     for p, raw in ck_bytes.items():  # the checkpoint was not modified
-        assert (Path(moved) / p / "rows.dsa").read_bytes() == raw
+        if kind == "inplace":
+            assert (Path(moved) / p / "rows.dsa").read_bytes() == raw
+        else:
+            assert store_digest(Path(moved) / p) == raw
     opt2.close()
     de2.close()
 
@@ -593,19 +609,19 @@ def test_torch_optimizer_checkpoint_and_load_checkpoint(tmp_path):
     sched3.load_state_dict(sched_at_7)
     run(emb3, de3, opt3, sched3, 8, 6)
     assert torch.equal(emb3.weight, emb.weight)
-    assert opt3.store_for(de3.weight).store.data.tobytes() == \
-        opt.store_for(de.weight).store.data.tobytes()
+    assert records(opt3.store_for(de3.weight)).tobytes() == \
+        records(opt.store_for(de.weight)).tobytes()
     for o, d in ((opt, de), (opt3, de3)):
         o.close()
         d.close()
 
 
-def test_torch_checkpoint_refusals(tmp_path, store_digest):
+def test_torch_checkpoint_refusals(tmp_path, store_digest, kind):
     torch = pytest.importorskip("torch")
     from adapters.torch import DiskSparseAdam
 
     emb = torch.nn.Embedding(50, 4, sparse=True)
-    opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "opt")
+    opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "opt", storage=kind)
     _torch_run(emb, opt, 2, 1)
     opt.checkpoint(tmp_path / "ck")
     before = store_digest(tmp_path)
@@ -618,7 +634,7 @@ def test_torch_checkpoint_refusals(tmp_path, store_digest):
         opt.load_checkpoint(tmp_path / "opt")
     assert store_digest(tmp_path) == before
     other = torch.nn.Embedding(51, 4, sparse=True)
-    o2 = DiskSparseAdam(other.parameters(), lr=0.1, state_dir=tmp_path / "o2")
+    o2 = DiskSparseAdam(other.parameters(), lr=0.1, state_dir=tmp_path / "o2", storage=kind)
     before2 = store_digest(tmp_path)
     with pytest.raises(ValueError, match="is 50 x 4 float32 with curvature 0.0, but the "
                                          "parameter in its position has a 51 x 4"):
@@ -629,36 +645,38 @@ def test_torch_checkpoint_refusals(tmp_path, store_digest):
     opt.checkpoint(tmp_path / "ck", overwrite=True)
     assert torch.load(tmp_path / "ck" / "optimizer.pt", weights_only=True)[
         "dsa_manifest"]["params"][0]["count"] == 3
-    assert dsa_core.open(tmp_path / "ck" / "group0_param0", mode="r").count == 3
+    snap = dsa_core.open(tmp_path / "ck" / "group0_param0", mode="r")
+    assert (snap.count, snap.storage) == (3, kind)
+    dsa_core.close(snap)
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     opt.close()
 
 
-def test_disk_embedding_checkpoint(tmp_path):
+def test_disk_embedding_checkpoint(tmp_path, kind):
     pytest.importorskip("torch")
     from adapters.torch import DiskEmbedding, DiskSparseAdam
 
-    de = DiskEmbedding(200, 6, state_dir=tmp_path / "de", init="uniform", seed=2)
+    de = DiskEmbedding(200, 6, state_dir=tmp_path / "de", init="uniform", seed=2, storage=kind)
     opt = DiskSparseAdam(de.parameters(), lr=0.05)
     _torch_run(de, opt, 5, 1)
     de.checkpoint(tmp_path / "ck")
     _torch_run(de, opt, 4, 6)
     # a fresh table restored from the checkpoint
-    de2 = DiskEmbedding(200, 6, state_dir=tmp_path / "de2", init="zeros")
+    de2 = DiskEmbedding(200, 6, state_dir=tmp_path / "de2", init="zeros", storage=kind)
     opt2 = DiskSparseAdam(de2.parameters(), lr=0.05)
     de2.load_checkpoint(tmp_path / "ck")
     assert de2.store.count == 5
     _torch_run(de2, opt2, 4, 6)
-    assert de2.store.store.data.tobytes() == de.store.store.data.tobytes()
+    assert records(de2.store).tobytes() == records(de.store).tobytes()
     # or a table opened on the checkpoint itself
     opt2.close()
     de2.close()
-    de3 = DiskEmbedding(200, 6, state_dir=tmp_path / "ck", resume=True)
+    de3 = DiskEmbedding(200, 6, state_dir=tmp_path / "ck", resume=True, storage=kind)
     opt3 = DiskSparseAdam(de3.parameters(), lr=0.05)
-    assert de3.store.count == 5
+    assert (de3.store.count, de3.store.storage) == (5, kind)
     _torch_run(de3, opt3, 4, 6)
-    assert de3.store.store.data.tobytes() == de.store.store.data.tobytes()
-    wrong = DiskEmbedding(201, 6, state_dir=tmp_path / "wrong")
+    assert records(de3.store).tobytes() == records(de.store).tobytes()
+    wrong = DiskEmbedding(201, 6, state_dir=tmp_path / "wrong", storage=kind)
     with pytest.raises(ValueError, match="holds a 200 x 6 float32 table"):
         wrong.load_checkpoint(tmp_path / "ck")
     with pytest.raises(FileExistsError):
@@ -668,15 +686,15 @@ def test_disk_embedding_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("in_jit", [False, True])
-def test_jax_checkpoint_and_restore(tmp_path, in_jit):
+def test_jax_checkpoint_and_restore(tmp_path, in_jit, kind):
     pytest.importorskip("jax")
     from adapters import jax as dj
 
     def stores(root, durability="flush"):
         return {"user": dsa_core.create(root / "u", 300, 8, init="normal", seed=1,
-                                        durability=durability),
+                                        durability=durability, storage=kind),
                 "item": dsa_core.create(root / "i", 200, 8, init="normal", seed=2,
-                                        curvature=1.0, init_scale=0.01)}
+                                        curvature=1.0, init_scale=0.01, storage=kind)}
 
     def run(tx, state, t0, steps):
         for t in range(t0, t0 + steps):
@@ -690,6 +708,10 @@ def test_jax_checkpoint_and_restore(tmp_path, in_jit):
     st1 = run(tx, st1, 1, 6)
     assert dj.checkpoint(st1, tmp_path / "ck") == tmp_path / "ck"
     assert sorted(os.listdir(tmp_path / "ck")) == ["checkpoint.json", "item", "user"]
+    for k in ("user", "item"):
+        snap = dsa_core.open(tmp_path / "ck" / k, mode="r")
+        assert (snap.count, snap.storage) == (6, kind)
+        dsa_core.close(snap)
     st1 = run(tx, st1, 7, 5)
     # restore into other stores (a journaled one among them) and replay the same batches
     st2 = tx.init(stores(tmp_path / "b", durability="step"))
@@ -700,11 +722,11 @@ def test_jax_checkpoint_and_restore(tmp_path, in_jit):
     a, b = dj.core_states(st1), dj.core_states(st2)
     for k in ("user", "item"):
         assert a[k].count == b[k].count == 11
-        assert a[k].store.data.tobytes() == b[k].store.data.tobytes()
+        assert records(a[k]).tobytes() == records(b[k]).tobytes()
     dj.close(st2)
     again = dsa_core.open(tmp_path / "b" / "u")  # nothing rolled back by a stale journal
-    assert again.count == 11
-    assert again.store.data.tobytes() == a["user"].store.data.tobytes()
+    assert (again.count, again.storage) == (11, kind)
+    assert records(again).tobytes() == records(a["user"]).tobytes()
     dsa_core.close(again)
     with pytest.raises(FileExistsError):
         dj.checkpoint(st1, tmp_path / "ck")
@@ -712,7 +734,7 @@ def test_jax_checkpoint_and_restore(tmp_path, in_jit):
         dj.checkpoint(st1, tmp_path / "a", overwrite=True)
     dj.checkpoint(st1, tmp_path / "ck", overwrite=True)
     assert json.loads((tmp_path / "ck" / "checkpoint.json").read_text())["count"] == 11
-    lone = tx.init(dsa_core.create(tmp_path / "lone", 300, 8))
+    lone = tx.init(dsa_core.create(tmp_path / "lone", 300, 8, storage=kind))
     with pytest.raises(ValueError, match="the checkpoint holds the tables"):
         dj.restore(lone, tmp_path / "ck")
     dj.checkpoint(lone, tmp_path / "ck-lone")
