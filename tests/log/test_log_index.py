@@ -477,3 +477,39 @@ def test_a_base_of_few_written_rows_lists_them_and_takes_disk_for_them_only(tmp_
     with pytest.raises(ValueError, match="CRC of its page checksums does not match"):
         dsa_core.open(p, memory="8MiB")
     assert [f for f, problem, _ in check_files(p) if problem] == [m["index"]]
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_base_reads_back_every_location_at_page_edges(tmp_path, sparse, monkeypatch):
+    """Bases of random locations at sizes around page edges (rows and listed entries at,
+    below and above multiples of 512 / 256), mapped: every row's lookup (``RowIndex.get``),
+    the entries a rebase writes from (``RowIndex.located``, with a delta over the base) and
+    the base read whole agree with the locations written."""
+    from dsa_core._log import index as _index
+
+    monkeypatch.setattr(_format, "sparse_base", lambda located, rows: sparse)
+    rng = np.random.default_rng(3)
+    for n in (1, 511, 512, 513, 2048, 5000):
+        for listed in sorted({0, 1, min(n, 255), min(n, 256), min(n, 257), n // 3, n}):
+            locs = np.zeros(n, np.int64)
+            rows = np.sort(rng.choice(n, listed, replace=False)).astype(np.int64)
+            locs[rows] = rng.integers(1, 1 << 40, listed)
+            path = tmp_path / f"b{n}_{listed}.bin"
+            crc, got = _format.write_index(path, n, [_format.dense_entries(locs)], listed)
+            assert got == (listed if sparse else None)
+            idx = _index.RowIndex(n, capacity=10**6)
+            idx.map(path, *_format.map_index(path, n, crc, got))
+            np.testing.assert_array_equal(idx.get(np.arange(n, dtype=np.int64)), locs)
+            np.testing.assert_array_equal(_format.read_index(path, n, crc, listed=got), locs)
+            moved = rng.choice(n, min(n, 7), replace=False).astype(np.int64)
+            new = rng.integers(1, 1 << 40, moved.shape[0])
+            idx.set(moved, new)  # a delta over the base: rows with and without a location
+            want = locs.copy()
+            want[moved] = new
+            for piece in (1, 300, 10**6):
+                parts = list(idx.located(piece))
+                r = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+                v = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+                np.testing.assert_array_equal(r, np.flatnonzero(want))
+                np.testing.assert_array_equal(v, want[want > 0])
+            np.testing.assert_array_equal(idx.get(np.arange(n, dtype=np.int64)), want)
