@@ -17,11 +17,10 @@ from .store import (
     StoreLockedError,
     UncleanStopError,
     check_settings,
-    check_unclean,
     create_store,
     open_store,
     remove_store,
 )
 
 __all__ = ["SETTINGS", "Store", "StoreLockedError", "UncleanStopError", "check_settings",
-           "check_unclean", "create_store", "open_store", "remove_store"]
+           "create_store", "open_store", "remove_store"]

@@ -79,10 +79,10 @@ from .ranges import submit_mapped, submit_mapped_rows, wait_mapped
 from . import snapshots as _snapshots
 from . import undo as _undo
 from .._settings import remembered
-from .._validation import UNCLEAN_CHOICES, check_memory_arg, check_unclean
+from .._validation import check_memory_arg, check_unclean
 
-__all__ = ["SETTINGS", "UNCLEAN_CHOICES", "Store", "StoreLockedError", "UncleanStopError",
-           "check_settings", "check_unclean", "create_store", "open_store", "remove_store"]
+__all__ = ["SETTINGS", "Store", "StoreLockedError", "UncleanStopError", "check_settings",
+           "create_store", "open_store", "remove_store"]
 
 JOURNAL_MAGIC = b"DSAJRNL1"
 _JHEAD = struct.Struct("<8sQQI")

@@ -117,7 +117,8 @@ __all__ = [
     "MANIFEST_FILE", "MAX_SEGMENT_ID", "PAGE", "check_records",
     "SEG_MAGIC", "Segment", "SegmentError", "check_meta", "check_segment", "crash_point",
     "index_name",
-    "INDEX_PAGE_ENTRIES", "INDEX_PAGE_ROWS", "NO_ROW", "check_index_pages", "dense_entries",
+    "INDEX_PAGE_ENTRIES", "INDEX_PAGE_ROWS", "NO_ROW", "check_index_pages", "check_pages",
+    "dense_entries",
     "index_damage", "index_geometry", "map_index", "page_sums", "sparse_base", "sparse_rows",
     "map_segment", "parse_name", "read_header", "read_index", "read_manifest", "seg_name",
     "segment_geometry", "set_crash", "unmap_pending", "write_index", "write_manifest",
@@ -949,21 +950,29 @@ def sparse_rows(path: Path, pages: np.ndarray, num_rows: int
     return rows, locs
 
 
+def check_pages(path: Path, at: np.ndarray, got: np.ndarray, sums: np.ndarray,
+                fence: np.ndarray, num_rows: int) -> None:
+    """Check ``got``, pages ``at`` of a base (read: ``(k, INDEX_PAGE_ROWS)``), against their
+    sums (``sums``: every page's); a sparse base's (``fence`` not empty: every page's first
+    row) also lists rows of the table, ascending (:func:`sparse_rows`), each page starting
+    at its fence's row. Raises ``ValueError`` naming the file and the pages."""
+    bad = np.flatnonzero(page_sums(got) != sums[at])
+    if bad.shape[0]:
+        raise index_damage(path, at[bad])
+    if fence.shape[0]:
+        sparse_rows(path, got, num_rows)
+        if (got[:, 0] != fence[at]).any():
+            raise ValueError(f"index file {str(path)!r} is damaged: a page's first row is "
+                             "not its fence's; restore the store from a checkpoint")
+
+
 def check_index_pages(path: Path, pages: np.ndarray, sums: np.ndarray, fence: np.ndarray,
                       num_rows: int, window: int = 2048) -> None:
-    """Check every page of a mapped base (:func:`map_index`) against its sum, ``window``
-    pages at a time (a whole base is never read into memory at once); a sparse one's rows
-    too (:func:`sparse_rows`, each page's first row its fence's)."""
+    """Check every page of a mapped base (:func:`map_index`) (:func:`check_pages`),
+    ``window`` pages at a time: a whole base is never read into memory at once."""
     for a in range(0, pages.shape[0], window):
         blk = np.array(pages[a:a + window])
-        bad = np.flatnonzero(page_sums(blk) != sums[a:a + window])
-        if bad.shape[0]:
-            raise index_damage(path, bad + a)
-        if fence.shape[0]:
-            sparse_rows(path, blk, num_rows)
-            if (blk[:, 0] != fence[a:a + window]).any():
-                raise ValueError(f"index file {str(path)!r} is damaged: a page's first row is "
-                                 "not its fence's; restore the store from a checkpoint")
+        check_pages(path, np.arange(a, a + blk.shape[0]), blk, sums, fence, num_rows)
 
 
 def read_index(path: Path, num_rows: int, crc: Any, pages: bool = True,
@@ -975,11 +984,12 @@ def read_index(path: Path, num_rows: int, crc: Any, pages: bool = True,
     whole file (bases written before the pages)."""
     if pages:
         table, sums, fence = map_index(path, num_rows, crc, listed)
-        check_index_pages(path, table, sums, fence, num_rows)
+        got = np.array(table)  # read whole once, then checked
+        check_pages(path, np.arange(got.shape[0]), got, sums, fence, num_rows)
         if listed is None:
-            return np.array(table).reshape(-1)[:num_rows]
+            return got.reshape(-1)[:num_rows]
         out = np.zeros(num_rows, np.int64)
-        rows, locs = sparse_rows(path, table, num_rows)
+        rows, locs = sparse_rows(path, got, num_rows)
         out[rows] = locs
         return out
     _index_size(path, 8 * num_rows, f"{num_rows} rows")

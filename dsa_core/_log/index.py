@@ -46,13 +46,7 @@ import numpy as np
 from numba import njit
 
 from .._os import MADV_WILLNEED, PAGE, madvise_addr, mincore_addr
-from .format import (
-    INDEX_PAGE_ENTRIES,
-    INDEX_PAGE_ROWS,
-    index_damage,
-    page_sums,
-    sparse_rows,
-)
+from .format import INDEX_PAGE_ENTRIES, INDEX_PAGE_ROWS, check_pages, dense_entries, sparse_rows
 from .resident import LOAD, MIN_ENTRIES, find_one, probe
 
 __all__ = ["HINT_SAMPLE", "RowIndex", "loc_of", "locs_of"]
@@ -239,15 +233,7 @@ class RowIndex:
         p = pages[~self.checked[pages]]
         if not p.shape[0]:
             return
-        got = self.pages[p]
-        bad = p[page_sums(got) != self.sums[p]]
-        if bad.shape[0]:
-            raise index_damage(self.path, bad)
-        if self.fence.shape[0]:  # its rows ascending, in the table, each page's first its fence's
-            sparse_rows(self.path, got, self.num_rows)
-            if (got[:, 0] != self.fence[p]).any():
-                raise ValueError(f"index file {str(self.path)!r} is damaged: a page's first "
-                                 "row is not its fence's; restore the store from a checkpoint")
+        check_pages(self.path, p, self.pages[p], self.sums, self.fence, self.num_rows)
         self.checked[p] = True
 
     def get(self, rows: np.ndarray) -> np.ndarray:
@@ -289,13 +275,10 @@ class RowIndex:
                     rows, locs = sparse_rows(self.path, got, self.num_rows)
                 else:
                     r0, r1 = lo * INDEX_PAGE_ROWS, min(self.num_rows, p1 * INDEX_PAGE_ROWS)
-                    flat = got.reshape(-1)[:r1 - r0]
-                    nz = np.flatnonzero(flat)
-                    rows, locs = nz + r0, flat[nz]
+                    rows, locs = dense_entries(got.reshape(-1)[:r1 - r0], r0)
             else:  # in memory: changes in place, the delta is empty
                 r0, r1 = lo, min(self.num_rows, lo + piece)
-                nz = np.flatnonzero(self.base[r0:r1])
-                rows, locs = nz + r0, self.base[r0:r1][nz]
+                rows, locs = dense_entries(self.base[r0:r1], r0)
             a, b = np.searchsorted(drows, [r0, r1])
             if a < b:
                 rows, locs = _overlay(rows, locs, drows[a:b], dlocs[a:b])

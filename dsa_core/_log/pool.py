@@ -435,7 +435,6 @@ class Pool:
         return self.slots - self.nfree, int(np.count_nonzero(self.dirty))
 
     # -- eviction ---------------------------------------------------------------------------
-
     def evict(self, need: int, pinned: int) -> tuple[np.ndarray, int]:
         """CLOCK until ``need + seal_unit`` slots (at most all but the ``pinned`` ones) are
         free or chosen: returns the dirty victims, marked for a new seal, and that seal's
