@@ -13,10 +13,10 @@ record) and returns without waiting. The copy that follows then waits only for r
 are already in flight, all at once: the device sees the whole batch (up to its own queue
 limit) instead of one read at a time.
 
-* :func:`hint_uncached` does that for ``acquire``'s misses, synchronously, but only when a
-  small sample of them is not in the page cache (:func:`sample_uncached`, ``mincore``): a
-  store whose segments are cached (a table that fits in memory) pays a few syscalls per
-  batch, not one per record.
+* ``segments.Segments.read_into`` does that for a step's or a gather's misses,
+  synchronously, but only when a small sample of them is not in the page cache
+  (:func:`sample_uncached`, ``mincore``): a store whose segments are cached (a table that
+  fits in memory) pays a few syscalls per batch, not one per record.
 * :class:`ReadAhead` does it in a background thread for the rows of a *future* batch
   (``dsa_core.prefetch`` / ``prefetched`` on a log store), so that the reads overlap the
   current step.
@@ -49,10 +49,20 @@ waits behind hundreds of the later batch's requests, and the copy that needs it 
 the whole stream: in the random-order torch loop out of core (2M x 128 log store, 1 GiB
 cgroup, 24.6k rows per batch, the next batch prefetched) a gather lasted as long as the next
 batch's read-ahead, ~530 ms, of which ~150 ms was copying. So :meth:`Segments.read_into`
-(``segments``) holds :data:`FOREGROUND` while it reads, and the background read-ahead issues
-its requests in chunks of :data:`HINT_CHUNK` records, waiting before each chunk until no
-foreground read is running (at most :data:`HINT_WAIT` seconds per chunk: a hint is never
+(``segments``) holds :data:`FOREGROUND` while it copies, and the background read-ahead
+issues its requests in chunks of :data:`HINT_CHUNK` records, waiting before each chunk until
+no foreground read is running (at most :data:`HINT_WAIT` seconds per chunk: a hint is never
 starved for good). Measured: docs/notebook.md (issue 44, foreground reads first).
+
+But only a read whose records are cached holds it (its sample finds none on the disk): a
+copy of a batch the read-ahead brought in, which must neither wait behind the next batch's
+requests for the few pages it still faults in nor see them pushed out while it copies. A
+read that finds its records on the disk (out of core, the step of a batch whose read-ahead
+has not finished: the disk is the bottleneck) queues its own reads and lets the read-ahead
+of the batches after it go on: holding the foreground there stopped the read-ahead for most
+of every step and the device's queue drained at the end of each batch's reads (2M x 128
+under 512 MiB, ``benchmarks.guard --only ooc``: 59-66k rows/s held, 70-76k not, alternated;
+the random-order torch loop the same either way).
 
 Hints never change a value: the records are still copied from the mappings, under the
 engine's own control, so a hint that is late, early or wrong (a location that moved since)

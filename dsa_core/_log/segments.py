@@ -34,6 +34,7 @@ seal that needs one while that many are pending waits for the oldest write first
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from pathlib import Path
@@ -55,7 +56,7 @@ from .format import (
     record_pitch,
     seg_name,
 )
-from .read import FOREGROUND, hint_uncached
+from .read import FOREGROUND, advise, sample_uncached
 from .sums import KIND_NONE, KIND_ONE, KIND_SPLIT, gather_checked
 from .writer import SegmentWriter, WriteJob
 
@@ -276,7 +277,11 @@ class Segments:
         record in location order, whatever segment it lies in, and checks each one copied
         out of a segment file against its sum on the copy it serves: a damaged one is never
         written to ``out`` and raises ``SegmentError`` naming the file and the rows (``out``
-        then holds the other records: both callers drop it)."""
+        then holds the other records: both callers drop it).
+
+        A read whose records a sample finds cached holds ``read.FOREGROUND`` while it copies;
+        one that finds them on the disk queues their reads and does not (read's docstring:
+        which reads go first)."""
         n = locs.shape[0]
         if not n:
             return
@@ -284,13 +289,13 @@ class Segments:
         used = locs[order] - 1
         sids = used >> 32
         ks = used & LOW32
-        # a background read-ahead for later batches waits while this one reads (FOREGROUND:
-        # read's docstring): the copy below waits for these records, not for those
-        with FOREGROUND:
-            addrs = self.seg_addr[sids] + ks * self.pitch[sids]
-            # queue the reads of records not in the page cache all at once (queue depth), then
-            # copy: the copy waits only for reads already in flight (read)
-            hint_uncached(addrs, self.rec_pitch, self.sum_addresses(sids, ks))
+        addrs = self.seg_addr[sids] + ks * self.pitch[sids]
+        cold = n >= 2 and sample_uncached(addrs, self.rec_pitch)
+        with contextlib.nullcontext() if cold else FOREGROUND:
+            if cold:  # queue the reads of the records and of their sums all at once (queue
+                # depth), then copy: the copy waits only for reads already in flight (read)
+                advise(addrs, self.rec_pitch)
+                advise(self.sum_addresses(sids, ks), 8)
             held = [self.segs.get(int(sid)) for sid in np.unique(sids)]  # alive while copied
             if None in held:  # pragma: no cover - an engine bug: verify() would report it
                 sid = int(np.unique(sids)[held.index(None)])

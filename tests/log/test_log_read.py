@@ -446,10 +446,13 @@ def test_background_read_ahead_waits_for_the_foreground_reads(monkeypatch):
         assert time.perf_counter() - t0 < 2.0 and calls == [4, 4, 2]
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "on-disk"])
 @pytest.mark.parametrize("what", ["gather", "step"])
-def test_the_engine_reads_its_misses_as_foreground_reads(tmp_path, monkeypatch, what):
-    """``Segments.read_into`` (a gather's and a step's misses) holds ``FOREGROUND`` while it
-    reads, and only then; the values are the same."""
+def test_the_engine_reads_its_misses_as_foreground_reads(tmp_path, monkeypatch, what, cold):
+    """``Segments.read_into`` (a gather's and a step's misses): a read whose sampled records
+    are cached holds ``FOREGROUND`` while it copies and queues no reads; one that finds them
+    on the disk queues the reads of its records and their sums and holds nothing (read's
+    docstring); only while it runs, and the values are the same."""
     from dsa_core._log import segments as _segments
 
     s = create(tmp_path / "log", N, D, **LOG, slots=500)
@@ -459,14 +462,24 @@ def test_the_engine_reads_its_misses_as_foreground_reads(tmp_path, monkeypatch, 
     want = records(r)
     dsa_core.close(r)
     s = dsa_core.open(tmp_path / "log", memory=log_memory(s.layout, 500))
-    seen = []
-    real = _segments.hint_uncached
-    monkeypatch.setattr(_segments, "hint_uncached", lambda *a, **k: (
-        seen.append(_log_read.FOREGROUND.busy), real(*a, **k))[1])
+    copies, hints = [], []
+    real_copy, real_advise = _segments.run_chunked, _segments.advise
+    monkeypatch.setattr(_segments, "sample_uncached", lambda *a, **k: cold)
+    monkeypatch.setattr(_segments, "run_chunked", lambda *a, **k: (
+        copies.append(_log_read.FOREGROUND.busy), real_copy(*a, **k))[1])
+    monkeypatch.setattr(_segments, "advise", lambda a, nbytes, *r, **k: (
+        hints.append((nbytes, a.shape[0], _log_read.FOREGROUND.busy)),
+        real_advise(a, nbytes, *r, **k))[1])
     rows = np.arange(0, N, 11)
     if what == "gather":
         np.testing.assert_array_equal(dsa_core.gather(s, rows), want[rows, :D])
     else:
         s = dsa_core.step(s, rows[:200], np.zeros((200, D), np.float32))
-    assert seen and all(seen) and not _log_read.FOREGROUND.busy
+    assert copies and all(busy == (not cold) for busy in copies)
+    if cold:  # the records' reads, then their sums' (those in the file: maybe none), not held
+        assert hints[0][0] > 8 and hints[0][1] > 0 and hints[1][0] == 8
+        assert not any(busy for _, _, busy in hints)
+    else:
+        assert not hints
+    assert not _log_read.FOREGROUND.busy
     dsa_core.close(s)
