@@ -1,6 +1,6 @@
 /* drive_probe: the drive's own random 4 KiB read rate, for benchmarks/guard.py.
 
-   usage: drive_probe THREADS SECONDS FILE...
+   usage: drive_probe THREADS SECONDS [--write WFILE MB_PER_S] FILE...
 
    THREADS threads (the queue depth: one read in flight each) read random 4 KiB pages of
    FILE... (every whole page of every file equally likely, so the reads spread over the
@@ -10,7 +10,13 @@
        threads 256 seconds 4.000 reads 361234 reads_per_s 90308 direct 1
 
    "direct 0" where the filesystem refuses O_DIRECT (tmpfs): the reads then went through the
-   page cache and the rate says nothing about the drive. Python's threads cannot stand in for
+   page cache and the rate says nothing about the drive.
+
+   --write WFILE MB_PER_S: meanwhile one more thread writes WFILE (which must exist; its size
+   is the span written, from offset 0 round again) sequentially in 1 MiB O_DIRECT writes, at
+   MB_PER_S megabytes (1e6 bytes) a second at most: the reads' rate beside the writes of a run
+   that writes too (a log store seals every updated row into a segment). The line then ends
+   with "written_mb_per_s W". Python's threads cannot stand in for
    this: 32 of them doing os.pread saturated at ~55k reads/s on a drive that does 91k.
    Built by the guard at run time: cc -O2 -pthread -o drive_probe drive_probe.c */
 #define _GNU_SOURCE
@@ -89,9 +95,54 @@ static void *run(void *arg) {
   return NULL;
 }
 
+#define WCHUNK (1 << 20)
+
+struct writer {
+  pthread_t thread;
+  int fd;
+  uint64_t span;     /* bytes of the file written round */
+  double rate;       /* bytes per second at most */
+  uint64_t written;
+  int err;
+};
+
+static void *write_run(void *arg) {
+  struct writer *w = arg;
+  void *buf;
+  if (posix_memalign(&buf, PAGE, WCHUNK) != 0) {
+    w->err = ENOMEM;
+    pthread_barrier_wait(&ready);
+    return NULL;
+  }
+  memset(buf, 0x5a, WCHUNK);
+  pthread_barrier_wait(&ready);
+  double t0 = now();
+  uint64_t off = 0;
+  while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
+    double due = t0 + (double)w->written / w->rate; /* paced: never ahead of the rate */
+    double t = now();
+    if (due > t) {
+      double d = due - t;
+      struct timespec nap = {(time_t)d, (long)((d - (time_t)d) * 1e9)};
+      nanosleep(&nap, NULL);
+      continue;
+    }
+    if (off + WCHUNK > w->span)
+      off = 0;
+    if (pwrite(w->fd, buf, WCHUNK, (off_t)off) < 0) {
+      w->err = errno;
+      break;
+    }
+    off += WCHUNK;
+    w->written += WCHUNK;
+  }
+  free(buf);
+  return NULL;
+}
+
 int main(int argc, char **argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: drive_probe THREADS SECONDS FILE...\n");
+    fprintf(stderr, "usage: drive_probe THREADS SECONDS [--write WFILE MB_PER_S] FILE...\n");
     return 2;
   }
   int threads = atoi(argv[1]);
@@ -100,12 +151,35 @@ int main(int argc, char **argv) {
     fprintf(stderr, "drive_probe: THREADS must be >= 1 and SECONDS > 0\n");
     return 2;
   }
-  nfiles = argc - 3;
+  int first_file = 3;
+  struct writer wr = {0};
+  int writing = 0;
+  if (strcmp(argv[3], "--write") == 0) {
+    if (argc < 7 || atof(argv[5]) <= 0) {
+      fprintf(stderr, "drive_probe: --write takes a file and a rate in MB/s > 0, then the "
+                      "files to read\n");
+      return 2;
+    }
+    wr.fd = open(argv[4], O_WRONLY | O_DIRECT);
+    if (wr.fd < 0 && errno == EINVAL)
+      wr.fd = open(argv[4], O_WRONLY);
+    struct stat st;
+    if (wr.fd < 0 || fstat(wr.fd, &st) != 0 || st.st_size < WCHUNK) {
+      fprintf(stderr, "drive_probe: %s: %s\n", argv[4],
+              wr.fd < 0 ? strerror(errno) : "must exist and hold at least 1 MiB");
+      return 1;
+    }
+    wr.span = (uint64_t)st.st_size / WCHUNK * WCHUNK;
+    wr.rate = atof(argv[5]) * 1e6;
+    writing = 1;
+    first_file = 6;
+  }
+  nfiles = argc - first_file;
   fds = calloc(nfiles, sizeof *fds);
   ends = calloc(nfiles, sizeof *ends);
   int direct = 1;
   for (int k = 0; k < nfiles; k++) {
-    const char *f = argv[3 + k];
+    const char *f = argv[first_file + k];
     int fd = open(f, O_RDONLY | O_DIRECT);
     if (fd < 0 && errno == EINVAL) { /* no O_DIRECT on this filesystem: say so */
       direct = 0;
@@ -128,7 +202,7 @@ int main(int argc, char **argv) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setstacksize(&attr, 1 << 16);
-  pthread_barrier_init(&ready, NULL, threads + 1);
+  pthread_barrier_init(&ready, NULL, threads + 1 + writing);
   uint64_t seed = splitmix((uint64_t)getpid() ^ (uint64_t)(now() * 1e9));
   for (int k = 0; k < threads; k++) {
     ws[k].state = splitmix(seed + k) | 1;
@@ -136,6 +210,10 @@ int main(int argc, char **argv) {
       fprintf(stderr, "drive_probe: cannot start thread %d\n", k);
       return 1;
     }
+  }
+  if (writing && pthread_create(&wr.thread, &attr, write_run, &wr) != 0) {
+    fprintf(stderr, "drive_probe: cannot start the writing thread\n");
+    return 1;
   }
   pthread_barrier_wait(&ready); /* every thread started: the clock runs from here */
   double t0 = now();
@@ -156,7 +234,17 @@ int main(int argc, char **argv) {
     fprintf(stderr, "drive_probe: read failed: %s\n", strerror(err));
     return 1;
   }
-  printf("threads %d seconds %.3f reads %llu reads_per_s %.0f direct %d\n", threads, dt,
+  if (writing) {
+    pthread_join(wr.thread, NULL);
+    if (wr.err) {
+      fprintf(stderr, "drive_probe: write failed: %s\n", strerror(wr.err));
+      return 1;
+    }
+  }
+  printf("threads %d seconds %.3f reads %llu reads_per_s %.0f direct %d", threads, dt,
          (unsigned long long)reads, reads / dt, direct);
+  if (writing)
+    printf(" written_mb_per_s %.1f", wr.written / dt / 1e6);
+  printf("\n");
   return 0;
 }

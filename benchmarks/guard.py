@@ -35,7 +35,12 @@ own child process (its memory and page cache its own); each figure is the median
   (``benchmarks/memcap.sh``) with a region of ``--ooc-region`` and
   ``dsa_core.prefetch`` of the next two batches: rows/s against the drive's own random
   4 KiB read rate at queue depth 256 (``benchmarks/drive_probe.c``, O_DIRECT, over the
-  store's segment files), measured right before each run. Target >= 0.9.
+  store's segment files), measured right before each run. Target >= 0.9. Shown beside it:
+  ``ooc beside its writes``, the same rows/s against the QD256 rate measured right after
+  the run while one more thread writes a file sequentially at the run's own write rate
+  (``drive_probe.c --write``; the disk's bytes written during the timed steps: the seals),
+  since a log store writes every updated row back and this virtual disk gives reads less
+  beside writes (reads alone 84-85k/s, beside 100 MB/s of writes 70-76k, 2026-12-07).
 - ``random``: ``benchmarks/random_loop.py``'s training loop (``DiskEmbedding``, LINE loss,
   under ``--random-cap``) on a fresh snapshot of the same store: rows touched/s against the
   drive's QD256 rate, and read I/Os per row touched (target <= 1.1); edges/s beside them.
@@ -85,15 +90,16 @@ QUICK = {"rows": 1_000_000, "torch_rows": 2_000_000, "ooc_rows": 2_000_000, "dim
          "torch_warmup": 300, "ooc_seconds": 15.0, "ooc_warmup": 30, "ooc_cap": "512M",
          "ooc_region": "256MiB", "ahead": 2, "random_seconds": 20.0, "random_warmup": 5,
          "random_cap": "1G", "random_batch": 4096, "negatives": 4, "disk_seconds": 4.0,
-         "quiet_seconds": 30.0}
+         "quiet_seconds": 30.0, "write_probe_mib": 512}
 SMOKE = {**QUICK, "rows": 20_000, "torch_rows": 20_000, "ooc_rows": 20_000, "dim": 8,
          "batch": 64, "warm_steps": 20, "warm_warmup": 3, "torch_steps": 5, "torch_warmup": 2,
          "ooc_seconds": 0.3, "ooc_warmup": 2, "ooc_region": "1MiB", "random_seconds": 0.3,
          "random_warmup": 1, "random_cap": "512M", "random_batch": 64, "disk_seconds": 0.2,
-         "quiet_seconds": 0.0}
+         "quiet_seconds": 0.0, "write_probe_mib": 4}
 # the measure -> (better, target, what the target is) of each compared row
 TARGETS = {"warm": ("higher", 0.95, ">= 0.95"), "torch 100%": ("higher", None, "3x at 10M"),
            "torch 25%": ("higher", None, "1.5x at 10M"), "ooc": ("higher", 0.9, ">= 0.9"),
+           "ooc beside its writes": ("higher", None, ""),
            "random": ("higher", None, ""), "random I/O": ("lower", 1.1, "<= 1.1")}
 
 
@@ -128,6 +134,8 @@ def compare(rows: list[dict], reference: dict | None, threshold: float = THRESHO
 def _fmt(x, unit: str = "") -> str:
     if x is None or (isinstance(x, float) and not np.isfinite(x)):
         return "-"
+    if unit == "MB/s":
+        return f"{x:.0f} {unit}"
     if unit in ("rows/s", "reads/s", "edges/s"):
         for div, suf in ((1e6, "M"), (1e3, "k")):
             if abs(x) >= div:
@@ -295,10 +303,10 @@ def _child_ooc(s: dict) -> dict:
     for ids in ahead:
         dsa_core.prefetch(st, ids)
     disk = _disk_of(Path(s["path"]))
-    times, k, t_start, r0 = [], 0, None, (0, 0)
+    times, k, t_start, r0, w0 = [], 0, None, (0, 0), 0
     while True:
         if k == s["warmup"]:
-            t_start, r0 = time.perf_counter(), _disk_reads(disk)
+            t_start, r0, w0 = time.perf_counter(), _disk_reads(disk), _disk_written(disk)
         nxt = draw()
         dsa_core.prefetch(st, nxt)  # the batches ahead read while this one steps
         ahead.append(nxt)
@@ -312,14 +320,26 @@ def _child_ooc(s: dict) -> dict:
                 break
         k += 1
     wall = time.perf_counter() - t_start
-    r1 = _disk_reads(disk)
+    r1, w1 = _disk_reads(disk), _disk_written(disk)
     t0 = time.perf_counter()
     dsa_core.close(st)
     rows = len(times) * b
     return {"rows_per_s": rows / wall, "steps": len(times), "seconds": wall,
             "p50_ms": 1e3 * float(np.median(times)),
             "p99_ms": 1e3 * float(np.percentile(times, 99)),
-            "read_ios_per_row": (r1[0] - r0[0]) / rows, "close_s": time.perf_counter() - t0}
+            "read_ios_per_row": (r1[0] - r0[0]) / rows, "close_s": time.perf_counter() - t0,
+            "written_mb_per_s": (w1 - w0) / wall / 1e6}
+
+
+def _disk_written(disk: str | None) -> int:
+    """Bytes written to ``disk`` so far (/proc/diskstats: sectors written x 512)."""
+    if disk is None:
+        return 0
+    for ln in Path("/proc/diskstats").read_text().splitlines():
+        f = ln.split()
+        if f[2] == disk:
+            return int(f[9]) * 512
+    return 0
 
 
 CHILDREN = {"warm_create": _child_warm_create, "warm": _child_warm, "torch": _child_torch,
@@ -506,6 +526,32 @@ class Guard:
         self.drive.append(got)
         return got
 
+    def probe_beside_writes(self, store: Path, mb_per_s: float) -> dict | None:
+        """QD256 over the store's segment files while a thread writes a file of the workdir
+        sequentially at ``mb_per_s`` (an ooc run's own write rate: its seals): what the
+        drive gives the reads of a run that also writes. None without the C probe."""
+        from . import probes
+
+        if self.probe_bin is None or mb_per_s <= 0:
+            return None
+        wfile = self.wd / "write_probe.dat"
+        size = self.cfg["write_probe_mib"] << 20  # the span written round
+        if not wfile.exists() or wfile.stat().st_size < size:
+            chunk = np.zeros(1 << 20, np.uint8).tobytes()
+            with open(wfile, "wb") as f:
+                for _ in range(size >> 20):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+        files = sorted(store.glob("seg-*")) or sorted(p for p in store.iterdir() if p.is_file())
+        self.quiet()
+        r = probes.drive_rate(files, 256, self.cfg["disk_seconds"], self.probe_bin,
+                              write=(wfile, mb_per_s))
+        if r is not None:
+            self.say(f"drive beside writes: QD256 {r['reads_per_s']:,.0f} reads/s while "
+                     f"{r['written_mb_per_s']:.0f} MB/s were written")
+        return r
+
     def ooc_and_random(self, which: set[str]) -> list[dict]:
         c = self.cfg
         store = self.log_store()
@@ -530,7 +576,10 @@ class Guard:
             r["qd256"] = drive["qd256"]
             cap = f"; {r['memcap']}" if r.get("memcap") else ""
             self.say(f"ooc: {r['rows_per_s']:,.0f} rows/s, {r['read_ios_per_row']:.2f} read "
-                     f"I/Os per row, p50 {r['p50_ms']:.1f} ms{cap}")
+                     f"I/Os per row, p50 {r['p50_ms']:.1f} ms, {r['written_mb_per_s']:.0f} MB/s "
+                     f"written{cap}")
+            mixed = self.probe_beside_writes(store, r["written_mb_per_s"])
+            r["qd256_beside_writes"] = mixed["reads_per_s"] if mixed else None
             ooc.append(r)
         if not self.drive:  # random alone: its anchor still comes from this run
             for _ in range(self.a.repeats):
@@ -541,8 +590,18 @@ class Guard:
                              _median(r["qd256"] for r in ooc), "drive QD256",
                              _median(r["rows_per_s"] / r["qd256"] for r in ooc), ooc,
                              anchor_unit="reads/s", capped=self.capped))
+            mixed = [r for r in ooc if r.get("qd256_beside_writes")]
+            if mixed:
+                rows.append(_row("ooc beside its writes",
+                                 _median(r["rows_per_s"] for r in mixed), "rows/s",
+                                 _median(r["qd256_beside_writes"] for r in mixed),
+                                 "QD256 + its writes",
+                                 _median(r["rows_per_s"] / r["qd256_beside_writes"]
+                                         for r in mixed), mixed, anchor_unit="reads/s",
+                                 capped=self.capped))
             rows.append(_row("ooc read I/Os per row", _median(r["read_ios_per_row"] for r in ooc),
                              "I/Os"))
+            rows.append(_row("ooc written", _median(r["written_mb_per_s"] for r in ooc), "MB/s"))
         rnd = []
         for k in range(self.a.repeats if "random" in which else 0):
             live = self.snapshot(store)

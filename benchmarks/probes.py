@@ -95,24 +95,33 @@ def build_drive_probe(workdir: Path, allow: bool = True) -> tuple[Path | None, s
     return out, f"built with {Path(cc).name} -O2 -pthread"
 
 
-def drive_rate(files: list[Path], qd: int, seconds: float, binary: Path | None) -> dict:
+def drive_rate(files: list[Path], qd: int, seconds: float, binary: Path | None,
+               write: tuple[Path, float] | None = None) -> dict:
     """4 KiB random O_DIRECT reads at queue depth ``qd`` over ``files`` for ``seconds``:
     ``{"reads_per_s", "tool", "direct"}``; the C probe where ``binary`` is given, else
-    Python threads."""
+    Python threads. ``write=(file, mb_per_s)``: meanwhile the C probe writes ``file``
+    sequentially at that rate (``drive_probe.c --write``; the result then also holds
+    ``written_mb_per_s``); without the C probe a ``write`` probe returns None."""
     files = [str(f) for f in files if os.path.getsize(f) >= 4096]
     if not files:
         raise ValueError("no file of at least 4 KiB to probe the drive with")
     if binary is not None:
-        r = subprocess.run([str(binary), str(qd), repr(float(seconds)), *files],
+        extra = ["--write", str(write[0]), repr(float(write[1]))] if write else []
+        r = subprocess.run([str(binary), str(qd), repr(float(seconds)), *extra, *files],
                            capture_output=True, text=True, check=False,
                            timeout=seconds + 120)
         if r.returncode == 0:
             f = r.stdout.split()
             got = dict(zip(f[::2], f[1::2], strict=False))
-            return {"reads_per_s": float(got["reads_per_s"]), "tool": "drive_probe.c",
-                    "direct": got.get("direct") == "1"}
-        print(f"drive_probe failed ({r.stderr.strip()[-300:]}); Python threads instead",
-              flush=True)
+            out = {"reads_per_s": float(got["reads_per_s"]), "tool": "drive_probe.c",
+                   "direct": got.get("direct") == "1"}
+            if write:
+                out["written_mb_per_s"] = float(got["written_mb_per_s"])
+            return out
+        print(f"drive_probe failed ({r.stderr.strip()[-300:]}); "
+              + ("no probe beside writes" if write else "Python threads instead"), flush=True)
+    if write:
+        return None
     from .ooc import disk_pread
 
     return {"reads_per_s": disk_pread([Path(f) for f in files], qd, seconds),

@@ -17,6 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,3 +239,29 @@ def test_guard_compare_flags_what_fell():
     alone = compare(rows(), None)
     assert [r["flag"] for r in alone] == [""] * 6 + ["FAILED"]
     assert all(r["reference"] is None for r in alone)
+
+
+def test_drive_probe_reads_beside_a_paced_writer(tmp_path):
+    """``drive_probe.c`` (the guard's anchor for ``ooc``): random 4 KiB reads over the files
+    given, and with ``--write`` a thread writing another file sequentially at a set rate at
+    most, round within its size (the guard's ``ooc beside its writes``); a write file that
+    is not there is refused and ``drive_rate`` says so with None."""
+    from benchmarks import probes
+
+    binary, how = probes.build_drive_probe(tmp_path)
+    if binary is None:
+        pytest.skip(f"no drive probe here: {how}")
+    reads = tmp_path / "r.dat"
+    reads.write_bytes(np.random.default_rng(0).bytes(1 << 20))
+    wfile = tmp_path / "w.dat"
+    wfile.write_bytes(bytes(2 << 20))
+    alone = probes.drive_rate([reads], 4, 0.2, binary)
+    assert alone["tool"] == "drive_probe.c" and alone["reads_per_s"] > 0
+    assert "written_mb_per_s" not in alone
+    both = probes.drive_rate([reads], 4, 0.3, binary, write=(wfile, 20.0))
+    assert both["reads_per_s"] > 0
+    # paced: 20 MB/s at most, plus the first 1 MiB write, which goes at once
+    assert 0 < both["written_mb_per_s"] <= 20.0 + 1.05 / 0.3
+    assert wfile.stat().st_size == 2 << 20  # written round inside the file, never past it
+    assert reads.read_bytes() == np.random.default_rng(0).bytes(1 << 20)  # only read
+    assert probes.drive_rate([reads], 4, 0.1, binary, write=(tmp_path / "none", 20.0)) is None
