@@ -39,8 +39,8 @@ own child process (its memory and page cache its own); each figure is the median
   ``ooc beside its writes``, the same rows/s against the QD256 rate measured right after
   the run while one more thread writes a file sequentially at the run's own write rate
   (``drive_probe.c --write``; the disk's bytes written during the timed steps: the seals),
-  since a log store writes every updated row back and this virtual disk gives reads less
-  beside writes (reads alone 84-85k/s, beside 100 MB/s of writes 70-76k, 2026-12-07).
+  since a log store writes every updated row back, and beside writes this virtual disk
+  gives reads 0-17% less, depending on the moment (docs/notebook.md, 2026-12-07).
 - ``random``: ``benchmarks/random_loop.py``'s training loop (``DiskEmbedding``, LINE loss,
   under ``--random-cap``) on a fresh snapshot of the same store: rows touched/s against the
   drive's QD256 rate, and read I/Os per row touched (target <= 1.1); edges/s beside them.
