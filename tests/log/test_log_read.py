@@ -79,6 +79,25 @@ def test_sample_uncached_and_spans():
     buf = np.ones(1 << 16, np.uint8)  # anonymous, touched: "in core"
     base = buf.__array_interface__["data"][0]
     assert not _log_read.sample_uncached(base + np.arange(0, 60000, 1000), 100)
+    assert not _log_read.sample_uncached(base + np.array([4000]), 200)  # one, straddling
+    # a mapping never touched has no page in core: any sampled record there says so, the
+    # first, the last, or one straddling from a touched page into an untouched one
+    import mmap
+
+    m = mmap.mmap(-1, 1 << 20)
+    fresh = np.frombuffer(m, np.uint8)
+    fresh[:8192] = 1  # the first two pages touched
+    b2 = fresh.__array_interface__["data"][0]
+    assert _log_read.sample_uncached(b2 + np.arange(0, 60000, 1000), 100)
+    assert not _log_read.sample_uncached(b2 + np.array([0, 1000, 4000]), 100)
+    assert _log_read.sample_uncached(b2 + np.array([0, 1000, 8100]), 100)  # 2nd page of it
+    assert _log_read.sample_uncached(b2 + np.array([0, 1000, 9000]), 100)  # the last
+    assert _log_read.sample_uncached(b2 + np.array([9000, 1000, 2000]), 100)  # the first
+    assert not _log_read.sample_uncached(b2 + np.arange(0, 8000, 10), 100, k=1000)  # k > n
+    assert _log_read.sample_uncached(b2 + np.arange(0, 8200, 10), 100, k=1000)
+    del fresh
+    m.close()
+    assert _log_read.sample_uncached(np.array([4096], np.int64), 100)  # unmapped: read ahead
 
 
 @pytest.mark.parametrize("space_ratio", [1.3, 2.0])
