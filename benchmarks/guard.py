@@ -825,8 +825,11 @@ def main(argv=None) -> dict:
         rm = reference.get("meta", {})
         print(f"reference: {ref_path} ({rm.get('started', '?')}, commit {rm.get('commit', '?')}"
               + (f", lib {rm['lib']} {rm.get('lib_commit')}" if rm.get("lib") else "") + ")")
-        if rm.get("sizes") and rm["sizes"] != cfg:
-            diff = {k: (rm["sizes"].get(k), v) for k, v in cfg.items() if rm["sizes"].get(k) != v}
+        # a size the reference does not name is one added since (its default then): not a
+        # difference of the runs
+        diff = {k: (rm["sizes"][k], v) for k, v in cfg.items()
+                if k in (rm.get("sizes") or {}) and rm["sizes"][k] != v}
+        if diff:
             print(f"NOTE: the reference ran at other sizes (reference, now): {diff}")
         if rm.get("machine", {}).get("cpu") != mach.get("cpu"):
             print("NOTE: the reference ran on another CPU")
