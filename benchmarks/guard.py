@@ -288,7 +288,7 @@ def _child_ooc(s: dict) -> dict:
 
     import dsa_core
 
-    from .random_loop import _disk_of, _disk_reads
+    from .random_loop import _disk_of, _disk_reads, _disk_written
 
     st = dsa_core.open(s["path"], memory=s["region"])
     n, d, b = st.num_rows, st.dim, s["batch"]
@@ -331,15 +331,9 @@ def _child_ooc(s: dict) -> dict:
             "written_mb_per_s": (w1 - w0) / wall / 1e6}
 
 
-def _disk_written(disk: str | None) -> int:
-    """Bytes written to ``disk`` so far (/proc/diskstats: sectors written x 512)."""
-    if disk is None:
-        return 0
-    for ln in Path("/proc/diskstats").read_text().splitlines():
-        f = ln.split()
-        if f[2] == disk:
-            return int(f[9]) * 512
-    return 0
+def _segment_files(store: Path) -> list[Path]:
+    """The files the drive probes read: a log store's segments (else every file of it)."""
+    return sorted(store.glob("seg-*")) or sorted(p for p in store.iterdir() if p.is_file())
 
 
 CHILDREN = {"warm_create": _child_warm_create, "warm": _child_warm, "torch": _child_torch,
@@ -513,7 +507,7 @@ class Guard:
             if self.probe_bin is None:
                 self.note(f"drive probe: {self.probe_how}; Python O_DIRECT threads instead "
                           "(they read less than the drive can at QD256)")
-        files = sorted(store.glob("seg-*")) or sorted(p for p in store.iterdir() if p.is_file())
+        files = _segment_files(store)
         self.quiet()
         got = {"files": len(files), "gb": sum(f.stat().st_size for f in files) / 1e9}
         for qd in (32, 256):
@@ -543,7 +537,7 @@ class Guard:
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
-        files = sorted(store.glob("seg-*")) or sorted(p for p in store.iterdir() if p.is_file())
+        files = _segment_files(store)
         self.quiet()
         r = probes.drive_rate(files, 256, self.cfg["disk_seconds"], self.probe_bin,
                               write=(wfile, mb_per_s))

@@ -61,15 +61,27 @@ def _disk_of(path: Path) -> str | None:
     return real.name
 
 
-def _disk_reads(disk: str | None) -> tuple[int, int]:
-    """(read I/Os completed, bytes read) of ``disk`` so far."""
+def _diskstats(disk: str | None) -> list[int] | None:
+    """``disk``'s counters in /proc/diskstats (reads completed first), None if not there."""
     if disk is None:
-        return 0, 0
+        return None
     for ln in Path("/proc/diskstats").read_text().splitlines():
         f = ln.split()
         if f[2] == disk:
-            return int(f[3]), int(f[5]) * 512
-    return 0, 0
+            return [int(x) for x in f[3:]]
+    return None
+
+
+def _disk_reads(disk: str | None) -> tuple[int, int]:
+    """(read I/Os completed, bytes read) of ``disk`` so far."""
+    f = _diskstats(disk)
+    return (0, 0) if f is None else (f[0], f[2] * 512)
+
+
+def _disk_written(disk: str | None) -> int:
+    """Bytes written to ``disk`` so far (sectors written x 512)."""
+    f = _diskstats(disk)
+    return 0 if f is None else f[6] * 512
 
 
 def _evict(path: Path) -> None:
