@@ -97,8 +97,8 @@ from .._os import (
 __all__ = ["CLEAN_DUTY", "CLEAN_GAP_BYTES", "CLEAN_HELD_BYTES", "CLEAN_READ_BYTES", "FOREGROUND",
            "HINT_CHUNK", "HINT_WAIT",
            "MADV_RANDOM", "MADV_WILLNEED", "PAGE", "WHOLE_MAX", "CleaningReads", "ReadAhead", "advise",
-           "advise_whole", "hint_uncached", "read_file_into", "read_plan", "record_spans",
-           "sample_uncached"]
+           "advise_records", "advise_whole", "cold", "hint_uncached", "read_file_into", "read_plan",
+           "record_spans", "sample_uncached"]
 
 SAMPLE = 16         # misses probed with mincore before deciding to issue read-ahead
 HINT_CHUNK = 256    # background read-ahead: records advised between two looks at FOREGROUND
@@ -229,18 +229,28 @@ def sample_uncached(addrs: np.ndarray, rec_bytes: int, k: int = SAMPLE) -> bool:
     return False
 
 
-def hint_uncached(addrs: np.ndarray, rec_bytes: int, sums: np.ndarray | None = None,
-                  yield_to: Foreground | None = None) -> int:
-    """Read ahead the records at ``addrs`` if a sample of them is not cached, and then the
-    8-byte sums at ``sums`` too (each read record is checked against its sum); returns the
-    syscalls made (0: the sample was cached, nothing issued). ``yield_to``: a background
+def cold(addrs: np.ndarray, rec_bytes: int) -> bool:
+    """Whether the records at ``addrs`` are worth reading ahead: two or more, and a sample
+    of them not all in the page cache (:func:`sample_uncached`; one record faults alone)."""
+    return addrs.shape[0] >= 2 and sample_uncached(addrs, rec_bytes)
+
+
+def advise_records(addrs: np.ndarray, rec_bytes: int, sums: np.ndarray | None = None,
+                   yield_to: Foreground | None = None) -> int:
+    """Read ahead the records at ``addrs``, then the 8-byte sums at ``sums`` (each record
+    read is checked against its sum); returns the syscalls made. ``yield_to``: a background
     read-ahead's, issued around the foreground reads (:func:`advise`)."""
-    if addrs.shape[0] < 2 or not sample_uncached(addrs, rec_bytes):
-        return 0
     calls = advise(addrs, rec_bytes, yield_to=yield_to)
-    if sums is not None and sums.shape[0]:
+    if sums is not None:  # (none to advise: advise returns 0 at once)
         calls += advise(sums, 8, yield_to=yield_to)
     return calls
+
+
+def hint_uncached(addrs: np.ndarray, rec_bytes: int, sums: np.ndarray | None = None,
+                  yield_to: Foreground | None = None) -> int:
+    """:func:`advise_records` if the records are :func:`cold`; returns the syscalls made
+    (0: the sample was cached, nothing issued)."""
+    return advise_records(addrs, rec_bytes, sums, yield_to) if cold(addrs, rec_bytes) else 0
 
 
 class ReadAhead:

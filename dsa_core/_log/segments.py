@@ -56,7 +56,7 @@ from .format import (
     record_pitch,
     seg_name,
 )
-from .read import FOREGROUND, advise, sample_uncached
+from .read import FOREGROUND, advise_records, cold
 from .sums import KIND_NONE, KIND_ONE, KIND_SPLIT, gather_checked
 from .writer import SegmentWriter, WriteJob
 
@@ -290,12 +290,11 @@ class Segments:
         sids = used >> 32
         ks = used & LOW32
         addrs = self.seg_addr[sids] + ks * self.pitch[sids]
-        cold = n >= 2 and sample_uncached(addrs, self.rec_pitch)
-        with contextlib.nullcontext() if cold else FOREGROUND:
-            if cold:  # queue the reads of the records and of their sums all at once (queue
-                # depth), then copy: the copy waits only for reads already in flight (read)
-                advise(addrs, self.rec_pitch)
-                advise(self.sum_addresses(sids, ks), 8)
+        on_disk = cold(addrs, self.rec_pitch)
+        with contextlib.nullcontext() if on_disk else FOREGROUND:
+            if on_disk:  # queue the reads of the records and of their sums all at once
+                # (queue depth), then copy: the copy waits only for reads in flight (read)
+                advise_records(addrs, self.rec_pitch, self.sum_addresses(sids, ks))
             held = [self.segs.get(int(sid)) for sid in np.unique(sids)]  # alive while copied
             if None in held:  # pragma: no cover - an engine bug: verify() would report it
                 sid = int(np.unique(sids)[held.index(None)])

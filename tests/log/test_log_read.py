@@ -482,11 +482,11 @@ def test_the_engine_reads_its_misses_as_foreground_reads(tmp_path, monkeypatch, 
     dsa_core.close(r)
     s = dsa_core.open(tmp_path / "log", memory=log_memory(s.layout, 500))
     copies, hints = [], []
-    real_copy, real_advise = _segments.run_chunked, _segments.advise
-    monkeypatch.setattr(_segments, "sample_uncached", lambda *a, **k: cold)
+    real_copy, real_advise = _segments.run_chunked, _log_read.advise
+    monkeypatch.setattr(_segments, "cold", lambda *a, **k: cold)
     monkeypatch.setattr(_segments, "run_chunked", lambda *a, **k: (
         copies.append(_log_read.FOREGROUND.busy), real_copy(*a, **k))[1])
-    monkeypatch.setattr(_segments, "advise", lambda a, nbytes, *r, **k: (
+    monkeypatch.setattr(_log_read, "advise", lambda a, nbytes, *r, **k: (
         hints.append((nbytes, a.shape[0], _log_read.FOREGROUND.busy)),
         real_advise(a, nbytes, *r, **k))[1])
     rows = np.arange(0, N, 11)
