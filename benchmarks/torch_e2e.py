@@ -30,7 +30,8 @@ Rows/s counts the batch's ids (duplicates included) per second of a whole traini
 (forward, backward, optimizer step, zero_grad). Memory: RssAnon / RssFile of the child
 (``/proc/self/status``), ``*_peak`` the largest value sampled after each step, ``*_delta``
 relative to the child before the table was built. ``opt_p50_ms`` is the optimizer step
-alone (synchronised on CUDA). ``written_pages_per_step``: pages the kernel wrote back
+alone (synchronised on CUDA), ``fwdbwd_p99_ms`` the 99th percentile of the rest of the
+step (forward, backward, ``zero_grad``). ``written_pages_per_step``: pages the kernel wrote back
 (``/proc/vmstat nr_written``, system-wide) per timed step -- on a quiet machine, the
 writeback that a store larger than the dirty limits causes. ``--second-moment rowwise``
 builds the DSA rows with the row-wise second moment (docs/algorithms.md §7.3; not
@@ -39,6 +40,8 @@ SparseAdam's update), ``--first-moment bfloat16`` with m stored as bfloat16
 table and the ids live on the GPU (ids copied from pinned memory, as a ``pin_memory`` data
 loader does) and ``xfer_ms`` is the bare cost of the step's transfers: the coalesced
 gradient (ids + rows) to pinned host memory and the new rows back, timed alone.
+``--omp-wait-policy passive`` starts the workers with ``OMP_WAIT_POLICY=PASSIVE`` (torch's
+idle OpenMP threads then sleep instead of spinning; the column says which each ran with).
 ``--compile`` runs the forward and the loss through ``torch.compile`` (default backend; a
 ``DiskEmbedding``'s gather is a graph break) and labels the rows ``impl+compile``; the
 compilation falls in the warm-up steps (give at least one). Writes
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -175,8 +179,11 @@ def _worker(args) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ts = np.asarray(times)
+    rest = ts - np.asarray(opt_times[args.warmup:])  # forward, backward, zero_grad
     extra = {"opt_p50_ms": 1e3 * float(np.median(opt_times[args.warmup:])),
+             "fwdbwd_p99_ms": 1e3 * float(np.percentile(rest, 99)),
              "written_pages_per_step": written / max(1, len(ts)),
+             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "").lower() or "-",
              "second_moment": "elementwise" if args.worker == "torch" else args.second_moment,
              "first_moment": "full" if args.worker == "torch" else args.first_moment}
     if dev.type == "cuda":
@@ -252,7 +259,10 @@ def _child(impl: str, args, share: float = 1.0) -> dict:
     if args.dir:
         cmd += ["--dir", args.dir]
     cmd += ["--pace-mib", str(args.pace_mib), "--cache-mib", str(args.cache_mib)]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if args.omp_wait_policy:  # read by libgomp when torch loads it: the child's environment
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{impl} worker failed:\n{r.stderr}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -299,6 +309,10 @@ def main(argv=None) -> None:
                          "(default: the engine's, 1/8 of the memory the process may use)")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the forward and the loss (default backend)")
+    ap.add_argument("--omp-wait-policy", choices=("passive", "active"), default=None,
+                    help="OMP_WAIT_POLICY of the workers (default: this environment's): "
+                         "passive makes torch's idle OpenMP threads sleep instead of spinning "
+                         "on a core (docs/benchmarks.md, torch loop on two cores)")
     ap.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--log-share", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -307,6 +321,8 @@ def main(argv=None) -> None:
     if args.worker:
         print(json.dumps(_worker(args)))
         return
+    if args.omp_wait_policy and args.in_process:
+        ap.error("--omp-wait-policy applies to the workers' processes: leave out --in-process")
     shares = [float(x) for x in args.log_shares.split(",")]
     runs = [(impl, share) for impl in args.impls.split(",")
             for share in (shares if impl.endswith("log") else [1.0])]
@@ -324,6 +340,7 @@ def main(argv=None) -> None:
           f"{args.steps} steps ({args.dist} ids), {args.device}"
           + (", torch.compile" if args.compile else ""))
     cols = ["impl", "store", "rows_per_s", "ratio_vs_torch", "p50_ms", "p99_ms", "opt_p50_ms",
+            "fwdbwd_p99_ms", "omp_wait_policy",
             "written_pages_per_step", "anon_delta_peak_mb", "anon_peak_mb", "file_peak_mb",
             "build_s", "close_s"]
     if args.device != "cpu":

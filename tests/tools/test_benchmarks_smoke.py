@@ -265,3 +265,35 @@ def test_drive_probe_reads_beside_a_paced_writer(tmp_path):
     assert wfile.stat().st_size == 2 << 20  # written round inside the file, never past it
     assert reads.read_bytes() == np.random.default_rng(0).bytes(1 << 20)  # only read
     assert probes.drive_rate([reads], 4, 0.1, binary, write=(tmp_path / "none", 20.0)) is None
+
+
+def test_torch_e2e_omp_wait_policy_reaches_its_workers(monkeypatch, tmp_path):
+    """``--omp-wait-policy passive`` starts each worker with ``OMP_WAIT_POLICY=PASSIVE`` in
+    its environment (libgomp reads it when torch loads: the worker's, not this process's);
+    without the flag the worker inherits this environment unchanged; with ``--in-process``
+    (workers in this process, torch already loaded) the flag is refused."""
+    import subprocess
+
+    from benchmarks import torch_e2e
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(kw["env"])
+        row = {"rows_per_s": 1.0, "impl": cmd[cmd.index("--worker") + 1]}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(row) + "\n", stderr="")
+
+    monkeypatch.setattr(torch_e2e.subprocess, "run", fake_run)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    args = torch_e2e.argparse.Namespace(
+        rows=10, dim=4, batch=2, steps=1, warmup=0, dist="uniform", device="cpu",
+        predirty=False, fill=False, written=False, compile=False, second_moment="elementwise",
+        first_moment="full", dir=str(tmp_path), pace_mib=-1.0, cache_mib=-1.0,
+        omp_wait_policy="passive")
+    torch_e2e._child("torch", args)
+    args.omp_wait_policy = None
+    torch_e2e._child("torch", args)
+    assert seen[0]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in seen[1] and seen[1]["PATH"] == os.environ["PATH"]
+    with pytest.raises(SystemExit):
+        torch_e2e.main(["--smoke", "--in-process", "--omp-wait-policy", "passive"])
