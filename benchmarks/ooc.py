@@ -142,18 +142,43 @@ def rss_anon_mb() -> float:
 
 
 # -- the disk ----------------------------------------------------------------------------------
+FIO_MAX_VALUE = 4096  # fio refuses an option value longer ("value exceeds max length")
+
+
+def fio_filenames(files: list[Path]) -> tuple[str, int]:
+    """``--filename``'s value for ``files`` and the step ``k`` it takes them by: all of them
+    (``k == 1``), or, where their list would be longer than fio takes, every k-th (the first
+    and the spread kept: the reads still land over the whole of the store's files)."""
+    names = [str(f) for f in files]
+    for k in range(1, len(names) + 1):
+        value = ":".join(names[::k])
+        if len(value) <= FIO_MAX_VALUE:
+            return value, k
+    raise ValueError(f"a file name longer than fio's {FIO_MAX_VALUE} characters: {names[0]!r}")
+
+
 def disk_fio(file: Path | list[Path], qd: int, seconds: float) -> float | None:
     if not shutil.which("fio"):
         return None
-    files = ":".join(str(f) for f in file) if isinstance(file, list) else str(file)
+    if isinstance(file, list):
+        files, k = fio_filenames(file)
+        if k > 1:
+            print(f"fio reads every {k}th of the {len(file)} files (its --filename takes "
+                  f"{FIO_MAX_VALUE} characters)")
+    else:
+        files = str(file)
     cmd = ["fio", "--name=r", f"--filename={files}", "--rw=randread", "--bs=4k", "--direct=1",
            "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based",
            "--readonly", "--output-format=json"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 60)
         return float(json.loads(out.stdout)["jobs"][0]["read"]["iops"])
+    except subprocess.CalledProcessError as exc:
+        print(f"fio failed (exit {exc.returncode}: {exc.stderr.strip()[-300:]}); falling back "
+              "to pread")
+        return None
     except (subprocess.SubprocessError, KeyError, ValueError) as exc:
-        print(f"fio failed ({exc}); falling back to pread")
+        print(f"fio failed ({str(exc)[-300:]}); falling back to pread")
         return None
 
 

@@ -297,3 +297,19 @@ def test_torch_e2e_omp_wait_policy_reaches_its_workers(monkeypatch, tmp_path):
     assert "OMP_WAIT_POLICY" not in seen[1] and seen[1]["PATH"] == os.environ["PATH"]
     with pytest.raises(SystemExit):
         torch_e2e.main(["--smoke", "--in-process", "--omp-wait-policy", "passive"])
+
+
+def test_ooc_fio_names_fit_fios_limit():
+    """fio refuses a ``--filename`` value over 4,096 characters (a log store's ~500 segment
+    files): the probe then names every k-th file, the smallest k that fits, first file kept;
+    a list that fits is named whole; a single name too long for fio is refused."""
+    from benchmarks.ooc import FIO_MAX_VALUE, fio_filenames
+
+    few = [Path(f"/s/seg-{i:08d}.dsl") for i in range(10)]
+    assert fio_filenames(few) == (":".join(map(str, few)), 1)
+    many = [Path(f"/var/tmp/ooc/store_log/seg-{i:08d}.dsl") for i in range(527)]
+    value, k = fio_filenames(many)
+    assert len(value) <= FIO_MAX_VALUE < len(":".join(map(str, many[::k - 1])))
+    assert value.split(":") == [str(f) for f in many[::k]] and k > 1
+    with pytest.raises(ValueError, match="longer than fio"):
+        fio_filenames([Path("/" + "x" * FIO_MAX_VALUE)])
