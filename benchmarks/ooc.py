@@ -145,28 +145,29 @@ def rss_anon_mb() -> float:
 FIO_MAX_VALUE = 4096  # fio refuses an option value longer ("value exceeds max length")
 
 
-def fio_filenames(files: list[Path]) -> tuple[str, int]:
+def fio_filenames(files: list[Path]) -> tuple[str | None, int]:
     """``--filename``'s value for ``files`` and the step ``k`` it takes them by: all of them
     (``k == 1``), or, where their list would be longer than fio takes, every k-th (the first
-    and the spread kept: the reads still land over the whole of the store's files)."""
+    and the spread kept: the reads still land over the whole of the store's files); ``(None,
+    0)`` where even one name is too long."""
     names = [str(f) for f in files]
     for k in range(1, len(names) + 1):
         value = ":".join(names[::k])
         if len(value) <= FIO_MAX_VALUE:
             return value, k
-    raise ValueError(f"a file name longer than fio's {FIO_MAX_VALUE} characters: {names[0]!r}")
+    return None, 0  # a single name longer than that: no fio probe
 
 
 def disk_fio(file: Path | list[Path], qd: int, seconds: float) -> float | None:
     if not shutil.which("fio"):
         return None
-    if isinstance(file, list):
-        files, k = fio_filenames(file)
-        if k > 1:
-            print(f"fio reads every {k}th of the {len(file)} files (its --filename takes "
-                  f"{FIO_MAX_VALUE} characters)")
-    else:
-        files = str(file)
+    files, k = fio_filenames(file) if isinstance(file, list) else (str(file), 1)
+    if files is None:
+        print(f"fio cannot name these files in {FIO_MAX_VALUE} characters; using pread")
+        return None
+    if k > 1:
+        print(f"fio reads one file in {k} of the {len(file)} (its --filename takes "
+              f"{FIO_MAX_VALUE} characters)")
     cmd = ["fio", "--name=r", f"--filename={files}", "--rw=randread", "--bs=4k", "--direct=1",
            "--ioengine=libaio", f"--iodepth={qd}", f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based",
            "--readonly", "--output-format=json"]
