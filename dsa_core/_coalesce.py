@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ._claim import first_span, next_span
 from ._intrinsics import prefetch_line
 
 _HASH_MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing
@@ -98,7 +99,7 @@ _GATHER_AHEAD = 8  # rows of software-prefetch distance in gather_rows
 
 
 @njit(cache=True, nogil=True)
-def gather_rows(src, rows, off, out, lo, hi):
+def gather_rows(src, rows, off, out, lo, hi, ctl=None):
     """``out[i, :] = src[rows[i], off:off + out.shape[1]]`` for ``lo <= i < hi``.
 
     Each source row is a DRAM miss at a random place: prefetching the row a few ahead and
@@ -108,15 +109,18 @@ def gather_rows(src, rows, off, out, lo, hi):
     d = out.shape[1]
     line = 64 // src.itemsize
     n = rows.shape[0]
-    for i in range(lo, hi):
-        if i + _GATHER_AHEAD < n:
-            r2 = rows[i + _GATHER_AHEAD]
-            for c in range(off, off + d, line):
-                prefetch_line(src, r2, c)
-        s = src[rows[i]][off:off + d]
-        o = out[i]
-        for j in range(d):
-            o[j] = s[j]
+    c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+    while c0 < c1:
+        for i in range(c0, c1):
+            if i + _GATHER_AHEAD < n:
+                r2 = rows[i + _GATHER_AHEAD]
+                for c in range(off, off + d, line):
+                    prefetch_line(src, r2, c)
+            s = src[rows[i]][off:off + d]
+            o = out[i]
+            for j in range(d):
+                o[j] = s[j]
+        c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
 
 @njit(cache=True, nogil=True)

@@ -40,6 +40,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from ._claim import first_span, next_span
+
 __all__ = ["INIT_CHUNK_BYTES", "INIT_KINDS", "InitSpec", "chunks", "fill_weights",
            "initial_records", "initial_weights", "progress_bar"]
 
@@ -244,7 +246,7 @@ def _project(w, mn, tmp):
 
 
 @njit(cache=True, nogil=True)
-def _fill_block(out, first, seed, kind, scale, mn, lo, hi):
+def _fill_block(out, first, seed, kind, scale, mn, lo, hi, ctl=None):
     """Rows ``lo..hi-1`` of ``out`` (store dtype) = the initial weights of rows
     ``first + lo ..``, each computed in float64, rounded once, then projected when ``mn``
     holds a radius (one element; empty: no ball): the bits of :func:`initial_weights`."""
@@ -252,13 +254,16 @@ def _fill_block(out, first, seed, kind, scale, mn, lo, hi):
     buf = np.empty((5, (out.shape[1] + 1) // 2), np.float64)
     tmp = np.empty(1, mn.dtype)
     skey = _mix(np.uint64(seed) ^ _A)
-    for i in range(lo, hi):
-        _row_weights(_mix(skey + np.uint64(first + i) * _G), kind, scale, w64, buf)
-        row = out[i]
-        for j in range(w64.shape[0]):
-            row[j] = w64[j]
-        if mn.shape[0]:
-            _project_row(row, mn, tmp)
+    c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+    while c0 < c1:
+        for i in range(c0, c1):
+            _row_weights(_mix(skey + np.uint64(first + i) * _G), kind, scale, w64, buf)
+            row = out[i]
+            for j in range(w64.shape[0]):
+                row[j] = w64[j]
+            if mn.shape[0]:
+                _project_row(row, mn, tmp)
+        c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
 
 def initial_weights(rows: np.ndarray, spec: InitSpec) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ._claim import first_span, next_span
 from ._intrinsics import PREFETCH_ROWS, WD_L2, WD_NONE, dot64, prefetch_record, row_is_finite
 
 # -- hyperparameters: one T array ``hp``, the same layout for both kernels of this module ------
@@ -80,7 +81,8 @@ def fma(typingctx, x, y, z):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def adagrad_rows(W, wrows, woff, S, srows, aoff, G, hp, skip_nonfinite, op, lo, hi):
+def adagrad_rows(W, wrows, woff, S, srows, aoff, G, hp, skip_nonfinite, op, lo, hi,
+                 ctl=None):
     """Elementwise sparse Adagrad: update rows ``srows`` of ``S`` and rows ``wrows`` of ``W``.
 
     Per coordinate, in storage dtype T (docs/algorithms.md §7.5), torch's
@@ -98,7 +100,7 @@ def adagrad_rows(W, wrows, woff, S, srows, aoff, G, hp, skip_nonfinite, op, lo, 
 
     ``W`` and ``S`` may be the same array (weights stored in the record) or not
     (``weights=False`` stores: ``W`` holds the caller's rows). Runs rows ``lo:hi`` of the
-    batch serially with the GIL released; ``_pool.run_chunked`` spreads chunks over threads.
+    batch with the GIL released, or, given ``ctl``, the chunks of them it claims (``_claim``).
     ``op`` (``_intrinsics.NO_OPTIONS``) is taken for a call like the Adam kernels' and read
     for nothing: Adagrad has no bias correction, no per-row counters, and torch refuses
     weight decay with sparse gradients.
@@ -106,23 +108,26 @@ def adagrad_rows(W, wrows, woff, S, srows, aoff, G, hp, skip_nonfinite, op, lo, 
     neg_clr, eps, sgn, iav, _ = unpack_adagrad(hp)
     n = srows.shape[0]
     d = G.shape[1]
-    for i in range(lo, hi):
-        if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-            prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-        g_ = G[i]
-        if skip_nonfinite and not row_is_finite(g_):
-            continue
-        # 1-D row views: with them LLVM vectorises the loop (the select and the fma too)
-        a_ = S[srows[i]][aoff:aoff + d]
-        w_ = W[wrows[i]][woff:woff + d]
-        for j in range(d):
-            g = g_[j] * sgn
-            s = a_[j]
-            if s == 0:
-                s = iav
-            s2 = s + g * g
-            a_[j] = s2
-            w_[j] = fma(neg_clr, g / (np.sqrt(s2) + eps), w_[j])
+    c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+    while c0 < c1:
+        for i in range(c0, c1):
+            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
+            g_ = G[i]
+            if skip_nonfinite and not row_is_finite(g_):
+                continue
+            # 1-D row views: with them LLVM vectorises the loop (the select and the fma too)
+            a_ = S[srows[i]][aoff:aoff + d]
+            w_ = W[wrows[i]][woff:woff + d]
+            for j in range(d):
+                g = g_[j] * sgn
+                s = a_[j]
+                if s == 0:
+                    s = iav
+                s2 = s + g * g
+                a_[j] = s2
+                w_[j] = fma(neg_clr, g / (np.sqrt(s2) + eps), w_[j])
+        c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
 
 @functools.cache
@@ -140,7 +145,7 @@ def rowwise_adagrad_options_kernel(mode: int):
 
     @njit(cache=True, nogil=True, error_model="numpy")
     def rowwise_adagrad_rows(W, wrows, woff, S, srows, aoff, G, hp, skip_nonfinite, op, lo,
-                             hi):
+                             hi, ctl=None):
         """Row-wise Adagrad (docs/algorithms.md §7.5): one accumulator per row, at ``aoff``.
 
         Per row, in storage dtype T, PyTorch-BigGraph ``RowAdagrad``'s sparse branch in its
@@ -166,33 +171,36 @@ def rowwise_adagrad_options_kernel(mode: int):
         d = G.shape[1]
         if wd_mode == WD_L2:  # compile-time constant: no allocation without L2
             y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
-        for i in range(lo, hi):
-            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff,
-                                d)
-            g_ = G[i]
-            if skip_nonfinite and not row_is_finite(g_):
-                continue
-            rec = S[srows[i]]
-            w_ = W[wrows[i]][woff:woff + d]
-            if wd_mode == WD_L2:  # compile-time constant
-                for j in range(d):
-                    y_[j] = g_[j] * sgn + wd * w_[j]
-                q = T(dot64(y_, y_) / d)
-            else:
-                q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
-            s = rec[aoff]  # after the sum, as in the row-wise Adam kernel
-            if s == 0:
-                s = iav
-            s2 = s + q
-            rec[aoff] = s2
-            std = np.sqrt(s2) + eps
-            if wd_mode == WD_L2:
-                for j in range(d):
-                    w_[j] = w_[j] + (neg_clr * y_[j]) / std
-            else:
-                for j in range(d):
-                    w_[j] = w_[j] + (neg_clr * (g_[j] * sgn)) / std
+        c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+        while c0 < c1:
+            for i in range(c0, c1):
+                if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                    prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff,
+                                    d)
+                g_ = G[i]
+                if skip_nonfinite and not row_is_finite(g_):
+                    continue
+                rec = S[srows[i]]
+                w_ = W[wrows[i]][woff:woff + d]
+                if wd_mode == WD_L2:  # compile-time constant
+                    for j in range(d):
+                        y_[j] = g_[j] * sgn + wd * w_[j]
+                    q = T(dot64(y_, y_) / d)
+                else:
+                    q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
+                s = rec[aoff]  # after the sum, as in the row-wise Adam kernel
+                if s == 0:
+                    s = iav
+                s2 = s + q
+                rec[aoff] = s2
+                std = np.sqrt(s2) + eps
+                if wd_mode == WD_L2:
+                    for j in range(d):
+                        w_[j] = w_[j] + (neg_clr * y_[j]) / std
+                else:
+                    for j in range(d):
+                        w_[j] = w_[j] + (neg_clr * (g_[j] * sgn)) / std
+            c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
     return rowwise_adagrad_rows
 

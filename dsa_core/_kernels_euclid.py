@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import njit
 
+from ._claim import first_span, next_span
 from ._intrinsics import (
     N_STEP,
     OP_LR,
@@ -109,7 +110,7 @@ def euclid_options_kernel(per_row: bool, last: bool, mode: int):
     """
     @njit(cache=True, nogil=True, error_model="numpy")
     def adam_rows_euclid(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite, op,
-                         lo, hi):
+                         lo, hi, ctl=None):
         """Update rows ``srows`` of the state ``S`` and rows ``wrows`` of the weights ``W``.
 
         Per coordinate, in storage dtype T (docs/algorithms.md §2.2)::
@@ -121,8 +122,8 @@ def euclid_options_kernel(per_row: bool, last: bool, mode: int):
 
         ``W`` and ``S`` may be the same array (weights stored in the record) or not
         (``weights=False`` stores: ``W`` holds the caller's rows). Runs rows ``lo:hi`` of the
-        batch serially with the GIL released; ``_pool.run_chunked`` spreads chunks over
-        threads.
+        batch with the GIL released, or, given ``ctl``, the chunks of them it claims
+        (``_claim``: how ``_pool.run_chunked`` shares a batch between threads).
 
         The options of docs/algorithms.md §7.1–§7.2, as compiled in: ``op`` is the float64
         options array of ``_intrinsics.options_array`` (the same for every kernel;
@@ -147,60 +148,64 @@ def euclid_options_kernel(per_row: bool, last: bool, mode: int):
             C = counter_view(S)  # the records as ints: the counters
         n = srows.shape[0]
         d = G.shape[1]
-        for i in range(lo, hi):
-            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-            g_ = G[i]
-            if skip_nonfinite and not row_is_finite(g_):
-                continue
-            # 1-D row views: with them LLVM vectorises the loop (measured 3.3 -> 0.63 ms for
-            # 2048 x 128 on one thread); 2-D indexing of one array kept it scalar.
-            r = srows[i]
-            rec = S[r]
-            m_ = rec[moff:moff + d]
-            v_ = rec[voff:voff + d]
-            w_ = W[wrows[i]][woff:woff + d]
-            tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
-            neg_s = row_step_size(T, op, tr, neg_s0) if per_row else neg_s0
-            if wd_mode == WD_DECOUPLED:  # AdamW: decay first, then the step on the decayed p
-                f = decay_factor(keep, op, k)
-                for j in range(d):  # the decay fused into the step's pass (one pass measured
-                    g = g_[j] * sgn  # cheaper than two after the pow), the same roundings
-                    m = m_[j]
-                    v = v_[j]
-                    dm = (g - m) * a1
-                    dv = (g * g - v) * a2
-                    m2 = m + dm
-                    v2 = v + dv
-                    m_[j] = m2
-                    v_[j] = v2
-                    w_[j] = (w_[j] * f) + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-            elif wd_mode == WD_L2:  # torch.optim.Adam's weight_decay: g + wd*p
-                for j in range(d):
-                    g = g_[j] * sgn + wd * w_[j]
-                    m = m_[j]
-                    v = v_[j]
-                    dm = (g - m) * a1
-                    dv = (g * g - v) * a2
-                    m2 = m + dm
-                    v2 = v + dv
-                    m_[j] = m2
-                    v_[j] = v2
-                    w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-            else:
-                for j in range(d):
-                    g = g_[j] * sgn
-                    m = m_[j]
-                    v = v_[j]
-                    dm = (g - m) * a1
-                    dv = (g * g - v) * a2
-                    m2 = m + dm
-                    v2 = v + dv
-                    m_[j] = m2
-                    v_[j] = v2
-                    w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-            if per_row or last:
-                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+        c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+        while c0 < c1:
+            for i in range(c0, c1):
+                if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                    prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS],
+                                    woff, d)
+                g_ = G[i]
+                if skip_nonfinite and not row_is_finite(g_):
+                    continue
+                # 1-D row views: with them LLVM vectorises the loop (measured 3.3 -> 0.63 ms for
+                # 2048 x 128 on one thread); 2-D indexing of one array kept it scalar.
+                r = srows[i]
+                rec = S[r]
+                m_ = rec[moff:moff + d]
+                v_ = rec[voff:voff + d]
+                w_ = W[wrows[i]][woff:woff + d]
+                tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
+                neg_s = row_step_size(T, op, tr, neg_s0) if per_row else neg_s0
+                if wd_mode == WD_DECOUPLED:  # AdamW: decay first, then the step on the decayed p
+                    f = decay_factor(keep, op, k)
+                    for j in range(d):  # the decay fused into the step's pass (one pass measured
+                        g = g_[j] * sgn  # cheaper than two after the pow), the same roundings
+                        m = m_[j]
+                        v = v_[j]
+                        dm = (g - m) * a1
+                        dv = (g * g - v) * a2
+                        m2 = m + dm
+                        v2 = v + dv
+                        m_[j] = m2
+                        v_[j] = v2
+                        w_[j] = (w_[j] * f) + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+                elif wd_mode == WD_L2:  # torch.optim.Adam's weight_decay: g + wd*p
+                    for j in range(d):
+                        g = g_[j] * sgn + wd * w_[j]
+                        m = m_[j]
+                        v = v_[j]
+                        dm = (g - m) * a1
+                        dv = (g * g - v) * a2
+                        m2 = m + dm
+                        v2 = v + dv
+                        m_[j] = m2
+                        v_[j] = v2
+                        w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+                else:
+                    for j in range(d):
+                        g = g_[j] * sgn
+                        m = m_[j]
+                        v = v_[j]
+                        dm = (g - m) * a1
+                        dv = (g * g - v) * a2
+                        m2 = m + dm
+                        v2 = v + dv
+                        m_[j] = m2
+                        v_[j] = v2
+                        w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+                if per_row or last:
+                    write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
     return adam_rows_euclid
 
@@ -223,7 +228,7 @@ def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
     """
     @njit(cache=True, nogil=True, error_model="numpy")
     def adam_rows_euclid_rowwise(W, wrows, woff, S, srows, moff, voff, G, hp, skip_nonfinite,
-                                 op, lo, hi):
+                                 op, lo, hi, ctl=None):
         """Partial row-wise Adam (docs/algorithms.md §7.3, FBGEMM ``PARTIAL_ROWWISE_ADAM``).
 
         One v per row.
@@ -258,51 +263,55 @@ def euclid_rowwise_options_kernel(per_row: bool, last: bool, mode: int):
         d = G.shape[1]
         if wd_mode == WD_L2:  # compile-time constant
             y_ = np.empty(d, hp.dtype)  # the L2 gradient of one row
-        for i in range(lo, hi):
-            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-            g_ = G[i]
-            if skip_nonfinite and not row_is_finite(g_):
-                continue
-            r = srows[i]
-            rec = S[r]
-            m_ = rec[moff:moff + d]
-            w_ = W[wrows[i]][woff:woff + d]
-            tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
-            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
-            if wd_mode == WD_L2:
-                l2_gradient(y_, g_, w_, sgn, wd)
-                q = T(dot64(y_, y_) / d)
-                v = rec[voff]
-                v2 = v + (q - v) * a2
-                rec[voff] = v2
-                den = np.sqrt(v2 / bc2) + eps
-                for j in range(d):
-                    m = m_[j]
-                    m2 = m + (y_[j] - m) * a1
-                    m_[j] = m2
-                    w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-            else:
-                q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
-                v = rec[voff]  # after the sum: loaded before it, the step measured 9% slower
-                v2 = v + (q - v) * a2
-                rec[voff] = v2
-                den = np.sqrt(v2 / bc2) + eps
-                if wd_mode == WD_DECOUPLED:  # decay first, fused into the pass
-                    f = decay_factor(keep, op, k)
+        c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+        while c0 < c1:
+            for i in range(c0, c1):
+                if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                    prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS],
+                                    woff, d)
+                g_ = G[i]
+                if skip_nonfinite and not row_is_finite(g_):
+                    continue
+                r = srows[i]
+                rec = S[r]
+                m_ = rec[moff:moff + d]
+                w_ = W[wrows[i]][woff:woff + d]
+                tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
+                bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
+                if wd_mode == WD_L2:
+                    l2_gradient(y_, g_, w_, sgn, wd)
+                    q = T(dot64(y_, y_) / d)
+                    v = rec[voff]
+                    v2 = v + (q - v) * a2
+                    rec[voff] = v2
+                    den = np.sqrt(v2 / bc2) + eps
                     for j in range(d):
                         m = m_[j]
-                        m2 = m + ((g_[j] * sgn) - m) * a1
-                        m_[j] = m2
-                        w_[j] = (w_[j] * f) + neg_lr * ((m2 / bc1) / den)
-                else:
-                    for j in range(d):
-                        m = m_[j]
-                        m2 = m + ((g_[j] * sgn) - m) * a1
+                        m2 = m + (y_[j] - m) * a1
                         m_[j] = m2
                         w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-            if per_row or last:
-                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+                else:
+                    q = T(dot64(g_, g_) / d)  # (sgn*g)^2 == g^2: sgn is exactly +-1
+                    v = rec[voff]  # after the sum: loaded before it, the step measured 9% slower
+                    v2 = v + (q - v) * a2
+                    rec[voff] = v2
+                    den = np.sqrt(v2 / bc2) + eps
+                    if wd_mode == WD_DECOUPLED:  # decay first, fused into the pass
+                        f = decay_factor(keep, op, k)
+                        for j in range(d):
+                            m = m_[j]
+                            m2 = m + ((g_[j] * sgn) - m) * a1
+                            m_[j] = m2
+                            w_[j] = (w_[j] * f) + neg_lr * ((m2 / bc1) / den)
+                    else:
+                        for j in range(d):
+                            m = m_[j]
+                            m2 = m + ((g_[j] * sgn) - m) * a1
+                            m_[j] = m2
+                            w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+                if per_row or last:
+                    write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
     return adam_rows_euclid_rowwise
 
@@ -358,7 +367,7 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
     """
     @njit(cache=True, nogil=True, error_model="numpy")
     def adam_rows_euclid_bf16m(W, wrows, woff, S, M16, srows, hrows, m16off, voff, G, hp,
-                               rowwise, t, skip_nonfinite, op, lo, hi):
+                               rowwise, t, skip_nonfinite, op, lo, hi, ctl=None):
         """Euclidean lazy Adam with m stored as bfloat16 (``M16`` = the records as uint16).
 
         Per coordinate, in float32: ``m = f32(m16)``, then exactly :func:`adam_rows_euclid`
@@ -391,72 +400,77 @@ def euclid_bf16m_options_kernel(per_row: bool, last: bool, mode: int):
         d = G.shape[1]
         l2 = wd_mode == WD_L2
         y_ = np.empty(d if l2 else 0, hp.dtype)  # the L2 gradient of one row
-        for i in range(lo, hi):
-            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-            g_ = G[i]
-            if skip_nonfinite and not row_is_finite(g_):
-                continue
-            r = srows[i]
-            h = hrows[i]  # the row id: the rounding hash's key
-            rec = S[r]
-            m_ = M16[r][m16off:m16off + d]
-            w_ = W[wrows[i]][woff:woff + d]
-            tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
-            if wd_mode == WD_DECOUPLED:
-                f = decay_factor(keep, op, k)
-                for j in range(d):
-                    w_[j] = w_[j] * f
-            if l2:  # the L2 gradient sgn*g + wd*p, in the scratch row; read back with sign +1
-                l2_gradient(y_, g_, w_, sgn, wd)
-            if rowwise:
-                bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
-                q = T(dot64(y_, y_) / d) if l2 else T(dot64(g_, g_) / d)
-                v = rec[voff]
-                v2 = v + (q - v) * a2
-                rec[voff] = v2
-                den = np.sqrt(v2 / bc2) + eps
-                if l2:
+        c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+        while c0 < c1:
+            for i in range(c0, c1):
+                if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                    prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS],
+                                    woff, d)
+                g_ = G[i]
+                if skip_nonfinite and not row_is_finite(g_):
+                    continue
+                r = srows[i]
+                h = hrows[i]  # the row id: the rounding hash's key
+                rec = S[r]
+                m_ = M16[r][m16off:m16off + d]
+                w_ = W[wrows[i]][woff:woff + d]
+                tr, k = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
+                if wd_mode == WD_DECOUPLED:
+                    f = decay_factor(keep, op, k)
                     for j in range(d):
-                        m = f32_from_bf16(m_[j])
-                        m2 = m + (y_[j] - m) * a1
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
-                        w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+                        w_[j] = w_[j] * f
+                if l2:  # the L2 gradient sgn*g + wd*p, in the scratch row; read back with sign +1
+                    l2_gradient(y_, g_, w_, sgn, wd)
+                if rowwise:
+                    bc1, bc2 = (row_corrections(T, op, tr, bc1_0, bc2_0) if per_row
+                                else (bc1_0, bc2_0))
+                    q = T(dot64(y_, y_) / d) if l2 else T(dot64(g_, g_) / d)
+                    v = rec[voff]
+                    v2 = v + (q - v) * a2
+                    rec[voff] = v2
+                    den = np.sqrt(v2 / bc2) + eps
+                    if l2:
+                        for j in range(d):
+                            m = f32_from_bf16(m_[j])
+                            m2 = m + (y_[j] - m) * a1
+                            m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
+                            w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
+                    else:
+                        for j in range(d):
+                            m = f32_from_bf16(m_[j])
+                            m2 = m + ((g_[j] * sgn) - m) * a1
+                            m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
+                            w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
                 else:
-                    for j in range(d):
-                        m = f32_from_bf16(m_[j])
-                        m2 = m + ((g_[j] * sgn) - m) * a1
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
-                        w_[j] = w_[j] + neg_lr * ((m2 / bc1) / den)
-            else:
-                neg_s = row_step_size(T, op, tr, neg_s0) if per_row else neg_s0
-                v_ = rec[voff:voff + d]
-                if l2:
-                    for j in range(d):
-                        g = y_[j]
-                        m = f32_from_bf16(m_[j])
-                        v = v_[j]
-                        dm = (g - m) * a1
-                        dv = (g * g - v) * a2
-                        m2 = m + dm
-                        v2 = v + dv
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
-                        v_[j] = v2
-                        w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-                else:
-                    for j in range(d):
-                        g = g_[j] * sgn
-                        m = f32_from_bf16(m_[j])
-                        v = v_[j]
-                        dm = (g - m) * a1
-                        dv = (g * g - v) * a2
-                        m2 = m + dm
-                        v2 = v + dv
-                        m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
-                        v_[j] = v2
-                        w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
-            if per_row or last:
-                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+                    neg_s = row_step_size(T, op, tr, neg_s0) if per_row else neg_s0
+                    v_ = rec[voff:voff + d]
+                    if l2:
+                        for j in range(d):
+                            g = y_[j]
+                            m = f32_from_bf16(m_[j])
+                            v = v_[j]
+                            dm = (g - m) * a1
+                            dv = (g * g - v) * a2
+                            m2 = m + dm
+                            v2 = v + dv
+                            m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
+                            v_[j] = v2
+                            w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+                    else:
+                        for j in range(d):
+                            g = g_[j] * sgn
+                            m = f32_from_bf16(m_[j])
+                            v = v_[j]
+                            dm = (g - m) * a1
+                            dv = (g * g - v) * a2
+                            m2 = m + dm
+                            v2 = v + dv
+                            m_[j] = bf16_from_f32(m2, sr_bits(t, h, d, j))
+                            v_[j] = v2
+                            w_[j] = w_[j] + neg_s * ((dm + m) / (np.sqrt(v2) + eps))
+                if per_row or last:
+                    write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
     return adam_rows_euclid_bf16m
 

@@ -23,6 +23,7 @@ import functools
 import numpy as np
 from numba import njit
 
+from ._claim import first_span, next_span
 from ._intrinsics import (
     PREFETCH_ROWS,
     WD_DECOUPLED,
@@ -136,7 +137,7 @@ def poincare_options_kernel(per_row: bool, last: bool, mode: int):
     """
     @njit(cache=True, nogil=True, error_model="numpy")
     def adam_rows_poincare(W, wrows, woff, S, srows, moff, voff, G, Y, hp, skip_nonfinite, op,
-                           lo, hi):
+                           lo, hi, ctl=None):
         """One Riemannian Adam step for each row in ``srows`` (docs/algorithms.md §3.2).
 
         Per row x with coalesced gradient g, first moment m (vector), second moment v
@@ -148,8 +149,8 @@ def poincare_options_kernel(per_row: bool, last: bool, mode: int):
             y = project(x + u);       m <- gyr[y, -x] m * L(x) / L(y)
 
         ``hp`` holds k, 1-b1, b1, 1-b2, b2, bc1, bc2, eps, -lr, maxnorm, sign, wd, keep (T
-        values). Runs rows ``lo:hi`` of the batch; ``_pool.run_chunked`` spreads chunks over
-        threads.
+        values). Runs rows ``lo:hi`` of the batch, or, given ``ctl``, the chunks of them it
+        claims (``_claim``: how ``_pool.run_chunked`` shares a batch between threads).
 
         The options of docs/algorithms.md §7.1–§7.2 as compiled in (``op`` as for
         ``_kernels_euclid.adam_rows_euclid``): ``WD_L2`` adds ``wd*x`` to the Euclidean
@@ -171,63 +172,67 @@ def poincare_options_kernel(per_row: bool, last: bool, mode: int):
         two = T(2.0)
         n = srows.shape[0]
         d = G.shape[1]
-        for i in range(lo, hi):
-            if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
-                prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS], woff, d)
-            g_ = G[i]
-            if skip_nonfinite and not row_is_finite(g_):
-                continue
-            # 1-D row views let LLVM vectorise the elementwise loops (see _kernels_euclid)
-            r = srows[i]
-            rec = S[r]
-            m_ = rec[moff:moff + d]
-            x_ = W[wrows[i]][woff:woff + d]
-            y_ = Y[i]
-            tr, steps = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
-            # per_row_step: the row's own corrections
-            bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
-            if wd_mode == WD_DECOUPLED:  # shrink toward the origin first, then step from there
-                f = decay_factor(keep, op, steps)
+        c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+        while c0 < c1:
+            for i in range(c0, c1):
+                if i + PREFETCH_ROWS < n:  # hide the DRAM miss of a record a few rows ahead
+                    prefetch_record(S, srows[i + PREFETCH_ROWS], W, wrows[i + PREFETCH_ROWS],
+                                    woff, d)
+                g_ = G[i]
+                if skip_nonfinite and not row_is_finite(g_):
+                    continue
+                # 1-D row views let LLVM vectorise the elementwise loops (see _kernels_euclid)
+                r = srows[i]
+                rec = S[r]
+                m_ = rec[moff:moff + d]
+                x_ = W[wrows[i]][woff:woff + d]
+                y_ = Y[i]
+                tr, steps = read_counters(C, r, rs_off, ls_off, t) if per_row or last else (0, 1)
+                # per_row_step: the row's own corrections
+                bc1, bc2 = row_corrections(T, op, tr, bc1_0, bc2_0) if per_row else (bc1_0, bc2_0)
+                if wd_mode == WD_DECOUPLED:  # shrink toward the origin first, then step from there
+                    f = decay_factor(keep, op, steps)
+                    for j in range(d):
+                        x_[j] = x_[j] * f
+                xx = T(dot64(x_, x_))
+                lam_x = lambda_x(xx, k)
+                l2 = lam_x * lam_x
+                # egrad2rgrad (kept in y_ for the norm), fused with the first moment
+                if wd_mode == WD_L2:  # L2 decay on the Euclidean gradient, before egrad2rgrad
+                    for j in range(d):
+                        rg = (g_[j] * sgn + wd * x_[j]) / l2
+                        m_[j] = m_[j] * b1 + a1 * rg
+                        y_[j] = rg
+                else:
+                    for j in range(d):
+                        rg = (g_[j] * sgn) / l2
+                        m_[j] = m_[j] * b1 + a1 * rg
+                        y_[j] = rg
+                w = l2 * T(dot64(y_, y_))
+                v = rec[voff] * b2 + a2 * w
+                rec[voff] = v
+                den = np.sqrt(v / bc2) + eps
+                # retraction (geoopt Stereographic.retr, docs/algorithms.md §3.1):
+                # y = project(x + u), a plain Euclidean step, u = -lr * m_hat / den
                 for j in range(d):
-                    x_[j] = x_[j] * f
-            xx = T(dot64(x_, x_))
-            lam_x = lambda_x(xx, k)
-            l2 = lam_x * lam_x
-            # egrad2rgrad (kept in y_ for the norm), fused with the first moment
-            if wd_mode == WD_L2:  # L2 decay on the Euclidean gradient, before egrad2rgrad
+                    y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
+                acc_yy = dot64(y_, y_)
+                if project(y_, acc_yy, maxnorm):
+                    acc_yy = dot64(y_, y_)  # else y, and so <y,y>, is unchanged: one pass saved
+                yy = T(acc_yy)
+                # parallel transport of the new m from x to y (geoopt transp):
+                # gyr[y, -x] m * L(x) / L(y), with u = y, v = -x, w = m
+                ga, gb, gd = gyration(yy, -T(dot64(x_, y_)), T(dot64(y_, m_)), xx,
+                                      -T(dot64(x_, m_)), k)
+                lam_y = lambda_x(yy, k)
                 for j in range(d):
-                    rg = (g_[j] * sgn + wd * x_[j]) / l2
-                    m_[j] = m_[j] * b1 + a1 * rg
-                    y_[j] = rg
-            else:
-                for j in range(d):
-                    rg = (g_[j] * sgn) / l2
-                    m_[j] = m_[j] * b1 + a1 * rg
-                    y_[j] = rg
-            w = l2 * T(dot64(y_, y_))
-            v = rec[voff] * b2 + a2 * w
-            rec[voff] = v
-            den = np.sqrt(v / bc2) + eps
-            # retraction (geoopt Stereographic.retr, docs/algorithms.md §3.1): y = project(x + u),
-            # a plain Euclidean step, u = -lr * m_hat / den
-            for j in range(d):
-                y_[j] = x_[j] + neg_lr * ((m_[j] / bc1) / den)
-            acc_yy = dot64(y_, y_)
-            if project(y_, acc_yy, maxnorm):
-                acc_yy = dot64(y_, y_)  # else y, and so <y,y>, is unchanged: one pass saved
-            yy = T(acc_yy)
-            # parallel transport of the new m from x to y (geoopt transp):
-            # gyr[y, -x] m * L(x) / L(y), with u = y, v = -x, w = m
-            ga, gb, gd = gyration(yy, -T(dot64(x_, y_)), T(dot64(y_, m_)), xx,
-                                  -T(dot64(x_, m_)), k)
-            lam_y = lambda_x(yy, k)
-            for j in range(d):
-                y = y_[j]
-                gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd
-                m_[j] = (gyr * lam_x) / lam_y
-                x_[j] = y
-            if per_row or last:
-                write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+                    y = y_[j]
+                    gyr = m_[j] + (two * (ga * y + gb * (-x_[j]))) / gd
+                    m_[j] = (gyr * lam_x) / lam_y
+                    x_[j] = y
+                if per_row or last:
+                    write_counters(C, r, rs_off, ls_off, tr, t)  # after the row's update loops
+            c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
     return adam_rows_poincare
 

@@ -6,22 +6,61 @@ still spinning after the forward/backward pass -- holds the cores, one of numba'
 scheduled for a few milliseconds, and every step waits for it: a sub-millisecond step became a
 many-millisecond one after each torch matmul (figures: docs/notebook.md, design measurements).
 
-Here the calling thread starts working at once and claims chunks of rows from a shared
-iterator (``next`` on a ``range`` iterator is atomic under the GIL); idle workers are woken and
-claim chunks too, releasing the GIL inside the kernel. The caller only waits for chunks that a
-worker has actually claimed, never for a worker that has not started: under contention a step
-degrades to the serial speed instead of to a scheduler quantum.
+Here the calling thread starts working at once and idle workers are woken to join it; each
+thread calls the kernel once, and the kernel claims chunks of rows itself with an atomic
+counter, the GIL released throughout (:mod:`._claim`). The caller only waits for chunks that
+a worker has actually claimed, never for a worker that has not started: under contention a
+step degrades to the serial speed instead of to a scheduler quantum. It waits for those last
+chunks spinning for a bounded time (:data:`SPIN_S`), then sleeping.
+
+After a job whose kernel was followed soon by the next job the last time it ran (within
+:data:`LINGER_S`: steps back to back, a create's blocks, the kernel after a step's gather of
+its misses), the workers wait for the next job spinning, GIL released, for up to
+``LINGER_S`` (``_claim.spin_for_job``), then sleep. A sleeping worker is woken by an event,
+which on the project's 2-vCPU VM takes ~150 us (an idle vCPU halts at once there:
+``haltpoll.guest_halt_poll_ns=0``), most of a 2,048-row warm step. After a kernel that the
+next job followed late (a training loop's last kernel of a step, before the next forward
+and backward pass) they sleep at once: their spinning would take a core from torch's
+threads and the store's writer. Measured on a warm 1M x 128 step (the guard's ``warm``):
+4.9M rows/s with chunks handed out under the GIL, 5.8M with the claims in the kernel, 6.9M
+lingering (docs/notebook.md, "The kernel pool's chunks without the GIL").
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 
+from ._claim import (
+    ENTERED,
+    POSTED,
+    control,
+    spin_for_job,
+    spin_until_done,
+    spins_per_second,
+    stop_claims,
+)
+
 __all__ = ["follow_threads", "get_num_threads", "run_chunked", "set_num_threads"]
 
+
+# how long the caller spins for the chunks other threads still run before it sleeps: a chunk
+# is ~20 us of work, a sleeping thread's wake-up ~150 us on the project's VM
+SPIN_S = 200e-6
+# how long the workers wait for the next job spinning, after a kernel whose last job the next
+# one followed within as long (module docstring); 0: never. DSA_LINGER_US overrides it (for
+# A/B runs; not a setting users need)
+def _linger_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get("DSA_LINGER_US", "300"))) * 1e-6
+    except ValueError:
+        return 300e-6
+
+
+LINGER_S = _linger_s()
 
 # Where the default thread count comes from, first set wins: DSA's own variable, numba's (the
 # kernels are numba's; a job that sized numba for its share of the cores meant these too),
@@ -77,33 +116,45 @@ def _default_setting() -> tuple[int, str | None]:
 
 
 class _Job:
-    __slots__ = ("args", "chunk", "done", "error", "fn", "it", "left", "lock", "n")
+    """One kernel over ``[0, n)``: its threads claim ``chunk`` rows at a time (``ctl``)."""
 
-    def __init__(self, fn, args, n, chunk, nchunks):
-        self.fn, self.args, self.n, self.chunk = fn, args, n, chunk
-        self.it = iter(range(nchunks))
-        self.left = nchunks
-        self.lock = threading.Lock()
-        self.done = threading.Event()
+    __slots__ = ("active", "args", "cond", "ctl", "error", "fn", "linger", "n")
+
+    def __init__(self, fn, args, n, chunk, linger):
+        self.fn, self.args, self.n = fn, args, n
+        self.linger = linger  # whether the workers wait for the next job spinning after it
+        self.ctl = control(chunk)
+        self.active = 0  # threads inside the kernel
+        self.cond = threading.Condition()
         self.error: BaseException | None = None
 
-    def work(self) -> None:
-        """Claim and run chunks until none is left."""
-        while True:
-            c = next(self.it, None)
-            if c is None:
-                return
-            lo = c * self.chunk
-            try:
-                if self.error is None:
-                    self.fn(*self.args, lo, min(self.n, lo + self.chunk))
-            except BaseException as exc:  # handed to the caller
-                self.error = exc
-            finally:
-                with self.lock:
-                    self.left -= 1
-                    if self.left == 0:
-                        self.done.set()
+    def work(self, board=None) -> None:
+        """Run chunks until none is left to claim (in the kernel, GIL released); the
+        caller's ``board`` says the job's caller is entering its kernel (workers spinning
+        for it then take the GIL back)."""
+        with self.cond:
+            self.active += 1
+        if board is not None:
+            board[ENTERED] = board[POSTED]
+        try:
+            self.fn(*self.args, 0, self.n, self.ctl)
+        except BaseException as exc:  # handed to the caller; no chunk is claimed after it
+            self.error = exc
+            stop_claims(self.ctl, self.n)
+        finally:
+            with self.cond:
+                self.active -= 1
+                if self.active == 0:
+                    self.cond.notify_all()
+
+    def wait(self, spin_rounds: int) -> None:
+        """Once the caller's own ``work`` returned (every chunk claimed): wait until no
+        thread runs one (spinning on the count of rows done, then sleeping)."""
+        if self.error is None and spin_until_done(self.ctl, self.n, spin_rounds):
+            return
+        with self.cond:
+            while self.active:
+                self.cond.wait()
 
 
 class _Pool:
@@ -116,8 +167,18 @@ class _Pool:
         self._wake: list[threading.Event] = []
         self._job: _Job | None = None
         self._lock = threading.Lock()
+        self._board = np.zeros(2, np.int64)  # jobs posted, entered (_claim.spin_for_job)
+        # the last job's kernel and end, and per kernel how soon the job after its last one
+        # came (perf_counter seconds): the workers linger after a kernel followed soon
+        self._last: tuple = (None, 0.0)
+        self._gap_after: dict = {}
+        self.spin_rounds = self.linger_rounds = 0  # SPIN_S, LINGER_S in spin rounds
 
     def _ensure_workers(self) -> None:
+        if len(self._workers) < self.threads - 1 and not self.spin_rounds:
+            rate = spins_per_second()
+            self.spin_rounds = max(1, int(SPIN_S * rate))
+            self.linger_rounds = int(LINGER_S * rate)
         while len(self._workers) < self.threads - 1:
             ev = threading.Event()
             t = threading.Thread(target=self._loop, args=(ev,), daemon=True,
@@ -130,34 +191,42 @@ class _Pool:
         while True:
             ev.wait()
             ev.clear()
-            job = self._job
-            if job is not None:
+            while True:
+                seen = int(self._board[POSTED])  # read before the job: a later one is seen
+                job = self._job
+                if job is None:
+                    break
+                linger = job.linger
                 job.work()
-            # drop the job's arguments now: they hold views of a store's mapping, and a
-            # closed store must be unmappable (evictable, its file's space freed) at once
-            job = None
+                # drop the job's arguments now: they hold views of a store's mapping, and a
+                # closed store must be unmappable (evictable, its file's space freed) at once
+                job = None
+                if not (linger and spin_for_job(self._board, seen, self.linger_rounds)):
+                    break
 
     def run(self, fn, args: tuple, n: int, min_chunk: int) -> None:
         helpers = min(self.threads, -(-n // max(1, min_chunk))) - 1
-        if helpers <= 0:
-            fn(*args, 0, n)
+        if helpers <= 0:  # with a control array too: the threads' compiled code, one chunk
+            fn(*args, 0, n, control(n))
             return
-        # 8 chunks per thread: a worker that wakes late (an idle vCPU takes tens of us)
-        # still finds work, and the caller waits for at most one small chunk at the end.
-        # Fewer chunks leave a late worker idle, more pay for dispatch under the GIL
+        # 8 chunks per thread: a worker that wakes late (an idle vCPU takes ~150 us here)
+        # still finds work, and the caller waits for at most one small chunk at the end
         # (figures: docs/notebook.md, design measurements).
-        nchunks = 8 * (helpers + 1)
-        chunk = -(-n // nchunks)
-        nchunks = -(-n // chunk)
-        job = _Job(fn, args, n, chunk, nchunks)
         with self._lock:  # one job at a time per process (steps are sequential anyway)
             self._ensure_workers()
-            self._job = job
+            now = time.perf_counter()
+            last_fn, last_end = self._last
+            if last_fn is not None:
+                self._gap_after[last_fn] = now - last_end
+            job = self._job = _Job(fn, args, n, -(-n // (8 * (helpers + 1))),
+                                   self._gap_after.get(fn, LINGER_S) < LINGER_S)
+            self._board[POSTED] += 1  # after the job: a spinning worker then finds it
             for ev in self._wake[:helpers]:
                 ev.set()
-            job.work()
-            job.done.wait()
+            job.work(self._board)
+            job.wait(self.spin_rounds)
             self._job = None
+            self._last = (fn, time.perf_counter())
         if job.error is not None:
             raise job.error
 
@@ -166,7 +235,8 @@ _POOL = _Pool()
 
 
 def run_chunked(fn, args: tuple, n: int, min_chunk: int = 64) -> None:
-    """Run ``fn(*args, lo, hi)`` over ``[0, n)`` in chunks on the pool; returns when all ran."""
+    """Run ``fn(*args, 0, n, ctl)`` on the pool's threads, which claim chunks of ``[0, n)``
+    through ``ctl`` (:mod:`._claim`); returns when all ran."""
     _POOL.run(fn, args, n, min_chunk)
 
 

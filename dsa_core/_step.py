@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _pool
+from ._claim import control, spin, spin_for_job, spin_until_done
 from ._coalesce import bounds, coalesce, gather_rows, is_strictly_increasing
 from ._engine import Engine, closed_error, scratch
 from ._engines import ENGINES, warmup_engines
@@ -497,6 +498,7 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
     §7.1–§7.2), which otherwise compile at their first step.
     """
     rows = np.arange(2, dtype=np.int64)
+    c = control(2)  # the pool's calls pass one (_claim): their compiled code, not the bare one
     for dt in dtypes:
         dt = np.dtype(dt)
         data = np.zeros((2, 6), dt)
@@ -518,23 +520,26 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
             for spec in specs:
                 o = op if any(spec) else NO_OPTIONS
                 euclid_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp, False, o,
-                                             0, 2)
+                                             0, 2, c)
                 euclid_rowwise_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp,
-                                                     False, o, 0, 2)
+                                                     False, o, 0, 2, c)
                 if dt == np.float32:
                     for rw in (False, True):
                         euclid_bf16m_options_kernel(*spec)(data, rows, 0, data,
                                                            data.view(np.uint16), rows, rows, 4,
-                                                           4, G, hp, rw, 1, False, o, 0, 2)
+                                                           4, G, hp, rw, 1, False, o, 0, 2, c)
                 poincare_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, Y, php,
-                                               False, o, 0, 2)
+                                               False, o, 0, 2, c)
             ahp = adagrad_hparams(dt, lr=1e-2, t=1)
-            adagrad_rows(data, rows, 0, data, rows, 2, G, ahp, False, NO_OPTIONS, 0, 2)
+            adagrad_rows(data, rows, 0, data, rows, 2, G, ahp, False, NO_OPTIONS, 0, 2, c)
             for m in (WD_NONE, WD_L2):
                 rowwise_adagrad_options_kernel(m)(data, rows, 0, data, rows, 2, G, ahp, False,
-                                                  NO_OPTIONS, 0, 2)
+                                                  NO_OPTIONS, 0, 2, c)
             coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
-        gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2)
+        gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2, c)
+    spin_until_done(c, 0, 0)  # the pool's spins (_claim)
+    spin_for_job(c, -1, 0)
+    spin(0)
     is_strictly_increasing(rows)
     bounds(rows)
     warmup_engines()

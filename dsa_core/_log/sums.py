@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
+from .._claim import first_span, next_span
 from .._intrinsics import prefetch_line_addr, u8_ptr
 
 __all__ = ["KIND_NONE", "KIND_ONE", "KIND_SPLIT", "fill_sums", "gather_checked",
@@ -87,7 +88,8 @@ def _sums_split(words, hw, out):
 
 
 @njit(cache=True, nogil=True)
-def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, bad, lo, hi):
+def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, bad, lo, hi,
+                   ctl=None):
     """Copy the records at the addresses ``addrs[lo:hi]`` into ``out[dest[i]]`` (its bytes
     ``b0:b1`` of each record) and check each against its sums at ``sum_addrs[i]``, as
     ``kinds[i]`` says (``KIND_*``: none, one sum of the record, or the sums of its first
@@ -108,39 +110,42 @@ def gather_checked(addrs, sum_addrs, kinds, rec_bytes, head, b0, b1, out, dest, 
     head_only = b1 <= 4 * hw  # the bytes served lie in the head: its sum alone checks them
     width = b1 - b0
     served = tmp[b0:b1]  # the bytes served, of the checked copy
-    for i in range(lo, hi):
-        if i + _AHEAD < hi:  # every line the copy of a later record reads, and its sums:
-            j = i + _AHEAD   # the hash's dependent chain stalls the core, so the hardware
-            kj = kinds[j]    # would not run ahead to them on its own (433 -> 289 ns a row)
-            if kj == KIND_NONE:
-                a, nb = addrs[j] + b0, width
+    c0, c1 = first_span(ctl, lo, hi)  # chunks claimed (_claim), or lo:hi
+    while c0 < c1:
+        for i in range(c0, c1):
+            if i + _AHEAD < hi:  # every line the copy of a later record reads, and its sums:
+                j = i + _AHEAD   # the hash's dependent chain stalls the core, so the hardware
+                kj = kinds[j]    # would not run ahead to them on its own (433 -> 289 ns a row)
+                if kj == KIND_NONE:
+                    a, nb = addrs[j] + b0, width
+                else:
+                    a, nb = addrs[j], (4 * hw if kj == KIND_SPLIT and head_only else rec_bytes)
+                    prefetch_line_addr(sum_addrs[j])
+                for c in range(0, nb, 64):
+                    prefetch_line_addr(a + c)
+            kind = kinds[i]
+            row = out[dest[i]]
+            if kind == KIND_NONE:  # not checked (a pending segment's buffer): the bytes served
+                src = carray(u8_ptr(addrs[i] + b0), (width,))
+                for j in range(width):
+                    row[j] = src[j]
+                continue
+            n = 4 * hw if kind == KIND_SPLIT and head_only else rec_bytes  # bytes hashed
+            src = carray(u8_ptr(addrs[i]), (n,))
+            for j in range(n):
+                tmp[j] = src[j]
+            sums = carray(u8_ptr(sum_addrs[i]), (16 if kind == KIND_SPLIT else 8,)).view(np.uint64)
+            if kind == KIND_SPLIT:
+                ok = _hash_row(words[:hw]) == sums[0] and (
+                    head_only or _hash_row(words[hw:]) == sums[1])
             else:
-                a, nb = addrs[j], (4 * hw if kj == KIND_SPLIT and head_only else rec_bytes)
-                prefetch_line_addr(sum_addrs[j])
-            for c in range(0, nb, 64):
-                prefetch_line_addr(a + c)
-        kind = kinds[i]
-        row = out[dest[i]]
-        if kind == KIND_NONE:  # not checked (a pending segment's buffer): the bytes served
-            src = carray(u8_ptr(addrs[i] + b0), (width,))
-            for j in range(width):
-                row[j] = src[j]
-            continue
-        n = 4 * hw if kind == KIND_SPLIT and head_only else rec_bytes  # bytes hashed
-        src = carray(u8_ptr(addrs[i]), (n,))
-        for j in range(n):
-            tmp[j] = src[j]
-        sums = carray(u8_ptr(sum_addrs[i]), (16 if kind == KIND_SPLIT else 8,)).view(np.uint64)
-        if kind == KIND_SPLIT:
-            ok = _hash_row(words[:hw]) == sums[0] and (
-                head_only or _hash_row(words[hw:]) == sums[1])
-        else:
-            ok = _hash_row(words) == sums[0]
-        if not ok:
-            bad[i] = 1  # never served: its row is left as it was
-            continue
-        for j in range(width):  # a view, not tmp[b0 + j]: numba's negative-index check
-            row[j] = served[j]  # on b0 + j kept this copy scalar (+170 ns a 512-B row)
+                ok = _hash_row(words) == sums[0]
+            if not ok:
+                bad[i] = 1  # never served: its row is left as it was
+                continue
+            for j in range(width):  # a view, not tmp[b0 + j]: numba's negative-index check
+                row[j] = served[j]  # on b0 + j kept this copy scalar (+170 ns a 512-B row)
+        c0, c1 = next_span(ctl, lo, hi, c0, c1)
 
 
 def record_sums(records: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 import dsa_core
+from dsa_core._claim import first_span, next_span, spin, spins_per_second
 from helpers import num_threads
 from kernel_oracle import (
     Bf16,
@@ -119,30 +121,95 @@ def test_set_num_threads_sets_and_checks():
         _pool._POOL.threads, _pool._POOL.source = old
 
 
+@njit(nogil=True)
+def _slow_marks(out, per_row, lo, hi, ctl=None):
+    """Add 1 to ``out[i]`` for each row the call claims, ``per_row`` spin rounds each (the
+    pool's kernel protocol, ``dsa_core._claim``); returns the rows this call ran."""
+    ran = 0
+    c0, c1 = first_span(ctl, lo, hi)
+    while c0 < c1:
+        for i in range(c0, c1):
+            out[i] += 1
+            spin(per_row)
+        ran += c1 - c0
+        c0, c1 = next_span(ctl, lo, hi, c0, c1)
+    return ran
+
+
 def test_pool_runs_every_chunk_once_and_uses_the_workers():
-    """The work-claiming pool covers [0, n) exactly once, on more than one thread."""
+    """The pool's threads claim chunks of [0, n) in the kernel: every row runs exactly once,
+    and a woken worker takes part."""
+    import threading
+
+    from dsa_core import _pool
+
+    out, ran = np.zeros(1000, np.int64), {}
+
+    def fn(out, per_row, lo, hi, ctl):
+        name = threading.current_thread().name
+        ran[name] = ran.get(name, 0) + _slow_marks(out, per_row, lo, hi, ctl)
+
+    per_row = int(80e-6 * spins_per_second())
+    with num_threads(2):  # ~80 ms of rows: the worker wakes long before they are all claimed
+        _pool.run_chunked(fn, (out, per_row), 1000, min_chunk=10)
+    np.testing.assert_array_equal(out, 1)
+    assert len(ran) == 2 and min(ran.values()) > 0 and sum(ran.values()) == 1000
+
+    out[:] = 0  # one thread (a batch too small to share): the same kernel code, every row once
+    _pool.run_chunked(fn, (out, 0), 1000, min_chunk=1000)
+    np.testing.assert_array_equal(out, 1)
+
+    def bad(lo, hi, ctl):
+        raise ZeroDivisionError("chunk failed")
+
+    with pytest.raises(ZeroDivisionError, match="chunk failed"), num_threads(2):
+        _pool.run_chunked(bad, (), 1000, min_chunk=10)
+
+
+def test_pool_jobs_back_to_back_run_every_row_once():
+    """Jobs in quick succession (the workers then wait for the next one spinning, and a late
+    worker may still hold an earlier job): every job runs each of its rows exactly once."""
+    from dsa_core import _pool
+
+    out = np.zeros(5000, np.int64)
+    with num_threads(2):
+        for k in range(300):
+            n = 5000 - 7 * k  # jobs of different sizes: a stale job's claims would show
+            _pool.run_chunked(_slow_marks, (out, 0), n, min_chunk=64)
+    want = np.array([sum(1 for k in range(300) if i < 5000 - 7 * k) for i in range(5000)])
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("failing", ["caller", "worker"])
+def test_pool_raises_after_every_claimed_chunk(failing):
+    """A thread whose kernel raises stops the claims; the error reaches the caller only after
+    every chunk another thread claimed has finished (nothing writes after the step raised),
+    and no row runs twice."""
     import threading
     import time
 
     from dsa_core import _pool
 
-    seen, names = [], set()
+    out = np.zeros(400, np.int64)
+    started = threading.Event()
+    per_row = int(200e-6 * spins_per_second())  # ~0.2 ms per row, 80 ms in all
 
-    def fn(out, lo, hi):
-        names.add(threading.current_thread().name)
-        time.sleep(0.002)  # long enough for the woken worker to claim a chunk
-        out.extend(range(lo, hi))
-
-    with num_threads(2):
-        _pool.run_chunked(fn, (seen,), 1000, min_chunk=10)
-    assert sorted(seen) == list(range(1000))
-    assert len(names) == 2
-
-    def bad(lo, hi):
-        raise ZeroDivisionError("chunk failed")
+    def fn(out, lo, hi, ctl):
+        caller = threading.current_thread() is threading.main_thread()
+        if caller == (failing == "caller"):  # the failing side raises once the other runs
+            if not started.wait(5):
+                pytest.fail("the other thread never started")
+            time.sleep(0.005)  # while the other thread runs its first chunks
+            raise ZeroDivisionError("chunk failed")
+        started.set()
+        _slow_marks(out, per_row, lo, hi, ctl)
 
     with pytest.raises(ZeroDivisionError, match="chunk failed"), num_threads(2):
-        _pool.run_chunked(bad, (), 1000, min_chunk=10)
+        _pool.run_chunked(fn, (out,), 400, min_chunk=10)
+    seen = out.copy()
+    time.sleep(0.05)  # a thread still in a chunk would change out now
+    np.testing.assert_array_equal(out, seen)
+    assert out.max() <= 1 and 0 < out.sum() < 400  # some rows ran, the claims stopped early
 
 
 # -- duplicates, ordering, empty batches ------------------------------------------------------
