@@ -169,9 +169,10 @@ class _Pool:
         self._lock = threading.Lock()
         self._board = np.zeros(2, np.int64)  # jobs posted, entered (_claim.spin_for_job)
         # the last job's kernel and end, and per kernel how soon the job after its last one
-        # came (perf_counter seconds): the workers linger after a kernel followed soon
+        # came (perf_counter seconds): the workers linger after a kernel followed soon.
+        # Kernels by id: no reference kept (a closure's arrays may be a store's mapping)
         self._last: tuple = (None, 0.0)
-        self._gap_after: dict = {}
+        self._gap_after: dict[int, float] = {}
         self.spin_rounds = self.linger_rounds = 0  # SPIN_S, LINGER_S in spin rounds
 
     def _ensure_workers(self) -> None:
@@ -217,16 +218,18 @@ class _Pool:
             now = time.perf_counter()
             last_fn, last_end = self._last
             if last_fn is not None:
+                if len(self._gap_after) > 256:  # the kernels are few; other callables not
+                    self._gap_after.clear()
                 self._gap_after[last_fn] = now - last_end
             job = self._job = _Job(fn, args, n, -(-n // (8 * (helpers + 1))),
-                                   self._gap_after.get(fn, LINGER_S) < LINGER_S)
+                                   self._gap_after.get(id(fn), LINGER_S) < LINGER_S)
             self._board[POSTED] += 1  # after the job: a spinning worker then finds it
             for ev in self._wake[:helpers]:
                 ev.set()
             job.work(self._board)
             job.wait(self.spin_rounds)
             self._job = None
-            self._last = (fn, time.perf_counter())
+            self._last = (id(fn), time.perf_counter())
         if job.error is not None:
             raise job.error
 
