@@ -19,7 +19,12 @@ own child process (its memory and page cache its own); each figure is the median
   of that layout (``benchmarks/probes.py``); the anchor is the faster of that kernel and
   the same loop on one thread (a ``prange`` barrier waits a scheduler quantum for a thread
   that other work descheduled, which would flatter the ratio). Each run is a pair, probes
-  then step. Target >= 0.95.
+  then step. Target >= 0.95. ``warm after a flush``: then, per run, ``dsa_core.flush`` and 30
+  batches of new uniform ids (median), against the same run's probe: most of their rows are
+  updated for the first time since the flush, and the in-place store saves each such row's
+  record in its undo file first (the state right after a create, a flush or a checkpoint,
+  which ``benchmarks.warm``'s plain rows measure; the ``warm`` row's store has every row
+  written since its last flush). No target; flagged when it falls 10%.
 - ``torch 100%`` / ``torch 25%``: the torch loop (``benchmarks/torch_e2e.py``'s worker) at
   ``--torch-rows`` x 128: ``DiskSparseAdam`` on a log store with a region of 100% / 25% of
   the state (``dsalog``) against ``torch.optim.SparseAdam``, in rounds of the three. At 10M
@@ -86,18 +91,20 @@ MEASURES = ("warm", "torch", "ooc", "random")
 THRESHOLD = 0.10  # a ratio this far below the reference is flagged
 
 QUICK = {"rows": 1_000_000, "torch_rows": 2_000_000, "ooc_rows": 2_000_000, "dim": 128,
-         "batch": 2048, "warm_steps": 1000, "warm_warmup": 50, "torch_steps": 300,
-         "torch_warmup": 300, "ooc_seconds": 15.0, "ooc_warmup": 30, "ooc_cap": "512M",
-         "ooc_region": "256MiB", "ahead": 2, "random_seconds": 20.0, "random_warmup": 5,
-         "random_cap": "1G", "random_batch": 4096, "negatives": 4, "disk_seconds": 4.0,
-         "quiet_seconds": 30.0, "write_probe_mib": 512}
+         "batch": 2048, "warm_steps": 1000, "warm_warmup": 50, "warm_flushed_steps": 30,
+         "torch_steps": 300, "torch_warmup": 300, "ooc_seconds": 15.0, "ooc_warmup": 30,
+         "ooc_cap": "512M", "ooc_region": "256MiB", "ahead": 2, "random_seconds": 20.0,
+         "random_warmup": 5, "random_cap": "1G", "random_batch": 4096, "negatives": 4,
+         "disk_seconds": 4.0, "quiet_seconds": 30.0, "write_probe_mib": 512}
 SMOKE = {**QUICK, "rows": 20_000, "torch_rows": 20_000, "ooc_rows": 20_000, "dim": 8,
-         "batch": 64, "warm_steps": 20, "warm_warmup": 3, "torch_steps": 5, "torch_warmup": 2,
+         "batch": 64, "warm_steps": 20, "warm_warmup": 3, "warm_flushed_steps": 3, "torch_steps": 5,
+         "torch_warmup": 2,
          "ooc_seconds": 0.3, "ooc_warmup": 2, "ooc_region": "1MiB", "random_seconds": 0.3,
          "random_warmup": 1, "random_cap": "512M", "random_batch": 64, "disk_seconds": 0.2,
          "quiet_seconds": 0.0, "write_probe_mib": 4}
 # the measure -> (better, target, what the target is) of each compared row
-TARGETS = {"warm": ("higher", 0.95, ">= 0.95"), "torch 100%": ("higher", None, "3x at 10M"),
+TARGETS = {"warm": ("higher", 0.95, ">= 0.95"), "warm after a flush": ("higher", None, ""),
+           "torch 100%": ("higher", None, "3x at 10M"),
            "torch 25%": ("higher", None, "1.5x at 10M"), "ooc": ("higher", 0.9, ">= 0.9"),
            "ooc beside its writes": ("higher", None, ""),
            "random": ("higher", None, ""), "random I/O": ("lower", 1.1, "<= 1.1")}
@@ -237,8 +244,21 @@ def _child_warm(s: dict) -> dict:
         runs.append({"step_rows_per_s": b / float(np.median(times)),
                      "probe_rows_per_s": max(par, one), "probe_parallel_rows_per_s": par,
                      "probe_one_thread_rows_per_s": one})
+    # right after a flush: the in-place store saves each row's record in its undo file at its
+    # first update since the flush, and most of a few batches' rows are such rows
+    flushed = []
+    for k in range(s["repeats"]):
+        dsa_core.flush(st)
+        ids = batches(n, b, s["flushed_steps"], "uniform", seed=200 + k)
+        times = []
+        for j, x in enumerate(ids):
+            t0 = time.perf_counter()
+            st = dsa_core.step(st, x, grads[j % 8])
+            times.append(time.perf_counter() - t0)
+        flushed.append(b / float(np.median(times)))
     dsa_core.close(st)
-    return {"runs": runs, "threads": threads, "probe_threads": probe_threads}
+    return {"runs": runs, "flushed": flushed, "threads": threads,
+            "probe_threads": probe_threads}
 
 
 def _child_torch(s: dict) -> dict:
@@ -428,7 +448,8 @@ class Guard:
         self.quiet()
         self.say(f"warm: {self.a.repeats} x (memory probe, step), {c['warm_steps']} batches each")
         out = run_child("warm", self.spec(path=str(path), batch=c["batch"], steps=c["warm_steps"],
-                                          warmup=c["warm_warmup"], repeats=self.a.repeats))
+                                          warmup=c["warm_warmup"], repeats=self.a.repeats,
+                                          flushed_steps=c["warm_flushed_steps"]))
         runs = out["runs"]
         step = _median(r["step_rows_per_s"] for r in runs)
         probe = _median(r["probe_rows_per_s"] for r in runs)
@@ -438,8 +459,15 @@ class Guard:
                       f"{out['threads']} (Numba's pool is smaller)")
         if not self.a.keep:
             shutil.rmtree(path, ignore_errors=True)
-        return [_row("warm", step, "rows/s", probe, "memory probe", ratio, runs,
+        flushed = out.get("flushed") or []
+        rows = [_row("warm", step, "rows/s", probe, "memory probe", ratio, runs,
                      threads=out["threads"], dsa_core=out["dsa_core"])]
+        if flushed:  # against the same probes, run for run
+            rows.append(_row("warm after a flush", _median(flushed), "rows/s", probe,
+                             "memory probe", _median(f / r["probe_rows_per_s"]
+                                                     for f, r in zip(flushed, runs)),
+                             [{"step_rows_per_s": f} for f in flushed]))
+        return rows
 
     # torch -----------------------------------------------------------------------------------
     def torch(self) -> list[dict]:
