@@ -116,6 +116,20 @@ def dirty_background_bytes() -> int:
     return int(dsa_core.tools.paging_limits()["dirty_background_bytes"])
 
 
+def write_every_row(state, block_bytes: int = 64 << 20) -> None:
+    """Write every row of a dsa_core store once, unchanged (``write_records`` of what
+    ``read_records`` gives, ``block_bytes`` of records at a time): every page dirty, and in
+    an in-place store every row's undo image saved since its last flush -- the state between
+    flushes of a run that touched all its rows."""
+    import dsa_core
+
+    n = state.num_rows
+    block = max(1, block_bytes // state.store.data[0].nbytes)
+    for lo in range(0, n, block):
+        ids = np.arange(lo, min(n, lo + block), dtype=np.int64)
+        dsa_core.write_records(state, ids, dsa_core.read_records(state, ids))
+
+
 def predirty(state) -> bool:
     """Write every page of a dsa_core store (values unchanged), as torch's moments are pre-touched.
 

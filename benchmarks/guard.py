@@ -97,11 +97,10 @@ QUICK = {"rows": 1_000_000, "torch_rows": 2_000_000, "ooc_rows": 2_000_000, "dim
          "random_warmup": 5, "random_cap": "1G", "random_batch": 4096, "negatives": 4,
          "disk_seconds": 4.0, "quiet_seconds": 30.0, "write_probe_mib": 512}
 SMOKE = {**QUICK, "rows": 20_000, "torch_rows": 20_000, "ooc_rows": 20_000, "dim": 8,
-         "batch": 64, "warm_steps": 20, "warm_warmup": 3, "warm_flushed_steps": 3, "torch_steps": 5,
-         "torch_warmup": 2,
-         "ooc_seconds": 0.3, "ooc_warmup": 2, "ooc_region": "1MiB", "random_seconds": 0.3,
-         "random_warmup": 1, "random_cap": "512M", "random_batch": 64, "disk_seconds": 0.2,
-         "quiet_seconds": 0.0, "write_probe_mib": 4}
+         "batch": 64, "warm_steps": 20, "warm_warmup": 3, "warm_flushed_steps": 3,
+         "torch_steps": 5, "torch_warmup": 2, "ooc_seconds": 0.3, "ooc_warmup": 2,
+         "ooc_region": "1MiB", "random_seconds": 0.3, "random_warmup": 1, "random_cap": "512M",
+         "random_batch": 64, "disk_seconds": 0.2, "quiet_seconds": 0.0, "write_probe_mib": 4}
 # the measure -> (better, target, what the target is) of each compared row
 TARGETS = {"warm": ("higher", 0.95, ">= 0.95"), "warm after a flush": ("higher", None, ""),
            "torch 100%": ("higher", None, "3x at 10M"),
@@ -212,6 +211,20 @@ def _child_warm_create(s: dict) -> dict:
     return {"created": True, "create_s": time.perf_counter() - t0}
 
 
+def _timed_steps(st, ids: list, grads: list, skip: int) -> tuple:
+    """``dsa_core.step`` on each batch of ``ids`` (gradients taken in turn from ``grads``):
+    the store's last State and the seconds of each step after the first ``skip``."""
+    import dsa_core
+
+    times = []
+    for j, x in enumerate(ids):
+        t0 = time.perf_counter()
+        st = dsa_core.step(st, x, grads[j % len(grads)])
+        if j >= skip:
+            times.append(time.perf_counter() - t0)
+    return st, times
+
+
 def _child_warm(s: dict) -> dict:
     """Pairs of (memory probe, step) on the same ids; the store's pages dirtied first."""
     import dsa_core
@@ -220,10 +233,7 @@ def _child_warm(s: dict) -> dict:
 
     st = dsa_core.open(s["path"], access="ram")
     n, d, b = st.num_rows, st.dim, s["batch"]
-    step = max(1, (64 << 20) // (3 * d * 4))
-    for lo in range(0, n, step):  # every page dirty: a long run's state (see warm.py)
-        ids = np.arange(lo, min(n, lo + step), dtype=np.int64)
-        dsa_core.write_records(st, ids, dsa_core.read_records(st, ids))
+    _common.write_every_row(st)  # every page dirty: a long run's state (see warm.py)
     threads = dsa_core.get_num_threads()
     probe_threads = probes.set_probe_threads(threads)
     table_ = np.zeros((n, 3 * d), np.float32)  # the record layout: w, m, v
@@ -235,12 +245,7 @@ def _child_warm(s: dict) -> dict:
         ids = batches(n, b, s["warmup"] + s["steps"], "uniform", seed=100 + k)
         par = probes.memory_probe_rows_per_s(table_, ids, s["warmup"])
         one = probes.memory_probe_rows_per_s(table_, ids, s["warmup"], parallel=False)
-        times = []
-        for j, x in enumerate(ids):
-            t0 = time.perf_counter()
-            st = dsa_core.step(st, x, grads[j % 8])
-            if j >= s["warmup"]:
-                times.append(time.perf_counter() - t0)
+        st, times = _timed_steps(st, ids, grads, s["warmup"])
         runs.append({"step_rows_per_s": b / float(np.median(times)),
                      "probe_rows_per_s": max(par, one), "probe_parallel_rows_per_s": par,
                      "probe_one_thread_rows_per_s": one})
@@ -249,12 +254,8 @@ def _child_warm(s: dict) -> dict:
     flushed = []
     for k in range(s["repeats"]):
         dsa_core.flush(st)
-        ids = batches(n, b, s["flushed_steps"], "uniform", seed=200 + k)
-        times = []
-        for j, x in enumerate(ids):
-            t0 = time.perf_counter()
-            st = dsa_core.step(st, x, grads[j % 8])
-            times.append(time.perf_counter() - t0)
+        st, times = _timed_steps(st, batches(n, b, s["flushed_steps"], "uniform",
+                                             seed=200 + k), grads, 0)
         flushed.append(b / float(np.median(times)))
     dsa_core.close(st)
     return {"runs": runs, "flushed": flushed, "threads": threads,

@@ -37,6 +37,7 @@ from ._common import (
     print_table,
     timed,
     wait_disk_quiet,
+    write_every_row,
     write_results,
 )
 
@@ -70,10 +71,7 @@ class DsaCore:
                                      storage="inplace")
         dirty = dirty and predirty(self.state)
         if saved:  # every row written once since the create (its flush): no undo image left
-            block = max(1, (64 << 20) // self.state.store.data[0].nbytes)
-            for lo in range(0, n, block):
-                ids = np.arange(lo, min(n, lo + block), dtype=np.int64)
-                dsa_core.write_records(self.state, ids, dsa_core.read_records(self.state, ids))
+            write_every_row(self.state)
         self.name = ("dsa_core poincare" if curvature else "dsa_core euclid") + \
             (" rowwise" if second_moment == "rowwise" else "") + \
             (" bf16m" if first_moment == "bfloat16" else "") + \
