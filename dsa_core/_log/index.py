@@ -45,9 +45,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .._intrinsics import prefetch_line_addr
 from .._os import MADV_WILLNEED, PAGE, madvise_addr, mincore_addr
 from .format import INDEX_PAGE_ENTRIES, INDEX_PAGE_ROWS, check_pages, dense_entries, sparse_rows
-from .resident import LOAD, MIN_ENTRIES, find_one, probe
+from .resident import AHEAD, LOAD, MIN_ENTRIES, find_one, prefetch_home, probe
 
 __all__ = ["HINT_SAMPLE", "RowIndex", "loc_of", "locs_of"]
 
@@ -99,8 +100,16 @@ def loc_of(base, fence, delta, row):
 
 @njit(cache=True, nogil=True)
 def locs_of(base, fence, delta, rows, out):
-    """``out[i]`` = the location of ``rows[i]``."""
-    for k in range(rows.shape[0]):
+    """``out[i]`` = the location of ``rows[i]``. The delta entry and, for a dense base, the
+    base entry of the row ``AHEAD`` on are prefetched (each one cache miss, far apart)."""
+    m = rows.shape[0]
+    dense = fence.shape[0] == 0 and base.shape[0] > 0
+    for k in range(m):
+        if k + AHEAD < m:
+            r = rows[k + AHEAD]
+            prefetch_home(delta, r)
+            if dense:
+                prefetch_line_addr(base.ctypes.data + r * base.strides[0])
         out[k] = loc_of(base, fence, delta, rows[k])
 
 
@@ -108,7 +117,10 @@ def locs_of(base, fence, delta, rows, out):
 def _upsert(delta, rows, locs):
     """Set the delta entry of each of ``rows`` to ``locs``; returns the new entries made."""
     made = 0
-    for k in range(rows.shape[0]):
+    m = rows.shape[0]
+    for k in range(m):
+        if k + AHEAD < m:
+            prefetch_home(delta, rows[k + AHEAD])
         i = probe(delta, rows[k])
         if delta[i, 0] != rows[k]:
             delta[i, 0] = rows[k]
