@@ -859,10 +859,18 @@ class DiskSparseAdam(torch.optim.Optimizer):
             if lo < 0 or hi >= p.shape[0]:
                 raise IndexError(f"the gradient of {where} has row ids {lo}..{hi}; they must "
                                  f"lie in [0, {p.shape[0]})")
-        # torch's own duplicate sums: bit-identical inputs (docs/algorithms.md §1.1)
-        c = g.coalesce()
-        idx = c._indices()[0]
-        vals = c._values()
+        # torch's own duplicate sums: bit-identical inputs (docs/algorithms.md §1.1). A CPU
+        # batch without a repeated id has nothing to sum: its rows are handed over as they
+        # are (rows are independent, any order will do), which saves coalesce's sort and
+        # copy (docs/notebook.md)
+        if (raw.device.type == "cpu" and not g.is_coalesced()
+                and dsa_core.tools.all_unique(raw.numpy())):
+            idx = raw
+            vals = g._values().contiguous()
+        else:
+            c = g.coalesce()
+            idx = c._indices()[0]
+            vals = c._values()
         dev = [idx, vals]
         if slot.owned and not _in_place(p):
             dev.append(p.detach().index_select(0, idx))

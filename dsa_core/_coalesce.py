@@ -95,6 +95,14 @@ def coalesce(idx, G, want_inverse=False, out=None):
     return uidx[:nu], Gc, (inv if want_inverse else None)
 
 
+def all_unique(idx) -> bool:
+    """Whether the int64 ids ``idx`` hold no duplicate (one hash pass, no sort): a caller
+    whose framework sums duplicates its own way (torch's ``coalesce``) needs that only when
+    there is one."""
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
+    return idx.shape[0] < 2 or _dedup(idx)[2] == idx.shape[0]
+
+
 _GATHER_AHEAD = 8  # rows of software-prefetch distance in gather_rows
 
 

@@ -78,6 +78,51 @@ def test_embedding_loop_matches_sparse_adam_with_scheduler(tmp_path, dtype, maxi
     o_dsk.close()
 
 
+@pytest.mark.parametrize("storage", ["inplace", "log"])
+def test_batches_without_repeats_skip_coalesce_and_match_it_bit_for_bit(tmp_path, monkeypatch,
+                                                                     storage):
+    """A CPU gradient whose ids do not repeat is handed over without torch's coalesce (unsorted:
+    rows are independent); one with a repeat is coalesced as before. Both give exactly the
+    bytes of the run that coalesces every batch, and SparseAdam's trajectory."""
+    n, d = 300, 16
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.nn.Embedding(n, d, sparse=True)
+    fast, slow = copy.deepcopy(ref), copy.deepcopy(ref)
+    target = torch.randn(d, generator=gen)
+    kw = {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-6, "storage": storage}
+    o_ref = torch.optim.SparseAdam(ref.parameters(), lr=0.05, betas=(0.8, 0.99), eps=1e-6)
+    o_fast = DiskSparseAdam(fast.parameters(), **kw, state_dir=tmp_path / "fast")
+    o_slow = DiskSparseAdam(slow.parameters(), **kw, state_dir=tmp_path / "slow")
+    calls = []
+    real = torch.Tensor.coalesce
+    monkeypatch.setattr(torch.Tensor, "coalesce", lambda t: calls.append(1) or real(t))
+    unique = dsa_core.tools.all_unique
+    for i in range(30):
+        ids = torch.randperm(n, generator=gen)[:40] if i % 2 else batch(gen, n)
+        for emb, opt in ((ref, o_ref), (fast, o_fast), (slow, o_slow)):
+            monkeypatch.setattr(dsa_core.tools, "all_unique",
+                                (lambda ids: False) if opt is o_slow else unique)
+            loss = ((emb(ids) - target) ** 2).sum()
+            loss.backward()
+            calls.clear()
+            opt.step()
+            if opt is o_fast:  # torch's coalesce only where an id repeats
+                assert len(calls) == (0 if i % 2 else 1)
+            opt.zero_grad()
+    assert torch.equal(fast.weight, slow.weight)
+    s_fast, s_slow = o_fast.store_for(fast.weight), o_slow.store_for(slow.weight)
+    assert s_fast.count == s_slow.count == 30
+    rows = np.arange(n)
+    np.testing.assert_array_equal(dsa_core.read_records(s_fast, rows),
+                                  dsa_core.read_records(s_slow, rows))
+    if storage == "inplace":
+        compare_state(o_ref, ref.weight, o_fast, fast.weight, TOL[torch.float32])
+    else:
+        close(fast.weight.detach(), ref.weight.detach(), TOL[torch.float32])
+    o_fast.close()
+    o_slow.close()
+
+
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_embedding_bag_loop_matches_sparse_adam(tmp_path, mode):
     n, d = 200, 12
