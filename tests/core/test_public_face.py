@@ -34,9 +34,9 @@ USER_FACE = {
     # submodules
     "buckets", "tools",
 }
-TOOLS_FACE = {"ACCESS_MODES", "GROUP_FILE", "check_access", "deferred_sigint", "follow_threads",
-              "link_files", "paging_limits", "read_json", "restore_records", "staged_dir",
-              "step_many_into", "validation", "write_json"}
+TOOLS_FACE = {"ACCESS_MODES", "GROUP_FILE", "all_unique", "check_access", "deferred_sigint",
+              "follow_threads", "link_files", "paging_limits", "read_json", "restore_records",
+              "staged_dir", "step_many_into", "validation", "write_json"}
 
 
 def test_the_user_face_is_pinned():
