@@ -69,3 +69,19 @@ def test_tools_only_re_exports():
     assigned = [t.id for node in tree.body if isinstance(node, ast.Assign)
                 for t in node.targets]
     assert assigned == ["__all__"]
+
+
+def test_all_unique_says_whether_an_id_repeats():
+    """``tools.all_unique``: one hash pass over any order; a repeat anywhere, however far
+    apart, is found (the torch adapter then coalesces)."""
+    import numpy as np
+
+    assert tools.all_unique(np.empty(0, np.int64)) and tools.all_unique(np.array([7]))
+    assert tools.all_unique(np.array([5, 1, 9, 0]))
+    assert not tools.all_unique(np.array([5, 1, 5]))
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(1 << 20)[:4096]
+    assert tools.all_unique(ids) and tools.all_unique(ids.astype(np.int32))
+    ids[4095] = ids[0]
+    assert not tools.all_unique(ids)
+    assert not tools.all_unique(np.array([2**62, 3, 2**62], np.int64))
