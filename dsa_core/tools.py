@@ -5,9 +5,9 @@ A training program needs only ``dsa_core`` itself (``create``, ``step``, ``check
 way the adapters do: atomic JSON files and directories, linking a snapshot's files, the
 paging hint and its figures, deferring Ctrl-C over a multi-store step and stepping stores
 whose States the caller holds (``step_many_into``), restoring a store from records held in
-memory (``restore_records``: a state dict's rows), following a
-framework's thread count, the shared argument checks, whether a batch's ids repeat
-(``all_unique``). It only re-exports; each name is documented where it is defined.
+memory (``restore_records``: a state dict's rows), following a framework's thread count,
+the shared argument checks, whether a batch's ids repeat (``all_unique``). It only
+re-exports; each name is documented where it is defined.
 
 >>> from dsa_core import tools
 >>> tools.check_access("disk")

@@ -50,7 +50,7 @@ def _home(row, n):
 @njit(cache=True, nogil=True, inline="always")
 def prefetch_home(table, row):
     """Hint that ``row``'s home entry of ``table`` will be read soon (no fault, no effect)."""
-    prefetch_line_addr(table.ctypes.data + _home(row, table.shape[0]) * 16)
+    prefetch_line_addr(table.ctypes.data + _home(row, table.shape[0]) * table.strides[0])
 
 
 @njit(cache=True, nogil=True)
