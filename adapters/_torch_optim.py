@@ -860,11 +860,15 @@ class DiskSparseAdam(torch.optim.Optimizer):
                 raise IndexError(f"the gradient of {where} has row ids {lo}..{hi}; they must "
                                  f"lie in [0, {p.shape[0]})")
         # torch's own duplicate sums: bit-identical inputs (docs/algorithms.md §1.1). A CPU
-        # batch without a repeated id has nothing to sum: its rows are handed over as they
-        # are (rows are independent, any order will do), which saves coalesce's sort and
-        # copy (docs/notebook.md)
+        # batch whose ids occur at most twice is handed over as it is (uncoalesced, in its
+        # own order): rows are independent, and a sum of two is the same in either order,
+        # which dsa_core takes as torch does (the first copied, the second added). That saves
+        # coalesce's sort and copy (docs/notebook.md). Rows updated through index_copy_ (a
+        # CUDA or strided table) must be unique: coalesced as before.
         if (raw.device.type == "cpu" and not g.is_coalesced()
-                and dsa_core.tools.all_unique(raw.numpy())):
+                and g.dtype in (torch.float32, torch.float64)
+                and (not slot.owned or _in_place(p))
+                and dsa_core.tools.max_repeats(raw.numpy()) <= 2):
             idx = raw
             vals = g._values().contiguous()
         else:

@@ -95,12 +95,19 @@ def coalesce(idx, G, want_inverse=False, out=None):
     return uidx[:nu], Gc, (inv if want_inverse else None)
 
 
-def all_unique(idx) -> bool:
-    """Whether the int64 ids ``idx`` hold no duplicate (one hash pass, no sort): a caller
-    whose framework sums duplicates its own way (torch's ``coalesce``) needs that only when
-    there is one."""
+def max_repeats(idx) -> int:
+    """The most times one id occurs in the int64 ids ``idx`` (0 when empty, 1 when none
+    repeats): one hash pass, no sort. A caller whose framework sums duplicates its own way
+    (torch's ``coalesce``) needs that sum only for ids that occur three times or more: a sum
+    of two is the same in either order, and this core adds a pair the same way (the first
+    copied, the second added)."""
     idx = np.ascontiguousarray(idx, dtype=np.int64)
-    return idx.shape[0] < 2 or _dedup(idx)[2] == idx.shape[0]
+    if idx.shape[0] < 2:
+        return int(idx.shape[0])
+    _, inv, nu = _dedup(idx)
+    if nu == idx.shape[0]:
+        return 1
+    return int(np.bincount(inv, minlength=nu).max())
 
 
 _GATHER_AHEAD = 8  # rows of software-prefetch distance in gather_rows

@@ -34,8 +34,8 @@ USER_FACE = {
     # submodules
     "buckets", "tools",
 }
-TOOLS_FACE = {"ACCESS_MODES", "GROUP_FILE", "all_unique", "check_access", "deferred_sigint",
-              "follow_threads", "link_files", "paging_limits", "read_json", "restore_records",
+TOOLS_FACE = {"ACCESS_MODES", "GROUP_FILE", "check_access", "deferred_sigint", "follow_threads",
+              "link_files", "max_repeats", "paging_limits", "read_json", "restore_records",
               "staged_dir", "step_many_into", "validation", "write_json"}
 
 
@@ -71,17 +71,21 @@ def test_tools_only_re_exports():
     assert assigned == ["__all__"]
 
 
-def test_all_unique_says_whether_an_id_repeats():
-    """``tools.all_unique``: one hash pass over any order; a repeat anywhere, however far
-    apart, is found (the torch adapter then coalesces)."""
+def test_max_repeats_counts_the_most_frequent_id():
+    """``tools.max_repeats``: one hash pass over any order; a repeat anywhere, however far
+    apart, is counted (the torch adapter coalesces with torch only from three copies on)."""
     import numpy as np
 
-    assert tools.all_unique(np.empty(0, np.int64)) and tools.all_unique(np.array([7]))
-    assert tools.all_unique(np.array([5, 1, 9, 0]))
-    assert not tools.all_unique(np.array([5, 1, 5]))
+    assert tools.max_repeats(np.empty(0, np.int64)) == 0
+    assert tools.max_repeats(np.array([7])) == 1
+    assert tools.max_repeats(np.array([5, 1, 9, 0])) == 1
+    assert tools.max_repeats(np.array([5, 1, 5])) == 2
+    assert tools.max_repeats(np.array([5, 1, 5, 2, 5, 1])) == 3
     rng = np.random.default_rng(0)
     ids = rng.permutation(1 << 20)[:4096]
-    assert tools.all_unique(ids) and tools.all_unique(ids.astype(np.int32))
+    assert tools.max_repeats(ids) == tools.max_repeats(ids.astype(np.int32)) == 1
     ids[4095] = ids[0]
-    assert not tools.all_unique(ids)
-    assert not tools.all_unique(np.array([2**62, 3, 2**62], np.int64))
+    assert tools.max_repeats(ids) == 2
+    ids[2000] = ids[0]
+    assert tools.max_repeats(ids) == 3
+    assert tools.max_repeats(np.array([2**62, 3, 2**62], np.int64)) == 2

@@ -79,11 +79,20 @@ def test_embedding_loop_matches_sparse_adam_with_scheduler(tmp_path, dtype, maxi
 
 
 @pytest.mark.parametrize("storage", ["inplace", "log"])
-def test_batches_without_repeats_skip_coalesce_and_match_it_bit_for_bit(tmp_path, monkeypatch,
-                                                                     storage):
-    """A CPU gradient whose ids do not repeat is handed over without torch's coalesce (unsorted:
-    rows are independent); one with a repeat is coalesced as before. Both give exactly the
-    bytes of the run that coalesces every batch, and SparseAdam's trajectory."""
+def test_batches_without_triples_skip_coalesce_and_match_it_bit_for_bit(tmp_path, monkeypatch,
+                                                                      storage):
+    """A CPU gradient in which no id occurs three times is handed over without torch's
+    coalesce (uncoalesced, unsorted; the core sums the pairs); one with a triple is coalesced
+    as before. Both give exactly the bytes of the run that coalesces every batch, and
+    SparseAdam's trajectory. The premise: torch and the core both add a pair as "the first
+    copied, the second added" (two -0.0 sum to -0.0; a sum started from zero gives +0.0)."""
+    from dsa_core._coalesce import coalesce as core_coalesce
+
+    pair = torch.sparse_coo_tensor(torch.tensor([[3, 3]]), torch.full((2, 4), -0.0), (5, 4),
+                                   check_invariants=True)
+    assert torch.signbit(pair.coalesce()._values()).all()
+    _, summed, _ = core_coalesce(np.array([3, 3]), np.full((2, 4), -0.0, np.float32))
+    assert summed.shape == (1, 4) and np.signbit(summed).all()
     n, d = 300, 16
     gen = torch.Generator().manual_seed(1)
     ref = torch.nn.Embedding(n, d, sparse=True)
@@ -96,25 +105,33 @@ def test_batches_without_repeats_skip_coalesce_and_match_it_bit_for_bit(tmp_path
     calls = []
     real = torch.Tensor.coalesce
     monkeypatch.setattr(torch.Tensor, "coalesce", lambda t: calls.append(1) or real(t))
-    unique = dsa_core.tools.all_unique
-    for i in range(30):
-        ids = torch.randperm(n, generator=gen)[:40] if i % 2 else batch(gen, n)
+    repeats = dsa_core.tools.max_repeats
+    for i in range(36):
+        kind = i % 3  # 0: a row five times; 1: no repeat; 2: pairs only
+        perm = torch.randperm(n, generator=gen)
+        ids = (batch(gen, n) if kind == 0 else perm[:40] if kind == 1
+               else torch.cat([perm[:30], perm[:10]])[torch.randperm(40, generator=gen)])
         for emb, opt in ((ref, o_ref), (fast, o_fast), (slow, o_slow)):
-            monkeypatch.setattr(dsa_core.tools, "all_unique",
-                                (lambda ids: False) if opt is o_slow else unique)
-            loss = ((emb(ids) - target) ** 2).sum()
-            loss.backward()
+            monkeypatch.setattr(dsa_core.tools, "max_repeats",
+                                (lambda ids: 99) if opt is o_slow else repeats)
+            if i == 5:  # pairs of -0.0 rows, given as such
+                vals = torch.full((40, d), -0.0)
+                emb.weight.grad = torch.sparse_coo_tensor(ids[None], vals, (n, d),
+                                                          check_invariants=True)
+            else:
+                loss = ((emb(ids) - target) ** 2).sum()
+                loss.backward()
             calls.clear()
             opt.step()
-            if opt is o_fast:  # torch's coalesce only where an id repeats
-                assert len(calls) == (0 if i % 2 else 1)
+            if opt is o_fast:  # torch's coalesce only where an id occurs three times
+                assert len(calls) == (1 if kind == 0 else 0)
             opt.zero_grad()
     assert torch.equal(fast.weight, slow.weight)
     s_fast, s_slow = o_fast.store_for(fast.weight), o_slow.store_for(slow.weight)
-    assert s_fast.count == s_slow.count == 30
+    assert s_fast.count == s_slow.count == 36
     rows = np.arange(n)
-    np.testing.assert_array_equal(dsa_core.read_records(s_fast, rows),
-                                  dsa_core.read_records(s_slow, rows))
+    np.testing.assert_array_equal(dsa_core.read_records(s_fast, rows).view(np.uint32),
+                                  dsa_core.read_records(s_slow, rows).view(np.uint32))
     if storage == "inplace":
         compare_state(o_ref, ref.weight, o_fast, fast.weight, TOL[torch.float32])
     else:
