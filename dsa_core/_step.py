@@ -56,7 +56,19 @@ def _as_rows(a: Any, n: int, dim: int, dtype: np.dtype, name: str) -> np.ndarray
     if arr.shape != (n, dim):
         raise ValueError(f"{name} must have shape (len(idx), dim) = ({n}, {dim}), got "
                          f"{arr.shape}")
-    return np.ascontiguousarray(arr)
+    return read_only(np.ascontiguousarray(arr))
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """``a``, or a read-only view of it: the kernels never write a gradient, and numba
+    compiles a separate specialisation of every kernel for read-only and writeable arrays
+    (``np.asarray`` of a JAX array is read-only, a torch or NumPy gradient writeable), so the
+    step hands them gradients of one kind only: half the compiling, at first use and in
+    :func:`warmup`."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
 
 
 def step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
@@ -258,6 +270,7 @@ def plan_step(state: State, idx: Any, grad: Any, *, lr: float | None = None,
             srows, G, inv = coalesce(idx, grad, want_inverse=lay.w_off is None,
                                      out=scratch(h.scratch, "coalesced", b * lay.dim,
                                                  lay.dtype))
+            G = read_only(G)
         if srows.shape[0] > st.info.max_batch:  # before anything changes
             refuse_batch(st, srows.shape[0])
     else:
@@ -492,8 +505,9 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
            options: bool = False) -> None:
     """Compile (or load from numba's cache) every kernel specialisation used by ``step``.
 
-    ``readonly=True`` also builds the variants for read-only gradients (``np.asarray`` of a
-    JAX array, a read-only memmap): numba compiles those separately. ``options=True`` also
+    ``readonly`` is kept for old callers and changes nothing: the step hands every gradient
+    to the kernels read-only (:func:`read_only`), so one variant serves a JAX array, a
+    read-only memmap and a writeable array alike. ``options=True`` also
     builds the kernels of stores with weight decay or per-row counters (docs/algorithms.md
     §7.1–§7.2), which otherwise compile at their first step.
     """
@@ -512,30 +526,28 @@ def warmup(dtypes=("float32", "float64"), *, readonly: bool = True,
         # use); the plain kernels are the one with none on, run with NO_OPTIONS
         specs = [(p, la, m) for p in (False, True) for la in (False, True)
                  for m in (WD_NONE, WD_L2, WD_DECOUPLED) if options or not (p or la or m)]
-        for writeable in (True, False) if readonly else (True,):
-            G = np.zeros((2, 2), dt)
-            G3 = np.zeros((3, 2), dt)  # three rows, one duplicate id: the coalescing path
-            G.flags.writeable = G3.flags.writeable = writeable
-            Y = np.zeros((2, 2), dt)
-            for spec in specs:
-                o = op if any(spec) else NO_OPTIONS
-                euclid_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp, False, o,
-                                             0, 2, c)
-                euclid_rowwise_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp,
-                                                     False, o, 0, 2, c)
-                if dt == np.float32:
-                    for rw in (False, True):
-                        euclid_bf16m_options_kernel(*spec)(data, rows, 0, data,
-                                                           data.view(np.uint16), rows, rows, 4,
-                                                           4, G, hp, rw, 1, False, o, 0, 2, c)
-                poincare_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, Y, php,
-                                               False, o, 0, 2, c)
-            ahp = adagrad_hparams(dt, lr=1e-2, t=1)
-            adagrad_rows(data, rows, 0, data, rows, 2, G, ahp, False, NO_OPTIONS, 0, 2, c)
-            for m in (WD_NONE, WD_L2):
-                rowwise_adagrad_options_kernel(m)(data, rows, 0, data, rows, 2, G, ahp, False,
-                                                  NO_OPTIONS, 0, 2, c)
-            coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
+        G = read_only(np.zeros((2, 2), dt))  # as the step passes them (read_only)
+        G3 = read_only(np.zeros((3, 2), dt))  # one duplicate id: the coalescing path
+        Y = np.zeros((2, 2), dt)
+        for spec in specs:
+            o = op if any(spec) else NO_OPTIONS
+            euclid_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp, False, o,
+                                         0, 2, c)
+            euclid_rowwise_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, hp,
+                                                 False, o, 0, 2, c)
+            if dt == np.float32:
+                for rw in (False, True):
+                    euclid_bf16m_options_kernel(*spec)(data, rows, 0, data,
+                                                       data.view(np.uint16), rows, rows, 4,
+                                                       4, G, hp, rw, 1, False, o, 0, 2, c)
+            poincare_options_kernel(*spec)(data, rows, 0, data, rows, 2, 4, G, Y, php,
+                                           False, o, 0, 2, c)
+        ahp = adagrad_hparams(dt, lr=1e-2, t=1)
+        adagrad_rows(data, rows, 0, data, rows, 2, G, ahp, False, NO_OPTIONS, 0, 2, c)
+        for m in (WD_NONE, WD_L2):
+            rowwise_adagrad_options_kernel(m)(data, rows, 0, data, rows, 2, G, ahp, False,
+                                              NO_OPTIONS, 0, 2, c)
+        coalesce(np.array([1, 0, 1], np.int64), G3, want_inverse=True)
         gather_rows(data, rows, 0, np.empty((2, 2), dt), 0, 2, c)
     spin_until_done(c, 0, 0)  # the pool's spins (_claim)
     spin_for_job(c, -1, 0)

@@ -265,6 +265,14 @@ def test_after_warmup_readonly_idx_compiles_nothing(warmup_report):
     assert warmup_report["read-only idx"] == warmup_report["read-only grad"]
 
 
+def test_read_only_and_writeable_gradients_share_one_compiled_variant(warmup_report):
+    """numba compiles a kernel apart for read-only arrays: the step hands every gradient over
+    read-only, so each kernel has one variant per dtype (float32, float64), whatever the
+    caller's gradients were (both kinds were stepped above)."""
+    for fn in ("euclid", "poincare", "sum_rows"):
+        assert warmup_report["read-only idx"][fn] == 2, (fn, warmup_report)
+
+
 # -- writer lock ------------------------------------------------------------------------------
 LOCK_PROBE = textwrap.dedent("""
     import sys, dsa_core
