@@ -191,16 +191,26 @@ def test_pool_raises_after_every_claimed_chunk(failing):
     from dsa_core import _pool
 
     out = np.zeros(400, np.int64)
+    # compiled first: a compile inside the race (~1 s in a new process, where this test runs
+    # first) lets the failing side stop the claims before a row ran
+    _pool.run_chunked(_slow_marks, (np.zeros(64, np.int64), 0), 64, min_chunk=64)
     started = threading.Event()
+    entered = threading.Event()  # the pool's worker holds a chunk
     per_row = int(200e-6 * spins_per_second())  # ~0.2 ms per row, 80 ms in all
 
     def fn(out, lo, hi, ctl):
         caller = threading.current_thread() is threading.main_thread()
+        if not caller:
+            entered.set()
         if caller == (failing == "caller"):  # the failing side raises once the other runs
             if not started.wait(5):
                 pytest.fail("the other thread never started")
             time.sleep(0.005)  # while the other thread runs its first chunks
             raise ZeroDivisionError("chunk failed")
+        # on a loaded machine the worker may get a core only after the caller claimed every
+        # chunk (no error to see): the caller's rows start once the worker holds one
+        if caller and not entered.wait(5):
+            pytest.fail("the pool's worker never claimed a chunk")
         started.set()
         _slow_marks(out, per_row, lo, hi, ctl)
 
