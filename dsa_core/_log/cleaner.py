@@ -59,8 +59,8 @@ from .budget import cleaning_limits
 from .format import Segment, crash_point, records_of, segment_geometry, sums_of
 from .pool import Pool
 from .read import CleaningReads, advise, advise_whole
-from .index import loc_of
-from .resident import find_one
+from .index import loc_of, prefetch_loc
+from .resident import AHEAD, find_one, prefetch_home
 from .segments import Segments
 
 __all__ = ["AHEAD_SEALS", "CLEAN_UNITS", "HINT_SEGMENTS", "POLICIES", "READ_LEAD_UNITS",
@@ -72,6 +72,14 @@ READ_LEAD_UNITS = 2  # reads ahead start this many seal units below the bound
 POLICIES = ("greedy", "cost-benefit")
 AHEAD_SEALS = 1  # reads ahead cover the next seal and this many more
 HINT_SEGMENTS = 2  # victims after those read ahead whose ids are asked for a seal early
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_row(ibase, ifence, idelta, table, row):
+    """Hint the entries a scan reads for ``row``: its index entries and its home in the
+    region's map (a victim's rows are random ones: 2-3 cache misses each, 21k per segment)."""
+    prefetch_loc(ibase, ifence, idelta, row)
+    prefetch_home(table, row)
 
 
 @njit(cache=True, nogil=True)
@@ -86,7 +94,10 @@ def _scan_segment(seg_rows, at, ibase, ifence, idelta, table, mark, ep, out_k, o
     """
     nk = 0
     ns = 0
-    for k in range(seg_rows.shape[0]):
+    m = seg_rows.shape[0]
+    for k in range(m):
+        if k + AHEAD < m:  # each lookup is a cache miss: the row's entries AHEAD on asked for
+            _prefetch_row(ibase, ifence, idelta, table, seg_rows[k + AHEAD])
         r = seg_rows[k]
         if loc_of(ibase, ifence, idelta, r) != at + k:
             continue
@@ -109,7 +120,10 @@ def _live_records(seg_rows, at, ibase, ifence, idelta, table, dirty, out):
     never copied: the slot is in the region at the clean (its record comes from there), or
     it was sealed before (its record is dead)."""
     n = 0
-    for k in range(seg_rows.shape[0]):
+    m = seg_rows.shape[0]
+    for k in range(m):
+        if k + AHEAD < m:
+            _prefetch_row(ibase, ifence, idelta, table, seg_rows[k + AHEAD])
         r = seg_rows[k]
         if loc_of(ibase, ifence, idelta, r) == at + k:
             s = find_one(table, r)

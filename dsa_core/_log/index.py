@@ -98,18 +98,23 @@ def loc_of(base, fence, delta, row):
     return 0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def prefetch_loc(base, fence, delta, row):
+    """Hint that :func:`loc_of` will soon read ``row``'s entries: its delta entry and, for a
+    dense base, its base entry (each one cache miss; no fault, no effect beyond the cache)."""
+    prefetch_home(delta, row)
+    if fence.shape[0] == 0 and base.shape[0] > 0:
+        prefetch_line_addr(base.ctypes.data + row * base.strides[0])
+
+
 @njit(cache=True, nogil=True)
 def locs_of(base, fence, delta, rows, out):
-    """``out[i]`` = the location of ``rows[i]``. The delta entry and, for a dense base, the
-    base entry of the row ``AHEAD`` on are prefetched (each one cache miss, far apart)."""
+    """``out[i]`` = the location of ``rows[i]``; the entries of the row ``AHEAD`` on are
+    prefetched (:func:`prefetch_loc`)."""
     m = rows.shape[0]
-    dense = fence.shape[0] == 0 and base.shape[0] > 0
     for k in range(m):
         if k + AHEAD < m:
-            r = rows[k + AHEAD]
-            prefetch_home(delta, r)
-            if dense:
-                prefetch_line_addr(base.ctypes.data + r * base.strides[0])
+            prefetch_loc(base, fence, delta, rows[k + AHEAD])
         out[k] = loc_of(base, fence, delta, rows[k])
 
 
