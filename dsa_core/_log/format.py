@@ -670,8 +670,7 @@ class _ReadOnlyMap:
 
     def __init__(self, path: Path, size: int):
         self._addr, self._size = 0, size
-        # kept: module globals may be gone when __del__ runs (at interpreter exit)
-        self._munmap, self._unmapper = munmap_fn, _UNMAPPER
+        self._munmap = munmap_fn  # kept: module globals may be gone when __del__ runs
         fd = os.open(path, os.O_RDONLY)
         try:
             addr = mmap_fn(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
@@ -689,7 +688,7 @@ class _ReadOnlyMap:
         if self._addr:
             addr, self._addr = self._addr, 0
             try:
-                self._unmapper.put(addr, self._size, self._munmap)
+                _UNMAPPER.put(addr, self._size, self._munmap)
             except Exception:  # pragma: no cover - at exit, with the modules' globals gone
                 self._munmap(addr, self._size)  # a ctypes function: needs no global
 
